@@ -1,0 +1,75 @@
+"""Errors lorakit raises: one class per kind of failure, each naming what was wrong.
+
+Every error carries the file and tensor it concerns, what was expected and what
+was found, so a user can fix the input without reading a traceback.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+PathLike = Union[str, Path]
+
+
+class LorakitError(Exception):
+    """Base class of every error lorakit raises on purpose.
+
+    Args:
+        message: one line saying what went wrong.
+        file: the file concerned, if any.
+        tensor: the tensor (or config key) concerned, if any.
+        expected / found: what lorakit needed and what it found.
+        hint: how to fix it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: Optional[PathLike] = None,
+        tensor: Optional[str] = None,
+        expected: Optional[str] = None,
+        found: Optional[str] = None,
+        hint: Optional[str] = None,
+    ) -> None:
+        self.message = message
+        self.file = str(file) if file is not None else None
+        self.tensor = tensor
+        self.expected = expected
+        self.found = found
+        self.hint = hint
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        parts = [self.message]
+        if self.file is not None:
+            parts.append(f"  file: {self.file}")
+        if self.tensor is not None:
+            parts.append(f"  tensor: {self.tensor}")
+        if self.expected is not None:
+            parts.append(f"  expected: {self.expected}")
+        if self.found is not None:
+            parts.append(f"  found: {self.found}")
+        if self.hint is not None:
+            parts.append(f"  hint: {self.hint}")
+        return "\n".join(parts)
+
+
+class FormatError(LorakitError):
+    """A file is not a valid safetensors file, index or config."""
+
+
+class UnsafePathError(LorakitError):
+    """A name in an index or config points outside the directory it belongs to."""
+
+
+class AdapterError(LorakitError):
+    """An adapter cannot be read, or does not fit the base checkpoint."""
+
+
+class FuseError(LorakitError):
+    """Fusion failed: non-finite values, overflow, or an unsupported layout."""
+
+
+class OutputExistsError(LorakitError):
+    """The output path exists and --force was not given, or is unsafe to write."""
