@@ -1,0 +1,4 @@
+"""``python -m lorakit`` runs the command line."""
+from .cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The ``lorakit`` command line: a thin argparse layer over the library."""

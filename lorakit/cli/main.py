@@ -1,0 +1,96 @@
+"""``lorakit`` command line. Each subcommand parses flags and calls one library verb;
+no math lives here. Errors lorakit raises on purpose print as one message and exit
+with status 2 (set ``LORAKIT_DEBUG=1`` for the traceback)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Callable, Dict, List, Optional
+
+from ..errors import LorakitError
+
+Command = Callable[[argparse.Namespace], int]
+_COMMANDS: Dict[str, Command] = {}
+
+
+def _fuse(args: argparse.Namespace) -> int:
+    from ..fusion.stream import fuse
+
+    result = fuse(args.model, args.adapter_path, args.save_path, rounding=args.rounding,
+                  dtype=args.dtype, dequantize=args.dequantize, force=args.force,
+                  progress=not args.quiet)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result)
+    return 0
+
+
+def _add_fuse(sub) -> None:
+    from ..fusion.core import DTYPE_POLICIES, ROUNDINGS
+
+    p = sub.add_parser("fuse", help="fuse an adapter into a base checkpoint",
+                       description="Fuse a LoRA/DoRA adapter (mlx-lm or PEFT format) into a "
+                       "base checkpoint, one tensor in memory at a time, keeping dtypes.")
+    p.add_argument("--model", required=True, help="base model directory (or hub repo id)")
+    p.add_argument("--adapter-path", required=True, help="adapter directory")
+    p.add_argument("--save-path", required=True, help="output directory (must not exist)")
+    p.add_argument("--rounding", choices=ROUNDINGS, default="nearest",
+                   help="nearest: correctly rounded (default); round-once: PEFT; "
+                   "mlx-lm: bit-identical to mlx_lm fuse; scale-after")
+    p.add_argument("--dtype", choices=DTYPE_POLICIES, default="preserve",
+                   help="dtype of fused weights (promote = float32, as a fuse that forgets "
+                   "the cast writes)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="quantized base: write float weights instead of re-quantizing")
+    p.add_argument("--force", action="store_true", help="replace an existing output")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_fuse)
+
+
+def _registered_adders() -> List[Callable]:
+    adders: List[Callable] = [_add_fuse]
+    for mod in ("lorakit.cli.inspect_cmds", "lorakit.cli.bench_cmd", "lorakit.cli.synth_cmd"):
+        try:
+            m = __import__(mod, fromlist=["add"])
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue
+        adders.append(m.add)
+    return adders
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="lorakit", description="Fuse, inspect, compare and time LoRA adapters for MLX.")
+    parser.add_argument("--version", action="version", version=f"lorakit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for add in _registered_adders():
+        add(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except LorakitError as e:
+        if os.environ.get("LORAKIT_DEBUG"):
+            raise
+        print(f"lorakit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"lorakit {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

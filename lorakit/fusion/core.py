@@ -1,0 +1,253 @@
+"""The one per-tensor fusion core: W' = W + scale * (B @ A), rounded as asked.
+
+Every path that fuses (streaming checkpoint fuse, in-memory model fuse, the
+inspection helpers that need a reference) calls :func:`fuse_weight`.
+
+Rounding modes (how the f32 adapter lands in a bf16/fp16 weight):
+
+``nearest`` (default)
+    The exact sum, computed in float64 on the CPU, rounded once to the output
+    format (ties to even). On the rare elements whose f64 value sits within
+    rounding noise of a tie, the sum is recomputed in exact rational arithmetic.
+    The result is the correctly rounded W + scale*(B@A): 0 ulp from the f64
+    reference by construction. No other tool fuses this way.
+``round-once``
+    PEFT's ``merge_and_unload`` semantics: W upcast to f32, the f32 delta
+    ``(B @ A) * scale`` added in f32, then one rounding to the output format.
+    Double rounding (f32, then bf16) makes it differ from ``nearest`` on about
+    1e-5 of elements.
+``mlx-lm``
+    mlx-lm's ``fuse`` exactly, through MLX: ``((scale * B) @ A)`` in f32, cast to the
+    weight's dtype, then added in that dtype. Two roundings: differs from ``nearest``
+    on a few percent of elements for typical adapters.
+``scale-after``
+    ``(B @ A)`` in f32, then ``* scale``, then as ``mlx-lm``.
+
+Why ``nearest`` is the default: measured against an f64 reference (see
+``tests/test_fusion_core.py`` and BENCHMARKS.md) it is the only mode that is never
+more than 0.5 ulp off; ``round-once`` is off by one ulp at double-rounding ties,
+``mlx-lm`` / ``scale-after`` on a few percent of elements.
+
+Dtype policies: ``preserve`` (the weight's own dtype, default), ``promote`` (what a
+fuse that forgets the cast writes: float32), or an explicit ``bfloat16`` /
+``float16`` / ``float32``.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Optional, Tuple
+
+import numpy as np
+
+from .. import numerics as nm
+from ..errors import FuseError
+
+ROUNDINGS = ("nearest", "round-once", "mlx-lm", "scale-after")
+DTYPE_POLICIES = ("preserve", "promote", "bfloat16", "float16", "float32")
+_POLICY_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32",
+                 "bf16": "BF16", "fp16": "F16", "f32": "F32"}
+_CHUNK_ELEMS = 1 << 20  # rows per piece chosen so a piece's f64 temporaries stay in cache
+
+
+def check_rounding(rounding: str) -> str:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}; got {rounding!r}")
+    return rounding
+
+
+def output_code(base_code: str, dtype_policy: str) -> str:
+    """The safetensors dtype code a fused weight is written in.
+
+    >>> output_code("BF16", "preserve"), output_code("BF16", "promote")
+    ('BF16', 'F32')
+    """
+    if dtype_policy == "preserve":
+        return base_code
+    if dtype_policy == "promote":
+        return "F64" if base_code == "F64" else "F32"
+    if dtype_policy in _POLICY_CODES:
+        return _POLICY_CODES[dtype_policy]
+    raise ValueError(f"dtype must be one of {', '.join(DTYPE_POLICIES)}; got {dtype_policy!r}")
+
+
+def _mx_dtype(code: str):
+    import mlx.core as mx
+
+    return {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}[code]
+
+
+# -- nearest ------------------------------------------------------------------------------
+def _exact_fix(x64: np.ndarray, w_rows: np.ndarray, fmt_in, Bs: np.ndarray, A: np.ndarray,
+               scale: float, out_bits: np.ndarray, fmt_out) -> None:
+    """Redo, in exact rationals, the elements whose f64 sum lies within rounding noise
+    of a tie of the output format (in place). Rare: a handful per million, often none."""
+    err = nm.ulp_error_vs_reference(out_bits, x64, fmt_out)
+    near = np.abs(err - 0.5) < 1e-6
+    if not near.any():
+        return
+    w = nm.to_float64(w_rows, fmt_in)
+    s = Fraction(scale)
+    for i, j in np.argwhere(near):
+        exact = Fraction(float(w[i, j])) + s * sum(
+            Fraction(float(Bs[i, k])) * Fraction(float(A[k, j])) for k in range(A.shape[0]))
+        x = float(exact)  # correctly rounded to f64
+        if Fraction(x) != exact:
+            # x may sit exactly on a tie that the exact value does not: step off it
+            # towards the exact value so the one rounding below goes the right way
+            x = float(np.nextafter(x, np.inf if exact > x else -np.inf))
+        out_bits[i, j] = nm.round_to_format(np.array([x]), fmt_out)[0]
+
+
+def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: float,
+                  magnitude: Optional[np.ndarray], fmt_out) -> np.ndarray:
+    rows, cols = w.shape
+    out = np.empty((rows, cols), dtype=fmt_out.storage)
+    A64 = A.astype(np.float64)
+    Bs = B.astype(np.float64) * scale
+    step = max(1, _CHUNK_ELEMS // max(cols, 1))
+    for r0 in range(0, rows, step):
+        sl = slice(r0, min(rows, r0 + step))
+        x = nm.to_float64(w[sl], fmt_in)
+        x += Bs[sl] @ A64
+        if magnitude is not None:
+            norm = np.sqrt(np.einsum("ij,ij->i", x, x))
+            x *= (magnitude[sl].astype(np.float64) / norm)[:, None]
+        out[sl] = nm.round_to_format(x, fmt_out)
+        if magnitude is None:
+            _exact_fix(x, w[sl], fmt_in, B[sl].astype(np.float64), A64, scale, out[sl], fmt_out)
+    return out
+
+
+# -- round-once (PEFT) -------------------------------------------------------------------
+def _fuse_round_once(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: float,
+                     magnitude: Optional[np.ndarray], fmt_out) -> np.ndarray:
+    rows, cols = w.shape
+    out = np.empty((rows, cols), dtype=fmt_out.storage)
+    A32 = np.ascontiguousarray(A, dtype=np.float32)
+    B32 = np.ascontiguousarray(B, dtype=np.float32)
+    s32 = np.float32(scale)
+    step = max(1, _CHUNK_ELEMS // max(cols, 1))
+    for r0 in range(0, rows, step):
+        sl = slice(r0, min(rows, r0 + step))
+        delta = peft_delta(B32[sl], A32, s32)
+        x = nm.to_float32(w[sl], fmt_in) + delta
+        if magnitude is not None:
+            # PEFT DoRA: weight_norm of (W + delta) in f32, m / norm scales the rows
+            norm = np.sqrt(np.einsum("ij,ij->i", x, x, dtype=np.float32))
+            x = x * (magnitude[sl].astype(np.float32) / norm)[:, None]
+        out[sl] = nm.round_to_format(x, fmt_out)
+    return out
+
+
+def peft_delta(B32: np.ndarray, A32: np.ndarray, s32: np.float32) -> np.ndarray:
+    """PEFT's f32 delta ``(lora_B @ lora_A) * scaling``: products accumulated over the
+    rank in order, one rounding per step, then the scaling."""
+    acc = np.zeros((B32.shape[0], A32.shape[1]), dtype=np.float32)
+    for k in range(A32.shape[0]):
+        acc += np.multiply.outer(B32[:, k], A32[k])
+    acc *= s32
+    return acc
+
+
+# -- mlx-lm / scale-after (through MLX itself) -------------------------------------------
+def _fuse_mlx(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale: float,
+              magnitude: Optional[np.ndarray], code_out: str, rounding: str,
+              promote: bool):
+    import mlx.core as mx
+
+    from ..io.safetensors import mx_to_raw, raw_to_mx
+
+    weight = raw_to_mx(w, code_in)
+    out = fuse_mlx_array(weight, mx.array(A), mx.array(B), scale,
+                         None if magnitude is None else mx.array(magnitude),
+                         rounding=rounding, promote=promote)
+    if not promote or out.dtype != mx.float32:
+        out = out.astype(_mx_dtype(code_out))
+    raw, _ = mx_to_raw(out)
+    return raw
+
+
+def fuse_mlx_array(weight, A, B, scale: float, magnitude=None, *, rounding: str = "mlx-lm",
+                   promote: bool = False):
+    """mlx-lm's fuse arithmetic on MLX arrays, in its exact operation order.
+
+    ``promote=True`` skips the cast of the delta, as a fuse that forgets it does,
+    so the result is float32. DoRA follows ``DoRALinear.fuse``, whose result is
+    float32 whatever the weight's dtype (the caller casts it back).
+    """
+    import mlx.core as mx
+
+    if rounding == "mlx-lm":
+        delta = (scale * B) @ A
+    elif rounding == "scale-after":
+        delta = (B @ A) * scale
+    else:
+        raise ValueError(f"fuse_mlx_array does {rounding!r} only through fuse_weight")
+    if promote and magnitude is None:
+        return weight + delta
+    fused = weight + delta.astype(weight.dtype)
+    if magnitude is not None:
+        norm_scale = magnitude / mx.linalg.norm(fused, axis=-1)
+        fused = norm_scale[..., None] * fused
+    return fused
+
+
+# -- the entry point ------------------------------------------------------------------------
+def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale: float, *,
+                magnitude: Optional[np.ndarray] = None, rounding: str = "nearest",
+                dtype_policy: str = "preserve", name: str = "") -> Tuple[np.ndarray, str]:
+    """Fuse one low-rank change into one weight.
+
+    Args:
+        w: the weight's raw storage (bf16 as uint16 bits), 2-D (out, in).
+        code_in: its safetensors dtype code (``BF16``, ``F16``, ``F32``).
+        A: float32 (r, in). B: float32 (out, r). scale: multiplier of ``B @ A``.
+        magnitude: DoRA row magnitudes (out,), or None.
+        rounding: one of :data:`ROUNDINGS`.
+        dtype_policy: one of :data:`DTYPE_POLICIES`.
+        name: tensor name, for error messages.
+
+    Returns:
+        (raw storage of the fused weight, its dtype code).
+
+    >>> import numpy as np
+    >>> w = np.zeros((2, 3), np.float32)
+    >>> A = np.ones((1, 3), np.float32); B = np.ones((2, 1), np.float32)
+    >>> fuse_weight(w, "F32", A, B, 0.5)[0].tolist()
+    [[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]
+    """
+    check_rounding(rounding)
+    code_out = output_code(code_in, dtype_policy)
+    if w.ndim != 2 or A.ndim != 2 or B.ndim != 2 or B.shape[1] != A.shape[0] \
+            or w.shape != (B.shape[0], A.shape[1]):
+        raise FuseError("shapes do not fit together", tensor=name,
+                        expected=f"weight (out, in) = ({B.shape[0]}, {A.shape[-1]})",
+                        found=f"weight {list(w.shape)}, A {list(A.shape)}, B {list(B.shape)}")
+    if code_in not in ("BF16", "F16", "F32", "F64"):
+        raise FuseError("cannot fuse into a non-float weight", tensor=name,
+                        expected="BF16, F16 or F32", found=code_in)
+    fmt_in = nm.float_format(code_in if code_in != "F64" else "F32")
+    if rounding in ("mlx-lm", "scale-after"):
+        out = _fuse_mlx(w, code_in, A, B, scale, magnitude, code_out, rounding,
+                        promote=dtype_policy == "promote")
+    else:
+        fmt_out = nm.float_format(code_out)
+        f = _fuse_nearest if rounding == "nearest" else _fuse_round_once
+        out = f(w, fmt_in, A, B, scale, magnitude, fmt_out)
+    _check_result(out, code_out, w, code_in, name)
+    return out, code_out
+
+
+def _check_result(out: np.ndarray, code_out: str, w: np.ndarray, code_in: str, name: str) -> None:
+    vals = nm.to_float32(out, nm.float_format(code_out)) if code_out != "F64" else out
+    bad = ~np.isfinite(vals)
+    if bad.any():
+        was = ~np.isfinite(nm.to_float32(w, nm.float_format(code_in)) if code_in != "F64" else w)
+        new = bad & ~was
+        if new.any():
+            i = tuple(int(v) for v in np.argwhere(new)[0])
+            raise FuseError("fused weight is not finite: the sum overflows the output dtype "
+                            "or the adapter is too large", tensor=name,
+                            expected=f"finite {code_out} values",
+                            found=f"{int(new.sum())} non-finite elements, first at {list(i)}",
+                            hint="check the adapter's scale, or write float32 (--dtype float32)")

@@ -1,0 +1,454 @@
+"""Fuse an adapter into a checkpoint on disk, one tensor in memory at a time.
+
+The output directory has the input's shard layout and the same tensor names, so
+``mlx_lm.load`` opens it and ``mlx_lm generate`` runs it. Untouched tensors are
+copied byte for byte by the kernel; only adapted weights pass through the fusion
+core. Peak memory is about one (the largest) adapted tensor plus its f64 working
+piece, whatever the checkpoint's size.
+
+Safety: the output is built in a hidden temporary sibling of the output path and
+renamed into place at the end, so an interrupted fuse leaves nothing at the
+output path. The base and adapter directories are only ever read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .. import numerics as nm
+from ..errors import FuseError, LorakitError, OutputExistsError
+from ..io.adapter import Adapter, load_adapter
+from ..io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
+from ..io.naming import Binding, bind, bindings_by_tensor
+from ..io.safetensors import PlannedTensor, SafetensorsWriter, TensorInfo
+from .core import check_rounding, fuse_weight, output_code
+from .quant import dequantize_raw, quantize_raw, requant_survival
+
+PathLike = Union[str, Path]
+TMP_MARK = ".lorakit-tmp-"
+
+
+@dataclass
+class RequantStat:
+    """How much of one delta survived re-quantization."""
+
+    tensor: str
+    survived: float  # projection of the realised change on the intended delta, 1.0 = all
+    codes_changed: float  # fraction of quantized codes that changed
+
+
+@dataclass
+class FuseResult:
+    """What a fuse did. Renders as a table in notebooks; ``str()`` is the text twin."""
+
+    output: Path
+    base: Path
+    adapter: Path
+    rounding: str
+    dtype_policy: str
+    tensors_fused: int
+    tensors_total: int
+    dtypes_written: Dict[str, int]
+    bytes_written: int
+    seconds: float
+    dequantized: bool = False
+    requant: List[RequantStat] = field(default_factory=list)
+    fused_names: List[str] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
+        d["requant"] = [r.__dict__ for r in self.requant]
+        return d
+
+    def _rows(self) -> List[Tuple[str, str]]:
+        rows = [("output", str(self.output)), ("base", str(self.base)),
+                ("adapter", str(self.adapter)), ("rounding", self.rounding),
+                ("dtype policy", self.dtype_policy),
+                ("tensors fused", f"{self.tensors_fused} of {self.tensors_total}"),
+                ("dtypes written", ", ".join(f"{k}: {v}" for k, v in
+                                             sorted(self.dtypes_written.items()))),
+                ("bytes written", f"{self.bytes_written / 1e9:.3f} GB"),
+                ("time", f"{self.seconds:.2f} s")]
+        if self.requant:
+            s = np.array([r.survived for r in self.requant])
+            c = np.array([r.codes_changed for r in self.requant])
+            rows.append(("delta surviving re-quantization",
+                         f"median {np.median(s):.1%}, min {s.min():.1%} "
+                         f"(codes changed: median {np.median(c):.2%})"))
+        if self.dequantized:
+            rows.append(("quantization", "dequantized (float weights written)"))
+        return rows
+
+    def __str__(self) -> str:
+        rows = self._rows()
+        w = max(len(k) for k, _ in rows)
+        return "\n".join([f"Fused {self.adapter.name} into {self.base.name}"] +
+                         [f"  {k:<{w}}  {v}" for k, v in rows])
+
+    def _repr_html_(self) -> str:
+        import html
+
+        body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
+                       f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
+                       for k, v in self._rows())
+        return (f"<div><b>lorakit fuse</b>: {html.escape(self.adapter.name)} &rarr; "
+                f"{html.escape(self.output.name)}<table>{body}</table></div>")
+
+    def __repr__(self) -> str:
+        return (f"FuseResult({str(self.output)!r}, {self.tensors_fused} fused, "
+                f"{self.rounding}, {self.dtype_policy})")
+
+
+# -- output-path safety ------------------------------------------------------------------
+def _inside(child: Path, parent: Path) -> bool:
+    try:
+        child.relative_to(parent)
+        return True
+    except ValueError:
+        return False
+
+
+def check_output_path(save_path: PathLike, *, protected: Sequence[Path], force: bool) -> Path:
+    """Refuse an output path inside (or holding) a protected directory, or one that
+    exists without ``force``. Returns the resolved path."""
+    out = Path(save_path).expanduser().resolve()
+    for p in protected:
+        p = p.resolve()
+        if _inside(out, p) or _inside(p, out):
+            raise OutputExistsError("output path would overlap an input directory",
+                                    file=out, expected=f"a path outside {p}",
+                                    found="inside it" if _inside(out, p) else "a parent of it",
+                                    hint="choose a --save-path outside the model and adapter")
+    if out.exists() and not force:
+        raise OutputExistsError("output path already exists", file=out,
+                                expected="a new path", found="an existing "
+                                + ("directory" if out.is_dir() else "file"),
+                                hint="pass --force (force=True) to replace it")
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError("output path is a file, not a directory", file=out)
+    return out
+
+
+def stale_temporaries(out: Path) -> List[Path]:
+    """Temporary directories that an interrupted fuse into ``out`` left behind."""
+    parent = out.parent
+    if not parent.is_dir():
+        return []
+    found = []
+    for p in parent.glob(f".{out.name}{TMP_MARK}*"):
+        try:
+            pid = int(p.name.rsplit("-", 2)[-2])
+        except (ValueError, IndexError):
+            pid = -1
+        if pid > 0 and pid != os.getpid() and _alive(pid):
+            continue  # another fuse is writing there right now
+        found.append(p)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+# -- planning ----------------------------------------------------------------------------
+@dataclass
+class _Item:
+    name: str
+    plan: PlannedTensor
+    source: Optional[TensorInfo]  # copy unchanged when set and action == "copy"
+    action: str  # copy | cast | fuse | fuse-q | dequant
+    module: str = ""
+
+
+def _module_of(name: str) -> str:
+    return name.rsplit(".", 1)[0]
+
+
+def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, List[Binding]],
+                dtype_policy: str, dequantize: bool) -> List[_Item]:
+    items: List[_Item] = []
+    explicit = dtype_policy not in ("preserve", "promote")
+    for info in infos:
+        name = info.name
+        module = _module_of(name)
+        q = ck.quant_params(module) if name.endswith((".weight", ".scales", ".biases")) else None
+        if q is not None:
+            scales = ck.tensors[f"{module}.scales"]
+            fdt = output_code(scales.dtype, dtype_policy)
+            if dequantize:
+                if name.endswith(".weight"):
+                    shape = tuple(info.shape[:-1]) + (info.shape[-1] * 32 // q.bits,)
+                    act = "fuse" if name in by_tensor else "dequant"
+                    items.append(_Item(name, PlannedTensor(name, fdt, shape), info, act, module))
+                continue  # scales / biases disappear with the dequantized weight
+            if name in by_tensor:
+                items.append(_Item(name, PlannedTensor(name, info.dtype, info.shape), info,
+                                   "fuse-q", module))
+            elif name.endswith((".scales", ".biases")) and f"{module}.weight" in by_tensor:
+                code = info.dtype if dtype_policy == "preserve" or info.dtype not in \
+                    ("BF16", "F16", "F32") else output_code(info.dtype, dtype_policy)
+                items.append(_Item(name, PlannedTensor(name, code, info.shape), info,
+                                   "fuse-q", module))
+            else:
+                items.append(_Item(name, PlannedTensor(name, info.dtype, info.shape), info, "copy"))
+            continue
+        if name in by_tensor:
+            code = output_code(info.dtype, dtype_policy)
+            items.append(_Item(name, PlannedTensor(name, code, info.shape), info, "fuse", module))
+        elif explicit and info.dtype in ("BF16", "F16", "F32"):
+            code = output_code(info.dtype, dtype_policy)
+            act = "copy" if code == info.dtype else "cast"
+            items.append(_Item(name, PlannedTensor(name, code, info.shape), info, act))
+        else:
+            items.append(_Item(name, PlannedTensor(name, info.dtype, info.shape), info, "copy"))
+    return items
+
+
+# -- fusing one tensor ---------------------------------------------------------------------
+def _target_parts(b: Binding) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    t = b.target
+    if b.target_expert is not None:
+        e = b.target_expert
+        return t.A[e], t.B[e], None if t.magnitude is None else t.magnitude[e]
+    return t.A, t.B, t.magnitude
+
+
+def _fuse_float(raw: np.ndarray, code: str, binds: List[Binding], rounding: str,
+                dtype_policy: str, name: str) -> Tuple[np.ndarray, str]:
+    """Fuse every binding landing on one float weight (several for stacked experts)."""
+    if raw.ndim == 3:
+        out_code = output_code(code, dtype_policy)
+        parts = []
+        by_expert = {b.weight_expert: b for b in binds}
+        whole = [b for b in binds if b.weight_expert is None]
+        for e in range(raw.shape[0]):
+            if whole:  # a stacked target on a stacked weight
+                t = whole[0].target
+                A, B, m = t.A[e], t.B[e], None if t.magnitude is None else t.magnitude[e]
+                part, _ = fuse_weight(raw[e], code, A, B, t.scale, magnitude=m,
+                                      rounding=rounding, dtype_policy=dtype_policy,
+                                      name=f"{name}[{e}]")
+            elif e in by_expert:
+                b = by_expert[e]
+                A, B, m = _target_parts(b)
+                part, _ = fuse_weight(raw[e], code, A, B, b.target.scale, magnitude=m,
+                                      rounding=rounding, dtype_policy=dtype_policy,
+                                      name=f"{name}[{e}]")
+            else:
+                part = _cast(raw[e], code, out_code)
+            parts.append(part)
+        return np.stack(parts), out_code
+    (b,) = binds
+    A, B, m = _target_parts(b)
+    return fuse_weight(raw, code, A, B, b.target.scale, magnitude=m, rounding=rounding,
+                       dtype_policy=dtype_policy, name=name)
+
+
+def _cast(raw: np.ndarray, code_in: str, code_out: str) -> np.ndarray:
+    if code_in == code_out:
+        return raw
+    x = nm.to_float64(raw, nm.float_format(code_in))
+    return nm.round_to_format(x, nm.float_format(code_out))
+
+
+# -- the fuse --------------------------------------------------------------------------------
+def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: PathLike, *,
+         rounding: str = "nearest", dtype: str = "preserve", dequantize: bool = False,
+         force: bool = False, progress: bool = True) -> FuseResult:
+    """Fuse an adapter into a checkpoint and write a new checkpoint.
+
+    Args:
+        model: base checkpoint directory (or hub repo id, fetched through mlx-lm).
+        adapter_path: adapter directory (mlx-lm or PEFT format), or a loaded Adapter.
+        save_path: output directory; must not exist (unless ``force``) and must not
+            lie inside the base or adapter directory.
+        rounding: ``nearest`` (correctly rounded, default), ``round-once`` (PEFT),
+            ``mlx-lm`` (bit-identical to ``mlx_lm fuse``) or ``scale-after``.
+        dtype: ``preserve`` (default), ``promote`` (float32, as a fuse that forgets
+            the cast writes), or ``bfloat16`` / ``float16`` / ``float32`` for every
+            float tensor.
+        dequantize: for quantized bases, write float weights instead of re-quantizing.
+        force: replace an existing output directory.
+        progress: show a progress bar (tqdm.auto).
+
+    Returns:
+        A :class:`FuseResult`.
+
+    >>> # lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")
+    """
+    t0 = time.perf_counter()
+    check_rounding(rounding)
+    output_code("BF16", dtype)  # validates the policy before anything is read
+    ck = open_checkpoint(model)
+    adapter = adapter_path if isinstance(adapter_path, Adapter) else load_adapter(adapter_path)
+    out = check_output_path(save_path, protected=[ck.path, adapter.path], force=force)
+    if ck.quantization and dtype == "promote" and not dequantize:
+        raise FuseError("dtype 'promote' does not apply to a quantized base",
+                        file=ck.path, expected="--dequantize with promote, or preserve",
+                        found="quantized weights")
+    bindings = bind(adapter, ck)
+    by_tensor = bindings_by_tensor(bindings)
+    for st in stale_temporaries(out):
+        shutil.rmtree(st, ignore_errors=True)
+    tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    try:
+        result = _write(ck, adapter, by_tensor, tmp, out, rounding, dtype, dequantize,
+                        progress, t0)
+        _publish(tmp, out, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _publish(tmp: Path, out: Path, force: bool) -> None:
+    if out.exists():
+        if not force:
+            raise OutputExistsError("output path appeared while fusing", file=out)
+        old = out.parent / f".{out.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}"
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+    _fsync_dir(out.parent)
+
+
+def _fsync_dir(p: Path) -> None:
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]], tmp: Path,
+           out: Path, rounding: str, dtype_policy: str, dequantize: bool, progress: bool,
+           t0: float) -> FuseResult:
+    from tqdm.auto import tqdm
+
+    from .. import __version__
+
+    dtypes: Counter = Counter()
+    requant: List[RequantStat] = []
+    fused_names: List[str] = []
+    weight_map: Dict[str, str] = {}
+    total_bytes = 0
+    meta_extra = {
+        "lorakit.version": __version__,
+        "lorakit.adapter_sha256": adapter.sha256,
+        "lorakit.adapter_format": adapter.format,
+        "lorakit.rounding": rounding,
+        "lorakit.dtype_policy": dtype_policy,
+        "lorakit.dequantize": str(bool(dequantize)).lower(),
+    }
+    bar = tqdm(total=ck.nbytes, unit="B", unit_scale=True, desc="lorakit fuse",
+               disable=not progress, leave=False)
+    try:
+        for shard, infos in ck.by_shard():
+            items = _plan_shard(ck, infos, by_tensor, dtype_policy, dequantize)
+            meta = dict(ck.headers[shard].metadata)
+            meta.setdefault("format", "mlx")
+            meta.update(meta_extra)
+            # re-quantized parts of the module being written, until all three are out
+            pending: Dict[str, Dict[str, np.ndarray]] = {}
+            with SafetensorsWriter(tmp / shard, [i.plan for i in items], meta) as w:
+                for it in items:
+                    src = it.source
+                    if it.action == "copy":
+                        w.copy(it.name, src)
+                    elif it.action == "cast":
+                        w.write(it.name, _cast(ck.read(it.name), src.dtype, it.plan.dtype))
+                    elif it.action == "dequant":
+                        raw = dequantize_raw(ck, it.module, it.plan.dtype)
+                        w.write(it.name, raw)
+                    elif it.action == "fuse":
+                        binds = by_tensor[it.name]
+                        if ck.quant_params(it.module) is not None:
+                            raw, code = dequantize_raw(ck, it.module, None), None
+                            code = ck.tensors[f"{it.module}.scales"].dtype
+                        else:
+                            raw, code = ck.read(it.name), src.dtype
+                        fused, _ = _fuse_float(raw, code, binds, rounding, dtype_policy, it.name)
+                        w.write(it.name, fused)
+                        fused_names.append(it.name)
+                    elif it.action in ("fuse-q", "fuse-q-part"):
+                        if it.module not in pending:
+                            pending[it.module], stat = _requant_module(
+                                ck, it.module, by_tensor[f"{it.module}.weight"], rounding,
+                                dtype_policy)
+                            requant.append(stat)
+                            fused_names.append(f"{it.module}.weight")
+                        leaf = it.name.rsplit(".", 1)[1]
+                        arr = pending[it.module].pop(leaf)
+                        if not pending[it.module]:
+                            del pending[it.module]
+                        w.write(it.name, arr)
+                    dtypes[it.plan.dtype] += 1
+                    weight_map[it.name] = shard
+                    bar.update(src.nbytes if src is not None else 0)
+            total_bytes += (tmp / shard).stat().st_size
+    finally:
+        bar.close()
+    _write_sidecars(ck, tmp, weight_map, total_bytes, dequantize, dtype_policy)
+    return FuseResult(out, ck.path, adapter.path, rounding, dtype_policy, len(fused_names),
+                      len(weight_map), dict(dtypes), total_bytes, time.perf_counter() - t0,
+                      dequantize and ck.quantization is not None, requant, fused_names)
+
+
+def _requant_module(ck: Checkpoint, module: str, binds: List[Binding], rounding: str,
+                    dtype_policy: str) -> Tuple[Dict[str, np.ndarray], RequantStat]:
+    """Dequantize, fuse and re-quantize one quantized module; measure what survived."""
+    q = ck.quant_params(module)
+    assert q is not None  # planned only for quantized modules
+    code = ck.tensors[f"{module}.scales"].dtype
+    base = dequantize_raw(ck, module, None)
+    fused, fcode = _fuse_float(base, code, binds, rounding, dtype_policy, f"{module}.weight")
+    parts = quantize_raw(fused, fcode, q)
+    stat = requant_survival(base, code, parts, fcode, q, binds, f"{module}.weight",
+                            base_codes=ck.read(f"{module}.weight"))
+    return parts, stat
+
+
+def _write_sidecars(ck: Checkpoint, tmp: Path, weight_map: Dict[str, str], total_bytes: int,
+                    dequantize: bool, dtype_policy: str) -> None:
+    config = json.loads(json.dumps(ck.config))
+    if dequantize:
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
+    if dtype_policy in ("bfloat16", "float16", "float32"):
+        config["torch_dtype"] = dtype_policy
+    for p in ck.extra_files():
+        if p.name == "config.json":
+            continue
+        shutil.copyfile(p, tmp / p.name)
+    with open(tmp / "config.json", "w") as f:
+        json.dump(config, f, indent=4)
+    if len(ck.shards) > 1 or (ck.path / INDEX_NAME).exists():
+        index = {"metadata": {"total_size": total_bytes},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        with open(tmp / INDEX_NAME, "w") as f:
+            json.dump(index, f, indent=4)

@@ -1,0 +1,264 @@
+"""Base checkpoints in the HF and mlx-lm layouts, read lazily.
+
+A checkpoint is a directory with ``config.json`` and either one
+``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+Opening one reads the config, the index and every shard's header (a few KB
+each); tensor data is read only when asked for, one tensor at a time.
+
+Names in an index are untrusted: a shard name must be a plain file inside the
+directory. Hub snapshots, whose files are links into the cache's ``blobs``
+folder, are accepted; any other link out of the directory is refused.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+import numpy as np
+
+from ..errors import FormatError, UnsafePathError
+from .safetensors import FLOAT_CODES, TensorInfo, raw_to_mx, read_header, read_raw
+
+PathLike = Union[str, Path]
+
+INDEX_NAME = "model.safetensors.index.json"
+QUANT_SUFFIXES = (".scales", ".biases")
+
+
+@dataclass(frozen=True)
+class QuantParams:
+    """How one quantized weight was packed (mlx ``quantize`` arguments)."""
+
+    group_size: int
+    bits: int
+    mode: str = "affine"
+
+
+def _load_json(path: Path, what: str) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise FormatError(f"{what} is missing", file=path,
+                          hint="point at a model directory with config.json") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise FormatError(f"{what} is not valid JSON: {str(e)[:100]}", file=path) from None
+    except OSError as e:
+        raise FormatError(f"cannot read {what}: {e.strerror or e}", file=path) from None
+
+
+def _is_hub_blob(link: Path, target: Path) -> bool:
+    """A hub snapshot file: <repo>/snapshots/<rev>/name -> <repo>/blobs/<hash>."""
+    parts = link.parent.resolve().parts
+    if len(parts) < 3 or parts[-2] != "snapshots":
+        return False
+    repo = Path(*parts[:-2])
+    return target.parent == repo / "blobs"
+
+
+def safe_member(directory: Path, name: Any, *, source: Path, what: str) -> Path:
+    """Resolve ``name`` as a file inside ``directory``, refusing anything that escapes it.
+
+    Refused: non-strings, empty names, absolute paths, ``..`` components, path
+    separators, and links whose target lies outside the directory (except hub
+    snapshot links into the cache's blobs).
+    """
+    if not isinstance(name, str) or not name or name in (".", ".."):
+        raise UnsafePathError(f"unsafe {what} name", file=source, found=repr(name)[:80],
+                              expected="a plain file name inside the model directory")
+    p = Path(name)
+    if p.is_absolute() or ".." in p.parts or len(p.parts) != 1 or "\x00" in name or "\\" in name:
+        raise UnsafePathError(f"unsafe {what} name", file=source, found=repr(name)[:80],
+                              expected="a plain file name inside the model directory")
+    full = directory / name
+    if full.is_symlink():
+        target = full.resolve()
+        inside = target.parent == directory.resolve()
+        if not inside and not _is_hub_blob(full, target):
+            raise UnsafePathError(f"{what} is a link out of the model directory", file=full,
+                                  found=f"link to {target}",
+                                  expected="a file inside the model directory")
+    return full
+
+
+class Checkpoint:
+    """A base checkpoint directory, opened lazily.
+
+    Attributes:
+        path: the directory.
+        config: parsed config.json.
+        tensors: every tensor's :class:`TensorInfo`, by name, in file order.
+        shards: shard file names in order.
+
+    >>> # ck = Checkpoint("data/tiny-qwen3"); ck.dtype, len(ck.tensors)
+    """
+
+    def __init__(self, path: PathLike) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FormatError("model path is not a directory", file=self.path,
+                              hint="give a local model directory (or a hub repo id to open_checkpoint)")
+        self.config: Dict[str, Any] = _load_json(self.path / "config.json", "config.json")
+        if not isinstance(self.config, dict):
+            raise FormatError("config.json is not a JSON object", file=self.path / "config.json")
+        self.index_metadata: Dict[str, Any] = {}
+        index_path = self.path / INDEX_NAME
+        weight_map: Optional[Dict[str, str]] = None
+        if index_path.exists():
+            idx = _load_json(index_path, "index")
+            if not isinstance(idx, dict) or not isinstance(idx.get("weight_map"), dict):
+                raise FormatError("index has no weight_map object", file=index_path)
+            weight_map = idx["weight_map"]
+            self.index_metadata = idx.get("metadata") or {}
+            shard_names = list(dict.fromkeys(weight_map.values()))
+            for n in shard_names:
+                safe_member(self.path, n, source=index_path, what="shard")
+        else:
+            shard_names = sorted(p.name for p in self.path.glob("*.safetensors"))
+            if "model.safetensors" in shard_names:
+                shard_names = ["model.safetensors"]
+        if not shard_names:
+            raise FormatError("no safetensors weights in the model directory", file=self.path,
+                              expected="model.safetensors or model.safetensors.index.json")
+        self.shards: List[str] = shard_names
+        self.headers = {}
+        self.tensors: Dict[str, TensorInfo] = {}
+        for n in shard_names:
+            f = safe_member(self.path, n, source=index_path if weight_map else self.path,
+                            what="shard")
+            if not f.is_file():
+                raise FormatError("shard named in the index is missing", file=f,
+                                  tensor=next((k for k, v in (weight_map or {}).items() if v == n), None),
+                                  expected="an existing safetensors file", found="no such file")
+            h = read_header(f)
+            self.headers[n] = h
+            for name, info in h.tensors.items():
+                if name in self.tensors:
+                    raise FormatError("tensor appears in two shards", file=f, tensor=name,
+                                      found=f"also in {self.tensors[name].file.name}")
+                self.tensors[name] = info
+        if weight_map is not None:
+            for name, shard in weight_map.items():
+                info = self.tensors.get(name)
+                if info is None or info.file.name != shard:
+                    raise FormatError("index names a tensor its shard does not hold",
+                                      file=index_path, tensor=name,
+                                      expected=f"tensor in {shard}",
+                                      found=("in " + info.file.name) if info else "absent")
+
+    # -- config ------------------------------------------------------------------
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type", "unknown"))
+
+    @property
+    def quantization(self) -> Optional[Dict[str, Any]]:
+        q = self.config.get("quantization") or self.config.get("quantization_config")
+        if isinstance(q, dict) and "bits" in q and "group_size" in q:
+            return q
+        return None
+
+    def quant_params(self, module: str) -> Optional[QuantParams]:
+        """Packing parameters of quantized module ``module`` (None if not quantized)."""
+        if f"{module}.scales" not in self.tensors:
+            return None
+        q = self.quantization or {}
+        override = q.get(module)
+        src = override if isinstance(override, dict) else q
+        w = self.tensors[f"{module}.weight"]
+        s = self.tensors[f"{module}.scales"]
+        mode = str(src.get("mode", "affine"))
+        gs, bits = src.get("group_size"), src.get("bits")
+        if not (isinstance(gs, int) and isinstance(bits, int)) or \
+                w.shape[-1] * 32 != bits * s.shape[-1] * gs:
+            # infer as mlx-lm does: in_dims from scales * group size
+            if isinstance(gs, int) and gs > 0:
+                in_dims = s.shape[-1] * gs
+                bits = (w.shape[-1] * 32) // in_dims if in_dims else 0
+            if not (isinstance(gs, int) and isinstance(bits, int) and bits > 0):
+                raise FormatError("cannot tell how a quantized weight was packed",
+                                  file=w.file, tensor=w.name,
+                                  expected="quantization {group_size, bits} in config.json",
+                                  found=json.dumps(src)[:120])
+        return QuantParams(int(gs), int(bits), mode)
+
+    # -- tensors ------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise FormatError("no such tensor in the checkpoint", file=self.path,
+                              tensor=name) from None
+
+    def read(self, name: str, rows: Optional[slice] = None) -> np.ndarray:
+        """Raw numpy storage of one tensor (bf16 as uint16 bits)."""
+        return read_raw(self.info(name), rows)
+
+    def read_mx(self, name: str):
+        """One tensor as an ``mx.array`` in its stored dtype."""
+        info = self.info(name)
+        return raw_to_mx(read_raw(info), info.dtype)
+
+    @property
+    def dtype(self) -> str:
+        """The majority float dtype of the checkpoint, by element count (e.g. ``"BF16"``)."""
+        c: Counter = Counter()
+        for t in self.tensors.values():
+            if t.dtype in FLOAT_CODES and not t.name.endswith(QUANT_SUFFIXES):
+                c[t.dtype] += t.numel
+        if not c:
+            for t in self.tensors.values():
+                if t.name.endswith(".scales") and t.dtype in FLOAT_CODES:
+                    c[t.dtype] += t.numel
+        return c.most_common(1)[0][0] if c else "F32"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def by_shard(self) -> Iterator[Tuple[str, List[TensorInfo]]]:
+        for n in self.shards:
+            yield n, list(self.headers[n].tensors.values())
+
+    def extra_files(self) -> List[Path]:
+        """Files beside the weights that a fused copy should carry (tokenizer etc.)."""
+        out = []
+        skip_ext = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
+        for p in sorted(self.path.iterdir()):
+            if p.name == INDEX_NAME or p.name.endswith(skip_ext) or p.name.startswith("."):
+                continue
+            if p.is_file():
+                if p.is_symlink():
+                    target = p.resolve()
+                    if target.parent != self.path.resolve() and not _is_hub_blob(p, target):
+                        continue  # never copy what a link outside points at
+                out.append(p)
+        return out
+
+    def __repr__(self) -> str:
+        q = self.quantization
+        qs = f", {q['bits']}-bit" if q else ""
+        return (f"Checkpoint({str(self.path)!r}, {self.model_type}, {len(self.tensors)} tensors, "
+                f"{self.dtype}{qs}, {len(self.shards)} shard{'s' if len(self.shards) != 1 else ''})")
+
+
+def resolve_model_path(path_or_repo: PathLike) -> Path:
+    """A local directory as is; otherwise a hub repo id fetched through mlx-lm's downloader."""
+    p = Path(path_or_repo)
+    if p.exists() or os.environ.get("LORAKIT_OFFLINE"):
+        return p
+    from mlx_lm.utils import _download  # the hub path mlx-lm users already rely on
+
+    return Path(_download(str(path_or_repo)))
+
+
+def open_checkpoint(path_or_repo: PathLike) -> Checkpoint:
+    """Open a checkpoint from a directory, or a hub repo id (downloaded through mlx-lm)."""
+    return Checkpoint(resolve_model_path(path_or_repo))

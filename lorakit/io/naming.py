@@ -1,0 +1,192 @@
+"""Where each adapter target lands in a checkpoint.
+
+Adapters name modules the way their trainer saw the model: mlx-lm names after its
+``sanitize`` (MoE experts stacked under ``switch_mlp``), PEFT names as in the HF
+model (one module per expert). Checkpoints come in either layout. This module
+finds, for each target, the checkpoint tensor(s) it changes, for the common
+families (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma, phi3, ...):
+
+* the same path plus ``.weight`` (most cases, both layouts);
+* the path with a ``model.`` / ``language_model.`` prefix added or removed;
+* a stacked expert target (``switch_mlp.gate_proj``) onto per-expert tensors
+  (``experts.{e}.gate_proj`` / mixtral's ``experts.{e}.w1``), one slice each;
+* a per-expert target (``experts.3.gate_proj``) onto one slice of a stacked tensor.
+
+Every target must land somewhere and every shape must agree; all problems are
+reported in one :class:`~lorakit.errors.AdapterError`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from ..errors import AdapterError
+from .adapter import Adapter, LoraTarget
+from .checkpoint import Checkpoint, QuantParams
+
+_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+_MIXTRAL = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One target (or one expert of it) landing on one checkpoint weight.
+
+    Attributes:
+        target: the adapter target.
+        tensor: the checkpoint weight's name (``....weight``).
+        module: ``tensor`` without ``.weight`` (where ``.scales``/``.biases`` live).
+        shape: the weight's logical shape (dequantized), whole tensor.
+        target_expert: which expert of a stacked target this is (None: whole target).
+        weight_expert: which slice of a stacked weight this target changes (None: whole).
+        quant: packing parameters if the weight is quantized.
+    """
+
+    target: LoraTarget
+    tensor: str
+    module: str
+    shape: Tuple[int, ...]
+    target_expert: Optional[int] = None
+    weight_expert: Optional[int] = None
+    quant: Optional[QuantParams] = None
+
+
+def _variants(module: str) -> Iterator[str]:
+    yield module
+    stripped = module
+    for p in _PREFIXES:
+        if module.startswith(p):
+            stripped = module[len(p):]
+            break
+    if stripped != module:
+        yield stripped
+    for p in _PREFIXES:
+        yield p + stripped
+
+
+def logical_shape(ck: Checkpoint, module: str) -> Tuple[int, ...]:
+    """Shape of ``module.weight`` as a float matrix (unpacking quantized weights)."""
+    info = ck.tensors[f"{module}.weight"]
+    q = ck.quant_params(module)
+    if q is None:
+        return info.shape
+    return tuple(info.shape[:-1]) + (info.shape[-1] * 32 // q.bits,)
+
+
+def _find(ck: Checkpoint, module: str) -> Optional[str]:
+    for v in _variants(module):
+        if f"{v}.weight" in ck.tensors:
+            return v
+    return None
+
+
+def _per_expert_modules(ck: Checkpoint, module: str) -> Optional[List[str]]:
+    """Per-expert modules for a stacked target, in expert order, if the checkpoint has them."""
+    if ".switch_mlp." not in module:
+        return None
+    head, tail = module.split(".switch_mlp.", 1)
+    candidates = [f"{head}.experts.{{e}}.{tail}"]
+    if tail in _MIXTRAL:
+        candidates.append(f"{head}.experts.{{e}}.{_MIXTRAL[tail]}")
+    for pattern in candidates:
+        first = _find(ck, pattern.format(e=0))
+        if first is None:
+            continue
+        mods = []
+        e = 0
+        while True:
+            found = _find(ck, pattern.format(e=e))
+            if found is None:
+                break
+            mods.append(found)
+            e += 1
+        return mods
+    return None
+
+
+def _stacked_slice(ck: Checkpoint, module: str) -> Optional[Tuple[str, int]]:
+    """(stacked module, expert) for a per-expert target in a stacked checkpoint."""
+    m = re.match(r"(.*)\.experts\.(\d+)\.(\w+)$", module)
+    if not m:
+        return None
+    head, e, leaf = m.group(1), int(m.group(2)), m.group(3)
+    leaf = {v: k for k, v in _MIXTRAL.items()}.get(leaf, leaf)
+    found = _find(ck, f"{head}.switch_mlp.{leaf}")
+    return (found, e) if found else None
+
+
+def bind(adapter: Adapter, ck: Checkpoint) -> List[Binding]:
+    """Land every target of ``adapter`` on ``ck``'s tensors, or raise one error listing
+    every target that lands nowhere or whose shape disagrees."""
+    out: List[Binding] = []
+    errors: List[str] = []
+    tied = bool(ck.config.get("tie_word_embeddings", False))
+
+    def shape_error(t: LoraTarget, tensor: str, want, found) -> None:
+        errors.append(f"  {'/'.join(t.names) or t.module} -> {tensor}: adapter changes a "
+                      f"weight of shape {list(want)} but the checkpoint's is {list(found)}")
+
+    for t in adapter.targets:
+        mod = _find(ck, t.module)
+        if mod is not None:
+            shape = logical_shape(ck, mod)
+            if t.kind != "switch" and len(shape) == 3:
+                shape_error(t, f"{mod}.weight", t.shape, shape)
+                continue
+            if tuple(shape) != tuple(t.shape):
+                shape_error(t, f"{mod}.weight", t.shape, shape)
+                continue
+            out.append(Binding(t, f"{mod}.weight", mod, shape, quant=ck.quant_params(mod)))
+            continue
+        if t.kind == "switch":
+            mods = _per_expert_modules(ck, t.module)
+            if mods:
+                if len(mods) != t.A.shape[0]:
+                    errors.append(f"  {t.module}: adapter has {t.A.shape[0]} experts, "
+                                  f"checkpoint has {len(mods)}")
+                    continue
+                bad = False
+                for e, m in enumerate(mods):
+                    shape = logical_shape(ck, m)
+                    if tuple(shape) != tuple(t.shape[1:]):
+                        shape_error(t, f"{m}.weight", t.shape[1:], shape)
+                        bad = True
+                        break
+                    out.append(Binding(t, f"{m}.weight", m, shape, target_expert=e,
+                                       quant=ck.quant_params(m)))
+                if bad:
+                    continue
+                continue
+        else:
+            sl = _stacked_slice(ck, t.module)
+            if sl is not None:
+                m, e = sl
+                shape = logical_shape(ck, m)
+                if len(shape) != 3 or e >= shape[0] or tuple(shape[1:]) != tuple(t.shape):
+                    shape_error(t, f"{m}.weight[{e}]", t.shape, shape)
+                    continue
+                out.append(Binding(t, f"{m}.weight", m, shape, weight_expert=e,
+                                   quant=ck.quant_params(m)))
+                continue
+        hint = ""
+        if t.module.endswith("lm_head") and tied:
+            hint = (" (the head is tied to the embedding in this model: adapt "
+                    "embed_tokens instead, which changes both)")
+        errors.append(f"  {'/'.join(t.names) or t.module}: no tensor "
+                      f"{t.module}.weight in the checkpoint{hint}")
+    if errors:
+        raise AdapterError(
+            f"adapter does not fit the checkpoint: {len(errors)} of {len(adapter.targets)} "
+            f"targets unmatched or mismatched:\n" + "\n".join(errors),
+            file=adapter.weights_file, expected=f"targets of a {ck.model_type} model at {ck.path}",
+            hint="check that the adapter was trained on this base model")
+    return out
+
+
+def bindings_by_tensor(bindings: List[Binding]) -> Dict[str, List[Binding]]:
+    """Group bindings per checkpoint weight (several when experts land in one stack)."""
+    g: Dict[str, List[Binding]] = {}
+    for b in bindings:
+        g.setdefault(b.tensor, []).append(b)
+    return g

@@ -1,0 +1,402 @@
+"""Safetensors, read lazily and written as a stream.
+
+The format is an 8-byte little-endian header length, a JSON header mapping tensor
+names to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to
+the end of the header), then the raw little-endian data.
+
+``safetensors`` and ``mx.load`` read whole files or need every tensor in memory to
+write one. lorakit needs three things they do not give: a header read that checks
+every claim a downloaded file makes before trusting it (sizes, offsets, overlaps),
+reads of one tensor (or some of its rows) without touching the rest, and a writer
+that takes tensors one at a time, so a checkpoint larger than RAM can be fused.
+The files it writes are plain safetensors that ``mx.load``, ``safetensors`` and
+``mlx_lm.load`` open.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ..errors import FormatError
+
+PathLike = Union[str, Path]
+
+#: bytes per element of every dtype code the format defines.
+ITEMSIZE: Dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}
+
+#: numpy dtype used to hold each code's raw data. bf16 has no numpy type: its
+#: bits are held as uint16 (see :mod:`lorakit.numerics`); fp8 as uint8.
+NUMPY_STORAGE: Dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_), "U8": np.dtype("<u1"), "I8": np.dtype("<i1"),
+    "F8_E4M3": np.dtype("<u1"), "F8_E5M2": np.dtype("<u1"), "F8_E8M0": np.dtype("<u1"),
+    "I16": np.dtype("<i2"), "U16": np.dtype("<u2"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"), "I32": np.dtype("<i4"), "U32": np.dtype("<u4"),
+    "F32": np.dtype("<f4"), "I64": np.dtype("<i8"), "U64": np.dtype("<u8"),
+    "F64": np.dtype("<f8"),
+}
+
+FLOAT_CODES = ("BF16", "F16", "F32", "F64")
+
+#: a header larger than this is refused before it is read (real ones are < 10 MB).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: file, dtype code, shape and absolute byte range."""
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    file: Path
+    begin: int  # absolute offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def __repr__(self) -> str:  # cheap: never reads data
+        return f"TensorInfo({self.name!r}, {self.dtype}, {list(self.shape)}, {self.file.name})"
+
+
+@dataclass
+class SafetensorsHeader:
+    """A parsed, validated header. ``tensors`` is ordered by data offset."""
+
+    path: Path
+    data_start: int
+    metadata: Dict[str, str]
+    tensors: Dict[str, TensorInfo] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def _bad(path: Path, message: str, tensor: Optional[str] = None, expected: Optional[str] = None,
+         found: Optional[str] = None) -> FormatError:
+    return FormatError(f"not a valid safetensors file: {message}", file=path, tensor=tensor,
+                       expected=expected, found=found)
+
+
+def read_header(path: PathLike) -> SafetensorsHeader:
+    """Read and check a safetensors header without reading any tensor data.
+
+    Every claim the header makes is checked against the file: the header length
+    against the file size, each dtype against the known codes, each byte range
+    against its shape and the data region, and ranges against each other
+    (no overlaps). A failed check raises :class:`~lorakit.errors.FormatError`
+    naming the file and tensor.
+
+    >>> # read_header("model.safetensors").tensors["model.norm.weight"].shape
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _bad(path, "file shorter than the 8-byte header length",
+                           expected=">= 8 bytes", found=f"{len(head)} bytes")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise _bad(path, "header length is larger than the file",
+                           expected=f"<= {size - 8} bytes", found=f"{n} bytes")
+            if n > MAX_HEADER_BYTES:
+                raise _bad(path, "header is implausibly large",
+                           expected=f"<= {MAX_HEADER_BYTES} bytes", found=f"{n} bytes")
+            raw = f.read(n)
+    except OSError as e:
+        raise FormatError(f"cannot read safetensors file: {e.strerror or e}", file=path) from None
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise _bad(path, f"header is not JSON ({type(e).__name__}: {str(e)[:80]})") from None
+    if not isinstance(obj, dict):
+        raise _bad(path, "header is not a JSON object", found=type(obj).__name__)
+    data_start = 8 + n
+    data_len = size - data_start
+    meta = obj.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                             for k, v in meta.items()):
+        raise _bad(path, "__metadata__ must map strings to strings")
+    infos: List[TensorInfo] = []
+    for name, entry in obj.items():
+        if not isinstance(entry, dict):
+            raise _bad(path, "tensor entry is not an object", tensor=name)
+        dtype = entry.get("dtype")
+        shape = entry.get("shape")
+        offs = entry.get("data_offsets")
+        if dtype not in ITEMSIZE:
+            raise _bad(path, "unknown dtype", tensor=name,
+                       expected="one of " + ", ".join(ITEMSIZE), found=repr(dtype)[:40])
+        if (not isinstance(shape, list) or len(shape) > 16
+                or not all(type(d) is int and d >= 0 for d in shape)):
+            raise _bad(path, "shape must be a list of non-negative integers", tensor=name,
+                       found=repr(shape)[:80])
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(type(o) is int for o in offs) or not 0 <= offs[0] <= offs[1]):
+            raise _bad(path, "data_offsets must be [begin, end] with 0 <= begin <= end",
+                       tensor=name, found=repr(offs)[:80])
+        numel = 1
+        for d in shape:
+            numel *= d
+        want = numel * ITEMSIZE[dtype]
+        if dtype == "F4":  # two 4-bit values per byte
+            want = (numel + 1) // 2
+        if offs[1] - offs[0] != want:
+            raise _bad(path, "byte length disagrees with shape and dtype", tensor=name,
+                       expected=f"{want} bytes for {dtype}{shape}",
+                       found=f"{offs[1] - offs[0]} bytes")
+        if offs[1] > data_len:
+            raise _bad(path, "tensor data runs past the end of the file (truncated?)",
+                       tensor=name, expected=f"end <= {data_len}", found=f"end = {offs[1]}")
+        infos.append(TensorInfo(name, dtype, tuple(shape), path,
+                                data_start + offs[0], data_start + offs[1]))
+    infos.sort(key=lambda t: (t.begin, t.end))
+    prev: Optional[TensorInfo] = None
+    for t in infos:
+        if prev is not None and t.begin < prev.end and t.nbytes and prev.nbytes:
+            raise _bad(path, "tensors overlap", tensor=t.name,
+                       expected=f"begin >= {prev.end - data_start} (end of {prev.name})",
+                       found=f"begin = {t.begin - data_start}")
+        prev = t
+    return SafetensorsHeader(path, data_start, dict(meta), {t.name: t for t in infos})
+
+
+def read_raw(info: TensorInfo, rows: Optional[slice] = None) -> np.ndarray:
+    """Read one tensor (or a slice of its leading axis) into a numpy array.
+
+    Floats come back as their storage: float16/float32/float64 arrays, bf16 as
+    uint16 bits. Only the bytes asked for are read.
+    """
+    dt = NUMPY_STORAGE[info.dtype]
+    shape = info.shape
+    begin, count = info.begin, info.numel
+    if rows is not None:
+        if not shape:
+            raise ValueError("cannot slice rows of a scalar tensor")
+        start, stop, step = rows.indices(shape[0])
+        if step != 1:
+            raise ValueError("row slices must be contiguous")
+        row = info.numel // shape[0] if shape[0] else 0
+        begin += start * row * dt.itemsize
+        count = max(stop - start, 0) * row
+        shape = (max(stop - start, 0),) + tuple(shape[1:])
+    if info.dtype == "F4":
+        raise FormatError("reading F4 tensors is not supported", file=info.file, tensor=info.name)
+    with open(info.file, "rb") as f:
+        f.seek(begin)
+        buf = f.read(count * dt.itemsize)
+    if len(buf) != count * dt.itemsize:
+        raise FormatError("file ended before the tensor's data", file=info.file,
+                          tensor=info.name, expected=f"{count * dt.itemsize} bytes",
+                          found=f"{len(buf)} bytes")
+    return np.frombuffer(buf, dtype=dt).reshape(shape)
+
+
+def raw_to_mx(raw: np.ndarray, dtype: str):
+    """Turn raw storage from :func:`read_raw` into an ``mx.array`` of the right dtype."""
+    import mlx.core as mx
+
+    if dtype == "BF16":
+        return mx.array(raw.view(np.uint16)).view(mx.bfloat16)
+    return mx.array(raw)
+
+
+def mx_to_raw(arr) -> Tuple[np.ndarray, str]:
+    """Turn an ``mx.array`` into (numpy storage, safetensors dtype code)."""
+    import mlx.core as mx
+
+    code = MX_CODES[arr.dtype]
+    if arr.dtype == mx.bfloat16:
+        return np.array(arr.view(mx.uint16), copy=False), code
+    return np.array(arr, copy=False), code
+
+
+def _mx_codes() -> Dict[object, str]:
+    try:
+        import mlx.core as mx
+    except ImportError:  # pragma: no cover - mlx is a hard dependency
+        return {}
+    return {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.float64: "F64",
+            mx.uint32: "U32", mx.int32: "I32", mx.uint8: "U8", mx.int8: "I8",
+            mx.uint16: "U16", mx.int16: "I16", mx.int64: "I64", mx.uint64: "U64",
+            mx.bool_: "BOOL"}
+
+
+class _LazyCodes(dict):
+    def __missing__(self, key):
+        if not self:
+            self.update(_mx_codes())
+            if key in self:
+                return self[key]
+        raise KeyError(f"dtype {key} has no safetensors code")
+
+
+MX_CODES: Mapping[object, str] = _LazyCodes()
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor the writer will receive: its name, dtype code and shape."""
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = ITEMSIZE[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class SafetensorsWriter:
+    """Write a safetensors file tensor by tensor, in a declared order.
+
+    The header is written first from the plan, so no tensor has to wait in memory
+    for the others. Each :meth:`write` checks the tensor against its plan.
+
+    >>> # with SafetensorsWriter(path, [PlannedTensor("w", "BF16", (2, 2))]) as w:
+    >>> #     w.write("w", np.zeros((2, 2), np.uint16))
+    """
+
+    def __init__(self, path: PathLike, plan: Sequence[PlannedTensor],
+                 metadata: Optional[Mapping[str, str]] = None) -> None:
+        self.path = Path(path)
+        self.plan = list(plan)
+        header: Dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        off = 0
+        for p in self.plan:
+            header[p.name] = {"dtype": p.dtype, "shape": list(p.shape),
+                              "data_offsets": [off, off + p.nbytes]}
+            off += p.nbytes
+        self.total = off
+        blob = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
+        blob += b" " * (-len(blob) % 8)  # data aligned to 8 bytes, as the reference writer does
+        self._f = open(self.path, "wb")
+        self._f.write(struct.pack("<Q", len(blob)))
+        self._f.write(blob)
+        self._next = 0
+        self.bytes_written = 0
+
+    def _expect(self, name: str) -> PlannedTensor:
+        if self._next >= len(self.plan) or self.plan[self._next].name != name:
+            want = self.plan[self._next].name if self._next < len(self.plan) else "nothing"
+            raise RuntimeError(f"writer expected {want}, got {name}")
+        p = self.plan[self._next]
+        self._next += 1
+        return p
+
+    def write(self, name: str, data: np.ndarray) -> None:
+        """Write the next tensor from a numpy array holding its raw storage."""
+        p = self._expect(name)
+        data = np.ascontiguousarray(data)
+        if data.nbytes != p.nbytes or tuple(data.shape) != p.shape:
+            raise RuntimeError(f"{name}: planned {p.dtype}{list(p.shape)} ({p.nbytes} bytes), "
+                               f"got {data.dtype}{list(data.shape)} ({data.nbytes} bytes)")
+        self._f.write(memoryview(data.reshape(-1)).cast("B"))
+        self.bytes_written += p.nbytes
+
+    def write_chunks(self, name: str, chunks: Iterable[np.ndarray]) -> None:
+        """Write the next tensor from consecutive pieces of its raw storage."""
+        p = self._expect(name)
+        n = 0
+        for c in chunks:
+            c = np.ascontiguousarray(c)
+            self._f.write(memoryview(c.reshape(-1)).cast("B"))
+            n += c.nbytes
+        if n != p.nbytes:
+            raise RuntimeError(f"{name}: planned {p.nbytes} bytes, got {n}")
+        self.bytes_written += n
+
+    def copy(self, name: str, src: TensorInfo) -> None:
+        """Write the next tensor by copying its bytes from another file, unchanged."""
+        p = self._expect(name)
+        if src.nbytes != p.nbytes:
+            raise RuntimeError(f"{name}: planned {p.nbytes} bytes, source has {src.nbytes}")
+        copy_range(src.file, src.begin, src.nbytes, self._f)
+        self.bytes_written += p.nbytes
+
+    def close(self) -> None:
+        if self._f.closed:
+            return
+        missing = [p.name for p in self.plan[self._next:]]
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        if missing:
+            raise RuntimeError(f"{self.path}: {len(missing)} planned tensors never written, "
+                               f"first {missing[0]}")
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+_COPY_CHUNK = 16 * 1024 * 1024
+
+
+def copy_range(src: Path, offset: int, count: int, dst) -> None:
+    """Append ``count`` bytes of ``src`` starting at ``offset`` to the open file ``dst``.
+
+    Uses the kernel's copy (``copy_file_range``) where there is one, so the bytes of
+    untouched tensors never pass through Python.
+    """
+    dst.flush()
+    with open(src, "rb") as f:
+        fd_in, fd_out = f.fileno(), dst.fileno()
+        done = 0
+        if hasattr(os, "copy_file_range"):
+            try:
+                while done < count:
+                    n = os.copy_file_range(fd_in, fd_out, min(count - done, 1 << 30),
+                                           offset + done)
+                    if n == 0:
+                        break
+                    done += n
+            except OSError:
+                pass  # cross-device or unsupported: fall back to read/write below
+            if done:
+                dst.seek(0, os.SEEK_END)
+        f.seek(offset + done)
+        while done < count:
+            buf = f.read(min(_COPY_CHUNK, count - done))
+            if not buf:
+                raise FormatError("file ended while copying a tensor", file=src,
+                                  expected=f"{count} bytes from offset {offset}",
+                                  found=f"{done} bytes")
+            dst.write(buf)
+            done += len(buf)
