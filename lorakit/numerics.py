@@ -286,7 +286,7 @@ def _round_consts(fmt: FloatFormat) -> dict[str, Any]:
     s = 53 - fmt.precision  # f64 fraction bits dropped for a normal result
     minn = (fmt.emin + 1023) << 52  # f64 bits of 2**emin
     # f64 bits of max + half ulp: the smallest magnitude that rounds to inf.
-    ovf = ((fmt.emax + 1023) << 52) | (((1 << fmt.precision) - 1) << (s - 1)) | 1
+    ovf = ((fmt.emax + 1023) << 52) | (((1 << fmt.precision) - 1) << (s - 1))
     return dict(
         s=_U64(s),
         minn=_U64(minn),
@@ -408,8 +408,8 @@ def round_to_format(x: Any, fmt: Any, out: Optional[np.ndarray] = None) -> np.nd
     """Round values to `fmt`, correctly (nearest, ties to even), returning storage bits.
 
     One rounding straight from the exact input value: float64 input is never
-    passed through float32 first (that double rounding is wrong on about one
-    input in 2**16 near bfloat16 midpoints). Subnormal results, signed zeros and
+    passed through float32 first (that double rounding gives the wrong bfloat16
+    for about one random input in 2**17). Subnormal results, signed zeros and
     overflow follow IEEE 754: a magnitude >= max + half an ulp becomes inf.
     NaN becomes the canonical quiet NaN of `fmt`, sign kept.
 

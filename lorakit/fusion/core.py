@@ -35,12 +35,16 @@ fuse that forgets the cast writes: float32), or an explicit ``bfloat16`` /
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import numpy as np
 
 from .. import numerics as nm
 from ..errors import FuseError
+from ..io.safetensors import NUMPY_STORAGE
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..io.naming import Binding
 
 ROUNDINGS = ("nearest", "round-once", "mlx-lm", "scale-after")
 DTYPE_POLICIES = ("preserve", "promote", "bfloat16", "float16", "float32")
@@ -234,6 +238,9 @@ def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale
         fmt_out = nm.float_format(code_out)
         f = _fuse_nearest if rounding == "nearest" else _fuse_round_once
         out = f(w, fmt_in, A, B, scale, magnitude, fmt_out)
+    # the same storage convention as lorakit.io.safetensors.read_raw: float16/float32
+    # arrays for F16/F32, uint16 bits for BF16
+    out = out.view(NUMPY_STORAGE[code_out])
     _check_result(out, code_out, w, code_in, name)
     return out, code_out
 
@@ -251,3 +258,52 @@ def _check_result(out: np.ndarray, code_out: str, w: np.ndarray, code_in: str, n
                             expected=f"finite {code_out} values",
                             found=f"{int(new.sum())} non-finite elements, first at {list(i)}",
                             hint="check the adapter's scale, or write float32 (--dtype float32)")
+
+
+# -- fusing one tensor ---------------------------------------------------------------------
+def _target_parts(b: "Binding") -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    t = b.target
+    if b.target_expert is not None:
+        e = b.target_expert
+        return t.A[e], t.B[e], None if t.magnitude is None else t.magnitude[e]
+    return t.A, t.B, t.magnitude
+
+
+def fuse_bindings(raw: np.ndarray, code: str, binds: "List[Binding]", rounding: str,
+                dtype_policy: str, name: str) -> Tuple[np.ndarray, str]:
+    """Fuse every binding landing on one float weight (several for stacked experts)."""
+    if raw.ndim == 3:
+        out_code = output_code(code, dtype_policy)
+        parts = []
+        by_expert = {b.weight_expert: b for b in binds}
+        whole = [b for b in binds if b.weight_expert is None]
+        for e in range(raw.shape[0]):
+            if whole:  # a stacked target on a stacked weight
+                t = whole[0].target
+                A, B, m = t.A[e], t.B[e], None if t.magnitude is None else t.magnitude[e]
+                part, _ = fuse_weight(raw[e], code, A, B, t.scale, magnitude=m,
+                                      rounding=rounding, dtype_policy=dtype_policy,
+                                      name=f"{name}[{e}]")
+            elif e in by_expert:
+                b = by_expert[e]
+                A, B, m = _target_parts(b)
+                part, _ = fuse_weight(raw[e], code, A, B, b.target.scale, magnitude=m,
+                                      rounding=rounding, dtype_policy=dtype_policy,
+                                      name=f"{name}[{e}]")
+            else:
+                part = cast_raw(raw[e], code, out_code)
+            parts.append(part)
+        return np.stack(parts), out_code
+    (b,) = binds
+    A, B, m = _target_parts(b)
+    return fuse_weight(raw, code, A, B, b.target.scale, magnitude=m, rounding=rounding,
+                       dtype_policy=dtype_policy, name=name)
+
+
+
+def cast_raw(raw: np.ndarray, code_in: str, code_out: str) -> np.ndarray:
+    """Convert raw float storage between formats with one correct rounding."""
+    if code_in == code_out:
+        return raw
+    x = nm.to_float64(raw, nm.float_format(code_in))
+    return nm.round_to_format(x, nm.float_format(code_out)).view(NUMPY_STORAGE[code_out])

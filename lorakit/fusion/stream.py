@@ -30,7 +30,8 @@ from ..io.adapter import Adapter, load_adapter
 from ..io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from ..io.naming import Binding, bind, bindings_by_tensor
 from ..io.safetensors import PlannedTensor, SafetensorsWriter, TensorInfo
-from .core import check_rounding, fuse_weight, output_code
+from .core import cast_raw as _cast
+from .core import check_rounding, fuse_bindings as _fuse_float, output_code
 from .quant import dequantize_raw, quantize_raw, requant_survival
 
 PathLike = Union[str, Path]
@@ -217,53 +218,6 @@ def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, Li
         else:
             items.append(_Item(name, PlannedTensor(name, info.dtype, info.shape), info, "copy"))
     return items
-
-
-# -- fusing one tensor ---------------------------------------------------------------------
-def _target_parts(b: Binding) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-    t = b.target
-    if b.target_expert is not None:
-        e = b.target_expert
-        return t.A[e], t.B[e], None if t.magnitude is None else t.magnitude[e]
-    return t.A, t.B, t.magnitude
-
-
-def _fuse_float(raw: np.ndarray, code: str, binds: List[Binding], rounding: str,
-                dtype_policy: str, name: str) -> Tuple[np.ndarray, str]:
-    """Fuse every binding landing on one float weight (several for stacked experts)."""
-    if raw.ndim == 3:
-        out_code = output_code(code, dtype_policy)
-        parts = []
-        by_expert = {b.weight_expert: b for b in binds}
-        whole = [b for b in binds if b.weight_expert is None]
-        for e in range(raw.shape[0]):
-            if whole:  # a stacked target on a stacked weight
-                t = whole[0].target
-                A, B, m = t.A[e], t.B[e], None if t.magnitude is None else t.magnitude[e]
-                part, _ = fuse_weight(raw[e], code, A, B, t.scale, magnitude=m,
-                                      rounding=rounding, dtype_policy=dtype_policy,
-                                      name=f"{name}[{e}]")
-            elif e in by_expert:
-                b = by_expert[e]
-                A, B, m = _target_parts(b)
-                part, _ = fuse_weight(raw[e], code, A, B, b.target.scale, magnitude=m,
-                                      rounding=rounding, dtype_policy=dtype_policy,
-                                      name=f"{name}[{e}]")
-            else:
-                part = _cast(raw[e], code, out_code)
-            parts.append(part)
-        return np.stack(parts), out_code
-    (b,) = binds
-    A, B, m = _target_parts(b)
-    return fuse_weight(raw, code, A, B, b.target.scale, magnitude=m, rounding=rounding,
-                       dtype_policy=dtype_policy, name=name)
-
-
-def _cast(raw: np.ndarray, code_in: str, code_out: str) -> np.ndarray:
-    if code_in == code_out:
-        return raw
-    x = nm.to_float64(raw, nm.float_format(code_in))
-    return nm.round_to_format(x, nm.float_format(code_out))
 
 
 # -- the fuse --------------------------------------------------------------------------------

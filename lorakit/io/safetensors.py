@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,30 @@ def _bad(path: Path, message: str, tensor: Optional[str] = None, expected: Optio
                        expected=expected, found=found)
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: List[Tuple[str, object]]) -> Dict[str, object]:
+    out: Dict[str, object] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
 def read_header(path: PathLike) -> SafetensorsHeader:
     """Read and check a safetensors header without reading any tensor data.
 
@@ -111,7 +136,12 @@ def read_header(path: PathLike) -> SafetensorsHeader:
     """
     path = Path(path)
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            # a FIFO or device would block or stream forever; a directory cannot be read
+            raise _bad(path, "not a regular file", expected="a regular file",
+                       found=_file_kind(st.st_mode))
+        size = st.st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -126,37 +156,48 @@ def read_header(path: PathLike) -> SafetensorsHeader:
                            expected=f"<= {MAX_HEADER_BYTES} bytes", found=f"{n} bytes")
             raw = f.read(n)
     except OSError as e:
-        raise FormatError(f"cannot read safetensors file: {e.strerror or e}", file=path) from None
+        raise FormatError(f"cannot read safetensors file: {e.strerror or e}", file=path,
+                          expected="a readable file", found=type(e).__name__) from None
     try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise _bad(path, f"header is not JSON ({type(e).__name__}: {str(e)[:80]})") from None
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        # two entries for one name: readers that keep the first and readers that keep
+        # the last would load different weights from the same file
+        raise _bad(path, "a name appears twice in the header", tensor=e.key,
+                   expected="unique tensor names", found="duplicate") from None
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8 and int-size errors
+        raise _bad(path, "header is not JSON", expected="a UTF-8 JSON object",
+                   found=f"{type(e).__name__}: {str(e)[:80]}") from None
     if not isinstance(obj, dict):
-        raise _bad(path, "header is not a JSON object", found=type(obj).__name__)
+        raise _bad(path, "header is not a JSON object", expected="a JSON object",
+                   found=type(obj).__name__)
     data_start = 8 + n
     data_len = size - data_start
     meta = obj.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                              for k, v in meta.items()):
-        raise _bad(path, "__metadata__ must map strings to strings")
+        raise _bad(path, "__metadata__ must map strings to strings", tensor="__metadata__",
+                   expected="an object of string values", found=repr(meta)[:80])
     infos: List[TensorInfo] = []
     for name, entry in obj.items():
         if not isinstance(entry, dict):
-            raise _bad(path, "tensor entry is not an object", tensor=name)
+            raise _bad(path, "tensor entry is not an object", tensor=name,
+                       expected='{"dtype", "shape", "data_offsets"}', found=repr(entry)[:80])
         dtype = entry.get("dtype")
         shape = entry.get("shape")
         offs = entry.get("data_offsets")
-        if dtype not in ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             raise _bad(path, "unknown dtype", tensor=name,
                        expected="one of " + ", ".join(ITEMSIZE), found=repr(dtype)[:40])
         if (not isinstance(shape, list) or len(shape) > 16
                 or not all(type(d) is int and d >= 0 for d in shape)):
             raise _bad(path, "shape must be a list of non-negative integers", tensor=name,
-                       found=repr(shape)[:80])
+                       expected="a list of at most 16 integers >= 0", found=repr(shape)[:80])
         if (not isinstance(offs, list) or len(offs) != 2
                 or not all(type(o) is int for o in offs) or not 0 <= offs[0] <= offs[1]):
             raise _bad(path, "data_offsets must be [begin, end] with 0 <= begin <= end",
-                       tensor=name, found=repr(offs)[:80])
+                       tensor=name, expected="[begin, end], integers, 0 <= begin <= end",
+                       found=repr(offs)[:80])
         numel = 1
         for d in shape:
             numel *= d

@@ -1,0 +1,179 @@
+"""Fuse an adapter into an mlx-lm model already in memory (for notebooks).
+
+Two ways in, one core (:func:`lorakit.fusion.core.fuse_bindings`):
+
+* a model loaded with its adapter (``mlx_lm.load(path, adapter_path=...)``): its
+  LoRA / DoRA layers are read back into targets and replaced by plain layers;
+* a plain model plus an adapter (directory or :class:`~lorakit.io.adapter.Adapter`,
+  mlx-lm or PEFT format): the adapter's targets are bound to the model's
+  parameters by name, as for a checkpoint on disk.
+
+Quantized layers are dequantized, fused and re-quantized with the same bits,
+group size and mode (or left in float with ``dequantize=True``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+
+from ..io.adapter import Adapter, LoraTarget, load_adapter
+from ..io.checkpoint import QuantParams
+from ..io.naming import bind, bindings_by_tensor
+from ..io.safetensors import mx_to_raw, raw_to_mx
+from .core import check_rounding, fuse_bindings, output_code
+
+PathLike = Union[str, Path]
+
+
+@dataclass(frozen=True)
+class _ParamInfo:
+    name: str
+    shape: Tuple[int, ...]
+    dtype: str
+
+
+class _ModelParams:
+    """The parts of :class:`~lorakit.io.checkpoint.Checkpoint` that binding needs,
+    read from a model's parameters instead of a directory."""
+
+    def __init__(self, model: Any, config: Optional[Dict[str, Any]] = None) -> None:
+        import mlx.nn as nn
+        from mlx.utils import tree_flatten
+
+        self.model = model
+        self.path = Path("<in-memory model>")
+        args = getattr(model, "args", None)
+        self.config = dict(config or (vars(args) if args is not None else {}))
+        self.params = dict(tree_flatten(model.parameters()))
+        from ..io.safetensors import MX_CODES
+
+        self.tensors = {k: _ParamInfo(k, tuple(v.shape), MX_CODES[v.dtype])
+                        for k, v in self.params.items()}
+        self.modules = dict(model.named_modules())
+        self._quant = {}
+        for name, m in self.modules.items():
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or \
+                    type(m).__name__ == "QuantizedSwitchLinear":
+                self._quant[name] = QuantParams(m.group_size, m.bits, getattr(m, "mode", "affine"))
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type", "unknown"))
+
+    def quant_params(self, module: str) -> Optional[QuantParams]:
+        return self._quant.get(module)
+
+
+def _lora_targets(model: Any) -> Tuple[List[LoraTarget], List[Tuple[str, Any]]]:
+    """Targets read back from LoRA/DoRA layers, and the plain layers to put back."""
+    targets: List[LoraTarget] = []
+    plain: List[Tuple[str, Any]] = []
+    for name, m in model.named_modules():
+        cls = type(m).__name__
+        if cls not in ("LoRALinear", "DoRALinear", "LoRASwitchLinear", "LoRAEmbedding",
+                       "DoRAEmbedding"):
+            continue
+        a = np.array(m.lora_a.astype(_f32()))
+        b = np.array(m.lora_b.astype(_f32()))
+        mag = np.array(m.m.astype(_f32())) if "m" in m else None
+        if cls == "LoRASwitchLinear":
+            kind, A, B, inner = "switch", a, b, m.linear
+        elif cls in ("LoRAEmbedding", "DoRAEmbedding"):
+            kind, A, B, inner = "embedding", b, a, m.embedding
+        else:
+            kind, A, B, inner = "linear", a.T, b.T, m.linear
+        targets.append(LoraTarget(name, kind, np.ascontiguousarray(A), np.ascontiguousarray(B),
+                                  float(m.scale), mag, (f"{name}.lora_a", f"{name}.lora_b")))
+        plain.append((name, inner))
+    return targets, plain
+
+
+def _f32():
+    import mlx.core as mx
+
+    return mx.float32
+
+
+def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None, *,
+               rounding: str = "nearest", dtype: str = "preserve",
+               dequantize: bool = False) -> Any:
+    """Fuse an adapter into an in-memory mlx-lm model, in place; returns the model.
+
+    Args:
+        model: an mlx-lm model, with LoRA layers attached (``adapter`` None) or plain.
+        adapter: adapter directory or :class:`Adapter` for a plain model.
+        rounding / dtype: as for :func:`lorakit.fuse`.
+        dequantize: leave fused quantized layers in float.
+
+    >>> # model, tok = mlx_lm.load("data/tiny-qwen3", adapter_path="data/adapters/lora")
+    >>> # lorakit.fuse_model(model)   # LoRA layers become plain, dtype kept
+    """
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+
+    check_rounding(rounding)
+    output_code("BF16", dtype)
+    if adapter is None:
+        targets, plain = _lora_targets(model)
+        if not targets:
+            raise ValueError("the model has no LoRA layers; pass adapter=... to fuse one")
+        model.update_modules(tree_unflatten(plain))
+        ad = Adapter(Path("<in-memory adapter>"), "mlx-lm", targets, {}, Path(""))
+    else:
+        ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
+    src = _ModelParams(model)
+    binds = bindings_by_tensor(bind(ad, src))  # type: ignore[arg-type]
+    updates: List[Tuple[str, Any]] = []
+    new_modules: List[Tuple[str, Any]] = []
+    for tensor, bs in binds.items():
+        module = tensor.rsplit(".", 1)[0]
+        q = src.quant_params(module)
+        if q is None:
+            raw, code = mx_to_raw(src.params[tensor])
+            fused, fcode = fuse_bindings(raw, code, bs, rounding, dtype, tensor)
+            updates.append((tensor, raw_to_mx(fused, fcode)))
+            continue
+        mod = src.modules[module]
+        w = mx.dequantize(mod.weight, mod.scales, mod.get("biases"), group_size=q.group_size,
+                          bits=q.bits, mode=q.mode)
+        raw, code = mx_to_raw(w)
+        fused, fcode = fuse_bindings(raw, code, bs, rounding,
+                                     dtype if dequantize else "preserve", tensor)
+        fw = raw_to_mx(fused, fcode)
+        plain_mod = _float_module(mod, fw)
+        if not dequantize:
+            plain_mod = _requantize(plain_mod, q)
+        new_modules.append((module, plain_mod))
+    if updates:
+        model.load_weights(updates, strict=False)
+    if new_modules:
+        model.update_modules(tree_unflatten(new_modules))
+    mx.eval(model.parameters())
+    return model
+
+
+def _float_module(qmod: Any, weight: Any) -> Any:
+    import mlx.nn as nn
+
+    cls = type(qmod).__name__
+    if cls == "QuantizedEmbedding":
+        m = nn.Embedding(*weight.shape)
+    elif cls == "QuantizedSwitchLinear":
+        from mlx_lm.models.switch_layers import SwitchLinear
+
+        e, o, i = weight.shape
+        m = SwitchLinear(i, o, e, bias="bias" in qmod)
+    else:
+        m = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in qmod)
+    m.weight = weight
+    if "bias" in qmod:
+        m.bias = qmod.bias
+    return m
+
+
+def _requantize(m: Any, q: QuantParams) -> Any:
+    return m.to_quantized(group_size=q.group_size, bits=q.bits, mode=q.mode)

@@ -1,0 +1,225 @@
+"""One variant's decode timing, run in a process of its own.
+
+``time_decode`` starts ``python -m lorakit.timing._worker SPEC_JSON`` once per
+variant, so each variant's peak memory starts from an empty process. The worker
+loads the checkpoint the way ``mlx_lm.load`` does (``load_model``, then
+``load_adapters`` for the unfused variant), decodes greedily through
+``mlx_lm.generate.stream_generate`` and prints JSON lines, each prefixed with
+``MARK`` so that anything a library prints to stdout cannot be mistaken for one:
+
+- ``{"event": "loaded", ...}`` once the weights are in memory,
+- ``{"event": "run", "warmup": bool, ...}`` after each generation,
+- ``{"event": "result", ...}`` at the end, or ``{"event": "error", ...}``.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+MARK = "@@lorakit-timing "
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def emit(event: str, **data: Any) -> None:
+    sys.stdout.write(MARK + json.dumps(dict(event=event, **data)) + "\n")
+    sys.stdout.flush()
+
+
+def rss_peak_bytes() -> int:
+    """This process's peak resident set size (ru_maxrss is KB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def select_device(name: Optional[str]):
+    """Set MLX's default device before mlx-lm creates its generation stream."""
+    import mlx.core as mx
+
+    if name in (None, "", "default"):
+        return mx.default_device()
+    if name == "cpu":
+        mx.set_default_device(mx.cpu)
+    elif name == "gpu":
+        if not (mx.metal.is_available() or _cuda_available()):
+            raise RuntimeError("device 'gpu' asked for, but this MLX build has neither "
+                               "Metal nor CUDA")
+        mx.set_default_device(mx.gpu)
+    else:
+        raise RuntimeError(f"unknown device {name!r} (cpu, gpu or default)")
+    return mx.default_device()
+
+
+def _cuda_available() -> bool:
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available())
+
+
+def device_facts() -> Dict[str, Any]:
+    """Which device ran, with the backend flags and versions needed to read a table."""
+    import mlx.core as mx
+
+    try:
+        import mlx_lm
+
+        mlx_lm_version = getattr(mlx_lm, "__version__", "?")
+    except Exception:  # pragma: no cover - mlx_lm is a dependency
+        mlx_lm_version = "?"
+    dev = mx.default_device()
+    try:
+        info = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                for k, v in mx.device_info().items()}
+    except Exception:
+        info = {}
+    kind = "gpu" if dev.type == mx.gpu else "cpu"
+    backend = "cpu"
+    if kind == "gpu":
+        backend = "metal" if mx.metal.is_available() else ("cuda" if _cuda_available()
+                                                           else "gpu")
+    return {"device": str(dev), "kind": kind, "backend": backend,
+            "metal": bool(mx.metal.is_available()), "cuda": _cuda_available(),
+            "device_info": info, "mlx": mx.__version__, "mlx_lm": mlx_lm_version,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+class _NullDetokenizer:
+    """Streaming detokenizer that keeps no text (for checkpoints without a tokenizer)."""
+
+    offset = 0
+    last_segment = ""
+    text = ""
+
+    def reset(self) -> None:
+        pass
+
+    def add_token(self, token: int) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
+
+
+def load_tokenizer(model_path: Path, config: Dict[str, Any]):
+    """The checkpoint's tokenizer as mlx-lm loads it, with no end-of-sequence ids.
+
+    Timing needs exactly ``tokens`` decode steps, so EOS must not stop generation:
+    mlx-lm's wrapper lets the set be replaced. A checkpoint without tokenizer files
+    (synthetic weights) gets a wrapper whose detokenizer keeps no text.
+    """
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    if any((model_path / f).exists() for f in TOKENIZER_FILES):
+        from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+
+        tok = mlx_load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
+        tok.eos_token_ids = []
+        return tok, True
+
+    class _NoTextTokenizer(TokenizerWrapper):
+        def __init__(self) -> None:  # deliberately skips the HF tokenizer set-up
+            self._detokenizer = _NullDetokenizer()
+            self._eos_token_ids = set()
+
+    return _NoTextTokenizer(), False
+
+
+def vocab_size(config: Dict[str, Any], model: Any) -> int:
+    for c in (config, config.get("text_config") or {}):
+        if isinstance(c.get("vocab_size"), int):
+            return int(c["vocab_size"])
+    return int(model.model.embed_tokens.weight.shape[0])
+
+
+def param_bytes(model: Any) -> Dict[str, int]:
+    """Bytes of the parameters in memory, by dtype (what the variant really runs)."""
+    from mlx.utils import tree_flatten
+
+    c: Counter = Counter()
+    for _, v in tree_flatten(model.parameters()):
+        c[str(v.dtype).replace("mlx.core.", "")] += int(v.nbytes)
+    return dict(c)
+
+
+def one_run(model: Any, tok: Any, prompt: Any, tokens: int) -> Dict[str, Any]:
+    """One greedy generation through mlx-lm's stream_generate; its own tok/s figures."""
+    from mlx_lm.generate import stream_generate
+
+    out: List[int] = []
+    t0 = time.perf_counter()
+    ttft = None
+    last = None
+    for resp in stream_generate(model, tok, prompt, max_tokens=tokens):
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        out.append(int(resp.token))
+        last = resp
+    if last is None or ttft is None:
+        raise RuntimeError("stream_generate produced no tokens")
+    return {"prefill_tps": float(last.prompt_tps), "decode_tps": float(last.generation_tps),
+            "ttft_s": float(ttft), "generated": int(last.generation_tokens),
+            "finish_reason": last.finish_reason, "tokens": out,
+            "seconds": time.perf_counter() - t0}
+
+
+def main(spec: Dict[str, Any]) -> Dict[str, Any]:
+    import numpy as np
+
+    select_device(spec.get("device"))
+    import mlx.core as mx
+    from mlx_lm.utils import load_adapters, load_model
+
+    t0 = time.perf_counter()
+    model_path = Path(spec["model"])
+    model, config = load_model(model_path)
+    if spec.get("adapter_path"):
+        model = load_adapters(model, str(spec["adapter_path"]))
+        model.eval()
+    mx.eval(model.parameters())
+    tok, has_tokenizer = load_tokenizer(model_path, config)
+    load_s = time.perf_counter() - t0
+    lora_modules = sum(1 for _, m in model.named_modules()
+                       if type(m).__name__.startswith(("LoRA", "DoRA")))
+    emit("loaded", load_s=load_s, lora_modules=lora_modules)
+
+    # the same synthetic prompt in every variant's process
+    rng = np.random.default_rng(int(spec.get("seed", 0)))
+    prompt = mx.array(rng.integers(0, vocab_size(config, model), int(spec["prompt_tokens"]))
+                      .astype(np.int32))
+    runs: List[Dict[str, Any]] = []
+    for i in range(int(spec.get("warmup", 1)) + int(spec["repeats"])):
+        warm = i < int(spec.get("warmup", 1))
+        r = one_run(model, tok, prompt, int(spec["tokens"]))
+        emit("run", warmup=warm, index=i, decode_tps=r["decode_tps"])
+        if not warm:
+            runs.append(r)
+    facts = device_facts()
+    mlx_peak = int(mx.get_peak_memory())
+    rss_peak = rss_peak_bytes()
+    on_gpu = facts["kind"] == "gpu"
+    return {"prefill_tps": [r["prefill_tps"] for r in runs],
+            "decode_tps": [r["decode_tps"] for r in runs],
+            "ttft_s": [r["ttft_s"] for r in runs],
+            "generated": runs[-1]["generated"] if runs else 0,
+            "tokens": runs[-1]["tokens"] if runs else [],
+            "peak_bytes": mlx_peak if on_gpu else rss_peak,
+            "peak_source": "mlx" if on_gpu else "rss",
+            "mlx_peak_bytes": mlx_peak, "rss_peak_bytes": rss_peak,
+            "param_bytes": param_bytes(model), "lora_modules": lora_modules,
+            "has_tokenizer": has_tokenizer, "load_s": load_s, "device": facts}
+
+
+if __name__ == "__main__":
+    try:
+        emit("result", **main(json.loads(sys.argv[1])))
+    except BaseException as e:  # report every failure to the parent as one event
+        emit("error", type=type(e).__name__, message=str(e),
+             traceback=traceback.format_exc(limit=8))
+        raise SystemExit(1)
