@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up (tools/setup.sh) and run the whole test suite, notebooks and the
+# real-browser JupyterLab tests included. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/setup.sh
+exec .venv/bin/python -m pytest -q "$@"
