@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -135,7 +137,18 @@ def check_output_path(save_path: PathLike, *, protected: Sequence[Path], force: 
                                 + ("directory" if out.is_dir() else "file"),
                                 hint="pass --force (force=True) to replace it")
     if out.exists() and not out.is_dir():
-        raise OutputExistsError("output path is a file, not a directory", file=out)
+        raise OutputExistsError("output path is a file, not a directory", file=out,
+                                expected="a directory", found="a file")
+    if out.is_dir():
+        # --force replaces a previous output; never a directory that is not a model
+        names = sorted(p.name for p in out.iterdir())
+        if names and not (("config.json" in names or INDEX_NAME in names)
+                          or any(n.endswith(".safetensors") for n in names)):
+            raise OutputExistsError("refusing to replace a directory that is not a model",
+                                    file=out, expected="an empty directory or a previous "
+                                    "fused model (config.json, *.safetensors)",
+                                    found=f"{len(names)} other entries, e.g. {names[0]!r}",
+                                    hint="choose a new --save-path")
     return out
 
 
@@ -260,12 +273,22 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
     for st in stale_temporaries(out):
         shutil.rmtree(st, ignore_errors=True)
     tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise OutputExistsError("cannot create the output directory", file=out,
+                                expected="a writable directory path",
+                                found=f"{type(e).__name__}: {e.strerror or e}") from None
     try:
         result = _write(ck, adapter, by_tensor, tmp, out, rounding, dtype, dequantize,
                         progress, t0)
         _publish(tmp, out, force)
+    except OSError as e:  # disk full, a file vanishing under us: one clear error
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise FuseError(f"I/O error while fusing: {e.strerror or e}",
+                        file=e.filename or out, expected="readable inputs and room to write",
+                        found=f"{type(e).__name__} (errno {e.errno})") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -321,39 +344,29 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
     }
     bar = tqdm(total=ck.nbytes, unit="B", unit_scale=True, desc="lorakit fuse",
                disable=not progress, leave=False)
+    it: Optional[_Item] = None
     try:
         for shard, infos in ck.by_shard():
             items = _plan_shard(ck, infos, by_tensor, dtype_policy, dequantize)
             meta = dict(ck.headers[shard].metadata)
             meta.setdefault("format", "mlx")
             meta.update(meta_extra)
+            jobs = _Jobs(ck, items, by_tensor, rounding, dtype_policy)
             # re-quantized parts of the module being written, until all three are out
             pending: Dict[str, Dict[str, np.ndarray]] = {}
-            with SafetensorsWriter(tmp / shard, [i.plan for i in items], meta) as w:
-                for it in items:
+            with SafetensorsWriter(tmp / shard, [i.plan for i in items], meta) as w, jobs:
+                for k, it in enumerate(items):
+                    jobs.pump(k)
                     src = it.source
                     if it.action == "copy":
                         w.copy(it.name, src)
-                    elif it.action == "cast":
-                        w.write(it.name, _cast(ck.read(it.name), src.dtype, it.plan.dtype))
-                    elif it.action == "dequant":
-                        raw = dequantize_raw(ck, it.module, it.plan.dtype)
-                        w.write(it.name, raw)
-                    elif it.action == "fuse":
-                        binds = by_tensor[it.name]
-                        if ck.quant_params(it.module) is not None:
-                            raw, code = dequantize_raw(ck, it.module, None), None
-                            code = ck.tensors[f"{it.module}.scales"].dtype
-                        else:
-                            raw, code = ck.read(it.name), src.dtype
-                        fused, _ = _fuse_float(raw, code, binds, rounding, dtype_policy, it.name)
-                        w.write(it.name, fused)
-                        fused_names.append(it.name)
-                    elif it.action in ("fuse-q", "fuse-q-part"):
+                    elif it.action in ("cast", "dequant", "fuse"):
+                        w.write(it.name, jobs.result(k))
+                        if it.action == "fuse":
+                            fused_names.append(it.name)
+                    elif it.action == "fuse-q":
                         if it.module not in pending:
-                            pending[it.module], stat = _requant_module(
-                                ck, it.module, by_tensor[f"{it.module}.weight"], rounding,
-                                dtype_policy)
+                            pending[it.module], stat = jobs.result(k)
                             requant.append(stat)
                             fused_names.append(f"{it.module}.weight")
                         leaf = it.name.rsplit(".", 1)[1]
@@ -365,12 +378,116 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
                     weight_map[it.name] = shard
                     bar.update(src.nbytes if src is not None else 0)
             total_bytes += (tmp / shard).stat().st_size
+    except LorakitError as e:
+        if e.file is not None or it is None:
+            raise
+        # the fusion core knows the tensor, not the file: name the shard it came from
+        raise type(e)(e.message, file=it.source.file if it.source else ck.path,
+                      tensor=e.tensor or it.name, expected=e.expected, found=e.found,
+                      hint=e.hint) from None
     finally:
         bar.close()
     _write_sidecars(ck, tmp, weight_map, total_bytes, dequantize, dtype_policy)
     return FuseResult(out, ck.path, adapter.path, rounding, dtype_policy, len(fused_names),
                       len(weight_map), dict(dtypes), total_bytes, time.perf_counter() - t0,
                       dequantize and ck.quantization is not None, requant, fused_names)
+
+
+def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], rounding: str,
+             dtype_policy: str) -> Any:
+    """The work behind one planned tensor that is not a plain copy."""
+    src = it.source
+    if it.action == "cast":
+        return _cast(ck.read(it.name), src.dtype, it.plan.dtype)
+    if it.action == "dequant":
+        return dequantize_raw(ck, it.module, it.plan.dtype)
+    if it.action == "fuse-q":
+        return _requant_module(ck, it.module, by_tensor[f"{it.module}.weight"], rounding,
+                               dtype_policy)
+    binds = by_tensor[it.name]
+    if ck.quant_params(it.module) is not None:  # --dequantize on a quantized base
+        raw = dequantize_raw(ck, it.module, None)
+        code = ck.tensors[f"{it.module}.scales"].dtype
+    else:
+        raw, code = ck.read(it.name), src.dtype
+    fused, _ = _fuse_float(raw, code, binds, rounding, dtype_policy, it.name)
+    return fused
+
+
+_local = threading.local()
+
+
+def _thread_stream():
+    """Each worker thread gets its own MLX stream, so MLX work runs in parallel too."""
+    import mlx.core as mx
+
+    s = getattr(_local, "stream", None)
+    if s is None:
+        s = _local.stream = mx.new_stream(mx.default_device())
+    return s
+
+
+class _Jobs:
+    """Computes the non-copy tensors of a shard ahead of the writer, a few at a time.
+
+    The writer must emit tensors in file order; the work behind them (reads, fusion,
+    re-quantization) runs in worker threads up to ``workers + 1`` tensors ahead,
+    which bounds memory to a few tensors while both cores stay busy.
+    """
+
+    def __init__(self, ck: Checkpoint, items: List[_Item], by_tensor: Dict[str, List[Binding]],
+                 rounding: str, dtype_policy: str) -> None:
+        self.ck, self.items, self.by_tensor = ck, items, by_tensor
+        self.rounding, self.dtype_policy = rounding, dtype_policy
+        seen = set()
+        self.order: List[int] = []
+        self.key: Dict[int, int] = {}  # item index -> index of the job computing it
+        for k, it in enumerate(items):
+            if it.action == "copy":
+                continue
+            if it.action == "fuse-q":
+                if it.module in seen:
+                    continue
+                seen.add(it.module)
+            self.order.append(k)
+        self.workers = _WORKERS
+        self.pool: Optional[ThreadPoolExecutor] = None
+        self.futures: Dict[int, Future] = {}
+        self.next = 0
+
+    def _run(self, k: int) -> Any:
+        import mlx.core as mx
+
+        with mx.stream(_thread_stream()):
+            return _compute(self.ck, self.items[k], self.by_tensor, self.rounding,
+                            self.dtype_policy)
+
+    def pump(self, k: int) -> None:
+        if not self.order:
+            return
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="lorakit-fuse")
+        while self.next < len(self.order) and len(self.futures) < self.workers + 1:
+            j = self.order[self.next]
+            self.futures[j] = self.pool.submit(self._run, j)
+            self.next += 1
+
+    def result(self, k: int) -> Any:
+        if k not in self.futures:  # not submitted yet (window full of later work)
+            self.pump(k)
+        return self.futures.pop(k).result()
+
+    def __enter__(self) -> "_Jobs":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.pool is not None:
+            for f in self.futures.values():
+                f.cancel()
+            self.pool.shutdown(wait=True)
+
+
+_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
 def _requant_module(ck: Checkpoint, module: str, binds: List[Binding], rounding: str,
