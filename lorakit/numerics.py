@@ -632,3 +632,32 @@ def chunks(n_rows: int, row_elems: int, target_elems: int = 1 << 20) -> Iterator
     step = max(1, target_elems // max(1, row_elems))
     for start in range(0, n_rows, step):
         yield slice(start, min(start + step, n_rows))
+
+
+# ---------------------------------------------------------------------------
+# float32 fused multiply-add, emulated exactly
+
+
+def fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Correctly rounded float32 ``a*b + c`` (one rounding), broadcasting like ``a*b+c``.
+
+    numpy has no fma. The product of two float32 is exact in float64; the float64
+    sum ``s`` is corrected to round-to-odd with an error-free two-sum, which makes
+    the final cast to float32 a single correct rounding (53 >= 2*24 + 2 bits).
+    Used to reproduce BLAS kernels that accumulate with fma (torch's CPU matmul).
+
+    >>> fma_f32(np.float32(1 + 2**-23), np.float32(1 - 2**-23), np.float32(-1)).item()
+    -1.4210854715202004e-14
+    """
+    p = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32)
+    c64 = np.asarray(c, np.float32).astype(np.float64)
+    s = p + c64
+    bp = s - c64
+    err = (p - bp) + (c64 - (s - bp))  # s + err == p + c exactly (TwoSum)
+    bits = s.view(np.int64)
+    inexact = err != 0
+    if inexact.any():
+        away = inexact & (np.signbit(err) != np.signbit(s))
+        bits -= away  # one step toward zero where s overshot the exact sum
+        bits |= inexact  # odd last bit: sticky, so the f32 rounding below is single
+    return bits.view(np.float64).astype(np.float32)

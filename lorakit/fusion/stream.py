@@ -405,7 +405,14 @@ def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], rou
         return _requant_module(ck, it.module, by_tensor[f"{it.module}.weight"], rounding,
                                dtype_policy)
     binds = by_tensor[it.name]
-    if ck.quant_params(it.module) is not None:  # --dequantize on a quantized base
+    own = [b.target.base_weight for b in binds if b.target.base_weight is not None]
+    if own:  # the adapter carries the weight it was trained on (PEFT embedding LoRA)
+        raw, code = own[0]
+        if tuple(raw.shape) != tuple(src.shape):
+            raise FuseError("the base weight saved in the adapter has another shape",
+                            file=src.file, tensor=it.name, expected=str(list(src.shape)),
+                            found=str(list(raw.shape)))
+    elif ck.quant_params(it.module) is not None:  # --dequantize on a quantized base
         raw = dequantize_raw(ck, it.module, None)
         code = ck.tensors[f"{it.module}.scales"].dtype
     else:

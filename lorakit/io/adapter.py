@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from ..errors import AdapterError, FormatError
-from .checkpoint import _load_json
+from .checkpoint import _load_json, safe_member
 from .safetensors import read_header, read_raw
 
 PathLike = Union[str, Path]
@@ -61,6 +61,8 @@ class LoraTarget:
         scale: the multiplier applied to ``B @ A``.
         magnitude: DoRA's learned row norms (out,), or None for plain LoRA.
         names: the adapter tensor names this target came from (for messages).
+        base_weight: a copy of the base weight saved with the adapter (PEFT does this
+            for embedding LoRA); it replaces the checkpoint's weight when fusing.
     """
 
     module: str
@@ -70,6 +72,7 @@ class LoraTarget:
     scale: float
     magnitude: Optional[np.ndarray] = None
     names: Tuple[str, ...] = ()
+    base_weight: Optional[Tuple[np.ndarray, str]] = None  # (raw, dtype code), PEFT only
 
     @property
     def rank(self) -> int:
@@ -152,6 +155,26 @@ def _read_all(file: Path) -> Dict[str, Tuple[np.ndarray, str]]:
     return {n: (read_raw(i), i.dtype) for n, i in h.tensors.items()}
 
 
+def _number(x: Any) -> Optional[float]:
+    """``x`` as a finite float, or None (bools, strings, huge ints, NaN, Inf)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        v = float(x)
+    except OverflowError:  # an integer beyond float range
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _check_magnitude(name: str, m: np.ndarray, B: np.ndarray) -> Optional[str]:
+    """A problem line if DoRA magnitude ``m`` does not have one entry per output row."""
+    want = tuple(B.shape[:-1])
+    if tuple(m.shape) != want and not (m.ndim == 1 and (m.size,) == want):
+        return (f"  {name}: DoRA magnitude has the wrong shape: expected {list(want)} "
+                f"(one per output row), found {list(m.shape)}")
+    return None
+
+
 def _check_finite(file: Path, name: str, x: np.ndarray) -> None:
     if not np.isfinite(x).all():
         bad = int((~np.isfinite(x)).sum())
@@ -174,10 +197,13 @@ def load_adapter(path: PathLike) -> Adapter:
     if not path.is_dir():
         raise AdapterError("adapter path is not a directory", file=path,
                            expected="a directory with adapter_config.json")
-    cfg_path = path / CONFIG
+    cfg_path = safe_member(path, CONFIG, source=path, what="adapter config")
+    for name in (MLX_WEIGHTS, PEFT_WEIGHTS):
+        safe_member(path, name, source=path, what="adapter weights")  # no links out
     cfg = _load_json(cfg_path, "adapter config")
     if not isinstance(cfg, dict):
-        raise AdapterError("adapter config is not a JSON object", file=cfg_path)
+        raise AdapterError("adapter config is not a JSON object", file=cfg_path,
+                           expected="a JSON object", found=type(cfg).__name__)
     if (path / MLX_WEIGHTS).exists() and "peft_type" not in cfg:
         return _load_mlx(path, cfg)
     if (path / PEFT_WEIGHTS).exists():
@@ -202,12 +228,12 @@ def _load_mlx(path: Path, cfg: Dict[str, Any]) -> Adapter:
     if not isinstance(params, dict):
         raise AdapterError("adapter config has no lora_parameters", file=cfg_path,
                            expected='"lora_parameters": {"rank": ..., "scale": ...}')
-    scale = params.get("scale")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    scale = _number(params.get("scale"))
+    if scale is None:
         hint = " (mlx-lm uses 'scale', not 'alpha')" if "alpha" in params else ""
         raise AdapterError("lora_parameters.scale missing or not a number" + hint,
                            file=cfg_path, tensor="lora_parameters.scale",
-                           expected="a finite number", found=repr(scale))
+                           expected="a finite number", found=repr(params.get("scale"))[:80])
     tensors = _read_all(file)
     groups: Dict[str, Dict[str, Tuple[np.ndarray, str]]] = {}
     errors: List[str] = []
@@ -258,6 +284,11 @@ def _load_mlx(path: Path, cfg: Dict[str, Any]) -> Adapter:
         if ftype == "dora" and m is None:
             errors.append(f"  {module}: fine_tune_type is dora but {module}.m is missing")
             continue
+        if m is not None:
+            bad_m = _check_magnitude(f"{module}.m", m, B)
+            if bad_m:
+                errors.append(bad_m)
+                continue
         targets.append(LoraTarget(module, kind, np.ascontiguousarray(A),
                                   np.ascontiguousarray(B), float(scale), m,
                                   tuple(f"{module}.{k}" for k in g)))
@@ -275,6 +306,9 @@ _PEFT_LEAVES = {
     "lora_A.weight": "A", "lora_B.weight": "B",
     "lora_embedding_A": "EA", "lora_embedding_B": "EB",
     "lora_magnitude_vector": "M", "lora_magnitude_vector.weight": "M",
+    # PEFT saves the base embedding beside an embedding LoRA and loads it over the
+    # base model's (e.g. after resizing the vocabulary): it is the weight to fuse into
+    "base_layer.weight": "W",
 }
 _PEFT_UNSUPPORTED = {
     "use_qalora": "QA-LoRA", "lora_bias": "LoRA bias", "use_bdlora": "BD-LoRA",
@@ -317,22 +351,35 @@ def _load_peft(path: Path, cfg: Dict[str, Any]) -> Adapter:
     r = cfg.get("r")
     alpha = cfg.get("lora_alpha")
     for key, val in (("r", r), ("lora_alpha", alpha)):
-        if isinstance(val, bool) or not isinstance(val, (int, float)) or val <= 0:
+        v = _number(val)
+        if v is None or v <= 0:
             raise AdapterError(f"PEFT config needs a positive {key}", file=cfg_path, tensor=key,
-                               expected="a positive number", found=repr(val))
+                               expected="a positive number", found=repr(val)[:80])
     rslora = bool(cfg.get("use_rslora", False))
     dora = bool(cfg.get("use_dora", False))
     fifo = bool(cfg.get("fan_in_fan_out", False))
     rank_pattern = cfg.get("rank_pattern") or {}
     alpha_pattern = cfg.get("alpha_pattern") or {}
-    if not isinstance(rank_pattern, dict) or not isinstance(alpha_pattern, dict):
-        raise AdapterError("rank_pattern / alpha_pattern must be objects", file=cfg_path)
+    for key, pat in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
+        bad = (not isinstance(pat, dict) or
+               next((v for v in pat.values() if _number(v) is None or _number(v) <= 0),
+                    None) is not None)
+        if bad:
+            raise AdapterError(f"{key} must map module names to positive numbers",
+                               file=cfg_path, tensor=key,
+                               expected='{"<module>": <positive number>, ...}',
+                               found=repr(pat)[:80])
     if dora and fifo:
         raise AdapterError("unsupported PEFT feature: DoRA with fan_in_fan_out", file=cfg_path,
                            tensor="use_dora", expected="not both", found="both true")
     layers = cfg.get("layers_to_transform")
-    if isinstance(layers, int):
+    if type(layers) is int:
         layers = [layers]
+    if layers is not None and not (isinstance(layers, list)
+                                   and all(type(i) is int for i in layers)):
+        raise AdapterError("layers_to_transform must be a layer index or a list of them",
+                           file=cfg_path, tensor="layers_to_transform",
+                           expected="an integer or a list of integers", found=repr(layers)[:80])
     tensors = _read_all(file)
     groups: Dict[str, Dict[str, Tuple[str, np.ndarray, str]]] = {}
     errors: List[str] = []
@@ -370,7 +417,7 @@ def _load_peft(path: Path, cfg: Dict[str, Any]) -> Adapter:
         _check_finite(file, nb, b)
         rank = a.shape[0]
         want_r = _pattern_value(rank_pattern, module) or r
-        if int(want_r) != rank:
+        if float(want_r) != rank:
             errors.append(f"  {module}: rank {rank} in the tensors but {want_r} in the config "
                           f"(r / rank_pattern)")
             continue
@@ -384,7 +431,12 @@ def _load_peft(path: Path, cfg: Dict[str, Any]) -> Adapter:
         mag = None
         if "M" in g:
             nm, m_raw, m_dt = g["M"]
-            mag = _f32(m_raw, m_dt, file, nm).reshape(-1)
+            mag = _f32(m_raw, m_dt, file, nm)
+            bad_m = _check_magnitude(nm, mag, a.T if (emb or fifo) else b)
+            if bad_m:
+                errors.append(bad_m)
+                continue
+            mag = mag.reshape(-1)
             _check_finite(file, nm, mag)
         elif dora:
             errors.append(f"  {module}: use_dora is set but lora_magnitude_vector is missing")
@@ -397,8 +449,9 @@ def _load_peft(path: Path, cfg: Dict[str, Any]) -> Adapter:
         else:
             kind, A, B = "linear", a, b
         names = tuple(v[0] for v in g.values())
+        base_w = (g["W"][1], g["W"][2]) if "W" in g else None
         targets.append(LoraTarget(module, kind, np.ascontiguousarray(A), np.ascontiguousarray(B),
-                                  scale, mag, names))
+                                  scale, mag, names, base_w))
     if errors:
         raise AdapterError(f"{len(errors)} problem(s) in the adapter's tensors:\n"
                            + "\n".join(errors), file=file)
