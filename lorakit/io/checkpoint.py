@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,17 +40,34 @@ class QuantParams:
     mode: str = "affine"
 
 
+#: a JSON config larger than this is refused before it is read (real ones are KBs).
+MAX_JSON_BYTES = 64 * 1024 * 1024
+
+
 def _load_json(path: Path, what: str) -> Any:
     try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            # a FIFO or device would block or never end
+            raise FormatError(f"{what} is not a regular file", file=path,
+                              expected="a JSON file", found="a directory" if stat.S_ISDIR(
+                                  st.st_mode) else "a special file")
+        if st.st_size > MAX_JSON_BYTES:
+            raise FormatError(f"{what} is implausibly large", file=path,
+                              expected=f"<= {MAX_JSON_BYTES} bytes", found=f"{st.st_size} bytes")
         with open(path, "rb") as f:
             return json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
-        raise FormatError(f"{what} is missing", file=path,
-                          hint="point at a model directory with config.json") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise FormatError(f"{what} is not valid JSON: {str(e)[:100]}", file=path) from None
+        raise FormatError(f"{what} is missing", file=path, expected=f"a {path.name} file",
+                          found="no such file",
+                          hint="point at a model directory with config.json"
+                          if path.name == "config.json" else None) from None
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8 and int-size errors
+        raise FormatError(f"{what} is not valid JSON", file=path, expected="valid UTF-8 JSON",
+                          found=f"{type(e).__name__}: {str(e)[:100]}") from None
     except OSError as e:
-        raise FormatError(f"cannot read {what}: {e.strerror or e}", file=path) from None
+        raise FormatError(f"cannot read {what}: {e.strerror or e}", file=path,
+                          expected="a readable file", found=type(e).__name__) from None
 
 
 def _is_hub_blob(link: Path, target: Path) -> bool:
@@ -60,7 +79,8 @@ def _is_hub_blob(link: Path, target: Path) -> bool:
     return target.parent == repo / "blobs"
 
 
-def safe_member(directory: Path, name: Any, *, source: Path, what: str) -> Path:
+def safe_member(directory: Path, name: Any, *, source: Path, what: str,
+                tensor: Optional[str] = None) -> Path:
     """Resolve ``name`` as a file inside ``directory``, refusing anything that escapes it.
 
     Refused: non-strings, empty names, absolute paths, ``..`` components, path
@@ -68,21 +88,32 @@ def safe_member(directory: Path, name: Any, *, source: Path, what: str) -> Path:
     snapshot links into the cache's blobs).
     """
     if not isinstance(name, str) or not name or name in (".", ".."):
-        raise UnsafePathError(f"unsafe {what} name", file=source, found=repr(name)[:80],
-                              expected="a plain file name inside the model directory")
+        raise UnsafePathError(f"unsafe {what} name", file=source, tensor=tensor,
+                              found=repr(name)[:80],
+                              expected="a plain file name inside the directory")
     p = Path(name)
     if p.is_absolute() or ".." in p.parts or len(p.parts) != 1 or "\x00" in name or "\\" in name:
-        raise UnsafePathError(f"unsafe {what} name", file=source, found=repr(name)[:80],
-                              expected="a plain file name inside the model directory")
+        raise UnsafePathError(f"unsafe {what} name", file=source, tensor=tensor,
+                              found=repr(name)[:80],
+                              expected="a plain file name inside the directory")
     full = directory / name
     if full.is_symlink():
-        target = full.resolve()
+        try:
+            target = full.resolve(strict=False)
+        except (OSError, RuntimeError):  # a link loop
+            raise UnsafePathError(f"{what} is a link that cannot be resolved", file=full,
+                                  tensor=tensor, expected="a file inside the directory",
+                                  found="a link loop") from None
         inside = target.parent == directory.resolve()
         if not inside and not _is_hub_blob(full, target):
-            raise UnsafePathError(f"{what} is a link out of the model directory", file=full,
-                                  found=f"link to {target}",
-                                  expected="a file inside the model directory")
+            raise UnsafePathError(f"{what} is a link out of the directory", file=full,
+                                  tensor=tensor, found=f"link to {target}",
+                                  expected="a file inside the directory")
     return full
+
+
+def _posint(x: Any) -> bool:
+    return type(x) is int and x > 0
 
 
 class Checkpoint:
@@ -102,21 +133,28 @@ class Checkpoint:
         if not self.path.is_dir():
             raise FormatError("model path is not a directory", file=self.path,
                               hint="give a local model directory (or a hub repo id to open_checkpoint)")
-        self.config: Dict[str, Any] = _load_json(self.path / "config.json", "config.json")
+        cfg_path = safe_member(self.path, "config.json", source=self.path, what="config.json")
+        self.config: Dict[str, Any] = _load_json(cfg_path, "config.json")
         if not isinstance(self.config, dict):
-            raise FormatError("config.json is not a JSON object", file=self.path / "config.json")
+            raise FormatError("config.json is not a JSON object", file=cfg_path,
+                              expected="a JSON object", found=type(self.config).__name__)
         self.index_metadata: Dict[str, Any] = {}
         index_path = self.path / INDEX_NAME
         weight_map: Optional[Dict[str, str]] = None
-        if index_path.exists():
+        if index_path.exists() or index_path.is_symlink():
+            index_path = safe_member(self.path, INDEX_NAME, source=self.path, what="index")
             idx = _load_json(index_path, "index")
             if not isinstance(idx, dict) or not isinstance(idx.get("weight_map"), dict):
-                raise FormatError("index has no weight_map object", file=index_path)
+                raise FormatError("index has no weight_map object", file=index_path,
+                                  tensor="weight_map", expected='{"weight_map": {...}}',
+                                  found=(type(idx.get("weight_map")).__name__
+                                         if isinstance(idx, dict) else type(idx).__name__))
             weight_map = idx["weight_map"]
-            self.index_metadata = idx.get("metadata") or {}
+            meta = idx.get("metadata")
+            self.index_metadata = meta if isinstance(meta, dict) else {}
+            for name, n in weight_map.items():  # check before any name is used
+                safe_member(self.path, n, source=index_path, what="shard", tensor=name)
             shard_names = list(dict.fromkeys(weight_map.values()))
-            for n in shard_names:
-                safe_member(self.path, n, source=index_path, what="shard")
         else:
             shard_names = sorted(p.name for p in self.path.glob("*.safetensors"))
             if "model.safetensors" in shard_names:
@@ -131,7 +169,9 @@ class Checkpoint:
             f = safe_member(self.path, n, source=index_path if weight_map else self.path,
                             what="shard")
             if not f.is_file():
-                raise FormatError("shard named in the index is missing", file=f,
+                raise FormatError("shard named in the index is missing"
+                                  if f.exists() or f.is_symlink() or weight_map
+                                  else "shard is not a regular file", file=f,
                                   tensor=next((k for k, v in (weight_map or {}).items() if v == n), None),
                                   expected="an existing safetensors file", found="no such file")
             h = read_header(f)
@@ -139,6 +179,7 @@ class Checkpoint:
             for name, info in h.tensors.items():
                 if name in self.tensors:
                     raise FormatError("tensor appears in two shards", file=f, tensor=name,
+                                      expected="each tensor in one shard",
                                       found=f"also in {self.tensors[name].file.name}")
                 self.tensors[name] = info
         if weight_map is not None:
@@ -166,20 +207,31 @@ class Checkpoint:
         """Packing parameters of quantized module ``module`` (None if not quantized)."""
         if f"{module}.scales" not in self.tensors:
             return None
+        if f"{module}.weight" not in self.tensors:
+            s = self.tensors[f"{module}.scales"]
+            raise FormatError("quantization scales without a weight", file=s.file,
+                              tensor=s.name, expected=f"{module}.weight beside it",
+                              found="no such tensor")
         q = self.quantization or {}
         override = q.get(module)
         src = override if isinstance(override, dict) else q
         w = self.tensors[f"{module}.weight"]
         s = self.tensors[f"{module}.scales"]
+        if w.dtype != "U32" or not w.shape or not s.shape or w.shape[:-1] != s.shape[:-1]:
+            raise FormatError("quantized weight has an unexpected layout", file=w.file,
+                              tensor=w.name, expected="packed U32 weight (..., in*bits/32) "
+                              "with scales (..., in/group_size)",
+                              found=f"weight {w.dtype}{list(w.shape)}, "
+                              f"scales {s.dtype}{list(s.shape)}")
         mode = str(src.get("mode", "affine"))
         gs, bits = src.get("group_size"), src.get("bits")
-        if not (isinstance(gs, int) and isinstance(bits, int)) or \
+        if not (_posint(gs) and _posint(bits)) or \
                 w.shape[-1] * 32 != bits * s.shape[-1] * gs:
             # infer as mlx-lm does: in_dims from scales * group size
-            if isinstance(gs, int) and gs > 0:
+            if _posint(gs):
                 in_dims = s.shape[-1] * gs
                 bits = (w.shape[-1] * 32) // in_dims if in_dims else 0
-            if not (isinstance(gs, int) and isinstance(bits, int) and bits > 0):
+            if not (_posint(gs) and _posint(bits)):
                 raise FormatError("cannot tell how a quantized weight was packed",
                                   file=w.file, tensor=w.name,
                                   expected="quantization {group_size, bits} in config.json",
@@ -252,11 +304,25 @@ class Checkpoint:
 def resolve_model_path(path_or_repo: PathLike) -> Path:
     """A local directory as is; otherwise a hub repo id fetched through mlx-lm's downloader."""
     p = Path(path_or_repo)
-    if p.exists() or os.environ.get("LORAKIT_OFFLINE"):
+    if p.exists() or p.is_symlink() or os.environ.get("LORAKIT_OFFLINE"):
         return p
+    if not _REPO_ID.fullmatch(str(path_or_repo)):
+        # a path that does not exist, not a repo id: say so instead of asking the hub
+        raise FormatError("model path does not exist", file=p,
+                          expected="a local model directory or a hub repo id (owner/name)",
+                          found="no such file or directory")
     from mlx_lm.utils import _download  # the hub path mlx-lm users already rely on
 
-    return Path(_download(str(path_or_repo)))
+    try:
+        return Path(_download(str(path_or_repo)))
+    except Exception as e:  # the hub client's many error types, offline or not found
+        raise FormatError("cannot fetch the model from the hub", file=str(path_or_repo),
+                          expected="a local directory, or a hub repo reachable now",
+                          found=f"{type(e).__name__}: {str(e)[:160]}") from None
+
+
+#: what a hub repo id looks like (owner/name); anything else is taken as a local path.
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
 
 
 def open_checkpoint(path_or_repo: PathLike) -> Checkpoint:

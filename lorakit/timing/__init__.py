@@ -1,0 +1,16 @@
+"""Decode timing: :func:`time_decode` runs each variant (base, unfused adapter,
+f32-promoted fuse, dtype-kept fuse, ``mlx_lm fuse`` output) in its own process and
+returns a :class:`DecodeTiming` table. Importing this package loads nothing heavy."""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["time_decode", "DecodeTiming", "VariantTiming", "VARIANTS"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import decode
+
+        return getattr(decode, name)
+    raise AttributeError(f"module 'lorakit.timing' has no attribute {name!r}")

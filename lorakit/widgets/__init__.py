@@ -1,0 +1,29 @@
+"""Jupyter widgets over lorakit's library calls (imported explicitly; needs ipywidgets
+and matplotlib, the ``notebook`` extra).
+
+Each widget is a thin form: it calls one library function and shows the report or
+figure it returns, so every number a widget shows can be had without it.
+
+- :class:`FusePanel`: :func:`lorakit.fuse` with its options, a progress bar, the
+  result and the fused checkpoint's dtype map.
+- :class:`DtypeMapView`: :func:`lorakit.dtype_map` as a grid with hover and click.
+- :class:`UlpExplorer`: :func:`lorakit.ulp_compare` / the exact-fuse reference.
+- :class:`DecodeRace`: :func:`lorakit.time_decode` live, in a background thread.
+- :class:`GenerationCompare`: :func:`lorakit.compare_generations` side by side.
+- :class:`AdapterCompare`: :func:`lorakit.compare_adapters`.
+
+>>> # from lorakit.widgets import FusePanel
+>>> # FusePanel()
+"""
+from __future__ import annotations
+
+from ._assets import find_data
+from .adapters import AdapterCompare
+from .decode_race import DecodeRace
+from .dtype_view import DtypeMapView
+from .fuse_panel import FusePanel
+from .generation import GenerationCompare
+from .ulp_explorer import UlpExplorer
+
+__all__ = ["AdapterCompare", "DecodeRace", "DtypeMapView", "FusePanel", "GenerationCompare",
+           "UlpExplorer", "find_data"]

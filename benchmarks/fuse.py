@@ -1,0 +1,241 @@
+"""Fuse a Qwen3-1.7B-shaped checkpoint: ``mlx_lm fuse`` vs ``lorakit fuse``, side by side.
+
+Builds (or reuses, in ``bench-out/``) a random bf16 checkpoint with Qwen3-1.7B's
+shapes in 2 shards and a rank-8 f32 LoRA adapter on the last 16 layers x 7
+projections (``lorakit synth``), then runs, as whole processes, several rounds of:
+
+* ``mlx_lm fuse``
+* ``lorakit fuse --rounding mlx-lm`` (bit-identical to mlx_lm fuse)
+* ``lorakit fuse`` (default rounding: nearest, correctly rounded)
+* ``cp -r`` of the checkpoint (the floor: the same bytes, no arithmetic)
+
+The order rotates every round, so no tool always runs on a warmer cache. Each
+process's wall time and peak RSS (``os.wait4``'s ``ru_maxrss``) are recorded; the
+medians are reported with ratios against mlx_lm. The first round's outputs are
+compared tensor by tensor: lorakit's mlx-lm mode must equal mlx_lm fuse byte for
+byte, under the same names. ``sync`` runs before each process so one tool's
+unwritten pages do not slow the next.
+
+Usage::
+
+    .venv/bin/python benchmarks/fuse.py [--runs 3] [--out bench-out] [--profile]
+
+Prints a markdown table and writes ``bench-out/fuse.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from lorakit.io.checkpoint import Checkpoint  # noqa: E402
+from lorakit.synth import synth_adapter, synth_checkpoint  # noqa: E402
+
+PY = sys.executable
+_BLOCK = 64 << 20
+
+
+def prepare(out: Path) -> Tuple[Path, Path]:
+    """The checkpoint and adapter, built once and reused (seed 0: same bytes every time)."""
+    ck, ad = out / "qwen3-1.7b", out / "qwen3-1.7b-lora-r8"
+    try:
+        ok = len(Checkpoint(ck).shards) == 2
+    except Exception:
+        ok = False
+    if not ok:
+        print(f"building {ck} ...", flush=True)
+        synth_checkpoint(ck, "qwen3-1.7b", shard_size="2GB", force=True)
+    if not (ad / "adapters.safetensors").exists():
+        synth_adapter(ad, ck, rank=8, layers=16, force=True)
+    return ck, ad
+
+
+def commands(ck: Path, ad: Path, dst: Path) -> Dict[str, List[str]]:
+    common = ["--model", str(ck), "--adapter-path", str(ad), "--save-path"]
+    return {
+        "mlx_lm fuse": [PY, "-m", "mlx_lm", "fuse", *common, str(dst / "mlx_lm")],
+        "lorakit fuse --rounding mlx-lm": [PY, "-m", "lorakit", "fuse", *common,
+                                           str(dst / "lorakit-mlx-lm"), "--rounding", "mlx-lm",
+                                           "-q"],
+        "lorakit fuse (nearest)": [PY, "-m", "lorakit", "fuse", *common,
+                                   str(dst / "lorakit-nearest"), "-q"],
+        "cp -r": ["cp", "-r", str(ck), str(dst / "cp")],
+    }
+
+
+def run_one(cmd: List[str], log: Path) -> Tuple[float, float]:
+    """(wall seconds, peak RSS in bytes) of one whole process."""
+    os.sync()
+    with open(log, "ab") as f:
+        f.write(("$ " + " ".join(cmd) + "\n").encode())
+        f.flush()
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(p.pid, 0)
+        wall = time.perf_counter() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        raise SystemExit(f"command failed ({p.returncode}), see {log}: {' '.join(cmd)}")
+    return wall, usage.ru_maxrss * 1024  # Linux reports kilobytes
+
+
+def _same_bytes(a, b) -> bool:
+    with open(a.file, "rb") as fa, open(b.file, "rb") as fb:
+        fa.seek(a.begin)
+        fb.seek(b.begin)
+        left = a.nbytes
+        while left:
+            n = min(_BLOCK, left)
+            if fa.read(n) != fb.read(n):
+                return False
+            left -= n
+    return True
+
+
+def compare(a_dir: Path, b_dir: Path) -> Dict[str, object]:
+    """Tensor-by-tensor raw comparison of two checkpoints."""
+    a, b = Checkpoint(a_dir), Checkpoint(b_dir)
+    only_a, only_b = sorted(set(a.tensors) - set(b.tensors)), sorted(set(b.tensors) - set(a.tensors))
+    differ = []
+    for name in sorted(set(a.tensors) & set(b.tensors)):
+        ta, tb = a.tensors[name], b.tensors[name]
+        if ta.dtype != tb.dtype or ta.shape != tb.shape or not _same_bytes(ta, tb):
+            differ.append(name)
+    return {"identical": not (only_a or only_b or differ), "tensors": len(a.tensors),
+            "only_in_first": only_a[:5], "only_in_second": only_b[:5],
+            "differing": len(differ), "first_differing": differ[:5],
+            "dtypes_first": dict(sorted(_dtypes(a).items())),
+            "dtypes_second": dict(sorted(_dtypes(b).items()))}
+
+
+def _dtypes(ck: Checkpoint) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for t in ck.tensors.values():
+        out[t.dtype] = out.get(t.dtype, 0) + 1
+    return out
+
+
+def profile(ck: Path, ad: Path, dst: Path, out: Path) -> str:
+    """cProfile of one ``lorakit fuse --rounding mlx-lm`` and one default fuse; top functions."""
+    import pstats
+
+    lines = []
+    for tag, extra in (("mlx-lm", ["--rounding", "mlx-lm"]), ("nearest", [])):
+        prof = out / f"lorakit-fuse-{tag}.prof"
+        target = dst / f"profile-{tag}"
+        shutil.rmtree(target, ignore_errors=True)
+        cmd = [PY, "-m", "cProfile", "-o", str(prof), "-m", "lorakit", "fuse", "--model", str(ck),
+               "--adapter-path", str(ad), "--save-path", str(target), "-q", *extra]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        shutil.rmtree(target, ignore_errors=True)
+        st = pstats.Stats(str(prof))
+        total = st.total_tt  # type: ignore[attr-defined]
+        rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:12]  # by own time
+        lines.append(f"lorakit fuse ({tag}): {total:.1f} s of CPU in Python's view; "
+                     f"top functions by own time:")
+        for (file, line, fn), (_, _, tt, ct, _) in rows:
+            lines.append(f"  {tt:7.2f} s own  {ct:7.2f} s cum  {Path(file).name}:{line} {fn}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "bench-out"), help="cache and output folder")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="also cProfile lorakit fuse")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ck, ad = prepare(out)
+    dst = out / "fuse-runs"
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir()
+    log = out / "fuse.log"
+    log.write_text("")
+    cmds = commands(ck, ad, dst)
+    names = list(cmds)
+    results: Dict[str, List[Tuple[float, float]]] = {n: [] for n in names}
+    checks: Dict[str, object] = {}
+    for r in range(args.runs):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            wall, rss = run_one(cmds[name], log)
+            results[name].append((wall, rss))
+            print(f"run {r + 1}: {name:<32} {wall:7.2f} s  {rss / 1e9:6.3f} GB", flush=True)
+        if r == 0:
+            checks["lorakit mlx-lm vs mlx_lm fuse"] = compare(dst / "lorakit-mlx-lm",
+                                                              dst / "mlx_lm")
+            checks["lorakit nearest vs mlx_lm fuse"] = compare(dst / "lorakit-nearest",
+                                                               dst / "mlx_lm")
+            checks["nearest vs mlx-lm rounding, elements"] = _count_elements(
+                dst / "lorakit-nearest", dst / "lorakit-mlx-lm", ck, ad)
+        for p in dst.iterdir():
+            shutil.rmtree(p)
+    base = statistics.median(w for w, _ in results["mlx_lm fuse"])
+    base_rss = statistics.median(m for _, m in results["mlx_lm fuse"])
+    rows = []
+    for name in names:
+        walls = [w for w, _ in results[name]]
+        rsss = [m for _, m in results[name]]
+        rows.append({"command": name, "wall_s": walls, "rss_bytes": rsss,
+                     "median_wall_s": statistics.median(walls),
+                     "median_rss_bytes": statistics.median(rsss),
+                     "wall_vs_mlx_lm": statistics.median(walls) / base,
+                     "rss_vs_mlx_lm": statistics.median(rsss) / base_rss})
+    table = ["| command | median wall (s) | runs (s) | median peak RSS (GB) | wall vs mlx_lm "
+             "| RSS vs mlx_lm |", "|---|---:|---|---:|---:|---:|"]
+    for row in rows:
+        table.append(f"| `{row['command']}` | {row['median_wall_s']:.1f} | "
+                     f"{', '.join(f'{w:.1f}' for w in row['wall_s'])} | "
+                     f"{row['median_rss_bytes'] / 1e9:.2f} | {row['wall_vs_mlx_lm']:.2f}x | "
+                     f"{row['rss_vs_mlx_lm']:.2f}x |")
+    print("\n" + "\n".join(table) + "\n")
+    for k, v in checks.items():
+        print(f"{k}: {json.dumps(v)}")
+    report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                          "loadavg_at_end": os.getloadavg()},
+              "checkpoint": str(ck), "adapter": str(ad), "runs": args.runs, "rows": rows,
+              "checks": checks, "markdown": "\n".join(table)}
+    if args.profile:
+        report["profile"] = profile(ck, ad, dst, out)
+        print("\n" + report["profile"])
+    (out / "fuse.json").write_text(json.dumps(report, indent=2))
+    shutil.rmtree(dst, ignore_errors=True)
+    ident = checks["lorakit mlx-lm vs mlx_lm fuse"]["identical"]  # type: ignore[index]
+    print(f"\nbit-identical (lorakit --rounding mlx-lm vs mlx_lm fuse): {ident}")
+    return 0 if ident else 1
+
+
+def _count_elements(a_dir: Path, b_dir: Path, base_dir: Path, adapter: Path) -> Dict[str, float]:
+    """How many fused elements two roundings disagree on, and how many the fuse changed."""
+    from lorakit.io.adapter import load_adapter
+    from lorakit.io.naming import bind
+
+    a, b, base = Checkpoint(a_dir), Checkpoint(b_dir), Checkpoint(base_dir)
+    fused = sorted({x.tensor for x in bind(load_adapter(adapter), base)})
+    diff = total = changed = 0
+    for name in fused:
+        ra, rb, r0 = a.read(name), b.read(name), base.read(name)
+        total += ra.size
+        diff += int((ra != rb).sum())
+        changed += int((rb != r0).sum())
+    return {"fused_tensors": len(fused), "fused_elements": total, "differing": diff,
+            "fraction_differing": diff / total if total else 0.0,
+            "fraction_changed_by_fuse": changed / total if total else 0.0}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

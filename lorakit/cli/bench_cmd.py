@@ -1,0 +1,68 @@
+"""``lorakit bench``: the decode timing table (base, unfused, promoted, fused,
+mlx-lm-fused) for a model and an adapter. A thin caller of
+:func:`lorakit.timing.decode.time_decode`."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import List
+
+from ..errors import LorakitError
+
+DEFAULT_VARIANTS = "base,unfused,promoted,fused,mlx-lm-fused"
+
+
+def _variants(text: str) -> List[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ..timing.decode import time_decode
+
+    if args.adapter_path is None and args.variants is None:
+        variants = ["base"]
+    else:
+        variants = _variants(args.variants or DEFAULT_VARIANTS)
+    result = time_decode(args.model, args.adapter_path, variants=variants,
+                         prompt_tokens=args.prompt_tokens, tokens=args.tokens,
+                         repeats=args.repeats, warmup=args.warmup, device=args.device,
+                         seed=args.seed, workdir=args.workdir, progress=not args.quiet,
+                         timeout=args.timeout)
+    if args.json:
+        print(result.to_json(indent=2))
+    else:
+        print(result)
+    if args.plot:
+        result.plot().savefig(args.plot, dpi=120)
+    failed = [v.variant for v in result.variants if not v.ok]
+    if failed:
+        raise LorakitError("some variants could not be timed", found=", ".join(failed),
+                           hint="see the note column (or 'error' in --json) for each")
+    return 0
+
+
+def add(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="time greedy decoding: base vs unfused adapter vs fused checkpoints",
+        description="Time greedy decoding (mlx-lm's generation path) of a checkpoint, the "
+        "checkpoint with the adapter attached, and fused checkpoints (f32-promoted, dtype "
+        "kept, mlx_lm fuse). Each variant runs in its own process; reports prefill and "
+        "decode tok/s, time to first token, peak memory and weight bytes by dtype.")
+    p.add_argument("--model", required=True, help="base model directory")
+    p.add_argument("--adapter-path", help="adapter directory (needed by all but 'base')")
+    p.add_argument("--variants", default=None,
+                   help=f"comma-separated, in run order (default: {DEFAULT_VARIANTS})")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens decoded per run (default 128)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per variant (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    p.add_argument("--device", choices=["cpu", "gpu"], default=None,
+                   help="MLX device (default: MLX's default device)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompt")
+    p.add_argument("--workdir", default=None,
+                   help="where fused checkpoints are written for the run (default: temp)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds allowed per variant")
+    p.add_argument("--plot", default=None, metavar="PNG", help="also save the bar chart")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_bench)

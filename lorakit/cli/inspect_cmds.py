@@ -1,0 +1,113 @@
+"""``lorakit inspect``, ``lorakit diff`` and ``lorakit check``: thin wrappers over
+:mod:`lorakit.inspect`. Each prints a report's text twin, or its JSON with ``--json``.
+
+Exit status: 0 when all is well; ``diff`` returns 1 when the checkpoints differ
+(as diff(1) does) and ``check`` 1 when a verdict is not ok; 2 for bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+from ..errors import LorakitError
+
+
+def _emit(args: argparse.Namespace, reports: Dict[str, Any]) -> None:
+    if args.json:
+        print(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=2))
+        return
+    parts: List[str] = []
+    for r in reports.values():
+        if not getattr(args, "all", True):  # text only: list the tensors that are not fine
+            r.rows = [r.rows[i] for i in r.flagged]
+            r.flagged = list(range(len(r.rows)))
+        parts.append(str(r))
+    print("\n\n".join(parts))
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from ..inspect.deltas import delta_norms
+    from ..inspect.dtype_map import dtype_map
+
+    path = Path(args.path)
+    reports: Dict[str, Any] = {"dtype_map": dtype_map(path)}
+    if reports["dtype_map"].summary.get("kind") == "adapter":
+        reports["delta_norms"] = delta_norms(path, args.base)
+    for r in reports.values():
+        r.max_rows = args.max_rows
+    _emit(args, reports)
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from ..inspect.parity import parity
+
+    if bool(args.adapter) != bool(args.base):
+        raise LorakitError("--adapter and --base go together",
+                           hint="give both to measure each side against the exact fuse")
+    rep = parity(args.a, args.b)
+    reports: Dict[str, Any] = {"parity": rep}
+    if args.adapter:
+        from ..inspect.ulp import ulp_vs_reference
+
+        reports["reference_a"] = ulp_vs_reference(args.a, args.base, args.adapter)
+        reports["reference_b"] = ulp_vs_reference(args.b, args.base, args.adapter)
+    for r in reports.values():
+        r.max_rows = args.max_rows
+    _emit(args, reports)
+    return 0 if rep.identical else 1
+
+
+def _check(args: argparse.Namespace) -> int:
+    from ..inspect.merge_check import merge_check
+
+    rep = merge_check(args.fused, args.base, args.adapter,
+                      check_untouched=not args.skip_untouched)
+    rep.max_rows = args.max_rows
+    _emit(args, {"merge_check": rep})
+    return 0 if rep.ok else 1
+
+
+def add(sub) -> None:
+    """Register ``inspect``, ``diff`` and ``check`` on the main parser's subparsers."""
+    p = sub.add_parser("inspect", help="dtype map of a checkpoint; dtypes and delta norms "
+                       "of an adapter",
+                       description="Per-tensor dtypes and bytes from the safetensors headers "
+                       "(tensors whose dtype differs from the majority are marked with !). "
+                       "For an adapter directory, also each delta's norms and ranks.")
+    p.add_argument("path", help="checkpoint directory, adapter directory or .safetensors file")
+    p.add_argument("--base", help="adapter only: base model, for ||dW|| / ||W||")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--max-rows", type=int, default=60, help="table rows shown (text)")
+    p.set_defaults(run=_inspect, all=True)
+
+    p = sub.add_parser("diff", help="parity of two checkpoints (exit 1 if they differ)",
+                       description="Compare two checkpoints tensor by tensor: elements "
+                       "differing, max ulp and abs difference, dtype/shape mismatches, "
+                       "tensors on one side only. With --adapter and --base, also each "
+                       "side's ulp error against the exact float64 fuse.")
+    p.add_argument("a", help="first checkpoint (directory or .safetensors file)")
+    p.add_argument("b", help="second checkpoint")
+    p.add_argument("--adapter", help="adapter both were fused with")
+    p.add_argument("--base", help="base both were fused from")
+    p.add_argument("--all", action="store_true", help="list identical tensors too")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--max-rows", type=int, default=60, help="table rows shown (text)")
+    p.set_defaults(run=_diff)
+
+    p = sub.add_parser("check", help="did the merge take? verdict per adapted tensor "
+                       "(exit 1 if not ok)",
+                       description="Check a fused checkpoint against its base and adapter: "
+                       "per tensor the fraction of the delta that survived, its correlation "
+                       "with the intended delta, and a verdict (ok, not applied, applied "
+                       "twice, wrong scale, lost to quantization, ...).")
+    p.add_argument("--fused", required=True, help="fused checkpoint")
+    p.add_argument("--base", required=True, help="base checkpoint")
+    p.add_argument("--adapter", required=True, help="adapter directory")
+    p.add_argument("--skip-untouched", action="store_true",
+                   help="do not verify that unadapted tensors are bit-identical")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--max-rows", type=int, default=60, help="table rows shown (text)")
+    p.set_defaults(run=_check, all=True)

@@ -1,0 +1,226 @@
+"""Adapter against adapter: do two fine-tunes change the same weights the same way?
+
+For each module both adapters touch (experts one by one), from the factors only:
+
+* the delta norms side by side (and relative to the base weight, given a base);
+* the cosine similarity of the deltas, ``<dW1, dW2>_F / (|dW1| |dW2|)``, where
+  ``<dW1, dW2>_F = s1 s2 trace((B1^T B2)(A2 A1^T))`` costs an r1 x r2 product;
+* the principal angles between their column spaces (what the deltas write) and
+  row spaces (what they read): the singular values of ``U1^T U2`` are the cosines
+  of the angles, with U the left (or right) singular vectors of each delta kept to
+  its numerical rank.
+
+Two trainings of one recipe with different seeds typically show small cosines but
+a few small principal angles: they share directions, not matrices.
+
+>>> # compare_adapters("adapters/run1", "adapters/run2", "data/tiny-qwen3").plot("cosine")
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..io.adapter import Adapter, LoraTarget, load_adapter
+from .deltas import (_weight_norm, layer_kind_grid, lowrank_svd, numerical_rank, target_parts,
+                     weight_slots)
+from .dtype_map import open_source, split_name
+from .report import Report
+
+__all__ = ["AdapterComparison", "compare_adapters", "delta_inner", "principal_angles"]
+
+_PREFIXES = ("base_model.model.", "model.language_model.", "language_model.model.",
+             "language_model.", "model.")
+
+
+def _key(module: str) -> str:
+    for p in _PREFIXES:
+        if module.startswith(p):
+            return module[len(p):]
+    return module
+
+
+def delta_inner(A1: np.ndarray, B1: np.ndarray, s1: float, A2: np.ndarray, B2: np.ndarray,
+                s2: float) -> float:
+    """Frobenius inner product <s1 B1 A1, s2 B2 A2> without forming either product.
+
+    >>> rng = np.random.default_rng(1)
+    >>> A1, B1 = rng.normal(size=(3, 9)), rng.normal(size=(7, 3))
+    >>> A2, B2 = rng.normal(size=(2, 9)), rng.normal(size=(7, 2))
+    >>> bool(np.isclose(delta_inner(A1, B1, 2.0, A2, B2, 0.5),
+    ...                 np.sum((2.0 * B1 @ A1) * (0.5 * B2 @ A2))))
+    True
+    """
+    B1, B2 = np.asarray(B1, np.float64), np.asarray(B2, np.float64)
+    A1, A2 = np.asarray(A1, np.float64), np.asarray(A2, np.float64)
+    return float(s1 * s2 * np.trace((B1.T @ B2) @ (A2 @ A1.T)))
+
+
+def principal_angles(U1: np.ndarray, U2: np.ndarray) -> np.ndarray:
+    """Principal angles (degrees, ascending) between the spans of two orthonormal bases."""
+    if U1.shape[1] == 0 or U2.shape[1] == 0:
+        return np.zeros(0)
+    c = np.linalg.svd(U1.T @ U2, compute_uv=False)
+    return np.degrees(np.arccos(np.clip(c, 0.0, 1.0)))
+
+
+@dataclass(repr=False)
+class AdapterComparison(Report):
+    """Rows: module, expert, status, fro_a, fro_b (rel_a, rel_b with a base), cosine,
+    col_angle (smallest principal angle between column spaces, degrees), col_overlap
+    (mean cos^2 of the column angles: 1 = same subspace, 0 = orthogonal), row_angle,
+    row_overlap. ``col_angles[i]`` / ``row_angles[i]``: all angles of row i."""
+
+    col_angles: List[np.ndarray] = field(default_factory=list)
+    row_angles: List[np.ndarray] = field(default_factory=list)
+
+    def plot(self, value: str = "norms", ax=None):
+        """``norms``: side-by-side bars of ||dW||_F per target (relative with a base);
+        ``cosine`` / ``col_overlap`` / ``row_overlap``: layer x kind heatmaps."""
+        from . import plots
+
+        both = [r for r in self.rows if r["status"] == "both"]
+        if value == "norms":
+            rel = all(r.get("rel_a") is not None for r in both) and both
+            ka, kb = ("rel_a", "rel_b") if rel else ("fro_a", "fro_b")
+            names = [r["module"] + (f"[{r['expert']}]" if r["expert"] is not None else "")
+                     for r in both]
+            return plots.grouped_bars(names, {f"A: {self.summary['A']}": [r[ka] for r in both],
+                                              f"B: {self.summary['B']}": [r[kb] for r in both]},
+                                      title=self.title,
+                                      ylabel="||dW||_F / ||W||_F" if rel else "||dW||_F",
+                                      ax=ax)
+        labels, kinds, grid = _mean_grid(both, value)
+        lo = -1.0 if value == "cosine" else 0.0
+        return plots.value_heatmap(labels, kinds, grid, title=f"{value}: {self.title}",
+                                   cbar=value, ax=ax, cmap="coolwarm" if lo < 0 else "viridis",
+                                   vmin=lo, vmax=1.0)
+
+    figure = plot
+
+
+def _mean_grid(rows: List[Dict[str, Any]], key: str) -> Tuple[List[str], List[str], np.ndarray]:
+    """Mean of ``key`` per layer x kind (experts averaged)."""
+    labels, kinds, _ = layer_kind_grid(rows, "fro_a")
+    acc: Dict[Tuple[str, str], List[float]] = {}
+    for r in rows:
+        if r.get(key) is None:
+            continue
+        lab = "-" if r["layer"] is None else str(r["layer"])
+        acc.setdefault((lab, r["kind"]), []).append(float(r[key]))
+    grid = np.full((len(labels), len(kinds)), np.nan)
+    for i, lab in enumerate(labels):
+        for j, k in enumerate(kinds):
+            if (lab, k) in acc:
+                grid[i, j] = float(np.mean(acc[(lab, k)]))
+    return labels, kinds, grid
+
+
+def _parts(ad: Adapter) -> Dict[Tuple[str, Optional[int]], Tuple[LoraTarget, np.ndarray,
+                                                                 np.ndarray]]:
+    out = {}
+    for t in ad.targets:
+        for e, A, B, _ in target_parts(t):
+            out[(_key(t.module), e)] = (t, A, B)
+    return out
+
+
+def compare_adapters(a: Any, b: Any, checkpoint: Any = None, *,
+                     rtol: Optional[float] = None) -> AdapterComparison:
+    """Compare two adapters of one base, module by module, from their factors.
+
+    Args:
+        a, b: adapter directories or loaded Adapters (mlx-lm or PEFT, mixed is fine).
+        checkpoint: optional base model (adds ||dW|| / ||W|| per side).
+        rtol: tolerance of the numerical rank that sets each subspace's dimension.
+
+    Returns:
+        An :class:`AdapterComparison`.
+    """
+    ada = a if isinstance(a, Adapter) else load_adapter(a)
+    adb = b if isinstance(b, Adapter) else load_adapter(b)
+    src = open_source(checkpoint) if checkpoint is not None else None
+    slots_a = weight_slots(ada, src) if src is not None else {}
+    pa, pb = _parts(ada), _parts(adb)
+    keys = list(pa) + [k for k in pb if k not in pa]
+    rows: List[Dict[str, Any]] = []
+    col_angles: List[np.ndarray] = []
+    row_angles: List[np.ndarray] = []
+    wnorm: Dict[Tuple[str, Optional[int]], float] = {}
+    for key in keys:
+        module, expert = key
+        layer, kind, _, _ = split_name(module)
+        row: Dict[str, Any] = {"module": module, "layer": layer, "kind": kind, "expert": expert,
+                               "status": "both", "fro_a": None, "fro_b": None,
+                               "cosine": None, "col_angle": None, "col_overlap": None,
+                               "row_angle": None, "row_overlap": None}
+        ca = ra = np.zeros(0)
+        svds = {}
+        for side, parts in (("a", pa), ("b", pb)):
+            if key in parts:
+                t, A, B = parts[key]
+                U, S, Vt = lowrank_svd(A, B, t.scale)
+                k = numerical_rank(S, (B.shape[0], A.shape[1]), rtol)
+                svds[side] = (t, A, B, U[:, :k], Vt[:k].T)
+                row[f"fro_{side}"] = float(math.sqrt(float((S * S).sum())))
+                row[f"rank_{side}"] = int(A.shape[0])
+        if "a" not in svds or "b" not in svds:
+            row["status"] = "only in A" if "a" in svds else "only in B"
+        else:
+            ta, A1, B1, U1, V1 = svds["a"]
+            tb, A2, B2, U2, V2 = svds["b"]
+            if B1.shape[0] != B2.shape[0] or A1.shape[1] != A2.shape[1]:
+                row["status"] = "shape mismatch"
+            else:
+                inner = delta_inner(A1, B1, ta.scale, A2, B2, tb.scale)
+                den = row["fro_a"] * row["fro_b"]
+                row["cosine"] = inner / den if den > 0 else None
+                ca, ra = principal_angles(U1, U2), principal_angles(V1, V2)
+                if ca.size:
+                    row["col_angle"] = float(ca[0])
+                    row["col_overlap"] = float((np.cos(np.radians(ca)) ** 2).mean())
+                if ra.size:
+                    row["row_angle"] = float(ra[0])
+                    row["row_overlap"] = float((np.cos(np.radians(ra)) ** 2).mean())
+        if src is not None:
+            t = (svds.get("a") or svds.get("b"))[0]
+            owner = ada if "a" in svds else adb
+            slots = slots_a if owner is ada else weight_slots(adb, src)
+            tensor, sl = slots[(t.module, expert)]
+            if (tensor, sl) not in wnorm:
+                wnorm[(tensor, sl)] = _weight_norm(src, tensor, sl)
+            w = wnorm[(tensor, sl)]
+            for side in ("a", "b"):
+                f = row[f"fro_{side}"]
+                row[f"rel_{side}"] = f / w if f is not None and w > 0 else None
+        rows.append(row)
+        col_angles.append(ca)
+        row_angles.append(ra)
+    both = [r for r in rows if r["status"] == "both" and r["cosine"] is not None]
+    cos = np.array([r["cosine"] for r in both]) if both else np.zeros(0)
+    summary: Dict[str, Any] = {
+        "A": ada.path.name, "B": adb.path.name,
+        "modules in both": len(both),
+        "only in A": sum(r["status"] == "only in A" for r in rows),
+        "only in B": sum(r["status"] == "only in B" for r in rows),
+        "mean cosine": float(cos.mean()) if cos.size else None,
+        "min cosine": float(cos.min()) if cos.size else None,
+        "max cosine": float(cos.max()) if cos.size else None,
+    }
+    if both:
+        # overall cosine of the concatenated deltas: energy-weighted, as one vector
+        num = sum(r["cosine"] * r["fro_a"] * r["fro_b"] for r in both)
+        den = math.sqrt(sum(r["fro_a"] ** 2 for r in both) * sum(r["fro_b"] ** 2 for r in both))
+        summary["overall cosine"] = num / den if den > 0 else None
+    cols = ["module", "status", "fro_a", "fro_b", "cosine", "col_angle", "col_overlap",
+            "row_angle", "row_overlap"]
+    if any(r["expert"] is not None for r in rows):
+        cols.insert(1, "expert")
+    if src is not None:
+        cols[cols.index("fro_b") + 1:cols.index("fro_b") + 1] = ["rel_a", "rel_b"]
+    flagged = [i for i, r in enumerate(rows) if r["status"] != "both"]
+    return AdapterComparison(title=f"adapters {ada.path.name} vs {adb.path.name}", rows=rows,
+                             columns=cols, summary=summary, flagged=flagged,
+                             col_angles=col_angles, row_angles=row_angles)

@@ -1,0 +1,241 @@
+"""How large each adapter delta is: norms, spectra and ranks, from the factors alone.
+
+A LoRA delta ``dW = s * B @ A`` (``B`` out x r, ``A`` r x in) has rank <= r, so
+everything about its size comes from an r x r problem: with ``B = Qb Rb`` and
+``A^T = Qa Ra`` (thin QR), ``dW = Qb (s Rb Ra^T) Qa^T`` and the singular values of
+dW are those of the r x r core. The out x in matrix is never formed, so a
+152k x 2048 embedding delta costs what a 2048 x 2048 one does.
+
+>>> rng = np.random.default_rng(0)
+>>> A, B = rng.normal(size=(4, 50)), rng.normal(size=(30, 4))
+>>> _, s, _ = lowrank_svd(A, B, 2.0)
+>>> bool(np.allclose(s, np.linalg.svd(2.0 * B @ A, compute_uv=False)[:4]))
+True
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .. import numerics as nm
+from ..io.adapter import Adapter, LoraTarget, load_adapter
+from .dtype_map import TensorSource, _order_kinds, open_source, split_name, weight_f64
+from .report import Report
+
+__all__ = ["lowrank_svd", "effective_rank", "numerical_rank", "target_parts", "DeltaNorms",
+           "delta_norms", "layer_kind_grid"]
+
+_EPS32 = float(np.finfo(np.float32).eps)
+
+
+def lowrank_svd(A: np.ndarray, B: np.ndarray, scale: float = 1.0
+                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Thin SVD of ``scale * B @ A`` without forming it, in float64.
+
+    Returns:
+        (U (out, k), S (k,), Vt (k, in)) with k = min(r, out, in), S descending.
+    """
+    Qb, Rb = np.linalg.qr(np.asarray(B, np.float64))
+    Qa, Ra = np.linalg.qr(np.asarray(A, np.float64).T)
+    core = float(scale) * (Rb @ Ra.T)
+    Uc, S, Vct = np.linalg.svd(core)
+    return Qb @ Uc, S, Vct @ Qa.T
+
+
+def effective_rank(S: np.ndarray) -> float:
+    """Entropy effective rank exp(H(p)), p = S / sum(S) (Roy & Vetterli, 2007).
+
+    Equals k for k equal non-zero singular values, less when they decay.
+
+    >>> effective_rank(np.array([3.0, 3.0, 0.0]))
+    2.0
+    """
+    S = np.asarray(S, np.float64)
+    total = S.sum()
+    if total <= 0:
+        return 0.0
+    p = S[S > 0] / total
+    return float(round(math.exp(-(p * np.log(p)).sum()), 12))
+
+
+def numerical_rank(S: np.ndarray, shape: Tuple[int, ...], rtol: Optional[float] = None) -> int:
+    """Singular values above ``rtol * S[0]``; the default rtol is numpy's matrix_rank
+    tolerance for float32 data, ``max(out, in) * eps32`` (the factors are float32)."""
+    S = np.asarray(S, np.float64)
+    if not S.size or S[0] <= 0:
+        return 0
+    tol = (max(shape[-2:]) * _EPS32) if rtol is None else rtol
+    return int((S > tol * S[0]).sum())
+
+
+def target_parts(t: LoraTarget) -> List[Tuple[Optional[int], np.ndarray, np.ndarray,
+                                              Optional[np.ndarray]]]:
+    """(expert, A, B, magnitude) for each 2-D part of a target (one per expert for switch)."""
+    if t.kind == "switch":
+        return [(e, t.A[e], t.B[e], None if t.magnitude is None else t.magnitude[e])
+                for e in range(t.A.shape[0])]
+    return [(None, t.A, t.B, t.magnitude)]
+
+
+def _weight_norm(src: TensorSource, tensor: str, expert: Optional[int]) -> float:
+    module = tensor[: -len(".weight")]
+    if src.quant_params(module) is not None:
+        w = weight_f64(src, tensor)
+        return float(np.linalg.norm(w[expert] if expert is not None else w))
+    shape = src.tensors[tensor].shape
+    if expert is not None:
+        return float(np.linalg.norm(weight_f64(src, tensor, slice(expert, expert + 1))))
+    total = 0.0
+    for rows in nm.chunks(shape[0], int(np.prod(shape[1:], dtype=np.int64))):
+        w = weight_f64(src, tensor, rows)
+        total += float(np.einsum("ij,ij->", w, w)) if w.ndim == 2 else float((w * w).sum())
+    return math.sqrt(total)
+
+
+def weight_slots(adapter: Adapter, src: TensorSource) -> Dict[Tuple[str, Optional[int]],
+                                                               Tuple[str, Optional[int]]]:
+    """(target module, target expert) -> (checkpoint tensor, slice of it or None)."""
+    from ..io.naming import bind
+
+    out: Dict[Tuple[str, Optional[int]], Tuple[str, Optional[int]]] = {}
+    for b in bind(adapter, src):  # type: ignore[arg-type]  # duck-typed checkpoint
+        t = b.target
+        if b.target_expert is not None:
+            out[(t.module, b.target_expert)] = (b.tensor, None)
+        elif b.weight_expert is not None:
+            out[(t.module, None)] = (b.tensor, b.weight_expert)
+        elif t.kind == "switch":
+            for e in range(t.A.shape[0]):
+                out[(t.module, e)] = (b.tensor, e)
+        else:
+            out[(t.module, None)] = (b.tensor, None)
+    return out
+
+
+def layer_kind_grid(rows: List[Dict[str, Any]], num: str, den: Optional[str] = None
+                    ) -> Tuple[List[str], List[str], np.ndarray]:
+    """Aggregate rows into a layer x kind grid: root-sum-square of ``num`` per cell,
+    divided by that of ``den`` when given (so experts of one layer pool correctly)."""
+    acc: Dict[Tuple[str, str], List[float]] = {}
+    layers, kinds, has_global = set(), set(), False
+    for r in rows:
+        v = r.get(num)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            continue
+        lab = "-" if r["layer"] is None else str(r["layer"])
+        has_global |= r["layer"] is None
+        if r["layer"] is not None:
+            layers.add(r["layer"])
+        kinds.add(r["kind"])
+        a = acc.setdefault((lab, r["kind"]), [0.0, 0.0])
+        a[0] += float(v) ** 2
+        if den is not None:
+            d = r.get(den)
+            a[1] += float(d) ** 2 if d is not None else float("nan")
+    labels = (["-"] if has_global else []) + [str(i) for i in sorted(layers)]
+    ks = _order_kinds(kinds)
+    grid = np.full((len(labels), len(ks)), np.nan)
+    for i, lab in enumerate(labels):
+        for j, k in enumerate(ks):
+            a = acc.get((lab, k))
+            if a is not None:
+                grid[i, j] = math.sqrt(a[0]) / math.sqrt(a[1]) if den else math.sqrt(a[0])
+    return labels, ks, grid
+
+
+@dataclass(repr=False)
+class DeltaNorms(Report):
+    """Per-target delta norms. ``rows``: module, layer, kind, expert, shape, rank, fro,
+    rel (``fro / ||W||_F``, with a base), spectral, erank (entropy effective rank),
+    nrank (numerical rank). ``singular_values[i]`` holds row i's spectrum."""
+
+    singular_values: List[np.ndarray] = field(default_factory=list)
+
+    def plot(self, value: Optional[str] = None, ax=None, log: bool = True):
+        """Heatmap (layers x kinds) of ``rel`` (with a base) or ``fro``; or
+        ``value="spectra"`` for the singular value spectra."""
+        from . import plots
+
+        if value == "spectra":
+            return self.plot_spectra(ax=ax)
+        value = value or ("rel" if any(r.get("rel") is not None for r in self.rows) else "fro")
+        den = "w_fro" if value == "rel" else None
+        labels, kinds, grid = layer_kind_grid(self.rows, "fro" if value == "rel" else value, den)
+        names = {"rel": "||dW||_F / ||W||_F", "fro": "||dW||_F", "spectral": "||dW||_2",
+                 "erank": "effective rank"}
+        return plots.value_heatmap(labels, kinds, grid, title=self.title,
+                                   cbar=names.get(value, value), ax=ax,
+                                   log=log and value != "erank")
+
+    def plot_spectra(self, ax=None, limit: int = 24):
+        from . import plots
+
+        curves = [(r["module"] + (f"[{r['expert']}]" if r["expert"] is not None else ""), s)
+                  for r, s in zip(self.rows, self.singular_values)]
+        return plots.spectra(curves, title=f"singular values: {self.title}", ax=ax, limit=limit)
+
+    figure = plot
+
+
+def delta_norms(adapter: Any, checkpoint: Any = None, *, rtol: Optional[float] = None
+                ) -> DeltaNorms:
+    """Norms, spectra and ranks of every delta ``dW = scale * B @ A`` of an adapter.
+
+    Args:
+        adapter: adapter directory or a loaded :class:`~lorakit.io.adapter.Adapter`.
+        checkpoint: optional base (directory, Checkpoint or in-memory mlx-lm model):
+            adds ``||W||_F`` and the relative size ``||dW||_F / ||W||_F``.
+        rtol: relative tolerance of the numerical rank (see :func:`numerical_rank`).
+
+    Returns:
+        A :class:`DeltaNorms` report. For DoRA the norms are those of the low-rank
+        part; the magnitude vector rescales rows on top of it.
+
+    >>> # delta_norms("data/adapters/lora", "data/tiny-qwen3").plot()
+    """
+    ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
+    src = open_source(checkpoint) if checkpoint is not None else None
+    slots = weight_slots(ad, src) if src is not None else {}
+    rows: List[Dict[str, Any]] = []
+    spectra: List[np.ndarray] = []
+    for t in ad.targets:
+        for expert, A, B, mag in target_parts(t):
+            _, S, _ = lowrank_svd(A, B, t.scale)
+            layer, kind, _, _ = split_name(t.module)
+            shape = (int(B.shape[0]), int(A.shape[1]))
+            fro = float(math.sqrt(float((S * S).sum())))
+            row: Dict[str, Any] = {
+                "module": t.module, "layer": layer, "kind": kind, "expert": expert,
+                "shape": list(shape), "rank": int(A.shape[0]), "scale": t.scale,
+                "fro": fro, "spectral": float(S[0]) if S.size else 0.0,
+                "erank": effective_rank(S), "nrank": numerical_rank(S, shape, rtol),
+                "dora": mag is not None,
+            }
+            if src is not None:
+                tensor, sl = slots[(t.module, expert)]
+                w = _weight_norm(src, tensor, sl)
+                row["w_fro"] = w
+                row["rel"] = fro / w if w > 0 else float("inf")
+            rows.append(row)
+            spectra.append(S)
+    fros = np.array([r["fro"] for r in rows])
+    summary: Dict[str, Any] = {
+        "adapter": str(ad.path), "format": ad.format, "type": ad.fine_tune_type,
+        "targets": len(ad.targets), "rows": len(rows),
+        "total ||dW||_F": float(math.sqrt(float((fros ** 2).sum()))),
+        "largest ||dW||_F": rows[int(fros.argmax())]["module"] if rows else "",
+    }
+    cols = ["module", "expert", "shape", "rank", "fro", "spectral", "erank", "nrank"]
+    if src is not None:
+        rels = np.array([r["rel"] for r in rows])
+        summary["base"] = str(src.path) if src.path is not None else src.label
+        summary["median rel"] = float(np.median(rels))
+        summary["max rel"] = float(rels.max())
+        cols.insert(5, "rel")
+    if not any(r["expert"] is not None for r in rows):
+        cols.remove("expert")
+    return DeltaNorms(title=f"delta norms of {ad.path.name}", rows=rows, columns=cols,
+                      summary=summary, singular_values=spectra)

@@ -1,0 +1,249 @@
+"""Greedy outputs of several models side by side: where do they part ways, and how close was it?
+
+Bits are not behaviour: two fused checkpoints that differ by one ulp here and
+there may generate the same text, or part at the first near-tie. This helper
+decodes the same prompts greedily (argmax, no sampling, so every run gives the
+same tokens) through mlx-lm's own models and KV caches, all models in lockstep,
+and records per step each model's chosen token and its top1 - top2 logit margin.
+When two models first choose different tokens it also records how far apart
+those two tokens were in each model's logits: a divergence at a margin of 0.01
+is a coin toss that rounding decided, one at a margin of 5 is a real difference.
+
+>>> # compare_generations({"base": ("data/tiny-qwen3", None),
+>>> #                      "adapter": ("data/tiny-qwen3", "data/adapters/lora"),
+>>> #                      "fused": ("fused", None)}, ["w1 w2 w3"], max_tokens=16)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import LorakitError
+from .report import Report
+
+__all__ = ["Divergence", "Generation", "GenerationReport", "compare_generations"]
+
+
+@dataclass
+class Divergence:
+    """Where two greedy decodes first chose different tokens.
+
+    ``step``: index of the first differing generated token. ``token_a`` /
+    ``token_b``: the tokens chosen there. ``margin_a`` / ``margin_b``: each model's
+    top1 - top2 logit at that step. ``gap_a``: logit_a[token_a] - logit_a[token_b]
+    (how much model A preferred its token over B's); ``gap_b`` likewise.
+    """
+
+    a: str
+    b: str
+    step: int
+    token_a: int
+    token_b: int
+    margin_a: float
+    margin_b: float
+    gap_a: float
+    gap_b: float
+
+
+@dataclass
+class Generation:
+    """One model's greedy decode of one prompt: ids, text and per-step logit facts."""
+
+    model: str
+    prompt: str
+    prompt_ids: List[int]
+    tokens: List[int] = field(default_factory=list)
+    top1: List[float] = field(default_factory=list)  # logit of the chosen token
+    margin: List[float] = field(default_factory=list)  # top1 - top2 logit
+    text: str = ""
+
+
+@dataclass(repr=False)
+class GenerationReport(Report):
+    """Rows: prompt, model, tokens, diverges_at (vs the first model), margin, gap, text.
+
+    ``generations[p][m]``: the :class:`Generation` of prompt ``p`` by model ``m``;
+    ``divergences[p]``: the :class:`Divergence` of every pair of models that parted.
+    """
+
+    generations: List[Dict[str, Generation]] = field(default_factory=list)
+    divergences: List[List[Divergence]] = field(default_factory=list)
+
+    def first_divergence(self, prompt: int = 0, a: Optional[str] = None,
+                         b: Optional[str] = None) -> Optional[Divergence]:
+        labels = list(self.generations[prompt])
+        a = a or labels[0]
+        b = b or labels[1]
+        for d in self.divergences[prompt]:
+            if {d.a, d.b} == {a, b}:
+                return d
+        return None
+
+    def plot(self, prompt: int = 0, ax=None):
+        """Per-step logit margins of every model for one prompt, first divergence marked."""
+        from . import plots
+
+        gens = self.generations[prompt]
+        steps = [d.step for d in self.divergences[prompt]]
+        return plots.margin_lines({m: g.margin for m, g in gens.items()},
+                                  title=f"prompt {prompt}: top1 - top2 logit per step",
+                                  diverge=min(steps) if steps else None, ax=ax)
+
+    figure = plot
+
+
+def _load(label: str, spec: Any) -> Tuple[Any, Any]:
+    """(model, tokenizer) from a loaded pair, a path, or (path, adapter path or None)."""
+    if isinstance(spec, (str, Path)):
+        spec = (spec, None)
+    if isinstance(spec, tuple) and len(spec) == 2 and hasattr(spec[0], "parameters"):
+        return spec
+    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], (str, Path)):
+        from mlx_lm import load
+
+        path, adapter = spec
+        return load(str(path), adapter_path=str(adapter) if adapter else None)[:2]
+    raise LorakitError(f"cannot load model {label!r}", found=type(spec).__name__,
+                       expected="a path, (path, adapter_path or None), or (model, tokenizer)")
+
+
+def _top2(logits: np.ndarray) -> Tuple[int, float, float]:
+    i = int(np.argmax(logits))  # ties: the lowest id, as mx.argmax and mlx-lm's greedy
+    top1 = float(logits[i])
+    if logits.size < 2:
+        return i, top1, top1
+    rest = np.delete(logits, i)
+    return i, top1, float(rest.max())
+
+
+def _eos_ids(tok: Any) -> set:
+    ids = getattr(tok, "eos_token_ids", None)
+    if ids:
+        return set(int(i) for i in ids)
+    e = getattr(tok, "eos_token_id", None)
+    return {int(e)} if e is not None else set()
+
+
+def _decode_lockstep(models: Dict[str, Tuple[Any, Any]], prompt: str, max_tokens: int,
+                     chat: bool) -> Tuple[Dict[str, Generation], List[Divergence]]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    labels = list(models)
+    gens: Dict[str, Generation] = {}
+    caches, logits, done = {}, {}, {}
+    for m in labels:
+        model, tok = models[m]
+        if chat and getattr(tok, "chat_template", None):
+            ids = list(tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                               add_generation_prompt=True))
+        else:
+            ids = list(tok.encode(prompt))
+        gens[m] = Generation(m, prompt, [int(i) for i in ids])
+        caches[m] = make_prompt_cache(model)
+        out = model(mx.array(ids)[None], cache=caches[m])
+        logits[m] = np.array(out[0, -1].astype(mx.float32))
+        done[m] = False
+    in_sync = {(a, b) for i, a in enumerate(labels) for b in labels[i + 1:]
+               if gens[a].prompt_ids == gens[b].prompt_ids}
+    divs: List[Divergence] = []
+    for step in range(max_tokens):
+        chosen: Dict[str, int] = {}
+        for m in labels:
+            if done[m]:
+                continue
+            i, t1, t2 = _top2(logits[m])
+            chosen[m] = i
+            g = gens[m]
+            g.tokens.append(i)
+            g.top1.append(t1)
+            g.margin.append(t1 - t2)
+        for a, b in sorted(in_sync):
+            ta, tb = chosen.get(a), chosen.get(b)
+            if ta is None and tb is None:
+                continue  # both stopped on the same tokens
+            if ta != tb:
+                la, lb = logits[a], logits[b]
+                divs.append(Divergence(
+                    a, b, step, -1 if ta is None else ta, -1 if tb is None else tb,
+                    gens[a].margin[step] if ta is not None else float("nan"),
+                    gens[b].margin[step] if tb is not None else float("nan"),
+                    float(la[ta] - la[tb]) if ta is not None and tb is not None else float("nan"),
+                    float(lb[tb] - lb[ta]) if ta is not None and tb is not None else float("nan")))
+                in_sync.discard((a, b))
+        for m, t in chosen.items():
+            model, tok = models[m]
+            if t in _eos_ids(tok) or step == max_tokens - 1:
+                done[m] = True
+                continue
+            out = model(mx.array([[t]]), cache=caches[m])
+            logits[m] = np.array(out[0, -1].astype(mx.float32))
+        if all(done.values()):
+            break
+    for m in labels:
+        tok = models[m][1]
+        eos = _eos_ids(tok)
+        body = [t for t in gens[m].tokens if t not in eos]
+        gens[m].text = tok.decode(body)
+    return gens, divs
+
+
+def compare_generations(models: Mapping[str, Any], prompts: Sequence[str] | str,
+                        max_tokens: int = 32, *, chat: bool = False) -> GenerationReport:
+    """Greedy-decode ``prompts`` with every model and report where outputs part.
+
+    Args:
+        models: label -> a model directory, ``(path, adapter_path or None)`` (loaded
+            with ``mlx_lm.load``), or an already loaded ``(model, tokenizer)``.
+            The first model is the reference the table measures divergence against.
+        prompts: one prompt or several.
+        max_tokens: tokens generated per prompt and model (fewer on EOS).
+        chat: wrap each prompt in the tokenizer's chat template when it has one.
+
+    Returns:
+        A :class:`GenerationReport`: text side by side, the first divergent token of
+        each model against the reference with both models' logit margins there, and
+        per-step margins (``generations``) for plots.
+    """
+    if len(models) < 2:
+        raise LorakitError("compare_generations needs at least two models",
+                           found=f"{len(models)}")
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    loaded = {label: _load(label, spec) for label, spec in models.items()}
+    labels = list(loaded)
+    ref = labels[0]
+    rows: List[Dict[str, Any]] = []
+    all_gens: List[Dict[str, Generation]] = []
+    all_divs: List[List[Divergence]] = []
+    flagged: List[int] = []
+    n_identical = 0
+    for p, prompt in enumerate(prompts):
+        gens, divs = _decode_lockstep(loaded, prompt, max_tokens, chat)
+        all_gens.append(gens)
+        all_divs.append(divs)
+        by_other = {d.b: d for d in divs if d.a == ref}
+        n_identical += all(gens[m].tokens == gens[ref].tokens for m in labels)
+        for m in labels:
+            d = by_other.get(m)
+            g = gens[m]
+            row = {"prompt": p, "model": m, "tokens": len(g.tokens),
+                   "diverges_at": None if m == ref or d is None else d.step,
+                   "margin": d.margin_b if d else None,
+                   "ref_margin": d.margin_a if d else None,
+                   "gap": d.gap_b if d else None, "ref_gap": d.gap_a if d else None,
+                   "text": g.text}
+            if d is not None:
+                flagged.append(len(rows))
+            rows.append(row)
+    summary = {"models": ", ".join(labels), "reference": ref, "prompts": len(prompts),
+               "max tokens": max_tokens, "decoding": "greedy (argmax)",
+               "prompts with identical outputs": f"{n_identical} of {len(prompts)}"}
+    return GenerationReport(title=f"greedy outputs of {len(labels)} models",
+                            rows=rows, summary=summary, flagged=flagged,
+                            columns=["prompt", "model", "tokens", "diverges_at", "margin",
+                                     "ref_margin", "gap", "text"],
+                            generations=all_gens, divergences=all_divs)

@@ -1,0 +1,164 @@
+"""Every matplotlib figure the inspection reports draw.
+
+Reports call these from their ``plot()`` methods; matplotlib is imported inside
+each function, so importing lorakit (or any report module) never imports it.
+Figures are made with ``matplotlib.figure.Figure`` rather than pyplot: no global
+state, no GUI backend, and Jupyter still renders a returned Figure inline. Pass
+``ax=`` to draw into an axes of your own; the axes' figure is returned.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+__all__ = ["dtype_heatmap", "value_heatmap", "histogram_bars", "spectra", "grouped_bars",
+           "margin_lines"]
+
+# One fixed colour per dtype, so maps of different checkpoints read the same.
+_DTYPE_COLORS = {
+    "BF16": "#4c72b0", "F16": "#55a868", "F32": "#c44e52", "F64": "#8172b2",
+    "mixed": "#dd8452", "": "#ffffff",
+}
+_QUANT_COLOR = "#937860"
+_OTHER_COLOR = "#8c8c8c"
+
+
+def _new(ax, size: Tuple[float, float]):
+    if ax is not None:
+        return ax.figure, ax
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def _fit(n_rows: int, n_cols: int, base: Tuple[float, float] = (4.0, 2.5)) -> Tuple[float, float]:
+    return (min(18.0, base[0] + 0.45 * n_cols), min(18.0, base[1] + 0.22 * n_rows))
+
+
+def dtype_heatmap(dm, ax=None, part: str = "weight"):
+    """Layers x kinds, one colour per dtype; flagged tensors outlined in black."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch, Rectangle
+
+    labels, kinds, cells = dm.grid(part)
+    flags = dm.flag_grid(part)
+    names = sorted({c for row in cells for c in row if c},
+                   key=lambda c: (c not in _DTYPE_COLORS, c))
+    colors = ["#ffffff"] + [_DTYPE_COLORS.get(c, _QUANT_COLOR if c.startswith("Q")
+                                              else _OTHER_COLOR) for c in names]
+    index = {c: i + 1 for i, c in enumerate(names)}
+    grid = np.array([[index.get(c, 0) for c in row] for row in cells], dtype=float)
+    fig, ax = _new(ax, _fit(len(labels), len(kinds)))
+    if grid.size:
+        ax.imshow(grid, cmap=ListedColormap(colors), vmin=-0.5, vmax=len(colors) - 0.5,
+                  aspect="auto", interpolation="nearest")
+        for i, row in enumerate(flags):
+            for j, f in enumerate(row):
+                if f:
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2,
+                                           ec="black"))
+    ax.set_xticks(range(len(kinds)), kinds, rotation=60, ha="right")
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_ylabel("layer")
+    ax.set_title(dm.title + (f" ({len(dm.flagged)} flagged)" if dm.flagged else ""))
+    ax.legend(handles=[Patch(color=colors[index[c]], label=c) for c in names],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    return fig
+
+
+def value_heatmap(labels: Sequence[str], kinds: Sequence[str], values: np.ndarray, *,
+                  title: str, cbar: str, ax=None, log: bool = False, cmap: str = "viridis",
+                  vmin: Optional[float] = None, vmax: Optional[float] = None):
+    """A layer x kind heatmap of numbers (NaN cells left blank)."""
+    from matplotlib.colors import LogNorm
+
+    fig, ax = _new(ax, _fit(len(labels), len(kinds)))
+    v = np.ma.masked_invalid(np.asarray(values, dtype=float))
+    norm = None
+    if log and v.count() and (v > 0).any():
+        pos = v[v > 0]
+        norm = LogNorm(vmin=vmin or float(pos.min()), vmax=vmax or float(pos.max()))
+        im = ax.imshow(v, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
+    else:
+        im = ax.imshow(v, aspect="auto", interpolation="nearest", cmap=cmap, vmin=vmin,
+                       vmax=vmax)
+    ax.set_xticks(range(len(kinds)), list(kinds), rotation=60, ha="right")
+    ax.set_yticks(range(len(labels)), list(labels))
+    ax.set_ylabel("layer")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, label=cbar)
+    return fig
+
+
+def histogram_bars(labels: Sequence[str], series: Dict[str, Sequence[float]], *, title: str,
+                   xlabel: str = "ulp distance", ax=None, log: bool = True):
+    """Bars of binned counts (ulp histograms); several series side by side."""
+    fig, ax = _new(ax, (max(5.0, 0.5 * len(labels) + 2), 3.2))
+    n = max(1, len(series))
+    width = 0.8 / n
+    x = np.arange(len(labels))
+    for k, (name, counts) in enumerate(series.items()):
+        c = np.asarray(list(counts), dtype=float)
+        ax.bar(x + (k - (n - 1) / 2) * width, np.where(c > 0, c, np.nan), width, label=name)
+    if log:
+        ax.set_yscale("log")
+    ax.set_xticks(x, list(labels), rotation=45, ha="right")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("elements")
+    ax.set_title(title)
+    if len(series) > 1:
+        ax.legend(fontsize="small")
+    return fig
+
+
+def spectra(curves: List[Tuple[str, np.ndarray]], *, title: str, ax=None, limit: int = 24):
+    """Singular value spectra, one line per target (the largest ``limit`` shown)."""
+    fig, ax = _new(ax, (6.0, 3.5))
+    shown = sorted(curves, key=lambda c: -(float(c[1][0]) if len(c[1]) else 0.0))[:limit]
+    for name, s in shown:
+        s = np.asarray(s, dtype=float)
+        ax.plot(np.arange(1, len(s) + 1), np.where(s > 0, s, np.nan), marker=".", lw=1,
+                label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("index")
+    ax.set_ylabel("singular value")
+    ax.set_title(title + (f" (largest {limit} of {len(curves)})" if len(curves) > limit else ""))
+    if len(shown) <= 12:
+        ax.legend(fontsize="x-small")
+    return fig
+
+
+def grouped_bars(names: Sequence[str], series: Dict[str, Sequence[float]], *, title: str,
+                 ylabel: str, ax=None, log: bool = False):
+    """Side-by-side bars per name (e.g. the delta norms of two adapters per target)."""
+    fig, ax = _new(ax, (min(18.0, 3 + 0.3 * len(names) * max(1, len(series))), 3.5))
+    n = max(1, len(series))
+    width = 0.8 / n
+    x = np.arange(len(names))
+    for k, (label, vals) in enumerate(series.items()):
+        ax.bar(x + (k - (n - 1) / 2) * width, np.asarray(vals, dtype=float), width, label=label)
+    if log:
+        ax.set_yscale("log")
+    ax.set_xticks(x, list(names), rotation=75, ha="right", fontsize="x-small")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def margin_lines(series: Dict[str, Sequence[float]], *, title: str, diverge: Optional[int] = None,
+                 ax=None):
+    """Per-step top1 - top2 logit margins of several models; divergence marked."""
+    fig, ax = _new(ax, (6.5, 3.2))
+    for label, vals in series.items():
+        ax.plot(np.arange(len(vals)), np.asarray(vals, dtype=float), marker=".", lw=1,
+                label=label)
+    if diverge is not None:
+        ax.axvline(diverge, color="red", ls="--", lw=1, label=f"first divergence ({diverge})")
+    ax.set_xlabel("generated token")
+    ax.set_ylabel("top1 - top2 logit")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    return fig

@@ -1,0 +1,168 @@
+"""DecodeRace: decode timing variants measured live, without freezing the notebook.
+
+:func:`lorakit.time_decode` runs in a background thread (every variant decodes in
+a process of its own, so the kernel stays free); each variant's result arrives
+through its ``on_result`` hook and the widget redraws the tok/s and peak-memory
+bars (:meth:`DecodeTiming.plot`) and the table as it comes.
+
+>>> # from lorakit.widgets import DecodeRace
+>>> # race = DecodeRace("data/tiny-qwen3", "data/adapters/lora"); race   # then click Start
+>>> # race.start(); ...; timing = race.wait()
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Union
+
+import ipywidgets as W
+
+from ..timing.decode import VARIANTS, DecodeTiming, VariantTiming, time_decode
+from ._base import ErrorBox, FigureView, hook
+
+PathLike = Union[str, Path]
+
+
+class DecodeRace(W.VBox):
+    """Live decode timing of base / unfused / promoted / fused / mlx-lm-fused.
+
+    Args:
+        model, adapter: checkpoint and adapter directories.
+        variants: variants offered and checked at the start (default: all).
+        tokens, prompt_tokens, repeats, warmup: as :func:`lorakit.time_decode`.
+        **kw: passed on to :func:`lorakit.time_decode` (``device``, ``timeout``, ...).
+
+    Attributes:
+        timing: the live :class:`DecodeTiming` (grows one variant at a time).
+        result: what ``time_decode`` returned, once it has finished.
+        updates: how many times the chart was redrawn.
+    """
+
+    def __init__(self, model: PathLike, adapter: Optional[PathLike] = None, *,
+                 variants: Optional[Sequence[str]] = None, tokens: int = 64,
+                 prompt_tokens: int = 64, repeats: int = 3, warmup: int = 1, **kw: Any) -> None:
+        self.model = Path(model)
+        self.adapter = Path(adapter) if adapter is not None else None
+        offered = list(VARIANTS) if self.adapter is not None else ["base"]
+        chosen = list(variants) if variants is not None else offered
+        self.kw = kw
+        self.timing: Optional[DecodeTiming] = None
+        self.result: Optional[DecodeTiming] = None
+        self.updates = 0
+        self._thread: Optional[threading.Thread] = None
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self.checks = {v: hook(W.Checkbox(value=v in chosen, description=v, indent=False,
+                                          layout=W.Layout(width="9em")), f"race-{v}")
+                       for v in offered}
+        style = {"description_width": "7em"}
+        self.tokens = hook(W.BoundedIntText(tokens, min=1, max=4096, description="tokens",
+                                            style=style, layout=W.Layout(width="14em")),
+                           "race-tokens")
+        self.prompt_tokens = hook(W.BoundedIntText(prompt_tokens, min=1, max=8192,
+                                                   description="prompt tokens", style=style,
+                                                   layout=W.Layout(width="14em")),
+                                  "race-prompt-tokens")
+        self.repeats = hook(W.BoundedIntText(repeats, min=1, max=50, description="repeats",
+                                             style=style, layout=W.Layout(width="14em")),
+                            "race-repeats")
+        self.warmup = warmup
+        self.start_button = hook(W.Button(description="Start", button_style="primary",
+                                          icon="play"), "race-start")
+        self.stop_button = hook(W.Button(description="Stop", icon="stop", disabled=True),
+                                "race-stop")
+        self.progress = hook(W.IntProgress(0, min=0, max=1, layout=W.Layout(width="16em")),
+                             "race-progress")
+        self.status = hook(W.HTML(""), "race-status")
+        self.chart = FigureView("race-chart")
+        self.table = hook(W.HTML(""), "race-table")
+        self.error = ErrorBox("race-error")
+        self.start_button.on_click(lambda _b: self.start())
+        self.stop_button.on_click(lambda _b: self.stop())
+        super().__init__([
+            W.HTML(f"<b>Decode race</b>: {self.model.name}"
+                   + (f" + {self.adapter.name}" if self.adapter else "")),
+            W.HBox(list(self.checks.values())),
+            W.HBox([self.prompt_tokens, self.tokens, self.repeats]),
+            W.HBox([self.start_button, self.stop_button, self.progress, self.status]),
+            self.error, self.chart, self.table])
+        hook(self, "decode-race")
+
+    @property
+    def variants(self) -> List[str]:
+        return [v for v, c in self.checks.items() if c.value]
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> threading.Thread:
+        """Start timing in a background thread and return it at once."""
+        if self.running:
+            raise RuntimeError("a decode race is already running")
+        names = self.variants
+        settings = {"model": str(self.model),
+                    "adapter_path": str(self.adapter) if self.adapter else None,
+                    "variants": names, "prompt_tokens": self.prompt_tokens.value,
+                    "tokens": self.tokens.value, "repeats": self.repeats.value,
+                    "warmup": self.warmup, "device": self.kw.get("device"),
+                    "seed": self.kw.get("seed", 0)}
+        self.timing = DecodeTiming(title="", settings=settings)
+        self.result = None
+        self._cancel.clear()
+        self.error.show(None)
+        self.chart.clear()
+        self.table.value = ""
+        self.progress.max = max(1, len(names))
+        self.progress.value = 0
+        self.progress.bar_style = "info"
+        self.status.value = f"preparing {', '.join(names)}..."
+        self.start_button.disabled = True
+        self.stop_button.disabled = False
+        self._thread = threading.Thread(target=self._work, args=(names,), daemon=True,
+                                        name="lorakit-decode-race")
+        self._thread.start()
+        return self._thread
+
+    def stop(self) -> None:
+        """Ask the running race to stop (the running variant's process is killed)."""
+        self._cancel.set()
+        self.status.value = "stopping..."
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[DecodeTiming]:
+        """Block until the race ends; return its result (None if it failed)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.result
+
+    # -- the background thread -------------------------------------------------------
+    def _on_result(self, v: VariantTiming) -> None:
+        with self._lock:
+            assert self.timing is not None
+            self.timing.add(v)
+            self.progress.value = len(self.timing.variants)
+            done = ", ".join(x.variant for x in self.timing.variants)
+            self.status.value = f"measured: {done}"
+            self.chart.show(self.timing.plot())
+            self.table.value = self.timing._repr_html_()
+            self.updates += 1
+
+    def _work(self, names: List[str]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.result = time_decode(
+                self.model, self.adapter, variants=names, prompt_tokens=self.prompt_tokens.value,
+                tokens=self.tokens.value, repeats=self.repeats.value, warmup=self.warmup,
+                progress=False, on_result=self._on_result, cancel=self._cancel, **self.kw)
+            stopped = self._cancel.is_set()
+            self.progress.bar_style = "warning" if stopped else "success"
+            self.status.value = ("stopped" if stopped else "finished") + \
+                f" in {time.perf_counter() - t0:.1f} s"
+        except Exception as e:  # shown in the widget: a thread's exception is otherwise lost
+            self.progress.bar_style = "danger"
+            self.status.value = "failed"
+            self.error.show(e)
+        finally:
+            self.start_button.disabled = False
+            self.stop_button.disabled = True

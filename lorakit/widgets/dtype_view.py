@@ -1,0 +1,129 @@
+"""DtypeMapView: a checkpoint's per-layer dtype map, with hover and click detail.
+
+The map is :func:`lorakit.dtype_map`'s report. The widget shows its summary, a grid
+of cells (layers x tensor kinds, coloured by dtype like the report's heatmap; hover
+a cell for its tensors, click it for a table of them), and the report's own
+heatmap figure.
+
+>>> # from lorakit.widgets import DtypeMapView
+>>> # DtypeMapView("data/tiny-qwen3")
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import ipywidgets as W
+
+from ..inspect.dtype_map import DtypeMap, dtype_map
+from ..inspect.plots import _DTYPE_COLORS, _OTHER_COLOR, _QUANT_COLOR
+from ._base import ErrorBox, FigureView, hook, rows_html, summary_html
+
+DETAIL_COLUMNS = ["tensor", "dtype", "shape", "bytes", "flag"]
+
+
+def _color(code: str) -> str:
+    # the same colours as the report's heatmap, so the grid and the figure agree
+    if code in _DTYPE_COLORS:
+        return _DTYPE_COLORS[code]
+    return _QUANT_COLOR if code.startswith("Q") else _OTHER_COLOR
+
+
+class DtypeMapView(W.VBox):
+    """Per-layer dtype/bytes map of a checkpoint, adapter or in-memory model.
+
+    Args:
+        source: anything :func:`lorakit.dtype_map` accepts, or a ready ``DtypeMap``.
+        part: which tensor part the grid shows (``"weight"``; ``"scales"`` for the
+            scales of a quantized model).
+
+    Attributes:
+        report: the :class:`~lorakit.inspect.dtype_map.DtypeMap` shown.
+        selected: ``(layer label, kind)`` of the clicked cell, or None.
+        cells: ``{(layer label, kind): Button}`` of the grid.
+    """
+
+    def __init__(self, source: Any = None, part: str = "weight") -> None:
+        self.part = part
+        self.report: Optional[DtypeMap] = None
+        self.selected: Optional[Tuple[str, str]] = None
+        self.cells: dict = {}
+        self.summary = hook(W.HTML(), "dtype-summary")
+        self.grid = hook(W.GridBox(), "dtype-grid")
+        self.detail = hook(W.HTML("<i>click a cell for its tensors</i>"), "dtype-detail")
+        self.figure = FigureView("dtype-figure")
+        self.error = ErrorBox("dtype-error")
+        tabs = W.Tab([W.VBox([self.grid, self.detail]), self.figure])
+        tabs.set_title(0, "map (hover, click)")
+        tabs.set_title(1, "heatmap figure")
+        super().__init__([self.summary, tabs, self.error])
+        hook(self, "dtype-map-view")
+        if source is not None:
+            self.show(source)
+
+    def show(self, source: Any) -> Optional[DtypeMap]:
+        """Inspect ``source`` (or show a ready DtypeMap) and redraw everything."""
+        try:
+            rep = source if isinstance(source, DtypeMap) else dtype_map(source)
+        except Exception as e:  # shown to the user; the widget stays usable
+            self.error.show(e)
+            return None
+        self.error.show(None)
+        self.report = rep
+        self.selected = None
+        self.summary.value = summary_html(rep)
+        self._build_grid(rep)
+        self.detail.value = "<i>click a cell for its tensors</i>"
+        self.figure.show(rep.plot(part=self.part))
+        return rep
+
+    def _build_grid(self, rep: DtypeMap) -> None:
+        labels, kinds, cells = rep.grid(self.part)
+        flags = rep.flag_grid(self.part)
+        children: List[W.Widget] = [W.HTML("<b>layer</b>")]
+        children += [W.HTML(f"<b>{k}</b>", layout=W.Layout(overflow="hidden")) for k in kinds]
+        self.cells = {}
+        for lab, row, frow in zip(labels, cells, flags):
+            children.append(W.HTML(lab))
+            for kind, code, flag in zip(kinds, row, frow):
+                b = W.Button(description=code, layout=W.Layout(width="auto", height="24px",
+                                                             padding="0px"))
+                b.style.button_color = _color(code) if code else "#ffffff"
+                b.style.text_color = "white" if code else "#999999"
+                b.style.font_weight = "bold" if flag else ""
+                b.tooltip = self._tooltip(lab, kind)
+                if flag:
+                    b.add_class("t-dtype-flagged")
+                b.add_class("t-dtype-cell")
+                b.on_click(lambda _b, key=(lab, kind): self.select(*key))
+                self.cells[(lab, kind)] = b
+                children.append(b)
+        self.grid.children = children
+        self.grid.layout = W.Layout(grid_template_columns=f"3em repeat({len(kinds)}, 4.2em)",
+                                    grid_gap="2px")
+
+    def rows_at(self, layer: str, kind: str) -> List[int]:
+        """Indices of the report rows in grid cell (layer label, kind)."""
+        assert self.report is not None
+        return [i for i, r in enumerate(self.report.rows)
+                if ("-" if r["layer"] is None else str(r["layer"])) == layer
+                and r["kind"] == kind]
+
+    def _tooltip(self, layer: str, kind: str) -> str:
+        rep = self.report
+        assert rep is not None
+        lines = [f"{rep.rows[i]['tensor']}: {rep.rows[i]['dtype']} "
+                 f"{'x'.join(map(str, rep.rows[i]['shape']))}, {rep.rows[i]['bytes']:,} B"
+                 + (f"  [{rep.rows[i]['flag']}]" if rep.rows[i]["flag"] else "")
+                 for i in self.rows_at(layer, kind)]
+        return "\n".join(lines) or "no tensor"
+
+    def select(self, layer: str, kind: str) -> None:
+        """Show the tensors of one cell (what a click does)."""
+        assert self.report is not None
+        idx = self.rows_at(layer, kind)
+        flagged = set(self.report.flagged)
+        rows = [self.report.rows[i] for i in idx]
+        self.selected = (layer, kind)
+        self.detail.value = (f"<b>layer {layer}, {kind}</b>"
+                             + rows_html(rows, DETAIL_COLUMNS,
+                                         {j for j, i in enumerate(idx) if i in flagged}))

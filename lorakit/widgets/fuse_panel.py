@@ -1,0 +1,171 @@
+"""FusePanel: pick a base and an adapter, choose how to fuse, run, see the result.
+
+Every choice maps onto one argument of :func:`lorakit.fuse`; the result is the
+:class:`~lorakit.fusion.stream.FuseResult` summary and the fused checkpoint's
+dtype map (:class:`DtypeMapView`). Outputs go to a temporary directory (or
+``out_dir``), never into the base or adapter folders.
+
+>>> # from lorakit.widgets import FusePanel
+>>> # FusePanel()                      # choices from the repository's data/
+"""
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import ipywidgets as W
+
+from ..fusion.core import DTYPE_POLICIES, ROUNDINGS
+from ..fusion.stream import FuseResult, fuse
+from ..io.checkpoint import Checkpoint
+from . import _assets
+from ._base import ErrorBox, hook
+from .dtype_view import DtypeMapView
+
+PathLike = Union[str, Path]
+QUANT_CHOICES = (("re-quantize", False), ("dequantize", True))
+
+
+def _choices(found: dict) -> list:
+    return [(name, str(path)) for name, path in found.items()]
+
+
+class FusePanel(W.VBox):
+    """A form over :func:`lorakit.fuse` with a progress bar, summary and dtype map.
+
+    Args:
+        data: folder to offer checkpoints (its subfolders) and adapters
+            (``data/adapters/*``) from; default: the repository's ``data/``.
+        out_dir: where fused checkpoints are written (default: a new temporary
+            directory). Each run writes ``<base>+<adapter>-<rounding>-<dtype>`` there,
+            replacing an earlier run with the same settings.
+        base, adapter: initial selections (names in ``data`` or paths).
+
+    Attributes:
+        result: the last :class:`FuseResult` (None before the first run).
+        runs: how many fuses finished.
+    """
+
+    def __init__(self, data: Optional[PathLike] = None, out_dir: Optional[PathLike] = None,
+                 base: Optional[str] = None, adapter: Optional[str] = None) -> None:
+        self.data = Path(data) if data is not None else _assets.find_data()
+        self.out_dir = Path(out_dir) if out_dir is not None else Path(
+            tempfile.mkdtemp(prefix="lorakit-fusepanel-"))
+        self.result: Optional[FuseResult] = None
+        self.runs = 0
+        style = {"description_width": "8em"}
+        wide = W.Layout(width="32em")
+        cks, ads = _choices(_assets.checkpoints(self.data)), _choices(_assets.adapters(self.data))
+        self.base = hook(W.Dropdown(options=cks, description="base", style=style, layout=wide),
+                         "fuse-base")
+        self.base_path = hook(W.Text(placeholder="or a checkpoint path", description="",
+                                     layout=W.Layout(width="24em")), "fuse-base-path")
+        self.adapter = hook(W.Dropdown(options=ads, description="adapter", style=style,
+                                       layout=wide), "fuse-adapter")
+        self.adapter_path = hook(W.Text(placeholder="or an adapter path", description="",
+                                        layout=W.Layout(width="24em")), "fuse-adapter-path")
+        self.rounding = hook(W.Dropdown(options=list(ROUNDINGS), value="nearest",
+                                        description="rounding", style=style), "fuse-rounding")
+        self.dtype = hook(W.Dropdown(options=list(DTYPE_POLICIES), value="preserve",
+                                     description="dtype policy", style=style), "fuse-dtype")
+        self.quant = hook(W.ToggleButtons(options=list(QUANT_CHOICES), value=False,
+                                          description="quantized", style=style,
+                                          tooltips=["dequantize, fuse, re-quantize with the "
+                                                    "same bits and group size",
+                                                    "write float weights"]), "fuse-quant")
+        self.button = hook(W.Button(description="Fuse", button_style="primary",
+                                    icon="compress"), "fuse-run")
+        self.progress = hook(W.FloatProgress(value=0.0, min=0.0, max=1.0, description="",
+                                             layout=W.Layout(width="20em")), "fuse-progress")
+        self.status = hook(W.HTML(""), "fuse-status")
+        self.summary = hook(W.HTML(""), "fuse-summary")
+        self.error = ErrorBox("fuse-error")
+        self.view = DtypeMapView()
+        self.view.layout.display = "none"
+        self._select(self.base, base)
+        self._select(self.adapter, adapter)
+        self.base.observe(self._on_base, names="value")
+        self.base_path.observe(self._on_base, names="value")
+        self._on_base()
+        self.button.on_click(lambda _b: self.run())
+        super().__init__([
+            W.HBox([self.base, self.base_path]), W.HBox([self.adapter, self.adapter_path]),
+            self.rounding, self.dtype, self.quant,
+            W.HBox([self.button, self.progress, self.status]),
+            self.error, self.summary, self.view])
+        hook(self, "fuse-panel")
+
+    @staticmethod
+    def _select(dd: W.Dropdown, want: Optional[str]) -> None:
+        if want is None:
+            return
+        for label, value in dd.options:
+            if want in (label, value):
+                dd.value = value
+                return
+        raise ValueError(f"{want!r} is not among {[label for label, _ in dd.options]}")
+
+    # -- the chosen inputs ------------------------------------------------------------
+    def base_dir(self) -> Optional[Path]:
+        text = self.base_path.value.strip()
+        return Path(text).expanduser() if text else (Path(self.base.value)
+                                                      if self.base.value else None)
+
+    def adapter_dir(self) -> Optional[Path]:
+        text = self.adapter_path.value.strip()
+        return Path(text).expanduser() if text else (Path(self.adapter.value)
+                                                      if self.adapter.value else None)
+
+    def output_dir(self) -> Path:
+        """Where the current settings' fuse goes."""
+        b, a = self.base_dir(), self.adapter_dir()
+        name = f"{b.name if b else 'base'}+{a.name if a else 'adapter'}-" \
+               f"{self.rounding.value}-{self.dtype.value}" + ("-deq" if self.quant.value else "")
+        return self.out_dir / re.sub(r"[^A-Za-z0-9_.+-]", "_", name)
+
+    def _on_base(self, _change: Any = None) -> None:
+        # the quantized choice only means something for a quantized base
+        b = self.base_dir()
+        quantized = False
+        try:
+            quantized = b is not None and Checkpoint(b).quantization is not None
+        except Exception:
+            pass  # an unreadable path is reported when the user runs the fuse
+        self.quant.disabled = not quantized
+
+    # -- running ----------------------------------------------------------------------
+    def run(self) -> Optional[FuseResult]:
+        """Fuse with the current settings (what the button does)."""
+        base, adapter = self.base_dir(), self.adapter_dir()
+        self.error.show(None)
+        self.button.disabled = True
+        self.progress.bar_style = "info"
+        self.progress.value = 0.05
+        self.status.value = "fusing..."
+        try:
+            if base is None or adapter is None:
+                raise ValueError("choose a base checkpoint and an adapter")
+            result = fuse(base, adapter, self.output_dir(), rounding=self.rounding.value,
+                          dtype=self.dtype.value,
+                          dequantize=bool(self.quant.value) and not self.quant.disabled,
+                          force=True, progress=False)
+            self.progress.value = 0.8
+            self.status.value = "inspecting..."
+            self.view.show(result.output)
+        except Exception as e:  # shown in the panel: the user fixes a choice and retries
+            self.progress.bar_style = "danger"
+            self.status.value = "failed"
+            self.error.show(e)
+            return None
+        finally:
+            self.button.disabled = False
+        self.result = result
+        self.runs += 1
+        self.progress.value = 1.0
+        self.progress.bar_style = "success"
+        self.status.value = f"done in {result.seconds:.2f} s"
+        self.summary.value = result._repr_html_()
+        self.view.layout.display = None
+        return result

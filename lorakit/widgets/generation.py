@@ -1,0 +1,140 @@
+"""GenerationCompare: the same prompts through several models, text side by side.
+
+Models are loaded once (``mlx_lm.load``) and kept, so new prompts run quickly. The
+widget calls :func:`lorakit.compare_generations` (greedy, reproducible) and shows
+each model's continuation in a column, the first token where it parts from the
+reference model (the first one) highlighted, and the report's per-step logit
+margins for one prompt.
+
+>>> # from lorakit.widgets import GenerationCompare
+>>> # GenerationCompare({"base": "data/tiny-qwen3",
+>>> #                    "adapter": ("data/tiny-qwen3", "data/adapters/lora"),
+>>> #                    "fused": "fused"}, prompts=["And it came to pass"])
+"""
+from __future__ import annotations
+
+import html
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import ipywidgets as W
+
+from ..inspect.generation import GenerationReport, _load, compare_generations
+from ._base import ErrorBox, FigureView, hook, summary_html
+
+MARK_STYLE = "background:#ffd54f;font-weight:bold;border-radius:2px"
+REF_MARK_STYLE = "background:#e0e0e0;border-radius:2px"
+
+
+class GenerationCompare(W.VBox):
+    """Greedy outputs of several models side by side, first divergent token marked.
+
+    Args:
+        models: label -> model directory, ``(path, adapter_path or None)``, or a
+            loaded ``(model, tokenizer)``. The first is the reference.
+        prompts: initial prompts (one per line in the text box).
+        max_tokens: tokens generated per prompt and model.
+        run: generate at once (otherwise wait for the button).
+
+    Attributes:
+        report: the last :class:`GenerationReport`.
+        loaded: label -> (model, tokenizer), loaded on first use.
+    """
+
+    def __init__(self, models: Mapping[str, Any], prompts: Sequence[str] = (),
+                 max_tokens: int = 24, run: bool = False) -> None:
+        if len(models) < 2:
+            raise ValueError("GenerationCompare needs at least two models")
+        self.models = dict(models)
+        self.loaded: Dict[str, Tuple[Any, Any]] = {}
+        self.report: Optional[GenerationReport] = None
+        self.prompts = hook(W.Textarea("\n".join(prompts), placeholder="one prompt per line",
+                                       description="prompts",
+                                       layout=W.Layout(width="48em", height="6em")),
+                            "gen-prompts")
+        self.max_tokens = hook(W.IntSlider(max_tokens, min=1, max=256, description="tokens"),
+                               "gen-tokens")
+        self.button = hook(W.Button(description="Generate", button_style="primary",
+                                    icon="play"), "gen-run")
+        self.status = hook(W.HTML(""), "gen-status")
+        self.summary = hook(W.HTML(""), "gen-summary")
+        self.table = hook(W.HTML(""), "gen-table")
+        self.prompt = hook(W.Dropdown(options=[], description="margins of"), "gen-prompt")
+        self.figure = FigureView("gen-figure")
+        self.error = ErrorBox("gen-error")
+        self.button.on_click(lambda _b: self.run())
+        self.prompt.observe(lambda _c: self._draw_margins(), names="value")
+        super().__init__([self.prompts, W.HBox([self.max_tokens, self.button, self.status]),
+                          self.error, self.summary, self.table, self.prompt, self.figure])
+        hook(self, "generation-compare")
+        if run:
+            self.run()
+
+    def prompt_list(self) -> List[str]:
+        return [p for p in (line.strip() for line in self.prompts.value.splitlines()) if p]
+
+    def run(self) -> Optional[GenerationReport]:
+        """Generate with every model (what the button does)."""
+        self.error.show(None)
+        prompts = self.prompt_list()
+        try:
+            if not prompts:
+                raise ValueError("enter at least one prompt")
+            for label, spec in self.models.items():
+                if label not in self.loaded:
+                    self.status.value = f"loading {html.escape(label)}..."
+                    self.loaded[label] = _load(label, spec)
+            self.status.value = "generating..."
+            rep = compare_generations(self.loaded, prompts, max_tokens=self.max_tokens.value)
+        except Exception as e:  # shown in the widget
+            self.status.value = "failed"
+            self.error.show(e)
+            return None
+        self.report = rep
+        self.status.value = "done"
+        self.summary.value = summary_html(rep)
+        self.table.value = self.render(rep)
+        self.prompt.options = [(f"{i}: {p[:40]}", i) for i, p in enumerate(prompts)]
+        self.prompt.value = 0
+        self._draw_margins()
+        return rep
+
+    def _draw_margins(self) -> None:
+        if self.report is not None and self.prompt.value is not None:
+            self.figure.show(self.report.plot(prompt=self.prompt.value))
+
+    def _marked(self, label: str, tokens: List[int], step: Optional[int], style: str) -> str:
+        """A model's text with the token at ``step`` wrapped in a highlight."""
+        tok = self.loaded[label][1]
+        e = html.escape
+        if step is None or step >= len(tokens):
+            return e(tok.decode(tokens))
+        return (e(tok.decode(tokens[:step]))
+                + f"<span class='t-gen-diverge' style='{style}'>"
+                + e(tok.decode(tokens[step:step + 1])) + "</span>"
+                + e(tok.decode(tokens[step + 1:])))
+
+    def render(self, rep: GenerationReport) -> str:
+        """The side-by-side HTML table of a report."""
+        labels = list(rep.generations[0]) if rep.generations else []
+        ref = labels[0] if labels else ""
+        head = "".join(f"<th style='text-align:left'>{html.escape(m)}</th>" for m in labels)
+        body = []
+        for p, gens in enumerate(rep.generations):
+            steps = {r["model"]: r["diverges_at"] for r in rep.rows if r["prompt"] == p}
+            parted = [s for m, s in steps.items() if m != ref and s is not None]
+            cells = []
+            for m in labels:
+                if m == ref:
+                    text = self._marked(m, gens[m].tokens, min(parted) if parted else None,
+                                        REF_MARK_STYLE)
+                    note = "reference"
+                else:
+                    s = steps.get(m)
+                    text = self._marked(m, gens[m].tokens, s, MARK_STYLE)
+                    note = "same as reference" if s is None else f"parts at token {s}"
+                cells.append(f"<td style='vertical-align:top;text-align:left;white-space:"
+                             f"pre-wrap;max-width:24em'>{text}<br><small><i>{note}</i>"
+                             f"</small></td>")
+            body.append(f"<tr><th colspan={len(labels)} style='text-align:left'>prompt {p}: "
+                        f"{html.escape(gens[ref].prompt)}</th></tr><tr>{''.join(cells)}</tr>")
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"

@@ -1,0 +1,191 @@
+"""UlpExplorer: how far apart are two checkpoints, overall, per layer, per tensor?
+
+Pick A and B among checkpoints (for example the outputs of several fuses), or the
+exact float64 fuse as B; the widget calls :func:`lorakit.ulp_compare` (or
+:func:`lorakit.inspect.ulp.ulp_vs_reference` for the exact fuse) and shows the
+report's histograms: overall, layers x bins, one layer, or one tensor, with the
+numbers behind them (max ulp, differing elements).
+
+>>> # from lorakit.widgets import UlpExplorer
+>>> # UlpExplorer({"nearest": "out/nearest", "mlx-lm": "out/mlx-lm"},
+>>> #             base="data/tiny-qwen3", adapter="data/adapters/lora")
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+import ipywidgets as W
+
+from ..inspect.plots import histogram_bars
+from ..inspect.report import Report
+from ..inspect.ulp import RefUlpReport, UlpReport, ulp_compare, ulp_vs_reference
+from ._base import ErrorBox, FigureView, facts_html, hook, rows_html, summary_html
+
+PathLike = Union[str, Path]
+#: the B choice meaning "the exact fuse of base + adapter, in float64"
+REFERENCE = "exact fuse (float64)"
+VIEWS = ("overall", "layers", "layer", "tensor")
+TENSOR_FACTS = ("status", "dtype", "elements", "differing", "max_ulp", "mean_ulp",
+                "nan_mismatch", "max_err", "mean_err", "not_nearest", "hist")
+
+
+class UlpExplorer(W.VBox):
+    """Ulp histograms of checkpoint A against checkpoint B (or the exact fuse).
+
+    Args:
+        checkpoints: label -> checkpoint directory: the choices for A and B.
+        a, b: initial labels (default: the first two choices).
+        base, adapter: when both are given, B may also be ``REFERENCE``: the exact
+            ``W + scale * B @ A`` in float64, measured in ulps of A's format.
+
+    Attributes:
+        report: the last report (:class:`UlpReport`, or :class:`RefUlpReport` against
+            the exact fuse); ``view`` / ``layer`` / ``tensor`` select what is drawn.
+        compared: how many comparisons ran.
+    """
+
+    def __init__(self, checkpoints: Mapping[str, PathLike], *, a: Optional[str] = None,
+                 b: Optional[str] = None, base: Optional[PathLike] = None,
+                 adapter: Optional[PathLike] = None, compare: bool = True) -> None:
+        self.checkpoints = {k: Path(v) for k, v in checkpoints.items()}
+        self.base = Path(base) if base is not None else None
+        self.adapter = Path(adapter) if adapter is not None else None
+        labels = list(self.checkpoints)
+        b_labels = labels + ([REFERENCE] if self.base and self.adapter else [])
+        if not labels:
+            raise ValueError("UlpExplorer needs at least one checkpoint")
+        self.report: Optional[Report] = None
+        self.compared = 0
+        self._quiet = False
+        style = {"description_width": "5em"}
+        self.a = hook(W.Dropdown(options=labels, value=a or labels[0], description="A",
+                                 style=style), "ulp-a")
+        default_b = b or (b_labels[1] if len(b_labels) > 1 else b_labels[0])
+        self.b = hook(W.Dropdown(options=b_labels, value=default_b, description="B",
+                                 style=style), "ulp-b")
+        self.button = hook(W.Button(description="Compare", button_style="primary",
+                                    icon="balance-scale"), "ulp-compare")
+        self.view = hook(W.ToggleButtons(options=list(VIEWS), value="overall",
+                                         description="show", style=style), "ulp-view")
+        self.layer = hook(W.Dropdown(options=[], description="layer", style=style),
+                          "ulp-layer")
+        self.tensor = hook(W.Dropdown(options=[], description="tensor", style=style,
+                                      layout=W.Layout(width="34em")), "ulp-tensor")
+        self.status = hook(W.HTML(""), "ulp-status")
+        self.summary = hook(W.HTML(""), "ulp-summary")
+        self.facts = hook(W.HTML(""), "ulp-facts")
+        self.figure = FigureView("ulp-figure")
+        self.error = ErrorBox("ulp-error")
+        self.button.on_click(lambda _b: self.compare())
+        self.view.observe(lambda _c: self.redraw(), names="value")
+        self.layer.observe(self._on_layer, names="value")
+        self.tensor.observe(lambda _c: self._on_tensor(), names="value")
+        super().__init__([
+            W.HBox([self.a, self.b, self.button, self.status]), self.error, self.summary,
+            self.view, W.HBox([self.layer, self.tensor]), self.facts, self.figure])
+        hook(self, "ulp-explorer")
+        if compare:
+            self.compare()
+
+    # -- computing -----------------------------------------------------------------------
+    def compare(self) -> Optional[Report]:
+        """Compare the chosen A and B (what the button does)."""
+        self.error.show(None)
+        self.status.value = "comparing..."
+        a = self.checkpoints[self.a.value]
+        try:
+            if self.b.value == REFERENCE:
+                rep: Report = ulp_vs_reference(a, self.base, self.adapter)
+            else:
+                rep = ulp_compare(a, self.checkpoints[self.b.value])
+        except Exception as e:  # shown in the widget; the user picks other inputs
+            self.status.value = "failed"
+            self.error.show(e)
+            return None
+        self.report = rep
+        self.compared += 1
+        self.status.value = f"{self.a.value} vs {self.b.value}"
+        self.summary.value = summary_html(rep)
+        is_ulp = isinstance(rep, UlpReport)
+        # against the exact fuse there is no per-layer histogram: only overall / tensor
+        self.view.options = list(VIEWS) if is_ulp else ["overall", "tensor"]
+        layers = sorted(rep.per_layer, key=_layer_key) if is_ulp else []
+        self._quiet = True  # refill the selectors without a redraw per change
+        try:
+            self.layer.options = ["all"] + layers
+            self.layer.value = "all"
+            self.tensor.options = self._tensors("all")
+            self.tensor.value = None
+        finally:
+            self._quiet = False
+        self.redraw()
+        return rep
+
+    def _tensors(self, layer: str) -> List[str]:
+        assert self.report is not None
+        return [r["tensor"] for r in self.report.rows
+                if layer == "all" or _layer_label(r.get("layer")) == layer]
+
+    def _on_layer(self, _change: Any = None) -> None:
+        if self.report is None or self._quiet:
+            return
+        self.tensor.options = self._tensors(self.layer.value or "all")
+        if self.view.value in ("overall", "layers") and self.layer.value != "all":
+            self.view.value = "layer"  # picking a layer means: show that layer
+        else:
+            self.redraw()
+
+    def _on_tensor(self) -> None:
+        if self._quiet:
+            return
+        if self.report is not None and self.view.value != "tensor" and self.tensor.value:
+            self.view.value = "tensor"
+        else:
+            self.redraw()
+
+    # -- drawing -------------------------------------------------------------------------
+    def redraw(self) -> None:
+        """Draw the current view of the current report."""
+        rep = self.report
+        if rep is None or self._quiet:
+            return
+        view = self.view.value
+        if view == "layer" and self.layer.value == "all":
+            view = "overall"
+        if view == "tensor" and not self.tensor.value:
+            view = "overall"
+        if view == "overall":
+            fig = rep.plot()
+            self.facts.value = ""
+        elif view == "layers":
+            fig = rep.plot(level="layers")
+            self.facts.value = ""
+        elif view == "layer":
+            assert isinstance(rep, UlpReport)
+            lab = self.layer.value
+            fig = histogram_bars(rep.labels, {f"layer {lab}": rep.per_layer[lab]},
+                                 title=f"{rep.title}: layer {lab}")
+            idx = [i for i, r in enumerate(rep.rows) if _layer_label(r.get("layer")) == lab]
+            self.facts.value = rows_html([rep.rows[i] for i in idx],
+                                         [c for c in rep.cols() if c != "hist"],
+                                         {j for j, i in enumerate(idx) if i in set(rep.flagged)})
+        else:
+            name = self.tensor.value
+            row = next(r for r in rep.rows if r["tensor"] == name)
+            if isinstance(rep, UlpReport):
+                fig = histogram_bars(rep.labels, {name: list(rep.histogram(name).values())},
+                                     title=f"ulp distances: {name}")
+            else:
+                fig = rep.plot(tensor=name)
+            self.facts.value = f"<b>{name}</b>" + facts_html(
+                {k: row[k] for k in TENSOR_FACTS if k in row})
+        self.figure.show(fig)
+
+
+def _layer_label(layer: Any) -> str:
+    return "-" if layer is None else str(layer)
+
+
+def _layer_key(label: str):
+    return (label != "-", int(label) if label.lstrip("-").isdigit() and label != "-" else 0)

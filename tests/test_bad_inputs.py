@@ -1,0 +1,893 @@
+"""Bad inputs: every broken checkpoint, index, adapter, config or output path ends in
+one lorakit error that names the file (and tensor), what was expected and what was
+found; the CLI exits 2 with one line of error and no traceback; nothing appears at
+the output path; and no input file changes by a single byte.
+
+Each case starts from copies of small, valid inputs (a 2-shard qwen3 checkpoint, a
+quantized one, mlx-lm LoRA and DoRA adapters, a PEFT adapter), breaks one thing, and
+runs the fuse through the Python API and through ``python -m lorakit fuse``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple, Type
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from lorakit.errors import (AdapterError, FormatError, FuseError, LorakitError,
+                            OutputExistsError, UnsafePathError)
+from lorakit.fusion.stream import TMP_MARK, fuse
+from model_factory import make_adapter, make_model
+
+REPO = Path(__file__).resolve().parents[1]
+S1 = "model-00001-of-00002.safetensors"
+S2 = "model-00002-of-00002.safetensors"
+INDEX = "model.safetensors.index.json"
+Q_PROJ = "model.layers.1.self_attn.q_proj.weight"  # adapted, in S2
+
+
+# -- helpers shared with the kill, fuzz and input-unchanged tests --------------------------
+def tree_hash(root: Path) -> Dict[str, str]:
+    """Every entry under ``root`` (not following links): file -> sha256, link -> target."""
+    out: Dict[str, str] = {}
+    if not root.exists() and not root.is_symlink():
+        return out
+    if root.is_symlink() or root.is_file():
+        return {".": _entry_hash(root)}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        d = Path(dirpath)
+        for n in sorted(dirnames + filenames):
+            p = d / n
+            out[str(p.relative_to(root))] = _entry_hash(p)
+    return out
+
+
+def _entry_hash(p: Path) -> str:
+    if p.is_symlink():
+        return "link:" + os.readlink(p)
+    if p.is_dir():
+        return "dir"
+    return "sha256:" + hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def temporaries(out: Path) -> List[Path]:
+    """Temporary directories a fuse into ``out`` leaves beside it (should be none)."""
+    return sorted(out.parent.glob(f".{out.name}{TMP_MARK}*")) if out.parent.is_dir() else []
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m lorakit ...`` in a fresh process, offline, without debug tracebacks."""
+    env = {k: v for k, v in os.environ.items() if k != "LORAKIT_DEBUG"}
+    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "lorakit", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def shard_model(path: Path) -> None:
+    """Split a single-file mlx-lm checkpoint into two shards plus an index."""
+    weights = mx.load(str(path / "model.safetensors"))
+    names = sorted(weights)
+    first = {n: weights[n] for n in names if ".layers.1." not in n and n != "model.norm.weight"}
+    second = {n: weights[n] for n in names if n not in first}
+    mx.save_safetensors(str(path / S1), first, metadata={"format": "mlx"})
+    mx.save_safetensors(str(path / S2), second, metadata={"format": "mlx"})
+    (path / "model.safetensors").unlink()
+    wm = {n: S1 for n in first} | {n: S2 for n in second}
+    (path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(wm.items()))}))
+
+
+def make_peft(mlx_adapter: Path, path: Path, **cfg) -> Path:
+    """The same LoRA as ``mlx_adapter`` saved the way PEFT saves it."""
+    t = load_file(str(mlx_adapter / "adapters.safetensors"))
+    out = {}
+    for name, v in t.items():
+        module, leaf = name.rsplit(".", 1)
+        key = "base_model.model." + module
+        if leaf == "lora_a":  # mlx (in, r) -> PEFT lora_A (r, in)
+            out[key + ".lora_A.weight"] = np.ascontiguousarray(v.T)
+        else:  # mlx (r, out) -> PEFT lora_B (out, r)
+            out[key + ".lora_B.weight"] = np.ascontiguousarray(v.T)
+    path.mkdir(parents=True)
+    save_file(out, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "bias": "none",
+              "target_modules": ["q_proj", "v_proj", "down_proj"], "use_rslora": False,
+              "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None}
+    config.update(cfg)
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+@pytest.fixture(scope="session")
+def pristine(tmp_path_factory) -> Dict[str, Path]:
+    """Valid inputs, built once; every case works on copies."""
+    root = tmp_path_factory.mktemp("pristine")
+    base = make_model(root / "base", "qwen3")
+    shard_model(base)
+    base_q = make_model(root / "base_q", "qwen3", quantize={"group_size": 32, "bits": 4})
+    return {
+        "base": base,
+        "base_q": base_q,
+        "ad": make_adapter(base, root / "ad"),
+        "ad_dora": make_adapter(base, root / "ad_dora", dora=True),
+        "ad_q": make_adapter(base_q, root / "ad_q"),
+        "ad_peft": make_peft(root / "ad", root / "ad_peft"),
+    }
+
+
+# -- the environment a case runs in --------------------------------------------------------
+@dataclass
+class Env:
+    root: Path
+    inputs: Path
+    base: Path
+    adapter: Path
+    out: Path
+    kwargs: Dict[str, object] = field(default_factory=dict)
+
+    def at(self, name: str) -> Path:
+        """Path of input ``name`` (base, base_q, ad, ad_dora, ad_q, ad_peft)."""
+        return self.inputs / name
+
+    @property
+    def cli_args(self) -> List[str]:
+        args = ["--model", self.base, "--adapter-path", self.adapter, "--save-path", self.out]
+        if self.kwargs.get("force"):
+            args.append("--force")
+        if "dtype" in self.kwargs:
+            args += ["--dtype", str(self.kwargs["dtype"])]
+        if "rounding" in self.kwargs:
+            args += ["--rounding", str(self.kwargs["rounding"])]
+        return [str(a) for a in args]
+
+
+def make_env(tmp_path: Path, pristine: Dict[str, Path]) -> Env:
+    inputs = tmp_path / "in"
+    for name, src in pristine.items():
+        shutil.copytree(src, inputs / name, symlinks=True)
+    (tmp_path / "outdir").mkdir()
+    return Env(tmp_path, inputs, inputs / "base", inputs / "ad", tmp_path / "outdir" / "fused")
+
+
+# -- small tools for breaking files ----------------------------------------------------------
+def split_st(path: Path) -> Tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def write_st(path: Path, header: dict, data: bytes) -> None:
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+
+
+def edit_header(path: Path, fn: Callable[[dict], Optional[str]]) -> Optional[str]:
+    header, data = split_st(path)
+    ret = fn(header)
+    write_st(path, header, data)
+    return ret
+
+
+def by_offset(header: dict) -> List[str]:
+    return sorted((k for k in header if k != "__metadata__"),
+                  key=lambda k: header[k]["data_offsets"][0])
+
+
+def edit_json(path: Path, fn: Callable[[dict], None]) -> None:
+    obj = json.loads(path.read_text())
+    fn(obj)
+    path.write_text(json.dumps(obj))
+
+
+def edit_tensors(path: Path, fn: Callable[[Dict[str, np.ndarray]], None]) -> None:
+    t = load_file(str(path))
+    fn(t)
+    save_file(t, str(path))
+
+
+def mlx_weights(e: Env, name: str = "ad") -> Path:
+    return e.at(name) / "adapters.safetensors"
+
+
+def peft(e: Env) -> Path:
+    e.adapter = e.at("ad_peft")
+    return e.adapter
+
+
+# -- the cases -----------------------------------------------------------------------------------
+@dataclass
+class Case:
+    """One broken input. ``mutate`` breaks the copies in ``env`` and returns facts
+    (e.g. the tensor it broke) used to fill ``says`` / ``tensor`` templates."""
+
+    id: str
+    mutate: Callable[[Env], Optional[Dict[str, str]]]
+    error: Type[LorakitError]
+    file: str  # must appear in the error's file
+    says: Tuple[str, ...]  # must all appear in the message (expected and found values)
+    tensor: Optional[str] = None  # must appear in the message
+
+
+CASES: List[Case] = []
+
+
+def case(id: str, error: Type[LorakitError], file: str, *says: str,
+         tensor: Optional[str] = None):
+    def deco(fn):
+        CASES.append(Case(id, fn, error, file, says, tensor))
+        return fn
+    return deco
+
+
+# safetensors files -------------------------------------------------------------------------
+@case("truncated-shard", FormatError, S2, "truncated", "expected: end <=", tensor="{tensor}")
+def _(e):
+    p = e.base / S2
+    header, data = split_st(p)
+    last = by_offset(header)[-1]
+    p.write_bytes(p.read_bytes()[:-100])
+    return {"tensor": last}
+
+
+@case("shard-shorter-than-8-bytes", FormatError, S2, "8-byte", ">= 8 bytes", "found: 3 bytes")
+def _(e):
+    (e.base / S2).write_bytes(b"\x01\x02\x03")
+
+
+@case("empty-shard", FormatError, S2, "8-byte", "found: 0 bytes")
+def _(e):
+    (e.base / S2).write_bytes(b"")
+
+
+@case("header-length-past-eof", FormatError, S2, "header length is larger than the file",
+      "found: {n} bytes")
+def _(e):
+    p = e.base / S2
+    raw = p.read_bytes()
+    n = len(raw)
+    p.write_bytes(struct.pack("<Q", n) + raw[8:])
+    return {"n": str(n)}
+
+
+@case("header-length-2**60", FormatError, S2, "header length is larger than the file",
+      f"found: {2 ** 60} bytes")
+def _(e):
+    p = e.base / S2
+    p.write_bytes(struct.pack("<Q", 2 ** 60) + p.read_bytes()[8:])
+
+
+@case("header-not-json", FormatError, S2, "header is not JSON", "JSONDecodeError")
+def _(e):
+    p = e.base / S2
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    p.write_bytes(raw[:8] + b"{this is not json" + b" " * (n - 17) + raw[8 + n:])
+
+
+@case("header-not-utf8", FormatError, S2, "header is not JSON", "UnicodeDecodeError")
+def _(e):
+    p = e.base / S2
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    p.write_bytes(raw[:8] + b"\xff\xfe" * (n // 2) + b" " * (n % 2) + raw[8 + n:])
+
+
+@case("header-json-not-object", FormatError, S2, "not a JSON object", "expected: a JSON object",
+      "found: list")
+def _(e):
+    p = e.base / S2
+    _, data = split_st(p)
+    blob = b"[1, 2, 3]"
+    p.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+
+
+@case("overlapping-offsets", FormatError, S2, "tensors overlap", "begin >=", tensor="{tensor}")
+def _(e):
+    def fn(h):
+        names = by_offset(h)
+        a, b = names[0], names[1]
+        n = h[b]["data_offsets"][1] - h[b]["data_offsets"][0]
+        start = h[a]["data_offsets"][0] + 2
+        h[b]["data_offsets"] = [start, start + n]
+        return b
+    return {"tensor": edit_header(e.base / S2, fn)}
+
+
+@case("offsets-past-data", FormatError, S2, "runs past the end of the file", "found: end =",
+      tensor="{tensor}")
+def _(e):
+    def fn(h):
+        name = by_offset(h)[0]
+        b0, b1 = h[name]["data_offsets"]
+        end = max(v["data_offsets"][1] for k, v in h.items() if k != "__metadata__")
+        h[name]["data_offsets"] = [end + 64, end + 64 + (b1 - b0)]
+        return name
+    return {"tensor": edit_header(e.base / S2, fn)}
+
+
+@case("offsets-reversed", FormatError, S2, "data_offsets must be", "found: [100, 2]",
+      tensor=Q_PROJ)
+def _(e):
+    edit_header(e.base / S2, lambda h: h[Q_PROJ].update(data_offsets=[100, 2]))
+
+
+@case("unknown-dtype", FormatError, S2, "unknown dtype", "expected: one of", "found: 'F12'",
+      tensor=Q_PROJ)
+def _(e):
+    edit_header(e.base / S2, lambda h: h[Q_PROJ].update(dtype="F12"))
+
+
+@case("dtype-not-a-string", FormatError, S2, "unknown dtype", "found: ['BF16']", tensor=Q_PROJ)
+def _(e):
+    edit_header(e.base / S2, lambda h: h[Q_PROJ].update(dtype=["BF16"]))
+
+
+@case("shape-disagrees-with-bytes", FormatError, S2, "byte length disagrees",
+      "expected: 30 bytes for BF16[3, 5]", "found: 8192 bytes", tensor=Q_PROJ)
+def _(e):
+    edit_header(e.base / S2, lambda h: h[Q_PROJ].update(shape=[3, 5]))
+
+
+@case("negative-shape", FormatError, S2, "shape must be", "found: [-1, 64]", tensor=Q_PROJ)
+def _(e):
+    edit_header(e.base / S2, lambda h: h[Q_PROJ].update(shape=[-1, 64]))
+
+
+@case("entry-not-object", FormatError, S2, "tensor entry is not an object", "found: 5",
+      tensor="model.extra")
+def _(e):
+    edit_header(e.base / S2, lambda h: h.update({"model.extra": 5}))
+
+
+@case("metadata-not-strings", FormatError, S2, "__metadata__ must map strings to strings",
+      "found: {'format': 1}")
+def _(e):
+    edit_header(e.base / S2, lambda h: h.update({"__metadata__": {"format": 1}}))
+
+
+@case("duplicate-name-in-header", FormatError, S2, "appears twice", "found: duplicate",
+      tensor=Q_PROJ)
+def _(e):
+    p = e.base / S2
+    header, data = split_st(p)
+    entry = json.dumps(header[Q_PROJ])
+    blob = json.dumps(header)[:-1] + f', "{Q_PROJ}": {entry}}}'
+    p.write_bytes(struct.pack("<Q", len(blob)) + blob.encode() + data)
+
+
+@case("tensor-in-two-shards", FormatError, S2, "tensor appears in two shards",
+      f"found: also in {S1}", tensor="model.embed_tokens.weight")
+def _(e):
+    edit_header(e.base / S2, lambda h: h.update({"model.embed_tokens.weight": h.pop(Q_PROJ)}))
+
+
+@case("shard-is-a-fifo", FormatError, S2, "not a regular file", "found: a FIFO")
+def _(e):
+    (e.base / S2).unlink()
+    os.mkfifo(e.base / S2)
+    # no index: the shard list comes from the directory itself
+    (e.base / INDEX).unlink()
+
+
+# indexes --------------------------------------------------------------------------------------
+def set_shard(e: Env, tensor: str, shard: object) -> None:
+    edit_json(e.base / INDEX, lambda idx: idx["weight_map"].__setitem__(tensor, shard))
+
+
+@case("index-names-missing-shard", FormatError, "model-00003-of-00003.safetensors",
+      "shard named in the index is missing", "found: no such file", tensor=Q_PROJ)
+def _(e):
+    set_shard(e, Q_PROJ, "model-00003-of-00003.safetensors")
+
+
+@case("index-dotdot", UnsafePathError, INDEX, "unsafe shard name",
+      "found: '../outside.safetensors'", tensor=Q_PROJ)
+def _(e):
+    set_shard(e, Q_PROJ, "../outside.safetensors")
+
+
+@case("index-absolute-path", UnsafePathError, INDEX, "unsafe shard name",
+      "found: '/etc/passwd'", tensor=Q_PROJ)
+def _(e):
+    set_shard(e, Q_PROJ, "/etc/passwd")
+
+
+@case("index-subdirectory", UnsafePathError, INDEX, "unsafe shard name",
+      "found: 'sub/x.safetensors'", tensor=Q_PROJ)
+def _(e):
+    (e.base / "sub").mkdir()
+    shutil.copy(e.base / S2, e.base / "sub" / "x.safetensors")
+    set_shard(e, Q_PROJ, "sub/x.safetensors")
+
+
+@case("index-symlink-out", UnsafePathError, "evil.safetensors", "link out of the directory",
+      "found: link to {target}")
+def _(e):
+    outside = e.root / "elsewhere"
+    outside.mkdir()
+    shutil.copy(e.base / S2, outside / "evil.safetensors")
+    (e.base / "evil.safetensors").symlink_to(outside / "evil.safetensors")
+    edit_json(e.base / INDEX, lambda idx: idx["weight_map"].update(
+        {k: "evil.safetensors" for k, v in idx["weight_map"].items() if v == S2}))
+    (e.base / S2).unlink()
+    return {"target": str((outside / "evil.safetensors").resolve())}
+
+
+@case("index-shard-not-a-string", UnsafePathError, INDEX, "unsafe shard name", "found: [1, 2]",
+      tensor=Q_PROJ)
+def _(e):
+    set_shard(e, Q_PROJ, [1, 2])
+
+
+@case("index-wrong-shard", FormatError, INDEX, "index names a tensor its shard does not hold",
+      f"expected: tensor in {S1}", f"found: in {S2}", tensor=Q_PROJ)
+def _(e):
+    set_shard(e, Q_PROJ, S1)
+
+
+@case("index-names-absent-tensor", FormatError, INDEX, "does not hold", "found: absent",
+      tensor="model.layers.9.mlp.up_proj.weight")
+def _(e):
+    set_shard(e, "model.layers.9.mlp.up_proj.weight", S2)
+
+
+@case("index-not-json", FormatError, INDEX, "index is not valid JSON", "JSONDecodeError")
+def _(e):
+    (e.base / INDEX).write_text('{"weight_map": {')
+
+
+@case("index-without-weight-map", FormatError, INDEX, "no weight_map", "found: list")
+def _(e):
+    (e.base / INDEX).write_text('{"weight_map": []}')
+
+
+# configs --------------------------------------------------------------------------------------
+@case("config-missing", FormatError, "config.json", "config.json is missing",
+      "found: no such file")
+def _(e):
+    (e.base / "config.json").unlink()
+
+
+@case("config-malformed", FormatError, "config.json", "not valid JSON", "JSONDecodeError")
+def _(e):
+    (e.base / "config.json").write_text('{"model_type": "qwen3",')
+
+
+@case("config-not-object", FormatError, "config.json", "not a JSON object", "found: list")
+def _(e):
+    (e.base / "config.json").write_text("[]")
+
+
+@case("config-huge-integer", FormatError, "config.json", "not valid JSON", "4300 digits")
+def _(e):
+    (e.base / "config.json").write_text('{"vocab_size": ' + "9" * 5000 + "}")
+
+
+@case("config-symlink-out", UnsafePathError, "config.json", "link out of the directory",
+      "found: link to")
+def _(e):
+    real = e.root / "elsewhere.json"
+    shutil.copy(e.base / "config.json", real)
+    (e.base / "config.json").unlink()
+    (e.base / "config.json").symlink_to(real)
+
+
+@case("no-weights", FormatError, "base", "no safetensors weights",
+      "expected: model.safetensors or model.safetensors.index.json")
+def _(e):
+    for n in (S1, S2, INDEX):
+        (e.base / n).unlink()
+
+
+@case("model-path-missing", FormatError, "no-such-model", "model path does not exist",
+      "found: no such file or directory")
+def _(e):
+    e.base = e.root / "no-such-model"
+
+
+# quantized bases ---------------------------------------------------------------------------
+@case("quant-unsupported-mode", FuseError, "config.json", "unsupported quantization mode",
+      "found: 'nf4'", tensor="self_attn.q_proj.weight")
+def _(e):
+    e.base, e.adapter = e.at("base_q"), e.at("ad_q")
+    edit_json(e.base / "config.json", lambda c: c["quantization"].update(mode="nf4"))
+
+
+@case("quant-params-unreadable", FormatError, "model.safetensors",
+      "cannot tell how a quantized weight was packed", "found:", tensor="q_proj.weight")
+def _(e):
+    e.base, e.adapter = e.at("base_q"), e.at("ad_q")
+    edit_json(e.base / "config.json", lambda c: c["quantization"].update(group_size=0))
+
+
+# adapters: tensors ----------------------------------------------------------------------------
+@case("adapter-for-another-model", AdapterError, "adapters.safetensors",
+      "adapter does not fit the checkpoint", "6 of 6 targets",
+      "weight of shape [64, 128] but the checkpoint's is [64, 64]",
+      tensor="model.layers.0.self_attn.q_proj.lora_a")
+def _(e):
+    def fn(t):
+        for k in list(t):
+            if k.endswith("lora_a"):
+                t[k] = np.concatenate([t[k], t[k]], axis=0)
+    edit_tensors(mlx_weights(e), fn)
+
+
+@case("adapter-keys-match-nothing", AdapterError, "adapters.safetensors",
+      "adapter does not fit the checkpoint",
+      "no tensor model.layers.0.self_attn.qq_proj.weight in the checkpoint",
+      tensor="model.layers.0.self_attn.qq_proj.lora_a")
+def _(e):
+    def fn(t):
+        for k in list(t):
+            t[k.replace("q_proj", "qq_proj")] = t.pop(k)
+    edit_tensors(mlx_weights(e), fn)
+
+
+@case("rank-mismatch-a-b", AdapterError, "adapters.safetensors", "rank mismatch",
+      "found lora_a [64, 4], lora_b [3, 64]", tensor="model.layers.0.self_attn.q_proj")
+def _(e):
+    edit_tensors(mlx_weights(e), lambda t: t.update({
+        "model.layers.0.self_attn.q_proj.lora_b": t["model.layers.0.self_attn.q_proj.lora_b"][:3]}))
+
+
+@case("adapter-nan", AdapterError, "adapters.safetensors", "NaN or Inf",
+      "expected: finite values", "found: 1 non-finite of 256",
+      tensor="model.layers.0.self_attn.q_proj.lora_b")
+def _(e):
+    def fn(t):
+        t["model.layers.0.self_attn.q_proj.lora_b"][0, 0] = np.nan
+    edit_tensors(mlx_weights(e), fn)
+
+
+@case("adapter-inf", AdapterError, "adapters.safetensors", "NaN or Inf",
+      "found: 256 non-finite of 256", tensor="model.layers.1.mlp.down_proj.lora_a")
+def _(e):
+    def fn(t):
+        t["model.layers.1.mlp.down_proj.lora_a"] = np.full((96, 4), -np.inf, np.float32)
+    edit_tensors(mlx_weights(e), fn)
+
+
+@case("adapter-int-dtype", AdapterError, "adapters.safetensors", "not floating point",
+      "expected: F32, F16 or BF16", "found: I32", tensor="model.layers.0.self_attn.q_proj.lora_a")
+def _(e):
+    def fn(t):
+        t["model.layers.0.self_attn.q_proj.lora_a"] = np.ones((64, 4), np.int32)
+    edit_tensors(mlx_weights(e), fn)
+
+
+@case("adapter-empty-file", FormatError, "adapters.safetensors", "8-byte", "found: 0 bytes")
+def _(e):
+    mlx_weights(e).write_bytes(b"")
+
+
+@case("adapter-truncated", FormatError, "adapters.safetensors", "truncated", "found: end =")
+def _(e):
+    p = mlx_weights(e)
+    p.write_bytes(p.read_bytes()[:-10])
+
+
+@case("adapter-non-lora-tensor", AdapterError, "adapters.safetensors", "not a LoRA tensor",
+      "expected <module>.lora_a/.lora_b/.m", tensor="model.layers.0.self_attn.q_proj.weight")
+def _(e):
+    edit_tensors(mlx_weights(e), lambda t: t.update(
+        {"model.layers.0.self_attn.q_proj.weight": np.zeros((64, 64), np.float32)}))
+
+
+@case("adapter-missing-lora-b", AdapterError, "adapters.safetensors",
+      "needs both lora_a and lora_b", "has ['lora_a']", tensor="model.layers.0.self_attn.v_proj")
+def _(e):
+    edit_tensors(mlx_weights(e), lambda t: t.pop("model.layers.0.self_attn.v_proj.lora_b"))
+
+
+@case("adapter-weights-missing", AdapterError, "ad", "no adapter weights found",
+      "expected: adapters.safetensors (mlx-lm) or adapter_model.safetensors (PEFT)",
+      "found: adapter_config.json")
+def _(e):
+    mlx_weights(e).unlink()
+
+
+@case("adapter-weights-symlink-out", UnsafePathError, "adapters.safetensors",
+      "link out of the directory", "found: link to")
+def _(e):
+    real = e.root / "stolen.safetensors"
+    shutil.move(mlx_weights(e), real)
+    mlx_weights(e).symlink_to(real)
+
+
+@case("adapter-path-missing", AdapterError, "no-such-adapter", "adapter path is not a directory",
+      "expected: a directory with adapter_config.json")
+def _(e):
+    e.adapter = e.root / "no-such-adapter"
+
+
+@case("dora-magnitude-missing", AdapterError, "adapters.safetensors",
+      "fine_tune_type is dora but model.layers.0.self_attn.q_proj.m is missing",
+      tensor="model.layers.0.self_attn.q_proj")
+def _(e):
+    e.adapter = e.at("ad_dora")
+    edit_tensors(mlx_weights(e, "ad_dora"), lambda t: t.pop("model.layers.0.self_attn.q_proj.m"))
+
+
+@case("dora-magnitude-wrong-shape", AdapterError, "adapters.safetensors",
+      "DoRA magnitude has the wrong shape", "expected [64]", "found [10]",
+      tensor="model.layers.0.self_attn.q_proj.m")
+def _(e):
+    e.adapter = e.at("ad_dora")
+    edit_tensors(mlx_weights(e, "ad_dora"), lambda t: t.update(
+        {"model.layers.0.self_attn.q_proj.m": np.ones(10, np.float32)}))
+
+
+@case("overflow-bf16-huge-scale", FuseError, "model-0000", "fused weight is not finite",
+      "expected: finite BF16 values", "non-finite elements", tensor="self_attn.q_proj.weight")
+def _(e):
+    edit_json(e.adapter / "adapter_config.json",
+              lambda c: c["lora_parameters"].update(scale=1e300))
+
+
+@case("overflow-fp16", FuseError, "model-0000", "fused weight is not finite",
+      "expected: finite F16 values", tensor="_proj.weight")
+def _(e):
+    e.kwargs["dtype"] = "float16"
+    edit_json(e.adapter / "adapter_config.json",
+              lambda c: c["lora_parameters"].update(scale=1e8))
+
+
+# adapters: configs -----------------------------------------------------------------------------
+@case("adapter-config-missing", FormatError, "adapter_config.json", "adapter config is missing",
+      "found: no such file")
+def _(e):
+    (e.adapter / "adapter_config.json").unlink()
+
+
+@case("adapter-config-malformed", FormatError, "adapter_config.json", "not valid JSON",
+      "JSONDecodeError")
+def _(e):
+    (e.adapter / "adapter_config.json").write_text("{'single': 'quotes'}")
+
+
+@case("adapter-config-not-object", AdapterError, "adapter_config.json", "not a JSON object",
+      "found: str")
+def _(e):
+    (e.adapter / "adapter_config.json").write_text('"lora"')
+
+
+@case("adapter-scale-missing", AdapterError, "adapter_config.json",
+      "lora_parameters.scale missing", "expected: a finite number", "found: None",
+      tensor="lora_parameters.scale")
+def _(e):
+    edit_json(e.adapter / "adapter_config.json", lambda c: c["lora_parameters"].pop("scale"))
+
+
+@case("adapter-scale-string", AdapterError, "adapter_config.json",
+      "lora_parameters.scale missing or not a number", "found: '2.0'",
+      tensor="lora_parameters.scale")
+def _(e):
+    edit_json(e.adapter / "adapter_config.json",
+              lambda c: c["lora_parameters"].update(scale="2.0"))
+
+
+@case("adapter-scale-huge-int", AdapterError, "adapter_config.json",
+      "lora_parameters.scale missing or not a number", "found: 1000000",
+      tensor="lora_parameters.scale")
+def _(e):
+    (e.adapter / "adapter_config.json").write_text(
+        '{"fine_tune_type": "lora", "lora_parameters": {"rank": 4, "scale": 1'
+        + "0" * 400 + "}}")
+
+
+@case("adapter-no-lora-parameters", AdapterError, "adapter_config.json",
+      "no lora_parameters", 'expected: "lora_parameters"')
+def _(e):
+    edit_json(e.adapter / "adapter_config.json", lambda c: c.pop("lora_parameters"))
+
+
+@case("adapter-full-fine-tune", AdapterError, "adapter_config.json",
+      "unsupported fine_tune_type", "expected: lora or dora", "found: 'full'",
+      tensor="fine_tune_type")
+def _(e):
+    edit_json(e.adapter / "adapter_config.json", lambda c: c.update(fine_tune_type="full"))
+
+
+# PEFT ---------------------------------------------------------------------------------------------
+@case("peft-type-not-lora", AdapterError, "adapter_config.json", "unsupported PEFT method",
+      "expected: LORA", "found: 'PREFIX_TUNING'", tensor="peft_type")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json", lambda c: c.update(peft_type="PREFIX_TUNING"))
+
+
+@case("peft-bias-all", AdapterError, "adapter_config.json", "trained biases",
+      'expected: "none"', "found: 'all'", tensor="bias")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json", lambda c: c.update(bias="all"))
+
+
+@case("peft-modules-to-save", AdapterError, "adapter_model.safetensors", "modules_to_save",
+      "which lorakit does not fuse", tensor="base_model.model.lm_head.modules_to_save.default.weight")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json", lambda c: c.update(modules_to_save=["lm_head"]))
+    edit_tensors(e.adapter / "adapter_model.safetensors", lambda t: t.update(
+        {"base_model.model.lm_head.modules_to_save.default.weight": np.zeros((96, 64), np.float32)}))
+
+
+@case("peft-unknown-target", AdapterError, "adapter_model.safetensors",
+      "adapter does not fit the checkpoint", "no tensor model.layers.0.self_attn.qkv_proj.weight",
+      tensor="base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json",
+              lambda c: c.update(target_modules=["q_proj", "v_proj", "down_proj", "qkv_proj"]))
+
+    def fn(t):
+        for leaf in ("lora_A", "lora_B"):
+            src = f"base_model.model.model.layers.0.self_attn.q_proj.{leaf}.weight"
+            t[src.replace("q_proj", "qkv_proj")] = t[src].copy()
+    edit_tensors(e.adapter / "adapter_model.safetensors", fn)
+
+
+@case("peft-rank-disagrees-with-config", AdapterError, "adapter_model.safetensors",
+      "rank 4 in the tensors but 8 in the config", tensor="model.layers.0.self_attn.q_proj")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json", lambda c: c.update(r=8))
+
+
+@case("peft-r-missing", AdapterError, "adapter_config.json", "needs a positive r",
+      "expected: a positive number", "found: None", tensor="r")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json", lambda c: c.pop("r"))
+
+
+@case("peft-layers-to-transform-string", AdapterError, "adapter_config.json",
+      "layers_to_transform must be", "found: 'all'", tensor="layers_to_transform")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json", lambda c: c.update(layers_to_transform="all"))
+
+
+@case("peft-rank-pattern-not-number", AdapterError, "adapter_config.json",
+      "rank_pattern must map module names to positive numbers", "found: {'q_proj': 'eight'}",
+      tensor="rank_pattern")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json", lambda c: c.update(rank_pattern={"q_proj": "eight"}))
+
+
+@case("peft-dora-without-magnitude", AdapterError, "adapter_model.safetensors",
+      "use_dora is set but lora_magnitude_vector is missing", tensor="model.layers.0.self_attn.q_proj")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json", lambda c: c.update(use_dora=True))
+
+
+@case("peft-nan", AdapterError, "adapter_model.safetensors", "NaN or Inf",
+      "found: 1 non-finite", tensor="base_model.model.model.layers.1.mlp.down_proj.lora_A.weight")
+def _(e):
+    def fn(t):
+        t["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"][1, 2] = np.nan
+    edit_tensors(peft(e) / "adapter_model.safetensors", fn)
+
+
+# output paths ------------------------------------------------------------------------------------
+@case("output-inside-base", OutputExistsError, "fused", "overlap an input directory",
+      "expected: a path outside", "found: inside it")
+def _(e):
+    e.out = e.base / "fused"
+
+
+@case("output-is-adapter-dir", OutputExistsError, "ad", "overlap an input directory",
+      "found: inside it")
+def _(e):
+    e.out = e.adapter
+    e.kwargs["force"] = True
+
+
+@case("output-holds-base", OutputExistsError, "in", "overlap an input directory",
+      "found: a parent of it")
+def _(e):
+    e.out = e.inputs
+    e.kwargs["force"] = True
+
+
+@case("output-exists", OutputExistsError, "fused", "output path already exists",
+      "expected: a new path", "found: an existing directory")
+def _(e):
+    e.out.mkdir()
+    (e.out / "config.json").write_text("{}")
+
+
+@case("output-is-a-file-force", OutputExistsError, "fused", "is a file", "found: a file")
+def _(e):
+    e.out.write_text("precious")
+    e.kwargs["force"] = True
+
+
+@case("output-force-on-non-model-dir", OutputExistsError, "fused",
+      "refusing to replace a directory that is not a model", "found: 1 other entries")
+def _(e):
+    e.out.mkdir()
+    (e.out / "thesis.tex").write_text("precious")
+    e.kwargs["force"] = True
+
+
+@case("output-parent-is-a-file", OutputExistsError, "fused", "cannot create the output directory",
+      "expected: a writable directory path", "FileExistsError")
+def _(e):
+    (e.root / "afile").write_text("x")
+    e.out = e.root / "afile" / "sub" / "fused"
+
+
+assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
+
+
+# -- running a case ---------------------------------------------------------------------------------
+def _fmt(s: Optional[str], facts: Dict[str, str]) -> Optional[str]:
+    return None if s is None else s.format(**facts)
+
+
+def _inputs_and_output(e: Env) -> Dict[str, Dict[str, str]]:
+    """Hashes of every input tree and of whatever already sits at the output path."""
+    return {"inputs": tree_hash(e.inputs), "out": tree_hash(e.out),
+            "outdir": tree_hash(e.out.parent) if e.out.parent != e.inputs else {}}
+
+
+def _check_nothing_written(e: Env, before: Dict[str, Dict[str, str]]) -> None:
+    after = _inputs_and_output(e)
+    assert after["inputs"] == before["inputs"], "an input file changed"
+    assert after["out"] == before["out"], "something was written at the output path"
+    assert after["outdir"] == before["outdir"], "something was left beside the output path"
+    assert temporaries(e.out) == []
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
+def test_bad_input(c: Case, tmp_path: Path, pristine: Dict[str, Path]) -> None:
+    e = make_env(tmp_path, pristine)
+    facts = c.mutate(e) or {}
+    before = _inputs_and_output(e)
+
+    # 1. the Python API: one lorakit error naming file, tensor, expected and found
+    with pytest.raises(LorakitError) as info:
+        fuse(e.base, e.adapter, e.out, progress=False, **e.kwargs)
+    err = info.value
+    assert type(err) is c.error, f"{type(err).__name__}: {err}"
+    msg = str(err)
+    assert err.file is not None and _fmt(c.file, facts) in err.file, msg
+    for s in c.says:
+        assert _fmt(s, facts) in msg, f"{_fmt(s, facts)!r} not in:\n{msg}"
+    if c.tensor is not None:
+        assert _fmt(c.tensor, facts) in msg, msg
+    assert ("expected" in msg or err.expected) and ("found" in msg or err.found), msg
+    _check_nothing_written(e, before)
+
+    # 2. the CLI: exit 2, one clear message, no traceback, nothing written
+    r = run_cli("fuse", *e.cli_args)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("error:") == 1 and r.stderr.startswith("lorakit fuse: error: "), r.stderr
+    assert msg.splitlines()[0] in r.stderr, r.stderr
+    assert Path(err.file).name in r.stderr
+    assert r.stdout == ""
+    _check_nothing_written(e, before)
+
+
+def test_case_count() -> None:
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("kind", ["mlx", "dora", "peft", "quant"])
+def test_pristine_inputs_fuse(kind: str, tmp_path: Path, pristine: Dict[str, Path]) -> None:
+    """The unbroken inputs fuse: every failure above comes from what the case broke."""
+    e = make_env(tmp_path, pristine)
+    base, ad = {"mlx": ("base", "ad"), "dora": ("base", "ad_dora"), "peft": ("base", "ad_peft"),
+                "quant": ("base_q", "ad_q")}[kind]
+    before = tree_hash(e.inputs)
+    res = fuse(e.at(base), e.at(ad), e.out, progress=False)
+    assert res.tensors_fused == 6
+    assert tree_hash(e.inputs) == before
+    assert temporaries(e.out) == []
+    assert sorted(p.name for p in e.out.iterdir())[:1] == ["config.json"]

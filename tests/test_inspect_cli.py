@@ -1,0 +1,80 @@
+"""`lorakit inspect`, `lorakit diff` and `lorakit check` from the command line."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lorakit
+from lorakit.cli.main import main
+
+import model_factory as mf
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("cli")
+    base = mf.make_model(root / "base", "qwen3")
+    ad = mf.make_adapter(base, root / "ad")
+    near = lorakit.fuse(base, ad, root / "near", progress=False).output
+    mlx = lorakit.fuse(base, ad, root / "mlx", rounding="mlx-lm", progress=False).output
+    f32 = lorakit.fuse(base, ad, root / "f32", dtype="promote", progress=False).output
+    return {"base": base, "ad": ad, "near": near, "mlx": mlx, "f32": f32}
+
+
+def run(capsys, *argv: str):
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_inspect_checkpoint_and_adapter(paths: dict, capsys) -> None:
+    code, out, _ = run(capsys, "inspect", paths["f32"])
+    assert code == 0 and "majority dtype: BF16" in out
+    assert sum(ln.startswith("!") for ln in out.splitlines()) == 6  # the promoted weights
+    code, out, _ = run(capsys, "inspect", paths["f32"], "--json")
+    data = json.loads(out)
+    assert len(data["dtype_map"]["flagged"]) == 6
+    code, out, _ = run(capsys, "inspect", paths["ad"], "--base", paths["base"], "--json")
+    data = json.loads(out)
+    assert set(data) == {"dtype_map", "delta_norms"}
+    assert len(data["delta_norms"]["rows"]) == 6 and data["delta_norms"]["rows"][0]["rel"] > 0
+
+
+def test_diff_exit_codes_and_json(paths: dict, capsys) -> None:
+    code, out, _ = run(capsys, "diff", paths["near"], paths["near"])
+    assert code == 0 and "identical" in out
+    code, out, _ = run(capsys, "diff", paths["near"], paths["mlx"])
+    assert code == 1
+    table = [ln for ln in out.splitlines() if ln.startswith("! ")]
+    assert len(table) == 6 and all("differs" in ln for ln in table)  # equal rows hidden
+    code, out, _ = run(capsys, "diff", paths["near"], paths["f32"], "--json")
+    data = json.loads(out)
+    assert code == 1 and data["parity"]["summary"]["dtype mismatches"] == 6
+    code, out, _ = run(capsys, "diff", paths["near"], paths["mlx"], "--adapter", paths["ad"],
+                       "--base", paths["base"], "--json")
+    data = json.loads(out)
+    assert data["reference_a"]["summary"]["not correctly rounded"] == 0
+    assert data["reference_b"]["summary"]["not correctly rounded"] == \
+        data["parity"]["summary"]["elements differing"]
+
+
+def test_check(paths: dict, capsys) -> None:
+    code, out, _ = run(capsys, "check", "--base", paths["base"], "--adapter", paths["ad"],
+                       "--fused", paths["near"])
+    assert code == 0 and "ok: True" in out
+    code, out, _ = run(capsys, "check", "--base", paths["base"], "--adapter", paths["ad"],
+                       "--fused", paths["base"], "--json")
+    assert code == 1
+    rows = json.loads(out)["merge_check"]["rows"]
+    assert {r["verdict"] for r in rows} == {"not applied"}
+
+
+def test_errors_are_one_message(paths: dict, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "lorakit", "diff", str(paths["near"]),
+                           str(tmp_path / "missing")], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("lorakit diff: error:") and "Traceback" not in proc.stderr

@@ -1,0 +1,166 @@
+"""Decode timing machinery (not speed): variants differ where they should, the unfused
+variant runs the adapter, numbers are sane, results serialise, live hooks work."""
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+
+import pytest
+
+from lorakit.errors import LorakitError
+from lorakit.io.safetensors import read_header
+from lorakit.timing.decode import VARIANTS, DecodeTiming, VariantTiming, time_decode
+from model_factory import make_adapter, make_model
+
+KEYS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+PROMPT, TOKENS, REPEATS = 12, 16, 2
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("timing")
+    model = make_model(root / "model", "qwen3")
+    # a strong adapter, so greedy tokens show whether it ran
+    adapter = make_adapter(model, root / "adapter", keys=KEYS, rank=8, scale=4.0, b_std=0.5)
+    return model, adapter
+
+
+@pytest.fixture(scope="module")
+def timing(assets):
+    model, adapter = assets
+    seen = []
+    t = time_decode(model, adapter, prompt_tokens=PROMPT, tokens=TOKENS, repeats=REPEATS,
+                    device="cpu", progress=False, on_result=seen.append)
+    return t, seen
+
+
+def test_every_variant_ran_and_hook_saw_each(timing):
+    t, seen = timing
+    assert [v.variant for v in t.variants] == list(VARIANTS)
+    assert [v.variant for v in seen] == list(VARIANTS)
+    assert all(v.ok for v in t.variants), [v.error for v in t.variants]
+
+
+def test_numbers_positive_and_finite(timing):
+    t, _ = timing
+    for v in t.variants:
+        for xs in (v.prefill_tps, v.decode_tps, v.ttft_s):
+            assert len(xs) == REPEATS
+            assert all(math.isfinite(x) and x > 0 for x in xs), (v.variant, xs)
+        assert v.peak_bytes > 0 and v.rss_peak_bytes > 0
+        # end-of-sequence never cuts a run short
+        assert v.generated == TOKENS and len(v.tokens) == TOKENS
+        assert v.device["kind"] == "cpu" and v.peak_source == "rss"
+        assert v.peak_bytes == v.rss_peak_bytes
+    assert t.ratio("base") == 1.0 and t.ratio("base", "peak") == 1.0
+    assert math.isfinite(t.ratio("fused")) and t.ratio("fused") > 0
+
+
+def test_weight_dtypes_and_bytes_differ_by_variant(timing, assets):
+    t, _ = timing
+    _, adapter = assets
+    base, unfused = t.variant("base"), t.variant("unfused")
+    promoted, fused, mlx_fused = t.variant("promoted"), t.variant("fused"), t.variant(
+        "mlx-lm-fused")
+    assert set(base.weight_bytes) == {"BF16"}
+    # the promotion bug: fused projections stored as float32, more bytes in all
+    assert promoted.weight_bytes.get("F32", 0) > 0
+    assert promoted.weights_total > base.weights_total
+    assert "float32" in promoted.param_bytes
+    # a dtype-kept fuse has exactly the base's bytes and dtypes, as has mlx_lm fuse's
+    assert fused.weight_bytes == base.weight_bytes
+    assert mlx_fused.weight_bytes == base.weight_bytes
+    assert set(fused.param_bytes) == {"bfloat16"}
+    # unfused: base plus the f32 adapter
+    adapter_bytes = sum(i.nbytes for i in read_header(adapter / "adapters.safetensors")
+                        .tensors.values())
+    assert unfused.weights_total == base.weights_total + adapter_bytes
+    assert unfused.weight_bytes["F32"] == adapter_bytes
+
+
+def test_unfused_runs_the_adapter(timing):
+    t, _ = timing
+    n_layers = 2
+    assert t.variant("unfused").lora_modules == n_layers * len(KEYS)
+    assert all(t.variant(n).lora_modules == 0 for n in VARIANTS if n != "unfused")
+    assert t.variant("unfused").tokens != t.variant("base").tokens
+    # a fused checkpoint decodes like the adapter, not like the base
+    fused = t.variant("fused").tokens
+    assert fused != t.variant("base").tokens
+    assert fused[:4] == t.variant("unfused").tokens[:4]
+
+
+def test_json_round_trip(timing):
+    t, _ = timing
+    back = DecodeTiming.from_json(t.to_json())
+    assert [v.to_dict() for v in back.variants] == [v.to_dict() for v in t.variants]
+    assert str(back) == str(t)
+    assert back.settings == t.settings
+    d = json.loads(t.to_json())
+    assert d["rows"][0]["variant"] == "base" and d["settings"]["tokens"] == TOKENS
+
+
+def test_renders_table_html_and_plot(timing):
+    t, _ = timing
+    text = str(t)
+    for word in ("decode tok/s", "peak x base", "weight dtypes", "promoted", "mlx-lm-fused",
+                 "process peak RSS", "F32"):
+        assert word in text
+    assert "<table>" in t._repr_html_()
+    assert repr(t).startswith("<DecodeTiming:")
+    fig = t.plot()
+    assert len(fig.axes) == 2
+    assert len(fig.axes[0].patches) == len(VARIANTS)
+
+
+def test_background_thread_and_cancel(assets):
+    model, adapter = assets
+    cancel = threading.Event()
+    seen = []
+
+    def on_result(v: VariantTiming) -> None:
+        seen.append(v.variant)
+        cancel.set()  # stop after the first variant
+
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("t", time_decode(
+        model, adapter, variants=["base", "fused"], prompt_tokens=4, tokens=4, repeats=1,
+        device="cpu", progress=False, on_result=on_result, cancel=cancel)))
+    th.start()
+    th.join(timeout=120)
+    assert not th.is_alive()
+    assert seen == ["base"] and [v.variant for v in out["t"].variants] == ["base"]
+
+
+def test_bad_arguments(assets):
+    model, adapter = assets
+    with pytest.raises(LorakitError, match="variants"):
+        time_decode(model, adapter, variants=["base", "nope"], progress=False)
+    with pytest.raises(LorakitError, match="need an adapter"):
+        time_decode(model, None, variants=["fused"], progress=False)
+    with pytest.raises(LorakitError):
+        time_decode(model, adapter, tokens=0, progress=False)
+
+
+def test_variant_that_cannot_be_made_is_reported(tmp_path):
+    model = make_model(tmp_path / "q", "qwen3", quantize={"group_size": 32, "bits": 4})
+    adapter = make_adapter(model, tmp_path / "qa", keys=("self_attn.q_proj",))
+    t = time_decode(model, adapter, variants=["promoted"], progress=False)
+    v = t.variant("promoted")
+    assert not v.ok and "promote" in v.error
+    assert "error" in str(t)
+
+
+def test_cli_bench_json(assets, capsys):
+    from lorakit.cli.main import main
+
+    model, _ = assets
+    rc = main(["bench", "--model", str(model), "--variants", "base", "--prompt-tokens", "4",
+               "--tokens", "4", "--repeats", "1", "--device", "cpu", "--json", "-q"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    (v,) = d["variants"]
+    assert v["variant"] == "base" and len(v["decode_tps"]) == 1 and v["generated"] == 4
