@@ -10,8 +10,9 @@ projections (``lorakit synth``), then runs, as whole processes, several rounds o
 * ``cp -r`` of the checkpoint (the floor: the same bytes, no arithmetic)
 
 The order rotates every round, so no tool always runs on a warmer cache. Each
-process's wall time and peak RSS (``os.wait4``'s ``ru_maxrss``) are recorded; the
-medians are reported with ratios against mlx_lm. The first round's outputs are
+process's wall time, peak RSS (``os.wait4``'s ``ru_maxrss``) and CPU time (user +
+system, less sensitive than wall time to other jobs on a shared machine) are
+recorded; the medians are reported with ratios against mlx_lm. The first round's outputs are
 compared tensor by tensor: lorakit's mlx-lm mode must equal mlx_lm fuse byte for
 byte, under the same names. ``sync`` runs before each process so one tool's
 unwritten pages do not slow the next.
@@ -37,6 +38,8 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
+# this folder holds scripts named like stdlib modules (inspect.py): keep it off the path
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
@@ -76,8 +79,9 @@ def commands(ck: Path, ad: Path, dst: Path) -> Dict[str, List[str]]:
     }
 
 
-def run_one(cmd: List[str], log: Path) -> Tuple[float, float]:
-    """(wall seconds, peak RSS in bytes) of one whole process."""
+def run_one(cmd: List[str], log: Path) -> Tuple[float, float, float, int]:
+    """(wall seconds, peak RSS in bytes, CPU seconds (user + system), minor page faults)
+    of one whole process."""
     os.sync()
     with open(log, "ab") as f:
         f.write(("$ " + " ".join(cmd) + "\n").encode())
@@ -89,7 +93,8 @@ def run_one(cmd: List[str], log: Path) -> Tuple[float, float]:
         p.returncode = os.waitstatus_to_exitcode(status)
     if p.returncode != 0:
         raise SystemExit(f"command failed ({p.returncode}), see {log}: {' '.join(cmd)}")
-    return wall, usage.ru_maxrss * 1024  # Linux reports kilobytes
+    cpu = usage.ru_utime + usage.ru_stime
+    return wall, usage.ru_maxrss * 1024, cpu, usage.ru_minflt  # Linux: ru_maxrss in KB
 
 
 def _same_bytes(a, b) -> bool:
@@ -108,7 +113,8 @@ def _same_bytes(a, b) -> bool:
 def compare(a_dir: Path, b_dir: Path) -> Dict[str, object]:
     """Tensor-by-tensor raw comparison of two checkpoints."""
     a, b = Checkpoint(a_dir), Checkpoint(b_dir)
-    only_a, only_b = sorted(set(a.tensors) - set(b.tensors)), sorted(set(b.tensors) - set(a.tensors))
+    only_a = sorted(set(a.tensors) - set(b.tensors))
+    only_b = sorted(set(b.tensors) - set(a.tensors))
     differ = []
     for name in sorted(set(a.tensors) & set(b.tensors)):
         ta, tb = a.tensors[name], b.tensors[name]
@@ -129,26 +135,60 @@ def _dtypes(ck: Checkpoint) -> Dict[str, int]:
 
 
 def profile(ck: Path, ad: Path, dst: Path, out: Path) -> str:
-    """cProfile of one ``lorakit fuse --rounding mlx-lm`` and one default fuse; top functions."""
-    import pstats
+    """Where ``lorakit fuse`` spends its time, all threads included.
 
+    Uses py-spy (``py-spy`` on PATH or ``$PY_SPY``; ``pip install py-spy``) sampling
+    every thread; falls back to cProfile, which sees only the main thread (the
+    fusion work runs in worker threads, so it then shows as lock waits).
+    """
+    spy = os.environ.get("PY_SPY") or shutil.which("py-spy")
     lines = []
     for tag, extra in (("mlx-lm", ["--rounding", "mlx-lm"]), ("nearest", [])):
-        prof = out / f"lorakit-fuse-{tag}.prof"
         target = dst / f"profile-{tag}"
         shutil.rmtree(target, ignore_errors=True)
-        cmd = [PY, "-m", "cProfile", "-o", str(prof), "-m", "lorakit", "fuse", "--model", str(ck),
-               "--adapter-path", str(ad), "--save-path", str(target), "-q", *extra]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        fuse_cmd = ["-m", "lorakit", "fuse", "--model", str(ck), "--adapter-path", str(ad),
+                    "--save-path", str(target), "-q", *extra]
+        os.sync()
+        if spy:
+            raw = out / f"lorakit-fuse-{tag}.pyspy.txt"
+            subprocess.run([spy, "record", "-r", "50", "-f", "raw", "-o", str(raw), "--", PY,
+                            *fuse_cmd], check=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+            lines.append(f"lorakit fuse ({tag}), py-spy, share of samples "
+                         f"(all threads) by innermost lorakit/numpy/mlx frame:")
+            lines += _spy_summary(raw)
+        else:
+            import pstats
+
+            prof = out / f"lorakit-fuse-{tag}.prof"
+            subprocess.run([PY, "-m", "cProfile", "-o", str(prof), *fuse_cmd], check=True,
+                           stdout=subprocess.DEVNULL)
+            st = pstats.Stats(str(prof))
+            rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:12]  # by own time
+            lines.append(f"lorakit fuse ({tag}), cProfile (main thread only), by own time:")
+            for (file, line, fn), (_, _, tt, ct, _) in rows:
+                lines.append(f"  {tt:7.2f} s own  {ct:7.2f} s cum  {Path(file).name}:{line} {fn}")
         shutil.rmtree(target, ignore_errors=True)
-        st = pstats.Stats(str(prof))
-        total = st.total_tt  # type: ignore[attr-defined]
-        rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:12]  # by own time
-        lines.append(f"lorakit fuse ({tag}): {total:.1f} s of CPU in Python's view; "
-                     f"top functions by own time:")
-        for (file, line, fn), (_, _, tt, ct, _) in rows:
-            lines.append(f"  {tt:7.2f} s own  {ct:7.2f} s cum  {Path(file).name}:{line} {fn}")
     return "\n".join(lines)
+
+
+def _spy_summary(raw: Path, top: int = 10) -> List[str]:
+    """Aggregate py-spy raw stacks by the innermost frame of interest."""
+    from collections import Counter
+
+    c: Counter = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        total += int(n)
+        frames = stack.split(";")
+        pick = frames[-1]
+        for f in reversed(frames):
+            if "lorakit" in f or "shutil" in f:
+                pick = f
+                break
+        c[pick.split(" (")[0] + " (" + pick.rsplit("/", 1)[-1] if "/" in pick else pick] += int(n)
+    return [f"  {n / total:6.1%}  {k}" for k, n in c.most_common(top)]
 
 
 def main() -> int:
@@ -167,14 +207,15 @@ def main() -> int:
     log.write_text("")
     cmds = commands(ck, ad, dst)
     names = list(cmds)
-    results: Dict[str, List[Tuple[float, float]]] = {n: [] for n in names}
+    results: Dict[str, List[Tuple[float, float, float, int]]] = {n: [] for n in names}
     checks: Dict[str, object] = {}
     for r in range(args.runs):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            wall, rss = run_one(cmds[name], log)
-            results[name].append((wall, rss))
-            print(f"run {r + 1}: {name:<32} {wall:7.2f} s  {rss / 1e9:6.3f} GB", flush=True)
+            wall, rss, cpu, faults = run_one(cmds[name], log)
+            results[name].append((wall, rss, cpu, faults))
+            print(f"run {r + 1}: {name:<32} {wall:7.2f} s  {rss / 1e9:6.3f} GB  "
+                  f"cpu {cpu:6.2f} s  {faults} minor faults", flush=True)
         if r == 0:
             checks["lorakit mlx-lm vs mlx_lm fuse"] = compare(dst / "lorakit-mlx-lm",
                                                               dst / "mlx_lm")
@@ -184,24 +225,29 @@ def main() -> int:
                 dst / "lorakit-nearest", dst / "lorakit-mlx-lm", ck, ad)
         for p in dst.iterdir():
             shutil.rmtree(p)
-    base = statistics.median(w for w, _ in results["mlx_lm fuse"])
-    base_rss = statistics.median(m for _, m in results["mlx_lm fuse"])
+    def med(name: str, i: int) -> float:
+        return statistics.median(x[i] for x in results[name])
+
     rows = []
     for name in names:
-        walls = [w for w, _ in results[name]]
-        rsss = [m for _, m in results[name]]
-        rows.append({"command": name, "wall_s": walls, "rss_bytes": rsss,
-                     "median_wall_s": statistics.median(walls),
-                     "median_rss_bytes": statistics.median(rsss),
-                     "wall_vs_mlx_lm": statistics.median(walls) / base,
-                     "rss_vs_mlx_lm": statistics.median(rsss) / base_rss})
-    table = ["| command | median wall (s) | runs (s) | median peak RSS (GB) | wall vs mlx_lm "
-             "| RSS vs mlx_lm |", "|---|---:|---|---:|---:|---:|"]
+        rows.append({"command": name, "wall_s": [x[0] for x in results[name]],
+                     "rss_bytes": [x[1] for x in results[name]],
+                     "cpu_s": [x[2] for x in results[name]],
+                     "minor_faults": [x[3] for x in results[name]],
+                     "median_wall_s": med(name, 0), "median_rss_bytes": med(name, 1),
+                     "median_cpu_s": med(name, 2),
+                     "wall_vs_mlx_lm": med(name, 0) / med("mlx_lm fuse", 0),
+                     "rss_vs_mlx_lm": med(name, 1) / med("mlx_lm fuse", 1),
+                     "cpu_vs_mlx_lm": med(name, 2) / med("mlx_lm fuse", 2)})
+    table = ["| command | median wall (s) | runs (s) | wall vs mlx_lm | median peak RSS (GB) "
+             "| RSS vs mlx_lm | median CPU user+sys (s) | CPU vs mlx_lm |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
     for row in rows:
         table.append(f"| `{row['command']}` | {row['median_wall_s']:.1f} | "
                      f"{', '.join(f'{w:.1f}' for w in row['wall_s'])} | "
-                     f"{row['median_rss_bytes'] / 1e9:.2f} | {row['wall_vs_mlx_lm']:.2f}x | "
-                     f"{row['rss_vs_mlx_lm']:.2f}x |")
+                     f"{row['wall_vs_mlx_lm']:.2f}x | {row['median_rss_bytes'] / 1e9:.2f} | "
+                     f"{row['rss_vs_mlx_lm']:.2f}x | {row['median_cpu_s']:.1f} | "
+                     f"{row['cpu_vs_mlx_lm']:.2f}x |")
     print("\n" + "\n".join(table) + "\n")
     for k, v in checks.items():
         print(f"{k}: {json.dumps(v)}")

@@ -372,7 +372,8 @@ def _special_tokens(config: Dict[str, Any], vocab: int) -> List[Tuple[int, str]]
     else:
         specials = [(config.get("bos_token_id"), "<s>"), (config.get("eos_token_id"), "</s>")]
         specials = [(i if isinstance(i, int) else -1, t) for i, t in specials]
-    if any(not 256 <= i < vocab for i, _ in specials) or len({i for i, _ in specials}) < len(specials):
+    ids = [i for i, _ in specials]
+    if any(not 256 <= i < vocab for i in ids) or len(set(ids)) < len(ids):
         moved = {i: vocab - len(specials) + k for k, (i, _) in enumerate(specials)}
         specials = [(vocab - len(specials) + k, t) for k, (_, t) in enumerate(specials)]
 
@@ -646,8 +647,8 @@ def _find_sites(ck, layers: Sequence[int], keys: Sequence[str], prefix: str) -> 
                                  tuple(f"{m}.weight" for m in experts))
                     break
             if site is None:
-                errors.append(f"  layer {i}: key {key!r} matches no weight "
-                              f"(tried {', '.join(base + r for r in _KEY_ALIASES.get(key, (key,)))})")
+                tried = ", ".join(base + r for r in _KEY_ALIASES.get(key, (key,)))
+                errors.append(f"  layer {i}: key {key!r} matches no weight (tried {tried})")
             else:
                 sites.append(site)
     if errors:
@@ -735,6 +736,10 @@ def synth_adapter(path: PathLike, checkpoint_path: PathLike, *, rank: int = 8,
                                found=str(bad or "none"))
     if scale is None:
         scale = 20.0 if format == "mlx-lm" else 2.0
+    dst, src = Path(path).expanduser().resolve(), ck.path.resolve()
+    if dst == src or src in dst.parents or dst in src.parents:
+        raise OutputExistsError("adapter output would overlap the checkpoint directory",
+                                file=dst, expected=f"a path outside {src}")
     sites = _find_sites(ck, layer_list, list(keys), prefix)
     if kind == "dora" and format == "mlx-lm" and any(s.switch for s in sites):
         raise AdapterError("mlx-lm has no DoRA for MoE experts (SwitchLinear)",

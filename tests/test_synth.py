@@ -338,6 +338,9 @@ def test_adapter_errors(tmp_path, qwen, moe_mlx):
     assert "mlp.nope" in str(e.value) and "layer 1" in str(e.value) and "layer 2" in str(e.value)
     with pytest.raises(AdapterError, match="layers out of range"):
         synth_adapter(tmp_path / "a", qwen, layers=4)
+    with pytest.raises(OutputExistsError, match="overlap the checkpoint"):
+        synth_adapter(qwen / "adapter", qwen, layers=1, force=True)
+    assert (qwen / "model.safetensors").exists()
     with pytest.raises(AdapterError, match="no DoRA for MoE"):
         synth_adapter(tmp_path / "a", moe_mlx, kind="dora", layers=1)
     assert not (tmp_path / "a").exists()
