@@ -68,9 +68,11 @@ def test_fast_16bit_path_matches_numerics_on_every_pattern(code: str) -> None:
     pieces."""
     rng = np.random.default_rng(0)
     x = np.arange(1 << 16, dtype=np.uint16)
-    for y in (rng.permutation(x), x ^ np.uint16(1), x.copy()):
+    sparse = x.copy()
+    sparse[::50] = rng.permutation(x)[::50]  # few differences: the word-level sparse path
+    for y in (rng.permutation(x), x ^ np.uint16(1), x.copy(), sparse):
         y[::977] = x[::977]  # some equal elements in every piece
-        for size in (1 << 16, 4096, 333):
+        for size in (1 << 16, 4096, 333, 64):
             acc = _Acc(code, 1023)
             for s in range(0, x.size, size):
                 acc.add(x[s:s + size], y[s:s + size])

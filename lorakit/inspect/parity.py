@@ -61,13 +61,15 @@ class ParityReport(Report):
 
 
 def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
-           names: Optional[Sequence[str]] = None) -> ParityReport:
+           names: Optional[Sequence[str]] = None, threads: Optional[int] = None
+           ) -> ParityReport:
     """Compare two checkpoints (or adapters, files, in-memory models) tensor by tensor.
 
     Args:
         a, b: anything :func:`~lorakit.inspect.dtype_map.open_source` accepts.
         max_bin: top ulp histogram bin.
         names: restrict to these tensors.
+        threads: pieces compared in parallel (default ``min(4, cpu_count)``).
 
     Returns:
         A :class:`ParityReport`; ``.identical`` says whether A and B are bit-identical.
@@ -77,7 +79,7 @@ def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
         by equality.
     """
     sa, sb = open_source(a), open_source(b)
-    diffs = compare_sources(sa, sb, max_bin=max_bin, names=names)
+    diffs = compare_sources(sa, sb, max_bin=max_bin, names=names, threads=threads)
     labels = bin_labels(max_bin)
     overall = np.zeros(len(labels), np.int64)
     rows: List[Dict[str, Any]] = []

@@ -1,0 +1,242 @@
+"""Inspection speed on a Qwen3-1.7B-shaped checkpoint: dtype map, and diff vs `cat`.
+
+Writes a random checkpoint with Qwen3-1.7B's tensor names and shapes (bf16,
+``lorakit.synth``), a rank-8 adapter on the last 16 layers x 7 projections, and
+checkpoints to compare it with; then times
+
+* ``dtype_map`` (headers only; target < 50 ms);
+* ``parity(A, B)`` against ``cat A/*.safetensors B/*.safetensors > /dev/null``
+  (target < 3x), with the diff's peak RSS (target < 1 GB), for three pairs:
+  an identical copy, base vs fused (112 of 311 tensors differ on most elements),
+  and lorakit's fuse vs mlx-lm's order (the same tensors differ on a few percent).
+
+Each timing is the best of ``--repeat`` runs with the files in the page cache
+(``cat`` and the diff read the same warm files), or, with ``--cold``, with the two
+checkpoints' files evicted from the cache before every run (both read the disk). The diff runs in a fresh process
+whose peak RSS is read from ``wait4``; its time is measured inside that process
+around the ``parity`` call, and the whole command's wall time is shown too.
+
+    python benchmarks/inspection.py [--out bench-out/inspect] [--repeat 3] [--threads N]
+                                 [--cold] [--skip-tensors] [--json out.json]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# This file's name shadows the standard library's ``inspect`` (which numpy and
+# dataclasses import) when Python puts benchmarks/ first on sys.path; drop it.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Dict, List, Tuple  # noqa: E402
+
+_CHILD = r"""
+import sys, time, json
+from lorakit.inspect.parity import parity
+t = time.perf_counter()
+rep = parity(sys.argv[1], sys.argv[2], threads=int(sys.argv[3]) or None)
+dt = time.perf_counter() - t
+print(json.dumps({"seconds": dt, "identical": rep.identical,
+                  "elements": rep.summary["elements compared"],
+                  "differing": rep.summary["elements differing"],
+                  "tensors_differing": rep.summary["tensors differing"]}))
+"""
+
+
+def shards(path: Path) -> List[str]:
+    return sorted(str(p) for p in path.glob("*.safetensors"))
+
+
+def evict(*dirs: Path) -> None:
+    """Drop these checkpoints' files from the page cache (only theirs, nobody else's)."""
+    for d in dirs:
+        for f in shards(d):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def time_cat(a: Path, b: Path) -> Tuple[float, float]:
+    """(wall seconds, CPU user+sys seconds) of ``cat A B > /dev/null``."""
+    t = time.perf_counter()
+    proc = subprocess.Popen(["cat", *shards(a), *shards(b)], stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit("cat failed")
+    return time.perf_counter() - t, usage.ru_utime + usage.ru_stime
+
+
+def time_diff(a: Path, b: Path, threads: int = 0) -> Tuple[float, float, float, int, dict]:
+    """(parity seconds inside the child, child wall seconds, child CPU seconds, peak RSS
+    bytes, result)."""
+    t = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(a), str(b), str(threads)],
+                            stdout=subprocess.PIPE)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"diff failed with status {os.waitstatus_to_exitcode(status)}")
+    res = json.loads(out)
+    return (res["seconds"], wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024,
+            res)
+
+
+def prepare(out: Path) -> Dict[str, Path]:
+    import lorakit
+    from lorakit.synth import synth_adapter, synth_checkpoint
+
+    out.mkdir(parents=True, exist_ok=True)
+    p = {"base": out / "qwen3-1.7b", "copy": out / "qwen3-1.7b-copy", "lora": out / "lora",
+         "fused": out / "fused-nearest", "fused_mlx": out / "fused-mlx-lm"}
+    if not p["base"].exists():
+        synth_checkpoint(p["base"], "qwen3-1.7b", progress=False)
+    if not p["copy"].exists():
+        shutil.copytree(p["base"], p["copy"])
+    if not p["lora"].exists():
+        synth_adapter(p["lora"], p["base"], rank=8, layers=16)
+    if not p["fused"].exists():
+        lorakit.fuse(p["base"], p["lora"], p["fused"], progress=False)
+    if not p["fused_mlx"].exists():
+        lorakit.fuse(p["base"], p["lora"], p["fused_mlx"], rounding="mlx-lm", progress=False)
+    return p
+
+
+def bench_tensor_pairs(out: Path, pairs, tensor: str, repeat: int = 10) -> List[dict]:
+    """One adapted tensor per pair, copied to its own small files: small enough to stay
+    in the page cache, so the ratio to ``cat`` shows compute cost, not disk luck."""
+    from lorakit.inspect.parity import parity
+    from lorakit.io.checkpoint import Checkpoint
+    from lorakit.io.safetensors import PlannedTensor, SafetensorsWriter
+
+    rows = []
+    for label, a, b in pairs:
+        files = []
+        for side, src in (("a", a), ("b", b)):
+            ck = Checkpoint(src)
+            info = ck.info(tensor)
+            d = out / "tensor-pairs" / label.replace(" ", "-") / side
+            d.mkdir(parents=True, exist_ok=True)
+            with SafetensorsWriter(d / "model.safetensors",
+                                   [PlannedTensor(tensor, info.dtype, info.shape)]) as w:
+                w.copy(tensor, info)
+            (d / "config.json").write_text("{}")
+            files.append(d)
+        row = {"pair": label, "tensor": tensor}
+        cats = [time_cat(files[0], files[1])[0] for _ in range(repeat)]
+        row["cat_s"] = min(cats)
+        for threads in (1, None):
+            times = []
+            for _ in range(repeat):
+                t = time.perf_counter()
+                rep = parity(files[0], files[1], threads=threads)
+                times.append(time.perf_counter() - t)
+            key = "parity_1t_s" if threads == 1 else "parity_s"
+            row[key] = min(times)
+        row["elements"] = rep.summary["elements compared"]
+        row["differing"] = rep.summary["elements differing"]
+        rows.append(row)
+    return rows
+
+
+def bench_dtype_map(path: Path, repeat: int = 30) -> dict:
+    from lorakit.inspect.dtype_map import dtype_map
+
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        dm = dtype_map(path)
+        times.append(time.perf_counter() - t)
+    return {"tensors": len(dm.rows), "best_ms": min(times) * 1e3,
+            "median_ms": statistics.median(times) * 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench-out/inspect", help="working directory (~14 GB)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="parity's worker threads (0: its default, min(4, cores))")
+    ap.add_argument("--cold", action="store_true",
+                    help="evict the two checkpoints' files from the page cache before each "
+                    "timed run (cat and diff then read from disk)")
+    ap.add_argument("--skip-tensors", action="store_true", help="skip the one-tensor table")
+    ap.add_argument("--json", help="write the results here too")
+    args = ap.parse_args()
+    p = prepare(Path(args.out))
+    results: Dict[str, object] = {"dtype_map": bench_dtype_map(p["base"]),
+                                  "cpus": os.cpu_count(), "load_avg": os.getloadavg()}
+    pairs = [("identical copy", p["base"], p["copy"]),
+             ("base vs fused", p["base"], p["fused"]),
+             ("lorakit vs mlx-lm fuse", p["fused"], p["fused_mlx"])]
+    rows = []
+    for label, a, b in pairs:
+        cats, cat_cpu, diffs, walls, cpus, rss = [], [], [], [], [], []
+        for _ in range(args.repeat):
+            if args.cold:
+                evict(a, b)
+            c, cc = time_cat(a, b)
+            if args.cold:
+                evict(a, b)
+            cats.append(c)
+            cat_cpu.append(cc)
+            d, w, cpu, r, res = time_diff(a, b, args.threads)
+            diffs.append(d)
+            walls.append(w)
+            cpus.append(cpu)
+            rss.append(r)
+        size = sum(os.path.getsize(f) for f in shards(a) + shards(b))
+        rows.append({"pair": label, "bytes_read": size, "cat_s": min(cats),
+                     "cat_cpu_s": min(cat_cpu), "parity_s": min(diffs),
+                     "command_s": min(walls), "command_cpu_s": min(cpus),
+                     "ratio": min(diffs) / min(cats), "peak_rss_mb": max(rss) / 2 ** 20,
+                     "elements": res["elements"], "differing": res["differing"],
+                     "tensors_differing": res["tensors_differing"]})
+    results["diff"] = rows
+    tensor = "model.layers.27.mlp.up_proj.weight"
+    results["tensor_pairs"] = [] if args.skip_tensors else \
+        bench_tensor_pairs(Path(args.out), pairs, tensor)
+    dm = results["dtype_map"]
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"dtype_map, {dm['tensors']} tensors: best {dm['best_ms']:.2f} ms, "
+          f"median {dm['median_ms']:.2f} ms")
+    print()
+    print("| pair | GB read | elements differing | cat (s) | parity (s) | parity / cat | "
+          "whole process (s) | CPU: cat / process (s) | peak RSS (MB) |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['pair']} | {r['bytes_read'] / 1e9:.2f} | {r['differing']:,} of "
+              f"{r['elements']:,} | {r['cat_s']:.2f} | {r['parity_s']:.2f} | "
+              f"{r['ratio']:.2f}x | {r['command_s']:.2f} | {r['cat_cpu_s']:.2f} / "
+              f"{r['command_cpu_s']:.2f} | {r['peak_rss_mb']:.0f} |")
+    if not results["tensor_pairs"]:
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return
+    print()
+    print(f"One tensor, {tensor} (25 MB per side), files in the page cache, best of 10:")
+    print()
+    print("| pair | elements differing | cat (ms) | parity, 1 thread (ms) | parity (ms) | "
+          "parity / cat | ns per element |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in results["tensor_pairs"]:
+        print(f"| {r['pair']} | {r['differing']:,} of {r['elements']:,} | "
+              f"{r['cat_s'] * 1e3:.1f} | {r['parity_1t_s'] * 1e3:.1f} | "
+              f"{r['parity_s'] * 1e3:.1f} | {r['parity_s'] / r['cat_s']:.2f}x | "
+              f"{r['parity_s'] / r['elements'] * 1e9:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
