@@ -297,6 +297,11 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
 
 
 def _publish(tmp: Path, out: Path, force: bool) -> None:
+    # everything in the temporary directory reaches the disk before it is renamed,
+    # so after a power loss the output path holds the old state or a whole output
+    for f in tmp.iterdir():
+        _fsync_path(f)
+    _fsync_path(tmp)
     if out.exists():
         if not force:
             raise OutputExistsError("output path appeared while fusing", file=out)
@@ -307,6 +312,14 @@ def _publish(tmp: Path, out: Path, force: bool) -> None:
     else:
         os.rename(tmp, out)
     _fsync_dir(out.parent)
+
+
+def _fsync_path(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(p: Path) -> None:
@@ -342,8 +355,10 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
         "lorakit.dtype_policy": dtype_policy,
         "lorakit.dequantize": str(bool(dequantize)).lower(),
     }
+    # disable=None: no bar when stderr is not a terminal (logs, pipes), so an error
+    # there reads as one message; notebooks still show theirs
     bar = tqdm(total=ck.nbytes, unit="B", unit_scale=True, desc="lorakit fuse",
-               disable=not progress, leave=False)
+               disable=None if progress else True, leave=False)
     it: Optional[_Item] = None
     try:
         for shard, infos in ck.by_shard():

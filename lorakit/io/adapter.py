@@ -196,7 +196,8 @@ def load_adapter(path: PathLike) -> Adapter:
         path = path.parent
     if not path.is_dir():
         raise AdapterError("adapter path is not a directory", file=path,
-                           expected="a directory with adapter_config.json")
+                           expected="a directory with adapter_config.json",
+                           found="a file" if path.exists() else "no such directory")
     cfg_path = safe_member(path, CONFIG, source=path, what="adapter config")
     for name in (MLX_WEIGHTS, PEFT_WEIGHTS):
         safe_member(path, name, source=path, what="adapter weights")  # no links out
@@ -227,7 +228,9 @@ def _load_mlx(path: Path, cfg: Dict[str, Any]) -> Adapter:
     params = cfg.get("lora_parameters")
     if not isinstance(params, dict):
         raise AdapterError("adapter config has no lora_parameters", file=cfg_path,
-                           expected='"lora_parameters": {"rank": ..., "scale": ...}')
+                           tensor="lora_parameters",
+                           expected='"lora_parameters": {"rank": ..., "scale": ...}',
+                           found=repr(params)[:80])
     scale = _number(params.get("scale"))
     if scale is None:
         hint = " (mlx-lm uses 'scale', not 'alpha')" if "alpha" in params else ""
@@ -240,13 +243,15 @@ def _load_mlx(path: Path, cfg: Dict[str, Any]) -> Adapter:
     for name, val in tensors.items():
         module, _, leaf = name.rpartition(".")
         if leaf not in ("lora_a", "lora_b", "m") or not module:
-            errors.append(f"  {name}: not a LoRA tensor (expected <module>.lora_a/.lora_b/.m)")
+            errors.append(f"  {name}: not a LoRA tensor (expected <module>.lora_a/.lora_b/.m, "
+                          f"found .{leaf})")
             continue
         groups.setdefault(module, {})[leaf] = val
     targets: List[LoraTarget] = []
     for module, g in groups.items():
         if "lora_a" not in g or "lora_b" not in g:
-            errors.append(f"  {module}: has {sorted(g)} but needs both lora_a and lora_b")
+            errors.append(f"  {module}: has {sorted(g)} but needs both lora_a and lora_b "
+                          f"(expected lora_a and lora_b, found {', '.join(sorted(g))})")
             continue
         a = _f32(*g["lora_a"], file, module + ".lora_a")
         b = _f32(*g["lora_b"], file, module + ".lora_b")
@@ -279,10 +284,11 @@ def _load_mlx(path: Path, cfg: Dict[str, Any]) -> Adapter:
             continue
         if m is not None and ftype != "dora":
             errors.append(f"  {module}.m: DoRA magnitude in an adapter whose fine_tune_type "
-                          f"is {ftype!r}")
+                          f"is {ftype!r} (expected 'dora', found {ftype!r})")
             continue
         if ftype == "dora" and m is None:
-            errors.append(f"  {module}: fine_tune_type is dora but {module}.m is missing")
+            errors.append(f"  {module}: fine_tune_type is dora but {module}.m is missing "
+                          f"(expected a DoRA magnitude, found none)")
             continue
         if m is not None:
             bad_m = _check_magnitude(f"{module}.m", m, B)
@@ -294,7 +300,10 @@ def _load_mlx(path: Path, cfg: Dict[str, Any]) -> Adapter:
                                   tuple(f"{module}.{k}" for k in g)))
     if errors:
         raise AdapterError(f"{len(errors)} problem(s) in the adapter's tensors:\n"
-                           + "\n".join(errors), file=file)
+                           + "\n".join(errors), file=file,
+                           expected="<module>.lora_a (in, r) and .lora_b (r, out) per module"
+                           + (", and .m (out,)" if ftype == "dora" else ""),
+                           found=f"{len(errors)} problem(s), listed above")
     if not targets:
         raise AdapterError("adapter holds no LoRA tensors", file=file,
                            expected="<module>.lora_a / .lora_b tensors", found="none")
@@ -397,21 +406,23 @@ def _load_peft(path: Path, cfg: Dict[str, Any]) -> Adapter:
             what = ("a modules_to_save copy (whole weights), which lorakit does not fuse"
                     if "modules_to_save" in key or cfg.get("modules_to_save") else
                     "not a LoRA tensor")
-            errors.append(f"  {name}: {what}")
+            errors.append(f"  {name}: {what} (expected .lora_A.weight / .lora_B.weight / "
+                          f".lora_embedding_A / .lora_embedding_B / .lora_magnitude_vector)")
     targets: List[LoraTarget] = []
     for module, g in groups.items():
         emb = "EA" in g or "EB" in g
         ka, kb = ("EA", "EB") if emb else ("A", "B")
         if ka not in g or kb not in g:
-            errors.append(f"  {module}: needs both {'lora_embedding_A/B' if emb else 'lora_A/B'}")
+            errors.append(f"  {module}: needs both {'lora_embedding_A/B' if emb else 'lora_A/B'} "
+                          f"(found only {', '.join(v[0] for v in g.values())})")
             continue
         na, a_raw, a_dt = g[ka]
         nb, b_raw, b_dt = g[kb]
         a = _f32(a_raw, a_dt, file, na)
         b = _f32(b_raw, b_dt, file, nb)
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            errors.append(f"  {module}: rank mismatch: {na} {list(a.shape)} and {nb} "
-                          f"{list(b.shape)} must be (r, in) and (out, r)")
+            errors.append(f"  {module}: rank mismatch: expected {na} (r, in) and {nb} "
+                          f"(out, r), found {list(a.shape)} and {list(b.shape)}")
             continue
         _check_finite(file, na, a)
         _check_finite(file, nb, b)
@@ -419,12 +430,13 @@ def _load_peft(path: Path, cfg: Dict[str, Any]) -> Adapter:
         want_r = _pattern_value(rank_pattern, module) or r
         if float(want_r) != rank:
             errors.append(f"  {module}: rank {rank} in the tensors but {want_r} in the config "
-                          f"(r / rank_pattern)")
+                          f"(r / rank_pattern): expected rank {want_r}, found {rank}")
             continue
         if layers is not None:
             li = _layer_index(module)
             if li is not None and li not in layers:
-                errors.append(f"  {module}: layer {li} is outside layers_to_transform {layers}")
+                errors.append(f"  {module}: layer {li} is outside layers_to_transform "
+                              f"(expected one of {layers}, found {li})")
                 continue
         a_alpha = _pattern_value(alpha_pattern, module) or alpha
         scale = float(a_alpha) / (math.sqrt(rank) if rslora else rank)
@@ -439,7 +451,8 @@ def _load_peft(path: Path, cfg: Dict[str, Any]) -> Adapter:
             mag = mag.reshape(-1)
             _check_finite(file, nm, mag)
         elif dora:
-            errors.append(f"  {module}: use_dora is set but lora_magnitude_vector is missing")
+            errors.append(f"  {module}: use_dora is set but lora_magnitude_vector is missing "
+                          f"(expected a DoRA magnitude, found none)")
             continue
         if emb:
             # PEFT: delta = (lora_embedding_B @ lora_embedding_A).T * scaling
@@ -454,7 +467,10 @@ def _load_peft(path: Path, cfg: Dict[str, Any]) -> Adapter:
                                   scale, mag, names, base_w))
     if errors:
         raise AdapterError(f"{len(errors)} problem(s) in the adapter's tensors:\n"
-                           + "\n".join(errors), file=file)
+                           + "\n".join(errors), file=file,
+                           expected="base_model.model.<module>.lora_A.weight (r, in) and "
+                           ".lora_B.weight (out, r) per module",
+                           found=f"{len(errors)} problem(s), listed above")
     if not targets:
         raise AdapterError("adapter holds no LoRA tensors", file=file,
                            expected="base_model.model.<module>.lora_A.weight / .lora_B.weight",

@@ -23,7 +23,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import numpy as np
 
 from ..errors import FormatError, UnsafePathError
-from .safetensors import FLOAT_CODES, TensorInfo, raw_to_mx, read_header, read_raw
+from .safetensors import (FLOAT_CODES, TensorInfo, _file_kind, raw_to_mx, read_header,
+                          read_raw)
 
 PathLike = Union[str, Path]
 
@@ -50,8 +51,7 @@ def _load_json(path: Path, what: str) -> Any:
         if not stat.S_ISREG(st.st_mode):
             # a FIFO or device would block or never end
             raise FormatError(f"{what} is not a regular file", file=path,
-                              expected="a JSON file", found="a directory" if stat.S_ISDIR(
-                                  st.st_mode) else "a special file")
+                              expected="a JSON file", found=_file_kind(st.st_mode))
         if st.st_size > MAX_JSON_BYTES:
             raise FormatError(f"{what} is implausibly large", file=path,
                               expected=f"<= {MAX_JSON_BYTES} bytes", found=f"{st.st_size} bytes")
@@ -132,6 +132,8 @@ class Checkpoint:
         self.path = Path(path)
         if not self.path.is_dir():
             raise FormatError("model path is not a directory", file=self.path,
+                              expected="a model directory with config.json",
+                              found="a file" if self.path.exists() else "no such directory",
                               hint="give a local model directory (or a hub repo id to open_checkpoint)")
         cfg_path = safe_member(self.path, "config.json", source=self.path, what="config.json")
         self.config: Dict[str, Any] = _load_json(cfg_path, "config.json")
@@ -161,17 +163,21 @@ class Checkpoint:
                 shard_names = ["model.safetensors"]
         if not shard_names:
             raise FormatError("no safetensors weights in the model directory", file=self.path,
-                              expected="model.safetensors or model.safetensors.index.json")
+                              expected="model.safetensors or model.safetensors.index.json",
+                              found=", ".join(sorted(p.name for p in self.path.iterdir()))[:200]
+                              or "an empty directory")
         self.shards: List[str] = shard_names
         self.headers = {}
         self.tensors: Dict[str, TensorInfo] = {}
         for n in shard_names:
             f = safe_member(self.path, n, source=index_path if weight_map else self.path,
                             what="shard")
+            if f.exists() and not f.is_file():
+                raise FormatError("shard is not a regular file", file=f,
+                                  expected="a regular safetensors file",
+                                  found=_file_kind(f.stat().st_mode))
             if not f.is_file():
-                raise FormatError("shard named in the index is missing"
-                                  if f.exists() or f.is_symlink() or weight_map
-                                  else "shard is not a regular file", file=f,
+                raise FormatError("shard named in the index is missing", file=f,
                                   tensor=next((k for k, v in (weight_map or {}).items() if v == n), None),
                                   expected="an existing safetensors file", found="no such file")
             h = read_header(f)

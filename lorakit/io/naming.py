@@ -180,6 +180,7 @@ def bind(adapter: Adapter, ck: Checkpoint) -> List[Binding]:
             f"adapter does not fit the checkpoint: {len(errors)} of {len(adapter.targets)} "
             f"targets unmatched or mismatched:\n" + "\n".join(errors),
             file=adapter.weights_file, expected=f"targets of a {ck.model_type} model at {ck.path}",
+            found=f"{len(errors)} target(s) that do not fit, listed above",
             hint="check that the adapter was trained on this base model")
     return out
 
