@@ -20,17 +20,23 @@ prints the text table. Synthetic checkpoints are cached under ``--cache``
 """
 from __future__ import annotations
 
-import argparse
-import shutil
+import os
 import sys
-import tempfile
-import time
-from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# Run as a script, this folder leads sys.path, and its inspect.py would shadow the
+# standard library's inspect (numpy imports it): put the project root there instead.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import argparse  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Dict, Optional, Tuple  # noqa: E402
+
+ROOT = Path(_HERE).parent
 
 
 def assets(shape: str, cache: Path, overrides: Optional[Dict[str, Any]] = None
@@ -74,7 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
 
-    from lorakit.timing.decode import time_decode
+    from lorakit.timing.decode import DecodeTiming, time_decode
 
     cache = args.cache or Path(tempfile.mkdtemp(prefix="lorakit-bench-"))
     cache.mkdir(parents=True, exist_ok=True)
@@ -84,10 +90,20 @@ def main(argv=None) -> int:
             model, adapter, made = assets(
                 shape, cache, {"num_hidden_layers": args.layers} if args.layers else None)
             synth_s = time.perf_counter() - t0
+            partial = DecodeTiming(title="", settings={"model": str(model), "shape": shape})
+
+            def on_result(v, shape=shape, partial=partial) -> None:
+                # a line and a JSON file per finished variant: a run cut short keeps them
+                print(f"[{shape}] {v!r}", file=sys.stderr, flush=True)
+                partial.add(v)
+                if args.out is not None:
+                    args.out.mkdir(parents=True, exist_ok=True)
+                    (args.out / f"decode-{shape}.json").write_text(partial.to_json(indent=1))
+
             t = time_decode(model, adapter, variants=args.variants.split(","),
                             prompt_tokens=args.prompt_tokens, tokens=args.tokens,
                             repeats=args.repeats, warmup=args.warmup, device=args.device,
-                            workdir=cache, progress=not args.quiet)
+                            workdir=cache, progress=not args.quiet, on_result=on_result)
             t.settings.update(shape=shape, assets=made, synth_s=round(synth_s, 1),
                               total_s=round(time.perf_counter() - t0, 1))
             print(f"## {shape} ({made}; {t.settings['total_s']} s)\n{t}\n", flush=True)

@@ -19,18 +19,27 @@ KEYS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o
 PROMPT, TOKENS, REPEATS = 12, 16, 2
 
 
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("timing")
-    model = make_model(root / "model", "qwen3")
-    # a strong adapter, so greedy tokens show whether it ran
-    adapter = make_adapter(model, root / "adapter", keys=KEYS, rank=8, scale=4.0, b_std=0.5)
-    return model, adapter
+    """The embedded trained model and adapter when present, else a random pair."""
+    model, adapter = DATA / "tiny-qwen3", DATA / "adapters" / "lora"
+    if not (model / "config.json").exists() or not (adapter / "adapters.safetensors").exists():
+        root = tmp_path_factory.mktemp("timing")
+        model = make_model(root / "model", "qwen3")
+        # a strong adapter, so greedy tokens show whether it ran
+        adapter = make_adapter(model, root / "adapter", keys=KEYS, rank=8, scale=4.0,
+                               b_std=0.5)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    assert cfg["lora_parameters"]["keys"] == list(KEYS)
+    return model, adapter, int(cfg["num_layers"]) * len(KEYS)
 
 
 @pytest.fixture(scope="module")
 def timing(assets):
-    model, adapter = assets
+    model, adapter, _ = assets
     seen = []
     t = time_decode(model, adapter, prompt_tokens=PROMPT, tokens=TOKENS, repeats=REPEATS,
                     device="cpu", progress=False, on_result=seen.append)
@@ -61,7 +70,7 @@ def test_numbers_positive_and_finite(timing):
 
 def test_weight_dtypes_and_bytes_differ_by_variant(timing, assets):
     t, _ = timing
-    _, adapter = assets
+    _, adapter, _ = assets
     base, unfused = t.variant("base"), t.variant("unfused")
     promoted, fused, mlx_fused = t.variant("promoted"), t.variant("fused"), t.variant(
         "mlx-lm-fused")
@@ -81,10 +90,9 @@ def test_weight_dtypes_and_bytes_differ_by_variant(timing, assets):
     assert unfused.weight_bytes["F32"] == adapter_bytes
 
 
-def test_unfused_runs_the_adapter(timing):
+def test_unfused_runs_the_adapter(timing, assets):
     t, _ = timing
-    n_layers = 2
-    assert t.variant("unfused").lora_modules == n_layers * len(KEYS)
+    assert t.variant("unfused").lora_modules == assets[2]
     assert all(t.variant(n).lora_modules == 0 for n in VARIANTS if n != "unfused")
     assert t.variant("unfused").tokens != t.variant("base").tokens
     # a fused checkpoint decodes like the adapter, not like the base
@@ -117,7 +125,7 @@ def test_renders_table_html_and_plot(timing):
 
 
 def test_background_thread_and_cancel(assets):
-    model, adapter = assets
+    model, adapter, _ = assets
     cancel = threading.Event()
     seen = []
 
@@ -136,7 +144,7 @@ def test_background_thread_and_cancel(assets):
 
 
 def test_bad_arguments(assets):
-    model, adapter = assets
+    model, adapter, _ = assets
     with pytest.raises(LorakitError, match="variants"):
         time_decode(model, adapter, variants=["base", "nope"], progress=False)
     with pytest.raises(LorakitError, match="need an adapter"):
@@ -157,7 +165,7 @@ def test_variant_that_cannot_be_made_is_reported(tmp_path):
 def test_cli_bench_json(assets, capsys):
     from lorakit.cli.main import main
 
-    model, _ = assets
+    model, _, _ = assets
     rc = main(["bench", "--model", str(model), "--variants", "base", "--prompt-tokens", "4",
                "--tokens", "4", "--repeats", "1", "--device", "cpu", "--json", "-q"])
     assert rc == 0

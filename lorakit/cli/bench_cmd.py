@@ -4,7 +4,6 @@ mlx-lm-fused) for a model and an adapter. A thin caller of
 from __future__ import annotations
 
 import argparse
-import json
 from typing import List
 
 from ..errors import LorakitError

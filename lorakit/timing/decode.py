@@ -14,8 +14,8 @@ through ``mlx_lm.generate.stream_generate``, so the tok/s figures are those
 - ``fused``: ``lorakit.fuse(...)``, dtypes kept.
 - ``mlx-lm-fused``: the output of the ``mlx_lm fuse`` command.
 
-Fused checkpoints are written once into a temporary directory before timing and
-removed afterwards.
+Each fused checkpoint is written into a temporary directory just before its variant
+is timed and removed right after, so at most one fused copy is on disk at a time.
 
 >>> # t = lorakit.time_decode("data/tiny-qwen3", "data/adapters/lora"); t.plot()
 """
@@ -273,15 +273,19 @@ class DecodeTiming(Report):
         hi = [max(v.decode_tps) - m for m, v in zip(med, ok)]
         a1.bar(names, med, yerr=[lo, hi], color=colors, capsize=3)
         a1.set_ylabel("decode tok/s (median)")
-        a2.bar(names, [_gb(v.peak_bytes) for v in ok], color=colors)
+        a2.bar(names, [_gb(v.peak_bytes) for v in ok], color=colors)  # no spread: one peak
         a2.set_ylabel("peak memory GB" + (" (RSS)" if ok and ok[0].peak_source == "rss"
                                           else ""))
-        for a, vals in ((a1, med), (a2, [_gb(v.peak_bytes) for v in ok])):
+        peaks = [_gb(v.peak_bytes) for v in ok]
+        tops = [max(v.decode_tps) for v in ok]  # labels sit above the whiskers
+        for a, vals, at in ((a1, med, tops), (a2, peaks, peaks)):
             a.tick_params(axis="x", labelrotation=20)
+            a.margins(y=0.12)
             base = next((x for n, x in zip(names, vals) if n == "base"), None)
-            for i, x in enumerate(vals):
+            for i, (x, y) in enumerate(zip(vals, at)):
                 label = f"{x / base:.2f}x" if base else f"{x:.3g}"
-                a.annotate(label, (i, x), ha="center", va="bottom", fontsize=8)
+                a.annotate(label, (i, y), ha="center", va="bottom", fontsize=8,
+                           xytext=(0, 2), textcoords="offset points")
         dev = next((v.device for v in ok if v.device), {})
         where = " ".join(x for x in (dev.get("backend", ""), dev.get("device_info", {})
                                      .get("device_name", "")) if x)
@@ -405,6 +409,58 @@ def _run_worker(spec: Dict[str, Any], python: str, on_run: Callable[[Dict[str, A
         return result
 
 
+def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
+                  spec: Dict[str, Any], python: str, bar: Any, cancel: Any,
+                  timeout: Optional[float]) -> VariantTiming:
+    """Make the variant's checkpoint if it is a fused one, time it in a worker process,
+    and remove the checkpoint again (so at most one fused copy is on disk at a time)."""
+    runs = spec["warmup"] + spec["repeats"]
+    v = VariantTiming(variant=n, note={"base": "the checkpoint", "unfused": "mlx_lm "
+                                       "load_model + load_adapters (LoRA layers)"}.get(n, ""))
+    path = model
+    if n in FUSED_VARIANTS:
+        if bar is not None:
+            bar.set_postfix_str(f"making {n}")
+        t0 = time.perf_counter()
+        try:
+            v.note = _prepare(n, model, adapter, work, python)  # type: ignore[arg-type]
+            path = work / n
+        except LorakitError as e:
+            v.error = e.message
+        v.prepare_s = time.perf_counter() - t0
+        if bar is not None:
+            bar.update(1)
+    try:
+        if v.error is None:
+            if bar is not None:
+                bar.set_postfix_str(n)
+            done = [0]
+
+            def on_run(ev: Dict[str, Any]) -> None:
+                if ev["event"] == "run" and bar is not None:
+                    done[0] += 1
+                    bar.update(1)
+
+            ev = _run_worker(dict(spec, model=str(path), adapter_path=str(adapter)
+                                  if n == "unfused" else None),
+                             python, on_run, cancel, timeout)
+            if bar is not None:
+                bar.update(runs - done[0])
+            if ev["event"] == "error":
+                v.error = ev.get("message") or ev.get("type") or "worker failed"
+            else:
+                for k, x in ev.items():
+                    if k != "event" and k in VariantTiming.__dataclass_fields__:
+                        setattr(v, k, x)
+                v.weight_bytes = weight_bytes(path, adapter if n == "unfused" else None)
+        elif bar is not None:
+            bar.update(runs)
+    finally:
+        if path != model:
+            shutil.rmtree(path, ignore_errors=True)
+    return v
+
+
 def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
                 variants: Optional[Sequence[str]] = None, prompt_tokens: int = 128,
                 tokens: int = 128, repeats: int = 3, warmup: int = 1,
@@ -472,60 +528,15 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
 
         bar = tqdm(total=len(to_prepare) + len(names) * (warmup + repeats),
                    desc="decode timing", unit="step", leave=True)
+    spec = {"prompt_tokens": prompt_tokens, "tokens": tokens, "repeats": repeats,
+            "warmup": warmup, "seed": seed, "device": device}
     work = Path(tempfile.mkdtemp(prefix="lorakit-timing-",
                                  dir=str(workdir) if workdir is not None else None))
     try:
-        paths: Dict[str, Path] = {"base": model, "unfused": model}
-        notes: Dict[str, str] = {"base": "the checkpoint",
-                                 "unfused": "mlx_lm load_model + load_adapters (LoRA layers)"}
-        prep_s: Dict[str, float] = {}
-        errors: Dict[str, str] = {}
-        for n in to_prepare:
-            if cancel is not None and cancel.is_set():
-                break
-            if bar is not None:
-                bar.set_postfix_str(f"making {n}")
-            t0 = time.perf_counter()
-            try:
-                notes[n] = _prepare(n, model, adapter, work, python)  # type: ignore[arg-type]
-                paths[n] = work / n
-            except LorakitError as e:
-                errors[n] = e.message
-            prep_s[n] = time.perf_counter() - t0
-            if bar is not None:
-                bar.update(1)
         for n in names:
             if cancel is not None and cancel.is_set():
                 break
-            if bar is not None:
-                bar.set_postfix_str(n)
-            v = VariantTiming(variant=n, note=notes.get(n, ""), prepare_s=prep_s.get(n, 0.0))
-            if n in errors:
-                v.error = errors[n]
-                if bar is not None:
-                    bar.update(warmup + repeats)
-            else:
-                spec = {"model": str(paths[n]),
-                        "adapter_path": str(adapter) if n == "unfused" else None,
-                        "prompt_tokens": prompt_tokens, "tokens": tokens, "repeats": repeats,
-                        "warmup": warmup, "seed": seed, "device": device}
-                done = [0]
-
-                def on_run(ev: Dict[str, Any], done: List[int] = done) -> None:
-                    if ev["event"] == "run" and bar is not None:
-                        done[0] += 1
-                        bar.update(1)
-
-                ev = _run_worker(spec, python, on_run, cancel, timeout)
-                if bar is not None:
-                    bar.update(warmup + repeats - done[0])
-                if ev["event"] == "error":
-                    v.error = ev.get("message") or ev.get("type") or "worker failed"
-                else:
-                    for k, x in ev.items():
-                        if k != "event" and k in VariantTiming.__dataclass_fields__:
-                            setattr(v, k, x)
-                    v.weight_bytes = weight_bytes(paths[n], adapter if n == "unfused" else None)
+            v = _time_variant(n, model, adapter, work, spec, python, bar, cancel, timeout)
             result.add(v)
             if on_result is not None:
                 on_result(v)
