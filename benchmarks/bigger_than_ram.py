@@ -30,8 +30,6 @@ from pathlib import Path
 from typing import Dict, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-# this folder holds a benchmark named inspect.py: keep it from shadowing the stdlib
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import numpy as np  # noqa: E402
 

@@ -23,10 +23,7 @@ from __future__ import annotations
 import os
 import sys
 
-# Run as a script, this folder leads sys.path, and its inspect.py would shadow the
-# standard library's inspect (numpy imports it): put the project root there instead.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import argparse  # noqa: E402

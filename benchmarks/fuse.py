@@ -38,8 +38,6 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
-# this folder holds scripts named like stdlib modules (inspect.py): keep it off the path
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402

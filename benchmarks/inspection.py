@@ -24,10 +24,6 @@ from __future__ import annotations
 import os
 import sys
 
-# This file's name shadows the standard library's ``inspect`` (which numpy and
-# dataclasses import) when Python puts benchmarks/ first on sys.path; drop it.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import argparse  # noqa: E402
 import json  # noqa: E402

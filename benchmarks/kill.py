@@ -26,9 +26,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-# this folder holds a benchmark named inspect.py: keep it from shadowing the stdlib
 HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from lorakit.fusion.stream import fuse  # noqa: E402
