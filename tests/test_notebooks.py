@@ -43,7 +43,7 @@ EXPECT: Dict[str, List[str]] = {
            "mlx_lm fuse on DoRA writes: F32", "lorakit fuse on DoRA writes: BF16"],
     "04": ["decode tok/s", "base", "promoted", "fused"],
     "05": ["cosine", "diverges_at"],
-    "06": ["re-quantized", "dequantized", "peft", "identical = True", "applied twice"],
+    "06": ["lost to quantization", "dequantized", "peft", "identical = True", "applied twice"],
 }
 
 

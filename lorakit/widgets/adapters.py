@@ -12,7 +12,7 @@ subspaces (principal angles), with the per-module table.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Mapping, Optional, Union
 
 import ipywidgets as W
 

@@ -80,7 +80,8 @@ class DtypeMapView(W.VBox):
         labels, kinds, cells = rep.grid(self.part)
         flags = rep.flag_grid(self.part)
         children: List[W.Widget] = [W.HTML("<b>layer</b>")]
-        children += [W.HTML(f"<b>{k}</b>", layout=W.Layout(overflow="hidden")) for k in kinds]
+        children += [W.HTML(f"<b title='{k}' style='font-size:85%'>{k}</b>",
+                             layout=W.Layout(overflow="hidden")) for k in kinds]
         self.cells = {}
         for lab, row, frow in zip(labels, cells, flags):
             children.append(W.HTML(lab))

@@ -13,13 +13,13 @@ numbers behind them (max ulp, differing elements).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, List, Mapping, Optional, Union
 
 import ipywidgets as W
 
 from ..inspect.plots import histogram_bars
 from ..inspect.report import Report
-from ..inspect.ulp import RefUlpReport, UlpReport, ulp_compare, ulp_vs_reference
+from ..inspect.ulp import UlpReport, ulp_compare, ulp_vs_reference
 from ._base import ErrorBox, FigureView, facts_html, hook, rows_html, summary_html
 
 PathLike = Union[str, Path]

@@ -51,13 +51,6 @@ LAB_SETTINGS = {
 }
 
 
-def pytest_collection_modifyitems(config, items):
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.browser)
-
-
 def _missing() -> str:
     try:
         import playwright.sync_api  # noqa: F401
@@ -194,7 +187,7 @@ def browser():
 
 @pytest.fixture
 def page(browser, request):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context = browser.new_context(viewport={"width": 1400, "height": 1400})
     context.set_default_timeout(30_000)
     pg = context.new_page()
     try:
@@ -218,7 +211,7 @@ _STATE_JS = """() => {
       .map(e => e.textContent.trim());
   const errors = [...document.querySelectorAll('.jp-OutputArea-output')]
       .filter(e => e.getAttribute('data-mime-type') === 'application/vnd.jupyter.stderr')
-      .map(e => e.textContent).filter(t => /Traceback|Error/.test(t));
+      .map(e => e.textContent).filter(t => /Traceback \\(most recent call last\\)/.test(t));
   return {status, prompts, errors};
 }"""
 
@@ -268,9 +261,12 @@ class NotebookPage:
     def run_code(self, code: str) -> None:
         """Append a code cell at the end, type ``code`` into it and run it."""
         p = self.page
-        p.locator(".jp-Notebook .jp-Cell").last.click()
-        p.keyboard.press("Escape")  # command mode
-        p.keyboard.press("b")  # new cell below, in edit mode
+        # select the last cell by its prompt (a click on its output could hit a widget)
+        p.locator(".jp-Notebook .jp-Cell .jp-InputPrompt").last.click()
+        p.keyboard.press("Escape")  # command mode: single keys are commands
+        p.keyboard.press("b")  # insert a cell below and select it
+        p.keyboard.press("Enter")  # edit mode
+        p.wait_for_selector(".jp-Notebook .jp-Cell.jp-mod-active .cm-content:focus")
         p.keyboard.type(code)
         p.keyboard.press("Shift+Enter")
 
