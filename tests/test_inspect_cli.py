@@ -33,7 +33,7 @@ def run(capsys, *argv: str):
 
 def test_inspect_checkpoint_and_adapter(paths: dict, capsys) -> None:
     code, out, _ = run(capsys, "inspect", paths["f32"])
-    assert code == 0 and "majority dtype: BF16" in out
+    assert code == 0 and "expected dtype: BF16" in out
     assert sum(ln.startswith("!") for ln in out.splitlines()) == 6  # the promoted weights
     code, out, _ = run(capsys, "inspect", paths["f32"], "--json")
     data = json.loads(out)

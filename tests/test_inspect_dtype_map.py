@@ -62,7 +62,7 @@ def test_split_name() -> None:
 def test_clean_checkpoint_has_no_flags(models: dict) -> None:
     dm = dtype_map(models["base"])
     ck = Checkpoint(models["base"])
-    assert dm.flagged == [] and dm.summary["majority dtype"] == "BF16"
+    assert dm.flagged == [] and dm.summary["expected dtype"] == "BF16"
     assert dm.summary["tensors"] == len(ck.tensors)
     assert dm.bytes_by_dtype == {"BF16": ck.nbytes}
     labels, kinds, cells = dm.grid()
@@ -115,7 +115,7 @@ def test_in_memory_model_matches_checkpoint(models: dict) -> None:
 
 def test_adapter_directory(models: dict) -> None:
     dm = dtype_map(models["ad"])
-    assert dm.summary["kind"] == "adapter" and dm.summary["majority dtype"] == "F32"
+    assert dm.summary["kind"] == "adapter" and dm.summary["expected dtype"] == "F32"
     assert {r["part"] for r in dm.rows} == {"lora_a", "lora_b"}
     assert open_source(models["ad"]).kind == "adapter"
 
@@ -151,3 +151,23 @@ def test_header_only_speed(models: dict) -> None:
     t = time.perf_counter()
     dm = dtype_map(path)
     assert time.perf_counter() - t < 1.0 and len(dm.rows) == 1000
+
+
+def test_promoted_fuse_flags_the_f32_projections_even_as_majority(tmp_path) -> None:
+    """After a careless fuse the f32 projections can outweigh everything else; the
+    config's declared dtype still says what the model should be."""
+    import lorakit
+    import model_factory as mf
+
+    base = mf.make_model(tmp_path / "base", "llama", tie_word_embeddings=True)
+    adapter = mf.make_adapter(base, tmp_path / "ad", keys=(
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+    import json
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["torch_dtype"] = "bfloat16"
+    (base / "config.json").write_text(json.dumps(cfg))
+    res = lorakit.fuse(base, adapter, tmp_path / "out", dtype="promote", progress=False)
+    dm = dtype_map(res.output)
+    assert dm.summary["expected dtype"] == "BF16"
+    assert sorted(dm.flagged_names()) == sorted(res.fused_names)

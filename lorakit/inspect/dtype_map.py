@@ -156,6 +156,20 @@ class TensorSource:
         return f"<{self.kind} {self.label}: {len(self.tensors)} tensors>"
 
 
+_CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
+
+
+def _config_dtype(config) -> Optional[str]:
+    """The float dtype config.json declares (``torch_dtype`` or transformers 5's ``dtype``)."""
+    if not isinstance(config, dict):
+        return None
+    for key in ("torch_dtype", "dtype"):
+        v = config.get(key)
+        if isinstance(v, str) and v.replace("torch.", "") in _CONFIG_DTYPES:
+            return _CONFIG_DTYPES[v.replace("torch.", "")]
+    return None
+
+
 def majority_dtype(metas) -> str:
     c: Counter = Counter()
     for t in metas:
@@ -398,7 +412,9 @@ def dtype_map(source: Any) -> DtypeMap:
     src = open_source(source)
     metas = list(src.tensors.values())
     names = src.tensors
-    majority = src.dtype
+    # the dtype the model is meant to have: config.json's, else the majority by elements
+    # (after a careless fuse the promoted f32 projections can be the majority)
+    majority = _config_dtype(getattr(src, "config", None)) or src.dtype
     # a module is quantized when it has .scales next to an integer .weight
     qmods = {n[: -len(".scales")] for n in names if n.endswith(".scales")
              and names.get(n[: -len(".scales")] + ".weight") is not None
@@ -445,7 +461,7 @@ def dtype_map(source: Any) -> DtypeMap:
         "kind": src.kind,
         "tensors": len(rows),
         "bytes": total,
-        "majority dtype": majority,
+        "expected dtype": majority,
         "bytes by dtype": ", ".join(f"{k} {v / 1e6:.1f} MB ({v / total:.1%})" if total else k
                                     for k, v in by_dtype.most_common()),
         "flagged": len(flagged),

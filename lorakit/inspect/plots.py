@@ -29,8 +29,43 @@ def _new(ax, size: Tuple[float, float]):
         return ax.figure, ax
     from matplotlib.figure import Figure
 
+    _show_figures_in_notebooks(Figure)
     fig = Figure(figsize=size, layout="constrained")
     return fig, fig.add_subplot()
+
+
+def _show_figures_in_notebooks(figure_cls) -> None:
+    """Let a returned Figure display as a PNG in a running IPython kernel.
+
+    Figures here are made without pyplot (no global state, no GUI), so IPython only
+    knows how to show them once ``%matplotlib inline`` has run; register the same
+    PNG formatter it would. Outside IPython nothing happens.
+    """
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    ip = get_ipython()
+    fmt = ip.display_formatter.formatters.get("image/png") if ip is not None else None
+    if fmt is None or _known(fmt, figure_cls):
+        return
+
+    def png(fig) -> bytes:
+        import io
+
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", bbox_inches="tight")
+        return buf.getvalue()
+
+    fmt.for_type(figure_cls, png)
+
+
+def _known(fmt, cls) -> bool:
+    try:
+        fmt.lookup_by_type(cls)
+        return True
+    except KeyError:
+        return False
 
 
 def _fit(n_rows: int, n_cols: int, base: Tuple[float, float] = (4.0, 2.5)) -> Tuple[float, float]:

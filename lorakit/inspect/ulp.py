@@ -564,7 +564,7 @@ class UlpReport(Report):
         from . import plots
 
         if tensor is not None:
-            return plots.histogram_bars(self.labels, {tensor: self.histogram(tensor).values()},
+            return plots.histogram_bars(self.labels, {tensor: list(self.histogram(tensor).values())},
                                         title=f"ulp distances: {tensor}", ax=ax)
         if level == "layers":
             keys = sorted(self.per_layer, key=lambda k: (k != "-", int(k) if k != "-" else 0))
