@@ -244,3 +244,13 @@ def test_in_memory_fuse_matches_disk_fuse(family, keys, quant, tmp_path: Path) -
     got2 = dict(tree_flatten(model2.parameters()))
     for k, v in want.items():
         assert mx.array_equal(got2[k], v).item(), k
+
+
+def test_progress_callback_reaches_total(tmp_path: Path) -> None:
+    base = mf.make_model(tmp_path / "base", "llama")
+    adapter = mf.make_adapter(base, tmp_path / "adapter")
+    seen = []
+    lorakit.fuse(base, adapter, tmp_path / "out", progress=lambda d, t: seen.append((d, t)))
+    total = Checkpoint(base).nbytes
+    assert seen and seen[-1] == (total, total)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)

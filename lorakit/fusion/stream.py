@@ -22,7 +22,7 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -236,7 +236,8 @@ def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, Li
 # -- the fuse --------------------------------------------------------------------------------
 def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: PathLike, *,
          rounding: str = "nearest", dtype: str = "preserve", dequantize: bool = False,
-         force: bool = False, progress: bool = True) -> FuseResult:
+         force: bool = False,
+         progress: Union[bool, Callable[[int, int], None]] = True) -> FuseResult:
     """Fuse an adapter into a checkpoint and write a new checkpoint.
 
     Args:
@@ -251,7 +252,9 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
             float tensor.
         dequantize: for quantized bases, write float weights instead of re-quantizing.
         force: replace an existing output directory.
-        progress: show a progress bar (tqdm.auto).
+        progress: show a progress bar (tqdm.auto); or a callable
+            ``progress(done_bytes, total_bytes)`` called as tensors are written
+            (widgets use it), with no bar.
 
     Returns:
         A :class:`FuseResult`.
@@ -336,7 +339,7 @@ def _fsync_dir(p: Path) -> None:
 
 
 def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]], tmp: Path,
-           out: Path, rounding: str, dtype_policy: str, dequantize: bool, progress: bool,
+           out: Path, rounding: str, dtype_policy: str, dequantize: bool, progress: Any,
            t0: float) -> FuseResult:
     from tqdm.auto import tqdm
 
@@ -357,8 +360,10 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
     }
     # disable=None: no bar when stderr is not a terminal (logs, pipes), so an error
     # there reads as one message; notebooks still show theirs
+    report = progress if callable(progress) else None
     bar = tqdm(total=ck.nbytes, unit="B", unit_scale=True, desc="lorakit fuse",
-               disable=None if progress else True, leave=False)
+               disable=None if progress is True else True, leave=False)
+    done = 0
     it: Optional[_Item] = None
     try:
         for shard, infos in ck.by_shard():
@@ -391,7 +396,11 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
                         w.write(it.name, arr)
                     dtypes[it.plan.dtype] += 1
                     weight_map[it.name] = shard
-                    bar.update(src.nbytes if src is not None else 0)
+                    step = src.nbytes if src is not None else 0
+                    bar.update(step)
+                    if report is not None:
+                        done += step
+                        report(done, ck.nbytes)
             total_bytes += (tmp / shard).stat().st_size
     except LorakitError as e:
         if e.file is not None or it is None:

@@ -136,6 +136,10 @@ class FusePanel(W.VBox):
         self.quant.disabled = not quantized
 
     # -- running ----------------------------------------------------------------------
+    def _on_progress(self, done: int, total: int) -> None:
+        # the fuse is 5%..80% of the bar; inspecting the result is the rest
+        self.progress.value = 0.05 + 0.75 * (done / total if total else 1.0)
+
     def run(self) -> Optional[FuseResult]:
         """Fuse with the current settings (what the button does)."""
         base, adapter = self.base_dir(), self.adapter_dir()
@@ -150,7 +154,7 @@ class FusePanel(W.VBox):
             result = fuse(base, adapter, self.output_dir(), rounding=self.rounding.value,
                           dtype=self.dtype.value,
                           dequantize=bool(self.quant.value) and not self.quant.disabled,
-                          force=True, progress=False)
+                          force=True, progress=self._on_progress)
             self.progress.value = 0.8
             self.status.value = "inspecting..."
             self.view.show(result.output)
