@@ -161,7 +161,10 @@ class _Acc:
             return
         top = bound if bound is not None else int(d.max())
         if top < (1 << 20):
-            # One bincount without clipping gives max, sum and histogram at once.
+            # One bincount without clipping gives max, sum and histogram at once. It
+            # wants intp: widen into the reused scratch buffer, not a fresh array.
+            if d.dtype != np.intp and self.work is not None and d.size <= self.work.n:
+                d = np.copyto(self.work.i1[:d.size], d) or self.work.i1[:d.size]
             c = np.bincount(d)
             nz = np.flatnonzero(c)
             self.max_ulp = max(self.max_ulp, int(nz[-1]))
@@ -184,11 +187,12 @@ class _Acc:
             # Find differing 8-byte words first: a quarter of the elements to scan (for
             # 16-bit data), and where few differ only those words are looked at again.
             words = np.not_equal(x.view(np.uint64), y.view(np.uint64), out=w.mask[:n // per])
-            widx = np.flatnonzero(words)
-            if widx.size == 0:
+            nwords = int(np.count_nonzero(words))
+            if nwords == 0:
                 self.equal(n)
                 return
-            if widx.size * per * 16 < n:  # under 1/16 of the words: gather them
+            if nwords * per * 16 < n:  # under 1/16 of the words: gather them
+                widx = np.flatnonzero(words)
                 eidx = (widx[:, None] * per + np.arange(per)).reshape(-1)
                 x, y = x.take(eidx), y.take(eidx)
         ne = np.not_equal(x, y, out=w.mask[:x.size])
