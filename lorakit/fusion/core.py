@@ -50,7 +50,6 @@ ROUNDINGS = ("nearest", "round-once", "mlx-lm", "scale-after")
 DTYPE_POLICIES = ("preserve", "promote", "bfloat16", "float16", "float32")
 _POLICY_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32",
                  "bf16": "BF16", "fp16": "F16", "f32": "F32"}
-_CHUNK_ELEMS = 1 << 20  # rows per piece chosen so a piece's f64 temporaries stay in cache
 
 
 def check_rounding(rounding: str) -> str:
@@ -139,10 +138,9 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
     A64 = A.astype(np.float64)
     B64 = B.astype(np.float64)
     Bs = B64 * scale
-    step = max(1, _PIECE // max(cols, 1))
-    if magnitude is not None:
-        step = rows  # DoRA needs whole rows only, but keep it simple: one piece
-        step = max(1, min(rows, _PIECE * 16 // max(cols, 1)))
+    # pieces of whole rows (DoRA normalises rows); larger for DoRA, whose row norm
+    # pass is cheap next to the per-piece overhead
+    step = max(1, (_PIECE * (16 if magnitude is not None else 1)) // max(cols, 1))
     buf = np.empty((min(step, rows), cols), np.float64)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
