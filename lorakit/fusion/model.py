@@ -112,7 +112,6 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None, *,
     >>> # lorakit.fuse_model(model)   # LoRA layers become plain, dtype kept
     """
     import mlx.core as mx
-    import mlx.nn as nn
     from mlx.utils import tree_unflatten
 
     check_rounding(rounding)

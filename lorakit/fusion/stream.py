@@ -26,7 +26,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .. import numerics as nm
 from ..errors import FuseError, LorakitError, OutputExistsError
 from ..io.adapter import Adapter, load_adapter
 from ..io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint

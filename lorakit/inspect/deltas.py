@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import numerics as nm
 from ..io.adapter import Adapter, LoraTarget, load_adapter
-from .dtype_map import TensorSource, _order_kinds, open_source, split_name, weight_f64
+from .dtype_map import TensorSource, layer_kind_cells, open_source, split_name, weight_f64
 from .report import Report
 
 __all__ = ["lowrank_svd", "effective_rank", "numerical_rank", "target_parts", "DeltaNorms",
@@ -119,24 +119,17 @@ def layer_kind_grid(rows: List[Dict[str, Any]], num: str, den: Optional[str] = N
                     ) -> Tuple[List[str], List[str], np.ndarray]:
     """Aggregate rows into a layer x kind grid: root-sum-square of ``num`` per cell,
     divided by that of ``den`` when given (so experts of one layer pool correctly)."""
-    acc: Dict[Tuple[str, str], List[float]] = {}
-    layers, kinds, has_global = set(), set(), False
-    for r in rows:
+    def present(r: Dict[str, Any]) -> bool:
         v = r.get(num)
-        if v is None or (isinstance(v, float) and math.isnan(v)):
-            continue
-        lab = "-" if r["layer"] is None else str(r["layer"])
-        has_global |= r["layer"] is None
-        if r["layer"] is not None:
-            layers.add(r["layer"])
-        kinds.add(r["kind"])
-        a = acc.setdefault((lab, r["kind"]), [0.0, 0.0])
-        a[0] += float(v) ** 2
+        return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+    labels, ks, cells = layer_kind_cells([r for r in rows if present(r)])
+    acc: Dict[Tuple[str, str], List[float]] = {}
+    for key, rs in cells.items():
+        a = acc[key] = [sum(float(r[num]) ** 2 for r in rs), 0.0]
         if den is not None:
-            d = r.get(den)
-            a[1] += float(d) ** 2 if d is not None else float("nan")
-    labels = (["-"] if has_global else []) + [str(i) for i in sorted(layers)]
-    ks = _order_kinds(kinds)
+            a[1] = sum(float(r[den]) ** 2 if r.get(den) is not None else float("nan")
+                       for r in rs)
     grid = np.full((len(labels), len(ks)), np.nan)
     for i, lab in enumerate(labels):
         for j, k in enumerate(ks):

@@ -335,6 +335,25 @@ def _order_kinds(kinds) -> List[str]:
     return known + sorted(k for k in kinds if k not in KIND_ORDER)
 
 
+def layer_kind_cells(rows) -> Tuple[List[str], List[str], Dict[Tuple[str, str], List[Dict[str, Any]]]]:
+    """Group report rows by (layer label, kind): the cells of a layer x kind grid.
+
+    Returns the row labels (``"-"`` first for layer-less tensors such as the embedding,
+    then layers in order), the kinds in display order, and the rows of each cell.
+    """
+    cells: Dict[Tuple[str, str], List[Dict[str, Any]]] = {}
+    layers: set = set()
+    has_global = False
+    for r in rows:
+        layer = r["layer"]
+        has_global |= layer is None
+        if layer is not None:
+            layers.add(layer)
+        cells.setdefault(("-" if layer is None else str(layer), r["kind"]), []).append(r)
+    labels = (["-"] if has_global else []) + [str(i) for i in sorted(layers)]
+    return labels, _order_kinds({k for _, k in cells}), cells
+
+
 @dataclass(repr=False)
 class DtypeMap(Report):
     """Per-tensor dtypes and bytes of one source.
@@ -353,21 +372,8 @@ class DtypeMap(Report):
         """(row labels, kinds, cells): each cell the dtype of that layer's tensor of that
         kind (``"Q4"`` for a 4-bit packed weight, ``"mixed"``, or ``""`` when absent).
         Layer-less tensors (embed, head, final norm) form the row ``"-"``."""
-        cells: Dict[Tuple[str, str], set] = {}
-        layers: set = set()
-        kinds: set = set()
-        has_global = False
-        for r in self.rows:
-            if r["part"] not in (part, ""):
-                continue
-            lab = "-" if r["layer"] is None else str(r["layer"])
-            has_global |= r["layer"] is None
-            if r["layer"] is not None:
-                layers.add(r["layer"])
-            kinds.add(r["kind"])
-            cells.setdefault((lab, r["kind"]), set()).add(r.get("stored_as") or r["dtype"])
-        labels = (["-"] if has_global else []) + [str(i) for i in sorted(layers)]
-        ks = _order_kinds(kinds)
+        labels, ks, groups = layer_kind_cells(r for r in self.rows if r["part"] in (part, ""))
+        cells = {key: {r.get("stored_as") or r["dtype"] for r in rs} for key, rs in groups.items()}
 
         def cell(lab: str, k: str) -> str:
             v = cells.get((lab, k))

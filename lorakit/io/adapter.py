@@ -26,7 +26,6 @@ mlx-lm's own fuse computes ``(scale * B) @ A`` in every case, which lets
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from ..errors import AdapterError, FormatError
+from ..errors import AdapterError
 from .checkpoint import _load_json, safe_member
 from .safetensors import read_header, read_raw
 
