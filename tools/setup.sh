@@ -5,6 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+# a C compiler builds lorakit's optional ulp kernel (lorakit/inspect/_ulpkernel.c);
+# without one lorakit installs and runs on its numpy path
+if [ "$(uname -s)" = "Linux" ] && [ "$(id -u)" = "0" ] && ! command -v cc >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq && apt-get install -y -qq gcc libc6-dev >/dev/null
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

@@ -46,6 +46,20 @@ __all__ = ["TensorDiff", "compare_sources", "UlpReport", "ulp_compare", "ulp_ten
            "RefUlpReport", "ulp_vs_reference", "error_histogram", "DEFAULT_MAX_BIN"]
 
 DEFAULT_MAX_BIN = 1023
+
+try:  # the optional C accelerator (pyproject: built where a C compiler is found)
+    from . import _ulpkernel as _kernel
+except ImportError:  # pragma: no cover - depends on the install
+    _kernel = None
+#: formats the C kernel takes, by its format number
+_KERNEL_FMT = {"BF16": 0, "F16": 1, "F32": 2}
+#: set to False (or LORAKIT_ULP_KERNEL=0 in the environment) to use the numpy path
+USE_KERNEL = os.environ.get("LORAKIT_ULP_KERNEL", "1") != "0"
+
+
+def kernel_available() -> bool:
+    """True when the C ulp kernel is built and in use (see :data:`USE_KERNEL`)."""
+    return _kernel is not None and USE_KERNEL
 #: bytes per piece and side: big enough that syscalls are cheap, small enough that
 #: the int32 temporaries of a fully differing piece stay in the CPU's caches.
 CHUNK_BYTES = 1 << 20
@@ -109,9 +123,18 @@ class _Work:
         self.i2 = np.empty(n, np.int64)
         self.u1 = np.empty(n, np.uint32)
         self.u2 = np.empty(n, np.uint32)
+        self._caps: Dict[int, np.ndarray] = {}
 
     def fit(self, n: int) -> "_Work":
         return self if n <= self.n else _Work(n)
+
+    def cap16(self, value: int, k: int) -> np.ndarray:
+        """``k`` copies of ``value`` as int16: ``np.minimum`` against an array runs in
+        SIMD, against a Python scalar it is six times slower."""
+        c = self._caps.get(value)
+        if c is None:
+            c = self._caps[value] = np.full(self.n, value, np.int16)
+        return c[:k]
 
 
 def _positions16(x: np.ndarray, out: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -153,34 +176,52 @@ class _Acc:
         if self.raw is not None:
             self.raw[0] += n
 
-    def _count(self, d: np.ndarray, bound: Optional[int] = None) -> None:
+    def _count(self, d: np.ndarray) -> None:
         """Add non-negative distances (no NaN sentinels) to the histogram and totals.
 
-        ``bound``: a known upper bound of ``d`` (saves a pass over it)."""
+        Distances above ``max_bin`` are capped to ``max_bin + 1`` before counting, so
+        ``np.bincount`` fills at most ``max_bin + 2`` counters whatever the distances
+        (a count vector as long as the largest distance costs more than the counting).
+        """
         if not d.size:
             return
-        top = bound if bound is not None else int(d.max())
-        if top < (1 << 20):
-            # One bincount without clipping gives max, sum and histogram at once. It
-            # wants intp: widen into the reused scratch buffer, not a fresh array.
-            if d.dtype != np.intp and self.work is not None and d.size <= self.work.n:
-                d = np.copyto(self.work.i1[:d.size], d) or self.work.i1[:d.size]
-            c = np.bincount(d)
-            nz = np.flatnonzero(c)
-            self.max_ulp = max(self.max_ulp, int(nz[-1]))
-            # plain numpy, not a BLAS dot: a BLAS thread pool costs milliseconds per call
+        k = d.size
+        top = int(d.max())
+        cap = self.max_bin + 1
+        self.max_ulp = max(self.max_ulp, top)
+        w = self.work if self.work is not None and k <= self.work.n else None
+        if top >= cap:  # the exact sum first (int32 where it cannot overflow: 2x faster)
+            small = d.dtype.itemsize <= 2 and top * k < (1 << 31)
+            self.ulp_sum += int(np.add.reduce(d, dtype=np.int32) if small
+                                else d.sum(dtype=np.int64))
+            if d.dtype == np.int16 and w is not None and cap <= 0x7FFF and \
+                    not np.may_share_memory(d, w.s16):
+                d = np.minimum(d, w.cap16(cap, k), out=w.s16[:k])
+            else:
+                d = np.minimum(d, cap)
+        if d.dtype != np.intp and w is not None:
+            # bincount wants intp: widen into the reused scratch buffer, not a fresh array
+            np.copyto(w.i1[:k], d)
+            d = w.i1[:k]
+        c = np.bincount(d)
+        if top < cap:
             self.ulp_sum += int(np.multiply(c, np.arange(c.size, dtype=np.int64)).sum())
-        else:  # float32 distances can be huge: clip them instead
-            self.max_ulp = max(self.max_ulp, top)
-            self.ulp_sum += int(d.sum(dtype=np.int64))
-            c = np.bincount(np.minimum(d, self.max_bin + 1))
-        k = min(c.size, self.max_bin + 1)
-        self.raw[:k] += c[:k]
-        if c.size > self.max_bin + 1:
-            self.raw[self.max_bin + 1] += int(c[self.max_bin + 1:].sum())
+        self.raw[:c.size] += c
 
     def add(self, x: np.ndarray, y: np.ndarray) -> None:
         n = x.size
+        fmt = _KERNEL_FMT.get(self.code)
+        if fmt is not None and _kernel is not None and USE_KERNEL:
+            # one pass in C: the same numbers as the numpy path below, 3-4x faster
+            diff, nan, top, total, mabs = _kernel.accumulate(
+                np.ascontiguousarray(x), np.ascontiguousarray(y), fmt, self.raw)
+            self.n += n
+            self.differing += diff
+            self.nan += nan
+            self.max_ulp = max(self.max_ulp, top)
+            self.ulp_sum += total
+            self.max_abs = max(self.max_abs, mabs)
+            return
         w = self.work = (self.work or _Work(n)).fit(n)
         per = 8 // x.itemsize
         if n % per == 0:
@@ -222,7 +263,7 @@ class _Acc:
             elif ra + rb <= 0x7FFF:  # |pa - pb| fits int16: the usual case (|values| < 2)
                 np.subtract(pa, pb, out=pa)
                 np.abs(pa, out=pa)
-                self._count(pa, ra + rb)
+                self._count(pa)
             else:  # widen: differences reach +-2**16
                 d, e = w.i1[:k], w.i2[:k]
                 np.copyto(d, pa)

@@ -1,0 +1,311 @@
+/*
+ * Ulp histograms of two float tensors in one pass: lorakit.inspect._ulpkernel.
+ *
+ * An optional accelerator for lorakit.inspect.ulp (pure numpy there, used when this
+ * module is not built). Both compute the same numbers, bit for bit; the tests run
+ * both on the same inputs (tests/test_ulp_kernel.py).
+ *
+ * accumulate(a, b, fmt, hist) -> (differing, nan_mismatch, max_ulp, ulp_sum, max_abs)
+ *
+ *   a, b   buffers of the same length holding the storage bits of a piece of two
+ *          tensors: uint16 for fmt 0 (bfloat16) and 1 (float16), uint32 for 2
+ *          (float32).
+ *   hist   writable int64 buffer of max_bin + 2 counters: distances 0..max_bin,
+ *          then one for every larger distance. Counts are added to it.
+ *
+ * Distances follow lorakit.numerics.ulp_distance: values sit on one integer line
+ * (+0 and -0 at 0, negative values at -magnitude, inf one past the largest finite
+ * value); NaN against NaN is 0, NaN against anything else is a "NaN mismatch"
+ * (counted apart, left out of the histogram, max and sum). ``differing`` counts
+ * elements whose bits differ. ``max_abs`` is the largest |a - b| computed in
+ * float32, NaN results left out (as numpy's fmax/fmin reductions do).
+ *
+ * The loop runs in blocks of 256 elements: a block whose bytes are equal costs a
+ * memcmp; otherwise one branch-free pass computes distances, sums, maxima (the
+ * compiler vectorises it) and a second pass counts them into four interleaved
+ * histograms (so that runs of one distance do not wait on one counter). A block
+ * holding an inf or NaN is redone element by element with the NaN rules.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 256
+
+/* x86-64 Linux (glibc ifuncs): an AVX2 copy of each loop, chosen at load time */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__)
+#define MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define MULTIVERSION
+#endif
+#if defined(_MSC_VER)
+#define ALWAYS_INLINE __forceinline
+#else
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#endif
+
+typedef struct {
+    int64_t differing, nan, max_ulp;
+    uint64_t ulp_sum;
+    float max_abs;
+} Stats;
+
+typedef union {
+    uint32_t u;
+    float f;
+} Pun; /* type punning the compiler can vectorise (memcpy inside a loop it does not) */
+
+static inline float bits_to_f32(uint32_t u) {
+    Pun p;
+    p.u = u;
+    return p.f;
+}
+
+static inline uint32_t f32_bits(float f) {
+    Pun p;
+    p.f = f;
+    return p.u;
+}
+
+static inline float bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    if (exp == 0x1Fu) return bits_to_f32(sign | 0x7F800000u | (man << 13));
+    if (exp == 0) {
+        float v = (float)man * 5.9604644775390625e-08f; /* man * 2**-24, exact */
+        return sign ? -v : v;
+    }
+    return bits_to_f32(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+static inline float to_f32(uint16_t h, int fmt) { return fmt == 0 ? bf16_to_f32(h) : f16_to_f32(h); }
+
+/* counts a block's distances into four interleaved histograms of `cap + 1` */
+static inline void count_block(const uint32_t *d, size_t n, uint32_t cap, uint32_t *h4,
+                               size_t stride) {
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        uint32_t v0 = d[i] < cap ? d[i] : cap, v1 = d[i + 1] < cap ? d[i + 1] : cap;
+        uint32_t v2 = d[i + 2] < cap ? d[i + 2] : cap, v3 = d[i + 3] < cap ? d[i + 3] : cap;
+        h4[v0]++;
+        h4[stride + v1]++;
+        h4[2 * stride + v2]++;
+        h4[3 * stride + v3]++;
+    }
+    for (; i < n; i++) h4[d[i] < cap ? d[i] : cap]++;
+}
+
+/* One block, branch-free so that the compiler vectorises it: ulp positions are
+   (m ^ s) - s with s = 0 or -1 from the sign bit; |fa - fb| is kept as its bits
+   (non-negative floats order like unsigned integers). Returns non-zero when the
+   block holds an inf or NaN: then a NaN difference could occur (and f16's fast
+   conversion is not exact), and the caller redoes the block element by element. */
+#define PASS16(NAME, SPECIAL, TO_F32)                                                       \
+    static inline uint32_t NAME(const uint16_t *x, const uint16_t *y, size_t m, uint32_t *d,  \
+                                uint32_t *dmax_, uint32_t *diff_, uint32_t *sum_,            \
+                                uint32_t *emax_) {                                           \
+        uint32_t special = 0, dmax = 0, diff = 0, sum = 0, emax = 0;                         \
+        for (size_t i = 0; i < m; i++) {                                                     \
+            uint32_t ua = x[i], ub = y[i];                                                   \
+            uint32_t ma = ua & 0x7FFFu, mb = ub & 0x7FFFu;                                   \
+            int32_t sa = -(int32_t)(ua >> 15), sb = -(int32_t)(ub >> 15);                    \
+            int32_t t = (((int32_t)ma ^ sa) - sa) - (((int32_t)mb ^ sb) - sb);               \
+            int32_t tm = t >> 31;                                                            \
+            uint32_t v = (uint32_t)((t ^ tm) - tm);                                          \
+            d[i] = v;                                                                        \
+            special |= (uint32_t)(ma SPECIAL) | (uint32_t)(mb SPECIAL);                      \
+            diff += ua != ub;                                                                \
+            sum += v;                                                                        \
+            dmax = v > dmax ? v : dmax;                                                      \
+            float fa = TO_F32(ua, ma), fb = TO_F32(ub, mb);                                  \
+            uint32_t e = f32_bits(fa - fb) & 0x7FFFFFFFu;                                    \
+            emax = e > emax ? e : emax;                                                      \
+        }                                                                                    \
+        *dmax_ = dmax; *diff_ = diff; *sum_ = sum; *emax_ = emax;                           \
+        return special;                                                                      \
+    }
+
+static inline float bf16_fast(uint32_t u, uint32_t m) {
+    (void)m;
+    return bits_to_f32(u << 16);
+}
+
+/* f16 -> f32 for finite values: the magnitude's bits moved to float32's place, times
+   2**112 (exact for normal and subnormal halves), then the sign bit */
+static inline float f16_fast(uint32_t u, uint32_t m) {
+    return bits_to_f32(f32_bits(bits_to_f32(m << 13) * 5.192296858534828e+33f) |
+                       (u & 0x8000u) << 16);
+}
+
+PASS16(pass_bf16, >= 0x7F80u, bf16_fast)
+PASS16(pass_f16, >= 0x7C00u, f16_fast)
+
+/* 16-bit formats; `fmt` is a constant where this is inlined (one loop per format) */
+static ALWAYS_INLINE void run16(const uint16_t *a, const uint16_t *b, size_t n, const int fmt,
+                                uint32_t cap, uint32_t *h4, size_t stride, Stats *st) {
+    const uint32_t inf = fmt == 0 ? 0x7F80u : 0x7C00u;
+    uint32_t d[BLOCK];
+    for (size_t s = 0; s < n; s += BLOCK) {
+        size_t m = n - s < BLOCK ? n - s : BLOCK;
+        const uint16_t *x = a + s, *y = b + s;
+        if (memcmp(x, y, m * sizeof *x) == 0) {
+            h4[0] += (uint32_t)m;
+            continue;
+        }
+        uint32_t special, dmax, diff, sum, emax;
+        if (fmt == 0)
+            special = pass_bf16(x, y, m, d, &dmax, &diff, &sum, &emax);
+        else
+            special = pass_f16(x, y, m, d, &dmax, &diff, &sum, &emax);
+        float fmax_ = bits_to_f32(emax);
+        st->differing += diff;
+        if (!special) {
+            st->ulp_sum += sum;
+            if ((int64_t)dmax > st->max_ulp) st->max_ulp = dmax;
+            if (fmax_ > st->max_abs) st->max_abs = fmax_;
+            count_block(d, m, cap, h4, stride);
+            continue;
+        }
+        for (size_t i = 0; i < m; i++) { /* inf or NaN in this block: exact rules */
+            uint32_t ua = x[i], ub = y[i];
+            int na = (ua & 0x7FFFu) > inf, nb = (ub & 0x7FFFu) > inf;
+            if (na != nb) {
+                st->nan++;
+                continue;
+            }
+            uint32_t v = na ? 0u : d[i];
+            st->ulp_sum += v;
+            if ((int64_t)v > st->max_ulp) st->max_ulp = v;
+            h4[v < cap ? v : cap]++;
+            if (!na) {
+                float e = fabsf(to_f32((uint16_t)ua, fmt) - to_f32((uint16_t)ub, fmt));
+                if (e > st->max_abs) st->max_abs = e;
+            }
+        }
+    }
+}
+
+MULTIVERSION
+static void run_bf16(const uint16_t *a, const uint16_t *b, size_t n, uint32_t cap, uint32_t *h4,
+                     size_t stride, Stats *st) {
+    run16(a, b, n, 0, cap, h4, stride, st);
+}
+
+MULTIVERSION
+static void run_f16(const uint16_t *a, const uint16_t *b, size_t n, uint32_t cap, uint32_t *h4,
+                    size_t stride, Stats *st) {
+    run16(a, b, n, 1, cap, h4, stride, st);
+}
+
+MULTIVERSION
+static void run32(const uint32_t *a, const uint32_t *b, size_t n, uint32_t cap, uint32_t *h4,
+                  Stats *st) {
+    const uint32_t inf = 0x7F800000u;
+    uint32_t d[BLOCK];
+    for (size_t s = 0; s < n; s += BLOCK) {
+        size_t m = n - s < BLOCK ? n - s : BLOCK;
+        const uint32_t *x = a + s, *y = b + s;
+        if (memcmp(x, y, m * sizeof *x) == 0) {
+            h4[0] += (uint32_t)m;
+            continue;
+        }
+        for (size_t i = 0; i < m; i++) {
+            uint32_t ua = x[i], ub = y[i];
+            uint32_t ma = ua & 0x7FFFFFFFu, mb = ub & 0x7FFFFFFFu;
+            int na = ma > inf, nb = mb > inf;
+            st->differing += ua != ub;
+            if (na || nb) {
+                if (na != nb) {
+                    st->nan++;
+                    d[i] = UINT32_MAX; /* left out below */
+                } else {
+                    d[i] = 0;
+                }
+                continue;
+            }
+            int64_t pa = (ua & 0x80000000u) ? -(int64_t)ma : (int64_t)ma;
+            int64_t pb = (ub & 0x80000000u) ? -(int64_t)mb : (int64_t)mb;
+            int64_t t = pa - pb;
+            uint64_t v = (uint64_t)(t < 0 ? -t : t); /* up to 2 * 0x7F800000 */
+            st->ulp_sum += v;
+            if ((int64_t)v > st->max_ulp) st->max_ulp = (int64_t)v;
+            d[i] = v < cap ? (uint32_t)v : cap;
+            float e = fabsf(bits_to_f32(ua) - bits_to_f32(ub));
+            if (e > st->max_abs) st->max_abs = e;
+        }
+        for (size_t i = 0; i < m; i++)
+            if (d[i] != UINT32_MAX) h4[d[i]]++;
+    }
+}
+
+static PyObject *accumulate(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer ba, bb, bh;
+    int fmt;
+    if (!PyArg_ParseTuple(args, "y*y*iw*", &ba, &bb, &fmt, &bh)) return NULL;
+    PyObject *res = NULL;
+    size_t item = fmt == 2 ? 4 : 2;
+    uint32_t *h4 = NULL;
+    if (fmt < 0 || fmt > 2) {
+        PyErr_SetString(PyExc_ValueError, "fmt must be 0 (bf16), 1 (f16) or 2 (f32)");
+        goto done;
+    }
+    if (ba.len != bb.len || ba.len % (Py_ssize_t)item) {
+        PyErr_SetString(PyExc_ValueError, "a and b must hold the same whole number of elements");
+        goto done;
+    }
+    if (bh.len % 8 || bh.len < 16) {
+        PyErr_SetString(PyExc_ValueError, "hist must be an int64 buffer of max_bin + 2 counters");
+        goto done;
+    }
+    size_t n = (size_t)ba.len / item;
+    if (n > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "pieces are limited to 2**32 - 1 elements");
+        goto done;
+    }
+    size_t bins = (size_t)bh.len / 8;
+    uint32_t cap = (uint32_t)(bins - 1);
+    h4 = calloc(4 * bins, sizeof *h4);
+    if (!h4) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Stats st = {0, 0, 0, 0, 0.0f};
+    Py_BEGIN_ALLOW_THREADS
+    if (fmt == 2)
+        run32((const uint32_t *)ba.buf, (const uint32_t *)bb.buf, n, cap, h4, &st);
+    else if (fmt == 0)
+        run_bf16((const uint16_t *)ba.buf, (const uint16_t *)bb.buf, n, cap, h4, bins, &st);
+    else
+        run_f16((const uint16_t *)ba.buf, (const uint16_t *)bb.buf, n, cap, h4, bins, &st);
+    int64_t *hist = (int64_t *)bh.buf;
+    for (size_t k = 0; k < bins; k++)
+        hist[k] += (int64_t)h4[k] + h4[bins + k] + h4[2 * bins + k] + h4[3 * bins + k];
+    Py_END_ALLOW_THREADS
+    res = Py_BuildValue("LLLKd", (long long)st.differing, (long long)st.nan,
+                        (long long)st.max_ulp, (unsigned long long)st.ulp_sum,
+                        (double)st.max_abs);
+done:
+    free(h4);
+    PyBuffer_Release(&ba);
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&bh);
+    return res;
+}
+
+static PyMethodDef methods[] = {
+    {"accumulate", accumulate, METH_VARARGS,
+     "accumulate(a, b, fmt, hist) -> (differing, nan_mismatch, max_ulp, ulp_sum, max_abs)\n\n"
+     "Ulp distances of two pieces of storage bits (fmt 0 bf16, 1 f16, 2 f32) counted into\n"
+     "hist (int64, max_bin + 2 counters, the last for larger distances)."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ulpkernel",
+                                    "One-pass ulp histograms (see ulp.py).", -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__ulpkernel(void) { return PyModule_Create(&module); }
