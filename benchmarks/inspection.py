@@ -10,14 +10,17 @@ checkpoints to compare it with; then times
   an identical copy, base vs fused (112 of 311 tensors differ on most elements),
   and lorakit's fuse vs mlx-lm's order (the same tensors differ on a few percent).
 
-Each timing is the best of ``--repeat`` runs with the files in the page cache
-(``cat`` and the diff read the same warm files), or, with ``--cold``, with the two
-checkpoints' files evicted from the cache before every run (both read the disk). The diff runs in a fresh process
-whose peak RSS is read from ``wait4``; its time is measured inside that process
-around the ``parity`` call, and the whole command's wall time is shown too.
+Each repeat runs ``cat`` and then the diff on each ulp path (``--paths``: the C
+kernel and the numpy path, side by side) with the files in the page cache (``cat``
+and the diff read the same warm files), or, with ``--cold``, with the two
+checkpoints' files evicted from the cache before every run (both read the disk).
+Reported: best times, and the median over repeats of each diff's time over the
+``cat`` just before it. The diff runs in a fresh process whose peak RSS is read from
+``wait4``; its time is measured inside that process around the ``parity`` call.
 
     python benchmarks/inspection.py [--out bench-out/inspect] [--repeat 3] [--threads N]
-                                 [--cold] [--skip-tensors] [--json out.json]
+                                 [--paths kernel,numpy] [--cold] [--skip-tensors]
+                                 [--json out.json]
 """
 from __future__ import annotations
 
@@ -40,7 +43,8 @@ from lorakit.inspect.parity import parity
 t = time.perf_counter()
 rep = parity(sys.argv[1], sys.argv[2], threads=int(sys.argv[3]) or None)
 dt = time.perf_counter() - t
-print(json.dumps({"seconds": dt, "identical": rep.identical,
+from lorakit.inspect.ulp import kernel_available
+print(json.dumps({"seconds": dt, "identical": rep.identical, "kernel": kernel_available(),
                   "elements": rep.summary["elements compared"],
                   "differing": rep.summary["elements differing"],
                   "tensors_differing": rep.summary["tensors differing"]}))
@@ -72,12 +76,14 @@ def time_cat(a: Path, b: Path) -> Tuple[float, float]:
     return time.perf_counter() - t, usage.ru_utime + usage.ru_stime
 
 
-def time_diff(a: Path, b: Path, threads: int = 0) -> Tuple[float, float, float, int, dict]:
+def time_diff(a: Path, b: Path, threads: int = 0, path: str = "kernel"
+              ) -> Tuple[float, float, float, int, dict]:
     """(parity seconds inside the child, child wall seconds, child CPU seconds, peak RSS
-    bytes, result)."""
+    bytes, result). ``path``: ``kernel`` (the C ulp kernel) or ``numpy``."""
+    env = dict(os.environ, LORAKIT_ULP_KERNEL="0" if path == "numpy" else "1")
     t = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(a), str(b), str(threads)],
-                            stdout=subprocess.PIPE)
+                            stdout=subprocess.PIPE, env=env)
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t
@@ -167,6 +173,8 @@ def main() -> None:
                     help="evict the two checkpoints' files from the page cache before each "
                     "timed run (cat and diff then read from disk)")
     ap.add_argument("--skip-tensors", action="store_true", help="skip the one-tensor table")
+    ap.add_argument("--paths", default="kernel,numpy",
+                    help="ulp paths to time side by side: kernel (C), numpy, or both")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
     p = prepare(Path(args.out))
@@ -175,29 +183,46 @@ def main() -> None:
     pairs = [("identical copy", p["base"], p["copy"]),
              ("base vs fused", p["base"], p["fused"]),
              ("lorakit vs mlx-lm fuse", p["fused"], p["fused_mlx"])]
+    from lorakit.inspect.ulp import _kernel
+
+    paths = [x for x in args.paths.split(",") if x]
+    if "kernel" in paths and _kernel is None:
+        raise SystemExit("the C ulp kernel is not built here: --paths numpy")
     rows = []
     for label, a, b in pairs:
-        cats, cat_cpu, diffs, walls, cpus, rss = [], [], [], [], [], []
+        # side by side in one loop: cat, then each path, repeat; ratios per repeat
+        cats, cat_cpu = [], []
+        runs: Dict[str, Dict[str, list]] = {x: {"s": [], "wall": [], "cpu": [], "rss": [],
+                                                 "ratio": []} for x in paths}
         for _ in range(args.repeat):
             if args.cold:
                 evict(a, b)
             c, cc = time_cat(a, b)
-            if args.cold:
-                evict(a, b)
             cats.append(c)
             cat_cpu.append(cc)
-            d, w, cpu, r, res = time_diff(a, b, args.threads)
-            diffs.append(d)
-            walls.append(w)
-            cpus.append(cpu)
-            rss.append(r)
+            for x in paths:
+                if args.cold:
+                    evict(a, b)
+                d, w, cpu, r, res = time_diff(a, b, args.threads, x)
+                if res["kernel"] != (x == "kernel"):
+                    raise SystemExit(f"the {x} path did not run")
+                for k, v in (("s", d), ("wall", w), ("cpu", cpu), ("rss", r), ("ratio", d / c)):
+                    runs[x][k].append(v)
         size = sum(os.path.getsize(f) for f in shards(a) + shards(b))
-        rows.append({"pair": label, "bytes_read": size, "cat_s": min(cats),
-                     "cat_cpu_s": min(cat_cpu), "parity_s": min(diffs),
-                     "command_s": min(walls), "command_cpu_s": min(cpus),
-                     "ratio": min(diffs) / min(cats), "peak_rss_mb": max(rss) / 2 ** 20,
-                     "elements": res["elements"], "differing": res["differing"],
-                     "tensors_differing": res["tensors_differing"]})
+        row = {"pair": label, "bytes_read": size, "cat_s": min(cats),
+               "cat_median_s": statistics.median(cats), "cat_cpu_s": min(cat_cpu),
+               "elements": res["elements"], "differing": res["differing"],
+               "tensors_differing": res["tensors_differing"]}
+        for x in paths:
+            rr = runs[x]
+            row[x] = {"parity_s": min(rr["s"]), "parity_median_s": statistics.median(rr["s"]),
+                      "ratio_best": min(rr["s"]) / min(cats),
+                      "ratio_median": statistics.median(rr["ratio"]),
+                      "command_s": min(rr["wall"]), "command_cpu_s": min(rr["cpu"]),
+                      "peak_rss_mb": max(rr["rss"]) / 2 ** 20, "all_s": rr["s"],
+                      "all_ratios": rr["ratio"]}
+        row["all_cat_s"] = cats
+        rows.append(row)
     results["diff"] = rows
     tensor = "model.layers.27.mlp.up_proj.weight"
     results["tensor_pairs"] = [] if args.skip_tensors else \
@@ -207,14 +232,25 @@ def main() -> None:
     print(f"dtype_map, {dm['tensors']} tensors: best {dm['best_ms']:.2f} ms, "
           f"median {dm['median_ms']:.2f} ms")
     print()
-    print("| pair | GB read | elements differing | cat (s) | parity (s) | parity / cat | "
-          "whole process (s) | CPU: cat / process (s) | peak RSS (MB) |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("Ratios: best parity / best cat, and the median over repeats of parity / the cat "
+          "run just before it.")
+    print()
+    head = "| pair | GB read | elements differing | cat best / median (s) |"
+    line = "|---|---:|---|---:|"
+    for x in paths:
+        head += f" {x}: parity best / median (s) | {x}: ratio best / median | {x}: CPU (s) |"
+        line += "---:|---:|---:|"
+    print(head + " peak RSS (MB) |")
+    print(line + "---:|")
     for r in rows:
-        print(f"| {r['pair']} | {r['bytes_read'] / 1e9:.2f} | {r['differing']:,} of "
-              f"{r['elements']:,} | {r['cat_s']:.2f} | {r['parity_s']:.2f} | "
-              f"{r['ratio']:.2f}x | {r['command_s']:.2f} | {r['cat_cpu_s']:.2f} / "
-              f"{r['command_cpu_s']:.2f} | {r['peak_rss_mb']:.0f} |")
+        cells = (f"| {r['pair']} | {r['bytes_read'] / 1e9:.2f} | {r['differing']:,} of "
+                 f"{r['elements']:,} | {r['cat_s']:.2f} / {r['cat_median_s']:.2f} |")
+        for x in paths:
+            q = r[x]
+            cells += (f" {q['parity_s']:.2f} / {q['parity_median_s']:.2f} | "
+                      f"{q['ratio_best']:.2f}x / {q['ratio_median']:.2f}x | "
+                      f"{q['command_cpu_s']:.2f} |")
+        print(cells + f" {max(r[x]['peak_rss_mb'] for x in paths):.0f} |")
     if not results["tensor_pairs"]:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))

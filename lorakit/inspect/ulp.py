@@ -9,11 +9,13 @@ tensors, layers and checkpoints line up.
 
 :func:`ulp_compare` streams two checkpoints tensor by tensor in fixed-size pieces
 (a few MB each, whatever the tensor's size): each piece is first compared as raw
-bytes (``memcmp`` speed) and only a piece whose bytes differ is decoded; where
-few elements differ, only those are. For 16-bit formats the distance is a few
-integer passes over the bits (:func:`_positions16`), checked against
-``numerics.ulp_distance`` in the tests; pieces holding a NaN, and float32
-tensors, go through ``numerics.ulp_distance`` itself.
+bytes (``memcmp`` speed) and only a piece whose bytes differ is decoded. Decoding
+runs in the optional C kernel (``_ulpkernel.c``: one vectorised pass per block of
+256 elements, built at install where a C compiler is found) or, without it, in
+numpy: for 16-bit formats a few integer passes over the bits
+(:func:`_positions16`), where few elements differ only those; pieces holding a
+NaN, and float32 tensors, go through ``numerics.ulp_distance`` itself. Both paths
+give the same numbers, bit for bit (tests/test_ulp_kernel.py).
 
 :func:`ulp_vs_reference` measures a fused checkpoint against the exact fuse
 ``W + scale * B @ A`` computed in float64, in (fractional) ulps of the fused
