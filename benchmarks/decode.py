@@ -68,6 +68,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="variant list run this many times, rotated; runs pooled")
     p.add_argument("--device", choices=["cpu", "gpu"], default=None)
     p.add_argument("--cache", type=Path, default=None,
                    help="keep synthetic checkpoints here (default: temporary)")
@@ -100,7 +102,8 @@ def main(argv=None) -> int:
             t = time_decode(model, adapter, variants=args.variants.split(","),
                             prompt_tokens=args.prompt_tokens, tokens=args.tokens,
                             repeats=args.repeats, warmup=args.warmup, device=args.device,
-                            workdir=cache, progress=not args.quiet, on_result=on_result)
+                            workdir=cache, progress=not args.quiet, on_result=on_result,
+                            rounds=args.rounds)
             t.settings.update(shape=shape, assets=made, synth_s=round(synth_s, 1),
                               total_s=round(time.perf_counter() - t0, 1))
             print(f"## {shape} ({made}; {t.settings['total_s']} s)\n{t}\n", flush=True)

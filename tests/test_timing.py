@@ -172,3 +172,38 @@ def test_cli_bench_json(assets, capsys):
     d = json.loads(capsys.readouterr().out)
     (v,) = d["variants"]
     assert v["variant"] == "base" and len(v["decode_tps"]) == 1 and v["generated"] == 4
+
+
+def test_rounds_rotate_and_pool(assets, monkeypatch):
+    """rounds=3: every variant runs once per round, in rotated orders, in a fresh
+    process each time; runs are pooled; the fused checkpoint is made once."""
+    import lorakit.timing.decode as dec
+
+    model, adapter, _ = assets
+    order, made = [], []
+    real_worker, real_prepare = dec._run_worker, dec._prepare
+
+    def worker(spec, *a, **k):
+        order.append(Path(spec["model"]).name)
+        return real_worker(spec, *a, **k)
+
+    def prepare(variant, *a, **k):
+        made.append(variant)
+        return real_prepare(variant, *a, **k)
+
+    monkeypatch.setattr(dec, "_run_worker", worker)
+    monkeypatch.setattr(dec, "_prepare", prepare)
+    seen = []
+    t = time_decode(model, adapter, variants=["base", "fused"], prompt_tokens=4, tokens=4,
+                    repeats=2, rounds=3, device="cpu", progress=False,
+                    on_result=seen.append)
+    base = Path(model).name
+    assert order == [base, "fused", "fused", base, base, "fused"]
+    assert made == ["fused"]  # kept between rounds, removed at the end
+    assert [v.variant for v in t.variants] == ["base", "fused"]
+    for v in t.variants:
+        assert v.ok and len(v.decode_tps) == len(v.prefill_tps) == len(v.ttft_s) == 6
+    assert len(seen) == 6 and seen[-1].variant == "fused" and len(seen[-1].decode_tps) == 6
+    assert t.settings["rounds"] == 3
+    with pytest.raises(LorakitError, match="rounds"):
+        time_decode(model, adapter, variants=["base"], rounds=0, progress=False)

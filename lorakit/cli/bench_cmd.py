@@ -26,7 +26,7 @@ def _bench(args: argparse.Namespace) -> int:
                          prompt_tokens=args.prompt_tokens, tokens=args.tokens,
                          repeats=args.repeats, warmup=args.warmup, device=args.device,
                          seed=args.seed, workdir=args.workdir, progress=not args.quiet,
-                         timeout=args.timeout)
+                         timeout=args.timeout, rounds=args.rounds)
     if args.json:
         print(result.to_json(indent=2))
     else:
@@ -55,6 +55,9 @@ def add(sub) -> None:
     p.add_argument("--tokens", type=int, default=128, help="tokens decoded per run (default 128)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per variant (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the variant list this many times in rotated orders and pool "
+                   "the runs, so a noisy machine's slow phases hit every variant (default 1)")
     p.add_argument("--device", choices=["cpu", "gpu"], default=None,
                    help="MLX device (default: MLX's default device)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompt")

@@ -108,6 +108,29 @@ class VariantTiming:
     def weights_total(self) -> int:
         return sum(self.weight_bytes.values())
 
+    def merge(self, other: "VariantTiming") -> "VariantTiming":
+        """Pool another round of the same variant into this one (in place): its runs
+        join these, peaks are the larger, an error in either is kept."""
+        if other.variant != self.variant:
+            raise ValueError(f"cannot pool {other.variant!r} into {self.variant!r}")
+        if other.error is not None or self.error is not None:
+            self.error = self.error or other.error
+        if not other.decode_tps:
+            return self
+        if not self.decode_tps:  # this one never ran: take the other's description
+            pooled = VariantTiming(**{k: getattr(other, k) for k in other.__dataclass_fields__})
+            pooled.error, pooled.prepare_s = self.error, self.prepare_s + other.prepare_s
+            self.__dict__.update(pooled.__dict__)
+            return self
+        self.prefill_tps = self.prefill_tps + other.prefill_tps
+        self.decode_tps = self.decode_tps + other.decode_tps
+        self.ttft_s = self.ttft_s + other.ttft_s
+        for k in ("peak_bytes", "mlx_peak_bytes", "rss_peak_bytes"):
+            setattr(self, k, max(getattr(self, k), getattr(other, k)))
+        self.tokens = other.tokens or self.tokens
+        self.prepare_s += other.prepare_s
+        return self
+
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
@@ -158,8 +181,14 @@ class DecodeTiming(Report):
 
     # -- building ----------------------------------------------------------------------
     def add(self, v: VariantTiming) -> None:
-        """Append one variant's result and rebuild the table (for live displays)."""
-        self.variants.append(v)
+        """Add one variant's result (replacing an earlier row of the same variant, e.g.
+        the pooled result of another round) and rebuild the table (for live displays)."""
+        for i, old in enumerate(self.variants):
+            if old.variant == v.variant:
+                self.variants[i] = v
+                break
+        else:
+            self.variants.append(v)
         self.refresh()
 
     def variant(self, name: str) -> VariantTiming:
@@ -411,20 +440,26 @@ def _run_worker(spec: Dict[str, Any], python: str, on_run: Callable[[Dict[str, A
 
 def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
                   spec: Dict[str, Any], python: str, bar: Any, cancel: Any,
-                  timeout: Optional[float]) -> VariantTiming:
+                  timeout: Optional[float], keep: Optional[Dict[str, str]] = None
+                  ) -> VariantTiming:
     """Make the variant's checkpoint if it is a fused one, time it in a worker process,
-    and remove the checkpoint again (so at most one fused copy is on disk at a time)."""
+    and remove the checkpoint again (so at most one fused copy is on disk at a time).
+    With ``keep`` (variant -> note), fused checkpoints stay for the next round."""
     runs = spec["warmup"] + spec["repeats"]
     v = VariantTiming(variant=n, note={"base": "the checkpoint", "unfused": "mlx_lm "
                                        "load_model + load_adapters (LoRA layers)"}.get(n, ""))
     path = model
-    if n in FUSED_VARIANTS:
+    if keep is not None and n in keep:
+        v.note, path = keep[n], work / n
+    elif n in FUSED_VARIANTS:
         if bar is not None:
             bar.set_postfix_str(f"making {n}")
         t0 = time.perf_counter()
         try:
             v.note = _prepare(n, model, adapter, work, python)  # type: ignore[arg-type]
             path = work / n
+            if keep is not None:
+                keep[n] = v.note
         except LorakitError as e:
             v.error = e.message
         v.prepare_s = time.perf_counter() - t0
@@ -456,7 +491,7 @@ def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
         elif bar is not None:
             bar.update(runs)
     finally:
-        if path != model:
+        if path != model and keep is None:
             shutil.rmtree(path, ignore_errors=True)
     return v
 
@@ -468,7 +503,7 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
                 workdir: Optional[PathLike] = None, progress: bool = True,
                 on_result: Optional[Callable[[VariantTiming], None]] = None,
                 cancel: Any = None, timeout: Optional[float] = None,
-                python: Optional[str] = None) -> DecodeTiming:
+                python: Optional[str] = None, rounds: int = 1) -> DecodeTiming:
     """Time greedy decoding of a checkpoint and its adapter, fused and unfused.
 
     Args:
@@ -490,6 +525,13 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
             running worker is stopped and the remaining variants are skipped.
         timeout: seconds allowed to one variant's process.
         python: interpreter for the worker processes (default: this one).
+        rounds: how many times the whole list of variants runs, each round in a
+            rotated order (round r starts at the r-th variant) and every variant in a
+            fresh process; each variant's runs are pooled over the rounds (medians over
+            ``rounds * repeats`` runs). A slow phase of a shared machine then falls on
+            every variant alike instead of on whichever ran at the time. With more
+            than one round the fused checkpoints are made once and kept on disk until
+            the end (one copy per fused variant).
 
     Returns:
         A :class:`DecodeTiming`. A variant that failed carries its ``error``.
@@ -510,36 +552,46 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
         raise LorakitError("these variants need an adapter",
                            found=", ".join(n for n in names if n != "base"),
                            hint="pass adapter_path (--adapter-path)")
-    if min(prompt_tokens, tokens, repeats) < 1 or warmup < 0:
-        raise LorakitError("prompt_tokens, tokens and repeats must be >= 1, warmup >= 0",
-                           found=f"{prompt_tokens}, {tokens}, {repeats}, {warmup}")
+    if min(prompt_tokens, tokens, repeats, rounds) < 1 or warmup < 0:
+        raise LorakitError("prompt_tokens, tokens, repeats and rounds must be >= 1, "
+                           "warmup >= 0",
+                           found=f"{prompt_tokens}, {tokens}, {repeats}, {rounds}, {warmup}")
     if device not in (None, "cpu", "gpu", "default"):
         raise LorakitError("unknown device", found=str(device), expected="cpu, gpu or None")
     Checkpoint(model)  # a bad model directory fails here, before any work
     python = python or sys.executable
     settings = {"model": str(model), "adapter_path": str(adapter) if adapter else None,
                 "variants": names, "prompt_tokens": prompt_tokens, "tokens": tokens,
-                "repeats": repeats, "warmup": warmup, "device": device, "seed": seed}
+                "repeats": repeats, "warmup": warmup, "device": device, "seed": seed,
+                "rounds": rounds}
     result = DecodeTiming(title="", settings=settings)
     to_prepare = [n for n in names if n in FUSED_VARIANTS]
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(to_prepare) + len(names) * (warmup + repeats),
+        bar = tqdm(total=len(to_prepare) + len(names) * (warmup + repeats) * rounds,
                    desc="decode timing", unit="step", leave=True)
     spec = {"prompt_tokens": prompt_tokens, "tokens": tokens, "repeats": repeats,
             "warmup": warmup, "seed": seed, "device": device}
     work = Path(tempfile.mkdtemp(prefix="lorakit-timing-",
                                  dir=str(workdir) if workdir is not None else None))
+    keep: Optional[Dict[str, str]] = {} if rounds > 1 else None
+    pooled: Dict[str, VariantTiming] = {}
     try:
-        for n in names:
-            if cancel is not None and cancel.is_set():
-                break
-            v = _time_variant(n, model, adapter, work, spec, python, bar, cancel, timeout)
-            result.add(v)
-            if on_result is not None:
-                on_result(v)
+        for r in range(rounds):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                if cancel is not None and cancel.is_set():
+                    break
+                v = _time_variant(n, model, adapter, work, spec, python, bar, cancel,
+                                  timeout, keep)
+                v = pooled[n].merge(v) if n in pooled else v
+                pooled[n] = v
+                result.add(v)
+                if on_result is not None:
+                    on_result(v)
+        result.variants.sort(key=lambda v: names.index(v.variant))
+        result.refresh()
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if bar is not None:
