@@ -36,6 +36,37 @@ BASE_CONFIGS: Dict[str, dict] = {
                       decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
 }
 
+_COMMON = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
+               num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
+               max_position_embeddings=256, rope_theta=10000.0)
+#: more of mlx-lm's architectures, with their own layer names: fused qkv / gate_up
+#: (phi3, internlm2), c_fc / fc1 / dense, GPT-2's h.N.attn.c_attn, norms and ties
+OTHER_CONFIGS: Dict[str, dict] = {
+    "phi3": dict(_COMMON, model_type="phi3", tie_word_embeddings=False),
+    "mistral": dict(_COMMON, model_type="mistral", tie_word_embeddings=False),
+    "gemma2": dict(_COMMON, model_type="gemma2", head_dim=16, query_pre_attn_scalar=16,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   sliding_window=128, cache_implementation="hybrid"),
+    "gemma3_text": dict(_COMMON, model_type="gemma3_text", head_dim=16,
+                        query_pre_attn_scalar=16, sliding_window=128,
+                        sliding_window_pattern=2),
+    "starcoder2": dict(model_type="starcoder2", hidden_size=64, num_hidden_layers=2,
+                       intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                       norm_epsilon=1e-5, vocab_size=VOCAB, rope_theta=10000.0,
+                       tie_word_embeddings=True),
+    "phi": dict(model_type="phi", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                num_attention_heads=4, num_key_value_heads=4, layer_norm_eps=1e-5,
+                vocab_size=VOCAB,
+                partial_rotary_factor=0.5, max_position_embeddings=256),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_ctx=256, n_positions=256,
+                 layer_norm_epsilon=1e-5, vocab_size=VOCAB),
+    "olmo2": dict(_COMMON, model_type="olmo2", tie_word_embeddings=False),
+    "cohere": dict(_COMMON, model_type="cohere", layer_norm_eps=1e-5, logit_scale=0.0625,
+                   use_qk_norm=False),
+    "internlm2": dict(_COMMON, model_type="internlm2", bias=False, tie_word_embeddings=False),
+}
+BASE_CONFIGS.update(OTHER_CONFIGS)
+
 
 def write_tokenizer(path: Path, vocab: int = VOCAB) -> None:
     """A word-level tokenizer over ``vocab`` symbols, saved in the HF layout."""
@@ -75,18 +106,22 @@ def make_model(path: Path, family: str = "qwen3", *, dtype=mx.bfloat16, seed: in
     return path
 
 
-def make_adapter(model_path: Path, path: Path, *, keys: Sequence[str] = (
+def make_adapter(model_path: Path, path: Path, *, keys: Optional[Sequence[str]] = (
         "self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"), rank: int = 4,
         scale: float = 2.0, num_layers: int = -1, dora: bool = False, seed: int = 1,
         b_std: float = 0.02) -> Path:
-    """Attach LoRA/DoRA layers with mlx-lm and save an adapter as ``mlx_lm lora`` does."""
+    """Attach LoRA/DoRA layers with mlx-lm and save an adapter as ``mlx_lm lora`` does.
+
+    ``keys=None``: mlx-lm's default, every linear layer of the adapted blocks."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load_model
 
     model, config = load_model(model_path)
     model.freeze()
     n = len(model.layers) if num_layers < 0 else num_layers
-    lora_config = {"rank": rank, "scale": scale, "dropout": 0.0, "keys": list(keys)}
+    lora_config = {"rank": rank, "scale": scale, "dropout": 0.0}
+    if keys is not None:
+        lora_config["keys"] = list(keys)
     mx.random.seed(seed)
     linear_to_lora_layers(model, n, lora_config, use_dora=dora)
     trainable = dict(tree_flatten(model.trainable_parameters()))
