@@ -714,6 +714,20 @@ def _(e):
     edit_json(peft(e) / "adapter_config.json", lambda c: c.update(bias="all"))
 
 
+@case("peft-layer-replication", AdapterError, "adapter_config.json",
+      "unsupported PEFT feature: layer_replication", "expected: false / absent",
+      "found: [[0, 2], [1, 2]]", tensor="layer_replication")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json",
+              lambda c: c.update(layer_replication=[[0, 2], [1, 2]]))
+
+
+@case("peft-activated-lora", AdapterError, "adapter_config.json", "activated LoRA",
+      "found: [5, 7]", tensor="alora_invocation_tokens")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json", lambda c: c.update(alora_invocation_tokens=[5, 7]))
+
+
 @case("peft-modules-to-save", AdapterError, "adapter_model.safetensors", "modules_to_save",
       "which lorakit does not fuse", tensor="base_model.model.lm_head.modules_to_save.default.weight")
 def _(e):

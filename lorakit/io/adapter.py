@@ -320,6 +320,12 @@ _PEFT_LEAVES = {
 }
 _PEFT_UNSUPPORTED = {
     "use_qalora": "QA-LoRA", "lora_bias": "LoRA bias", "use_bdlora": "BD-LoRA",
+    # duplicated layers change the model's structure: no fuse into the base's tensors
+    "layer_replication": "layer_replication",
+    # activated LoRA applies only after its invocation tokens: merging changes outputs
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    # LoRA on raw nn.Parameters (MoE expert tensors) is stored in another layout
+    "target_parameters": "LoRA on parameters (target_parameters)",
 }
 
 
