@@ -599,6 +599,13 @@ def _(e):
     mlx_weights(e).unlink()
 
 
+@case("peft-pickled-weights", AdapterError, "ad_peft", "no adapter weights found",
+      "found: adapter_config.json, adapter_model.bin", "is a pickle", "safe_serialization=True")
+def _(e):
+    w = peft(e) / "adapter_model.safetensors"
+    w.rename(w.with_name("adapter_model.bin"))
+
+
 @case("adapter-weights-symlink-out", UnsafePathError, "adapters.safetensors",
       "link out of the directory", "found: link to")
 def _(e):

@@ -254,3 +254,23 @@ def test_progress_callback_reaches_total(tmp_path: Path) -> None:
     total = Checkpoint(base).nbytes
     assert seen and seen[-1] == (total, total)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def test_old_mlx_lm_dora_config_with_use_dora(tmp_path: Path) -> None:
+    """mlx-lm before fine_tune_type marked DoRA adapters with "use_dora": true."""
+    from lorakit.io.adapter import load_adapter
+
+    base = mf.make_model(tmp_path / "base", "qwen3")
+    new = mf.make_adapter(base, tmp_path / "new", dora=True)
+    old = mf.copy_tree(new, tmp_path / "old")
+    cfg = json.loads((old / "adapter_config.json").read_text())
+    del cfg["fine_tune_type"]
+    cfg["use_dora"] = True
+    (old / "adapter_config.json").write_text(json.dumps(cfg))
+    a, b = load_adapter(new), load_adapter(old)
+    assert [t.module for t in a.targets] == [t.module for t in b.targets]
+    assert all(t.magnitude is not None for t in b.targets)
+    r1 = lorakit.fuse(base, new, tmp_path / "f1", progress=False)
+    r2 = lorakit.fuse(base, old, tmp_path / "f2", progress=False)
+    assert raw_tensors(tmp_path / "f1") == raw_tensors(tmp_path / "f2")
+    assert r1.tensors_fused == r2.tensors_fused > 0

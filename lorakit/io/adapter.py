@@ -212,14 +212,19 @@ def load_adapter(path: PathLike) -> Adapter:
         return _load_mlx(path, cfg)
     raise AdapterError("no adapter weights found", file=path,
                        expected=f"{MLX_WEIGHTS} (mlx-lm) or {PEFT_WEIGHTS} (PEFT)",
-                       found=", ".join(sorted(p.name for p in path.iterdir())) or "empty directory")
+                       found=", ".join(sorted(p.name for p in path.iterdir())) or "empty directory",
+                       hint="adapter_model.bin is a pickle (loading one can run code) and is "
+                       "not read: save the adapter with PEFT's "
+                       "save_pretrained(safe_serialization=True)"
+                       if (path / "adapter_model.bin").exists() else None)
 
 
 # -- mlx-lm ---------------------------------------------------------------------------
 def _load_mlx(path: Path, cfg: Dict[str, Any]) -> Adapter:
     cfg_path = path / CONFIG
     file = path / MLX_WEIGHTS
-    ftype = cfg.get("fine_tune_type", "lora")
+    # mlx-lm before fine_tune_type (0.19) marked DoRA with "use_dora": true
+    ftype = cfg.get("fine_tune_type") or ("dora" if cfg.get("use_dora") is True else "lora")
     if ftype not in ("lora", "dora"):
         raise AdapterError("unsupported fine_tune_type", file=cfg_path, tensor="fine_tune_type",
                            expected="lora or dora", found=repr(ftype),
