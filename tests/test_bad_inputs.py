@@ -735,12 +735,40 @@ def _(e):
     edit_json(peft(e) / "adapter_config.json", lambda c: c.update(alora_invocation_tokens=[5, 7]))
 
 
-@case("peft-modules-to-save", AdapterError, "adapter_model.safetensors", "modules_to_save",
-      "which lorakit does not fuse", tensor="base_model.model.lm_head.modules_to_save.default.weight")
+@case("peft-modules-to-save-wrong-shape", AdapterError, "adapter_model.safetensors",
+      "modules_to_save copies do not fit", "base_model.model.model.norm.weight -> model.norm.weight",
+      "expected shape [64], found [65]")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json", lambda c: c.update(modules_to_save=["model.norm"]))
+    edit_tensors(e.adapter / "adapter_model.safetensors", lambda t: t.update(
+        {"base_model.model.model.norm.weight": np.ones(65, np.float32)}))
+
+
+@case("peft-modules-to-save-tied-head", AdapterError, "adapter_model.safetensors",
+      "modules_to_save copies do not fit", "no tensor lm_head.weight in the checkpoint",
+      "the head is tied to the embedding")
 def _(e):
     edit_json(peft(e) / "adapter_config.json", lambda c: c.update(modules_to_save=["lm_head"]))
     edit_tensors(e.adapter / "adapter_model.safetensors", lambda t: t.update(
+        {"base_model.model.lm_head.weight": np.zeros((96, 64), np.float32)}))
+
+
+@case("peft-modules-to-save-not-listed", AdapterError, "adapter_model.safetensors",
+      "modules_to_save copy of a module that adapter_config.json's modules_to_save does not list",
+      tensor="base_model.model.lm_head.modules_to_save.default.weight")
+def _(e):
+    edit_tensors(peft(e) / "adapter_model.safetensors", lambda t: t.update(
         {"base_model.model.lm_head.modules_to_save.default.weight": np.zeros((96, 64), np.float32)}))
+
+
+@case("peft-modules-to-save-nan", AdapterError, "adapter_model.safetensors",
+      "modules_to_save tensor holds NaN or Inf", tensor="base_model.model.lm_head.weight")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json", lambda c: c.update(modules_to_save=["lm_head"]))
+    bad = np.zeros((96, 64), np.float32)
+    bad[3, 5] = np.nan
+    edit_tensors(e.adapter / "adapter_model.safetensors",
+                 lambda t: t.update({"base_model.model.lm_head.weight": bad}))
 
 
 @case("peft-unknown-target", AdapterError, "adapter_model.safetensors",

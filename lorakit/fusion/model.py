@@ -21,9 +21,9 @@ import numpy as np
 
 from ..io.adapter import Adapter, LoraTarget, load_adapter
 from ..io.checkpoint import QuantParams
-from ..io.naming import bind, bindings_by_tensor
+from ..io.naming import bind, bind_replacements, bindings_by_tensor
 from ..io.safetensors import mx_to_raw, raw_to_mx
-from .core import check_rounding, fuse_bindings, output_code
+from .core import cast_raw, check_rounding, fuse_bindings, output_code
 
 PathLike = Union[str, Path]
 
@@ -147,6 +147,10 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None, *,
         if not dequantize:
             plain_mod = _requantize(plain_mod, q)
         new_modules.append((module, plain_mod))
+    for tensor, r in bind_replacements(ad, src).items():  # PEFT modules_to_save copies
+        code = mx_to_raw(src.params[tensor])[1]
+        out = output_code(code, dtype) if code in ("BF16", "F16", "F32") else r.code
+        updates.append((tensor, raw_to_mx(cast_raw(r.raw, r.code, out), out)))
     if updates:
         model.load_weights(updates, strict=False)
     if new_modules:

@@ -29,7 +29,8 @@ import numpy as np
 from ..errors import FuseError, LorakitError, OutputExistsError
 from ..io.adapter import Adapter, load_adapter
 from ..io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
-from ..io.naming import Binding, bind, bindings_by_tensor
+from ..io.adapter import Replacement
+from ..io.naming import Binding, bind, bind_replacements, bindings_by_tensor
 from ..io.safetensors import PlannedTensor, SafetensorsWriter, TensorInfo
 from .core import cast_raw as _cast
 from .core import check_rounding, fuse_bindings as _fuse_float, output_code
@@ -65,6 +66,8 @@ class FuseResult:
     dequantized: bool = False
     requant: List[RequantStat] = field(default_factory=list)
     fused_names: List[str] = field(default_factory=list)
+    #: tensors written from the adapter's own copies (PEFT modules_to_save)
+    replaced_names: List[str] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
         d = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
@@ -86,6 +89,8 @@ class FuseResult:
             rows.append(("delta surviving re-quantization",
                          f"median {np.median(s):.1%}, min {s.min():.1%} "
                          f"(codes changed: median {np.median(c):.2%})"))
+        if self.replaced_names:
+            rows.append(("replaced (modules_to_save)", ", ".join(self.replaced_names)))
         if self.dequantized:
             rows.append(("quantization", "dequantized (float weights written)"))
         return rows
@@ -184,8 +189,9 @@ class _Item:
     name: str
     plan: PlannedTensor
     source: Optional[TensorInfo]  # copy unchanged when set and action == "copy"
-    action: str  # copy | cast | fuse | fuse-q | dequant
+    action: str  # copy | cast | fuse | fuse-q | dequant | replace
     module: str = ""
+    payload: Optional[Replacement] = None  # the adapter's copy, for "replace"
 
 
 def _module_of(name: str) -> str:
@@ -193,9 +199,11 @@ def _module_of(name: str) -> str:
 
 
 def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, List[Binding]],
-                dtype_policy: str, dequantize: bool) -> List[_Item]:
+                dtype_policy: str, dequantize: bool,
+                replaced: Optional[Dict[str, Replacement]] = None) -> List[_Item]:
     items: List[_Item] = []
     explicit = dtype_policy not in ("preserve", "promote")
+    replaced = replaced or {}
     for info in infos:
         name = info.name
         module = _module_of(name)
@@ -206,8 +214,10 @@ def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, Li
             if dequantize:
                 if name.endswith(".weight"):
                     shape = tuple(info.shape[:-1]) + (info.shape[-1] * 32 // q.bits,)
-                    act = "fuse" if name in by_tensor else "dequant"
-                    items.append(_Item(name, PlannedTensor(name, fdt, shape), info, act, module))
+                    act = "replace" if name in replaced else \
+                        "fuse" if name in by_tensor else "dequant"
+                    items.append(_Item(name, PlannedTensor(name, fdt, shape), info, act, module,
+                                       replaced.get(name)))
                 continue  # scales / biases disappear with the dequantized weight
             if name in by_tensor:
                 items.append(_Item(name, PlannedTensor(name, info.dtype, info.shape), info,
@@ -220,7 +230,12 @@ def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, Li
             else:
                 items.append(_Item(name, PlannedTensor(name, info.dtype, info.shape), info, "copy"))
             continue
-        if name in by_tensor:
+        if name in replaced:  # the adapter's trained copy, in the dtype the policy gives
+            code = output_code(info.dtype, dtype_policy) if info.dtype in \
+                ("BF16", "F16", "F32") else replaced[name].code
+            items.append(_Item(name, PlannedTensor(name, code, info.shape), info, "replace",
+                               module, replaced[name]))
+        elif name in by_tensor:
             code = output_code(info.dtype, dtype_policy)
             items.append(_Item(name, PlannedTensor(name, code, info.shape), info, "fuse", module))
         elif explicit and info.dtype in ("BF16", "F16", "F32"):
@@ -272,6 +287,7 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
                         found="quantized weights")
     bindings = bind(adapter, ck)
     by_tensor = bindings_by_tensor(bindings)
+    replaced = bind_replacements(adapter, ck, dequantize)
     for st in stale_temporaries(out):
         shutil.rmtree(st, ignore_errors=True)
     tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -284,7 +300,7 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
                                 found=f"{type(e).__name__}: {e.strerror or e}") from None
     try:
         result = _write(ck, adapter, by_tensor, tmp, out, rounding, dtype, dequantize,
-                        progress, t0)
+                        progress, t0, replaced)
         _publish(tmp, out, force)
     except OSError as e:  # disk full, a file vanishing under us: one clear error
         shutil.rmtree(tmp, ignore_errors=True)
@@ -339,7 +355,7 @@ def _fsync_dir(p: Path) -> None:
 
 def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]], tmp: Path,
            out: Path, rounding: str, dtype_policy: str, dequantize: bool, progress: Any,
-           t0: float) -> FuseResult:
+           t0: float, replaced: Optional[Dict[str, Replacement]] = None) -> FuseResult:
     from tqdm.auto import tqdm
 
     from .. import __version__
@@ -347,6 +363,7 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
     dtypes: Counter = Counter()
     requant: List[RequantStat] = []
     fused_names: List[str] = []
+    replaced_names: List[str] = []
     weight_map: Dict[str, str] = {}
     total_bytes = 0
     meta_extra = {
@@ -366,7 +383,7 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
     it: Optional[_Item] = None
     try:
         for shard, infos in ck.by_shard():
-            items = _plan_shard(ck, infos, by_tensor, dtype_policy, dequantize)
+            items = _plan_shard(ck, infos, by_tensor, dtype_policy, dequantize, replaced)
             meta = dict(ck.headers[shard].metadata)
             meta.setdefault("format", "mlx")
             meta.update(meta_extra)
@@ -379,10 +396,12 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
                     src = it.source
                     if it.action == "copy":
                         w.copy(it.name, src)
-                    elif it.action in ("cast", "dequant", "fuse"):
+                    elif it.action in ("cast", "dequant", "fuse", "replace"):
                         w.write(it.name, jobs.result(k))
                         if it.action == "fuse":
                             fused_names.append(it.name)
+                        elif it.action == "replace":
+                            replaced_names.append(it.name)
                     elif it.action == "fuse-q":
                         if it.module not in pending:
                             pending[it.module], stat = jobs.result(k)
@@ -413,7 +432,8 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
     _write_sidecars(ck, tmp, weight_map, total_bytes, dequantize, dtype_policy)
     return FuseResult(out, ck.path, adapter.path, rounding, dtype_policy, len(fused_names),
                       len(weight_map), dict(dtypes), total_bytes, time.perf_counter() - t0,
-                      dequantize and ck.quantization is not None, requant, fused_names)
+                      dequantize and ck.quantization is not None, requant, fused_names,
+                      replaced_names)
 
 
 def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], rounding: str,
@@ -422,6 +442,8 @@ def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], rou
     src = it.source
     if it.action == "cast":
         return _cast(ck.read(it.name), src.dtype, it.plan.dtype)
+    if it.action == "replace":  # PEFT modules_to_save: the adapter's copy, one rounding
+        return _cast(it.payload.raw, it.payload.code, it.plan.dtype)
     if it.action == "dequant":
         return dequantize_raw(ck, it.module, it.plan.dtype)
     if it.action == "fuse-q":

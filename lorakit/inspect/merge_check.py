@@ -23,7 +23,9 @@ it); ``applied twice``; ``wrong scale (xK)``; ``unrelated change`` (R does not
 point along D); ``rounding-limited`` (the delta is too small for the format: even
 a correct fuse keeps under 80% of it, or leaves the weight unchanged);
 ``partially lost to quantization`` / ``lost to quantization`` (the same for
-quantized weights); ``missing`` / ``shape mismatch``.
+quantized weights); ``missing`` / ``shape mismatch``. Tensors the adapter carries
+whole (PEFT ``modules_to_save``): ``replaced`` when the fused tensor is that copy
+rounded once to its dtype, else ``replacement differs`` / ``replacement not written``.
 
 Base tensors the adapter does not touch must come through bit for bit; any that
 changed are listed with the verdict ``changed without adapter``.
@@ -46,7 +48,8 @@ from .report import Report
 __all__ = ["MergeCheck", "merge_check", "intended_pieces", "VERDICTS_OK"]
 
 #: verdicts that mean the fuse did what it should
-VERDICTS_OK = ("ok", "rounding-limited", "partially lost to quantization", "lost to quantization")
+VERDICTS_OK = ("ok", "rounding-limited", "partially lost to quantization", "lost to quantization",
+               "replaced")
 _SCALE_TOL = 0.15  # |scale_est - 1| allowed for "ok": rounding noise of a different order
 _TWICE_TOL = 0.3
 _LIMITED = 0.8  # a correct fuse keeping less than this of the delta is "limited"
@@ -217,7 +220,7 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
     Returns:
         A :class:`MergeCheck` (``.ok``, ``.verdicts()``, rows with the numbers).
     """
-    from ..io.naming import bind, bindings_by_tensor
+    from ..io.naming import bind, bind_replacements, bindings_by_tensor
 
     sf, sb = open_source(fused), open_source(base)
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
@@ -275,6 +278,9 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
             0.0 if s["EE"] == 0 else float("inf"))
         row["verdict"] = "no delta" if dd == 0 else _verdict(s, qf is not None)
         rows.append(row)
+    replaced = bind_replacements(ad, sb, dequantize=True)  # type: ignore[arg-type]
+    for tensor, r in replaced.items():
+        rows.append(_replacement_row(sf, sb, tensor, r))
     untouched_changed = 0
     if check_untouched:
         from .ulp import compare_sources
@@ -283,7 +289,7 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
         names = []
         for n in sb.tensors:
             module = n.rsplit(".", 1)[0]
-            if module in adapted:
+            if module in adapted or n in replaced:
                 continue
             if sb.quant_params(module) is not None and sf.quant_params(module) is None:
                 continue  # dequantized output: packed parts are meant to change
@@ -308,6 +314,7 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
     summary: Dict[str, Any] = {
         "fused": str(sf.path or sf.label), "base": str(sb.path or sb.label),
         "adapter": str(ad.path), "adapted tensors": len(by_tensor),
+        **({"replaced tensors": len(replaced)} if replaced else {}),
         "verdicts": ", ".join(f"{k}: {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])),
         "dtype changes": sum("->" in str(r["dtype"]) for r in rows),
     }
@@ -318,3 +325,35 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
                       columns=["tensor", "dtype", "survived", "expected", "scale_est", "corr",
                                "ref_dev", "changed", "delta_ulps", "verdict"],
                       summary=summary, flagged=flagged)
+
+
+def _replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) -> Dict[str, Any]:
+    """A PEFT modules_to_save copy: the fused tensor must be the copy, rounded once to
+    the fused tensor's dtype (verdict ``replaced``), bit for bit."""
+    from ..fusion.core import cast_raw
+
+    layer, kind, _, _ = split_name(tensor)
+    base_code = sb.tensors[tensor].dtype
+    row: Dict[str, Any] = {"tensor": tensor, "layer": layer, "kind": kind, "dtype": base_code,
+                           "survived": None, "expected": None, "scale_est": None,
+                           "corr": None, "changed": None, "ref_dev": None,
+                           "delta_ulps": None, "verdict": "replaced"}
+    meta = sf.tensors.get(tensor)
+    module = tensor.rsplit(".", 1)[0]
+    if meta is None:
+        row["verdict"] = "missing"
+        return row
+    if meta.dtype != base_code:
+        row["dtype"] = f"{base_code}->{meta.dtype}"
+    if sf.quant_params(module) is not None or meta.dtype not in ("BF16", "F16", "F32") or \
+            tuple(meta.shape) != tuple(r.raw.shape):
+        row["verdict"] = "replacement not written"
+        return row
+    want = cast_raw(r.raw, r.code, meta.dtype).reshape(-1)
+    got = np.asarray(sf.read(tensor)).reshape(-1).view(want.dtype)
+    base = np.asarray(sb.read(tensor)).reshape(-1)
+    row["changed"] = float(np.count_nonzero(got != base.view(got.dtype))) / max(1, got.size) \
+        if base.dtype.itemsize == got.dtype.itemsize else None
+    if not np.array_equal(got, want):
+        row["verdict"] = "replacement differs"
+    return row

@@ -92,6 +92,29 @@ class LoraTarget:
 
 
 @dataclass
+class Replacement:
+    """A whole tensor the adapter carries in place of the base's: PEFT's
+    ``modules_to_save`` (a trained copy of e.g. ``lm_head`` or a norm), which
+    ``merge_and_unload()`` puts into the merged model as it is.
+
+    Attributes:
+        module: module path (``lm_head``, ``model.norm``).
+        leaf: ``weight`` or ``bias``.
+        raw: the tensor's storage as saved (float bits), ``code`` its dtype.
+        name: the tensor's name in the adapter file (for messages).
+    """
+
+    module: str
+    leaf: str
+    raw: np.ndarray
+    code: str
+    name: str
+
+    def __repr__(self) -> str:
+        return f"Replacement({self.module}.{self.leaf}, {self.code}{list(self.raw.shape)})"
+
+
+@dataclass
 class Adapter:
     """An adapter read from disk, in lorakit's one description.
 
@@ -101,6 +124,7 @@ class Adapter:
         targets: one :class:`LoraTarget` per adapted module, in file order.
         config: the raw adapter_config.json.
         weights_file: the safetensors file the tensors came from.
+        replacements: whole tensors that replace the base's (PEFT ``modules_to_save``).
     """
 
     path: Path
@@ -109,6 +133,7 @@ class Adapter:
     config: Dict[str, Any]
     weights_file: Path
     fine_tune_type: str = "lora"
+    replacements: List[Replacement] = field(default_factory=list)
     _sha256: Optional[str] = field(default=None, repr=False)
 
     @property
@@ -399,11 +424,32 @@ def _load_peft(path: Path, cfg: Dict[str, Any]) -> Adapter:
         raise AdapterError("layers_to_transform must be a layer index or a list of them",
                            file=cfg_path, tensor="layers_to_transform",
                            expected="an integer or a list of integers", found=repr(layers)[:80])
+    saved = cfg.get("modules_to_save") or []
+    if isinstance(saved, str):
+        saved = [saved]
+    if not isinstance(saved, list) or not all(isinstance(m, str) and m for m in saved):
+        raise AdapterError("modules_to_save must be a list of module names", file=cfg_path,
+                           tensor="modules_to_save", expected='["lm_head", ...]',
+                           found=repr(saved)[:80])
     tensors = _read_all(file)
     groups: Dict[str, Dict[str, Tuple[str, np.ndarray, str]]] = {}
+    replacements: List[Replacement] = []
     errors: List[str] = []
     for name, (raw, dt) in tensors.items():
         key = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+        rep = _saved_module(key, saved)
+        if rep is not None:
+            module, leaf = rep
+            if dt not in ("F16", "BF16", "F32"):
+                errors.append(f"  {name}: a modules_to_save tensor must be float "
+                              f"(expected F16/BF16/F32, found {dt})")
+                continue
+            if not np.isfinite(_as_f64(raw, dt)).all():
+                errors.append(f"  {name}: modules_to_save tensor holds NaN or Inf "
+                              f"(expected finite values, found non-finite)")
+                continue
+            replacements.append(Replacement(module, leaf, raw, dt, name))
+            continue
         # Some PEFT versions keep the adapter name in keys (".lora_A.default.weight").
         key = re.sub(r"\.(lora_[AB])\.(?!weight$)[^.]+\.weight$", r".\1.weight", key)
         key = re.sub(r"\.(lora_embedding_[AB]|lora_magnitude_vector)\.(?!weight$)[^.]+$",
@@ -413,8 +459,8 @@ def _load_peft(path: Path, cfg: Dict[str, Any]) -> Adapter:
                 groups.setdefault(key[: -len(leaf) - 1], {})[tag] = (name, raw, dt)
                 break
         else:
-            what = ("a modules_to_save copy (whole weights), which lorakit does not fuse"
-                    if "modules_to_save" in key or cfg.get("modules_to_save") else
+            what = ("a modules_to_save copy of a module that adapter_config.json's "
+                    "modules_to_save does not list" if "modules_to_save" in key else
                     "not a LoRA tensor")
             errors.append(f"  {name}: {what} (expected .lora_A.weight / .lora_B.weight / "
                           f".lora_embedding_A / .lora_embedding_B / .lora_magnitude_vector)")
@@ -481,8 +527,41 @@ def _load_peft(path: Path, cfg: Dict[str, Any]) -> Adapter:
                            expected="base_model.model.<module>.lora_A.weight (r, in) and "
                            ".lora_B.weight (out, r) per module",
                            found=f"{len(errors)} problem(s), listed above")
-    if not targets:
+    both = sorted({r.module for r in replacements} & {t.module for t in targets})
+    if both:
+        errors.append(f"  {', '.join(both)}: both LoRA factors and a modules_to_save copy "
+                      f"(expected one or the other, found both)")
+    if errors:
+        raise AdapterError(f"{len(errors)} problem(s) in the adapter's tensors:\n"
+                           + "\n".join(errors), file=file,
+                           expected="LoRA factors and modules_to_save copies, each once",
+                           found=f"{len(errors)} problem(s), listed above")
+    if not targets and not replacements:
         raise AdapterError("adapter holds no LoRA tensors", file=file,
                            expected="base_model.model.<module>.lora_A.weight / .lora_B.weight",
                            found="none")
-    return Adapter(path, "peft", targets, cfg, file, "dora" if dora else "lora")
+    return Adapter(path, "peft", targets, cfg, file, "dora" if dora else "lora",
+                   replacements=replacements)
+
+
+def _saved_module(key: str, saved: List[str]) -> Optional[Tuple[str, str]]:
+    """(module, leaf) when ``key`` is a modules_to_save tensor, else None.
+
+    PEFT saves the trained copy of a ``modules_to_save`` module under the module's
+    own name (``lm_head.weight``; older versions kept ``.modules_to_save.<adapter>``
+    in it) and matches the configured names as PEFT does: a plain suffix of the module
+    path (``"norm"`` matches ``model.norm`` and every ``*_layernorm``)."""
+    key = re.sub(r"\.modules_to_save\.[^.]+\.", ".", key)
+    module, _, leaf = key.rpartition(".")
+    if leaf not in ("weight", "bias") or not module or re.search(
+            r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector|base_layer)(\.|$)", key):
+        return None
+    if any(module.endswith(m) for m in saved):
+        return module, leaf
+    return None
+
+
+def _as_f64(raw: np.ndarray, code: str) -> np.ndarray:
+    from ..numerics import to_float64
+
+    return to_float64(raw, code)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..errors import AdapterError
-from .adapter import Adapter, LoraTarget
+from .adapter import Adapter, LoraTarget, Replacement
 from .checkpoint import Checkpoint, QuantParams
 
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
@@ -191,3 +191,42 @@ def bindings_by_tensor(bindings: List[Binding]) -> Dict[str, List[Binding]]:
     for b in bindings:
         g.setdefault(b.tensor, []).append(b)
     return g
+
+
+def bind_replacements(adapter: Adapter, ck: Checkpoint, dequantize: bool = False
+                      ) -> Dict[str, Replacement]:
+    """Checkpoint tensor name -> the adapter's whole replacement for it (PEFT
+    ``modules_to_save``), or one error listing every copy that does not fit: no such
+    tensor, another shape, or a quantized module (whose codes a copy cannot replace
+    unless the fuse writes float weights, ``dequantize``)."""
+    out: Dict[str, Replacement] = {}
+    errors: List[str] = []
+    tied = bool(ck.config.get("tie_word_embeddings", False))
+    for r in adapter.replacements:
+        mod = next((v for v in _variants(r.module) if f"{v}.{r.leaf}" in ck.tensors), None)
+        if mod is None:
+            hint = (" (the head is tied to the embedding in this model)"
+                    if r.module.endswith("lm_head") and tied else "")
+            errors.append(f"  {r.name}: no tensor {r.module}.{r.leaf} in the checkpoint{hint}")
+            continue
+        tensor = f"{mod}.{r.leaf}"
+        q = ck.quant_params(mod)
+        if q is not None and r.leaf == "weight" and not dequantize:
+            errors.append(f"  {r.name} -> {tensor}: the checkpoint's weight is quantized "
+                          f"(expected a float weight, found {q.bits}-bit codes; fuse with "
+                          f"--dequantize to write it in float)")
+            continue
+        shape = logical_shape(ck, mod) if r.leaf == "weight" else ck.tensors[tensor].shape
+        if tuple(shape) != tuple(r.raw.shape):
+            errors.append(f"  {r.name} -> {tensor}: expected shape {list(shape)}, found "
+                          f"{list(r.raw.shape)}")
+            continue
+        out[tensor] = r
+    if errors:
+        raise AdapterError(
+            f"modules_to_save copies do not fit the checkpoint: {len(errors)} of "
+            f"{len(adapter.replacements)}:\n" + "\n".join(errors),
+            file=adapter.weights_file, expected=f"copies of tensors of the model at {ck.path}",
+            found=f"{len(errors)} copy(ies) that do not fit, listed above",
+            hint="check that the adapter was trained on this base model")
+    return out
