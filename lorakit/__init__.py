@@ -19,6 +19,7 @@ _EXPORTS = {
     "fuse": "lorakit.fusion.stream",
     "FuseResult": "lorakit.fusion.stream",
     "fuse_model": "lorakit.fusion.model",
+    "attach_adapter": "lorakit.fusion.model",
     "load_adapter": "lorakit.io.adapter",
     "Adapter": "lorakit.io.adapter",
     "Checkpoint": "lorakit.io.checkpoint",

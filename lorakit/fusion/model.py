@@ -180,3 +180,87 @@ def _float_module(qmod: Any, weight: Any) -> Any:
 
 def _requantize(m: Any, q: QuantParams) -> Any:
     return m.to_quantized(group_size=q.group_size, bits=q.bits, mode=q.mode)
+
+
+def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
+    """Attach an adapter to an mlx-lm model unfused, in place: every target becomes
+    mlx-lm's own LoRA/DoRA layer (``LoRALinear``, ``DoRALinear``, ``LoRAEmbedding``,
+    ``DoRAEmbedding``, ``LoRASwitchLinear``) with the target's own rank and scale, and
+    PEFT ``modules_to_save`` copies replace their tensors. This runs adapters that
+    ``mlx_lm.utils.load_adapters`` cannot load (PEFT's format, per-module ranks and
+    scales from ``rank_pattern`` / ``alpha_pattern`` / rsLoRA); for an mlx-lm adapter
+    it builds the same layers as ``load_adapters``.
+
+    Returns the model (in eval mode).
+
+    >>> # model, tok = mlx_lm.load("base"); attach_adapter(model, "peft-adapter")
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+    from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
+    from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
+
+    from ..errors import AdapterError
+
+    ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
+    src = _ModelParams(model)
+    binds = bind(ad, src)  # type: ignore[arg-type]
+    modules = dict(model.named_modules())
+    layers: List[Tuple[str, Any]] = []
+    weights: List[Tuple[str, Any]] = []
+    for b in binds:
+        t = b.target
+        if b.target_expert is not None or b.weight_expert is not None:
+            raise AdapterError("an unfused adapter cannot target single experts of a stacked "
+                               "MoE layer (or a stacked target on per-expert layers)",
+                               file=ad.weights_file, tensor=t.module,
+                               expected="targets that match the model's layers one to one",
+                               found=f"{t.module} -> {b.tensor}",
+                               hint="fuse it instead (lorakit.fuse), which slices the experts")
+        mod = modules[b.module]
+        if t.base_weight is not None:  # PEFT saved the weight it was trained on
+            raw, code = t.base_weight
+            weights.append((b.tensor, raw_to_mx(raw, code).astype(mod.weight.dtype)))
+        dora = t.magnitude is not None
+        if t.kind == "switch":
+            if dora:
+                raise AdapterError("DoRA on a SwitchLinear (MoE) layer has no mlx-lm layer",
+                                   file=ad.weights_file, tensor=t.module,
+                                   expected="LoRA on SwitchLinear", found="DoRA")
+            layer = LoRASwitchLinear.from_base(mod, r=t.rank, scale=t.scale)
+            layer.lora_a, layer.lora_b = mx.array(t.A), mx.array(t.B)
+        elif t.kind == "embedding":
+            layer = (DoRAEmbedding if dora else LoRAEmbedding).from_base(mod, r=t.rank,
+                                                                         scale=t.scale)
+            layer.lora_a, layer.lora_b = mx.array(t.B), mx.array(t.A)
+        else:
+            layer = (DoRALinear if dora else LoRALinear).from_base(mod, r=t.rank, scale=t.scale)
+            layer.lora_a, layer.lora_b = mx.array(t.A.T), mx.array(t.B.T)
+        if dora:
+            layer.m = mx.array(t.magnitude.reshape(-1))
+        layers.append((b.module, layer))
+    for tensor, r in bind_replacements(ad, src).items():
+        dt = src.params[tensor].dtype
+        weights.append((tensor, raw_to_mx(r.raw, r.code).astype(dt)))
+    if weights:  # into the modules the LoRA layers wrap, under the model's own names
+        model.load_weights(weights, strict=False)
+    if layers:
+        model.update_modules(tree_unflatten(layers))
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def load_unfused(model: Any, adapter_path: PathLike) -> Any:
+    """The unfused adapter on ``model``: mlx-lm's own ``load_adapters`` for its own
+    format (the reference path), :func:`attach_adapter` for PEFT adapters."""
+    from ..io.adapter import MLX_WEIGHTS, PEFT_WEIGHTS
+
+    path = Path(adapter_path)
+    if not (path / MLX_WEIGHTS).exists() and (path / PEFT_WEIGHTS).exists():
+        return attach_adapter(model, path)
+    from mlx_lm.utils import load_adapters
+
+    model = load_adapters(model, str(path))
+    model.eval()
+    return model

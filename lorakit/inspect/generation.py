@@ -104,8 +104,11 @@ def _load(label: str, spec: Any) -> Tuple[Any, Any]:
     if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], (str, Path)):
         from mlx_lm import load
 
+        from ..fusion.model import load_unfused
+
         path, adapter = spec
-        return load(str(path), adapter_path=str(adapter) if adapter else None)[:2]
+        model, tok = load(str(path))[:2]
+        return (load_unfused(model, adapter) if adapter else model), tok
     raise LorakitError(f"cannot load model {label!r}", found=type(spec).__name__,
                        expected="a path, (path, adapter_path or None), or (model, tokenizer)")
 

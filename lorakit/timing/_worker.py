@@ -3,7 +3,8 @@
 ``time_decode`` starts ``python -m lorakit.timing._worker SPEC_JSON`` once per
 variant, so each variant's peak memory starts from an empty process. The worker
 loads the checkpoint the way ``mlx_lm.load`` does (``load_model``, then
-``load_adapters`` for the unfused variant), decodes greedily through
+``load_adapters`` for the unfused variant; lorakit's ``attach_adapter`` for a PEFT
+adapter, which mlx-lm cannot load), decodes greedily through
 ``mlx_lm.generate.stream_generate`` and prints JSON lines, each prefixed with
 ``MARK`` so that anything a library prints to stdout cannot be mistaken for one:
 
@@ -174,14 +175,15 @@ def main(spec: Dict[str, Any]) -> Dict[str, Any]:
 
     select_device(spec.get("device"))
     import mlx.core as mx
-    from mlx_lm.utils import load_adapters, load_model
+    from mlx_lm.utils import load_model
+
+    from lorakit.fusion.model import load_unfused
 
     t0 = time.perf_counter()
     model_path = Path(spec["model"])
     model, config = load_model(model_path)
-    if spec.get("adapter_path"):
-        model = load_adapters(model, str(spec["adapter_path"]))
-        model.eval()
+    if spec.get("adapter_path"):  # mlx-lm's load_adapters, or lorakit's for PEFT adapters
+        model = load_unfused(model, spec["adapter_path"])
     mx.eval(model.parameters())
     tok, has_tokenizer = load_tokenizer(model_path, config)
     load_s = time.perf_counter() - t0
