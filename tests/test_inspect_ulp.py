@@ -207,3 +207,24 @@ def test_plots_smoke(fused: dict) -> None:
     assert isinstance(p.plot(), Figure) and isinstance(p.plot(kind="histogram"), Figure)
     assert isinstance(ulp_vs_reference(fused["mlx"], fused["base"], fused["ad"]).plot(), Figure)
     assert "<table>" in p._repr_html_()
+
+
+def test_progress_callable_sees_every_byte(fused: dict, tmp_path: Path) -> None:
+    """parity reports progress over A's bytes: a callable gets (done, total) after each
+    piece, ending at total; progress=False calls nothing."""
+    from lorakit.io.checkpoint import Checkpoint as Ck
+
+    a, b = fused["nearest"], fused["mlx"]
+    calls = []
+    parity(a, b, progress=lambda done, total: calls.append((done, total)))
+    total = sum(Ck(a).info(n).nbytes for n in Ck(a).tensors)
+    assert calls and calls[-1] == (total, total)
+    assert all(x[0] <= y[0] for x, y in zip(calls, calls[1:]))
+    assert all(t == total for _, t in calls)
+    # tensors compared by value (dtype mismatch) are not streamed: the bar still ends full
+    calls.clear()
+    parity(a, fused["f32"], progress=lambda done, total: calls.append((done, total)))
+    assert calls and calls[-1][0] == calls[-1][1] and calls[-1][1] < total
+    calls.clear()
+    parity(a, b, progress=False)
+    assert calls == []

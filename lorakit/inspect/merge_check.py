@@ -206,8 +206,8 @@ def _verdict(s: Dict[str, float], quantized: bool) -> str:
     return f"wrong scale (x{k:.2g})"
 
 
-def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True
-                ) -> MergeCheck:
+def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
+                progress: Any = True) -> MergeCheck:
     """Check that a fused checkpoint carries its adapter's deltas, tensor by tensor.
 
     Args:
@@ -216,6 +216,8 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
         adapter: the adapter directory (or a loaded Adapter).
         check_untouched: also verify that every tensor the adapter does not change is
             bit-identical in the fused checkpoint (reads both checkpoints fully).
+        progress: a progress bar over that comparison (tqdm.auto; none when stderr is
+            not a terminal), a callable ``progress(done_bytes, total_bytes)``, or False.
 
     Returns:
         A :class:`MergeCheck` (``.ok``, ``.verdicts()``, rows with the numbers).
@@ -294,7 +296,7 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
             if sb.quant_params(module) is not None and sf.quant_params(module) is None:
                 continue  # dequantized output: packed parts are meant to change
             names.append(n)
-        for d in compare_sources(sb, sf, names=names):
+        for d in compare_sources(sb, sf, names=names, progress=progress):
             if d.status != "equal":
                 untouched_changed += 1
                 layer, kind, _, _ = split_name(d.name)

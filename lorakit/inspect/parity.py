@@ -14,7 +14,7 @@ memory stays bounded and identical bytes are skipped at ``memcmp`` speed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -61,8 +61,8 @@ class ParityReport(Report):
 
 
 def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
-           names: Optional[Sequence[str]] = None, threads: Optional[int] = None
-           ) -> ParityReport:
+           names: Optional[Sequence[str]] = None, threads: Optional[int] = None,
+           progress: Union[bool, Callable[[int, int], None]] = True) -> ParityReport:
     """Compare two checkpoints (or adapters, files, in-memory models) tensor by tensor.
 
     Args:
@@ -70,6 +70,8 @@ def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
         max_bin: top ulp histogram bin.
         names: restrict to these tensors.
         threads: pieces compared in parallel (default ``min(4, cpu_count)``).
+        progress: a progress bar (tqdm.auto; none when stderr is not a terminal), or a
+            callable ``progress(done_bytes, total_bytes)``; False for neither.
 
     Returns:
         A :class:`ParityReport`; ``.identical`` says whether A and B are bit-identical.
@@ -79,7 +81,8 @@ def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
         by equality.
     """
     sa, sb = open_source(a), open_source(b)
-    diffs = compare_sources(sa, sb, max_bin=max_bin, names=names, threads=threads)
+    diffs = compare_sources(sa, sb, max_bin=max_bin, names=names, threads=threads,
+                            progress=progress)
     labels = bin_labels(max_bin)
     overall = np.zeros(len(labels), np.int64)
     rows: List[Dict[str, Any]] = []

@@ -34,7 +34,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -463,7 +463,8 @@ def _compare_mixed(sa: TensorSource, sb: TensorSource, name_a: str, name_b: str,
 
 def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                     names: Optional[Sequence[str]] = None,
-                    chunk_bytes: int = CHUNK_BYTES, threads: Optional[int] = None
+                    chunk_bytes: int = CHUNK_BYTES, threads: Optional[int] = None,
+                    progress: Union[bool, Callable[[int, int], None]] = False
                     ) -> List[TensorDiff]:
     """Compare every tensor of two sources, streaming; one :class:`TensorDiff` each.
 
@@ -476,6 +477,9 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
         chunk_bytes: bytes read per piece and side.
         threads: pieces compared at once (numpy releases the GIL); default
             ``min(4, cpu_count)``. Memory stays about ``threads * 12 * chunk_bytes``.
+        progress: a progress bar over A's bytes (tqdm.auto: a widget in notebooks, a
+            bar in terminals, nothing when stderr is not a terminal), or a callable
+            ``progress(done_bytes, total_bytes)``.
 
     Rows come in A's order, then tensors only in B.
     """
@@ -491,15 +495,19 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     readers: List[_Reader] = []
     local = _Local(chunk, readers)
     pool = ThreadPoolExecutor(threads) if threads > 1 else None
-    pending: Deque[Tuple[_Acc, Any]] = deque()
+    pending: Deque[Tuple[_Acc, Any, int]] = deque()
     window = 4 * threads  # pieces in flight: bounds memory, keeps every thread busy
     out: List[TensorDiff] = []
     finish: List[Tuple[_Acc, TensorDiff]] = []
+    streamed = [n for n in order if n in sb.tensors and sb.tensors[n].dtype == sa.tensors[n].dtype
+                and tuple(sb.tensors[n].shape) == tuple(sa.tensors[n].shape)]
+    tick = _progress(progress, sum(sa.tensors[n].nbytes for n in streamed))
 
     def drain(limit: int) -> None:
         while len(pending) > limit:
-            acc, fut = pending.popleft()
+            acc, fut, nbytes = pending.popleft()
             acc.merge(fut.result() if pool is not None else fut)
+            tick(nbytes)
 
     prefetched: set = set()
     try:
@@ -529,6 +537,7 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                                                   sb.read(name).view(storage),
                                                   max(1, chunk // storage.itemsize)):
                         acc.add(x, y)
+                        tick(x.nbytes)
                     acc.work = None
                     continue
                 for nxt in order[i:i + 2]:  # this tensor and the next: disk runs ahead
@@ -542,10 +551,10 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                     n = min(chunk, ia.nbytes - off)
                     if pool is None:
                         pending.append((acc, _file_piece(local, ia, ib, off, n, ma.dtype,
-                                                         max_bin)))
+                                                         max_bin), n))
                     else:
                         pending.append((acc, pool.submit(_file_piece, local, ia, ib, off, n,
-                                                         ma.dtype, max_bin)))
+                                                         ma.dtype, max_bin), n))
                     drain(window)
         drain(0)
         for acc, td in finish:
@@ -558,7 +567,35 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
             pool.shutdown(wait=True, cancel_futures=True)
         for r in readers:
             r.close()
+        tick(None)
     return out
+
+
+def _progress(progress: Union[bool, Callable[[int, int], None]], total: int
+              ) -> Callable[[Optional[int]], None]:
+    """``tick(nbytes)`` after each piece, ``tick(None)`` at the end (closes the bar)."""
+    if callable(progress):
+        done = [0]
+
+        def call(n: Optional[int]) -> None:
+            if n is not None:
+                done[0] += n
+                progress(done[0], total)  # type: ignore[operator]
+        return call
+    if not progress:
+        return lambda n: None
+    from tqdm.auto import tqdm
+
+    # disable=None: no bar when stderr is not a terminal (logs, pipes, CI)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="lorakit diff", disable=None,
+               leave=False)
+
+    def update(n: Optional[int]) -> None:
+        if n is None:
+            bar.close()
+        else:
+            bar.update(n)
+    return update
 
 
 # -- ulp reports ---------------------------------------------------------------------------------
@@ -664,8 +701,8 @@ def _ulp_report(title: str, diffs: List[TensorDiff], max_bin: int,
 
 
 def ulp_compare(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
-                names: Optional[Sequence[str]] = None, threads: Optional[int] = None
-                ) -> UlpReport:
+                names: Optional[Sequence[str]] = None, threads: Optional[int] = None,
+                progress: Union[bool, Callable[[int, int], None]] = True) -> UlpReport:
     """Ulp histograms between two checkpoints (or adapters, files, in-memory models).
 
     Streams tensor by tensor in pieces of about a MB, so memory stays bounded
@@ -675,7 +712,8 @@ def ulp_compare(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     >>> # ulp_compare("fused-lorakit", "fused-mlx-lm").plot()
     """
     sa, sb = open_source(a), open_source(b)
-    diffs = compare_sources(sa, sb, max_bin=max_bin, names=names, threads=threads)
+    diffs = compare_sources(sa, sb, max_bin=max_bin, names=names, threads=threads,
+                            progress=progress)
     return _ulp_report(f"ulp distances {sa.label} vs {sb.label}", diffs, max_bin,
                        {"A": str(sa.path or sa.label), "B": str(sb.path or sb.label)})
 
