@@ -274,3 +274,19 @@ def test_old_mlx_lm_dora_config_with_use_dora(tmp_path: Path) -> None:
     r2 = lorakit.fuse(base, old, tmp_path / "f2", progress=False)
     assert raw_tensors(tmp_path / "f1") == raw_tensors(tmp_path / "f2")
     assert r1.tensors_fused == r2.tensors_fused > 0
+
+
+def test_nearest_survives_catastrophic_cancellation() -> None:
+    """W + scale * B @ A where large products cancel: the f64 sum loses everything
+    (x == 0) while the exact value is 2**-22 + 2**-46. The error bound flags the
+    element and the exact redo gives the correctly rounded bf16 value."""
+    w = nm.round_to_format(np.array([[-1.0, 0.5]]), BF16)
+    A = np.array([[2.0 ** 20, 0.0], [1 + 2.0 ** -23, 0.0], [2.0 ** 20, 0.0]], np.float32)
+    B = np.array([[2.0 ** 20, 1 + 2.0 ** -23, -2.0 ** 20]], np.float32)
+    exact = Fraction(-1) + sum(Fraction(float(B[0, k])) * Fraction(float(A[k, 0]))
+                               for k in range(3))
+    assert exact == Fraction(2) ** -22 + Fraction(2) ** -46
+    out = fuse_weight(w, "BF16", A, B, 1.0)
+    out = out[0] if isinstance(out, tuple) else out
+    want = nm.round_to_format(np.array([[float(exact), 0.5]]), BF16)
+    assert out.tolist() == want.tolist()

@@ -8,9 +8,10 @@ Rounding modes (how the f32 adapter lands in a bf16/fp16 weight):
 ``nearest`` (default)
     The exact sum, computed in float64 on the CPU, rounded once to the output
     format (ties to even). On the rare elements whose f64 value sits within
-    rounding noise of a tie, the sum is recomputed in exact rational arithmetic.
-    The result is the correctly rounded W + scale*(B@A): 0 ulp from the f64
-    reference by construction. No other tool fuses this way.
+    rounding noise of a tie, or whose terms cancel so much that a proven bound on
+    the f64 error reaches 2**-21 ulp of the result, the sum is recomputed in exact
+    rational arithmetic. The result is the correctly rounded W + scale*(B@A):
+    0 ulp from the exact value by construction. No other tool fuses this way.
 ``round-once``
     PEFT's ``merge_and_unload`` semantics: W upcast to f32, the f32 delta
     ``(B @ A) * scale`` added in f32, then one rounding to the output format.
@@ -84,11 +85,14 @@ _PIECE = 1 << 16  # elements per piece: the f64 working set stays in the L2 cach
 _U64 = np.uint64
 
 
-def _near_ties(x: np.ndarray, fmt_out) -> np.ndarray:
-    """Flat indices of f64 values within 2**-20 ulp of a rounding tie of ``fmt_out``.
+def _near_ties(x: np.ndarray, fmt_out, cancel: Optional[np.ndarray] = None) -> np.ndarray:
+    """Flat indices of f64 values that may round the wrong way in ``fmt_out``.
 
-    The f64 sum carries an error of ~2**-44 ulp of the output format, so only
-    these elements can round the wrong way; everything else is already correct.
+    Those within 2**-20 ulp of a rounding tie; and, given ``cancel`` (per element, a
+    magnitude that ``|x|`` must exceed for the f64 error to stay under 2**-21 ulp,
+    see :func:`_fuse_nearest`), those whose terms cancelled so much that the f64
+    sum lost its accuracy relative to the result. Without cancellation the f64 sum
+    is within ~2**-44 ulp, so everything else is already correct.
     """
     drop = 53 - fmt_out.precision  # f64 fraction bits below the output's last bit
     half = _U64(1 << (drop - 1))
@@ -105,14 +109,18 @@ def _near_ties(x: np.ndarray, fmt_out) -> np.ndarray:
         y = ax[idx] * 2.0 ** (fmt_out.precision - 1 - fmt_out.emin)  # exact scaling
         frac = y - np.floor(y)
         near[idx] = np.abs(frac - 0.5) < 2.0 ** -20
+    if cancel is not None:  # the f64 error may be a sizeable part of an ulp
+        near |= cancel.reshape(-1) > ax
     return np.flatnonzero(near)
 
 
 def _exact_fix(x64: np.ndarray, w_rows: np.ndarray, fmt_in, Bs: np.ndarray, A: np.ndarray,
-               scale: float, out_bits: np.ndarray, fmt_out) -> None:
+               scale: float, out_bits: np.ndarray, fmt_out,
+               cancel: Optional[np.ndarray] = None) -> None:
     """Redo, in exact rationals, the elements whose f64 sum lies within rounding noise
-    of a tie of the output format (in place). Rare: a handful per million, often none."""
-    idx = _near_ties(x64, fmt_out)
+    of a tie of the output format, or whose terms cancel (in place). Rare: a handful
+    per million, often none."""
+    idx = _near_ties(x64, fmt_out, cancel)
     if idx.size == 0:
         return
     cols = x64.shape[1]
@@ -142,6 +150,19 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
     # pass is cheap next to the per-piece overhead
     step = max(1, (_PIECE * (16 if magnitude is not None else 1)) // max(cols, 1))
     buf = np.empty((min(step, rows), cols), np.float64)
+    cbuf = np.empty_like(buf) if magnitude is None else None
+    # Cancellation. The f64 result x of W + sum_k Bs[i,k] A[k,j] (any summation order,
+    # FMA or not, Bs itself rounded) is within e = g (|W| + S) of the exact value
+    # (Higham: g = gamma_n = n u / (1 - n u), n = rank + 3, u = 2**-53), where
+    # S = sum_k |Bs[i,k]| |A[k,j]| <= (row L1 norm of Bs) * (column max of |A|).
+    # As |W| <= |x| + (1 + g) S, e stays below 2**-21 ulp (K = 2**(21 + precision),
+    # ulp >= |x| / 2**precision) wherever S * (2 + g) g K / (1 - g K) < |x|; the
+    # other elements are redone exactly (_exact_fix).
+    n = A.shape[0] + 3
+    g = n * 2.0 ** -53 / (1 - n * 2.0 ** -53)
+    k = 2.0 ** (21 + fmt_out.precision)
+    row_c = np.abs(Bs).sum(axis=1) * ((2 + g) * g * k / (1 - g * k))
+    col_max = np.abs(A64).max(axis=0) if A64.size else np.zeros(cols)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         x = buf[: r1 - r0]
@@ -152,7 +173,10 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
             x *= (magnitude[r0:r1].astype(np.float64) / norm)[:, None]
         nm.round_to_format(x, fmt_out, out=out[r0:r1])
         if magnitude is None:
-            _exact_fix(x, w[r0:r1], fmt_in, B64[r0:r1], A64, scale, out[r0:r1], fmt_out)
+            cancel = cbuf[: r1 - r0]
+            np.multiply(row_c[r0:r1, None], col_max[None, :], out=cancel)
+            _exact_fix(x, w[r0:r1], fmt_in, B64[r0:r1], A64, scale, out[r0:r1], fmt_out,
+                       cancel)
     return out
 
 
