@@ -290,3 +290,42 @@ def test_nearest_survives_catastrophic_cancellation() -> None:
     out = out[0] if isinstance(out, tuple) else out
     want = nm.round_to_format(np.array([[float(exact), 0.5]]), BF16)
     assert out.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("fmt", ["BF16", "F16", "F32"])
+def test_nearest_cancellation_to_a_tiny_value(fmt: str) -> None:
+    """Products of 2**40 cancel to leave 2**-60 (plus the weight, which cancels too):
+    the f64 sum says 0, the correctly rounded result is the format's nearest value to
+    2**-60 (0 for bf16/f16 would be wrong too: bf16 reaches 2**-133)."""
+    f = nm.float_format(fmt)
+    w = nm.round_to_format(np.array([[0.0]]), f)
+    A = np.array([[2.0 ** 20], [2.0 ** -30], [2.0 ** 20]], np.float32)
+    B = np.array([[2.0 ** 20, 2.0 ** -30, -2.0 ** 20]], np.float32)
+    exact = sum(Fraction(float(B[0, k])) * Fraction(float(A[k, 0])) for k in range(3))
+    assert exact == Fraction(2) ** -60
+    out = fuse_weight(w, fmt, A, B, 1.0)
+    out = out[0] if isinstance(out, tuple) else out
+    want = nm.round_to_format(np.array([[2.0 ** -60]]), f)
+    assert np.asarray(out).view(f.storage).tolist() == want.tolist()
+
+
+def test_tie_distance_is_a_lower_bound() -> None:
+    """_tie_distance never exceeds the true distance to the nearest tie (checked
+    against exact rationals on random values, powers of two and zero)."""
+    from lorakit.fusion.core import _tie_distance
+
+    rng = np.random.default_rng(3)
+    for fmt in ("BF16", "F16", "F32"):
+        f = nm.float_format(fmt)
+        xs = np.concatenate([np.abs(rng.normal(0, 1, 300)) * 2.0 ** rng.integers(-140, 10, 300),
+                             2.0 ** np.arange(-20, 5, dtype=np.float64), [0.0]])
+        d = _tie_distance(xs, f)
+        for x, dx in zip(xs.tolist(), d.tolist()):
+            # the representable neighbours of x and the ties between them
+            lo = float(nm.to_float64(nm.round_to_format(np.array([x]), f), f)[0])
+            nb = [float(v) for v in nm.to_float64(np.array(
+                [max(int(nm.round_to_format(np.array([x]), f)[0]) + k, 0) for k in (-2, -1, 0, 1, 2)],
+                dtype=f.storage), f)]
+            ties = [(Fraction(a) + Fraction(b)) / 2 for a, b in zip(nb, nb[1:]) if a != b]
+            true = min(abs(Fraction(x) - t) for t in ties)
+            assert Fraction(dx) <= true, (fmt, x, dx, float(true), lo)

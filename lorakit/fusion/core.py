@@ -85,14 +85,16 @@ _PIECE = 1 << 16  # elements per piece: the f64 working set stays in the L2 cach
 _U64 = np.uint64
 
 
-def _near_ties(x: np.ndarray, fmt_out, cancel: Optional[np.ndarray] = None) -> np.ndarray:
+def _near_ties(x: np.ndarray, fmt_out, cancel: Optional[np.ndarray] = None,
+               error: Optional[Any] = None) -> np.ndarray:
     """Flat indices of f64 values that may round the wrong way in ``fmt_out``.
 
-    Those within 2**-20 ulp of a rounding tie; and, given ``cancel`` (per element, a
+    Those within 2**-20 ulp of a rounding tie. And, given ``cancel`` (per element, a
     magnitude that ``|x|`` must exceed for the f64 error to stay under 2**-21 ulp,
-    see :func:`_fuse_nearest`), those whose terms cancelled so much that the f64
-    sum lost its accuracy relative to the result. Without cancellation the f64 sum
-    is within ~2**-44 ulp, so everything else is already correct.
+    see :func:`_fuse_nearest`): among the elements below it (their terms cancelled),
+    those whose distance to the nearest tie is within their own error bound
+    (``error(flat indices)``). Without cancellation the f64 sum is within ~2**-44
+    ulp, so everything else is already correct.
     """
     drop = 53 - fmt_out.precision  # f64 fraction bits below the output's last bit
     half = _U64(1 << (drop - 1))
@@ -109,18 +111,36 @@ def _near_ties(x: np.ndarray, fmt_out, cancel: Optional[np.ndarray] = None) -> n
         y = ax[idx] * 2.0 ** (fmt_out.precision - 1 - fmt_out.emin)  # exact scaling
         frac = y - np.floor(y)
         near[idx] = np.abs(frac - 0.5) < 2.0 ** -20
-    if cancel is not None:  # the f64 error may be a sizeable part of an ulp
-        near |= cancel.reshape(-1) > ax
+    if cancel is not None:  # the f64 error may be a sizeable part of an ulp here
+        cand = np.flatnonzero(cancel.reshape(-1) > ax)
+        if cand.size:
+            if error is None:
+                near[cand] = True
+            else:
+                near[cand[_tie_distance(ax[cand], fmt_out) <= error(cand)]] = True
     return np.flatnonzero(near)
+
+
+def _tie_distance(ax: np.ndarray, fmt_out) -> np.ndarray:
+    """A lower bound of the distance from each |x| (f64) to the nearest rounding tie
+    of ``fmt_out``: min(|r - ulp/2|, r + ulp/4) with r = |x| mod ulp (the second term
+    covers the tie just below the binade, whose spacing is half as large). r is exact
+    (scaling by powers of two, floor, one subtraction); the last subtraction may
+    round, so the result is shrunk by 2**-50 to stay a lower bound."""
+    _, e = np.frexp(ax)  # ax = m * 2**e, 0.5 <= m < 1 (and e = 0 for 0: use the
+    e[ax == 0] = fmt_out.emin + 1  # subnormal spacing there, the finest of the format)
+    ulp = np.ldexp(1.0, np.maximum(e - 1, fmt_out.emin) - (fmt_out.precision - 1))
+    r = ax - np.floor(ax / ulp) * ulp
+    return np.minimum(np.abs(r - 0.5 * ulp), r + 0.25 * ulp) * (1 - 2.0 ** -50)
 
 
 def _exact_fix(x64: np.ndarray, w_rows: np.ndarray, fmt_in, Bs: np.ndarray, A: np.ndarray,
                scale: float, out_bits: np.ndarray, fmt_out,
-               cancel: Optional[np.ndarray] = None) -> None:
+               cancel: Optional[np.ndarray] = None, error: Optional[Any] = None) -> None:
     """Redo, in exact rationals, the elements whose f64 sum lies within rounding noise
     of a tie of the output format, or whose terms cancel (in place). Rare: a handful
     per million, often none."""
-    idx = _near_ties(x64, fmt_out, cancel)
+    idx = _near_ties(x64, fmt_out, cancel, error)
     if idx.size == 0:
         return
     cols = x64.shape[1]
@@ -175,8 +195,17 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
         if magnitude is None:
             cancel = cbuf[: r1 - r0]
             np.multiply(row_c[r0:r1, None], col_max[None, :], out=cancel)
+
+            def error(flat: np.ndarray, r0: int = r0, r1: int = r1) -> np.ndarray:
+                """The f64 error bound g (|W| + sum_k |Bs[i,k] A[k,j]|) of these
+                elements, doubled (its own f64 evaluation rounds too)."""
+                i, j = np.divmod(flat, cols)
+                s = np.einsum("mk,km->m", np.abs(Bs[r0:r1][i]), np.abs(A64[:, j]))
+                wa = np.abs(nm.to_float64(w[r0:r1][i, j], fmt_in))
+                return 2 * g * (wa + s)
+
             _exact_fix(x, w[r0:r1], fmt_in, B64[r0:r1], A64, scale, out[r0:r1], fmt_out,
-                       cancel)
+                       cancel, error)
     return out
 
 
