@@ -313,13 +313,18 @@ def test_fuzz_adapter_config(workdir: Path, kind: str, cfg, raw) -> None:
     if ad is not None:
         for t in ad.targets:
             assert np.isfinite(t.scale) and t.A.shape[-2] == t.B.shape[-1]
-        ckdir = workdir / "bind-ckpt"
-        if not ckdir.exists():
-            ckdir.mkdir()
-            write_checkpoint(ckdir)
-            (ckdir / "model.safetensors.index.json").write_text(
-                json.dumps({"weight_map": valid_weight_map()}))
-        only_lorakit_errors(bind, ad, Checkpoint(ckdir))
+        bind_to_checkpoint(ad, workdir / "bind-ckpt")
+
+
+def bind_to_checkpoint(ad, ckdir: Path) -> None:
+    """Bind a loaded adapter to a small valid checkpoint (written once per folder):
+    any failure must be a LorakitError."""
+    if not ckdir.exists():
+        ckdir.mkdir()
+        write_checkpoint(ckdir)
+        (ckdir / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": valid_weight_map()}))
+    only_lorakit_errors(bind, ad, Checkpoint(ckdir))
 
 
 # -- 4. adapter tensors (names and shapes) ------------------------------------------------------------
@@ -361,13 +366,7 @@ def test_fuzz_adapter_tensors(workdir: Path, kind: str, tensors, dora: bool) -> 
     (d / "adapter_config.json").write_text(json.dumps(cfg))
     ad = only_lorakit_errors(load_adapter, d)
     if ad is not None:
-        ckdir = workdir / "bind-ckpt2"
-        if not ckdir.exists():
-            ckdir.mkdir()
-            write_checkpoint(ckdir)
-            (ckdir / "model.safetensors.index.json").write_text(
-                json.dumps({"weight_map": valid_weight_map()}))
-        only_lorakit_errors(bind, ad, Checkpoint(ckdir))
+        bind_to_checkpoint(ad, workdir / "bind-ckpt2")
 
 
 # -- atheris (coverage-guided), optional -----------------------------------------------------------

@@ -229,15 +229,11 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
     by_tensor = bindings_by_tensor(bind(ad, sb))  # type: ignore[arg-type]
     rows: List[Dict[str, Any]] = []
     for tensor, binds in by_tensor.items():
-        layer, kind, _, _ = split_name(tensor)
         module = tensor[: -len(".weight")]
         qb = sb.quant_params(module)
         base_code = sb.tensors[tensor].dtype if qb is None else \
             sb.tensors[f"{module}.scales"].dtype
-        row: Dict[str, Any] = {"tensor": tensor, "layer": layer, "kind": kind,
-                               "dtype": base_code, "survived": None, "expected": None,
-                               "scale_est": None, "corr": None, "changed": None,
-                               "ref_dev": None, "delta_ulps": None, "verdict": ""}
+        row = _row(tensor, base_code, "")
         meta = sf.tensors.get(tensor)
         if meta is None:
             row["verdict"] = "missing"
@@ -299,15 +295,12 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
         for d in compare_sources(sb, sf, names=names, progress=progress):
             if d.status != "equal":
                 untouched_changed += 1
-                layer, kind, _, _ = split_name(d.name)
-                rows.append({"tensor": d.name, "layer": layer, "kind": kind,
-                             "dtype": d.dtype_a if d.dtype_a == d.dtype_b
-                             else f"{d.dtype_a}->{d.dtype_b}", "survived": None,
-                             "expected": None, "scale_est": None, "corr": None,
-                             "changed": d.differing / max(1, d.elements) if d.elements else None,
-                             "ref_dev": None, "delta_ulps": None,
-                             "verdict": "missing" if d.status == "only in A" else
-                             "changed without adapter"})
+                rows.append(_row(d.name, d.dtype_a if d.dtype_a == d.dtype_b
+                                 else f"{d.dtype_a}->{d.dtype_b}",
+                                 "missing" if d.status == "only in A" else
+                                 "changed without adapter",
+                                 changed=d.differing / max(1, d.elements) if d.elements
+                                 else None))
     flagged = [i for i, r in enumerate(rows)
                if r["verdict"] not in VERDICTS_OK or "->" in str(r["dtype"])]
     counts: Dict[str, int] = {}
@@ -334,12 +327,8 @@ def _replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) ->
     the fused tensor's dtype (verdict ``replaced``), bit for bit."""
     from ..fusion.core import cast_raw
 
-    layer, kind, _, _ = split_name(tensor)
     base_code = sb.tensors[tensor].dtype
-    row: Dict[str, Any] = {"tensor": tensor, "layer": layer, "kind": kind, "dtype": base_code,
-                           "survived": None, "expected": None, "scale_est": None,
-                           "corr": None, "changed": None, "ref_dev": None,
-                           "delta_ulps": None, "verdict": "replaced"}
+    row = _row(tensor, base_code, "replaced")
     meta = sf.tensors.get(tensor)
     module = tensor.rsplit(".", 1)[0]
     if meta is None:
@@ -358,4 +347,15 @@ def _replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) ->
         if base.dtype.itemsize == got.dtype.itemsize else None
     if not np.array_equal(got, want):
         row["verdict"] = "replacement differs"
+    return row
+
+
+def _row(tensor: str, dtype: str, verdict: str, **values: Any) -> Dict[str, Any]:
+    """A table row with every column, the numbers None unless given."""
+    layer, kind, _, _ = split_name(tensor)
+    row: Dict[str, Any] = {"tensor": tensor, "layer": layer, "kind": kind, "dtype": dtype,
+                           "survived": None, "expected": None, "scale_est": None,
+                           "corr": None, "changed": None, "ref_dev": None,
+                           "delta_ulps": None, "verdict": verdict}
+    row.update(values)
     return row

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from ..errors import AdapterError
+from ..numerics import to_float64
 from .checkpoint import _load_json, safe_member
 from .safetensors import read_header, read_raw
 
@@ -444,7 +445,7 @@ def _load_peft(path: Path, cfg: Dict[str, Any]) -> Adapter:
                 errors.append(f"  {name}: a modules_to_save tensor must be float "
                               f"(expected F16/BF16/F32, found {dt})")
                 continue
-            if not np.isfinite(_as_f64(raw, dt)).all():
+            if not np.isfinite(to_float64(raw, dt)).all():
                 errors.append(f"  {name}: modules_to_save tensor holds NaN or Inf "
                               f"(expected finite values, found non-finite)")
                 continue
@@ -521,12 +522,6 @@ def _load_peft(path: Path, cfg: Dict[str, Any]) -> Adapter:
         base_w = (g["W"][1], g["W"][2]) if "W" in g else None
         targets.append(LoraTarget(module, kind, np.ascontiguousarray(A), np.ascontiguousarray(B),
                                   scale, mag, names, base_w))
-    if errors:
-        raise AdapterError(f"{len(errors)} problem(s) in the adapter's tensors:\n"
-                           + "\n".join(errors), file=file,
-                           expected="base_model.model.<module>.lora_A.weight (r, in) and "
-                           ".lora_B.weight (out, r) per module",
-                           found=f"{len(errors)} problem(s), listed above")
     both = sorted({r.module for r in replacements} & {t.module for t in targets})
     if both:
         errors.append(f"  {', '.join(both)}: both LoRA factors and a modules_to_save copy "
@@ -534,7 +529,8 @@ def _load_peft(path: Path, cfg: Dict[str, Any]) -> Adapter:
     if errors:
         raise AdapterError(f"{len(errors)} problem(s) in the adapter's tensors:\n"
                            + "\n".join(errors), file=file,
-                           expected="LoRA factors and modules_to_save copies, each once",
+                           expected="base_model.model.<module>.lora_A.weight (r, in) and "
+                           ".lora_B.weight (out, r) per module",
                            found=f"{len(errors)} problem(s), listed above")
     if not targets and not replacements:
         raise AdapterError("adapter holds no LoRA tensors", file=file,
@@ -559,9 +555,3 @@ def _saved_module(key: str, saved: List[str]) -> Optional[Tuple[str, str]]:
     if any(module.endswith(m) for m in saved):
         return module, leaf
     return None
-
-
-def _as_f64(raw: np.ndarray, code: str) -> np.ndarray:
-    from ..numerics import to_float64
-
-    return to_float64(raw, code)

@@ -74,11 +74,22 @@ def logical_shape(ck: Checkpoint, module: str) -> Tuple[int, ...]:
     return tuple(info.shape[:-1]) + (info.shape[-1] * 32 // q.bits,)
 
 
-def _find(ck: Checkpoint, module: str) -> Optional[str]:
+def _find(ck: Checkpoint, module: str, leaf: str = "weight") -> Optional[str]:
+    """The checkpoint's spelling of ``module`` (prefixes added or removed) that holds
+    ``module.leaf``, or None."""
     for v in _variants(module):
-        if f"{v}.weight" in ck.tensors:
+        if f"{v}.{leaf}" in ck.tensors:
             return v
     return None
+
+
+def _unfit(adapter: Adapter, headline: str, errors: List[str], expected: str,
+           parts: str) -> AdapterError:
+    """One error listing every part of ``adapter`` (``parts``) that does not fit."""
+    return AdapterError(headline + ":\n" + "\n".join(errors), file=adapter.weights_file,
+                        expected=expected,
+                        found=f"{len(errors)} {parts} that do not fit, listed above",
+                        hint="check that the adapter was trained on this base model")
 
 
 def _per_expert_modules(ck: Checkpoint, module: str) -> Optional[List[str]]:
@@ -176,12 +187,9 @@ def bind(adapter: Adapter, ck: Checkpoint) -> List[Binding]:
         errors.append(f"  {'/'.join(t.names) or t.module}: no tensor "
                       f"{t.module}.weight in the checkpoint{hint}")
     if errors:
-        raise AdapterError(
-            f"adapter does not fit the checkpoint: {len(errors)} of {len(adapter.targets)} "
-            f"targets unmatched or mismatched:\n" + "\n".join(errors),
-            file=adapter.weights_file, expected=f"targets of a {ck.model_type} model at {ck.path}",
-            found=f"{len(errors)} target(s) that do not fit, listed above",
-            hint="check that the adapter was trained on this base model")
+        raise _unfit(adapter, f"adapter does not fit the checkpoint: {len(errors)} of "
+                     f"{len(adapter.targets)} targets unmatched or mismatched", errors,
+                     f"targets of a {ck.model_type} model at {ck.path}", "target(s)")
     return out
 
 
@@ -203,7 +211,7 @@ def bind_replacements(adapter: Adapter, ck: Checkpoint, dequantize: bool = False
     errors: List[str] = []
     tied = bool(ck.config.get("tie_word_embeddings", False))
     for r in adapter.replacements:
-        mod = next((v for v in _variants(r.module) if f"{v}.{r.leaf}" in ck.tensors), None)
+        mod = _find(ck, r.module, r.leaf)
         if mod is None:
             hint = (" (the head is tied to the embedding in this model)"
                     if r.module.endswith("lm_head") and tied else "")
@@ -223,10 +231,7 @@ def bind_replacements(adapter: Adapter, ck: Checkpoint, dequantize: bool = False
             continue
         out[tensor] = r
     if errors:
-        raise AdapterError(
-            f"modules_to_save copies do not fit the checkpoint: {len(errors)} of "
-            f"{len(adapter.replacements)}:\n" + "\n".join(errors),
-            file=adapter.weights_file, expected=f"copies of tensors of the model at {ck.path}",
-            found=f"{len(errors)} copy(ies) that do not fit, listed above",
-            hint="check that the adapter was trained on this base model")
+        raise _unfit(adapter, f"modules_to_save copies do not fit the checkpoint: "
+                     f"{len(errors)} of {len(adapter.replacements)}", errors,
+                     f"copies of tensors of the model at {ck.path}", "copy(ies)")
     return out

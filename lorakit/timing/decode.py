@@ -113,22 +113,17 @@ class VariantTiming:
         join these, peaks are the larger, an error in either is kept."""
         if other.variant != self.variant:
             raise ValueError(f"cannot pool {other.variant!r} into {self.variant!r}")
-        if other.error is not None or self.error is not None:
-            self.error = self.error or other.error
-        if not other.decode_tps:
-            return self
-        if not self.decode_tps:  # this one never ran: take the other's description
-            pooled = VariantTiming(**{k: getattr(other, k) for k in other.__dataclass_fields__})
-            pooled.error, pooled.prepare_s = self.error, self.prepare_s + other.prepare_s
-            self.__dict__.update(pooled.__dict__)
-            return self
-        self.prefill_tps = self.prefill_tps + other.prefill_tps
-        self.decode_tps = self.decode_tps + other.decode_tps
-        self.ttft_s = self.ttft_s + other.ttft_s
-        for k in ("peak_bytes", "mlx_peak_bytes", "rss_peak_bytes"):
-            setattr(self, k, max(getattr(self, k), getattr(other, k)))
-        self.tokens = other.tokens or self.tokens
-        self.prepare_s += other.prepare_s
+        error, prepare_s = self.error or other.error, self.prepare_s + other.prepare_s
+        if other.decode_tps and not self.decode_tps:  # this one never ran: take the other
+            self.__dict__.update(other.__dict__)
+        elif other.decode_tps:
+            self.prefill_tps = self.prefill_tps + other.prefill_tps
+            self.decode_tps = self.decode_tps + other.decode_tps
+            self.ttft_s = self.ttft_s + other.ttft_s
+            for k in ("peak_bytes", "mlx_peak_bytes", "rss_peak_bytes"):
+                setattr(self, k, max(getattr(self, k), getattr(other, k)))
+            self.tokens = other.tokens or self.tokens
+        self.error, self.prepare_s = error, prepare_s
         return self
 
     def to_dict(self) -> Dict[str, Any]:
@@ -590,8 +585,6 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
                 result.add(v)
                 if on_result is not None:
                     on_result(v)
-        result.variants.sort(key=lambda v: names.index(v.variant))
-        result.refresh()
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if bar is not None:
