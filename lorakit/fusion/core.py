@@ -36,21 +36,19 @@ fuse that forgets the cast writes: float32), or an explicit ``bfloat16`` /
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
 from .. import numerics as nm
 from ..errors import FuseError
+from ..io.dtypes import code_of, mx_dtype
+from ..io.naming import Binding
 from ..io.safetensors import NUMPY_STORAGE
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..io.naming import Binding
+from .delta import tensor_pieces
 
 ROUNDINGS = ("nearest", "round-once", "mlx-lm", "scale-after")
 DTYPE_POLICIES = ("preserve", "promote", "bfloat16", "float16", "float32")
-_POLICY_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32",
-                 "bf16": "BF16", "fp16": "F16", "f32": "F32"}
 
 
 def check_rounding(rounding: str) -> str:
@@ -69,15 +67,10 @@ def output_code(base_code: str, dtype_policy: str) -> str:
         return base_code
     if dtype_policy == "promote":
         return "F64" if base_code == "F64" else "F32"
-    if dtype_policy in _POLICY_CODES:
-        return _POLICY_CODES[dtype_policy]
+    code = code_of(dtype_policy)
+    if code in ("BF16", "F16", "F32"):
+        return code
     raise ValueError(f"dtype must be one of {', '.join(DTYPE_POLICIES)}; got {dtype_policy!r}")
-
-
-def _mx_dtype(code: str):
-    import mlx.core as mx
-
-    return {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}[code]
 
 
 # -- nearest ------------------------------------------------------------------------------
@@ -296,7 +289,7 @@ def _fuse_mlx(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale: 
                          None if magnitude is None else mx.array(magnitude),
                          rounding=rounding, promote=promote)
     if not promote or out.dtype != mx.float32:
-        out = out.astype(_mx_dtype(code_out))
+        out = out.astype(mx_dtype(code_out))
     raw, _ = mx_to_raw(out)
     return raw
 
@@ -421,44 +414,29 @@ def _check_result(out: np.ndarray, code_out: str, w: np.ndarray, code_in: str, n
 
 
 # -- fusing one tensor ---------------------------------------------------------------------
-def _target_parts(b: "Binding") -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-    t = b.target
-    if b.target_expert is not None:
-        e = b.target_expert
-        return t.A[e], t.B[e], None if t.magnitude is None else t.magnitude[e]
-    return t.A, t.B, t.magnitude
-
-
-def fuse_bindings(raw: np.ndarray, code: str, binds: "List[Binding]", rounding: str,
-                dtype_policy: str, name: str) -> Tuple[np.ndarray, str]:
-    """Fuse every binding landing on one float weight (several for stacked experts)."""
+def fuse_bindings(raw: np.ndarray, code: str, binds: List[Binding], rounding: str,
+                  dtype_policy: str, name: str) -> Tuple[np.ndarray, str]:
+    """Fuse every binding landing on one float weight (several for stacked experts):
+    each piece of the intended change (:func:`lorakit.fusion.delta.tensor_pieces`) on
+    its slice, the other slices converted as the dtype policy says."""
+    pieces = tensor_pieces(binds)
     if raw.ndim == 3:
         out_code = output_code(code, dtype_policy)
+        by_slot = {p.slot: p for p in pieces}
         parts = []
-        by_expert = {b.weight_expert: b for b in binds}
-        whole = [b for b in binds if b.weight_expert is None]
         for e in range(raw.shape[0]):
-            if whole:  # a stacked target on a stacked weight
-                t = whole[0].target
-                A, B, m = t.A[e], t.B[e], None if t.magnitude is None else t.magnitude[e]
-                part, _ = fuse_weight(raw[e], code, A, B, t.scale, magnitude=m,
-                                      rounding=rounding, dtype_policy=dtype_policy,
-                                      name=f"{name}[{e}]")
-            elif e in by_expert:
-                b = by_expert[e]
-                A, B, m = _target_parts(b)
-                part, _ = fuse_weight(raw[e], code, A, B, b.target.scale, magnitude=m,
-                                      rounding=rounding, dtype_policy=dtype_policy,
-                                      name=f"{name}[{e}]")
-            else:
-                part = cast_raw(raw[e], code, out_code)
+            p = by_slot.get(e)
+            if p is None:
+                parts.append(cast_raw(raw[e], code, out_code))
+                continue
+            part, _ = fuse_weight(raw[e], code, p.A, p.B, p.scale, magnitude=p.magnitude,
+                                  rounding=rounding, dtype_policy=dtype_policy,
+                                  name=f"{name}[{e}]")
             parts.append(part)
         return np.stack(parts), out_code
-    (b,) = binds
-    A, B, m = _target_parts(b)
-    return fuse_weight(raw, code, A, B, b.target.scale, magnitude=m, rounding=rounding,
-                       dtype_policy=dtype_policy, name=name, kind=b.target.kind)
-
+    (p,) = pieces
+    return fuse_weight(raw, code, p.A, p.B, p.scale, magnitude=p.magnitude, rounding=rounding,
+                       dtype_policy=dtype_policy, name=name, kind=p.kind)
 
 
 def cast_raw(raw: np.ndarray, code_in: str, code_out: str) -> np.ndarray:

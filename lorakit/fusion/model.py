@@ -13,9 +13,8 @@ group size and mode (or left in float with ``dequantize=True``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, List, Tuple, Union
 
 import numpy as np
 
@@ -23,48 +22,10 @@ from ..io.adapter import Adapter, LoraTarget, load_adapter
 from ..io.checkpoint import QuantParams
 from ..io.naming import bind, bind_replacements, bindings_by_tensor
 from ..io.safetensors import mx_to_raw, raw_to_mx
+from ..io.source import ModelSource
 from .core import cast_raw, check_rounding, fuse_bindings, output_code
 
 PathLike = Union[str, Path]
-
-
-@dataclass(frozen=True)
-class _ParamInfo:
-    name: str
-    shape: Tuple[int, ...]
-    dtype: str
-
-
-class _ModelParams:
-    """The parts of :class:`~lorakit.io.checkpoint.Checkpoint` that binding needs,
-    read from a model's parameters instead of a directory."""
-
-    def __init__(self, model: Any, config: Optional[Dict[str, Any]] = None) -> None:
-        import mlx.nn as nn
-        from mlx.utils import tree_flatten
-
-        self.model = model
-        self.path = Path("<in-memory model>")
-        args = getattr(model, "args", None)
-        self.config = dict(config or (vars(args) if args is not None else {}))
-        self.params = dict(tree_flatten(model.parameters()))
-        from ..io.safetensors import MX_CODES
-
-        self.tensors = {k: _ParamInfo(k, tuple(v.shape), MX_CODES[v.dtype])
-                        for k, v in self.params.items()}
-        self.modules = dict(model.named_modules())
-        self._quant = {}
-        for name, m in self.modules.items():
-            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or \
-                    type(m).__name__ == "QuantizedSwitchLinear":
-                self._quant[name] = QuantParams(m.group_size, m.bits, getattr(m, "mode", "affine"))
-
-    @property
-    def model_type(self) -> str:
-        return str(self.config.get("model_type", "unknown"))
-
-    def quant_params(self, module: str) -> Optional[QuantParams]:
-        return self._quant.get(module)
 
 
 def _lora_targets(model: Any) -> Tuple[List[LoraTarget], List[Tuple[str, Any]]]:
@@ -124,15 +85,15 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None, *,
         ad = Adapter(Path("<in-memory adapter>"), "mlx-lm", targets, {}, Path(""))
     else:
         ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
-    src = _ModelParams(model)
-    binds = bindings_by_tensor(bind(ad, src))  # type: ignore[arg-type]
+    src = ModelSource(model)
+    binds = bindings_by_tensor(bind(ad, src))
     updates: List[Tuple[str, Any]] = []
     new_modules: List[Tuple[str, Any]] = []
     for tensor, bs in binds.items():
         module = tensor.rsplit(".", 1)[0]
         q = src.quant_params(module)
         if q is None:
-            raw, code = mx_to_raw(src.params[tensor])
+            raw, code = mx_to_raw(src.arrays[tensor])
             fused, fcode = fuse_bindings(raw, code, bs, rounding, dtype, tensor)
             updates.append((tensor, raw_to_mx(fused, fcode)))
             continue
@@ -148,7 +109,7 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None, *,
             plain_mod = _requantize(plain_mod, q)
         new_modules.append((module, plain_mod))
     for tensor, r in bind_replacements(ad, src).items():  # PEFT modules_to_save copies
-        code = mx_to_raw(src.params[tensor])[1]
+        code = mx_to_raw(src.arrays[tensor])[1]
         out = output_code(code, dtype) if code in ("BF16", "F16", "F32") else r.code
         updates.append((tensor, raw_to_mx(cast_raw(r.raw, r.code, out), out)))
     if updates:
@@ -203,8 +164,8 @@ def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
     from ..errors import AdapterError
 
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
-    src = _ModelParams(model)
-    binds = bind(ad, src)  # type: ignore[arg-type]
+    src = ModelSource(model)
+    binds = bind(ad, src)
     modules = dict(model.named_modules())
     layers: List[Tuple[str, Any]] = []
     weights: List[Tuple[str, Any]] = []
@@ -240,7 +201,7 @@ def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
             layer.m = mx.array(t.magnitude.reshape(-1))
         layers.append((b.module, layer))
     for tensor, r in bind_replacements(ad, src).items():
-        dt = src.params[tensor].dtype
+        dt = src.arrays[tensor].dtype
         weights.append((tensor, raw_to_mx(r.raw, r.code).astype(dt)))
     if weights:  # into the modules the LoRA layers wrap, under the model's own names
         model.load_weights(weights, strict=False)

@@ -8,20 +8,30 @@ delta the new codes still carry: at 4 bits a small adapter can vanish entirely.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .. import numerics as nm
 from ..errors import FuseError
 from ..io.checkpoint import Checkpoint, QuantParams
+from ..io.dtypes import mx_dtype, storage_code
+from ..io.naming import Binding
 from ..io.safetensors import mx_to_raw, raw_to_mx
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..io.naming import Binding
-    from .stream import RequantStat
+from .core import fuse_bindings
+from .delta import intended, lowrank, tensor_pieces
 
 SUPPORTED_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
+
+
+@dataclass
+class RequantStat:
+    """How much of one delta survived re-quantization."""
+
+    tensor: str
+    survived: float  # projection of the realised change on the intended delta, 1.0 = all
+    codes_changed: float  # fraction of quantized codes that changed
 
 
 def _mx_parts(ck: Checkpoint, module: str):
@@ -51,9 +61,7 @@ def dequantize_raw(ck: Checkpoint, module: str, out_code: Optional[str]) -> np.n
         raise FuseError(f"cannot dequantize: {e}", file=ck.path, tensor=f"{module}.weight",
                         expected=f"{q.bits}-bit {q.mode}, group size {q.group_size}") from None
     if out_code is not None:
-        from .core import _mx_dtype
-
-        x = x.astype(_mx_dtype(out_code))
+        x = x.astype(mx_dtype(out_code))
     return mx_to_raw(x)[0]
 
 
@@ -68,35 +76,32 @@ def quantize_raw(raw: np.ndarray, code: str, q: QuantParams) -> Dict[str, np.nda
 
 
 def requant_survival(base_raw: np.ndarray, code: str, parts: Dict[str, np.ndarray],
-                     fused_code: str, q: QuantParams, binds: "List[Binding]",
-                     name: str, base_codes: Optional[np.ndarray] = None) -> "RequantStat":
+                     fused_code: str, q: QuantParams, binds: List[Binding],
+                     name: str, base_codes: Optional[np.ndarray] = None) -> RequantStat:
     """Fraction of the intended delta that survives re-quantization.
 
     ``survived = <W_q' - W_q, delta> / <delta, delta>``: the projection of the change
-    the re-quantized weight really makes onto the change the adapter asked for.
+    the re-quantized weight really makes onto the change the adapter asked for
+    (:func:`lorakit.fusion.delta.intended` minus the base: DoRA's rescaling included).
     1.0 means all of it, 0.0 means the fused model is the base.
     """
-    import mlx.core as mx
-
-    from .stream import RequantStat
+    import mlx.core as mx  # lazy: mlx is heavy and optional at import
 
     w = mx.array(parts["weight"])
-    s = raw_to_mx(parts["scales"], _code(parts["scales"], fused_code))
-    b = raw_to_mx(parts["biases"], _code(parts["biases"], fused_code)) if "biases" in parts else None
+    s = raw_to_mx(parts["scales"], storage_code(parts["scales"], fused_code))
+    b = (raw_to_mx(parts["biases"], storage_code(parts["biases"], fused_code))
+         if "biases" in parts else None)
     new = np.array(mx.dequantize(w, s, b, group_size=q.group_size, bits=q.bits, mode=q.mode)
                    .astype(mx.float32))
     old = nm.to_float32(base_raw, nm.float_format(code))
     delta = np.zeros_like(old, dtype=np.float64)
-    for bnd in binds:
-        t = bnd.target
-        if bnd.target_expert is not None:
-            d = t.scale * (t.B[bnd.target_expert].astype(np.float64) @ t.A[bnd.target_expert])
+    for p in tensor_pieces(binds):
+        sl = delta if p.slot is None else delta[p.slot]
+        if p.magnitude is None:
+            sl += lowrank(p)
         else:
-            d = t.scale * (t.B.astype(np.float64) @ t.A.astype(np.float64))
-        if bnd.weight_expert is not None:
-            delta[bnd.weight_expert] += d
-        else:
-            delta += d.reshape(delta.shape)
+            W = (old if p.slot is None else old[p.slot]).astype(np.float64)
+            sl += intended(W, p) - W
     real = new.astype(np.float64) - old
     dd = float((delta * delta).sum())
     survived = float((real * delta).sum() / dd) if dd > 0 else 1.0
@@ -106,11 +111,15 @@ def requant_survival(base_raw: np.ndarray, code: str, parts: Dict[str, np.ndarra
     return RequantStat(name, survived, changed)
 
 
-def _code(arr: np.ndarray, fallback: str) -> str:
-    if arr.dtype == np.uint16:
-        return "BF16"
-    if arr.dtype == np.float16:
-        return "F16"
-    if arr.dtype == np.float32:
-        return "F32"
-    return fallback
+def requant_module(ck: Checkpoint, module: str, binds: List[Binding], rounding: str,
+                   dtype_policy: str) -> Tuple[Dict[str, np.ndarray], RequantStat]:
+    """Dequantize, fuse and re-quantize one quantized module; measure what survived."""
+    q = ck.quant_params(module)
+    assert q is not None  # planned only for quantized modules
+    code = ck.tensors[f"{module}.scales"].dtype
+    base = dequantize_raw(ck, module, None)
+    fused, fcode = fuse_bindings(base, code, binds, rounding, dtype_policy, f"{module}.weight")
+    parts = quantize_raw(fused, fcode, q)
+    stat = requant_survival(base, code, parts, fcode, q, binds, f"{module}.weight",
+                            base_codes=ck.read(f"{module}.weight"))
+    return parts, stat

@@ -34,19 +34,10 @@ from ..io.naming import Binding, bind, bind_replacements, bindings_by_tensor
 from ..io.safetensors import PlannedTensor, SafetensorsWriter, TensorInfo
 from .core import cast_raw as _cast
 from .core import check_rounding, fuse_bindings as _fuse_float, output_code
-from .quant import dequantize_raw, quantize_raw, requant_survival
+from .quant import RequantStat, dequantize_raw, requant_module as _requant_module
 
 PathLike = Union[str, Path]
 TMP_MARK = ".lorakit-tmp-"
-
-
-@dataclass
-class RequantStat:
-    """How much of one delta survived re-quantization."""
-
-    tensor: str
-    survived: float  # projection of the realised change on the intended delta, 1.0 = all
-    codes_changed: float  # fraction of quantized codes that changed
 
 
 @dataclass
@@ -540,20 +531,6 @@ class _Jobs:
 
 
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
-
-
-def _requant_module(ck: Checkpoint, module: str, binds: List[Binding], rounding: str,
-                    dtype_policy: str) -> Tuple[Dict[str, np.ndarray], RequantStat]:
-    """Dequantize, fuse and re-quantize one quantized module; measure what survived."""
-    q = ck.quant_params(module)
-    assert q is not None  # planned only for quantized modules
-    code = ck.tensors[f"{module}.scales"].dtype
-    base = dequantize_raw(ck, module, None)
-    fused, fcode = _fuse_float(base, code, binds, rounding, dtype_policy, f"{module}.weight")
-    parts = quantize_raw(fused, fcode, q)
-    stat = requant_survival(base, code, parts, fcode, q, binds, f"{module}.weight",
-                            base_codes=ck.read(f"{module}.weight"))
-    return parts, stat
 
 
 def _write_sidecars(ck: Checkpoint, tmp: Path, weight_map: Dict[str, str], total_bytes: int,

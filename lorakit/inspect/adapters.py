@@ -24,23 +24,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..io.adapter import Adapter, LoraTarget, load_adapter
-from .deltas import (_weight_norm, layer_kind_grid, lowrank_svd, numerical_rank, target_parts,
-                     weight_slots)
-from .dtype_map import open_source, split_name
+from ..io.naming import strip_prefix
+from ..fusion.delta import target_pieces
+from .deltas import _weight_norm, layer_kind_grid, lowrank_svd, numerical_rank, weight_slots
+from ..io.source import open_source
+from .layers import split_name
 from .report import Report
 
 __all__ = ["AdapterComparison", "compare_adapters", "delta_inner", "principal_angles"]
-
-_PREFIXES = ("base_model.model.", "model.language_model.", "language_model.model.",
-             "language_model.", "model.")
-
-
-def _key(module: str) -> str:
-    for p in _PREFIXES:
-        if module.startswith(p):
-            return module[len(p):]
-    return module
-
 
 def delta_inner(A1: np.ndarray, B1: np.ndarray, s1: float, A2: np.ndarray, B2: np.ndarray,
                 s2: float) -> float:
@@ -122,8 +113,8 @@ def _parts(ad: Adapter) -> Dict[Tuple[str, Optional[int]], Tuple[LoraTarget, np.
                                                                  np.ndarray]]:
     out = {}
     for t in ad.targets:
-        for e, A, B, _ in target_parts(t):
-            out[(_key(t.module), e)] = (t, A, B)
+        for p in target_pieces(t):
+            out[(strip_prefix(t.module), p.expert)] = (t, p.A, p.B)
     return out
 
 

@@ -21,11 +21,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import numerics as nm
-from ..io.adapter import Adapter, LoraTarget, load_adapter
-from .dtype_map import TensorSource, layer_kind_cells, open_source, split_name, weight_f64
+from ..fusion.delta import target_pieces
+from ..io.adapter import Adapter, load_adapter
+from ..io.naming import bind
+from ..io.source import TensorSource, open_source, weight_f64
+from .layers import layer_kind_cells, split_name
 from .report import Report
 
-__all__ = ["lowrank_svd", "effective_rank", "numerical_rank", "target_parts", "DeltaNorms",
+__all__ = ["lowrank_svd", "effective_rank", "numerical_rank", "DeltaNorms",
            "delta_norms", "layer_kind_grid"]
 
 _EPS32 = float(np.finfo(np.float32).eps)
@@ -71,15 +74,6 @@ def numerical_rank(S: np.ndarray, shape: Tuple[int, ...], rtol: Optional[float] 
     return int((S > tol * S[0]).sum())
 
 
-def target_parts(t: LoraTarget) -> List[Tuple[Optional[int], np.ndarray, np.ndarray,
-                                              Optional[np.ndarray]]]:
-    """(expert, A, B, magnitude) for each 2-D part of a target (one per expert for switch)."""
-    if t.kind == "switch":
-        return [(e, t.A[e], t.B[e], None if t.magnitude is None else t.magnitude[e])
-                for e in range(t.A.shape[0])]
-    return [(None, t.A, t.B, t.magnitude)]
-
-
 def _weight_norm(src: TensorSource, tensor: str, expert: Optional[int]) -> float:
     module = tensor[: -len(".weight")]
     if src.quant_params(module) is not None:
@@ -98,10 +92,8 @@ def _weight_norm(src: TensorSource, tensor: str, expert: Optional[int]) -> float
 def weight_slots(adapter: Adapter, src: TensorSource) -> Dict[Tuple[str, Optional[int]],
                                                                Tuple[str, Optional[int]]]:
     """(target module, target expert) -> (checkpoint tensor, slice of it or None)."""
-    from ..io.naming import bind
-
     out: Dict[Tuple[str, Optional[int]], Tuple[str, Optional[int]]] = {}
-    for b in bind(adapter, src):  # type: ignore[arg-type]  # duck-typed checkpoint
+    for b in bind(adapter, src):
         t = b.target
         if b.target_expert is not None:
             out[(t.module, b.target_expert)] = (b.tensor, None)
@@ -195,7 +187,8 @@ def delta_norms(adapter: Any, checkpoint: Any = None, *, rtol: Optional[float] =
     rows: List[Dict[str, Any]] = []
     spectra: List[np.ndarray] = []
     for t in ad.targets:
-        for expert, A, B, mag in target_parts(t):
+        for p in target_pieces(t):
+            expert, A, B, mag = p.expert, p.A, p.B, p.magnitude
             _, S, _ = lowrank_svd(A, B, t.scale)
             layer, kind, _, _ = split_name(t.module)
             shape = (int(B.shape[0]), int(A.shape[1]))

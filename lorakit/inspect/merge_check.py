@@ -42,7 +42,9 @@ import numpy as np
 
 from .. import numerics as nm
 from ..io.adapter import Adapter, load_adapter
-from .dtype_map import TensorSource, open_source, split_name, weight_f64
+from ..fusion.delta import intended, tensor_pieces
+from ..io.source import TensorSource, open_source, weight_f64
+from .layers import split_name
 from .report import Report
 
 __all__ = ["MergeCheck", "merge_check", "intended_pieces", "VERDICTS_OK"]
@@ -54,29 +56,6 @@ _SCALE_TOL = 0.15  # |scale_est - 1| allowed for "ok": rounding noise of a diffe
 _TWICE_TOL = 0.3
 _LIMITED = 0.8  # a correct fuse keeping less than this of the delta is "limited"
 _SAME_REF = 0.05  # |R - Q| <= this * |Q|: the fuse wrote what a correct one writes
-
-
-def _delta_blocks(binds: list, ndim: int) -> List[Tuple[Optional[int], np.ndarray, np.ndarray,
-                                                      float, Optional[np.ndarray]]]:
-    """(expert slice of the weight or None, A, B, scale, magnitude) per changed block."""
-    from ..fusion.core import _target_parts
-
-    if ndim == 3:
-        whole = [b for b in binds if b.weight_expert is None]
-        if whole:  # a stacked target on a stacked weight
-            t = whole[0].target
-            return [(e, t.A[e], t.B[e], t.scale, None if t.magnitude is None else t.magnitude[e])
-                    for e in range(t.A.shape[0])]
-        out = []
-        for b in binds:
-            A, B, m = _target_parts(b)
-            out.append((b.weight_expert, A, B, b.target.scale, m))
-        return out
-    out = []
-    for b in binds:
-        A, B, m = _target_parts(b)
-        out.append((None, A, B, b.target.scale, m))
-    return out
 
 
 class _Weights:
@@ -113,18 +92,12 @@ def intended_pieces(fused: TensorSource, base: TensorSource, tensor: str, binds:
     of about a million elements (one expert at a time for stacked experts).
     """
     wb, wf = _Weights(base, tensor), _Weights(fused, tensor)
-    ndim = len(binds[0].shape)
-    for expert, A, B, scale, mag in _delta_blocks(binds, ndim):
-        out, inn = B.shape[0], A.shape[1]
-        plan = [slice(None)] if expert is not None else list(nm.chunks(out, inn))
-        A64 = A.astype(np.float64)
+    for p in tensor_pieces(binds):
+        plan = [slice(None)] if p.slot is not None else list(nm.chunks(*p.shape))
         for rows in plan:
-            W = wb.f64(expert, rows)
-            T = W + (scale * B[rows].astype(np.float64)) @ A64
-            if mag is not None:
-                norm = np.sqrt(np.einsum("ij,ij->i", T, T))
-                T *= (mag[rows].astype(np.float64) / norm)[:, None]
-            F = wf.raw(expert, rows) if raw else wf.f64(expert, rows)
+            W = wb.f64(p.slot, rows)
+            T = intended(W, p, rows)
+            F = wf.raw(p.slot, rows) if raw else wf.f64(p.slot, rows)
             yield F, W, T
 
 
@@ -226,7 +199,7 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
 
     sf, sb = open_source(fused), open_source(base)
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
-    by_tensor = bindings_by_tensor(bind(ad, sb))  # type: ignore[arg-type]
+    by_tensor = bindings_by_tensor(bind(ad, sb))
     rows: List[Dict[str, Any]] = []
     for tensor, binds in by_tensor.items():
         module = tensor[: -len(".weight")]
@@ -276,7 +249,7 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
             0.0 if s["EE"] == 0 else float("inf"))
         row["verdict"] = "no delta" if dd == 0 else _verdict(s, qf is not None)
         rows.append(row)
-    replaced = bind_replacements(ad, sb, dequantize=True)  # type: ignore[arg-type]
+    replaced = bind_replacements(ad, sb, dequantize=True)
     for tensor, r in replaced.items():
         rows.append(_replacement_row(sf, sb, tensor, r))
     untouched_changed = 0

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import stat
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
@@ -23,13 +22,12 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import numpy as np
 
 from ..errors import FormatError, UnsafePathError
-from .safetensors import (FLOAT_CODES, TensorInfo, _file_kind, raw_to_mx, read_header,
-                          read_raw)
+from .dtypes import majority_dtype
+from .safetensors import TensorInfo, _file_kind, raw_to_mx, read_header, read_raw
 
 PathLike = Union[str, Path]
 
 INDEX_NAME = "model.safetensors.index.json"
-QUANT_SUFFIXES = (".scales", ".biases")
 
 
 @dataclass(frozen=True)
@@ -117,10 +115,12 @@ def _posint(x: Any) -> bool:
 
 
 class Checkpoint:
-    """A base checkpoint directory, opened lazily.
+    """A base checkpoint directory, opened lazily: the directory implementation of
+    :class:`~lorakit.io.source.TensorSource` (``kind == "checkpoint"``).
 
     Attributes:
         path: the directory.
+        label: a short name for tables (the directory's name).
         config: parsed config.json.
         tensors: every tensor's :class:`TensorInfo`, by name, in file order.
         shards: shard file names in order.
@@ -128,8 +128,11 @@ class Checkpoint:
     >>> # ck = Checkpoint("data/tiny-qwen3"); ck.dtype, len(ck.tensors)
     """
 
+    kind = "checkpoint"
+
     def __init__(self, path: PathLike) -> None:
         self.path = Path(path)
+        self.label = self.path.name
         if not self.path.is_dir():
             raise FormatError("model path is not a directory", file=self.path,
                               expected="a model directory with config.json",
@@ -264,18 +267,14 @@ class Checkpoint:
         info = self.info(name)
         return raw_to_mx(read_raw(info), info.dtype)
 
+    def file_info(self, name: str) -> Optional[TensorInfo]:
+        """Where the tensor's bytes lie on disk (None if there is no such tensor)."""
+        return self.tensors.get(name)
+
     @property
     def dtype(self) -> str:
         """The majority float dtype of the checkpoint, by element count (e.g. ``"BF16"``)."""
-        c: Counter = Counter()
-        for t in self.tensors.values():
-            if t.dtype in FLOAT_CODES and not t.name.endswith(QUANT_SUFFIXES):
-                c[t.dtype] += t.numel
-        if not c:
-            for t in self.tensors.values():
-                if t.name.endswith(".scales") and t.dtype in FLOAT_CODES:
-                    c[t.dtype] += t.numel
-        return c.most_common(1)[0][0] if c else "F32"
+        return majority_dtype(self.tensors.values())
 
     @property
     def nbytes(self) -> int:

@@ -23,9 +23,11 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..errors import AdapterError
 from .adapter import Adapter, LoraTarget, Replacement
-from .checkpoint import Checkpoint, QuantParams
+from .checkpoint import QuantParams
+from .source import TensorSource
 
-_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+#: wrappers a module path may carry in one layout and not in another (longest first)
+MODULE_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 _MIXTRAL = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 
 
@@ -52,20 +54,28 @@ class Binding:
     quant: Optional[QuantParams] = None
 
 
+def strip_prefix(module: str) -> str:
+    """``module`` without its wrapper prefix (the first of :data:`MODULE_PREFIXES` it has).
+
+    >>> strip_prefix("model.layers.0.mlp.up_proj"), strip_prefix("lm_head")
+    ('layers.0.mlp.up_proj', 'lm_head')
+    """
+    for p in MODULE_PREFIXES:
+        if module.startswith(p):
+            return module[len(p):]
+    return module
+
+
 def _variants(module: str) -> Iterator[str]:
     yield module
-    stripped = module
-    for p in _PREFIXES:
-        if module.startswith(p):
-            stripped = module[len(p):]
-            break
+    stripped = strip_prefix(module)
     if stripped != module:
         yield stripped
-    for p in _PREFIXES:
+    for p in MODULE_PREFIXES:
         yield p + stripped
 
 
-def logical_shape(ck: Checkpoint, module: str) -> Tuple[int, ...]:
+def logical_shape(ck: TensorSource, module: str) -> Tuple[int, ...]:
     """Shape of ``module.weight`` as a float matrix (unpacking quantized weights)."""
     info = ck.tensors[f"{module}.weight"]
     q = ck.quant_params(module)
@@ -74,7 +84,7 @@ def logical_shape(ck: Checkpoint, module: str) -> Tuple[int, ...]:
     return tuple(info.shape[:-1]) + (info.shape[-1] * 32 // q.bits,)
 
 
-def _find(ck: Checkpoint, module: str, leaf: str = "weight") -> Optional[str]:
+def _find(ck: TensorSource, module: str, leaf: str = "weight") -> Optional[str]:
     """The checkpoint's spelling of ``module`` (prefixes added or removed) that holds
     ``module.leaf``, or None."""
     for v in _variants(module):
@@ -92,7 +102,7 @@ def _unfit(adapter: Adapter, headline: str, errors: List[str], expected: str,
                         hint="check that the adapter was trained on this base model")
 
 
-def _per_expert_modules(ck: Checkpoint, module: str) -> Optional[List[str]]:
+def _per_expert_modules(ck: TensorSource, module: str) -> Optional[List[str]]:
     """Per-expert modules for a stacked target, in expert order, if the checkpoint has them."""
     if ".switch_mlp." not in module:
         return None
@@ -116,7 +126,7 @@ def _per_expert_modules(ck: Checkpoint, module: str) -> Optional[List[str]]:
     return None
 
 
-def _stacked_slice(ck: Checkpoint, module: str) -> Optional[Tuple[str, int]]:
+def _stacked_slice(ck: TensorSource, module: str) -> Optional[Tuple[str, int]]:
     """(stacked module, expert) for a per-expert target in a stacked checkpoint."""
     m = re.match(r"(.*)\.experts\.(\d+)\.(\w+)$", module)
     if not m:
@@ -127,7 +137,7 @@ def _stacked_slice(ck: Checkpoint, module: str) -> Optional[Tuple[str, int]]:
     return (found, e) if found else None
 
 
-def bind(adapter: Adapter, ck: Checkpoint) -> List[Binding]:
+def bind(adapter: Adapter, ck: TensorSource) -> List[Binding]:
     """Land every target of ``adapter`` on ``ck``'s tensors, or raise one error listing
     every target that lands nowhere or whose shape disagrees."""
     out: List[Binding] = []
@@ -201,7 +211,7 @@ def bindings_by_tensor(bindings: List[Binding]) -> Dict[str, List[Binding]]:
     return g
 
 
-def bind_replacements(adapter: Adapter, ck: Checkpoint, dequantize: bool = False
+def bind_replacements(adapter: Adapter, ck: TensorSource, dequantize: bool = False
                       ) -> Dict[str, Replacement]:
     """Checkpoint tensor name -> the adapter's whole replacement for it (PEFT
     ``modules_to_save``), or one error listing every copy that does not fit: no such

@@ -1,0 +1,122 @@
+"""The intended change, in one place: what an adapter asks a weight to become.
+
+Every adapter target (:class:`~lorakit.io.adapter.LoraTarget`), whatever its format,
+layer type or scale convention (mlx-lm's ``scale``, PEFT's ``alpha / r``, rsLoRA's
+``alpha / sqrt(r)``, rank and alpha patterns: all resolved when the adapter is read),
+comes down to :class:`Piece` s: one low-rank change ``scale * B @ A`` on one 2-D
+slice of one weight, with DoRA's row magnitudes when it has them. A stacked MoE
+target gives one piece per expert; a per-expert target on a stacked weight gives one
+piece on that expert's slice. The intended result of a piece on weight ``W`` is::
+
+    T = W + scale * B @ A                          (LoRA)
+    T = m * (W + scale * B @ A) / ||W + scale * B @ A||_row      (DoRA)
+
+computed here in float64 (:func:`intended`). The fuse rounds it in each mode's own
+order (:mod:`lorakit.fusion.core`); the merge check, the comparison against the exact
+fuse, delta norms, adapter comparisons and the survival of a re-quantized delta read
+their pieces and targets from here.
+
+>>> import numpy as np
+>>> from lorakit.io.adapter import LoraTarget
+>>> t = LoraTarget("m.q_proj", "linear", np.ones((1, 3), np.float32),
+...                np.full((2, 1), 2, np.float32), 0.5)
+>>> (p,) = target_pieces(t)
+>>> intended(np.zeros((2, 3)), p).tolist()
+[[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from ..io.adapter import LoraTarget
+from ..io.naming import Binding
+
+__all__ = ["Piece", "target_pieces", "tensor_pieces", "lowrank", "intended"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One low-rank change to one 2-D slice of a weight.
+
+    Attributes:
+        target: the adapter target it comes from.
+        expert: which expert of a stacked (switch) target this is, else None.
+        slot: which slice of a stacked 3-D weight it changes; None for a 2-D weight
+            (for :func:`target_pieces`, the target's own expert).
+        A: float32 (r, in). B: float32 (out, r).
+        magnitude: DoRA's row magnitudes (out,), or None.
+    """
+
+    target: LoraTarget
+    expert: Optional[int]
+    slot: Optional[int]
+    A: np.ndarray
+    B: np.ndarray
+    magnitude: Optional[np.ndarray]
+
+    @property
+    def scale(self) -> float:
+        return self.target.scale
+
+    @property
+    def kind(self) -> str:
+        return self.target.kind
+
+    @property
+    def shape(self) -> tuple:
+        """(out, in) of the slice it changes."""
+        return (int(self.B.shape[0]), int(self.A.shape[1]))
+
+
+def _piece(t: LoraTarget, expert: Optional[int], slot: Optional[int]) -> Piece:
+    if expert is None:
+        return Piece(t, None, slot, t.A, t.B, t.magnitude)
+    return Piece(t, expert, slot, t.A[expert], t.B[expert],
+                 None if t.magnitude is None else t.magnitude[expert])
+
+
+def target_pieces(t: LoraTarget) -> List[Piece]:
+    """The 2-D pieces of one target: one per expert for a stacked (switch) target
+    (``slot`` = that expert), else one."""
+    if t.kind == "switch":
+        return [_piece(t, e, e) for e in range(t.A.shape[0])]
+    return [_piece(t, None, None)]
+
+
+def tensor_pieces(binds: Sequence[Binding]) -> List[Piece]:
+    """The pieces landing on one checkpoint weight (``binds`` all share its tensor).
+
+    For a 3-D (stacked experts) weight each piece's ``slot`` is the slice it changes:
+    a stacked target on a stacked weight gives every expert; per-expert targets give
+    their own slice. For a 2-D weight there is one piece, ``slot`` None.
+    """
+    if not binds:
+        return []
+    if len(binds[0].shape) == 3:
+        whole = [b for b in binds if b.weight_expert is None]
+        if whole:  # a stacked target on a stacked weight
+            t = whole[0].target
+            return [_piece(t, e, e) for e in range(t.A.shape[0])]
+        return [_piece(b.target, b.target_expert, b.weight_expert) for b in binds]
+    return [_piece(b.target, b.target_expert, None) for b in binds]
+
+
+def lowrank(p: Piece, rows: Optional[slice] = None) -> np.ndarray:
+    """``scale * B @ A`` (rows of it) in float64, as ``(scale * B) @ A``."""
+    B = p.B if rows is None else p.B[rows]
+    return (p.scale * B.astype(np.float64)) @ p.A.astype(np.float64)
+
+
+def intended(W: np.ndarray, p: Piece, rows: Optional[slice] = None) -> np.ndarray:
+    """The exact intended weight (float64) of a piece on ``W`` (the float64 base slice,
+    restricted to ``rows`` when given): ``W + scale * B @ A``, DoRA-normalised by rows
+    to the magnitudes when the piece has them."""
+    T = W + lowrank(p, rows)
+    if p.magnitude is not None:
+        m = p.magnitude if rows is None else p.magnitude[rows]
+        norm = np.sqrt(np.einsum("ij,ij->i", T, T))
+        T *= (m.astype(np.float64) / norm)[:, None]
+    return T

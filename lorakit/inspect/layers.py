@@ -1,0 +1,94 @@
+"""Where a tensor sits in a model: layer, kind (q, k, v, o, gate, up, down, norms,
+embed, head, experts), expert and part, read from its name alone; and the layer x
+kind grid that tables and heatmaps share.
+
+>>> split_name("model.layers.2.mlp.down_proj.weight")
+(2, 'down', None, 'weight')
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Optional, Tuple
+
+__all__ = ["KIND_ORDER", "split_name", "layer_kind_cells"]
+
+# Last module-path component -> short kind. Unknown names keep their own component.
+_KIND = {
+    "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "qkv_proj": "qkv",
+    "query_key_value": "qkv", "c_attn": "qkv", "dense": "o", "out_proj": "o",
+    "gate_proj": "gate", "up_proj": "up", "down_proj": "down", "gate_up_proj": "gate_up",
+    "w1": "gate", "w3": "up", "w2": "down", "fc1": "up", "fc2": "down",
+    "q_norm": "q_norm", "k_norm": "k_norm", "input_layernorm": "norm_in",
+    "post_attention_layernorm": "norm_attn", "pre_feedforward_layernorm": "norm_pre_ff",
+    "post_feedforward_layernorm": "norm_post_ff", "norm": "norm",
+    "embed_tokens": "embed", "wte": "embed", "word_embeddings": "embed", "tok_embeddings": "embed",
+    "lm_head": "head", "output": "head",
+}
+#: Column order of the kinds in tables and heatmaps (others follow, sorted).
+KIND_ORDER = ["embed", "q", "k", "v", "qkv", "o", "q_norm", "k_norm", "norm_in", "norm_attn",
+              "router", "gate", "up", "gate_up", "down", "experts.gate", "experts.up",
+              "experts.down", "norm_pre_ff", "norm_post_ff", "norm", "head"]
+_LEAVES = ("weight", "bias", "scales", "biases", "lora_a", "lora_b", "m", "lora_A", "lora_B",
+           "lora_magnitude_vector")
+_LORA_PARTS = ("lora_a", "lora_b", "m", "lora_A", "lora_B", "lora_magnitude_vector")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def split_name(name: str) -> Tuple[Optional[int], str, Optional[int], str]:
+    """(layer, kind, expert, part) of a tensor or module name.
+
+    >>> split_name("model.layers.3.self_attn.q_proj.weight")
+    (3, 'q', None, 'weight')
+    >>> split_name("model.layers.0.mlp.experts.5.down_proj.scales")
+    (0, 'experts.down', 5, 'scales')
+    >>> split_name("model.embed_tokens.weight")
+    (None, 'embed', None, 'weight')
+    """
+    parts = name.split(".")
+    part = ""
+    # PEFT keys end in ".lora_A.weight"; keep "lora_A" as the part, not "weight".
+    if len(parts) >= 2 and parts[-2] in ("lora_A", "lora_B") and parts[-1] == "weight":
+        part = parts[-2]
+        parts = parts[:-2]
+    elif parts[-1] in _LEAVES and len(parts) > 1:
+        part = parts[-1]
+        parts = parts[:-1]
+    if parts and parts[-1] == "linear" and len(parts) > 1:  # mlx-lm LoRALinear wrapper
+        parts = parts[:-1]
+    module = ".".join(parts)
+    m = _LAYER.search(module)
+    layer = int(m.group(1)) if m else None
+    e = _EXPERT.search(module + ".")
+    expert = int(e.group(1)) if e else None
+    leaf = parts[-1] if parts else name
+    kind = _KIND.get(leaf, leaf)
+    if leaf == "gate" and len(parts) > 1 and parts[-2] in ("mlp", "block_sparse_moe", "moe"):
+        kind = "router"
+    if expert is not None or "switch_mlp" in parts:
+        kind = "experts." + kind
+    return layer, kind, expert, part
+
+
+def _order_kinds(kinds) -> List[str]:
+    known = [k for k in KIND_ORDER if k in kinds]
+    return known + sorted(k for k in kinds if k not in KIND_ORDER)
+
+
+def layer_kind_cells(rows) -> Tuple[List[str], List[str], Dict[Tuple[str, str], List[Dict[str, Any]]]]:
+    """Group report rows by (layer label, kind): the cells of a layer x kind grid.
+
+    Returns the row labels (``"-"`` first for layer-less tensors such as the embedding,
+    then layers in order), the kinds in display order, and the rows of each cell.
+    """
+    cells: Dict[Tuple[str, str], List[Dict[str, Any]]] = {}
+    layers: set = set()
+    has_global = False
+    for r in rows:
+        layer = r["layer"]
+        has_global |= layer is None
+        if layer is not None:
+            layers.add(layer)
+        cells.setdefault(("-" if layer is None else str(layer), r["kind"]), []).append(r)
+    labels = (["-"] if has_global else []) + [str(i) for i in sorted(layers)]
+    return labels, _order_kinds({k for _, k in cells}), cells

@@ -1,0 +1,270 @@
+"""Tensor sources: one face for everything that holds named tensors.
+
+A *source* is a checkpoint directory (:class:`~lorakit.io.checkpoint.Checkpoint`),
+one ``.safetensors`` file or adapter directory (:class:`FileSource`), or an mlx-lm
+model in memory (:class:`ModelSource`). All of them satisfy the :class:`TensorSource`
+protocol: names with dtype codes and shapes read without touching data, one tensor's
+raw storage on request, the model config, the majority float dtype and, for
+quantized modules, their packing. Binding an adapter (:func:`lorakit.io.naming.bind`),
+fusing, inspecting and timing all take a source; :func:`open_source` makes one from
+whatever the user passed.
+
+>>> src = open_source("data/tiny-qwen3")
+>>> src.kind, src.dtype, "model.norm.weight" in src
+('checkpoint', 'BF16', True)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Protocol, Tuple, Union, runtime_checkable
+
+import numpy as np
+
+from .. import numerics as nm
+from ..errors import FormatError
+from .checkpoint import Checkpoint, QuantParams, _load_json
+from .dtypes import majority_dtype
+from .safetensors import FLOAT_CODES, ITEMSIZE, TensorInfo, raw_to_mx, read_header, read_raw
+
+__all__ = ["TensorMeta", "TensorSource", "FileSource", "ModelSource", "open_source",
+           "majority_dtype", "weight_f64"]
+
+PathLike = Union[str, Path]
+
+# adapter directories hold one of these (see lorakit.io.adapter)
+_ADAPTER_CONFIG = "adapter_config.json"
+_ADAPTER_WEIGHTS = ("adapters.safetensors", "adapter_model.safetensors")
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Name, safetensors dtype code and shape of one tensor held in memory
+    (the in-memory twin of :class:`~lorakit.io.safetensors.TensorInfo`)."""
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ITEMSIZE[self.dtype]
+
+
+@runtime_checkable
+class TensorSource(Protocol):
+    """What every tensor source offers.
+
+    Attributes:
+        kind: ``"checkpoint"``, ``"adapter"``, ``"file"`` or ``"model"``.
+        label: a short name for tables.
+        path: the directory or file (a placeholder path for in-memory models).
+        config: the model config (``{}`` when there is none).
+        tensors: name -> metadata (``.name``, ``.dtype`` code, ``.shape``, ``.numel``,
+            ``.nbytes``), in file order, read without touching data.
+    """
+
+    kind: str
+    label: str
+    path: Path
+    config: Dict[str, Any]
+    tensors: Mapping[str, Any]
+
+    def read(self, name: str, rows: Optional[slice] = None) -> np.ndarray:
+        """Raw numpy storage of a tensor (bf16 as uint16 bits), optionally a row slice."""
+        ...
+
+    def file_info(self, name: str) -> Optional[TensorInfo]:
+        """Where the tensor's bytes lie on disk (None for in-memory sources)."""
+        ...
+
+    def quant_params(self, module: str) -> Optional[QuantParams]:
+        """Packing of quantized ``module`` (None when it is not quantized)."""
+        ...
+
+    @property
+    def model_type(self) -> str: ...
+
+    @property
+    def dtype(self) -> str:
+        """The majority float dtype by element count
+        (:func:`~lorakit.io.dtypes.majority_dtype`)."""
+        ...
+
+    def __contains__(self, name: object) -> bool: ...
+
+
+class _SourceBase:
+    """Defaults shared by the file and model sources."""
+
+    kind: str = "file"
+    label: str = ""
+    path: Path
+    config: Dict[str, Any]
+    tensors: Mapping[str, Any]
+
+    def file_info(self, name: str) -> Optional[TensorInfo]:
+        return None
+
+    def quant_params(self, module: str) -> Optional[QuantParams]:
+        return None
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type", "unknown"))
+
+    @property
+    def dtype(self) -> str:
+        return majority_dtype(self.tensors.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} {self.label}: {len(self.tensors)} tensors>"
+
+
+class FileSource(_SourceBase):
+    """The tensors of one ``.safetensors`` file (``kind="file"``), or of an adapter
+    directory's weights file (``kind="adapter"``, with its adapter config)."""
+
+    def __init__(self, file: PathLike, kind: str = "file", label: Optional[str] = None,
+                 config: Optional[Dict[str, Any]] = None) -> None:
+        file = Path(file)
+        self.file = file
+        self.kind = kind
+        self.path = file.parent if kind == "adapter" else file
+        self.label = label if label is not None else file.name
+        self.config = config or {}
+        self.tensors: Dict[str, TensorInfo] = read_header(file).tensors
+
+    def read(self, name: str, rows: Optional[slice] = None) -> np.ndarray:
+        return read_raw(self.tensors[name], rows)
+
+    def file_info(self, name: str) -> Optional[TensorInfo]:
+        return self.tensors.get(name)
+
+
+class ModelSource(_SourceBase):
+    """The parameters of an mlx-lm model in memory (``kind="model"``), under the
+    names ``model.parameters()`` flattens to; quantized layers report their packing."""
+
+    kind = "model"
+
+    def __init__(self, model: Any, label: str = "model",
+                 config: Optional[Dict[str, Any]] = None) -> None:
+        from mlx.utils import tree_flatten  # lazy: mlx is heavy and optional at import
+
+        from .safetensors import MX_CODES
+
+        self.model = model
+        self.label = label
+        self.path = Path("<in-memory model>")
+        self.arrays: Dict[str, Any] = dict(tree_flatten(model.parameters()))
+        self.tensors: Dict[str, TensorMeta] = {
+            n: TensorMeta(n, MX_CODES[a.dtype], tuple(a.shape)) for n, a in self.arrays.items()}
+        args = getattr(model, "args", None)
+        cfg = dict(config) if config else (
+            dict(vars(args)) if args is not None and hasattr(args, "__dict__") else {})
+        cfg.setdefault("model_type", getattr(model, "model_type", cfg.get("model_type", "unknown")))
+        self.config = cfg
+        self._modules: Optional[Dict[str, Any]] = None
+
+    @property
+    def modules(self) -> Dict[str, Any]:
+        """Module path -> module, from ``model.named_modules()`` (computed once)."""
+        if self._modules is None:
+            self._modules = dict(self.model.named_modules())
+        return self._modules
+
+    def read(self, name: str, rows: Optional[slice] = None) -> np.ndarray:
+        from .safetensors import mx_to_raw
+
+        a = self.arrays[name]
+        if rows is not None:
+            a = a[rows]
+        return np.array(mx_to_raw(a)[0])
+
+    def quant_params(self, module: str) -> Optional[QuantParams]:
+        if f"{module}.scales" not in self.tensors:
+            return None
+        m = self.modules.get(module)
+        if m is None or not hasattr(m, "bits"):
+            return None
+        return QuantParams(int(m.group_size), int(m.bits), str(getattr(m, "mode", "affine")))
+
+
+def _adapter_source(p: Path) -> FileSource:
+    for name in _ADAPTER_WEIGHTS:
+        if (p / name).exists():
+            cfg = _load_json(p / _ADAPTER_CONFIG, "adapter config")
+            return FileSource(p / name, "adapter", p.name, cfg if isinstance(cfg, dict) else {})
+    raise FormatError("no adapter weights found", file=p,
+                      expected=" or ".join(_ADAPTER_WEIGHTS))
+
+
+def open_source(x: Any, label: Optional[str] = None) -> TensorSource:
+    """A :class:`TensorSource` for a path (checkpoint dir, adapter dir, .safetensors
+    file), a source already, or an mlx ``nn.Module``.
+
+    >>> open_source("data/adapters/lora").kind
+    'adapter'
+    """
+    src: TensorSource
+    if isinstance(x, (Checkpoint, _SourceBase)):
+        src = x
+    elif isinstance(x, (str, Path)):
+        p = Path(x)
+        if p.is_file() and p.suffix == ".safetensors":
+            src = FileSource(p)
+        elif p.is_dir() and (p / _ADAPTER_CONFIG).exists() and not (p / "config.json").exists():
+            src = _adapter_source(p)
+        elif p.exists():
+            src = Checkpoint(p)
+        else:
+            raise FormatError("no such file or directory", file=p,
+                              expected="a checkpoint or adapter directory, or a .safetensors file")
+    elif hasattr(x, "parameters") and hasattr(x, "named_modules"):
+        src = ModelSource(x)
+    else:
+        raise FormatError("cannot inspect this object", found=type(x).__name__,
+                          expected="a path, a Checkpoint or an mlx-lm model (nn.Module)")
+    if label:
+        src.label = label
+    return src
+
+
+def weight_f64(src: TensorSource, name: str, rows: Optional[slice] = None) -> np.ndarray:
+    """A weight's values as float64, dequantizing packed weights with ``mx.dequantize``.
+
+    ``rows`` slices the leading axis (for quantized weights the whole tensor is
+    dequantized first; they are small).
+    """
+    module = name[: -len(".weight")] if name.endswith(".weight") else name
+    q = src.quant_params(module) if name.endswith(".weight") else None
+    if q is None:
+        code = src.tensors[name].dtype
+        raw = src.read(name, rows)
+        if code == "F64":
+            return np.asarray(raw, np.float64)
+        if code not in FLOAT_CODES:
+            raise FormatError("not a float tensor", tensor=name, found=code,
+                              expected="BF16, F16, F32 or F64 (or a quantized weight)")
+        return nm.to_float64(raw, nm.float_format(code))
+    import mlx.core as mx  # lazy: mlx is heavy and optional at import
+
+    parts = []
+    for leaf in ("weight", "scales", "biases"):
+        n = f"{module}.{leaf}"
+        parts.append(raw_to_mx(src.read(n), src.tensors[n].dtype) if n in src.tensors else None)
+    w, s, b = parts
+    x = mx.dequantize(w, s, b, group_size=q.group_size, bits=q.bits, mode=q.mode)
+    out = np.array(x.astype(mx.float32)).astype(np.float64)
+    return out if rows is None else out[rows]
