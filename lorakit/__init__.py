@@ -1,53 +1,87 @@
 """lorakit: fuse, inspect, compare and time LoRA adapters for MLX, correct to the last bit.
 
-The top level holds the verbs; everything else lives in the subpackages
+The top level is a handful of verbs; everything else lives in the subpackages
 (``lorakit.io``, ``lorakit.fusion``, ``lorakit.inspect``, ``lorakit.timing``,
-``lorakit.widgets``). Importing lorakit imports neither Jupyter, ipywidgets nor
-matplotlib; the verbs load what they need when called.
+``lorakit.widgets``, ``lorakit.synth``). Importing lorakit imports neither numpy, MLX,
+Jupyter, ipywidgets nor matplotlib; each verb loads what it needs when called.
 
->>> import lorakit
->>> # result = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")
+========================  ===============================================================
+``fuse``                  fuse an adapter into a checkpoint on disk (or a model in memory)
+``open``                  a checkpoint, adapter, ``.safetensors`` file or model as a tensor source
+``load_adapter``          an adapter (mlx-lm or PEFT format) as lorakit's one description
+``attach_adapter``        put an adapter on a loaded mlx-lm model, unfused
+``dtype_map``             per-layer dtypes and bytes, from headers only
+``delta_norms``           norms, spectra and ranks of an adapter's deltas
+``compare_adapters``      two adapters of one base, module by module
+``compare``               two checkpoints tensor by tensor, to the ulp
+``check``                 did the merge work? a fused checkpoint against base + adapter
+``compare_generations``   greedy text of several models side by side
+``time_decode``           decode speed and memory of base, fused and unfused variants
+========================  ===============================================================
+
+>>> import lorakit, sys
+>>> "numpy" in sys.modules or "mlx" in sys.modules  # doctest: +SKIP
+False
+>>> sorted(lorakit.__all__)[:3]
+['LorakitError', '__version__', 'attach_adapter']
 """
 from __future__ import annotations
 
+import warnings
 from importlib import import_module
 from typing import Any
 
 __version__ = "0.1.0"
 
+# name -> (module, attribute)
 _EXPORTS = {
-    "fuse": "lorakit.fusion.stream",
-    "FuseResult": "lorakit.fusion.stream",
-    "fuse_model": "lorakit.fusion.model",
-    "attach_adapter": "lorakit.fusion.model",
-    "load_adapter": "lorakit.io.adapter",
-    "Adapter": "lorakit.io.adapter",
-    "Checkpoint": "lorakit.io.checkpoint",
-    "open_checkpoint": "lorakit.io.checkpoint",
-    "dtype_map": "lorakit.inspect.dtype_map",
-    "delta_norms": "lorakit.inspect.deltas",
-    "ulp_compare": "lorakit.inspect.ulp",
-    "parity": "lorakit.inspect.parity",
-    "merge_check": "lorakit.inspect.merge_check",
-    "compare_generations": "lorakit.inspect.generation",
-    "compare_adapters": "lorakit.inspect.adapters",
-    "time_decode": "lorakit.timing.decode",
-    "synth_checkpoint": "lorakit.synth",
-    "synth_adapter": "lorakit.synth",
-    "LorakitError": "lorakit.errors",
+    "fuse": ("lorakit.fusion.api", "fuse"),
+    "open": ("lorakit.io.source", "open"),
+    "load_adapter": ("lorakit.io.adapter", "load_adapter"),
+    "attach_adapter": ("lorakit.fusion.model", "attach_adapter"),
+    "dtype_map": ("lorakit.inspect.dtype_map", "dtype_map"),
+    "delta_norms": ("lorakit.inspect.deltas", "delta_norms"),
+    "compare_adapters": ("lorakit.inspect.adapters", "compare_adapters"),
+    "compare": ("lorakit.inspect.parity", "parity"),
+    "check": ("lorakit.inspect.merge_check", "merge_check"),
+    "compare_generations": ("lorakit.inspect.generation", "compare_generations"),
+    "time_decode": ("lorakit.timing.decode", "time_decode"),
+    "LorakitError": ("lorakit.errors", "LorakitError"),
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+# old name -> (module, attribute, what to use instead); they work for one more release
+_DEPRECATED = {
+    "FuseResult": ("lorakit.fusion.stream", "FuseResult", "lorakit.fusion.stream.FuseResult"),
+    "fuse_model": ("lorakit.fusion.model", "fuse_model", "lorakit.fuse(model, adapter)"),
+    "Adapter": ("lorakit.io.adapter", "Adapter", "lorakit.load_adapter(path)"),
+    "Checkpoint": ("lorakit.io.checkpoint", "Checkpoint", "lorakit.open(path)"),
+    "open_checkpoint": ("lorakit.io.checkpoint", "open_checkpoint", "lorakit.open(path)"),
+    "ulp_compare": ("lorakit.inspect.ulp", "ulp_compare", "lorakit.compare(a, b)"),
+    "parity": ("lorakit.inspect.parity", "parity", "lorakit.compare(a, b)"),
+    "merge_check": ("lorakit.inspect.merge_check", "merge_check", "lorakit.check(...)"),
+    "synth_checkpoint": ("lorakit.synth", "synth_checkpoint", "lorakit.synth.synth_checkpoint"),
+    "synth_adapter": ("lorakit.synth", "synth_adapter", "lorakit.synth.synth_adapter"),
+}
+
+# ``open`` is a verb here but stays out of ``__all__``: ``from lorakit import *`` must
+# not shadow the builtin.
+__all__ = sorted(n for n in _EXPORTS if n != "open") + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    mod = _EXPORTS.get(name)
-    if mod is None:
+    if name in _EXPORTS:
+        mod, attr = _EXPORTS[name]
+    elif name in _DEPRECATED:
+        mod, attr, instead = _DEPRECATED[name]
+        warnings.warn(f"lorakit.{name} is deprecated and goes in the next release; "
+                      f"use {instead}", DeprecationWarning, stacklevel=2)
+        return getattr(import_module(mod), attr)  # not cached: warn at every use
+    else:
         raise AttributeError(f"module 'lorakit' has no attribute {name!r}")
-    value = getattr(import_module(mod), name)
+    value = getattr(import_module(mod), attr)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list:
-    return __all__
+    return sorted(_EXPORTS) + ["__version__"]

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import numerics as nm
 from ..errors import FormatError
-from .checkpoint import Checkpoint, QuantParams, _load_json
+from .checkpoint import Checkpoint, QuantParams, _load_json, resolve_model_path
 from .dtypes import majority_dtype
 from .safetensors import FLOAT_CODES, ITEMSIZE, TensorInfo, raw_to_mx, read_header, read_raw
 
@@ -268,3 +268,21 @@ def weight_f64(src: TensorSource, name: str, rows: Optional[slice] = None) -> np
     x = mx.dequantize(w, s, b, group_size=q.group_size, bits=q.bits, mode=q.mode)
     out = np.array(x.astype(mx.float32)).astype(np.float64)
     return out if rows is None else out[rows]
+
+
+def open(x: Any, label: Optional[str] = None) -> TensorSource:  # noqa: A001  (lorakit.open)
+    """Open anything that holds named tensors: a checkpoint directory or hub repo id
+    (fetched through mlx-lm's downloader when online), an adapter directory, a
+    ``.safetensors`` file, or an mlx-lm model in memory.
+
+    Returns a :class:`TensorSource`: names, dtypes and shapes without reading data,
+    ``read(name)`` for one tensor's raw storage.
+
+    >>> import lorakit
+    >>> src = lorakit.open("data/tiny-qwen3")
+    >>> src.model_type, src.tensors["model.norm.weight"].dtype
+    ('qwen3', 'BF16')
+    """
+    if isinstance(x, (str, Path)) and not Path(x).exists():
+        x = resolve_model_path(x)
+    return open_source(x, label)

@@ -1,0 +1,84 @@
+"""The public API: a small set of verbs, old names deprecated, nothing heavy on import."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import lorakit
+
+ROOT = Path(__file__).resolve().parents[1]
+VERBS = ["fuse", "open", "load_adapter", "attach_adapter", "dtype_map", "delta_norms",
+         "compare_adapters", "compare", "check", "compare_generations", "time_decode"]
+
+
+def test_top_level_is_the_verbs_and_the_error_type():
+    assert sorted(dir(lorakit)) == sorted(VERBS + ["LorakitError", "__version__"])
+    assert "open" not in lorakit.__all__  # a star import must not shadow the builtin
+    for name in VERBS:
+        assert callable(getattr(lorakit, name)), name
+
+
+def test_readme_lists_every_verb():
+    text = (ROOT / "README.md").read_text()
+    listed = re.findall(r"^\| `(\w+)` \|", text, re.M)
+    assert sorted(listed) == sorted(VERBS + ["LorakitError"])
+
+
+@pytest.mark.parametrize("old,new", [("parity", "compare"), ("merge_check", "check"),
+                                     ("ulp_compare", None), ("fuse_model", None),
+                                     ("Checkpoint", None), ("open_checkpoint", None),
+                                     ("Adapter", None), ("FuseResult", None),
+                                     ("synth_checkpoint", None), ("synth_adapter", None)])
+def test_old_names_work_and_warn(old, new):
+    with pytest.warns(DeprecationWarning, match=f"lorakit.{old} is deprecated"):
+        obj = getattr(lorakit, old)
+    assert obj is not None
+    if new is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert getattr(lorakit, new) is obj
+
+
+def test_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        lorakit.nope  # noqa: B018
+
+
+def test_import_is_light():
+    code = ("import sys, lorakit; heavy = ('numpy', 'mlx', 'matplotlib', 'ipywidgets', "
+            "'jupyter_client', 'tqdm'); print([m for m in heavy if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]"
+
+
+def test_open_gives_one_source_face():
+    ck = lorakit.open(ROOT / "data" / "tiny-qwen3")
+    ad = lorakit.open(ROOT / "data" / "adapters" / "lora")
+    f = lorakit.open(ROOT / "data" / "adapters" / "lora" / "adapters.safetensors")
+    from lorakit.io.source import TensorSource
+
+    for src, kind in ((ck, "checkpoint"), (ad, "adapter"), (f, "file")):
+        assert isinstance(src, TensorSource)
+        assert src.kind == kind
+        name = next(iter(src.tensors))
+        assert src.read(name).shape == tuple(src.tensors[name].shape)
+    assert ck.dtype == "BF16" and ad.dtype == "F32"
+    with pytest.raises(lorakit.LorakitError, match="does not exist"):
+        lorakit.open(ROOT / "data" / "no-such-model")
+
+
+def test_fuse_takes_a_model_in_memory():
+    mlx_lm = pytest.importorskip("mlx_lm")
+    model, _ = mlx_lm.load(str(ROOT / "data" / "tiny-qwen3"))
+    before = model.model.layers[0].self_attn.q_proj.weight
+    out = lorakit.fuse(model, ROOT / "data" / "adapters" / "lora")
+    after = out.model.layers[0].self_attn.q_proj.weight
+    assert out is model and after.dtype == before.dtype
+    with pytest.raises(TypeError, match="in place"):
+        lorakit.fuse(model, ROOT / "data" / "adapters" / "lora", "somewhere")
