@@ -24,8 +24,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-MARK = "@@lorakit-timing "
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from lorakit.fusion.model import load_unfused
+from lorakit.timing._protocol import MARK, TOKENIZER_FILES
+
+# mlx_lm's modules are imported inside the functions that use them: mlx_lm.generate
+# creates its generation stream on the default device when imported, and the device
+# must be chosen first (select_device)
+
 
 
 def emit(event: str, **data: Any) -> None:
@@ -41,8 +50,6 @@ def rss_peak_bytes() -> int:
 
 def select_device(name: Optional[str]):
     """Set MLX's default device before mlx-lm creates its generation stream."""
-    import mlx.core as mx
-
     if name in (None, "", "default"):
         return mx.default_device()
     if name == "cpu":
@@ -58,18 +65,14 @@ def select_device(name: Optional[str]):
 
 
 def _cuda_available() -> bool:
-    import mlx.core as mx
-
     cuda = getattr(mx, "cuda", None)
     return bool(cuda is not None and cuda.is_available())
 
 
 def device_facts() -> Dict[str, Any]:
     """Which device ran, with the backend flags and versions needed to read a table."""
-    import mlx.core as mx
-
     try:
-        import mlx_lm
+        import mlx_lm  # lazy: after select_device (see the note at the top)
 
         mlx_lm_version = getattr(mlx_lm, "__version__", "?")
     except Exception:  # pragma: no cover - mlx_lm is a dependency
@@ -115,10 +118,10 @@ def load_tokenizer(model_path: Path, config: Dict[str, Any]):
     mlx-lm's wrapper lets the set be replaced. A checkpoint without tokenizer files
     (synthetic weights) gets a wrapper whose detokenizer keeps no text.
     """
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from mlx_lm.tokenizer_utils import TokenizerWrapper  # lazy: after select_device
 
     if any((model_path / f).exists() for f in TOKENIZER_FILES):
-        from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+        from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer  # lazy: after select_device
 
         tok = mlx_load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
         tok.eos_token_ids = []
@@ -141,8 +144,6 @@ def vocab_size(config: Dict[str, Any], model: Any) -> int:
 
 def param_bytes(model: Any) -> Dict[str, int]:
     """Bytes of the parameters in memory, by dtype (what the variant really runs)."""
-    from mlx.utils import tree_flatten
-
     c: Counter = Counter()
     for _, v in tree_flatten(model.parameters()):
         c[str(v.dtype).replace("mlx.core.", "")] += int(v.nbytes)
@@ -151,7 +152,7 @@ def param_bytes(model: Any) -> Dict[str, int]:
 
 def one_run(model: Any, tok: Any, prompt: Any, tokens: int) -> Dict[str, Any]:
     """One greedy generation through mlx-lm's stream_generate; its own tok/s figures."""
-    from mlx_lm.generate import stream_generate
+    from mlx_lm.generate import stream_generate  # lazy: after select_device
 
     out: List[int] = []
     t0 = time.perf_counter()
@@ -171,13 +172,8 @@ def one_run(model: Any, tok: Any, prompt: Any, tokens: int) -> Dict[str, Any]:
 
 
 def main(spec: Dict[str, Any]) -> Dict[str, Any]:
-    import numpy as np
-
     select_device(spec.get("device"))
-    import mlx.core as mx
-    from mlx_lm.utils import load_model
-
-    from lorakit.fusion.model import load_unfused
+    from mlx_lm.utils import load_model  # lazy: after select_device
 
     t0 = time.perf_counter()
     model_path = Path(spec["model"])

@@ -39,7 +39,7 @@ from ..errors import LorakitError
 from ..inspect.report import Report
 from ..io.checkpoint import Checkpoint
 from ..io.safetensors import read_header
-from ._worker import MARK, TOKENIZER_FILES
+from ._protocol import MARK, TOKENIZER_FILES
 
 PathLike = Union[str, Path]
 VARIANTS = ("base", "unfused", "promoted", "fused", "mlx-lm-fused")
