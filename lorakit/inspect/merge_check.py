@@ -44,6 +44,7 @@ from .. import numerics as nm
 from ..io.adapter import Adapter, load_adapter
 from .dtype_map import TensorSource, open_source, split_name, weight_f64
 from .report import Report
+from .ulp_stream import compare_sources
 
 __all__ = ["MergeCheck", "merge_check", "intended_pieces", "VERDICTS_OK"]
 
@@ -281,8 +282,6 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
         rows.append(_replacement_row(sf, sb, tensor, r))
     untouched_changed = 0
     if check_untouched:
-        from .ulp import compare_sources
-
         adapted = {t[: -len(".weight")] for t in by_tensor}
         names = []
         for n in sb.tensors:
