@@ -4,10 +4,10 @@ Cells are escaped here, once: a cell's content is text unless it is :class:`Mark
 (HTML that lorakit built itself, e.g. a highlighted token), so callers never call
 ``html.escape`` on table content. Standard library only: importing this costs nothing.
 
->>> facts_table([("dtype", "BF16"), ("a<b", 1)])
-"<table><tr><th style='text-align:left'>dtype</th><td style='text-align:left'>BF16</td></tr><tr><th style='text-align:left'>a&lt;b</th><td style='text-align:left'>1</td></tr></table>"
->>> table([["1", Cell(Markup("<i>x</i>"), style="color:red")]], head=["n", "v"])
-"<table><thead><tr><th>n</th><th>v</th></tr></thead><tbody><tr><td>1</td><td style='color:red'><i>x</i></td></tr></tbody></table>"
+>>> facts_table([("a<b", 1)])
+"<table><tr><th style='text-align:left'>a&lt;b</th><td style='text-align:left'>1</td></tr></table>"
+>>> table([[Cell(Markup("<i>x</i>"), colspan=2)]], head=["n", "v"])
+'<table><thead><tr><th>n</th><th>v</th></tr></thead><tbody><tr><td colspan=2><i>x</i></td></tr></tbody></table>'
 """
 from __future__ import annotations
 

@@ -60,7 +60,8 @@ class UlpReport(Report):
         """``overall``: histogram bars; ``layers``: layer x bin heatmap (fraction of
         elements, log colour); ``tensor=name``: that tensor's histogram."""
         if tensor is not None:
-            return plots.histogram_bars(self.labels, {tensor: list(self.histogram(tensor).values())},
+            series = {tensor: list(self.histogram(tensor).values())}
+            return plots.histogram_bars(self.labels, series,
                                         title=f"ulp distances: {tensor}", ax=ax)
         if level == "layers":
             keys = sorted(self.per_layer, key=lambda k: (k != "-", int(k) if k != "-" else 0))
