@@ -33,6 +33,7 @@ from .ulp_stream import compare_sources
 
 __all__ = ["TensorDiff", "compare_sources", "UlpReport", "ulp_compare", "ulp_tensors",
            "RefUlpReport", "ulp_vs_reference", "error_histogram", "DEFAULT_MAX_BIN"]
+#: names kept importable from here after the split (tests, benchmarks, notebooks)
 _MOVED = (CHUNK_BYTES, _kernel, bin_labels, bits_dtype, kernel_available, _Acc, error_labels)
 
 
