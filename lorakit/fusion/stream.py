@@ -26,6 +26,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .._html import escape, facts_table
+from .._progress import progress_bar
 from ..errors import FuseError, LorakitError, OutputExistsError
 from ..io.adapter import Adapter, load_adapter
 from ..io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
@@ -93,13 +95,8 @@ class FuseResult:
                          [f"  {k:<{w}}  {v}" for k, v in rows])
 
     def _repr_html_(self) -> str:
-        import html
-
-        body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
-                       f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
-                       for k, v in self._rows())
-        return (f"<div><b>lorakit fuse</b>: {html.escape(self.adapter.name)} &rarr; "
-                f"{html.escape(self.output.name)}<table>{body}</table></div>")
+        return (f"<div><b>lorakit fuse</b>: {escape(self.adapter.name)} &rarr; "
+                f"{escape(self.output.name)}{facts_table(self._rows())}</div>")
 
     def __repr__(self) -> str:
         return (f"FuseResult({str(self.output)!r}, {self.tensors_fused} fused, "
@@ -347,8 +344,6 @@ def _fsync_dir(p: Path) -> None:
 def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]], tmp: Path,
            out: Path, rounding: str, dtype_policy: str, dequantize: bool, progress: Any,
            t0: float, replaced: Optional[Dict[str, Replacement]] = None) -> FuseResult:
-    from tqdm.auto import tqdm
-
     from .. import __version__
 
     dtypes: Counter = Counter()
@@ -365,12 +360,7 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
         "lorakit.dtype_policy": dtype_policy,
         "lorakit.dequantize": str(bool(dequantize)).lower(),
     }
-    # disable=None: no bar when stderr is not a terminal (logs, pipes), so an error
-    # there reads as one message; notebooks still show theirs
-    report = progress if callable(progress) else None
-    bar = tqdm(total=ck.nbytes, unit="B", unit_scale=True, desc="lorakit fuse",
-               disable=None if progress is True else True, leave=False)
-    done = 0
+    bar = progress_bar(progress, ck.nbytes, "lorakit fuse")
     it: Optional[_Item] = None
     try:
         for shard, infos in ck.by_shard():
@@ -405,11 +395,7 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
                         w.write(it.name, arr)
                     dtypes[it.plan.dtype] += 1
                     weight_map[it.name] = shard
-                    step = src.nbytes if src is not None else 0
-                    bar.update(step)
-                    if report is not None:
-                        done += step
-                        report(done, ck.nbytes)
+                    bar.update(src.nbytes if src is not None else 0)
             total_bytes += (tmp / shard).stat().st_size
     except LorakitError as e:
         if e.file is not None or it is None:

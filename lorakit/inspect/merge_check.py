@@ -46,6 +46,7 @@ from ..fusion.delta import intended, tensor_pieces
 from ..io.source import TensorSource, open_source, weight_f64
 from .layers import split_name
 from .report import Report
+from .ulp_stream import compare_sources
 
 __all__ = ["MergeCheck", "merge_check", "intended_pieces", "VERDICTS_OK"]
 
@@ -254,8 +255,6 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
         rows.append(_replacement_row(sf, sb, tensor, r))
     untouched_changed = 0
     if check_untouched:
-        from .ulp import compare_sources
-
         adapted = {t[: -len(".weight")] for t in by_tensor}
         names = []
         for n in sb.tensors:

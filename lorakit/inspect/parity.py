@@ -4,25 +4,34 @@ The question after a fuse is usually "does lorakit's output equal ``mlx_lm
 fuse``'s (or PEFT's, or yesterday's)?". :func:`parity` answers with one table:
 elements compared and differing, the largest ulp and absolute difference, per
 tensor and in total, plus every dtype or shape mismatch and every tensor present
-on one side only. It streams both checkpoints (see :func:`lorakit.inspect.ulp.compare_sources`):
-memory stays bounded and identical bytes are skipped at ``memcmp`` speed.
+on one side only. It streams both checkpoints (see
+:func:`lorakit.inspect.ulp_stream.compare_sources`): memory stays bounded and
+identical bytes are skipped at ``memcmp`` speed.
+
+:func:`ulp_compare` is the same comparison seen as ulp histograms: it runs
+:func:`parity` and returns :meth:`ParityReport.ulp_report`.
 
 ``lorakit diff A B [--json]`` prints the same report.
 
 >>> # parity("fused-lorakit", "fused-mlx-lm").identical
+>>> # ulp_compare("fused-lorakit", "fused-mlx-lm").plot()
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .._progress import Progress
+from . import plots
 from .dtype_map import open_source
 from .report import Report
-from .ulp import DEFAULT_MAX_BIN, TensorDiff, bin_labels, compare_sources
+from .ulp_accumulate import DEFAULT_MAX_BIN, TensorDiff, bin_labels
+from .ulp_report import UlpReport, ulp_report
+from .ulp_stream import compare_sources
 
-__all__ = ["ParityReport", "parity"]
+__all__ = ["ParityReport", "parity", "ulp_compare"]
 
 
 @dataclass(repr=False)
@@ -31,23 +40,28 @@ class ParityReport(Report):
 
     ``identical`` is True when every tensor matches bit for bit and both sides hold
     the same names. ``labels`` / ``overall``: the ulp histogram over all tensors
-    compared as same-dtype floats; ``diffs``: the per-tensor :class:`TensorDiff`.
+    compared as same-dtype floats; ``diffs``: the per-tensor :class:`TensorDiff`;
+    ``sources``: the labels of A and B.
     """
 
     identical: bool = False
     labels: List[str] = field(default_factory=list)
     overall: Optional[np.ndarray] = None
     diffs: List[TensorDiff] = field(default_factory=list)
+    sources: Tuple[str, str] = ("A", "B")
 
     def differing(self) -> List[str]:
         """Names of the tensors that are not bit-identical (or one-sided)."""
         return [r["tensor"] for r in self.rows if r["status"] != "equal"]
 
+    def ulp_report(self) -> UlpReport:
+        """The same comparison as ulp histograms per tensor, per layer and overall."""
+        return ulp_report(f"ulp distances {self.sources[0]} vs {self.sources[1]}", self.diffs,
+                          self.labels, {"A": self.summary["A"], "B": self.summary["B"]})
+
     def plot(self, ax=None, kind: str = "tensors"):
         """``tensors``: fraction of differing elements per non-identical tensor;
         ``histogram``: the overall ulp histogram."""
-        from . import plots
-
         if kind == "histogram":
             return plots.histogram_bars(self.labels, {"all tensors": self.overall},
                                         title=self.title, ax=ax)
@@ -62,7 +76,7 @@ class ParityReport(Report):
 
 def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
            names: Optional[Sequence[str]] = None, threads: Optional[int] = None,
-           progress: Union[bool, Callable[[int, int], None]] = True) -> ParityReport:
+           progress: Progress = True) -> ParityReport:
     """Compare two checkpoints (or adapters, files, in-memory models) tensor by tensor.
 
     Args:
@@ -136,4 +150,20 @@ def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                         columns=["tensor", "status", "dtype", "shape", "elements", "differing",
                                  "frac", "max_ulp", "max_abs"],
                         summary=summary, flagged=flagged, identical=identical, labels=labels,
-                        overall=overall, diffs=diffs)
+                        overall=overall, diffs=diffs, sources=(sa.label, sb.label))
+
+
+def ulp_compare(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
+                names: Optional[Sequence[str]] = None, threads: Optional[int] = None,
+                progress: Progress = True) -> UlpReport:
+    """Ulp histograms between two checkpoints (or adapters, files, in-memory models).
+
+    The comparison of :func:`parity` (same arguments), reported as histograms:
+    ``parity(a, b).ulp_report()``. Streams tensor by tensor in pieces of about a MB,
+    so memory stays bounded whatever the checkpoints' size. Tensors of different
+    dtypes or shapes are listed with that status (see :func:`parity` for a verdict).
+
+    >>> # ulp_compare("fused-lorakit", "fused-mlx-lm").plot()
+    """
+    return parity(a, b, max_bin=max_bin, names=names, threads=threads,
+                  progress=progress).ulp_report()

@@ -8,6 +8,7 @@ state, no GUI backend, and Jupyter still renders a returned Figure inline. Pass
 """
 from __future__ import annotations
 
+import io
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -27,7 +28,7 @@ _OTHER_COLOR = "#8c8c8c"
 def _new(ax, size: Tuple[float, float]):
     if ax is not None:
         return ax.figure, ax
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # lazy: matplotlib only when a figure is drawn
 
     _show_figures_in_notebooks(Figure)
     fig = Figure(figsize=size, layout="constrained")
@@ -42,7 +43,7 @@ def _show_figures_in_notebooks(figure_cls) -> None:
     PNG formatter it would. Outside IPython nothing happens.
     """
     try:
-        from IPython import get_ipython
+        from IPython import get_ipython  # lazy: optional, only to register a formatter
     except ImportError:
         return
     ip = get_ipython()
@@ -51,8 +52,6 @@ def _show_figures_in_notebooks(figure_cls) -> None:
         return
 
     def png(fig) -> bytes:
-        import io
-
         buf = io.BytesIO()
         fig.savefig(buf, format="png", bbox_inches="tight")
         return buf.getvalue()
@@ -74,6 +73,7 @@ def _fit(n_rows: int, n_cols: int, base: Tuple[float, float] = (4.0, 2.5)) -> Tu
 
 def dtype_heatmap(dm, ax=None, part: str = "weight"):
     """Layers x kinds, one colour per dtype; flagged tensors outlined in black."""
+    # lazy: matplotlib only when a figure is drawn
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch, Rectangle
 
@@ -107,7 +107,7 @@ def value_heatmap(labels: Sequence[str], kinds: Sequence[str], values: np.ndarra
                   title: str, cbar: str, ax=None, log: bool = False, cmap: str = "viridis",
                   vmin: Optional[float] = None, vmax: Optional[float] = None):
     """A layer x kind heatmap of numbers (NaN cells left blank)."""
-    from matplotlib.colors import LogNorm
+    from matplotlib.colors import LogNorm  # lazy: matplotlib only when a figure is drawn
 
     fig, ax = _new(ax, _fit(len(labels), len(kinds)))
     v = np.ma.masked_invalid(np.asarray(values, dtype=float))

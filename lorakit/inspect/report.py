@@ -8,13 +8,14 @@ request (``plot()``), so matplotlib is imported only then.
 """
 from __future__ import annotations
 
-import html
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
+
+from .._html import FLAGGED, Cell, Markup, escape, facts_table, table
 
 
 def _fmt(v: Any) -> str:
@@ -88,7 +89,7 @@ class Report:
         return json.dumps(self.to_dict(), **kw)
 
     def to_dataframe(self):  # pragma: no cover - pandas is optional
-        import pandas as pd
+        import pandas as pd  # lazy: pandas is optional
 
         return pd.DataFrame(self.rows)
 
@@ -131,29 +132,24 @@ class Report:
 
     # -- notebook view -------------------------------------------------------------------
     def _repr_html_(self) -> str:
-        e = html.escape
-        parts = [f"<div class='lorakit-report'><b>{e(self.title)}</b>"]
+        parts = [f"<div class='lorakit-report'><b>{escape(self.title)}</b>"]
         if self.summary:
-            parts.append("<table>" + "".join(
-                f"<tr><th style='text-align:left'>{e(str(k))}</th>"
-                f"<td style='text-align:left'>{e(_fmt(v))}</td></tr>"
-                for k, v in self.summary.items()) + "</table>")
+            parts.append(facts_table((k, _fmt(v)) for k, v in self.summary.items()))
         cols = self.cols()
         if cols and self.rows:
             flag = set(self.flagged)
-            head = "".join(f"<th>{e(c)}</th>" for c in cols)
-            body = []
+            body: List[List[Any]] = []
+            styles: Dict[int, str] = {}
             prev = -1
             for i in self._shown():
                 if i != prev + 1:
-                    body.append(f"<tr><td colspan={len(cols)}>&hellip; {i - prev - 1} rows"
-                                "</td></tr>")
-                style = " style='background:#fdd'" if i in flag else ""
-                body.append(f"<tr{style}>" + "".join(
-                    f"<td>{e(_fmt(self.rows[i].get(c, '')))}</td>" for c in cols) + "</tr>")
+                    body.append([Cell(Markup(f"&hellip; {i - prev - 1} rows"),
+                                      colspan=len(cols))])
+                if i in flag:
+                    styles[len(body)] = FLAGGED
+                body.append([_fmt(self.rows[i].get(c, "")) for c in cols])
                 prev = i
             parts.append(f"<details open><summary>{len(self.rows)} rows</summary>"
-                         f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}"
-                         f"</tbody></table></details>")
+                         f"{table(body, head=cols, row_styles=styles)}</details>")
         parts.append("</div>")
         return "".join(parts)

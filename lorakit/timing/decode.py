@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+from .._progress import progress_bar
 from ..errors import LorakitError
 from ..inspect.report import Report
 from ..io.checkpoint import Checkpoint
@@ -561,12 +562,8 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
                 "rounds": rounds}
     result = DecodeTiming(title="", settings=settings)
     to_prepare = [n for n in names if n in FUSED_VARIANTS]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(to_prepare) + len(names) * (warmup + repeats) * rounds,
-                   desc="decode timing", unit="step", leave=True)
+    bar = progress_bar(progress, len(to_prepare) + len(names) * (warmup + repeats) * rounds,
+                       "decode timing", unit="step", leave=True) if progress else None
     spec = {"prompt_tokens": prompt_tokens, "tokens": tokens, "repeats": repeats,
             "warmup": warmup, "seed": seed, "device": device}
     work = Path(tempfile.mkdtemp(prefix="lorakit-timing-",

@@ -9,12 +9,12 @@ wants to look closer (``widget.figure``).
 """
 from __future__ import annotations
 
-import html
 import io
 from typing import Any, Dict, Optional
 
 import ipywidgets as W
 
+from .._html import FLAGGED, LEFT, escape, facts_table, table
 from ..inspect.report import Report, _fmt
 
 #: Prefix of the CSS classes that tests select on (``widget.add_class("t-...")``).
@@ -51,40 +51,31 @@ class FigureView(W.Image):
         self.show(None)
 
 
+#: style of the key column in the widgets' key/value tables
+KEY_STYLE = LEFT + ";padding-right:1em"
+
+
 def summary_html(report: Report, title: bool = True) -> str:
     """A report's title and summary facts as a small HTML table (no rows)."""
-    e = html.escape
-    head = f"<b>{e(report.title)}</b>" if title else ""
-    body = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{e(str(k))}</th>"
-                   f"<td style='text-align:left'>{e(_fmt(v))}</td></tr>"
-                   for k, v in report.summary.items())
-    return f"<div class='lorakit-summary'>{head}<table>{body}</table></div>"
+    head = f"<b>{escape(report.title)}</b>" if title else ""
+    return f"<div class='lorakit-summary'>{head}{facts_html(report.summary)}</div>"
 
 
 def rows_html(rows: list, columns: list, flagged: Optional[set] = None) -> str:
     """Rows (dicts) as an HTML table with the given columns; flagged rows shaded."""
-    e = html.escape
-    flagged = flagged or set()
-    head = "".join(f"<th>{e(c)}</th>" for c in columns)
-    body = "".join(
-        ("<tr style='background:#fdd'>" if i in flagged else "<tr>")
-        + "".join(f"<td>{e(_fmt(r.get(c, '')))}</td>" for c in columns) + "</tr>"
-        for i, r in enumerate(rows))
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return table([[_fmt(r.get(c, "")) for c in columns] for r in rows], head=columns,
+                 row_styles={i: FLAGGED for i in flagged or ()})
 
 
 def error_html(exc: BaseException) -> str:
     """A user-facing error: lorakit's own errors carry file, tensor and a hint."""
-    return (f"<div style='color:#a00;white-space:pre-wrap'><b>{html.escape(type(exc).__name__)}"
-            f"</b>: {html.escape(str(exc))}</div>")
+    return (f"<div style='color:#a00;white-space:pre-wrap'><b>{escape(type(exc).__name__)}"
+            f"</b>: {escape(exc)}</div>")
 
 
 def facts_html(facts: Dict[str, Any]) -> str:
-    e = html.escape
-    return "<table>" + "".join(
-        f"<tr><th style='text-align:left;padding-right:1em'>{e(str(k))}</th>"
-        f"<td style='text-align:left'>{e(_fmt(v))}</td></tr>" for k, v in facts.items()
-    ) + "</table>"
+    """Key/value facts (values formatted like report cells) as a two-column table."""
+    return facts_table(((k, _fmt(v)) for k, v in facts.items()), key_style=KEY_STYLE)
 
 
 class ErrorBox(W.HTML):

@@ -13,16 +13,18 @@ margins for one prompt.
 """
 from __future__ import annotations
 
-import html
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import ipywidgets as W
 
+from .._html import LEFT, Cell, Markup, escape, table
 from ..inspect.generation import GenerationReport, _load, compare_generations
 from ._base import ErrorBox, FigureView, hook, summary_html
 
 MARK_STYLE = "background:#ffd54f;font-weight:bold;border-radius:2px"
 REF_MARK_STYLE = "background:#e0e0e0;border-radius:2px"
+#: style of a model's text cell
+TEXT_STYLE = "vertical-align:top;text-align:left;white-space:pre-wrap;max-width:24em"
 
 
 class GenerationCompare(W.VBox):
@@ -81,7 +83,7 @@ class GenerationCompare(W.VBox):
                 raise ValueError("enter at least one prompt")
             for label, spec in self.models.items():
                 if label not in self.loaded:
-                    self.status.value = f"loading {html.escape(label)}..."
+                    self.status.value = f"loading {escape(label)}..."
                     self.loaded[label] = _load(label, spec)
             self.status.value = "generating..."
             rep = compare_generations(self.loaded, prompts, max_tokens=self.max_tokens.value)
@@ -102,23 +104,21 @@ class GenerationCompare(W.VBox):
         if self.report is not None and self.prompt.value is not None:
             self.figure.show(self.report.plot(prompt=self.prompt.value))
 
-    def _marked(self, label: str, tokens: List[int], step: Optional[int], style: str) -> str:
+    def _marked(self, label: str, tokens: List[int], step: Optional[int], style: str) -> Markup:
         """A model's text with the token at ``step`` wrapped in a highlight."""
         tok = self.loaded[label][1]
-        e = html.escape
         if step is None or step >= len(tokens):
-            return e(tok.decode(tokens))
-        return (e(tok.decode(tokens[:step]))
-                + f"<span class='t-gen-diverge' style='{style}'>"
-                + e(tok.decode(tokens[step:step + 1])) + "</span>"
-                + e(tok.decode(tokens[step + 1:])))
+            return Markup(escape(tok.decode(tokens)))
+        return Markup(escape(tok.decode(tokens[:step]))
+                      + f"<span class='t-gen-diverge' style='{style}'>"
+                      + escape(tok.decode(tokens[step:step + 1])) + "</span>"
+                      + escape(tok.decode(tokens[step + 1:])))
 
     def render(self, rep: GenerationReport) -> str:
         """The side-by-side HTML table of a report."""
         labels = list(rep.generations[0]) if rep.generations else []
         ref = labels[0] if labels else ""
-        head = "".join(f"<th style='text-align:left'>{html.escape(m)}</th>" for m in labels)
-        body = []
+        body: List[List[Cell]] = []
         for p, gens in enumerate(rep.generations):
             steps = {r["model"]: r["diverges_at"] for r in rep.rows if r["prompt"] == p}
             parted = [s for m, s in steps.items() if m != ref and s is not None]
@@ -132,9 +132,9 @@ class GenerationCompare(W.VBox):
                     s = steps.get(m)
                     text = self._marked(m, gens[m].tokens, s, MARK_STYLE)
                     note = "same as reference" if s is None else f"parts at token {s}"
-                cells.append(f"<td style='vertical-align:top;text-align:left;white-space:"
-                             f"pre-wrap;max-width:24em'>{text}<br><small><i>{note}</i>"
-                             f"</small></td>")
-            body.append(f"<tr><th colspan={len(labels)} style='text-align:left'>prompt {p}: "
-                        f"{html.escape(gens[ref].prompt)}</th></tr><tr>{''.join(cells)}</tr>")
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+                cells.append(Cell(Markup(f"{text}<br><small><i>{note}</i></small>"),
+                                  style=TEXT_STYLE))
+            body.append([Cell(f"prompt {p}: {gens[ref].prompt}", header=True, style=LEFT,
+                              colspan=len(labels))])
+            body.append(cells)
+        return table(body, head=[Cell(m, header=True, style=LEFT) for m in labels])

@@ -1,0 +1,80 @@
+"""The one progress bar of lorakit's long calls: tqdm, a callback, or nothing.
+
+Every ``progress=`` parameter (fuse, diff, merge check, decode timing) takes the same
+values: ``True`` for a tqdm.auto bar (a widget in notebooks, a bar in terminals, and
+none when stderr is not a terminal: logs and pipes stay clean), ``False`` / ``None``
+for nothing, or a callable ``progress(done, total)`` called after every step.
+
+>>> seen = []
+>>> with progress_bar(lambda done, total: seen.append((done, total)), 10, "demo") as bar:
+...     bar.update(4)
+...     bar.update(6)
+>>> seen
+[(4, 10), (10, 10)]
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+__all__ = ["Progress", "ProgressBar", "progress_bar"]
+
+#: what a ``progress=`` parameter accepts
+Progress = Union[bool, None, Callable[[int, int], None]]
+
+
+class ProgressBar:
+    """Counts steps towards ``total``: drives a tqdm bar, calls a callback, or neither.
+
+    ``update(n)`` after each step, ``close()`` at the end (or use it as a context
+    manager); ``set_postfix_str`` names the current step on a tqdm bar."""
+
+    def __init__(self, total: int, bar: Any = None,
+                 callback: Optional[Callable[[int, int], None]] = None) -> None:
+        self.total = total
+        self.done = 0
+        self._bar = bar
+        self._callback = callback
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+        if self._callback is not None:
+            self._callback(self.done, self.total)
+
+    def set_postfix_str(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str(text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def __enter__(self) -> "ProgressBar":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def progress_bar(progress: Progress, total: int, desc: str, unit: str = "B",
+                 leave: bool = False) -> ProgressBar:
+    """A :class:`ProgressBar` for a ``progress=`` argument (see the module docstring).
+
+    Args:
+        progress: True (tqdm.auto), False/None (nothing) or ``progress(done, total)``.
+        total: steps (bytes for ``unit="B"``, shown scaled: kB, MB, GB).
+        desc: the bar's label.
+        leave: keep the finished bar on screen.
+    """
+    if callable(progress):
+        return ProgressBar(total, callback=progress)
+    if not progress:
+        return ProgressBar(total)
+    # lazy: tqdm.auto imports ipywidgets inside a notebook; only when a bar is shown
+    from tqdm.auto import tqdm
+
+    # disable=None: no bar when stderr is not a terminal (logs, pipes, CI), so an
+    # error there reads as one message; notebooks still show theirs
+    return ProgressBar(total, bar=tqdm(total=total, unit=unit, unit_scale=unit == "B",
+                                       desc=desc, disable=None, leave=leave))
