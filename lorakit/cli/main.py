@@ -128,7 +128,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     report a verdict (``diff``, ``check``) use 1 for "differs"."""
     command = "lorakit"
     try:
-        args = build_parser().parse_args(argv)
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit:  # --help, --version, usage errors: their text is out now
+            sys.stdout.flush()
+            raise
         command = f"lorakit {args.command}"
         try:
             code = int(args.run(args) or 0)
