@@ -177,3 +177,34 @@ def test_head_in_a_shell_pipeline(tmp_path: Path) -> None:
                        shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.stdout == "dtype map of tiny\n" and r.stderr == "", r.stderr
+
+
+@pytest.mark.slow
+def test_cli_os_errors_on_other_paths_are_one_message(here: Path) -> None:
+    """A path the system refuses anywhere (here a 300-byte output name) is one message,
+    exit 2, its name shortened."""
+    import json
+
+    import numpy as np
+
+    from lorakit.io.safetensors import PlannedTensor, SafetensorsWriter
+
+    ck = _tiny_checkpoint(here / "tiny")
+    ad = here / "ad"  # a rank-1 mlx-lm LoRA on the last layer's up_proj
+    ad.mkdir()
+    leaves = {"model.layers.39.mlp.up_proj.lora_a": (2, 1),
+              "model.layers.39.mlp.up_proj.lora_b": (1, 2)}
+    with SafetensorsWriter(ad / "adapters.safetensors",
+                           [PlannedTensor(n, "F32", s) for n, s in leaves.items()]) as w:
+        for n, s in leaves.items():
+            w.write(n, np.full(s, 0.5, np.float32))
+    (ad / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": 1,
+         "lora_parameters": {"rank": 1, "scale": 1.0, "keys": ["mlp.up_proj"]}}))
+    p = _cli("fuse", "--model", str(ck), "--adapter-path", str(here / "ad"), "--save-path",
+             "o" * 300, "-q", cwd=here)
+    _, err = p.communicate(timeout=120)
+    err = err.decode()
+    assert p.returncode == 2 and "Traceback" not in err, err
+    assert err.startswith("lorakit fuse: error: ") and len(err) < 600, err
+    assert "too long" in err, err

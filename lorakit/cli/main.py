@@ -148,7 +148,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         except OSError as e:  # the system refused a path lorakit had not checked itself
             if os.environ.get("LORAKIT_DEBUG"):
                 raise
-            where = f"{e.filename}" if e.filename is not None else "a file"
+            where = str(e.filename) if e.filename is not None else "a file"
+            if len(where) > 240:  # a 4000-byte name would drown the message
+                where = f"{where[:120]}...{where[-60:]} ({len(where)} characters)"
             print(f"{command}: error: cannot use {where}: {e.strerror or e}\n"
                   f"  found: {type(e).__name__}", file=sys.stderr)
             return 2
