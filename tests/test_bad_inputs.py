@@ -942,3 +942,103 @@ def test_pristine_inputs_fuse(kind: str, tmp_path: Path, pristine: Dict[str, Pat
     assert tree_hash(e.inputs) == before
     assert temporaries(e.out) == []
     assert sorted(p.name for p in e.out.iterdir())[:1] == ["config.json"]
+
+
+# -- every dtype of the safetensors spec (issue 14) ------------------------------------------------
+#: bits per element of the dtypes lorakit copies but does not compute on
+SPEC_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8,
+             "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "C64": 64, "BOOL": 8, "U8": 8, "I8": 8,
+             "I16": 16, "U16": 16, "I32": 32, "U32": 32, "I64": 64, "U64": 64, "F64": 64}
+
+
+def add_tensor(e: Env, shard: str, name: str, dtype: str, shape: Tuple[int, ...]) -> bytes:
+    """Append tensor ``name`` to a shard of ``e.base`` (and its index); returns its bytes."""
+    numel = int(np.prod(shape))
+    data = bytes((7 * i + 3) % 256 for i in range(numel * SPEC_BITS[dtype] // 8))
+    header, body = split_st(e.base / shard)
+    header[name] = {"dtype": dtype, "shape": list(shape),
+                    "data_offsets": [len(body), len(body) + len(data)]}
+    write_st(e.base / shard, header, body + data)
+    edit_json(e.base / INDEX, lambda idx: idx["weight_map"].__setitem__(name, shard))
+    return data
+
+
+def set_dtype(e: Env, shard: str, name: str, dtype: str) -> None:
+    """Store tensor ``name`` as ``dtype`` (same shape, new bytes), offsets kept contiguous."""
+    header, body = split_st(e.base / shard)
+    blobs, off = [], 0
+    for n in by_offset(header):
+        b0, b1 = header[n]["data_offsets"]
+        blob = body[b0:b1]
+        if n == name:
+            header[n]["dtype"] = dtype
+            numel = int(np.prod(header[n]["shape"]))
+            blob = bytes(i % 2 for i in range(numel * SPEC_BITS[dtype] // 8))
+        header[n]["data_offsets"] = [off, off + len(blob)]
+        off += len(blob)
+        blobs.append(blob)
+    write_st(e.base / shard, header, b"".join(blobs))
+
+
+@pytest.mark.parametrize("dtype", sorted(SPEC_BITS))
+def test_unadapted_tensor_of_any_spec_dtype_is_copied(dtype: str, tmp_path: Path,
+                                                      pristine: Dict[str, Path]) -> None:
+    """An F4 / F6 / fp8 / complex / integer tensor no adapter touches is copied byte for byte."""
+    import safetensors
+
+    e = make_env(tmp_path, pristine)
+    data = add_tensor(e, S1, "model.extra_codes", dtype, (2, 8))
+    fuse(e.base, e.adapter, e.out, progress=False)
+    out = e.out / S1
+    got = dict(safetensors.deserialize(out.read_bytes()))["model.extra_codes"]
+    assert (got["dtype"], got["shape"], bytes(got["data"])) == (dtype, [2, 8], data)
+
+
+@pytest.mark.parametrize("dtype", ["F4", "F6_E3M2", "F8_E4M3", "C64", "I32"])
+def test_adapted_tensor_of_a_non_float_dtype_is_refused_by_name(
+        dtype: str, tmp_path: Path, pristine: Dict[str, Path]) -> None:
+    e = make_env(tmp_path, pristine)
+    set_dtype(e, S2, Q_PROJ, dtype)
+    before = _inputs_and_output(e)
+    with pytest.raises(LorakitError) as info:
+        fuse(e.base, e.adapter, e.out, progress=False)
+    msg = str(info.value)
+    assert dtype in msg and Q_PROJ in msg, msg
+    _check_nothing_written(e, before)
+
+
+@pytest.mark.slow
+def test_cli_fuse_with_packed_tensors(tmp_path: Path, pristine: Dict[str, Path]) -> None:
+    """Through the CLI: an unadapted F4 tensor fuses (exit 0); an adapted one is one error."""
+    e = make_env(tmp_path, pristine)
+    add_tensor(e, S1, "model.extra_codes", "F4", (4, 4))
+    r = run_cli("fuse", *e.cli_args, "-q")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    set_dtype(e, S2, Q_PROJ, "F4")
+    r = run_cli("fuse", *e.cli_args[:-1], str(e.root / "outdir" / "fused2"), "-q")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("lorakit fuse: error: ") and "F4" in r.stderr, r.stderr
+
+
+def test_gap_and_trailing_bytes_in_a_shard_are_refused(tmp_path: Path,
+                                                      pristine: Dict[str, Path]) -> None:
+    """Bytes hidden between tensors, or after the last one, as the reference refuses them."""
+    e = make_env(tmp_path, pristine)
+    p = e.base / S2
+    header, body = split_st(p)
+    write_st(p, header, body + b"hidden")
+    with pytest.raises(FormatError, match="after the last tensor") as info:
+        fuse(e.base, e.adapter, e.out, progress=False)
+    assert S2 in str(info.value) and "found: 6 more bytes" in str(info.value)
+    first = by_offset(header)[0]
+
+    def shift(h):
+        for n in h:
+            if n != "__metadata__":
+                h[n]["data_offsets"] = [o + 8 for o in h[n]["data_offsets"]]
+    header2 = json.loads(json.dumps(header))
+    shift(header2)
+    write_st(p, header2, b"\0" * 8 + body)
+    with pytest.raises(FormatError, match="bytes between tensors") as info:
+        fuse(e.base, e.adapter, e.out, progress=False)
+    assert f"tensor: {first}" in str(info.value) and "8 unclaimed bytes" in str(info.value)

@@ -1,6 +1,8 @@
 """``lorakit`` command line. Each subcommand parses flags and calls one library verb;
 no math lives here. Errors lorakit raises on purpose print as one message and exit
-with status 2 (set ``LORAKIT_DEBUG=1`` for the traceback)."""
+with status 2 (set ``LORAKIT_DEBUG=1`` for the traceback); so do paths the system
+refuses. When the reader of stdout goes away (``lorakit inspect ... | head``) the
+command stops quietly with status 141, as Unix tools ended by SIGPIPE do."""
 from __future__ import annotations
 
 import argparse
@@ -100,19 +102,63 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+#: exit status when the reader of stdout goes away (``lorakit inspect ... | head``):
+#: 128 + SIGPIPE, what a shell reports for a Unix tool that SIGPIPE ended.
+EXIT_BROKEN_PIPE = 141
+
+
+def _quiet_broken_pipe() -> int:
+    """Stop quietly after the reader of stdout went away, as Unix tools do.
+
+    Python's recipe: point stdout at /dev/null so that the interpreter's final
+    flush does not fail a second time and print "Exception ignored ...".
+    """
     try:
-        return int(args.run(args) or 0)
-    except LorakitError as e:
-        if os.environ.get("LORAKIT_DEBUG"):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is not a real file
+        pass
+    return EXIT_BROKEN_PIPE
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run one command. Exit status: 0 success, 2 a lorakit error (one message on
+    stderr), 130 interrupted, 141 stdout closed early (``| head``); commands that
+    report a verdict (``diff``, ``check``) use 1 for "differs"."""
+    command = "lorakit"
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit:  # --help, --version, usage errors: their text is out now
+            sys.stdout.flush()
             raise
-        print(f"lorakit {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"lorakit {args.command}: interrupted", file=sys.stderr)
-        return 130
+        command = f"lorakit {args.command}"
+        try:
+            code = int(args.run(args) or 0)
+            sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+            return code
+        except LorakitError as e:
+            if os.environ.get("LORAKIT_DEBUG"):
+                raise
+            print(f"{command}: error: {e}", file=sys.stderr)
+            return 2
+        except BrokenPipeError:
+            raise
+        except OSError as e:  # the system refused a path lorakit had not checked itself
+            if os.environ.get("LORAKIT_DEBUG"):
+                raise
+            where = str(e.filename) if e.filename is not None else "a file"
+            if len(where) > 240:  # a 4000-byte name would drown the message
+                where = f"{where[:120]}...{where[-60:]} ({len(where)} characters)"
+            print(f"{command}: error: cannot use {where}: {e.strerror or e}\n"
+                  f"  found: {type(e).__name__}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"{command}: interrupted", file=sys.stderr)
+            return 130
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
 
 
 if __name__ == "__main__":  # pragma: no cover

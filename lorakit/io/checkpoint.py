@@ -11,6 +11,8 @@ folder, are accepted; any other link out of the directory is refused.
 """
 from __future__ import annotations
 
+import difflib
+import errno
 import json
 import os
 import re
@@ -131,13 +133,9 @@ class Checkpoint:
     kind = "checkpoint"
 
     def __init__(self, path: PathLike) -> None:
-        self.path = Path(path)
+        self.path = user_path(path, "model path")
+        check_model_dir(self.path)
         self.label = self.path.name
-        if not self.path.is_dir():
-            raise FormatError("model path is not a directory", file=self.path,
-                              expected="a model directory with config.json",
-                              found="a file" if self.path.exists() else "no such directory",
-                              hint="give a local model directory (or a hub repo id to open_checkpoint)")
         cfg_path = safe_member(self.path, "config.json", source=self.path, what="config.json")
         self.config: Dict[str, Any] = _load_json(cfg_path, "config.json")
         if not isinstance(self.config, dict):
@@ -306,28 +304,120 @@ class Checkpoint:
                 f"{self.dtype}{qs}, {len(self.shards)} shard{'s' if len(self.shards) != 1 else ''})")
 
 
-def resolve_model_path(path_or_repo: PathLike) -> Path:
-    """A local directory as is; otherwise a hub repo id fetched through mlx-lm's downloader."""
-    p = Path(path_or_repo)
-    if p.exists() or p.is_symlink() or os.environ.get("LORAKIT_OFFLINE"):
-        return p
-    if not _REPO_ID.fullmatch(str(path_or_repo)):
-        # a path that does not exist, not a repo id: say so instead of asking the hub
-        raise FormatError("model path does not exist", file=p,
-                          expected="a local model directory or a hub repo id (owner/name)",
-                          found="no such file or directory")
-    from mlx_lm.utils import _download  # the hub path mlx-lm users already rely on
+def user_path(path: PathLike, what: str = "path") -> Path:
+    """``path`` with ``~`` / ``~user`` expanded; an unknown user is a :class:`FormatError`.
 
+    >>> user_path("~/models").is_absolute()
+    True
+    """
+    p = Path(path)
     try:
-        return Path(_download(str(path_or_repo)))
-    except Exception as e:  # the hub client's many error types, offline or not found
-        raise FormatError("cannot fetch the model from the hub", file=str(path_or_repo),
-                          expected="a local directory, or a hub repo reachable now",
-                          found=f"{type(e).__name__}: {str(e)[:160]}") from None
+        return p.expanduser()
+    except RuntimeError:  # ~user for a user this system does not know
+        user = str(path).split(os.sep, 1)[0]
+        raise FormatError(f"{what} names an unknown user", file=str(path),
+                          expected="~ or ~user for an existing user, or a plain path",
+                          found=f"no user {user[1:]!r}") from None
+
+
+def stat_path(path: Path, what: str = "path") -> Optional[os.stat_result]:
+    """``os.stat`` of ``path``: None when nothing is there, a :class:`FormatError`
+    naming the cause for a name too long, a permission denied, a link loop, ..."""
+    try:
+        return path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        cause = {errno.ENAMETOOLONG: "a name in it is longer than the system allows",
+                 errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+                 errno.ELOOP: "too many levels of links"}.get(e.errno, e.strerror or str(e))
+        raise FormatError(f"cannot use the {what}: {cause}", file=_short(path),
+                          expected="an accessible path",
+                          found=f"{type(e).__name__} ({errno.errorcode.get(e.errno, e.errno)})",
+                          hint="check the directories' permissions" if e.errno in
+                          (errno.EACCES, errno.EPERM) else None) from None
+    except ValueError as e:  # an embedded NUL byte
+        raise FormatError(f"cannot use the {what}: {e}", file=_short(path),
+                          expected="a path without NUL bytes", found=repr(str(path))[:80]) from None
+
+
+def _short(path: PathLike) -> str:
+    """A path as shown in an error: a 4000-byte name would drown the message."""
+    s = str(path)
+    return s if len(s) <= 240 else f"{s[:120]}...{s[-60:]} ({len(s)} characters)"
+
+
+def check_model_dir(path: Path) -> None:
+    """Refuse a model path that is not an accessible directory, saying why."""
+    st = stat_path(path, "model path")
+    if st is None and not path.is_symlink():
+        raise FormatError("model path does not exist: no such directory", file=_short(path),
+                          expected="a local model directory or a hub repo id (owner/name)",
+                          found="no such file or directory",
+                          hint=_did_you_mean(path) or "check the path for typos")
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        raise FormatError("model path is not a directory", file=_short(path),
+                          expected="a model directory with config.json",
+                          found="a link to nothing" if st is None else "a file"
+                          if stat.S_ISREG(st.st_mode) else _file_kind(st.st_mode),
+                          hint="give a local model directory (or a hub repo id to open_checkpoint)")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise FormatError("cannot use the model path: permission denied", file=_short(path),
+                          expected="a directory you can list and read",
+                          found=f"mode {stat.filemode(st.st_mode)}",
+                          hint="check the directory's permissions")
+
+
+def _did_you_mean(path: Path) -> Optional[str]:
+    """A hint naming the directories beside ``path`` whose names are close to its own."""
+    parent = path.parent
+    try:
+        names = [p.name for p in parent.iterdir() if p.is_dir()]
+    except OSError:
+        return None
+    close = difflib.get_close_matches(path.name, names, n=3, cutoff=0.6)
+    return "did you mean " + " or ".join(str(parent / n) for n in close) + "?" if close else None
 
 
 #: what a hub repo id looks like (owner/name); anything else is taken as a local path.
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
+
+
+def _looks_local(text: str, p: Path) -> bool:
+    """Whether a missing model path was meant as a local path, not a hub repo id."""
+    if not _REPO_ID.fullmatch(text) or text.startswith(("~", ".")) or "\\" in text:
+        return True
+    if os.sep != "/" and os.sep in text:
+        return True
+    try:
+        return p.parent.is_dir()  # data/tiny-qwen where data/ exists: a typo, not a repo
+    except OSError:
+        return True
+
+
+def resolve_model_path(path_or_repo: PathLike) -> Path:
+    """A local directory as is; otherwise a hub repo id fetched through mlx-lm's downloader.
+
+    A path that does not exist and looks local (``./x``, ``../x``, ``/abs``, ``~/x``,
+    anything not shaped ``owner/name``, or ``owner/name`` where ``owner/`` is a local
+    directory) is refused at once, with the close names beside it, instead of asking
+    the hub. Unknown ``~user``, over-long names and permission errors are one
+    :class:`FormatError` each.
+    """
+    text = os.fspath(path_or_repo)
+    p = user_path(text, "model path")
+    if stat_path(p, "model path") is not None or p.is_symlink() or \
+            os.environ.get("LORAKIT_OFFLINE") or _looks_local(text, p):
+        check_model_dir(p)
+        return p
+    from mlx_lm.utils import _download  # the hub path mlx-lm users already rely on
+
+    try:
+        return Path(_download(text))
+    except Exception as e:  # the hub client's many error types, offline or not found
+        raise FormatError("cannot fetch the model from the hub", file=text,
+                          expected="a local directory, or a hub repo reachable now",
+                          found=f"{type(e).__name__}: {str(e)[:160]}") from None
 
 
 def open_checkpoint(path_or_repo: PathLike) -> Checkpoint:

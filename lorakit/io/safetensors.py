@@ -25,32 +25,46 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Uni
 import numpy as np
 
 from ..errors import FormatError
+from ._safetensors_rules import (DTYPE_BITS, MAX_HEADER_BYTES, Bad, byte_size, check_layout,
+                                 load_header_json, parse_entry)
 
 PathLike = Union[str, Path]
 
-#: bytes per element of every dtype code the format defines.
-ITEMSIZE: Dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
-}
+#: bytes per element of every dtype whose elements fill whole bytes. The sub-byte
+#: codes (F4, F6_*) are only in DTYPE_BITS: use :func:`nbytes_of` for sizes.
+ITEMSIZE: Dict[str, int] = {k: b // 8 for k, b in DTYPE_BITS.items() if b % 8 == 0}
 
 #: numpy dtype used to hold each code's raw data. bf16 has no numpy type: its
-#: bits are held as uint16 (see :mod:`lorakit.numerics`); fp8 as uint8.
+#: bits are held as uint16 (see :mod:`lorakit.numerics`); fp8 as uint8. The packed
+#: sub-byte codes have none: lorakit copies them through but cannot compute on them.
 NUMPY_STORAGE: Dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_), "U8": np.dtype("<u1"), "I8": np.dtype("<i1"),
     "F8_E4M3": np.dtype("<u1"), "F8_E5M2": np.dtype("<u1"), "F8_E8M0": np.dtype("<u1"),
+    "F8_E4M3FNUZ": np.dtype("<u1"), "F8_E5M2FNUZ": np.dtype("<u1"),
     "I16": np.dtype("<i2"), "U16": np.dtype("<u2"), "F16": np.dtype("<f2"),
     "BF16": np.dtype("<u2"), "I32": np.dtype("<i4"), "U32": np.dtype("<u4"),
     "F32": np.dtype("<f4"), "I64": np.dtype("<i8"), "U64": np.dtype("<u8"),
-    "F64": np.dtype("<f8"),
+    "F64": np.dtype("<f8"), "C64": np.dtype("<c8"),
 }
+
+#: dtypes packed below one byte per element: copied through untouched, never read.
+PACKED_CODES = tuple(k for k, b in DTYPE_BITS.items() if b % 8)
+
+
+def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes the data of a ``dtype`` tensor of ``shape`` fills (packed codes included).
+
+    >>> nbytes_of("BF16", (2, 3)), nbytes_of("F4", (4,)), nbytes_of("F6_E2M3", (4,))
+    (12, 2, 3)
+    """
+    n = DTYPE_BITS[dtype]
+    for d in shape:
+        n *= int(d)
+    return n // 8
+
 
 FLOAT_CODES = ("BF16", "F16", "F32", "F64")
 
-#: a header larger than this is refused before it is read (real ones are < 10 MB).
-MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,11 @@ class TensorInfo:
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def packed(self) -> bool:
+        """Whether elements are packed below a byte (F4, F6_*): copy only, never computed on."""
+        return self.dtype in PACKED_CODES
 
     def __repr__(self) -> str:  # cheap: never reads data
         return f"TensorInfo({self.name!r}, {self.dtype}, {list(self.shape)}, {self.file.name})"
@@ -99,21 +118,6 @@ def _bad(path: Path, message: str, tensor: Optional[str] = None, expected: Optio
                        expected=expected, found=found)
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_keys(pairs: List[Tuple[str, object]]) -> Dict[str, object]:
-    out: Dict[str, object] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
-
-
 def _file_kind(mode: int) -> str:
     for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -126,11 +130,12 @@ def _file_kind(mode: int) -> str:
 def read_header(path: PathLike) -> SafetensorsHeader:
     """Read and check a safetensors header without reading any tensor data.
 
-    Every claim the header makes is checked against the file: the header length
-    against the file size, each dtype against the known codes, each byte range
-    against its shape and the data region, and ranges against each other
-    (no overlaps). A failed check raises :class:`~lorakit.errors.FormatError`
-    naming the file and tensor.
+    Accepts exactly the files the ``safetensors`` package accepts (rules in
+    :mod:`lorakit.io._safetensors_rules`), except a tensor name given twice: the
+    header length against the file size, the JSON, each dtype and shape, and the
+    byte ranges, which must tile the data region exactly (no overlaps, no unclaimed
+    bytes between tensors or after the last). A failed check raises
+    :class:`~lorakit.errors.FormatError` naming the file and tensor.
 
     >>> # read_header("model.safetensors").tensors["model.norm.weight"].shape
     """
@@ -158,14 +163,12 @@ def read_header(path: PathLike) -> SafetensorsHeader:
     except OSError as e:
         raise FormatError(f"cannot read safetensors file: {e.strerror or e}", file=path,
                           expected="a readable file", found=type(e).__name__) from None
+    if len(raw) != n:  # the file shrank while we read it
+        raise _bad(path, "file ended inside the header", expected=f"{n} bytes",
+                   found=f"{len(raw)} bytes")
     try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
-    except _DuplicateKey as e:
-        # two entries for one name: readers that keep the first and readers that keep
-        # the last would load different weights from the same file
-        raise _bad(path, "a name appears twice in the header", tensor=e.key,
-                   expected="unique tensor names", found="duplicate") from None
-    except (ValueError, RecursionError) as e:  # JSON, UTF-8 and int-size errors
+        obj = load_header_json(raw)
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8, number and depth errors
         raise _bad(path, "header is not JSON", expected="a UTF-8 JSON object",
                    found=f"{type(e).__name__}: {str(e)[:80]}") from None
     if not isinstance(obj, dict):
@@ -173,65 +176,65 @@ def read_header(path: PathLike) -> SafetensorsHeader:
                    found=type(obj).__name__)
     data_start = 8 + n
     data_len = size - data_start
-    meta = obj.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                             for k, v in meta.items()):
-        raise _bad(path, "__metadata__ must map strings to strings", tensor="__metadata__",
-                   expected="an object of string values", found=repr(meta)[:80])
+    try:
+        meta, infos = _check_header(path, obj, data_start, data_len)
+    except Bad as e:
+        raise _bad(path, e.message, tensor=e.tensor, expected=e.expected,
+                   found=e.found) from None
+    return SafetensorsHeader(path, data_start, meta, {t.name: t for t in infos})
+
+
+def _check_header(path: Path, obj: dict, data_start: int,
+                  data_len: int) -> Tuple[Dict[str, str], List[TensorInfo]]:
+    """Metadata and tensors of a parsed header, in data order; raises ``Bad``."""
+    for key in getattr(obj, "repeated", ()):
+        # two entries for one name: readers that keep the first and readers that keep
+        # the last would load different weights from the same file
+        raise Bad("a name appears twice in the header", key, "unique tensor names",
+                  "duplicate")
+    meta = obj.get("__metadata__")
+    values = list(meta.values()) + list(meta.shadowed) if isinstance(meta, dict) else []
+    if meta is not None and not (isinstance(meta, dict)
+                                 and all(isinstance(v, str) for v in values)):
+        raise Bad("__metadata__ must map strings to strings", "__metadata__",
+                  "an object of string values", repr(meta)[:80])
     infos: List[TensorInfo] = []
     for name, entry in obj.items():
-        if not isinstance(entry, dict):
-            raise _bad(path, "tensor entry is not an object", tensor=name,
-                       expected='{"dtype", "shape", "data_offsets"}', found=repr(entry)[:80])
-        dtype = entry.get("dtype")
-        shape = entry.get("shape")
-        offs = entry.get("data_offsets")
-        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
-            raise _bad(path, "unknown dtype", tensor=name,
-                       expected="one of " + ", ".join(ITEMSIZE), found=repr(dtype)[:40])
-        if (not isinstance(shape, list) or len(shape) > 16
-                or not all(type(d) is int and d >= 0 for d in shape)):
-            raise _bad(path, "shape must be a list of non-negative integers", tensor=name,
-                       expected="a list of at most 16 integers >= 0", found=repr(shape)[:80])
-        if (not isinstance(offs, list) or len(offs) != 2
-                or not all(type(o) is int for o in offs) or not 0 <= offs[0] <= offs[1]):
-            raise _bad(path, "data_offsets must be [begin, end] with 0 <= begin <= end",
-                       tensor=name, expected="[begin, end], integers, 0 <= begin <= end",
-                       found=repr(offs)[:80])
-        numel = 1
-        for d in shape:
-            numel *= d
-        want = numel * ITEMSIZE[dtype]
-        if dtype == "F4":  # two 4-bit values per byte
-            want = (numel + 1) // 2
-        if offs[1] - offs[0] != want:
-            raise _bad(path, "byte length disagrees with shape and dtype", tensor=name,
-                       expected=f"{want} bytes for {dtype}{shape}",
-                       found=f"{offs[1] - offs[0]} bytes")
-        if offs[1] > data_len:
-            raise _bad(path, "tensor data runs past the end of the file (truncated?)",
-                       tensor=name, expected=f"end <= {data_len}", found=f"end = {offs[1]}")
-        infos.append(TensorInfo(name, dtype, tuple(shape), path,
-                                data_start + offs[0], data_start + offs[1]))
+        if name == "__metadata__":
+            continue
+        dtype, shape, begin, end = parse_entry(name, entry)
+        want = byte_size(dtype, shape, name)
+        if end - begin != want:
+            raise Bad("byte length disagrees with shape and dtype", name,
+                      f"{want} bytes for {dtype}{list(shape)}", f"{end - begin} bytes")
+        if end > data_len:
+            raise Bad("tensor data runs past the end of the file (truncated?)", name,
+                      f"end <= {data_len}", f"end = {end}")
+        infos.append(TensorInfo(name, dtype, shape, path, data_start + begin,
+                                data_start + end))
+    check_layout([(t.begin - data_start, t.end - data_start, t.name) for t in infos], data_len)
     infos.sort(key=lambda t: (t.begin, t.end))
-    prev: Optional[TensorInfo] = None
-    for t in infos:
-        if not t.nbytes:
-            continue  # an empty tensor holds no bytes; it must not hide an overlap either
-        if prev is not None and t.begin < prev.end:
-            raise _bad(path, "tensors overlap", tensor=t.name,
-                       expected=f"begin >= {prev.end - data_start} (end of {prev.name})",
-                       found=f"begin = {t.begin - data_start}")
-        prev = t
-    return SafetensorsHeader(path, data_start, dict(meta), {t.name: t for t in infos})
+    return {str(k): v for k, v in (meta or {}).items()}, infos
 
 
 def read_raw(info: TensorInfo, rows: Optional[slice] = None) -> np.ndarray:
     """Read one tensor (or a slice of its leading axis) into a numpy array.
 
     Floats come back as their storage: float16/float32/float64 arrays, bf16 as
-    uint16 bits. Only the bytes asked for are read.
+    uint16 bits, fp8 as uint8. Only the bytes asked for are read. Packed sub-byte
+    dtypes (F4, F6_*) are refused by name: lorakit copies them but cannot compute on them.
     """
+    if info.dtype not in NUMPY_STORAGE:
+        raise FormatError(f"lorakit cannot compute on {info.dtype} tensors (packed "
+                          f"{DTYPE_BITS[info.dtype]}-bit elements)", file=info.file,
+                          tensor=info.name, expected="one of " + ", ".join(NUMPY_STORAGE),
+                          found=info.dtype,
+                          hint="such tensors are copied through untouched; an adapter "
+                          "cannot be fused into one")
+    if len(info.shape) > _NUMPY_MAXDIMS:
+        raise FormatError("tensor has more dimensions than numpy supports", file=info.file,
+                          tensor=info.name, expected=f"<= {_NUMPY_MAXDIMS} dimensions",
+                          found=f"{len(info.shape)} dimensions")
     dt = NUMPY_STORAGE[info.dtype]
     shape = info.shape
     begin, count = info.begin, info.numel
@@ -245,16 +248,27 @@ def read_raw(info: TensorInfo, rows: Optional[slice] = None) -> np.ndarray:
         begin += start * row * dt.itemsize
         count = max(stop - start, 0) * row
         shape = (max(stop - start, 0),) + tuple(shape[1:])
-    if info.dtype == "F4":
-        raise FormatError("reading F4 tensors is not supported", file=info.file, tensor=info.name)
+    want = count * dt.itemsize  # Python ints: no overflow; the header check bounded it
+    if begin + want > info.end:
+        raise FormatError("read past the tensor's data", file=info.file, tensor=info.name,
+                          expected=f"<= {info.nbytes} bytes", found=f"{want} bytes")
     with open(info.file, "rb") as f:
         f.seek(begin)
-        buf = f.read(count * dt.itemsize)
-    if len(buf) != count * dt.itemsize:
+        buf = f.read(want)
+    if len(buf) != want:
         raise FormatError("file ended before the tensor's data", file=info.file,
-                          tensor=info.name, expected=f"{count * dt.itemsize} bytes",
+                          tensor=info.name, expected=f"{want} bytes",
                           found=f"{len(buf)} bytes")
-    return np.frombuffer(buf, dtype=dt).reshape(shape)
+    try:
+        return np.frombuffer(buf, dtype=dt).reshape(shape)
+    except ValueError:  # a dimension past numpy's index type (2**63), with zero elements
+        raise FormatError("numpy cannot hold this tensor's shape", file=info.file,
+                          tensor=info.name, expected="dimensions below 2**63",
+                          found=f"{list(info.shape)}"[:80]) from None
+
+
+#: numpy 2 arrays have at most 64 dimensions (numpy 1: 32).
+_NUMPY_MAXDIMS = 64 if int(np.__version__.split(".")[0]) >= 2 else 32
 
 
 def raw_to_mx(raw: np.ndarray, dtype: str):
@@ -284,7 +298,7 @@ def _mx_codes() -> Dict[object, str]:
     return {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.float64: "F64",
             mx.uint32: "U32", mx.int32: "I32", mx.uint8: "U8", mx.int8: "I8",
             mx.uint16: "U16", mx.int16: "I16", mx.int64: "I64", mx.uint64: "U64",
-            mx.bool_: "BOOL"}
+            mx.bool_: "BOOL", mx.complex64: "C64"}
 
 
 class _LazyCodes(dict):
@@ -309,10 +323,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        n = ITEMSIZE[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
+        return nbytes_of(self.dtype, self.shape)
 
 
 class SafetensorsWriter:

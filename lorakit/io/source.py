@@ -25,7 +25,7 @@ from .. import numerics as nm
 from ..errors import FormatError
 from .checkpoint import Checkpoint, QuantParams, _load_json, resolve_model_path
 from .dtypes import majority_dtype
-from .safetensors import FLOAT_CODES, ITEMSIZE, TensorInfo, raw_to_mx, read_header, read_raw
+from .safetensors import FLOAT_CODES, TensorInfo, nbytes_of, raw_to_mx, read_header, read_raw
 
 __all__ = ["TensorMeta", "TensorSource", "FileSource", "ModelSource", "open_source",
            "majority_dtype", "weight_f64"]
@@ -55,7 +55,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * ITEMSIZE[self.dtype]
+        return nbytes_of(self.dtype, self.shape)
 
 
 @runtime_checkable
