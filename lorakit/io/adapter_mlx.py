@@ -11,9 +11,12 @@ that is not a parameter of those layers, or of another shape, listing each one
 ("contains incompatible tensors").
 
 lorakit refuses the same files, with every offending tensor listed, instead of
-fusing tensors the unfused adapter never applies. What can be checked from the
-adapter alone is checked by :func:`load_mlx`; where the model's layer count
-matters, :func:`check_layer_scope` finishes the check against a checkpoint.
+fusing tensors the unfused adapter never applies. :func:`load_mlx` refuses, without
+reading them, tensors for blocks outside the last ``num_layers`` of any model that
+holds the blocks the adapter names. Modules outside ``keys`` are refused by
+:func:`check_layer_scope` once the base model is known (after binding, so that a
+module the model does not have at all is reported as such), together with blocks
+outside the last ``num_layers`` of that model.
 """
 from __future__ import annotations
 
@@ -51,15 +54,22 @@ class MlxScope:
         """Index of the first adapted block of a model with ``n_layers`` blocks."""
         return max(n_layers - self.num_layers, 0) if self.num_layers > 0 else 0
 
-    def refusal(self, module: str, n_layers: Optional[int]) -> Optional[str]:
+    def refusal(self, module: str, n_layers: Optional[int], keys: bool = True
+                ) -> Optional[str]:
         """Why mlx-lm puts no LoRA layer on ``module`` (None: it does, or may).
 
-        ``n_layers``: the model's block count, or None to check only what holds for
-        any model.
+        ``n_layers``: the model's block count. ``keys=False``: check only the block
+        index, leaving modules that ``keys`` does not name alone.
+
+        >>> MlxScope(2, frozenset({"self_attn.q_proj"})).refusal(
+        ...     "model.layers.1.self_attn.q_proj", 8)
+        'layer 1 is not among the last 2 layers (num_layers=2; adapted: layers 6..7)'
         """
         if self.keys is not None and module in self.keys:
             return None  # a whole path in keys: mlx-lm adapts it wherever it is
         m = _IN_LAYER.match(module)
+        if not keys and (m is None or (self.keys is not None and m.group(3) not in self.keys)):
+            return None
         if m is None:
             return ("outside model.layers, and lora_parameters.keys does not name it "
                     "in full" if self.keys is not None else
@@ -155,15 +165,17 @@ def _scope_errors(groups: Dict[str, Dict[str, str]], scope: MlxScope,
                   n_layers: Optional[int]) -> List[str]:
     """A line per tensor mlx-lm would refuse as "not an adapter parameter in the model".
 
-    Without the model's block count (``n_layers`` None) the smallest model that
-    holds every layer the adapter names is assumed: what it refuses, every model does.
+    Without the model's block count (``n_layers`` None) only block indices are
+    checked, for the smallest model that holds every block the adapter names: what
+    that model refuses, every model does.
     """
+    keys = n_layers is not None
     if n_layers is None:
         idx = [int(m.group(2)) for m in map(_IN_LAYER.match, groups) if m]
         n_layers = max(idx) + 1 if idx else None
     out = []
     for module, leaves in groups.items():
-        why = scope.refusal(module, n_layers)
+        why = scope.refusal(module, n_layers, keys)
         if why:
             out += [f"  {n}: not an adapter parameter in the model: {why}"
                     for n in leaves.values()]
