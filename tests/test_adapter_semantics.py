@@ -404,3 +404,12 @@ def test_quant_mode_disagrees_with_scales(base_q: Path, tmp_path: Path) -> None:
     with pytest.raises(FormatError) as info:
         ck.quant_params(Q.format(0))
     assert "mxfp4 mode: uint8 scales and no biases" in info.value.expected
+
+
+def test_peft_two_adapters_in_one_file_refused(peft_ad: Path) -> None:
+    name = "base_model.model.model.layers.2.self_attn.q_proj.lora_A.weight"
+    t = load_file(str(peft_ad / "adapter_model.safetensors"))
+    t[name.replace("lora_A.weight", "lora_A.other.weight")] = t[name] * 2
+    save_file(t, str(peft_ad / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="a second tensor for the same factor"):
+        load_adapter(peft_ad)

@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters (``adapter_model.safetensors`` + ``adapter_config.json``), read as PEFT runs them.
+"""PEFT LoRA adapters (``adapter_model.safetensors``, ``adapter_config.json``), as PEFT runs them.
 
 PEFT (``tuners_utils.check_target_module_exists``) puts a LoRA layer on a module
 whose full name ``key`` (``model.layers.0.self_attn.q_proj``)
@@ -161,7 +161,8 @@ def _patterns(cfg: Dict[str, Any], key: str, cfg_path: Path, integer: bool) -> D
     pat = cfg.get(key) or {}
     if not isinstance(pat, dict) or any(number(v) is None or v <= 0 for v in pat.values()):
         raise AdapterError(f"{key} must map module names to positive numbers",
-                           file=cfg_path, tensor=key, expected='{"<module>": <positive number>, ...}',
+                           file=cfg_path, tensor=key,
+                           expected='{"<module>": <positive number>, ...}',
                            found=repr(pat)[:80])
     if integer and any(whole(v) is None for v in pat.values()):
         raise AdapterError(f"{key} values must be whole numbers (ranks)", file=cfg_path,
@@ -262,7 +263,11 @@ def _sort_names(names: List[str], s: PeftSettings) -> _Sorted:
                      r".\1", key)
         for leaf, tag in _LEAVES.items():
             if key.endswith("." + leaf):
-                out.groups.setdefault(key[: -len(leaf) - 1], {})[tag] = name
+                g = out.groups.setdefault(key[: -len(leaf) - 1], {})
+                if tag in g:  # e.g. ".lora_A.default.weight" beside ".lora_A.other.weight"
+                    out.errors.append(f"  {name}: a second tensor for the same factor as "
+                                      f"{g[tag]} (expected one adapter per file, found two)")
+                g[tag] = name
                 break
         else:
             what = ("a modules_to_save copy of a module that adapter_config.json's "
@@ -405,7 +410,8 @@ def check_targets_exist(adapter: Adapter, modules: Sequence[str], source: Path) 
     if s.target_modules is None:
         return
     if not any(s.refusal(m) is None for m in modules):
-        raise AdapterError("target_modules match no module of the model", file=adapter.path / CONFIG,
+        raise AdapterError("target_modules match no module of the model",
+                           file=adapter.path / CONFIG,
                            tensor="target_modules",
                            expected=f"module names of the model at {source}",
                            found=repr(s.target_modules)[:120],
