@@ -1042,3 +1042,75 @@ def test_gap_and_trailing_bytes_in_a_shard_are_refused(tmp_path: Path,
     with pytest.raises(FormatError, match="bytes between tensors") as info:
         fuse(e.base, e.adapter, e.out, progress=False)
     assert f"tensor: {first}" in str(info.value) and "8 unclaimed bytes" in str(info.value)
+
+
+# -- adapters read as their runtime runs them (issue 14) ----------------------------------------
+# Kept out of CASES (whose ids are fixed when test_bad_input is parametrized): each runs
+# through the same checks, API and CLI.
+RUNTIME_CASES: List[Case] = []
+
+
+def runtime_case(id: str, error: Type[LorakitError], file: str, *says: str,
+                 tensor: Optional[str] = None):
+    def deco(fn):
+        RUNTIME_CASES.append(Case(id, fn, error, file, says, tensor))
+        return fn
+    return deco
+
+
+@runtime_case("adapter-layer-outside-num-layers", AdapterError, "adapters.safetensors",
+              "not an adapter parameter in the model", "not among the last 1 layers",
+              tensor="model.layers.0.self_attn.q_proj.lora_a")
+def _(e):
+    edit_json(e.adapter / "adapter_config.json", lambda c: c.update(num_layers=1))
+
+
+@runtime_case("adapter-config-rank-disagrees", AdapterError, "adapters.safetensors",
+              "rank 4 in the tensors but 8 in the config", "expected rank 8, found 4",
+              tensor="model.layers.0.self_attn.q_proj")
+def _(e):
+    edit_json(e.adapter / "adapter_config.json", lambda c: c["lora_parameters"].update(rank=8))
+
+
+@runtime_case("adapter-config-rank-not-a-number", AdapterError, "adapter_config.json",
+              "lora_parameters.rank missing or not a positive integer", "found: 'four'",
+              tensor="lora_parameters.rank")
+def _(e):
+    edit_json(e.adapter / "adapter_config.json",
+              lambda c: c["lora_parameters"].update(rank="four"))
+
+
+@runtime_case("adapter-path-names-another-file", AdapterError, "0000100_adapters.safetensors",
+              "adapter path names a file lorakit does not read", "expected: the adapter directory")
+def _(e):
+    shutil.copy(mlx_weights(e), e.adapter / "0000100_adapters.safetensors")
+    e.adapter = e.adapter / "0000100_adapters.safetensors"
+
+
+@runtime_case("peft-tensor-outside-target-modules", AdapterError, "adapter_model.safetensors",
+              "PEFT puts no LoRA layer on model.layers.0.mlp.down_proj", "target_modules",
+              tensor="base_model.model.model.layers.0.mlp.down_proj.lora_A.weight")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json",
+              lambda c: c.update(target_modules=["q_proj", "v_proj"]))
+
+
+@runtime_case("peft-layer-outside-layers-to-transform", AdapterError, "adapter_model.safetensors",
+              "layer 0 is not in layers_to_transform [1]",
+              tensor="base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json", lambda c: c.update(layers_to_transform=[1]))
+
+
+@runtime_case("quant-bits-disagree-with-codes", FormatError, "model.safetensors",
+              "quantization config disagrees with the packed weight", "bits=3", "4-bit codes",
+              tensor="_proj.weight")
+def _(e):
+    e.base, e.adapter = e.at("base_q"), e.at("ad_q")
+    edit_json(e.base / "config.json", lambda c: c["quantization"].update(bits=3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("c", RUNTIME_CASES, ids=[c.id for c in RUNTIME_CASES])
+def test_bad_input_runtime(c: Case, tmp_path: Path, pristine: Dict[str, Path]) -> None:
+    test_bad_input(c, tmp_path, pristine)

@@ -116,6 +116,42 @@ def _posint(x: Any) -> bool:
     return type(x) is int and x > 0
 
 
+#: modes whose scales are shared exponents (uint8) and that have no biases.
+_FP_MODES = ("mxfp4", "nvfp4", "mxfp8")
+
+
+def _check_packing(w: TensorInfo, s: TensorInfo, gs: int, bits: int, mode: str,
+                   biases: Optional[TensorInfo], where: str) -> None:
+    """Raise unless weight ``w`` and scales ``s`` are what ``bits`` / ``gs`` / ``mode`` pack.
+
+    Packing: ``in`` values of ``bits`` bits fill ``in * bits / 32`` uint32 columns;
+    one scale per ``gs`` values. So ``cols * 32 == bits * scale_cols * gs``."""
+    cols, groups = w.shape[-1], s.shape[-1]
+    if cols * 32 != bits * groups * gs:
+        in_dims = groups * gs
+        found_bits = f"{cols * 32 / in_dims:g}" if in_dims else "?"
+        raise FormatError(
+            "quantization config disagrees with the packed weight", file=w.file, tensor=w.name,
+            expected=f"bits={bits}, group_size={gs} (config.json quantization, {where}): "
+            f"weight U32[..., {in_dims * bits // 32 if in_dims * bits % 32 == 0 else '?'}] "
+            f"for scales [..., {groups}]",
+            found=f"weight U32{list(w.shape)}: {found_bits}-bit codes at group_size={gs}",
+            hint=f"fix config.json's quantization (or add a per-module entry "
+            f"\"{w.name[:-len('.weight')]}\": {{\"group_size\": ..., \"bits\": ...}})")
+    if mode == "affine" and (s.dtype not in FLOAT_CODES or biases is None):
+        raise FormatError(
+            "quantization config disagrees with the packed weight", file=s.file, tensor=s.name,
+            expected="affine mode: float scales and a .biases tensor beside them",
+            found=f"scales {s.dtype}, {'no biases' if biases is None else 'biases present'}",
+            hint="set config.json's quantization mode to the one the weights were packed "
+            "with (mxfp4 / nvfp4 / mxfp8 keep uint8 scales and no biases)")
+    if mode in _FP_MODES and (s.dtype != "U8" or biases is not None):
+        raise FormatError(
+            "quantization config disagrees with the packed weight", file=s.file, tensor=s.name,
+            expected=f"{mode} mode: uint8 scales and no biases",
+            found=f"scales {s.dtype}, {'no biases' if biases is None else 'biases present'}")
+
+
 class Checkpoint:
     """A base checkpoint directory, opened lazily: the directory implementation of
     :class:`~lorakit.io.source.TensorSource` (``kind == "checkpoint"``).
@@ -205,44 +241,55 @@ class Checkpoint:
 
     @property
     def quantization(self) -> Optional[Dict[str, Any]]:
-        q = self.config.get("quantization") or self.config.get("quantization_config")
+        q = self._quant_config()
         if isinstance(q, dict) and "bits" in q and "group_size" in q:
             return q
         return None
 
+    def _quant_config(self) -> Dict[str, Any]:
+        """config.json's ``quantization`` (mlx-lm) or ``quantization_config`` dict, or {}."""
+        q = self.config.get("quantization") or self.config.get("quantization_config")
+        return q if isinstance(q, dict) else {}
+
     def quant_params(self, module: str) -> Optional[QuantParams]:
-        """Packing parameters of quantized module ``module`` (None if not quantized)."""
+        """Packing parameters of quantized module ``module`` (None if not quantized).
+
+        They come from config.json's ``quantization`` (a per-module entry overriding
+        the top level, as mlx-lm reads it) and are checked against the packed tensors:
+        a U32 weight of ``in * bits / 32`` columns and scales of ``in / group_size``
+        columns. A config that disagrees with the codes is refused (a fused copy would
+        carry the wrong numbers into its own config)."""
         if f"{module}.scales" not in self.tensors:
             return None
+        s = self.tensors[f"{module}.scales"]
         if f"{module}.weight" not in self.tensors:
-            s = self.tensors[f"{module}.scales"]
             raise FormatError("quantization scales without a weight", file=s.file,
                               tensor=s.name, expected=f"{module}.weight beside it",
                               found="no such tensor")
-        q = self.quantization or {}
-        override = q.get(module)
-        src = override if isinstance(override, dict) else q
         w = self.tensors[f"{module}.weight"]
-        s = self.tensors[f"{module}.scales"]
         if w.dtype != "U32" or not w.shape or not s.shape or w.shape[:-1] != s.shape[:-1]:
             raise FormatError("quantized weight has an unexpected layout", file=w.file,
                               tensor=w.name, expected="packed U32 weight (..., in*bits/32) "
                               "with scales (..., in/group_size)",
                               found=f"weight {w.dtype}{list(w.shape)}, "
                               f"scales {s.dtype}{list(s.shape)}")
+        q = self._quant_config()
+        override = q.get(module)
+        if override is False:  # mlx-lm leaves this module in float
+            raise FormatError("config.json says this module is not quantized, but it has "
+                              "quantization scales", file=w.file, tensor=w.name,
+                              expected=f"a float {module}.weight (quantization[{module!r}] is "
+                              "false)", found=f"packed weight U32{list(w.shape)} with scales")
+        src = override if isinstance(override, dict) else q
         mode = str(src.get("mode", "affine"))
         gs, bits = src.get("group_size"), src.get("bits")
-        if not (_posint(gs) and _posint(bits)) or \
-                w.shape[-1] * 32 != bits * s.shape[-1] * gs:
-            # infer as mlx-lm does: in_dims from scales * group size
-            if _posint(gs):
-                in_dims = s.shape[-1] * gs
-                bits = (w.shape[-1] * 32) // in_dims if in_dims else 0
-            if not (_posint(gs) and _posint(bits)):
-                raise FormatError("cannot tell how a quantized weight was packed",
-                                  file=w.file, tensor=w.name,
-                                  expected="quantization {group_size, bits} in config.json",
-                                  found=json.dumps(src)[:120])
+        if not (_posint(gs) and _posint(bits)):
+            raise FormatError("cannot tell how a quantized weight was packed",
+                              file=w.file, tensor=w.name,
+                              expected="quantization {group_size, bits} (positive integers) "
+                              "in config.json", found=json.dumps(src)[:120])
+        _check_packing(w, s, gs, bits, mode, self.tensors.get(f"{module}.biases"),
+                       "override" if override is not None else "top level")
         return QuantParams(int(gs), int(bits), mode)
 
     # -- tensors ------------------------------------------------------------------

@@ -1,0 +1,251 @@
+"""What an adapter is to lorakit, whatever its format: the shared types and helpers.
+
+The two formats are read by :mod:`lorakit.io.adapter_mlx` and
+:mod:`lorakit.io.adapter_peft`; :func:`lorakit.io.adapter.load_adapter` picks one.
+
+Whatever the format, an adapter becomes a list of :class:`LoraTarget`, one per
+adapted module, each holding ``A`` (…, r, in), ``B`` (…, out, r), a float
+``scale`` and an optional DoRA ``magnitude``, so that the intended change of the
+module's weight (as stored in the checkpoint) is::
+
+    delta = scale * (B @ A)
+
+The orientation is chosen so that this holds for every layer type:
+
+========================  ==========================  ==========================
+layer / format            B                           A
+========================  ==========================  ==========================
+mlx-lm Linear             lora_b.T        (out, r)     lora_a.T        (r, in)
+mlx-lm Embedding          lora_a          (vocab, r)   lora_b          (r, dims)
+mlx-lm SwitchLinear       lora_b   (experts, out, r)   lora_a   (experts, r, in)
+PEFT Linear               lora_B.weight   (out, r)     lora_A.weight   (r, in)
+PEFT fan_in_fan_out       lora_A.weight.T (in, r)      lora_B.weight.T (r, out)
+PEFT Embedding            lora_embedding_A.T           lora_embedding_B.T
+========================  ==========================  ==========================
+
+mlx-lm's own fuse computes ``(scale * B) @ A`` in every case, which lets
+:mod:`lorakit.fusion` reproduce its rounding exactly from this one form.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+
+import numpy as np
+
+from ..errors import AdapterError
+from ..numerics import float_format, to_float32
+from .safetensors import TensorInfo, read_header, read_raw
+
+PathLike = Union[str, Path]
+
+MLX_WEIGHTS = "adapters.safetensors"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+EMBEDDING_HINTS = ("embed_tokens", "wte", "word_embeddings", "embed_in", "tok_embeddings",
+                   "embeddings")
+FLOAT_ADAPTER_CODES = ("F32", "F16", "BF16", "F64")
+
+
+@dataclass
+class LoraTarget:
+    """The low-rank change to one module's weight: ``delta = scale * (B @ A)``.
+
+    Attributes:
+        module: module path in the model, without format prefixes
+            (``model.layers.3.self_attn.q_proj``).
+        kind: ``"linear"``, ``"embedding"`` or ``"switch"`` (stacked MoE experts).
+        A: float32 (…, r, in). B: float32 (…, out, r).
+        scale: the multiplier applied to ``B @ A``.
+        magnitude: DoRA's learned row norms (out,), or None for plain LoRA.
+        names: the adapter tensor names this target came from (for messages).
+        base_weight: a copy of the base weight saved with the adapter (PEFT does this
+            for embedding LoRA); it replaces the checkpoint's weight when fusing.
+    """
+
+    module: str
+    kind: str
+    A: np.ndarray
+    B: np.ndarray
+    scale: float
+    magnitude: Optional[np.ndarray] = None
+    names: Tuple[str, ...] = ()
+    base_weight: Optional[Tuple[np.ndarray, str]] = None  # (raw, dtype code), PEFT only
+
+    @property
+    def rank(self) -> int:
+        return int(self.A.shape[-2])
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """Shape of the weight this target changes (for switch: experts, out, in)."""
+        return tuple(self.B.shape[:-1]) + (int(self.A.shape[-1]),)
+
+    @property
+    def is_dora(self) -> bool:
+        return self.magnitude is not None
+
+    def __repr__(self) -> str:
+        d = ", DoRA" if self.is_dora else ""
+        return f"LoraTarget({self.module!r}, {self.kind}, r={self.rank}, scale={self.scale:g}{d})"
+
+
+@dataclass
+class Replacement:
+    """A whole tensor the adapter carries in place of the base's: PEFT's
+    ``modules_to_save`` (a trained copy of e.g. ``lm_head`` or a norm), which
+    ``merge_and_unload()`` puts into the merged model as it is.
+
+    Attributes:
+        module: module path (``lm_head``, ``model.norm``).
+        leaf: ``weight`` or ``bias``.
+        raw: the tensor's storage as saved (float bits), ``code`` its dtype.
+        name: the tensor's name in the adapter file (for messages).
+    """
+
+    module: str
+    leaf: str
+    raw: np.ndarray
+    code: str
+    name: str
+
+    def __repr__(self) -> str:
+        return f"Replacement({self.module}.{self.leaf}, {self.code}{list(self.raw.shape)})"
+
+
+@dataclass
+class Adapter:
+    """An adapter read from disk, in lorakit's one description.
+
+    Attributes:
+        path: the adapter directory.
+        format: ``"mlx-lm"`` or ``"peft"``.
+        targets: one :class:`LoraTarget` per adapted module, in file order.
+        config: the raw adapter_config.json.
+        weights_file: the safetensors file the tensors came from.
+        replacements: whole tensors that replace the base's (PEFT ``modules_to_save``).
+    """
+
+    path: Path
+    format: str
+    targets: List[LoraTarget]
+    config: Dict[str, Any]
+    weights_file: Path
+    fine_tune_type: str = "lora"
+    replacements: List[Replacement] = field(default_factory=list)
+    _sha256: Optional[str] = field(default=None, repr=False)
+
+    @property
+    def sha256(self) -> str:
+        """Hash of the weights file and config, recorded in fused outputs."""
+        if self._sha256 is None:
+            h = hashlib.sha256()
+            for p in (self.path / CONFIG, self.weights_file):
+                with open(p, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 20), b""):
+                        h.update(chunk)
+            self._sha256 = h.hexdigest()
+        return self._sha256
+
+    @property
+    def is_dora(self) -> bool:
+        return any(t.is_dora for t in self.targets)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __repr__(self) -> str:
+        kinds = sorted({t.kind for t in self.targets})
+        ranks = sorted({t.rank for t in self.targets})
+        return (f"Adapter({str(self.path)!r}, {self.format}, {self.fine_tune_type}, "
+                f"{len(self.targets)} targets, rank {'/'.join(map(str, ranks))}, "
+                f"{'/'.join(kinds)})")
+
+
+class AdapterTensors:
+    """An adapter's weights file, read lazily: the header at once, each tensor's data
+    only when :meth:`read` asks for it (so a tensor that is refused or unused is never
+    read into memory).
+
+    >>> # AdapterTensors(Path("data/adapters/lora/adapters.safetensors")).names[:1]
+    """
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+        self.infos: Dict[str, TensorInfo] = read_header(file).tensors  # file order
+
+    @property
+    def names(self) -> List[str]:
+        return list(self.infos)
+
+    def check_float(self, name: str) -> None:
+        """Raise unless tensor ``name`` is stored as a float (checked from the header)."""
+        dtype = self.infos[name].dtype
+        if dtype not in FLOAT_ADAPTER_CODES:
+            raise AdapterError("adapter tensor is not floating point", file=self.file,
+                               tensor=name, expected="F32, F16 or BF16", found=dtype)
+
+    def read_f32(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as float32, checked to be finite."""
+        self.check_float(name)
+        info = self.infos[name]
+        raw = read_raw(info)
+        x = raw.astype(np.float32) if info.dtype == "F64" else \
+            to_float32(raw, float_format(info.dtype))
+        check_finite(self.file, name, x)
+        return x
+
+    def read_raw(self, name: str) -> Tuple[np.ndarray, str]:
+        """Tensor ``name``'s storage as saved, with its dtype code."""
+        info = self.infos[name]
+        return read_raw(info), info.dtype
+
+
+def number(x: Any) -> Optional[float]:
+    """``x`` as a finite float, or None (bools, strings, huge ints, NaN, Inf)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        v = float(x)
+    except OverflowError:  # an integer beyond float range
+        return None
+    return v if math.isfinite(v) else None
+
+
+def whole(x: Any) -> Optional[int]:
+    """``x`` as a positive int if it is a JSON integer (not a bool, not 8.0), else None."""
+    return x if type(x) is int and x > 0 else None
+
+
+def check_magnitude(name: str, m_shape: Tuple[int, ...], want: Tuple[int, ...]) -> Optional[str]:
+    """A problem line if a DoRA magnitude of shape ``m_shape`` does not have one entry
+    per output row (``want``: the output rows' shape)."""
+    n = 1
+    for d in m_shape:
+        n *= d
+    if tuple(m_shape) != tuple(want) and not (len(m_shape) == 1 and (n,) == tuple(want)):
+        return (f"  {name}: DoRA magnitude has the wrong shape: expected {list(want)} "
+                f"(one per output row), found {list(m_shape)}")
+    return None
+
+
+def check_finite(file: Path, name: str, x: np.ndarray) -> None:
+    """Raise if ``x`` holds NaN or Inf."""
+    if not np.isfinite(x).all():
+        bad = int((~np.isfinite(x)).sum())
+        raise AdapterError("adapter tensor holds NaN or Inf", file=file, tensor=name,
+                           expected="finite values", found=f"{bad} non-finite of {x.size}")
+
+
+def problems(file: Path, errors: Iterable[str], expected: str,
+             headline: str = "problem(s) in the adapter's tensors",
+             hint: Optional[str] = None) -> AdapterError:
+    """One error listing every problem line found in an adapter."""
+    errors = list(errors)
+    return AdapterError(f"{len(errors)} {headline}:\n" + "\n".join(errors), file=file,
+                        expected=expected, found=f"{len(errors)} problem(s), listed above",
+                        hint=hint)

@@ -1,0 +1,418 @@
+"""PEFT LoRA adapters (``adapter_model.safetensors``, ``adapter_config.json``), as PEFT runs them.
+
+PEFT (``tuners_utils.check_target_module_exists``) puts a LoRA layer on a module
+whose full name ``key`` (``model.layers.0.self_attn.q_proj``)
+
+* is not excluded: ``exclude_modules`` (a regex that full-matches ``key``, or names
+  equal to ``key`` or to a ``.``-suffix of it) and the ``modules_to_save`` modules;
+* is matched by ``target_modules``: a regex string full-matching ``key``, or a list
+  whose entries equal ``key`` (then no layer filter applies) or a ``.``-suffix of it;
+* lies in ``layers_to_transform`` (when given and non-empty), the layer index being
+  the first number after ``.<layers_pattern>.`` (or after any ``.<name>.``).
+
+Its rank and alpha come from the first ``rank_pattern`` / ``alpha_pattern`` key that
+matches ``(.*\\.)?(key)$``, else ``r`` / ``lora_alpha``. PEFT raises when
+``target_modules`` matches nothing. lorakit refuses tensors for modules PEFT would
+not adapt (it would drop them unused), every one listed, and ranks that disagree
+with the config.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ..errors import AdapterError
+from ..numerics import to_float64
+from .adapter_base import (CONFIG, PEFT_PREFIX, PEFT_WEIGHTS, Adapter, AdapterTensors,
+                           LoraTarget, Replacement, check_magnitude, number, problems, whole)
+
+_LEAVES = {
+    "lora_A.weight": "A", "lora_B.weight": "B",
+    "lora_embedding_A": "EA", "lora_embedding_B": "EB",
+    "lora_magnitude_vector": "M", "lora_magnitude_vector.weight": "M",
+    # PEFT saves the base embedding beside an embedding LoRA and loads it over the
+    # base model's (e.g. after resizing the vocabulary): it is the weight to fuse into
+    "base_layer.weight": "W",
+}
+_UNSUPPORTED = {
+    "use_qalora": "QA-LoRA", "lora_bias": "LoRA bias", "use_bdlora": "BD-LoRA",
+    # duplicated layers change the model's structure: no fuse into the base's tensors
+    "layer_replication": "layer_replication",
+    # activated LoRA applies only after its invocation tokens: merging changes outputs
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    # LoRA on raw nn.Parameters (MoE expert tensors) is stored in another layout
+    "target_parameters": "LoRA on parameters (target_parameters)",
+}
+_ALL_LINEAR = "all-linear"
+
+Names = Union[str, List[str], None]  # a regex, a list of names, or absent
+
+
+@dataclass
+class PeftSettings:
+    """The parts of a PEFT LoRA config that decide what is adapted and how much."""
+
+    r: int
+    alpha: float
+    rslora: bool = False
+    dora: bool = False
+    fan_in_fan_out: bool = False
+    rank_pattern: Dict[str, int] = field(default_factory=dict)
+    alpha_pattern: Dict[str, float] = field(default_factory=dict)
+    target_modules: Names = None
+    exclude_modules: Names = None
+    layers_to_transform: Optional[List[int]] = None
+    layers_pattern: Optional[List[str]] = None
+    modules_to_save: List[str] = field(default_factory=list)
+
+    def refusal(self, key: str) -> Optional[str]:
+        """Why PEFT puts no LoRA layer on module ``key`` (None: it does).
+
+        >>> PeftSettings(4, 8, target_modules=["q_proj"]).refusal("model.layers.0.mlp.up_proj")
+        "not matched by target_modules ['q_proj']"
+        """
+        ex = self.exclude_modules
+        if ex and (re.fullmatch(ex, key) if isinstance(ex, str) else
+                   key in ex or any(key.endswith("." + e) for e in ex)):
+            return f"excluded by exclude_modules {ex!r}"
+        if any(re.match(rf"(^|.*\.){m}($|\..*)", key) for m in self.modules_to_save):
+            return "a modules_to_save module (PEFT never puts LoRA on those)"
+        tm = self.target_modules
+        if tm is None:  # PEFT fills in its per-architecture default: not known here
+            return None
+        if isinstance(tm, str):
+            hit = (not key.endswith("lm_head")) if tm.lower() == _ALL_LINEAR else \
+                re.fullmatch(tm, key) is not None
+            return None if hit else f"not matched by target_modules {tm!r}"
+        if key in tm:
+            return None  # named in full: no layer filter
+        if not any(key.endswith("." + t) for t in tm):
+            return f"not matched by target_modules {tm!r}"
+        if self.layers_to_transform:
+            layer = _layer_index(key, self.layers_pattern)
+            if layer is None:
+                return ("no layer index in its name, and layers_to_transform "
+                        f"{self.layers_to_transform} is set")
+            if layer not in self.layers_to_transform:
+                return f"layer {layer} is not in layers_to_transform {self.layers_to_transform}"
+        return None
+
+    def rank_alpha(self, key: str) -> Tuple[int, float]:
+        """(r, lora_alpha) for module ``key``, after rank_pattern / alpha_pattern."""
+        rk = _pattern_key(self.rank_pattern, key)
+        ak = _pattern_key(self.alpha_pattern, key)
+        return (self.rank_pattern[rk] if rk is not None else self.r,
+                self.alpha_pattern[ak] if ak is not None else self.alpha)
+
+
+def _layer_index(key: str, patterns: Optional[List[str]]) -> Optional[int]:
+    """PEFT's layer index of ``key``: the first number after ``.<pattern>.``."""
+    for p in patterns or [r"[^.]*"]:
+        m = re.match(rf".*?\.{p}\.(\d+)\.", key)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def _pattern_key(patterns: Dict[str, Any], key: str) -> Optional[str]:
+    """PEFT's ``get_pattern_key``: the first pattern matching ``(.*\\.)?(pattern)$``."""
+    return next((p for p in patterns if re.match(rf"(.*\.)?({p})$", key)), None)
+
+
+def _names(cfg: Dict[str, Any], key: str, cfg_path: Path) -> Names:
+    """A config entry that is a regex string or a list of module names (or absent)."""
+    v = cfg.get(key)
+    if v is None or isinstance(v, str):
+        return v
+    if isinstance(v, list) and all(isinstance(x, str) and x for x in v):
+        return list(v)
+    raise AdapterError(f"{key} must be a regex or a list of module names", file=cfg_path,
+                       tensor=key, expected='"<regex>" or ["q_proj", ...]', found=repr(v)[:80])
+
+
+def _check_regexes(cfg_path: Path, key: str, patterns: Sequence[str]) -> None:
+    for p in patterns:
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise AdapterError(f"{key} holds an invalid regular expression", file=cfg_path,
+                               tensor=key, expected="a valid Python regex",
+                               found=f"{p!r}: {e}"[:120]) from None
+
+
+def _positive(cfg_path: Path, key: str, val: Any, integer: bool) -> Any:
+    v = number(val)
+    if v is None or v <= 0:
+        raise AdapterError(f"PEFT config needs a positive {key}", file=cfg_path, tensor=key,
+                           expected="a positive number", found=repr(val)[:80])
+    if integer and whole(val) is None:
+        raise AdapterError(f"PEFT config's {key} must be a whole number", file=cfg_path,
+                           tensor=key, expected="a positive integer (a rank)",
+                           found=repr(val)[:80])
+    return val
+
+
+def _patterns(cfg: Dict[str, Any], key: str, cfg_path: Path, integer: bool) -> Dict[str, Any]:
+    pat = cfg.get(key) or {}
+    if not isinstance(pat, dict) or any(number(v) is None or v <= 0 for v in pat.values()):
+        raise AdapterError(f"{key} must map module names to positive numbers",
+                           file=cfg_path, tensor=key,
+                           expected='{"<module>": <positive number>, ...}',
+                           found=repr(pat)[:80])
+    if integer and any(whole(v) is None for v in pat.values()):
+        raise AdapterError(f"{key} values must be whole numbers (ranks)", file=cfg_path,
+                           tensor=key, expected='{"<module>": <positive integer>, ...}',
+                           found=repr(pat)[:80])
+    _check_regexes(cfg_path, key, list(pat))
+    return dict(pat)
+
+
+def peft_settings(cfg: Dict[str, Any], cfg_path: Path) -> PeftSettings:
+    """The checked :class:`PeftSettings` of a PEFT adapter config (one error per problem)."""
+    ptype = cfg.get("peft_type", "LORA")
+    if str(ptype).upper() != "LORA":
+        raise AdapterError("unsupported PEFT method", file=cfg_path, tensor="peft_type",
+                           expected="LORA", found=repr(ptype))
+    for key, what in _UNSUPPORTED.items():
+        if cfg.get(key):
+            raise AdapterError(f"unsupported PEFT feature: {what}", file=cfg_path, tensor=key,
+                               expected="false / absent", found=repr(cfg.get(key)))
+    if cfg.get("bias", "none") not in ("none", None):
+        raise AdapterError("unsupported PEFT feature: trained biases", file=cfg_path,
+                           tensor="bias", expected='"none"', found=repr(cfg.get("bias")))
+    s = PeftSettings(_positive(cfg_path, "r", cfg.get("r"), True),
+                     float(_positive(cfg_path, "lora_alpha", cfg.get("lora_alpha"), False)),
+                     bool(cfg.get("use_rslora", False)), bool(cfg.get("use_dora", False)),
+                     bool(cfg.get("fan_in_fan_out", False)))
+    s.rank_pattern = _patterns(cfg, "rank_pattern", cfg_path, True)
+    s.alpha_pattern = _patterns(cfg, "alpha_pattern", cfg_path, False)
+    if s.dora and s.fan_in_fan_out:
+        raise AdapterError("unsupported PEFT feature: DoRA with fan_in_fan_out", file=cfg_path,
+                           tensor="use_dora", expected="not both", found="both true")
+    layers = cfg.get("layers_to_transform")
+    if type(layers) is int:
+        layers = [layers]
+    if layers is not None and not (isinstance(layers, list)
+                                   and all(type(i) is int for i in layers)):
+        raise AdapterError("layers_to_transform must be a layer index or a list of them",
+                           file=cfg_path, tensor="layers_to_transform",
+                           expected="an integer or a list of integers", found=repr(layers)[:80])
+    s.layers_to_transform = layers
+    lp = _names(cfg, "layers_pattern", cfg_path)
+    s.layers_pattern = [lp] if isinstance(lp, str) else lp
+    s.target_modules = _names(cfg, "target_modules", cfg_path)
+    s.exclude_modules = _names(cfg, "exclude_modules", cfg_path)
+    saved = cfg.get("modules_to_save") or []
+    if isinstance(saved, str):
+        saved = [saved]
+    if not isinstance(saved, list) or not all(isinstance(m, str) and m for m in saved):
+        raise AdapterError("modules_to_save must be a list of module names", file=cfg_path,
+                           tensor="modules_to_save", expected='["lm_head", ...]',
+                           found=repr(saved)[:80])
+    s.modules_to_save = saved
+    for key, val in (("target_modules", s.target_modules), ("exclude_modules", s.exclude_modules),
+                     ("layers_pattern", s.layers_pattern), ("modules_to_save", saved)):
+        if val and not (key == "target_modules" and val == _ALL_LINEAR):
+            _check_regexes(cfg_path, key, [val] if isinstance(val, str) else val)
+    return s
+
+
+def _saved_module(key: str, saved: List[str]) -> Optional[Tuple[str, str]]:
+    """(module, leaf) when ``key`` is a modules_to_save tensor, else None.
+
+    PEFT saves the trained copy of a ``modules_to_save`` module under the module's
+    own name (``lm_head.weight``; older versions kept ``.modules_to_save.<adapter>``
+    in it) and matches the configured names as PEFT does: a plain suffix of the module
+    path (``"norm"`` matches ``model.norm`` and every ``*_layernorm``)."""
+    key = re.sub(r"\.modules_to_save\.[^.]+\.", ".", key)
+    module, _, leaf = key.rpartition(".")
+    if leaf not in ("weight", "bias") or not module or re.search(
+            r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector|base_layer)(\.|$)", key):
+        return None
+    if any(module.endswith(m) for m in saved):
+        return module, leaf
+    return None
+
+
+@dataclass
+class _Sorted:
+    """An adapter file's tensor names sorted by role, before any data is read."""
+
+    groups: Dict[str, Dict[str, str]] = field(default_factory=dict)  # module -> tag -> name
+    saved: List[Tuple[str, str, str]] = field(default_factory=list)  # (name, module, leaf)
+    errors: List[str] = field(default_factory=list)
+
+
+def _sort_names(names: List[str], s: PeftSettings) -> _Sorted:
+    """Group LoRA tensors by module, pick out modules_to_save copies, list the rest."""
+    out = _Sorted()
+    for name in names:
+        key = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+        rep = _saved_module(key, s.modules_to_save)
+        if rep is not None:
+            out.saved.append((name,) + rep)
+            continue
+        # Some PEFT versions keep the adapter name in keys (".lora_A.default.weight").
+        key = re.sub(r"\.(lora_[AB])\.(?!weight$)[^.]+\.weight$", r".\1.weight", key)
+        key = re.sub(r"\.(lora_embedding_[AB]|lora_magnitude_vector)\.(?!weight$)[^.]+$",
+                     r".\1", key)
+        for leaf, tag in _LEAVES.items():
+            if key.endswith("." + leaf):
+                g = out.groups.setdefault(key[: -len(leaf) - 1], {})
+                if tag in g:  # e.g. ".lora_A.default.weight" beside ".lora_A.other.weight"
+                    out.errors.append(f"  {name}: a second tensor for the same factor as "
+                                      f"{g[tag]} (expected one adapter per file, found two)")
+                g[tag] = name
+                break
+        else:
+            what = ("a modules_to_save copy of a module that adapter_config.json's "
+                    "modules_to_save does not list" if "modules_to_save" in key else
+                    "not a LoRA tensor")
+            out.errors.append(f"  {name}: {what} (expected .lora_A.weight / .lora_B.weight / "
+                              f".lora_embedding_A / .lora_embedding_B / .lora_magnitude_vector)")
+    return out
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One module's LoRA tensors, checked from the header."""
+
+    module: str
+    kind: str  # linear / embedding
+    a: str
+    b: str
+    m: Optional[str]
+    w: Optional[str]
+    scale: float
+    names: Tuple[str, ...]
+
+
+def _plan(module: str, g: Dict[str, str], ts: AdapterTensors, s: PeftSettings
+          ) -> Tuple[Optional[_Plan], Optional[str]]:
+    """Check one module's tensors from the header: (plan, None) or (None, problem line)."""
+    emb = "EA" in g or "EB" in g
+    ka, kb = ("EA", "EB") if emb else ("A", "B")
+    if ka not in g or kb not in g:
+        return None, (f"  {module}: needs both {'lora_embedding_A/B' if emb else 'lora_A/B'} "
+                      f"(found only {', '.join(g.values())})")
+    na, nb = g[ka], g[kb]
+    for n in (na, nb):
+        ts.check_float(n)
+    a, b = ts.infos[na].shape, ts.infos[nb].shape
+    if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+        return None, (f"  {module}: rank mismatch: expected {na} (r, in) and {nb} "
+                      f"(out, r), found {list(a)} and {list(b)}")
+    want_r, alpha = s.rank_alpha(module)
+    if a[0] != want_r:
+        return None, (f"  {module}: rank {a[0]} in the tensors but {want_r} in the config "
+                      f"(r / rank_pattern): expected rank {want_r}, found {a[0]}")
+    m = g.get("M")
+    if m is not None:
+        ts.check_float(m)
+        rows = (a[1],) if (emb or s.fan_in_fan_out) else (b[0],)
+        bad = check_magnitude(m, ts.infos[m].shape, rows)
+        if bad:
+            return None, bad
+    elif s.dora:
+        return None, (f"  {module}: use_dora is set but lora_magnitude_vector is missing "
+                      f"(expected a DoRA magnitude, found none)")
+    scale = float(alpha) / (math.sqrt(want_r) if s.rslora else want_r)
+    return _Plan(module, "embedding" if emb else "linear", na, nb, m, g.get("W"), scale,
+                 tuple(g.values())), None
+
+
+def _target(p: _Plan, ts: AdapterTensors, fan_in_fan_out: bool) -> LoraTarget:
+    """Read one planned module and orient it as ``delta = scale * B @ A``."""
+    a, b = ts.read_f32(p.a), ts.read_f32(p.b)
+    mag = ts.read_f32(p.m).reshape(-1) if p.m else None
+    if p.kind == "embedding" or fan_in_fan_out:
+        # PEFT embedding: delta = (lora_embedding_B @ lora_embedding_A).T * scaling
+        A, B = b.T, a.T
+    else:
+        A, B = a, b
+    base_w = ts.read_raw(p.w) if p.w else None
+    return LoraTarget(p.module, p.kind, np.ascontiguousarray(A), np.ascontiguousarray(B),
+                      p.scale, mag, p.names, base_w)
+
+
+def _replacement(name: str, module: str, leaf: str, ts: AdapterTensors
+                 ) -> Tuple[Optional[Replacement], Optional[str]]:
+    """Read one modules_to_save copy: (replacement, None) or (None, problem line)."""
+    dt = ts.infos[name].dtype
+    if dt not in ("F16", "BF16", "F32"):
+        return None, (f"  {name}: a modules_to_save tensor must be float "
+                      f"(expected F16/BF16/F32, found {dt})")
+    raw, _ = ts.read_raw(name)
+    if not np.isfinite(to_float64(raw, dt)).all():
+        return None, (f"  {name}: modules_to_save tensor holds NaN or Inf "
+                      f"(expected finite values, found non-finite)")
+    return Replacement(module, leaf, raw, dt, name), None
+
+
+def load_peft(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None) -> Adapter:
+    """Read a PEFT LoRA adapter directory whose config is ``cfg``.
+
+    Names, scope (what PEFT adapts), dtypes, shapes and ranks are checked from the
+    header; only tensors that pass are read. All problems are reported in one error.
+    """
+    cfg_path = path / CONFIG
+    file = file or path / PEFT_WEIGHTS
+    s = peft_settings(cfg, cfg_path)
+    ts = AdapterTensors(file)
+    found = _sort_names(ts.names, s)
+    errors = found.errors
+    plans: List[_Plan] = []
+    for module, g in found.groups.items():
+        why = s.refusal(module)
+        if why:
+            errors += [f"  {n}: PEFT puts no LoRA layer on {module}: {why}" for n in g.values()]
+            continue
+        plan, err = _plan(module, g, ts, s)
+        if err:
+            errors.append(err)
+        elif plan:
+            plans.append(plan)
+    if not errors:
+        both = sorted({m for _, m, _ in found.saved} & {p.module for p in plans})
+        if both:
+            errors.append(f"  {', '.join(both)}: both LoRA factors and a modules_to_save copy "
+                          f"(expected one or the other, found both)")
+    replacements: List[Replacement] = []
+    if not errors:
+        for name, module, leaf in found.saved:
+            rep, err = _replacement(name, module, leaf, ts)
+            errors += [err] if err else []
+            replacements += [rep] if rep else []
+    if errors:
+        raise problems(file, errors, "base_model.model.<module>.lora_A.weight (r, in) and "
+                       ".lora_B.weight (out, r) for each module PEFT adapts "
+                       "(target_modules, layers_to_transform, exclude_modules)")
+    if not plans and not replacements:
+        raise AdapterError("adapter holds no LoRA tensors", file=file,
+                           expected="base_model.model.<module>.lora_A.weight / .lora_B.weight",
+                           found="none")
+    targets = [_target(p, ts, s.fan_in_fan_out) for p in plans]
+    return Adapter(path, "peft", targets, cfg, file, "dora" if s.dora else "lora",
+                   replacements=replacements)
+
+
+def check_targets_exist(adapter: Adapter, modules: Sequence[str], source: Path) -> None:
+    """Refuse a PEFT adapter whose ``target_modules`` match none of ``modules`` (the
+    model's module names), as PEFT does ("Target modules ... not found in the base model")."""
+    if adapter.format != "peft" or adapter.targets:
+        return  # a target that binds is a match
+    s = peft_settings(adapter.config, adapter.path / CONFIG)
+    if s.target_modules is None:
+        return
+    if not any(s.refusal(m) is None for m in modules):
+        raise AdapterError("target_modules match no module of the model",
+                           file=adapter.path / CONFIG,
+                           tensor="target_modules",
+                           expected=f"module names of the model at {source}",
+                           found=repr(s.target_modules)[:120],
+                           hint="PEFT refuses this adapter on this model too")
