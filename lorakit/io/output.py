@@ -26,43 +26,27 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
-import json
 import os
-import re
-import secrets
 import shutil
 import signal
 import stat
 import threading
-import warnings
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Type, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Type, Union
 
 from ..errors import OutputExistsError
+from .provenance import IGNORABLE, PROVENANCE, foreign_entries, write_provenance
+from .temporaries import (ACTIVE, SYNTH_MARK, TMP_MARK, OutputWarning, _alive,
+                          clean_stale_temporaries, live_temporaries, stale_temporaries,
+                          temp_owner, temp_path)
 
 PathLike = Union[str, Path]
 
-#: marks of lorakit's temporary siblings: ``.NAME<mark>[old-]PID-RANDOM``
-TMP_MARK = ".lorakit-tmp-"
-SYNTH_MARK = ".lorakit-synth-"
-_MARKS = (TMP_MARK, SYNTH_MARK)
-_TAIL = re.compile(r"(old-)?([0-9]{1,10})-([0-9a-f]{8,32})")
-
-#: the provenance file lorakit writes into every output it makes
-PROVENANCE = "lorakit.json"
-_FORMAT = "lorakit-output/1"
-_HASH_LIMIT = 16 << 20  # files up to this size are also recorded by sha256
-_IGNORABLE = frozenset({".DS_Store"})  # written by macOS Finder, not by the user
-
-#: temporaries this process is writing right now (its own pid is alive, but a
-#: temporary of its own that is not listed here is left over from a failed run)
-_ACTIVE: Set[Path] = set()
-
-
-class OutputWarning(UserWarning):
-    """Temporaries of a running lorakit process were found and left in place."""
+__all__ = ["check_output_path", "OutputDirectory", "Interrupted", "OutputWarning", "PROVENANCE",
+           "TMP_MARK", "SYNTH_MARK", "foreign_entries", "write_provenance", "stale_temporaries",
+           "live_temporaries", "clean_stale_temporaries", "temp_owner", "_alive", "_inside",
+           "_publish", "_fsync_path", "_fsync_dir"]
 
 
 class Interrupted(KeyboardInterrupt):
@@ -132,7 +116,7 @@ def _check_replaceable(out: Path, st: os.stat_result, *, force: bool, allow_empt
     """Raise unless the existing ``out`` may be replaced under these flags."""
     is_dir = stat.S_ISDIR(st.st_mode)
     try:
-        empty = is_dir and not [n for n in os.listdir(out) if n not in _IGNORABLE]
+        empty = is_dir and not [n for n in os.listdir(out) if n not in IGNORABLE]
         foreign = foreign_entries(out) if is_dir and force else []
     except OSError as e:  # unreadable: what it holds cannot be known, so it is kept
         raise OutputExistsError("cannot read the existing output directory", file=out,
@@ -161,192 +145,35 @@ def _check_replaceable(out: Path, st: os.stat_result, *, force: bool, allow_empt
             "deletes what lorakit did not write")
 
 
-def foreign_entries(path: Path) -> List[str]:
-    """Entries of directory ``path`` that lorakit did not write, each with the reason.
-
-    Empty for an empty directory and for a previous lorakit output whose every
-    entry is listed, with its size (and sha256 for small files), in ``lorakit.json``.
-    """
-    names = sorted(n for n in os.listdir(path) if n not in _IGNORABLE)
-    manifest = _read_manifest(path)
-    out: List[str] = []
-    for n in names:
-        if n == PROVENANCE and manifest is not None:
-            continue
-        rec = manifest.get(n) if manifest is not None else None
-        if rec is None:
-            out.append(f"{n!r} (not written by lorakit)")
-            continue
-        st = os.lstat(path / n)
-        if not stat.S_ISREG(st.st_mode):
-            out.append(f"{n!r} (not the file lorakit wrote)")
-        elif st.st_size != rec.get("size") or (
-                "sha256" in rec and _sha256(path / n) != rec["sha256"]):
-            out.append(f"{n!r} (changed since lorakit wrote it)")
-    return out
-
-
-def _read_manifest(path: Path) -> Optional[Dict[str, Dict[str, Any]]]:
-    """The ``files`` table of ``path``'s provenance, or None if it has none (or a bad one)."""
-    p = path / PROVENANCE
-    try:
-        if not stat.S_ISREG(os.lstat(p).st_mode) or os.lstat(p).st_size > 1 << 24:
-            return None
-        doc = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
-        return None
-    files = doc.get("files")
-    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
-        return None
-    return files
-
-
-def _sha256(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_provenance(directory: Path, kind: str, info: Mapping[str, Any]) -> Path:
-    """Write ``lorakit.json``: what made this output and every file it holds.
-
-    Args:
-        directory: the (temporary) output directory, complete but for this file.
-        kind: what wrote it (``fuse``, ``synth-checkpoint``, ``synth-adapter``).
-        info: JSON-serialisable facts (settings, hashes); no paths or times, so the
-            same inputs give the same bytes.
-    """
-    from .. import __version__
-
-    files: Dict[str, Dict[str, Any]] = {}
-    for name in sorted(os.listdir(directory)):
-        p = directory / name
-        st = os.lstat(p)
-        if name == PROVENANCE or not stat.S_ISREG(st.st_mode):
-            continue
-        rec: Dict[str, Any] = {"size": st.st_size}
-        if st.st_size <= _HASH_LIMIT:
-            rec["sha256"] = _sha256(p)
-        files[name] = rec
-    doc = {"format": _FORMAT, "kind": kind, "lorakit_version": __version__, **dict(info),
-           "files": files}
-    target = directory / PROVENANCE
-    if target.is_symlink():  # copied from an input: never write through a link
-        target.unlink()
-    target.write_text(json.dumps(doc, indent=2) + "\n")
-    return target
-
-
-# -- temporaries ---------------------------------------------------------------------------
-def temp_owner(out: Path, entry: str) -> Optional[int]:
-    """The pid in ``entry`` if it is exactly the name of a temporary of ``out``, else None.
-
-    >>> temp_owner(Path("/x/a[1]"), ".a[1].lorakit-tmp-42-0123abcd")
-    42
-    >>> temp_owner(Path("/x/a[1]"), ".a1.lorakit-tmp-42-0123abcd") is None
-    True
-    """
-    for mark in _MARKS:
-        prefix = f".{out.name}{mark}"
-        if entry.startswith(prefix):
-            m = _TAIL.fullmatch(entry[len(prefix):])
-            if m:
-                return int(m.group(2))
-    return None
-
-
-def _temporaries(out: Path) -> List[Tuple[Path, int]]:
-    """(path, owner pid) of every directory named exactly as a temporary of ``out``."""
-    try:
-        entries = list(os.scandir(out.parent))
-    except OSError:
-        return []
-    found = []
-    for e in entries:
-        pid = temp_owner(out, e.name)
-        if pid is not None and e.is_dir(follow_symlinks=False):
-            found.append((Path(e.path), pid))
-    return sorted(found)
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process with this pid exists (ours, or one we may not signal)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OverflowError:
-        return False
-
-
-def _is_live(p: Path, pid: int) -> bool:
-    if pid == os.getpid():
-        return p in _ACTIVE
-    return _alive(pid)
-
-
-def stale_temporaries(out: Path) -> List[Path]:
-    """Temporaries of ``out`` whose process is gone (safe to delete), by exact name."""
-    return [p for p, pid in _temporaries(out) if not _is_live(p, pid)]
-
-
-def live_temporaries(out: Path) -> List[Path]:
-    """Temporaries of ``out`` that a running lorakit process is writing."""
-    return [p for p, pid in _temporaries(out) if _is_live(p, pid)]
-
-
-def clean_stale_temporaries(out: Path) -> List[Path]:
-    """Delete the temporaries dead processes left beside ``out``; return (and warn
-    about) the ones a running process still writes, which are left in place."""
-    for p in stale_temporaries(out):
-        shutil.rmtree(p, ignore_errors=True)
-    live = live_temporaries(out)
-    if live:
-        warnings.warn(f"{len(live)} temporary director{'y' if len(live) == 1 else 'ies'} of "
-                      f"a running lorakit process beside {out} left in place: "
-                      + ", ".join(p.name for p in live), OutputWarning, stacklevel=3)
-    return live
-
-
-def _temp_path(out: Path, mark: str, old: bool = False) -> Path:
-    return out.parent / (f".{out.name}{mark}{'old-' if old else ''}{os.getpid()}-"
-                         f"{secrets.token_hex(6)}")
-
-
 # -- signals -------------------------------------------------------------------------------
 class _SignalGuard:
     """SIGTERM/SIGHUP -> :class:`Interrupted` while installed (main thread only).
 
-    A signal that was ignored (``nohup``) stays ignored. Inside ``deferred()``
-    sections (renames, cleanup) a signal is only recorded. On ``restore`` the
-    previous handlers come back and a caught signal is delivered to them, so a
-    process whose default was to die still dies of that signal, after cleanup.
+    A signal that was ignored (``nohup``) stays ignored. While ``defer`` is set
+    (publishing, cleaning up) a signal, SIGINT included, is only recorded, so a
+    second Ctrl-C cannot cut a cleanup short. On ``restore`` the previous handlers
+    come back and a recorded SIGTERM/SIGHUP is delivered to them: a process whose
+    default was to die still dies of that signal, after the cleanup.
     """
 
     def __init__(self) -> None:
         self.previous: Dict[int, Any] = {}
         self.caught: Optional[int] = None
+        self.raised = False  # whether the caught signal already became an exception
         self.defer = False
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        for name in ("SIGTERM", "SIGHUP"):
+        for name in ("SIGINT", "SIGTERM", "SIGHUP"):
             sig = getattr(signal, name, None)
             if sig is None:
                 continue
             prev = signal.getsignal(sig)
             if prev == signal.SIG_IGN or prev is None:  # ignored, or set outside Python
                 continue
+            if sig == signal.SIGINT and prev is not signal.default_int_handler:
+                continue  # someone else's Ctrl-C handling: leave it alone
             self.previous[sig] = prev
             signal.signal(sig, self._handle)
 
@@ -354,15 +181,21 @@ class _SignalGuard:
         if self.caught is not None or self.defer:
             self.caught = self.caught or signum
             return
-        self.caught = signum
+        self.caught, self.raised = signum, True
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise Interrupted(signum)
 
     def restore(self) -> None:
         for sig, prev in self.previous.items():
             signal.signal(sig, prev)
         handlers, self.previous = self.previous, {}
-        sig, self.caught = self.caught, None
+        sig, raised, self.caught, self.raised = self.caught, self.raised, None, False
         if sig is None or sig not in handlers:
+            return
+        if sig == signal.SIGINT:
+            if not raised:  # pressed while publishing or cleaning up: interrupt now
+                raise KeyboardInterrupt
             return
         prev = handlers[sig]
         if prev == signal.SIG_DFL:
@@ -389,7 +222,7 @@ class OutputDirectory:
     def __init__(self, out: Path, *, force: bool, allow_empty: bool = False,
                  mark: str = TMP_MARK) -> None:
         self.out, self.force, self.allow_empty, self.mark = out, force, allow_empty, mark
-        self.tmp = _temp_path(out, mark)
+        self.tmp = temp_path(out, mark)
         self.live: List[Path] = []
         self.committed = False
         self._created: List[Path] = []
@@ -405,8 +238,8 @@ class OutputDirectory:
                     self.tmp.mkdir()
                     break
                 except FileExistsError:  # 48 random bits taken: draw again
-                    self.tmp = _temp_path(self.out, self.mark)
-            _ACTIVE.add(self.tmp)
+                    self.tmp = temp_path(self.out, self.mark)
+            ACTIVE.add(self.tmp)
         except OSError as e:
             self._abort()
             raise OutputExistsError("cannot create the output directory", file=self.out,
@@ -438,7 +271,7 @@ class OutputDirectory:
         if not self.committed:
             self._abort()
         else:
-            _ACTIVE.discard(self.tmp)
+            ACTIVE.discard(self.tmp)
             self._guard.restore()
         return False
 
@@ -454,7 +287,7 @@ class OutputDirectory:
                     break
             self._created = []
         finally:
-            _ACTIVE.discard(self.tmp)
+            ACTIVE.discard(self.tmp)
             self._guard.defer = False
             self._guard.restore()
 
@@ -497,7 +330,7 @@ def _publish(tmp: Path, out: Path, *, force: bool, allow_empty: bool) -> None:
     if _exchange(tmp, out):
         shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old output
         return
-    old = _temp_path(out, TMP_MARK, old=True)
+    old = temp_path(out, TMP_MARK, old=True)
     os.rename(out, old)
     try:
         os.rename(tmp, out)
