@@ -942,3 +942,53 @@ def test_pristine_inputs_fuse(kind: str, tmp_path: Path, pristine: Dict[str, Pat
     assert tree_hash(e.inputs) == before
     assert temporaries(e.out) == []
     assert sorted(p.name for p in e.out.iterdir())[:1] == ["config.json"]
+
+
+# -- --force replaces only what lorakit wrote (issue 14) ------------------------------------------
+def _force_refused(e: Env, *names: str) -> None:
+    """API and CLI: --force over ``e.out`` is one OutputExistsError naming ``names``;
+    inputs, the output directory and its surroundings stay byte for byte as they were."""
+    e.kwargs["force"] = True
+    before = _inputs_and_output(e)
+    with pytest.raises(OutputExistsError, match="refusing to replace") as info:
+        fuse(e.base, e.adapter, e.out, progress=False, force=True)
+    assert all(n in str(info.value) for n in names), str(info.value)
+    _check_nothing_written(e, before)
+    r = run_cli("fuse", *e.cli_args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("lorakit fuse: error: refusing to replace"), r.stderr
+    assert all(n in r.stderr for n in names), r.stderr
+    _check_nothing_written(e, before)
+
+
+@pytest.mark.slow
+def test_force_output_with_only_config_json_is_refused(tmp_path: Path, pristine) -> None:
+    e = make_env(tmp_path, pristine)
+    e.out.mkdir()
+    (e.out / "config.json").write_text('{"my": "thesis settings"}')
+    _force_refused(e, "config.json")
+
+
+@pytest.mark.slow
+def test_force_output_holding_other_checkpoints_is_refused(tmp_path: Path, pristine) -> None:
+    e = make_env(tmp_path, pristine)
+    shutil.copytree(e.base, e.out / "run-1")
+    shutil.copytree(e.base, e.out / "run-2")
+    (e.out / "config.json").write_text("{}")
+    _force_refused(e, "run-1", "run-2", "config.json")
+
+
+@pytest.mark.slow
+def test_force_output_previous_fuse_with_user_file_is_refused(tmp_path: Path, pristine) -> None:
+    e = make_env(tmp_path, pristine)
+    fuse(e.base, e.adapter, e.out, progress=False)
+    (e.out / "eval-results.csv").write_text("step,loss\n1,0.5\n")
+    _force_refused(e, "eval-results.csv")
+
+
+def test_force_output_help_says_what_is_replaced() -> None:
+    from lorakit.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    text = " ".join(sub.choices["fuse"].format_help().split())
+    assert "only an empty directory or a previous lorakit output" in text, text

@@ -86,7 +86,7 @@ def test_force_on_previous_output_replaces_it(inputs, tmp_path: Path) -> None:
     second = tree_hash(out)
     assert second != first and sorted(second) == sorted(first)
     doc = json.loads((out / PROVENANCE).read_text())
-    assert doc["kind"] == "fuse" and doc["rounding"] == "mlx-lm"
+    assert doc["kind"] == "fuse" and doc["settings"]["rounding"] == "mlx-lm"
     assert _all_temps(tmp_path) == []
 
 

@@ -13,6 +13,8 @@ import stat
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
+from .. import __version__
+
 #: the provenance file lorakit writes into every output it makes
 PROVENANCE = "lorakit.json"
 _FORMAT = "lorakit-output/1"
@@ -77,11 +79,9 @@ def write_provenance(directory: Path, kind: str, info: Mapping[str, Any]) -> Pat
     Args:
         directory: the (temporary) output directory, complete but for this file.
         kind: what wrote it (``fuse``, ``synth-checkpoint``, ``synth-adapter``).
-        info: JSON-serialisable facts (settings, hashes); no paths or times, so the
-            same inputs give the same bytes.
+        info: JSON-serialisable facts (settings, hashes), stored under ``settings``;
+            no paths or times, so the same inputs give the same bytes.
     """
-    from .. import __version__
-
     files: Dict[str, Dict[str, Any]] = {}
     for name in sorted(os.listdir(directory)):
         p = directory / name
@@ -92,8 +92,8 @@ def write_provenance(directory: Path, kind: str, info: Mapping[str, Any]) -> Pat
         if st.st_size <= _HASH_LIMIT:
             rec["sha256"] = _sha256(p)
         files[name] = rec
-    doc = {"format": _FORMAT, "kind": kind, "lorakit_version": __version__, **dict(info),
-           "files": files}
+    doc = {"format": _FORMAT, "kind": kind, "lorakit_version": __version__,
+           "settings": dict(info), "files": files}
     target = directory / PROVENANCE
     if target.is_symlink():  # copied from an input: never write through a link
         target.unlink()
