@@ -27,6 +27,13 @@ How they are made:
   their real ids (Qwen's ``<|im_end|>`` = 151645, ...), and filler word tokens up
   to ``vocab_size``, so every id the model can emit decodes to text.
 
+Modules: ``presets`` (named shapes, adapter keys), ``planning`` (sizes, configs,
+the tensor list), ``sampler`` (random values), ``tokenizer``, ``checkpoint`` (the
+checkpoint writer), ``sites`` (where an adapter goes) and ``adapter`` (the mlx-lm
+and PEFT adapter writers). Outputs go through :mod:`lorakit.io.output`: built
+hidden, published whole, with a ``lorakit.json`` provenance; ``force`` replaces
+only an empty directory or a previous lorakit output.
+
 >>> # lorakit.synth_checkpoint("bench-out/qwen3-1.7b", "qwen3-1.7b")
 >>> # lorakit.synth_adapter("bench-out/lora", "bench-out/qwen3-1.7b", rank=8, layers=16)
 """

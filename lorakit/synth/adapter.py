@@ -45,7 +45,7 @@ def synth_adapter(path: PathLike, checkpoint_path: PathLike, *, rank: int = 8,
         format: ``"mlx-lm"`` (adapters.safetensors) or ``"peft"`` (adapter_model.safetensors).
         seed: random seed.
         delta_std: standard deviation of each element of the delta.
-        force: replace an existing output.
+        force: replace an existing previous lorakit output (anything else is refused).
 
     Returns:
         The output directory.

@@ -40,7 +40,7 @@ def synth_checkpoint(path: PathLike, preset_or_config: Union[str, PathLike, Mapp
         seed: random seed; the same seed writes the same bytes.
         std: standard deviation of the matrices' entries (norm weights are 1).
         overrides: config fields to replace (e.g. a smaller ``num_hidden_layers``).
-        force: replace an existing output.
+        force: replace an existing previous lorakit output (anything else is refused).
         progress: show a progress bar.
 
     Returns:
