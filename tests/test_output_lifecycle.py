@@ -300,3 +300,16 @@ def test_own_pid_temporary_from_a_failed_run_is_stale(tmp_path: Path) -> None:
         assert not left.exists()
         assert live_temporaries(tmp_path / "out") == [od.tmp]  # its own, in use
         od.commit("test", {})
+
+
+def test_long_output_name_gets_a_temporary_that_fits(inputs, tmp_path: Path) -> None:
+    """A 250-byte output name is legal; its temporary's name must be too."""
+    out = tmp_path / ("n" * 250)
+    _fuse(inputs, out)
+    _fuse(inputs, out, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    left = out.parent / f".{'n' * 150}~{'0' * 16}.lorakit-tmp-{DEAD_PID}-abcdef12"
+    left.mkdir()
+    assert stale_temporaries(out) == []  # another name's stem: not ours
+    with pytest.raises(OutputExistsError, match="cannot use the output path"):
+        _fuse(inputs, tmp_path / ("n" * 300))

@@ -8,6 +8,7 @@ deleted; those of running ones are kept and reported.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
@@ -30,6 +31,15 @@ class OutputWarning(UserWarning):
     """Temporaries of a running lorakit process were found and left in place."""
 
 
+def _stem(name: str) -> str:
+    """The output's name as its temporaries carry it: long names are cut and hashed, so
+    the temporary's name stays within the 255 bytes a file name may have."""
+    if len(os.fsencode(name)) <= 200:
+        return name
+    cut = os.fsencode(name)[:150].decode(errors="ignore")
+    return f"{cut}~{hashlib.sha256(os.fsencode(name)).hexdigest()[:16]}"
+
+
 def temp_owner(out: Path, entry: str) -> Optional[int]:
     """The pid in ``entry`` if it is exactly the name of a temporary of ``out``, else None.
 
@@ -39,7 +49,7 @@ def temp_owner(out: Path, entry: str) -> Optional[int]:
     True
     """
     for mark in _MARKS:
-        prefix = f".{out.name}{mark}"
+        prefix = f".{_stem(out.name)}{mark}"
         if entry.startswith(prefix):
             m = _TAIL.fullmatch(entry[len(prefix):])
             if m:
@@ -107,5 +117,5 @@ def clean_stale_temporaries(out: Path) -> List[Path]:
 
 def temp_path(out: Path, mark: str, old: bool = False) -> Path:
     """A fresh temporary name for ``out``: this process's pid and 48 random bits."""
-    return out.parent / (f".{out.name}{mark}{'old-' if old else ''}{os.getpid()}-"
+    return out.parent / (f".{_stem(out.name)}{mark}{'old-' if old else ''}{os.getpid()}-"
                          f"{secrets.token_hex(6)}")
