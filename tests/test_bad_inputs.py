@@ -27,7 +27,8 @@ from safetensors.numpy import load_file, save_file
 
 from lorakit.errors import (AdapterError, FormatError, FuseError, LorakitError,
                             OutputExistsError, UnsafePathError)
-from lorakit.fusion.stream import TMP_MARK, fuse
+from lorakit.fusion.stream import fuse
+from lorakit.io.output import TMP_MARK
 from model_factory import make_adapter, make_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1114,3 +1115,53 @@ def _(e):
 @pytest.mark.parametrize("c", RUNTIME_CASES, ids=[c.id for c in RUNTIME_CASES])
 def test_bad_input_runtime(c: Case, tmp_path: Path, pristine: Dict[str, Path]) -> None:
     test_bad_input(c, tmp_path, pristine)
+
+
+# -- --force replaces only what lorakit wrote (issue 14) ------------------------------------------
+def _force_refused(e: Env, *names: str) -> None:
+    """API and CLI: --force over ``e.out`` is one OutputExistsError naming ``names``;
+    inputs, the output directory and its surroundings stay byte for byte as they were."""
+    e.kwargs["force"] = True
+    before = _inputs_and_output(e)
+    with pytest.raises(OutputExistsError, match="refusing to replace") as info:
+        fuse(e.base, e.adapter, e.out, progress=False, force=True)
+    assert all(n in str(info.value) for n in names), str(info.value)
+    _check_nothing_written(e, before)
+    r = run_cli("fuse", *e.cli_args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("lorakit fuse: error: refusing to replace"), r.stderr
+    assert all(n in r.stderr for n in names), r.stderr
+    _check_nothing_written(e, before)
+
+
+@pytest.mark.slow
+def test_force_output_with_only_config_json_is_refused(tmp_path: Path, pristine) -> None:
+    e = make_env(tmp_path, pristine)
+    e.out.mkdir()
+    (e.out / "config.json").write_text('{"my": "thesis settings"}')
+    _force_refused(e, "config.json")
+
+
+@pytest.mark.slow
+def test_force_output_holding_other_checkpoints_is_refused(tmp_path: Path, pristine) -> None:
+    e = make_env(tmp_path, pristine)
+    shutil.copytree(e.base, e.out / "run-1")
+    shutil.copytree(e.base, e.out / "run-2")
+    (e.out / "config.json").write_text("{}")
+    _force_refused(e, "run-1", "run-2", "config.json")
+
+
+@pytest.mark.slow
+def test_force_output_previous_fuse_with_user_file_is_refused(tmp_path: Path, pristine) -> None:
+    e = make_env(tmp_path, pristine)
+    fuse(e.base, e.adapter, e.out, progress=False)
+    (e.out / "eval-results.csv").write_text("step,loss\n1,0.5\n")
+    _force_refused(e, "eval-results.csv")
+
+
+def test_force_output_help_says_what_is_replaced() -> None:
+    from lorakit.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    text = " ".join(sub.choices["fuse"].format_help().split())
+    assert "only an empty directory or a previous lorakit output" in text, text

@@ -70,7 +70,11 @@ def _add_fuse(sub) -> None:
                    "the cast writes)")
     p.add_argument("--dequantize", action="store_true",
                    help="quantized base: write float weights instead of re-quantizing")
-    p.add_argument("--force", action="store_true", help="replace an existing output")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing output, but only an empty directory or a previous "
+                   "lorakit output (every file listed, unchanged, in its lorakit.json); "
+                   "anything else is refused and kept. The new output is complete before "
+                   "the old one is swapped out")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_fuse)

@@ -9,6 +9,10 @@ from typing import Any, Dict, List, Optional
 from ..errors import FormatError
 
 
+_FORCE_HELP = ("replace an existing output, but only an empty directory or a previous lorakit "
+               "output (listed in its lorakit.json); anything else is refused and kept")
+
+
 def _value(text: str) -> Any:
     """A --set value: JSON if it parses (numbers, true, null, lists), else a string."""
     try:
@@ -110,7 +114,7 @@ def add(sub) -> None:
     c.add_argument("--std", type=float, default=0.02, help="std of weight entries")
     c.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a config field (repeatable), e.g. num_hidden_layers=4")
-    c.add_argument("--force", action="store_true", help="replace an existing output")
+    c.add_argument("--force", action="store_true", help=_FORCE_HELP)
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     c.set_defaults(run=_checkpoint)
 
@@ -129,7 +133,7 @@ def add(sub) -> None:
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--delta-std", type=float, default=1e-3,
                    help="std of each element of scale * B @ A (default 1e-3)")
-    a.add_argument("--force", action="store_true", help="replace an existing output")
+    a.add_argument("--force", action="store_true", help=_FORCE_HELP)
     a.set_defaults(run=_adapter)
 
     pr = ss.add_parser("presets", help="list the named shapes")

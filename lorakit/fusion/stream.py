@@ -8,7 +8,8 @@ piece, whatever the checkpoint's size.
 
 Safety: the output is built in a hidden temporary sibling of the output path and
 renamed into place at the end, so an interrupted fuse leaves nothing at the
-output path. The base and adapter directories are only ever read.
+output path (``lorakit.io.output``). The base and adapter directories are only
+ever read.
 """
 from __future__ import annotations
 
@@ -17,29 +18,28 @@ import os
 import shutil
 import threading
 import time
-import uuid
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
 from .._html import escape, facts_table
 from .._progress import progress_bar
-from ..errors import FuseError, LorakitError, OutputExistsError
+from ..errors import FuseError, LorakitError
 from ..io.adapter import Adapter, load_adapter
 from ..io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from ..io.adapter import Replacement
 from ..io.naming import Binding, bind, bind_replacements, bindings_by_tensor
+from ..io.output import OutputDirectory, check_output_path
 from ..io.safetensors import PlannedTensor, SafetensorsWriter, TensorInfo
 from .core import cast_raw as _cast
 from .core import check_rounding, fuse_bindings as _fuse_float, output_code
 from .quant import RequantStat, dequantize_raw, requant_module as _requant_module
 
 PathLike = Union[str, Path]
-TMP_MARK = ".lorakit-tmp-"
 
 
 @dataclass
@@ -101,74 +101,6 @@ class FuseResult:
     def __repr__(self) -> str:
         return (f"FuseResult({str(self.output)!r}, {self.tensors_fused} fused, "
                 f"{self.rounding}, {self.dtype_policy})")
-
-
-# -- output-path safety ------------------------------------------------------------------
-def _inside(child: Path, parent: Path) -> bool:
-    try:
-        child.relative_to(parent)
-        return True
-    except ValueError:
-        return False
-
-
-def check_output_path(save_path: PathLike, *, protected: Sequence[Path], force: bool) -> Path:
-    """Refuse an output path inside (or holding) a protected directory, or one that
-    exists without ``force``. Returns the resolved path."""
-    out = Path(save_path).expanduser().resolve()
-    for p in protected:
-        p = p.resolve()
-        if _inside(out, p) or _inside(p, out):
-            raise OutputExistsError("output path would overlap an input directory",
-                                    file=out, expected=f"a path outside {p}",
-                                    found="inside it" if _inside(out, p) else "a parent of it",
-                                    hint="choose a --save-path outside the model and adapter")
-    if out.exists() and not force:
-        raise OutputExistsError("output path already exists", file=out,
-                                expected="a new path", found="an existing "
-                                + ("directory" if out.is_dir() else "file"),
-                                hint="pass --force (force=True) to replace it")
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError("output path is a file, not a directory", file=out,
-                                expected="a directory", found="a file")
-    if out.is_dir():
-        # --force replaces a previous output; never a directory that is not a model
-        names = sorted(p.name for p in out.iterdir())
-        if names and not (("config.json" in names or INDEX_NAME in names)
-                          or any(n.endswith(".safetensors") for n in names)):
-            raise OutputExistsError("refusing to replace a directory that is not a model",
-                                    file=out, expected="an empty directory or a previous "
-                                    "fused model (config.json, *.safetensors)",
-                                    found=f"{len(names)} other entries, e.g. {names[0]!r}",
-                                    hint="choose a new --save-path")
-    return out
-
-
-def stale_temporaries(out: Path) -> List[Path]:
-    """Temporary directories that an interrupted fuse into ``out`` left behind."""
-    parent = out.parent
-    if not parent.is_dir():
-        return []
-    found = []
-    for p in parent.glob(f".{out.name}{TMP_MARK}*"):
-        try:
-            pid = int(p.name.rsplit("-", 2)[-2])
-        except (ValueError, IndexError):
-            pid = -1
-        if pid > 0 and pid != os.getpid() and _alive(pid):
-            continue  # another fuse is writing there right now
-        found.append(p)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 # -- planning ----------------------------------------------------------------------------
@@ -253,7 +185,8 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
             the cast writes), or ``bfloat16`` / ``float16`` / ``float32`` for every
             float tensor.
         dequantize: for quantized bases, write float weights instead of re-quantizing.
-        force: replace an existing output directory.
+        force: replace an existing empty directory or previous lorakit output
+            (recognised by its ``lorakit.json``); anything else is refused.
         progress: show a progress bar (tqdm.auto); or a callable
             ``progress(done_bytes, total_bytes)`` called as tensors are written
             (widgets use it), with no bar.
@@ -276,69 +209,19 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
     bindings = bind(adapter, ck)
     by_tensor = bindings_by_tensor(bindings)
     replaced = bind_replacements(adapter, ck, dequantize)
-    for st in stale_temporaries(out):
-        shutil.rmtree(st, ignore_errors=True)
-    tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-    except OSError as e:
-        raise OutputExistsError("cannot create the output directory", file=out,
-                                expected="a writable directory path",
-                                found=f"{type(e).__name__}: {e.strerror or e}") from None
-    try:
-        result = _write(ck, adapter, by_tensor, tmp, out, rounding, dtype, dequantize,
-                        progress, t0, replaced)
-        _publish(tmp, out, force)
+        with OutputDirectory(out, force=force) as od:
+            result = _write(ck, adapter, by_tensor, od.tmp, out, rounding, dtype, dequantize,
+                            progress, t0, replaced)
+            od.commit("fuse", {"adapter_sha256": adapter.sha256,
+                               "adapter_format": adapter.format, "rounding": rounding,
+                               "dtype_policy": dtype, "dequantize": bool(dequantize)})
     except OSError as e:  # disk full, a file vanishing under us: one clear error
-        shutil.rmtree(tmp, ignore_errors=True)
         raise FuseError(f"I/O error while fusing: {e.strerror or e}",
                         file=e.filename or out, expected="readable inputs and room to write",
                         found=f"{type(e).__name__} (errno {e.errno})") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     result.seconds = time.perf_counter() - t0
     return result
-
-
-def _publish(tmp: Path, out: Path, force: bool) -> None:
-    # everything in the temporary directory reaches the disk before it is renamed,
-    # so after a power loss the output path holds the old state or a whole output
-    for f in tmp.iterdir():
-        _fsync_path(f)
-    _fsync_path(tmp)
-    if out.exists():
-        if not force:
-            raise OutputExistsError("output path appeared while fusing", file=out)
-        old = out.parent / f".{out.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-    _fsync_dir(out.parent)
-
-
-def _fsync_path(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(p: Path) -> None:
-    try:
-        fd = os.open(p, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]], tmp: Path,

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import FormatError, UnsafePathError
 from .dtypes import majority_dtype
-from .safetensors import TensorInfo, _file_kind, raw_to_mx, read_header, read_raw
+from .safetensors import FLOAT_CODES, TensorInfo, _file_kind, raw_to_mx, read_header, read_raw
 
 PathLike = Union[str, Path]
 

@@ -1,0 +1,385 @@
+"""The life of an output directory: checked, built hidden, published whole, or never there.
+
+Every lorakit verb that writes a directory (``fuse``, ``synth_checkpoint``,
+``synth_adapter``) goes through this module:
+
+1. :func:`check_output_path` refuses a path inside (or around) an input, and an
+   existing path unless ``force``; even with ``force`` it replaces only an empty
+   directory or a previous lorakit output, recognised by the ``lorakit.json``
+   provenance lorakit writes into every output (every entry listed, unchanged).
+   Anything else is refused, naming what would have been lost.
+2. :class:`OutputDirectory` builds the output in a hidden sibling with an exact,
+   unique name (``.NAME.lorakit-tmp-PID-RANDOM``). While it is open, SIGTERM and
+   SIGHUP are turned into an exception (as SIGINT already is), so cleanup runs;
+   on any failure the temporary, and every parent directory created for it, is
+   removed. ``commit`` writes the provenance, fsyncs every file and the
+   directory, and renames it into place (an atomic swap when replacing).
+3. Temporaries that a dead process left are removed by exact name (never by a
+   glob pattern); those of a running process are kept and reported.
+
+>>> # with OutputDirectory(check_output_path("out", protected=[], force=False),
+>>> #                      force=False) as od:
+>>> #     (od.tmp / "config.json").write_text("{}")
+>>> #     od.commit("example", {})
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import signal
+import stat
+import threading
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Type, Union
+
+from ..errors import OutputExistsError
+from .provenance import IGNORABLE, PROVENANCE, foreign_entries, write_provenance
+from .temporaries import (ACTIVE, SYNTH_MARK, TMP_MARK, OutputWarning, _alive,
+                          clean_stale_temporaries, live_temporaries, stale_temporaries,
+                          temp_owner, temp_path)
+
+PathLike = Union[str, Path]
+
+__all__ = ["check_output_path", "OutputDirectory", "Interrupted", "OutputWarning", "PROVENANCE",
+           "TMP_MARK", "SYNTH_MARK", "foreign_entries", "write_provenance", "stale_temporaries",
+           "live_temporaries", "clean_stale_temporaries", "temp_owner", "_alive", "_inside",
+           "_publish", "_fsync_path", "_fsync_dir"]
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived while an output was written (handled like SIGINT)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+
+# -- checking the path ---------------------------------------------------------------------
+def _inside(child: Path, parent: Path) -> bool:
+    """Whether ``child`` is ``parent`` or lies below it."""
+    try:
+        child.relative_to(parent)
+        return True
+    except ValueError:
+        return False
+
+
+def _lstat(p: Path) -> Optional[os.stat_result]:
+    """``os.lstat``, or None when nothing is there; other errors name the path."""
+    try:
+        return os.lstat(p)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise OutputExistsError("cannot use the output path", file=p,
+                                expected="a path this user can create",
+                                found=f"{type(e).__name__}: {e.strerror or e}") from None
+
+
+def check_output_path(save_path: PathLike, *, protected: Sequence[Path], force: bool,
+                      allow_empty: bool = False,
+                      overlap_message: str = "output path would overlap an input directory",
+                      ) -> Path:
+    """The resolved output path, or an OutputExistsError saying why it cannot be written.
+
+    Args:
+        save_path: the output directory asked for.
+        protected: input directories the output must neither lie in nor contain.
+        force: replace an existing empty directory or previous lorakit output.
+        allow_empty: accept an existing empty directory even without ``force``.
+        overlap_message: the error's first line when the output overlaps an input.
+    """
+    try:
+        out = Path(save_path).expanduser().resolve()
+    except (RuntimeError, OSError) as e:  # ~nosuchuser, a loop of links
+        raise OutputExistsError("cannot resolve the output path", file=str(save_path),
+                                expected="an existing user's home, no link loops",
+                                found=f"{type(e).__name__}: {e}") from None
+    for p in protected:
+        p = Path(p).resolve()
+        if _inside(out, p) or _inside(p, out):
+            raise OutputExistsError(overlap_message, file=out,
+                                    expected=f"a path outside {p}",
+                                    found="inside it" if _inside(out, p) else "a parent of it",
+                                    hint="choose a --save-path outside the model and adapter")
+    st = _lstat(out)
+    if st is not None:
+        _check_replaceable(out, st, force=force, allow_empty=allow_empty)
+    return out
+
+
+def _check_replaceable(out: Path, st: os.stat_result, *, force: bool, allow_empty: bool,
+                       appeared: bool = False) -> None:
+    """Raise unless the existing ``out`` may be replaced under these flags."""
+    is_dir = stat.S_ISDIR(st.st_mode)
+    try:
+        empty = is_dir and not [n for n in os.listdir(out) if n not in IGNORABLE]
+        foreign = foreign_entries(out) if is_dir and force else []
+    except OSError as e:  # unreadable: what it holds cannot be known, so it is kept
+        raise OutputExistsError("cannot read the existing output directory", file=out,
+                                expected="a directory this user can list",
+                                found=f"{type(e).__name__}: {e.strerror or e}") from None
+    if not force and not (allow_empty and empty):
+        raise OutputExistsError("output path appeared while writing" if appeared
+                                else "output path already exists", file=out,
+                                expected="a new path" + (" (or an empty directory)"
+                                                         if allow_empty else ""),
+                                found="an existing " + ("directory" if is_dir else "file"),
+                                hint="pass --force (force=True) to replace it")
+    if not is_dir:
+        raise OutputExistsError("output path is a file, not a directory", file=out,
+                                expected="a directory", found="a file",
+                                hint="--force replaces only directories lorakit wrote")
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f", and {len(foreign) - 5} more"
+                                          if len(foreign) > 5 else "")
+        raise OutputExistsError(
+            "refusing to replace a directory that is not a model or adapter lorakit wrote",
+            file=out, expected=f"an empty directory or a previous lorakit output "
+            f"(every entry listed in its {PROVENANCE})",
+            found=f"{len(foreign)} other entries: {shown}",
+            hint="choose a new --save-path, or move these away yourself: --force never "
+            "deletes what lorakit did not write")
+
+
+# -- signals -------------------------------------------------------------------------------
+class _SignalGuard:
+    """SIGTERM/SIGHUP -> :class:`Interrupted` while installed (main thread only).
+
+    A signal that was ignored (``nohup``) stays ignored. While ``defer`` is set
+    (publishing, cleaning up) a signal, SIGINT included, is only recorded, so a
+    second Ctrl-C cannot cut a cleanup short. On ``restore`` the previous handlers
+    come back and a recorded SIGTERM/SIGHUP is delivered to them: a process whose
+    default was to die still dies of that signal, after the cleanup.
+    """
+
+    def __init__(self) -> None:
+        self.previous: Dict[int, Any] = {}
+        self.caught: Optional[int] = None
+        self.raised = False  # whether the caught signal already became an exception
+        self.defer = False
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+            sig = getattr(signal, name, None)
+            if sig is None:
+                continue
+            prev = signal.getsignal(sig)
+            if prev == signal.SIG_IGN or prev is None:  # ignored, or set outside Python
+                continue
+            if sig == signal.SIGINT and prev is not signal.default_int_handler:
+                continue  # someone else's Ctrl-C handling: leave it alone
+            self.previous[sig] = prev
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.caught is not None or self.defer:
+            self.caught = self.caught or signum
+            return
+        self.caught, self.raised = signum, True
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Interrupted(signum)
+
+    def restore(self) -> None:
+        for sig, prev in self.previous.items():
+            signal.signal(sig, prev)
+        handlers, self.previous = self.previous, {}
+        sig, raised, self.caught, self.raised = self.caught, self.raised, None, False
+        if sig is None or sig not in handlers:
+            return
+        if sig == signal.SIGINT:
+            if not raised:  # pressed while publishing or cleaning up: interrupt now
+                raise KeyboardInterrupt
+            return
+        prev = handlers[sig]
+        if prev == signal.SIG_DFL:
+            signal.raise_signal(sig)  # the process ends as the signal meant it to
+        elif callable(prev):
+            prev(sig, None)
+
+
+# -- the directory's life ------------------------------------------------------------------
+class OutputDirectory:
+    """Build an output in a hidden temporary sibling; publish it whole, or leave nothing.
+
+    Use as a context manager: write into :attr:`tmp`, then call :meth:`commit`.
+    Leaving the block without a commit (an exception, SIGINT, SIGTERM, SIGHUP)
+    removes the temporary and any parent directories created for it.
+
+    Args:
+        out: the checked output path (from :func:`check_output_path`).
+        force / allow_empty: as given to :func:`check_output_path`; checked again
+            just before publishing, since the path may have changed meanwhile.
+        mark: the temporary's mark (:data:`TMP_MARK`, or :data:`SYNTH_MARK`).
+    """
+
+    def __init__(self, out: Path, *, force: bool, allow_empty: bool = False,
+                 mark: str = TMP_MARK) -> None:
+        self.out, self.force, self.allow_empty, self.mark = out, force, allow_empty, mark
+        self.tmp = temp_path(out, mark)
+        self.live: List[Path] = []
+        self.committed = False
+        self._created: List[Path] = []
+        self._guard = _SignalGuard()
+
+    def __enter__(self) -> "OutputDirectory":
+        self._guard.install()
+        try:
+            self.live = clean_stale_temporaries(self.out)
+            self._created = _make_parents(self.out)
+            while True:
+                try:
+                    self.tmp.mkdir()
+                    break
+                except FileExistsError:  # 48 random bits taken: draw again
+                    self.tmp = temp_path(self.out, self.mark)
+            ACTIVE.add(self.tmp)
+        except OSError as e:
+            self._abort()
+            raise OutputExistsError("cannot create the output directory", file=self.out,
+                                    expected="a writable directory path",
+                                    found=f"{type(e).__name__}: {e.strerror or e}") from None
+        except BaseException:
+            self._abort()
+            raise
+        return self
+
+    def commit(self, kind: str, info: Mapping[str, Any]) -> Path:
+        """Write the provenance, fsync everything and move the output into place."""
+        write_provenance(self.tmp, kind, info)
+        for name in os.listdir(self.tmp):
+            _fsync_path(self.tmp / name)
+        _fsync_path(self.tmp)
+        self._guard.defer = True  # from here on a signal waits until the output is whole
+        try:
+            _publish(self.tmp, self.out, force=self.force, allow_empty=self.allow_empty)
+            self.committed = True
+            for d in [self.out.parent] + [p.parent for p in self._created]:
+                _fsync_dir(d)
+        finally:
+            self._guard.defer = False
+        return self.out
+
+    def __exit__(self, exc_type: Optional[Type[BaseException]],
+                 exc: Optional[BaseException], tb: Optional[TracebackType]) -> bool:
+        if not self.committed:
+            self._abort()
+        else:
+            ACTIVE.discard(self.tmp)
+            self._guard.restore()
+        return False
+
+    def _abort(self) -> None:
+        """Remove the temporary and the parents made for it; restore signal handlers."""
+        self._guard.defer = True
+        try:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            for d in reversed(self._created):  # deepest first; only if still empty
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+            self._created = []
+        finally:
+            ACTIVE.discard(self.tmp)
+            self._guard.defer = False
+            self._guard.restore()
+
+
+def _make_parents(out: Path) -> List[Path]:
+    """Create the missing parents of ``out``, outermost first; return those created."""
+    missing = []
+    p = out.parent
+    while _lstat(p) is None and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    created: List[Path] = []
+    try:
+        for d in reversed(missing):
+            try:
+                d.mkdir()
+            except FileExistsError:
+                if not d.is_dir():
+                    raise
+                continue
+            created.append(d)
+    except BaseException:
+        for d in reversed(created):
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+    return created
+
+
+def _publish(tmp: Path, out: Path, *, force: bool, allow_empty: bool) -> None:
+    """Move the complete ``tmp`` to ``out``; an existing ``out`` is checked again, then
+    swapped out atomically where the OS can (old and new exchanged, old deleted)."""
+    st = _lstat(out)
+    if st is None:
+        os.rename(tmp, out)
+        return
+    _check_replaceable(out, st, force=force, allow_empty=allow_empty, appeared=True)
+    if _exchange(tmp, out):
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old output
+        return
+    old = temp_path(out, TMP_MARK, old=True)
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)  # put the old output back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2, macOS renamex_np); False where the
+    OS or filesystem cannot, so the caller falls back to two renames."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return False
+    a_b, b_b = os.fsencode(str(a)), os.fsencode(str(b))
+    if hasattr(libc, "renameat2"):
+        rc = libc.renameat2(-100, a_b, -100, b_b, 2)  # AT_FDCWD, RENAME_EXCHANGE
+    elif hasattr(libc, "renamex_np"):
+        rc = libc.renamex_np(a_b, b_b, 2)  # RENAME_SWAP
+    else:
+        return False
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _fsync_path(p: Path) -> None:
+    """Flush one file (or directory) to the disk."""
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(p: Path) -> None:
+    """Flush a directory's entries, where the OS allows it (best effort)."""
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

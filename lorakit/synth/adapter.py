@@ -1,0 +1,188 @@
+"""Writing a synthetic LoRA/DoRA adapter, as ``mlx_lm lora`` or PEFT saves one."""
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple, Union, Dict
+
+import numpy as np
+
+from ..errors import AdapterError
+from ..io.checkpoint import Checkpoint
+from ..io.output import SYNTH_MARK, OutputDirectory, check_output_path
+from ..io.safetensors import PlannedTensor, SafetensorsWriter
+from .presets import DEFAULT_KEYS
+from .sites import _Site, _find_sites, _layer_prefix, _row_norms
+
+PathLike = Union[str, Path]
+
+
+def synth_adapter(path: PathLike, checkpoint_path: PathLike, *, rank: int = 8,
+                  scale: Optional[float] = None, layers: Union[int, Sequence[int]] = 16,
+                  keys: Sequence[str] = DEFAULT_KEYS, kind: str = "lora",
+                  format: str = "mlx-lm", seed: int = 0, delta_std: float = 1e-3,
+                  force: bool = False) -> Path:
+    """Write a random LoRA/DoRA adapter for a checkpoint, as ``mlx_lm lora`` or PEFT saves it.
+
+    ``lora_a`` is drawn as the trainers initialise it (uniform in +-1/sqrt(in));
+    ``lora_b`` is non-zero, drawn so that each element of ``scale * B @ A`` has
+    standard deviation ``delta_std`` (1e-3 is about 5% of a 0.02-scale weight, a
+    few bf16 ulps: every fused element moves). DoRA magnitudes are the base
+    weight's row norms, perturbed by 1%.
+
+    Args:
+        path: output directory.
+        checkpoint_path: the base checkpoint (any layout; quantized works).
+        rank: LoRA rank.
+        scale: multiplier of ``B @ A``; default 20.0 (``mlx_lm lora``'s) for mlx-lm,
+            2.0 (lora_alpha = 2 * r) for PEFT. PEFT's lora_alpha is scale * rank.
+        layers: the last N layers (mlx-lm's ``num_layers``), or a list of layer indices.
+        keys: modules in each block: q, k, v, o, gate, up, down (MoE experts where
+            the block has them), or paths inside a block (``self_attn.q_proj``).
+        kind: ``"lora"`` or ``"dora"``.
+        format: ``"mlx-lm"`` (adapters.safetensors) or ``"peft"`` (adapter_model.safetensors).
+        seed: random seed.
+        delta_std: standard deviation of each element of the delta.
+        force: replace an existing previous lorakit output (anything else is refused).
+
+    Returns:
+        The output directory.
+
+    >>> # synth_adapter("bench-out/lora", "bench-out/qwen3-1.7b", rank=8, layers=16)
+    """
+    if kind not in ("lora", "dora"):
+        raise AdapterError("unknown adapter kind", expected="lora or dora", found=repr(kind))
+    if format not in ("mlx-lm", "peft"):
+        raise AdapterError("unknown adapter format", expected="mlx-lm or peft",
+                           found=repr(format))
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise AdapterError("rank must be a positive integer", found=repr(rank))
+    ck = Checkpoint(checkpoint_path)
+    prefix, n_layers = _layer_prefix(list(ck.tensors))
+    n_layers = int(ck.config.get("num_hidden_layers", n_layers))
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        if not 0 < layers <= n_layers:
+            raise AdapterError("layers out of range", expected=f"1..{n_layers} (last N layers)",
+                               found=str(layers))
+        layer_list = list(range(n_layers - layers, n_layers))
+    else:
+        layer_list = sorted({int(i) for i in layers})
+        bad = [i for i in layer_list if not 0 <= i < n_layers]
+        if bad or not layer_list:
+            raise AdapterError("layer indices out of range", expected=f"0..{n_layers - 1}",
+                               found=str(bad or "none"))
+    if scale is None:
+        scale = 20.0 if format == "mlx-lm" else 2.0
+    out = check_output_path(path, protected=[ck.path], force=force, allow_empty=True,
+                            overlap_message="adapter output would overlap the checkpoint "
+                            "directory")
+    sites = _find_sites(ck, layer_list, list(keys), prefix)
+    if kind == "dora" and format == "mlx-lm" and any(s.switch for s in sites):
+        raise AdapterError("mlx-lm has no DoRA for MoE experts (SwitchLinear)",
+                           expected="kind='lora', or keys without gate/up/down, "
+                           "or format='peft'", found="DoRA on stacked experts")
+    with OutputDirectory(out, force=force, allow_empty=True, mark=SYNTH_MARK) as od:
+        if format == "mlx-lm":
+            _write_mlx_adapter(od.tmp, out, ck, sites, rank, float(scale), layer_list, n_layers,
+                               kind, seed, delta_std)
+        else:
+            _write_peft_adapter(od.tmp, ck, sites, rank, float(scale), layer_list, n_layers,
+                                kind, seed, delta_std)
+        od.commit("synth-adapter", {"kind": kind, "format": format, "rank": rank,
+                                    "scale": float(scale), "layers": layer_list,
+                                    "seed": seed, "delta_std": delta_std})
+    return out
+
+
+def _lora_pair(rng: np.random.Generator, n_in: int, n_out: int, rank: int, scale: float,
+               delta_std: float, lead: Tuple[int, ...] = ()) -> Tuple[np.ndarray, np.ndarray]:
+    """(A (…, r, in), B (…, out, r)) in f32 with std(scale * B @ A) = delta_std."""
+    bound = 1.0 / math.sqrt(n_in)
+    A = rng.uniform(-bound, bound, size=lead + (rank, n_in)).astype(np.float32)
+    b_std = delta_std / (abs(scale) * math.sqrt(rank) * bound / math.sqrt(3.0))
+    B = (rng.standard_normal(size=lead + (n_out, rank)) * b_std).astype(np.float32)
+    return A, B
+
+
+def _site_rng(seed: int, site: _Site) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(site.module.encode())])
+
+
+def _write_tensors(file: Path, tensors: List[Tuple[str, np.ndarray]], meta: Dict[str, str]) -> None:
+    plan = [PlannedTensor(n, "F32", tuple(a.shape)) for n, a in tensors]
+    with SafetensorsWriter(file, plan, meta) as w:
+        for n, a in tensors:
+            w.write(n, np.ascontiguousarray(a, dtype=np.float32))
+
+
+def _write_mlx_adapter(tmp: Path, out: Path, ck, sites: List[_Site], rank: int, scale: float,
+                       layer_list: List[int], n_layers: int, kind: str, seed: int,
+                       delta_std: float) -> None:
+    tensors: List[Tuple[str, np.ndarray]] = []
+    for site in sites:
+        rng = _site_rng(seed, site)
+        lead, (n_out, n_in) = tuple(site.shape[:-2]), site.shape[-2:]
+        A, B = _lora_pair(rng, n_in, n_out, rank, scale, delta_std, lead)
+        # mlx-lm stores Linear as lora_a (in, r), lora_b (r, out); SwitchLinear as
+        # lora_a (E, r, in), lora_b (E, out, r)
+        a, b = (A, B) if site.switch else (A.T, B.T)
+        tensors += [(f"{site.module}.lora_a", a), (f"{site.module}.lora_b", b)]
+        if kind == "dora":
+            m = _row_norms(ck, site) * (1 + 0.01 * rng.standard_normal(n_out)).astype(np.float32)
+            tensors.append((f"{site.module}.m", m))
+    tensors.sort(key=lambda t: t[0])  # mx.save_safetensors writes keys in sorted order
+    _write_tensors(tmp / "adapters.safetensors", tensors, {"format": "mlx"})
+    rels = list(dict.fromkeys(s.rel for s in sites))
+    cfg = {
+        "adapter_path": str(out),
+        "batch_size": 4, "config": None, "data": "synthetic", "fine_tune_type": kind,
+        "grad_accumulation_steps": 1, "grad_checkpoint": False, "iters": 1000,
+        "learning_rate": 1e-05, "lora_parameters": {"rank": rank, "dropout": 0.0,
+                                                    "scale": scale, "keys": rels},
+        "lr_schedule": None, "mask_prompt": False, "max_seq_length": 2048,
+        "model": str(ck.path), "num_layers": n_layers - min(layer_list), "optimizer": "adam",
+        "resume_adapter_file": None, "save_every": 100, "seed": seed, "steps_per_eval": 200,
+        "steps_per_report": 10, "test": False, "test_batches": 500, "train": True,
+        "val_batches": 25,
+    }
+    (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=4))
+
+
+def _write_peft_adapter(tmp: Path, ck, sites: List[_Site], rank: int, scale: float,
+                        layer_list: List[int], n_layers: int, kind: str, seed: int,
+                        delta_std: float) -> None:
+    tensors: List[Tuple[str, np.ndarray]] = []
+    targets = set()
+    for site in sites:
+        rng = _site_rng(seed, site)
+        lead, (n_out, n_in) = tuple(site.shape[:-2]), site.shape[-2:]
+        A, B = _lora_pair(rng, n_in, n_out, rank, scale, delta_std, lead)
+        norms = _row_norms(ck, site) if kind == "dora" else None
+        modules = site.expert_modules if site.switch else (site.module,)
+        for e, module in enumerate(modules):
+            a, b = (A[e], B[e]) if site.switch else (A, B)
+            p = "base_model.model." + module
+            tensors += [(f"{p}.lora_A.weight", a), (f"{p}.lora_B.weight", b)]
+            if norms is not None:
+                nrm = norms[e] if site.switch else norms
+                m = nrm * (1 + 0.01 * rng.standard_normal(n_out)).astype(np.float32)
+                tensors.append((f"{p}.lora_magnitude_vector", m))
+            targets.add(module.rsplit(".", 1)[-1])
+    tensors.sort(key=lambda t: t[0])  # safetensors' save_file orders tensors by name
+    _write_tensors(tmp / "adapter_model.safetensors", tensors, {"format": "pt"})
+    all_layers = layer_list == list(range(n_layers))
+    cfg = {
+        "alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": str(ck.path),
+        "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "layer_replication": None,
+        "layers_pattern": None if all_layers else "layers",
+        "layers_to_transform": None if all_layers else layer_list, "loftq_config": {},
+        "lora_alpha": scale * rank, "lora_bias": False, "lora_dropout": 0.0,
+        "megatron_config": None, "megatron_core": "megatron.core", "modules_to_save": None,
+        "peft_type": "LORA", "r": rank, "rank_pattern": {}, "revision": None,
+        "target_modules": sorted(targets), "task_type": "CAUSAL_LM", "use_dora": kind == "dora",
+        "use_rslora": False,
+    }
+    (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))

@@ -1,0 +1,315 @@
+"""The output-directory lifecycle (lorakit.io.output): --force replaces only what
+lorakit wrote, SIGTERM/SIGHUP leave nothing behind, stale temporaries are found by
+exact name, and parents created for a failed write are removed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict
+
+import pytest
+
+from lorakit.errors import OutputExistsError
+from lorakit.fusion.stream import fuse
+from lorakit.io.output import (PROVENANCE, Interrupted, OutputDirectory, OutputWarning,
+                               check_output_path, clean_stale_temporaries, live_temporaries,
+                               stale_temporaries, temp_owner)
+from model_factory import make_adapter, make_model
+from test_bad_inputs import REPO, temporaries, tree_hash
+
+DEAD_PID = 999_999_999  # above any pid_max: no such process
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Dict[str, Path]:
+    root = tmp_path_factory.mktemp("lifecycle")
+    base = make_model(root / "base", "qwen3")
+    return {"base": base, "adapter": make_adapter(base, root / "adapter")}
+
+
+def _fuse(inputs: Dict[str, Path], out: Path, **kw):
+    return fuse(inputs["base"], inputs["adapter"], out, progress=False, **kw)
+
+
+def _all_temps(parent: Path) -> list:
+    return sorted(p.name for p in parent.iterdir() if ".lorakit-" in p.name)
+
+
+# -- --force replaces only what lorakit wrote ------------------------------------------------
+def test_force_refuses_dir_with_only_config_json(inputs, tmp_path: Path) -> None:
+    out = tmp_path / "thesis"
+    out.mkdir()
+    (out / "config.json").write_text('{"chapter": 3}')
+    before = tree_hash(out)
+    with pytest.raises(OutputExistsError, match="refusing to replace") as e:
+        _fuse(inputs, out, force=True)
+    assert "config.json" in str(e.value) and "not written by lorakit" in str(e.value)
+    assert tree_hash(out) == before
+    assert _all_temps(tmp_path) == []
+
+
+def test_force_refuses_dir_with_other_checkpoints(inputs, tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    _fuse(inputs, out / "ckpt-1")  # lorakit outputs inside: the directory itself is not one
+    (out / "ckpt-2").mkdir()
+    (out / "ckpt-2" / "model.safetensors").write_bytes(b"\0" * 64)
+    (out / "model.safetensors").write_bytes(b"\1" * 64)
+    before = tree_hash(out)
+    with pytest.raises(OutputExistsError, match="refusing to replace") as e:
+        _fuse(inputs, out, force=True)
+    msg = str(e.value)
+    assert "3 other entries" in msg and "ckpt-1" in msg and "model.safetensors" in msg
+    assert tree_hash(out) == before
+
+
+def test_force_on_empty_dir_replaces_it(inputs, tmp_path: Path) -> None:
+    out = tmp_path / "empty"
+    out.mkdir()
+    with pytest.raises(OutputExistsError, match="already exists"):
+        _fuse(inputs, out)  # without --force, even an empty directory is kept
+    res = _fuse(inputs, out, force=True)
+    assert res.output == out.resolve() and (out / "config.json").is_file()
+    assert _all_temps(tmp_path) == []
+
+
+def test_force_on_previous_output_replaces_it(inputs, tmp_path: Path) -> None:
+    out = tmp_path / "fused"
+    _fuse(inputs, out)
+    first = tree_hash(out)
+    _fuse(inputs, out, force=True, rounding="mlx-lm")
+    second = tree_hash(out)
+    assert second != first and sorted(second) == sorted(first)
+    doc = json.loads((out / PROVENANCE).read_text())
+    assert doc["kind"] == "fuse" and doc["settings"]["rounding"] == "mlx-lm"
+    assert _all_temps(tmp_path) == []
+
+
+def test_provenance_lists_every_file(inputs, tmp_path: Path) -> None:
+    out = tmp_path / "fused"
+    _fuse(inputs, out)
+    doc = json.loads((out / PROVENANCE).read_text())
+    assert doc["format"] == "lorakit-output/1"
+    assert sorted(doc["files"]) == sorted(p.name for p in out.iterdir() if p.name != PROVENANCE)
+    assert all(rec["size"] == (out / n).stat().st_size for n, rec in doc["files"].items())
+
+
+@pytest.mark.parametrize("change", ["added", "edited", "replaced-by-link", "no-provenance"])
+def test_force_refuses_previous_output_the_user_changed(inputs, tmp_path: Path,
+                                                        change: str) -> None:
+    out = tmp_path / "fused"
+    _fuse(inputs, out)
+    if change == "added":
+        (out / "notes.md").write_text("my results")
+        name = "notes.md"
+    elif change == "edited":  # same size, other bytes: caught by the sha256
+        cfg = (out / "config.json").read_bytes()
+        (out / "config.json").write_bytes(cfg.replace(b"4", b"5", 1))
+        name = "config.json"
+    elif change == "replaced-by-link":
+        (tmp_path / "mine.json").write_text("{}")
+        (out / "tokenizer.json").unlink()
+        (out / "tokenizer.json").symlink_to(tmp_path / "mine.json")
+        name = "tokenizer.json"
+    else:
+        (out / PROVENANCE).unlink()
+        name = "config.json"
+    before = tree_hash(out)
+    with pytest.raises(OutputExistsError, match="refusing to replace") as e:
+        _fuse(inputs, out, force=True)
+    assert name in str(e.value)
+    assert tree_hash(out) == before
+
+
+def test_force_refuses_a_file(inputs, tmp_path: Path) -> None:
+    out = tmp_path / "fused"
+    out.write_text("precious")
+    with pytest.raises(OutputExistsError, match="is a file"):
+        _fuse(inputs, out, force=True)
+    assert out.read_text() == "precious"
+
+
+def test_output_checked_again_before_publishing(tmp_path: Path) -> None:
+    """A user's file that appears in the output directory while lorakit writes is kept."""
+    out = check_output_path(tmp_path / "o", protected=[], force=True)
+    with pytest.raises(OutputExistsError, match="refusing to replace"):
+        with OutputDirectory(out, force=True) as od:
+            (od.tmp / "a.json").write_text("{}")
+            out.mkdir()
+            (out / "draft.tex").write_text("precious")
+            od.commit("test", {})
+    assert (out / "draft.tex").read_text() == "precious"
+    assert _all_temps(tmp_path) == []
+
+
+# -- failures leave nothing, parents included --------------------------------------------
+def test_failed_write_removes_created_parents(inputs, tmp_path: Path) -> None:
+    out = tmp_path / "new" / "deeper" / "fused"
+
+    def boom(done: int, total: int) -> None:
+        raise RuntimeError("disk on fire")
+
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        fuse(inputs["base"], inputs["adapter"], out, progress=boom)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_write_keeps_existing_parents(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    out = tmp_path / "a" / "b" / "c"
+    with pytest.raises(ValueError):
+        with OutputDirectory(out, force=False) as od:
+            assert od.tmp.parent == tmp_path / "a" / "b"
+            raise ValueError
+    assert list(tmp_path.iterdir()) == [tmp_path / "a"]
+    assert list((tmp_path / "a").iterdir()) == []
+
+
+# -- signals ---------------------------------------------------------------------------------
+def test_sigterm_in_process_cleans_up_then_calls_previous_handler(tmp_path: Path) -> None:
+    seen = []
+    old = signal.signal(signal.SIGTERM, lambda s, f: seen.append(
+        (s, sorted(p.name for p in tmp_path.iterdir()))))
+    try:
+        out = tmp_path / "x" / "out"
+        with pytest.raises(Interrupted):
+            with OutputDirectory(out, force=False) as od:
+                (od.tmp / "part.safetensors").write_bytes(b"\0" * 100)
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):  # the handler runs at the next bytecode
+                    time.sleep(0.001)
+                pytest.fail("SIGTERM did not interrupt the write")
+        # the earlier handler ran once, after the cleanup, and is back in place
+        assert seen == [(signal.SIGTERM, [])]
+        assert list(tmp_path.iterdir()) == []
+        assert signal.getsignal(signal.SIGTERM) is not None
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert len(seen) == 2
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def test_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
+    """Under ``nohup`` (SIGHUP ignored) a hangup must not stop the write."""
+    if not hasattr(signal, "SIGHUP"):
+        pytest.skip("no SIGHUP here")
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        out = tmp_path / "out"
+        with OutputDirectory(out, force=False) as od:
+            (od.tmp / "a.json").write_text("{}")
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.01)
+            od.commit("test", {})
+        assert (out / "a.json").exists() and (out / PROVENANCE).exists()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_signal_mid_fuse_leaves_nothing(tmp_path_factory, sig: str) -> None:
+    """SIGTERM (timeout, systemd, schedulers, Jupyter restarts) or SIGHUP while a CLI
+    fuse writes: no temporary, nothing at the output, no parent it created; the
+    process still ends by that signal."""
+    from test_kill import _env, build_kill_inputs, cli
+
+    root = tmp_path_factory.mktemp(f"sig-{sig}")
+    base, adapter = build_kill_inputs(root / "in")
+    before = tree_hash(root / "in")
+    out = root / "made" / "by" / "fuse" / "out"
+    p = subprocess.Popen(cli(base, adapter, out), env=_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, cwd=REPO)
+    t0 = time.perf_counter()
+    while p.poll() is None and not (out.parent.is_dir() and temporaries(out)):
+        assert time.perf_counter() - t0 < 120, "the fuse never started writing"
+        time.sleep(0.0005)
+    assert p.poll() is None, "the fuse ended before the signal: " + p.stderr.read().decode()
+    p.send_signal(getattr(signal, sig))
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == -getattr(signal, sig), (p.returncode, err.decode())
+    assert "Traceback" not in err.decode()
+    assert sorted(p.name for p in root.iterdir()) == ["in"], "left: " + str(list(root.iterdir()))
+    assert tree_hash(root / "in") == before
+
+
+# -- stale temporaries: exact names, dead cleaned, live reported ------------------------------
+def _temp(parent: Path, out_name: str, pid: int, rand: str = "abcdef12") -> Path:
+    d = parent / f".{out_name}.lorakit-tmp-{pid}-{rand}"
+    d.mkdir()
+    (d / "partial.safetensors").write_bytes(b"\0" * 10)
+    return d
+
+
+def test_dead_temporary_cleaned_live_one_reported(inputs, tmp_path: Path) -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = _temp(tmp_path, "fused", DEAD_PID)
+        synth_dead = tmp_path / f".fused.lorakit-synth-{DEAD_PID}-0123abcd"
+        synth_dead.mkdir()
+        live = _temp(tmp_path, "fused", sleeper.pid)
+        out = tmp_path / "fused"
+        assert stale_temporaries(out) == sorted([dead, synth_dead])
+        assert live_temporaries(out) == [live]
+        with pytest.warns(OutputWarning, match="running lorakit process"):
+            _fuse(inputs, out)
+        assert not dead.exists() and not synth_dead.exists()
+        assert live.exists() and (live / "partial.safetensors").exists()
+        with pytest.warns(OutputWarning):
+            assert clean_stale_temporaries(out) == [live]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@pytest.mark.parametrize("mine,other", [("a[1]", "a1"), ("x*", "xyz"), ("b?", "bc"),
+                                        ("[ab]", "a"), ("*", "fused"), ("c", "c.lorakit-tmp-1")])
+def test_glob_characters_do_not_reach_another_outputs_temporary(inputs, tmp_path: Path,
+                                                                mine: str, other: str) -> None:
+    theirs = _temp(tmp_path, other, DEAD_PID)
+    assert temp_owner(tmp_path / mine, theirs.name) is None
+    assert stale_temporaries(tmp_path / mine) == []
+    _fuse(inputs, tmp_path / mine)
+    assert theirs.exists(), f"a fuse into {mine!r} deleted the temporary of {other!r}"
+    assert stale_temporaries(tmp_path / other) == [theirs]
+
+
+def test_temporary_names_are_exact() -> None:
+    out = Path("/x/out")
+    assert temp_owner(out, ".out.lorakit-tmp-123-0123abcd") == 123
+    assert temp_owner(out, ".out.lorakit-tmp-old-123-0123abcdef01") == 123
+    assert temp_owner(out, ".out.lorakit-synth-7-0123abcd") == 7
+    for name in (".out.lorakit-tmp-123-0123abc", ".out.lorakit-tmp-x-0123abcd",
+                 ".out.lorakit-tmp-123-0123abcd.bak", ".outx.lorakit-tmp-1-0123abcd",
+                 "out.lorakit-tmp-1-0123abcd", ".out.lorakit-tmp-1-0123ABCD"):
+        assert temp_owner(out, name) is None, name
+
+
+def test_own_pid_temporary_from_a_failed_run_is_stale(tmp_path: Path) -> None:
+    """A temporary with this process's pid that no write of ours holds is left over."""
+    left = _temp(tmp_path, "out", os.getpid())
+    assert stale_temporaries(tmp_path / "out") == [left]
+    with OutputDirectory(tmp_path / "out", force=False) as od:
+        assert not left.exists()
+        assert live_temporaries(tmp_path / "out") == [od.tmp]  # its own, in use
+        od.commit("test", {})
+
+
+def test_long_output_name_gets_a_temporary_that_fits(inputs, tmp_path: Path) -> None:
+    """A 250-byte output name is legal; its temporary's name must be too."""
+    out = tmp_path / ("n" * 250)
+    _fuse(inputs, out)
+    _fuse(inputs, out, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    left = out.parent / f".{'n' * 150}~{'0' * 16}.lorakit-tmp-{DEAD_PID}-abcdef12"
+    left.mkdir()
+    assert stale_temporaries(out) == []  # another name's stem: not ours
+    with pytest.raises(OutputExistsError, match="cannot use the output path"):
+        _fuse(inputs, tmp_path / ("n" * 300))
