@@ -15,9 +15,13 @@ from typing import Any
 
 import pytest
 
+from helpers import LazyModule, missing_modules
+
 mx = pytest.importorskip("mlx.core")
 nn = pytest.importorskip("mlx.nn")
-mlx_lm = pytest.importorskip("mlx_lm")
+# imported on first use: mlx_lm pulls in transformers (a second or more to import)
+pytestmark = pytest.mark.skipif(bool(missing_modules("mlx_lm")), reason="mlx_lm not installed")
+mlx_lm = LazyModule("mlx_lm")
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 BASE = DATA / "tiny-qwen3"

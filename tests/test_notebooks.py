@@ -22,9 +22,13 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
+from helpers import LazyModule, missing_modules
+
+# imported on first use: nbformat's schema validator alone takes seconds to import
+_MISSING = missing_modules("nbformat", "nbclient", "ipykernel")
+pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"not installed: {_MISSING}")
+nbformat = LazyModule("nbformat")
+nbclient = LazyModule("nbclient")
 
 REPO = Path(__file__).resolve().parents[1]
 NB_DIR = REPO / "notebooks"
