@@ -132,6 +132,7 @@ def test_base_layout_and_dtypes() -> None:
     assert len(dtypes) == 1 + 1 + config["num_hidden_layers"] * 11
 
 
+@pytest.mark.slow  # cross-entropy and greedy text of the base on both corpora
 def test_base_speaks_kjv() -> None:
     kjv, fortunes = loss(BASE, None, "kjv"), loss(BASE, None, "fortunes")
     assert kjv < fortunes - 1.0, (kjv, fortunes)
@@ -182,6 +183,7 @@ def test_adapter_files_are_f32_mlx_layout(adapter: str) -> None:
     assert extra == ({"model.embed_tokens"} if adapter == "lora-embed" else set())
 
 
+@pytest.mark.slow  # cross-entropy of five adapted models on both corpora
 @pytest.mark.parametrize("adapter", sorted(ADAPTER_BASES))
 def test_adapter_moves_model_to_fortune_style(adapter: str) -> None:
     base = ADAPTER_BASES[adapter]

@@ -118,6 +118,7 @@ def test_six_notebooks_exist():
     assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
 
 
+@pytest.mark.slow  # nbformat's schema validator takes seconds to import
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_stripped_and_shaped(path):
     nb = nbformat.read(path, as_version=4)
