@@ -27,8 +27,11 @@ How they are made:
   their real ids (Qwen's ``<|im_end|>`` = 151645, ...), and filler word tokens up
   to ``vocab_size``, so every id the model can emit decodes to text.
 
->>> # lorakit.synth_checkpoint("bench-out/qwen3-1.7b", "qwen3-1.7b")
->>> # lorakit.synth_adapter("bench-out/lora", "bench-out/qwen3-1.7b", rank=8, layers=16)
+>>> import lorakit
+>>> small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=600)
+>>> ck = lorakit.synth_checkpoint("out/qwen3-small", "qwen3-1.7b", overrides=small, progress=False)
+>>> lorakit.synth_adapter("out/lora", ck, rank=8, layers=2).name
+'lora'
 """
 from __future__ import annotations
 
@@ -269,8 +272,8 @@ def plan_checkpoint(config: Mapping[str, Any], layout: str = "mlx"
                     ) -> List[Tuple[str, Tuple[int, ...]]]:
     """Every tensor (name, shape) of a checkpoint of ``config``, in save order.
 
-    >>> # plan_checkpoint(PRESETS["qwen3-1.7b"])[0]
-    >>> # ('model.embed_tokens.weight', (151936, 2048))
+    >>> plan_checkpoint(PRESETS["qwen3-1.7b"])[0]
+    ('model.embed_tokens.weight', (151936, 2048))
     """
     from mlx.utils import tree_flatten
 
@@ -502,7 +505,9 @@ def synth_checkpoint(path: PathLike, preset_or_config: Union[str, PathLike, Mapp
     Returns:
         The output directory.
 
-    >>> # synth_checkpoint("bench-out/qwen3-1.7b", "qwen3-1.7b")
+    >>> small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=600)
+    >>> synth_checkpoint("out/qwen3-tiny", "qwen3-1.7b", overrides=small, progress=False).name
+    'qwen3-tiny'
     """
     if dtype not in _DTYPES:
         raise FormatError("unsupported dtype", expected=" / ".join(_DTYPES), found=repr(dtype))
@@ -709,7 +714,10 @@ def synth_adapter(path: PathLike, checkpoint_path: PathLike, *, rank: int = 8,
     Returns:
         The output directory.
 
-    >>> # synth_adapter("bench-out/lora", "bench-out/qwen3-1.7b", rank=8, layers=16)
+    >>> small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=600)
+    >>> ck = synth_checkpoint("out/base", "qwen3-1.7b", overrides=small, progress=False)
+    >>> synth_adapter("out/lora-2", ck, rank=8, layers=2).name
+    'lora-2'
     """
     from .io.checkpoint import Checkpoint
 

@@ -9,7 +9,8 @@ memory stays bounded and identical bytes are skipped at ``memcmp`` speed.
 
 ``lorakit diff A B [--json]`` prints the same report.
 
->>> # parity("fused-lorakit", "fused-mlx-lm").identical
+>>> parity("data/tiny-qwen3", "data/tiny-qwen3").identical
+True
 """
 from __future__ import annotations
 

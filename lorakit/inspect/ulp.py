@@ -709,7 +709,11 @@ def ulp_compare(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     whatever the checkpoints' size. Tensors of different dtypes or shapes are
     listed with that status (see :func:`lorakit.parity` for a verdict table).
 
-    >>> # ulp_compare("fused-lorakit", "fused-mlx-lm").plot()
+    >>> import lorakit
+    >>> a = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused-lk").output
+    >>> b = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused-mlx", rounding="mlx-lm").output
+    >>> rep = ulp_compare(a, b); rep.summary["tensors"], rep.summary["max ulp"] > 1
+    (46, True)
     """
     sa, sb = open_source(a), open_source(b)
     diffs = compare_sources(sa, sb, max_bin=max_bin, names=names, threads=threads,
@@ -817,7 +821,11 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
     the fused tensor's own format: <= 0.5 everywhere means correctly rounded.
     Quantized fused weights are listed but not measured (see :func:`merge_check`).
 
-    >>> # ulp_vs_reference("fused", "data/tiny-qwen3", "data/adapters/lora")
+    >>> import lorakit
+    >>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")
+    >>> rep = ulp_vs_reference("fused", "data/tiny-qwen3", "data/adapters/lora")
+    >>> round(rep.summary["max error (ulp)"], 6), rep.summary["not correctly rounded"]
+    (0.5, 0)
     """
     from ..io.adapter import Adapter, load_adapter
     from ..io.naming import bind, bindings_by_tensor

@@ -214,7 +214,9 @@ def load_adapter(path: PathLike) -> Adapter:
     ``adapter_model.safetensors`` (PEFT). Every tensor is checked (known suffix,
     matching ranks, finite values); all problems are reported in one error.
 
-    >>> # load_adapter("data/adapters/lora")
+    >>> ad = load_adapter("data/adapters/lora")
+    >>> ad.format, len(ad.targets)
+    ('mlx-lm', 28)
     """
     path = Path(path)
     if path.is_file() and path.suffix == ".safetensors":
