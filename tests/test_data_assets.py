@@ -196,6 +196,7 @@ def test_adapter_moves_model_to_fortune_style(adapter: str) -> None:
     assert kjv_gap_after < kjv_gap_before - 0.5, (kjv_gap_before, kjv_gap_after)
 
 
+@pytest.mark.slow  # greedy text of five adapted models on four prompts
 @pytest.mark.parametrize("adapter", sorted(ADAPTER_BASES))
 def test_adapter_changes_greedy_text(adapter: str) -> None:
     base = ADAPTER_BASES[adapter]
@@ -237,6 +238,7 @@ def test_moe_adapter_has_per_expert_pairs() -> None:
 # ------------------------------------------------------------------- 4-bit and MoE
 
 
+@pytest.mark.slow  # cross-entropy of the 4-bit and bf16 bases on both corpora
 def test_4bit_base_is_quantized_and_still_kjv() -> None:
     config = json.loads((BASE_4BIT / "config.json").read_text())
     assert config["quantization"]["bits"] == 4
