@@ -1,10 +1,21 @@
-"""Shared test setup: tests import their helpers (model_factory) from this folder,
-and matplotlib draws off-screen."""
+"""Shared test setup and fixtures.
+
+Tests import their helpers (``model_factory``, ``helpers``) from this folder;
+matplotlib draws off-screen (through ``MPLBACKEND``, so nothing heavy is imported
+while collecting). Fixtures shared by several modules live here, built once per
+session; tests must treat what they return as read-only and write elsewhere
+(their own ``tmp_path``).
+
+Fast tier: ``pytest -m "not slow"``; the whole suite: ``bash tools/test.sh``.
+"""
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+from typing import Dict
+
+import pytest
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -12,10 +23,61 @@ if str(HERE) not in sys.path:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# never pop up windows; notebooks and the browser suite drop this for their kernels
+os.environ["MPLBACKEND"] = "Agg"
 
-try:  # never pop up windows; notebooks keep their own inline backend
-    import matplotlib
 
-    matplotlib.use("Agg")
-except ImportError:  # pragma: no cover
-    pass
+# -- the small qwen3 base, its LoRA adapter and their fuses ---------------------------------
+@pytest.fixture(scope="session")
+def qwen3(tmp_path_factory) -> Dict[str, Path]:
+    """A random 2-layer bf16 qwen3 (one file) and mlx-lm LoRA on q/v/down_proj."""
+    import model_factory as mf
+
+    root = tmp_path_factory.mktemp("qwen3")
+    base = mf.make_model(root / "base", "qwen3")
+    return {"base": base, "ad": mf.make_adapter(base, root / "ad")}
+
+
+@pytest.fixture(scope="session")
+def qwen3_q4(tmp_path_factory) -> Path:
+    """The same qwen3 family, 4-bit affine quantized (group size 32)."""
+    import model_factory as mf
+
+    return mf.make_model(tmp_path_factory.mktemp("qwen3_q4") / "q4", "qwen3",
+                         quantize=dict(group_size=32, bits=4))
+
+
+@pytest.fixture(scope="session")
+def qwen3_fused(qwen3, tmp_path_factory) -> Dict[str, Path]:
+    """``qwen3``'s adapter fused three ways: nearest (the default), mlx-lm's rounding,
+    and dtype promote (f32 projections)."""
+    import lorakit
+
+    root = tmp_path_factory.mktemp("qwen3_fused")
+    out = {}
+    for name, kw in (("nearest", {}), ("mlx-lm", dict(rounding="mlx-lm")),
+                     ("promote", dict(dtype="promote"))):
+        out[name] = lorakit.fuse(qwen3["base"], qwen3["ad"], root / name, progress=False,
+                                 **kw).output
+    return out
+
+
+# -- the bad-input / input-unchanged world -----------------------------------------------------
+@pytest.fixture(scope="session")
+def pristine(tmp_path_factory) -> Dict[str, Path]:
+    """Valid inputs, built once; every case works on copies."""
+    from helpers import make_peft, shard_model
+    from model_factory import make_adapter, make_model
+
+    root = tmp_path_factory.mktemp("pristine")
+    base = make_model(root / "base", "qwen3")
+    shard_model(base)
+    base_q = make_model(root / "base_q", "qwen3", quantize={"group_size": 32, "bits": 4})
+    return {
+        "base": base,
+        "base_q": base_q,
+        "ad": make_adapter(base, root / "ad"),
+        "ad_dora": make_adapter(base, root / "ad_dora", dora=True),
+        "ad_q": make_adapter(base_q, root / "ad_q"),
+        "ad_peft": make_peft(root / "ad", root / "ad_peft"),
+    }

@@ -16,7 +16,9 @@ from lorakit.inspect.parity import parity
 from lorakit.io.checkpoint import Checkpoint
 
 import model_factory as mf
-from test_fusion import run_mlx_lm_fuse
+from helpers import run_mlx_lm_fuse
+
+pytestmark = pytest.mark.slow  # ten mlx-lm architectures, each fused twice and run
 
 
 @pytest.mark.parametrize("family", sorted(mf.OTHER_CONFIGS))

@@ -72,6 +72,7 @@ def test_peft_unfused_computes_the_merge(name: str, tmp_path: Path) -> None:
     assert np.abs(unfused - fused).max() < 0.02 * change, name
 
 
+@pytest.mark.slow  # a timing run
 def test_decode_timing_runs_a_peft_adapter_unfused(tmp_path: Path) -> None:
     fx = PEFT / "qwen3_rslora_patterns"
     t = lorakit.time_decode(fx / "base", fx / "adapter", variants=["base", "unfused", "fused"],

@@ -9,18 +9,14 @@ runs the fuse through the Python API and through ``python -m lorakit fuse``.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple, Type
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -28,138 +24,10 @@ from safetensors.numpy import load_file, save_file
 from lorakit.errors import (AdapterError, FormatError, FuseError, LorakitError,
                             OutputExistsError, UnsafePathError)
 from lorakit.fusion.stream import fuse
-from lorakit.io.output import TMP_MARK
-from model_factory import make_adapter, make_model
 
-REPO = Path(__file__).resolve().parents[1]
-S1 = "model-00001-of-00002.safetensors"
-S2 = "model-00002-of-00002.safetensors"
-INDEX = "model.safetensors.index.json"
+from helpers import INDEX, S1, S2, Env, make_env, run_cli, temporaries, tree_hash
+
 Q_PROJ = "model.layers.1.self_attn.q_proj.weight"  # adapted, in S2
-
-
-# -- helpers shared with the kill, fuzz and input-unchanged tests --------------------------
-def tree_hash(root: Path) -> Dict[str, str]:
-    """Every entry under ``root`` (not following links): file -> sha256, link -> target."""
-    out: Dict[str, str] = {}
-    if not root.exists() and not root.is_symlink():
-        return out
-    if root.is_symlink() or root.is_file():
-        return {".": _entry_hash(root)}
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        d = Path(dirpath)
-        for n in sorted(dirnames + filenames):
-            p = d / n
-            out[str(p.relative_to(root))] = _entry_hash(p)
-    return out
-
-
-def _entry_hash(p: Path) -> str:
-    if p.is_symlink():
-        return "link:" + os.readlink(p)
-    if p.is_dir():
-        return "dir"
-    if not p.is_file():  # a FIFO or device: reading it would block
-        return "special"
-    return "sha256:" + hashlib.sha256(p.read_bytes()).hexdigest()
-
-
-def temporaries(out: Path) -> List[Path]:
-    """Temporary directories a fuse into ``out`` leaves beside it (should be none)."""
-    return sorted(out.parent.glob(f".{out.name}{TMP_MARK}*")) if out.parent.is_dir() else []
-
-
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m lorakit ...`` in a fresh process, offline, without debug tracebacks."""
-    env = {k: v for k, v in os.environ.items() if k != "LORAKIT_DEBUG"}
-    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "lorakit", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-
-
-def shard_model(path: Path) -> None:
-    """Split a single-file mlx-lm checkpoint into two shards plus an index."""
-    weights = mx.load(str(path / "model.safetensors"))
-    names = sorted(weights)
-    first = {n: weights[n] for n in names if ".layers.1." not in n and n != "model.norm.weight"}
-    second = {n: weights[n] for n in names if n not in first}
-    mx.save_safetensors(str(path / S1), first, metadata={"format": "mlx"})
-    mx.save_safetensors(str(path / S2), second, metadata={"format": "mlx"})
-    (path / "model.safetensors").unlink()
-    wm = {n: S1 for n in first} | {n: S2 for n in second}
-    (path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(wm.items()))}))
-
-
-def make_peft(mlx_adapter: Path, path: Path, **cfg) -> Path:
-    """The same LoRA as ``mlx_adapter`` saved the way PEFT saves it."""
-    t = load_file(str(mlx_adapter / "adapters.safetensors"))
-    out = {}
-    for name, v in t.items():
-        module, leaf = name.rsplit(".", 1)
-        key = "base_model.model." + module
-        if leaf == "lora_a":  # mlx (in, r) -> PEFT lora_A (r, in)
-            out[key + ".lora_A.weight"] = np.ascontiguousarray(v.T)
-        else:  # mlx (r, out) -> PEFT lora_B (out, r)
-            out[key + ".lora_B.weight"] = np.ascontiguousarray(v.T)
-    path.mkdir(parents=True)
-    save_file(out, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "bias": "none",
-              "target_modules": ["q_proj", "v_proj", "down_proj"], "use_rslora": False,
-              "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None}
-    config.update(cfg)
-    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    return path
-
-
-@pytest.fixture(scope="session")
-def pristine(tmp_path_factory) -> Dict[str, Path]:
-    """Valid inputs, built once; every case works on copies."""
-    root = tmp_path_factory.mktemp("pristine")
-    base = make_model(root / "base", "qwen3")
-    shard_model(base)
-    base_q = make_model(root / "base_q", "qwen3", quantize={"group_size": 32, "bits": 4})
-    return {
-        "base": base,
-        "base_q": base_q,
-        "ad": make_adapter(base, root / "ad"),
-        "ad_dora": make_adapter(base, root / "ad_dora", dora=True),
-        "ad_q": make_adapter(base_q, root / "ad_q"),
-        "ad_peft": make_peft(root / "ad", root / "ad_peft"),
-    }
-
-
-# -- the environment a case runs in --------------------------------------------------------
-@dataclass
-class Env:
-    root: Path
-    inputs: Path
-    base: Path
-    adapter: Path
-    out: Path
-    kwargs: Dict[str, object] = field(default_factory=dict)
-
-    def at(self, name: str) -> Path:
-        """Path of input ``name`` (base, base_q, ad, ad_dora, ad_q, ad_peft)."""
-        return self.inputs / name
-
-    @property
-    def cli_args(self) -> List[str]:
-        args = ["--model", self.base, "--adapter-path", self.adapter, "--save-path", self.out]
-        if self.kwargs.get("force"):
-            args.append("--force")
-        if "dtype" in self.kwargs:
-            args += ["--dtype", str(self.kwargs["dtype"])]
-        if "rounding" in self.kwargs:
-            args += ["--rounding", str(self.kwargs["rounding"])]
-        return [str(a) for a in args]
-
-
-def make_env(tmp_path: Path, pristine: Dict[str, Path]) -> Env:
-    inputs = tmp_path / "in"
-    for name, src in pristine.items():
-        shutil.copytree(src, inputs / name, symlinks=True)
-    (tmp_path / "outdir").mkdir()
-    return Env(tmp_path, inputs, inputs / "base", inputs / "ad", tmp_path / "outdir" / "fused")
 
 
 # -- small tools for breaking files ----------------------------------------------------------
@@ -896,8 +764,9 @@ def _check_nothing_written(e: Env, before: Dict[str, Dict[str, str]]) -> None:
     assert temporaries(e.out) == []
 
 
-@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
-def test_bad_input(c: Case, tmp_path: Path, pristine: Dict[str, Path]) -> None:
+def _api_case(c: Case, tmp_path: Path, pristine: Dict[str, Path]):
+    """Break the inputs as ``c`` says and fuse through the Python API; return what the
+    CLI half needs (env, error, message, hashes before)."""
     e = make_env(tmp_path, pristine)
     facts = c.mutate(e) or {}
     before = _inputs_and_output(e)
@@ -915,6 +784,20 @@ def test_bad_input(c: Case, tmp_path: Path, pristine: Dict[str, Path]) -> None:
         assert _fmt(c.tensor, facts) in msg, msg
     assert ("expected" in msg or err.expected) and ("found" in msg or err.found), msg
     _check_nothing_written(e, before)
+    return e, err, msg, before
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
+def test_bad_input(c: Case, tmp_path: Path, pristine: Dict[str, Path]) -> None:
+    """The Python API half (in process, fast tier)."""
+    _api_case(c, tmp_path, pristine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
+def test_bad_input_cli(c: Case, tmp_path: Path, pristine: Dict[str, Path]) -> None:
+    """The API half again, then ``python -m lorakit fuse`` in a fresh process."""
+    e, err, msg, before = _api_case(c, tmp_path, pristine)
 
     # 2. the CLI: exit 2, one clear message, no traceback, nothing written
     r = run_cli("fuse", *e.cli_args)

@@ -15,9 +15,13 @@ from typing import Any
 
 import pytest
 
+from helpers import LazyModule, missing_modules
+
 mx = pytest.importorskip("mlx.core")
 nn = pytest.importorskip("mlx.nn")
-mlx_lm = pytest.importorskip("mlx_lm")
+# imported on first use: mlx_lm pulls in transformers (a second or more to import)
+pytestmark = pytest.mark.skipif(bool(missing_modules("mlx_lm")), reason="mlx_lm not installed")
+mlx_lm = LazyModule("mlx_lm")
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 BASE = DATA / "tiny-qwen3"
@@ -128,6 +132,7 @@ def test_base_layout_and_dtypes() -> None:
     assert len(dtypes) == 1 + 1 + config["num_hidden_layers"] * 11
 
 
+@pytest.mark.slow  # cross-entropy and greedy text of the base on both corpora
 def test_base_speaks_kjv() -> None:
     kjv, fortunes = loss(BASE, None, "kjv"), loss(BASE, None, "fortunes")
     assert kjv < fortunes - 1.0, (kjv, fortunes)
@@ -178,6 +183,7 @@ def test_adapter_files_are_f32_mlx_layout(adapter: str) -> None:
     assert extra == ({"model.embed_tokens"} if adapter == "lora-embed" else set())
 
 
+@pytest.mark.slow  # cross-entropy of five adapted models on both corpora
 @pytest.mark.parametrize("adapter", sorted(ADAPTER_BASES))
 def test_adapter_moves_model_to_fortune_style(adapter: str) -> None:
     base = ADAPTER_BASES[adapter]
@@ -190,6 +196,7 @@ def test_adapter_moves_model_to_fortune_style(adapter: str) -> None:
     assert kjv_gap_after < kjv_gap_before - 0.5, (kjv_gap_before, kjv_gap_after)
 
 
+@pytest.mark.slow  # greedy text of five adapted models on four prompts
 @pytest.mark.parametrize("adapter", sorted(ADAPTER_BASES))
 def test_adapter_changes_greedy_text(adapter: str) -> None:
     base = ADAPTER_BASES[adapter]
@@ -231,6 +238,7 @@ def test_moe_adapter_has_per_expert_pairs() -> None:
 # ------------------------------------------------------------------- 4-bit and MoE
 
 
+@pytest.mark.slow  # cross-entropy of the 4-bit and bf16 bases on both corpora
 def test_4bit_base_is_quantized_and_still_kjv() -> None:
     config = json.loads((BASE_4BIT / "config.json").read_text())
     assert config["quantization"]["bits"] == 4

@@ -29,6 +29,7 @@ def prompts() -> list:
     return json.loads((DATA / "prompts.json").read_text())
 
 
+@pytest.mark.slow  # three models generate on every prompt
 def test_fused_follows_unfused_adapter(tmp_path: Path) -> None:
     fused = lorakit.fuse(BASE, LORA, tmp_path / "fused", progress=False).output
     rep = compare_generations({"unfused": (str(BASE), str(LORA)), "fused": (str(fused), None),

@@ -3,7 +3,6 @@ reference, dtype policies, DoRA, in-memory fusion."""
 from __future__ import annotations
 
 import json
-import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -18,21 +17,9 @@ from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors import NUMPY_STORAGE
 
 import model_factory as mf
+from helpers import run_mlx_lm_fuse
 
 BF16 = nm.float_format("BF16")
-
-
-def run_mlx_lm_fuse(model: Path, adapter: Path, out: Path, *extra: str) -> None:
-    """Run mlx-lm's own fuse command (its main(), in this process)."""
-    from mlx_lm import fuse as mlx_fuse
-
-    argv = sys.argv
-    sys.argv = ["mlx_lm.fuse", "--model", str(model), "--adapter-path", str(adapter),
-                "--save-path", str(out), *extra]
-    try:
-        mlx_fuse.main()
-    finally:
-        sys.argv = argv
 
 
 def raw_tensors(path: Path) -> dict:

@@ -35,6 +35,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+pytestmark = pytest.mark.slow  # hypothesis campaigns and an atheris subprocess
+
 #: LORAKIT_FUZZ_EXAMPLES raises the count for a longer campaign than CI affords.
 FUZZ = settings(max_examples=int(os.environ.get("LORAKIT_FUZZ_EXAMPLES", "200")), deadline=5000,
                 database=None,

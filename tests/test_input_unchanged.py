@@ -16,7 +16,7 @@ from typing import Dict
 import pytest
 
 from lorakit.fusion.stream import fuse
-from test_bad_inputs import make_env, pristine, run_cli, temporaries, tree_hash  # noqa: F401
+from helpers import make_env, run_cli, temporaries, tree_hash
 
 COMBOS = [  # (base, adapter, options)
     ("base", "ad", dict(rounding="nearest")),
@@ -65,6 +65,7 @@ def test_successful_fuse_leaves_inputs_unchanged(base: str, adapter: str, opts: 
     assert temporaries(e.out) == []
 
 
+@pytest.mark.slow
 def test_cli_force_leaves_inputs_unchanged(tmp_path: Path, pristine) -> None:
     e = make_env(tmp_path, pristine)
     before = tree_hash(e.inputs)

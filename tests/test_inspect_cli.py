@@ -8,21 +8,14 @@ from pathlib import Path
 
 import pytest
 
-import lorakit
 from lorakit.cli.main import main
-
-import model_factory as mf
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("cli")
-    base = mf.make_model(root / "base", "qwen3")
-    ad = mf.make_adapter(base, root / "ad")
-    near = lorakit.fuse(base, ad, root / "near", progress=False).output
-    mlx = lorakit.fuse(base, ad, root / "mlx", rounding="mlx-lm", progress=False).output
-    f32 = lorakit.fuse(base, ad, root / "f32", dtype="promote", progress=False).output
-    return {"base": base, "ad": ad, "near": near, "mlx": mlx, "f32": f32}
+def paths(qwen3, qwen3_fused) -> dict:
+    """The shared qwen3 base, adapter and its nearest / mlx-lm / promoted fuses."""
+    return {"base": qwen3["base"], "ad": qwen3["ad"], "near": qwen3_fused["nearest"],
+            "mlx": qwen3_fused["mlx-lm"], "f32": qwen3_fused["promote"]}
 
 
 def run(capsys, *argv: str):

@@ -15,16 +15,12 @@ from lorakit.inspect.dtype_map import dtype_map, open_source, split_name
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors import PlannedTensor, SafetensorsWriter
 
-import model_factory as mf
-
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("dtype")
-    base = mf.make_model(root / "base", "qwen3")
-    q4 = mf.make_model(root / "q4", "qwen3", quantize=dict(group_size=32, bits=4))
-    ad = mf.make_adapter(base, root / "ad")
-    return {"root": root, "base": base, "q4": q4, "ad": ad}
+def models(tmp_path_factory, qwen3, qwen3_q4) -> dict:
+    """The shared qwen3 base, its 4-bit twin and adapter; ``root`` is this module's own."""
+    return {"root": tmp_path_factory.mktemp("dtype"), "base": qwen3["base"], "q4": qwen3_q4,
+            "ad": qwen3["ad"]}
 
 
 def planted_f32(base: Path, dst: Path, name: str) -> Path:

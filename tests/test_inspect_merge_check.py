@@ -25,12 +25,10 @@ def scaled_adapter(src: Path, dst: Path, factor: float) -> Path:
 
 
 @pytest.fixture(scope="module")
-def case(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("merge")
-    base = mf.make_model(root / "base", "qwen3")
-    ad = mf.make_adapter(base, root / "ad")
-    fused = lorakit.fuse(base, ad, root / "fused", progress=False).output
-    return {"root": root, "base": base, "ad": ad, "fused": fused}
+def case(tmp_path_factory, qwen3, qwen3_fused) -> dict:
+    """The shared qwen3 base, adapter and nearest fuse; ``root`` is this module's own."""
+    return {"root": tmp_path_factory.mktemp("merge"), "base": qwen3["base"], "ad": qwen3["ad"],
+            "fused": qwen3_fused["nearest"]}
 
 
 def verdicts(rep) -> set:

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import lorakit
 from lorakit import numerics as nm
 from lorakit.inspect.parity import parity
 from lorakit.inspect.ulp import (_Acc, TensorDiff, compare_sources, error_histogram,
@@ -15,7 +14,6 @@ from lorakit.inspect.ulp import (_Acc, TensorDiff, compare_sources, error_histog
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors import PlannedTensor, SafetensorsWriter
 
-import model_factory as mf
 
 BF16 = nm.float_format("bf16")
 
@@ -132,15 +130,10 @@ def test_compare_files_in_small_pieces(tmp_path: Path) -> None:
 
 # -- checkpoints made by real fuses -------------------------------------------------------------
 @pytest.fixture(scope="module")
-def fused(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("ulp")
-    base = mf.make_model(root / "base", "qwen3")
-    ad = mf.make_adapter(base, root / "ad")
-    out = {"base": base, "ad": ad}
-    for name, kw in (("nearest", {}), ("mlx", dict(rounding="mlx-lm")),
-                     ("f32", dict(dtype="promote"))):
-        out[name] = lorakit.fuse(base, ad, root / name, progress=False, **kw).output
-    return out
+def fused(qwen3, qwen3_fused) -> dict:
+    """The shared qwen3 base, adapter and its nearest / mlx-lm / promoted fuses."""
+    return {"base": qwen3["base"], "ad": qwen3["ad"], "nearest": qwen3_fused["nearest"],
+            "mlx": qwen3_fused["mlx-lm"], "f32": qwen3_fused["promote"]}
 
 
 def test_parity_identical_and_rounding_difference(fused: dict, tmp_path: Path) -> None:

@@ -21,7 +21,9 @@ import pytest
 from lorakit.fusion.stream import fuse
 from lorakit.io.checkpoint import Checkpoint
 from model_factory import make_adapter, make_model
-from test_bad_inputs import REPO, temporaries, tree_hash
+from helpers import REPO, temporaries, tree_hash
+
+pytestmark = pytest.mark.slow  # fuse processes killed at timed points
 
 #: a qwen3-shaped model of ~100 MB in 3 shards: 1-2 s for a whole `lorakit fuse` process.
 KILL_MODEL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=16,

@@ -22,9 +22,13 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
+from helpers import LazyModule, missing_modules
+
+# imported on first use: nbformat's schema validator alone takes seconds to import
+_MISSING = missing_modules("nbformat", "nbclient", "ipykernel")
+pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"not installed: {_MISSING}")
+nbformat = LazyModule("nbformat")
+nbclient = LazyModule("nbclient")
 
 REPO = Path(__file__).resolve().parents[1]
 NB_DIR = REPO / "notebooks"
@@ -114,6 +118,7 @@ def test_six_notebooks_exist():
     assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
 
 
+@pytest.mark.slow  # nbformat's schema validator takes seconds to import
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_stripped_and_shaped(path):
     nb = nbformat.read(path, as_version=4)

@@ -6,9 +6,12 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # copies data/ and runs the README's fuse and checks
 def test_readme_python_example_runs(tmp_path: Path) -> None:
     text = (ROOT / "README.md").read_text()
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)

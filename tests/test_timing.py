@@ -46,6 +46,7 @@ def timing(assets):
     return t, seen
 
 
+@pytest.mark.slow  # runs decode timing workers
 def test_every_variant_ran_and_hook_saw_each(timing):
     t, seen = timing
     assert [v.variant for v in t.variants] == list(VARIANTS)
@@ -53,6 +54,7 @@ def test_every_variant_ran_and_hook_saw_each(timing):
     assert all(v.ok for v in t.variants), [v.error for v in t.variants]
 
 
+@pytest.mark.slow  # runs decode timing workers
 def test_numbers_positive_and_finite(timing):
     t, _ = timing
     for v in t.variants:
@@ -68,6 +70,7 @@ def test_numbers_positive_and_finite(timing):
     assert math.isfinite(t.ratio("fused")) and t.ratio("fused") > 0
 
 
+@pytest.mark.slow  # runs decode timing workers
 def test_weight_dtypes_and_bytes_differ_by_variant(timing, assets):
     t, _ = timing
     _, adapter, _ = assets
@@ -90,6 +93,7 @@ def test_weight_dtypes_and_bytes_differ_by_variant(timing, assets):
     assert unfused.weight_bytes["F32"] == adapter_bytes
 
 
+@pytest.mark.slow  # runs decode timing workers
 def test_unfused_runs_the_adapter(timing, assets):
     t, _ = timing
     assert t.variant("unfused").lora_modules == assets[2]
@@ -101,6 +105,7 @@ def test_unfused_runs_the_adapter(timing, assets):
     assert fused[:4] == t.variant("unfused").tokens[:4]
 
 
+@pytest.mark.slow  # runs decode timing workers
 def test_json_round_trip(timing):
     t, _ = timing
     back = DecodeTiming.from_json(t.to_json())
@@ -111,6 +116,7 @@ def test_json_round_trip(timing):
     assert d["rows"][0]["variant"] == "base" and d["settings"]["tokens"] == TOKENS
 
 
+@pytest.mark.slow  # runs decode timing workers
 def test_renders_table_html_and_plot(timing):
     t, _ = timing
     text = str(t)
@@ -124,6 +130,7 @@ def test_renders_table_html_and_plot(timing):
     assert len(fig.axes[0].patches) == len(VARIANTS)
 
 
+@pytest.mark.slow  # runs decode timing workers
 def test_background_thread_and_cancel(assets):
     model, adapter, _ = assets
     cancel = threading.Event()
@@ -162,6 +169,7 @@ def test_variant_that_cannot_be_made_is_reported(tmp_path):
     assert "error" in str(t)
 
 
+@pytest.mark.slow  # runs decode timing workers
 def test_cli_bench_json(assets, capsys):
     from lorakit.cli.main import main
 
@@ -174,6 +182,7 @@ def test_cli_bench_json(assets, capsys):
     assert v["variant"] == "base" and len(v["decode_tps"]) == 1 and v["generated"] == 4
 
 
+@pytest.mark.slow  # runs decode timing workers
 def test_rounds_rotate_and_pool(assets, monkeypatch):
     """rounds=3: every variant runs once per round, in rotated orders, in a fresh
     process each time; runs are pooled; the fused checkpoint is made once."""

@@ -58,7 +58,8 @@ def pairs(code: str, rng: np.random.Generator, n: int) -> Tuple[np.ndarray, np.n
 
 
 @pytest.mark.parametrize("code", ["BF16", "F16", "F32"])
-@pytest.mark.parametrize("piece", [1 << 16, 4099, 256, 255, 3])
+@pytest.mark.parametrize("piece", [1 << 16, 4099, 256, 255,
+                                   pytest.param(3, marks=pytest.mark.slow)])  # 3: ~2 s
 def test_kernel_equals_numpy_path(code: str, piece: int, monkeypatch) -> None:
     rng = np.random.default_rng(7)
     x, y = pairs(code, rng, 1 << 15)

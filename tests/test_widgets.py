@@ -264,6 +264,7 @@ def test_generation_compare_marks_first_divergence(data, fused):
 
 
 # -- DecodeRace -------------------------------------------------------------------------------
+@pytest.mark.slow  # a timing worker thread
 def test_decode_race_runs_in_background(data):
     r = DecodeRace(data / "tiny-qwen3", data / "adapters" / "lora", variants=["base", "fused"],
                    tokens=4, prompt_tokens=4, repeats=1, warmup=0, device="cpu")
@@ -284,6 +285,7 @@ def test_decode_race_runs_in_background(data):
     assert not r.start_button.disabled and r.stop_button.disabled
 
 
+@pytest.mark.slow  # a timing worker thread
 def test_decode_race_stop(data):
     r = DecodeRace(data / "tiny-qwen3", data / "adapters" / "lora", tokens=4, prompt_tokens=4,
                    repeats=1, warmup=0, device="cpu")

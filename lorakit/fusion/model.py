@@ -69,8 +69,11 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None, *,
         rounding / dtype: as for :func:`lorakit.fuse`.
         dequantize: leave fused quantized layers in float.
 
-    >>> # model, tok = mlx_lm.load("data/tiny-qwen3", adapter_path="data/adapters/lora")
-    >>> # lorakit.fuse_model(model)   # LoRA layers become plain, dtype kept
+    >>> import mlx_lm
+    >>> model, tok = mlx_lm.load("data/tiny-qwen3", adapter_path="data/adapters/lora")
+    >>> model = fuse_model(model)  # LoRA layers become plain, dtype kept
+    >>> type(model.layers[0].self_attn.q_proj).__name__, model.layers[0].self_attn.q_proj.weight.dtype
+    ('Linear', mlx.core.bfloat16)
     """
     import mlx.core as mx
     from mlx.utils import tree_unflatten
@@ -154,7 +157,11 @@ def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
 
     Returns the model (in eval mode).
 
-    >>> # model, tok = mlx_lm.load("base"); attach_adapter(model, "peft-adapter")
+    >>> import mlx_lm
+    >>> model, tok = mlx_lm.load("data/tiny-qwen3")
+    >>> model = attach_adapter(model, "data/adapters/peft-lora")
+    >>> type(model.layers[0].self_attn.q_proj).__name__
+    'LoRALinear'
     """
     import mlx.core as mx
     from mlx.utils import tree_unflatten

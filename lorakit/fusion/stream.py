@@ -194,7 +194,8 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
     Returns:
         A :class:`FuseResult`.
 
-    >>> # lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")
+    >>> fuse("data/tiny-qwen3", "data/adapters/lora", "fused", progress=False).tensors_fused
+    28
     """
     t0 = time.perf_counter()
     check_rounding(rounding)

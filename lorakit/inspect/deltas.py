@@ -179,7 +179,9 @@ def delta_norms(adapter: Any, checkpoint: Any = None, *, rtol: Optional[float] =
         A :class:`DeltaNorms` report. For DoRA the norms are those of the low-rank
         part; the magnitude vector rescales rows on top of it.
 
-    >>> # delta_norms("data/adapters/lora", "data/tiny-qwen3").plot()
+    >>> n = delta_norms("data/adapters/lora", "data/tiny-qwen3")
+    >>> n.summary["targets"], n.summary["largest ||dW||_F"]
+    (28, 'model.layers.3.mlp.down_proj')
     """
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
     src = open_source(checkpoint) if checkpoint is not None else None

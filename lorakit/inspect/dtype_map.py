@@ -5,8 +5,10 @@ one row per tensor with its layer, kind (q, k, v, o, gate, up, down, norms,
 embed, head, ...), dtype and bytes, flagging every float tensor whose dtype is not
 the checkpoint's majority. That is where a fuse that forgot its cast lights up.
 
->>> # dm = dtype_map("fused-model"); dm.flagged_names()[:2]
->>> # ['model.layers.0.self_attn.q_proj.weight', 'model.layers.0.self_attn.v_proj.weight']
+>>> import lorakit
+>>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused-f32", dtype="promote")
+>>> dm = dtype_map("fused-f32"); dm.flagged_names()[:2]
+['model.layers.3.mlp.up_proj.weight', 'model.layers.3.mlp.down_proj.weight']
 """
 from __future__ import annotations
 
@@ -86,7 +88,9 @@ def dtype_map(source: Any) -> DtypeMap:
         only when their dtype differs from the other scales' (as after a DoRA fuse of
         a quantized model that wrote float32 scales).
 
-    >>> # print(dtype_map("data/tiny-qwen3"))
+    >>> dm = dtype_map("data/tiny-qwen3")
+    >>> dm.summary["expected dtype"], dm.summary["flagged"]
+    ('BF16', 0)
     """
     src = open_source(source)
     metas = list(src.tensors.values())

@@ -9,9 +9,11 @@ When two models first choose different tokens it also records how far apart
 those two tokens were in each model's logits: a divergence at a margin of 0.01
 is a coin toss that rounding decided, one at a margin of 5 is a real difference.
 
->>> # compare_generations({"base": ("data/tiny-qwen3", None),
->>> #                      "adapter": ("data/tiny-qwen3", "data/adapters/lora"),
->>> #                      "fused": ("fused", None)}, ["w1 w2 w3"], max_tokens=16)
+>>> rep = compare_generations({"base": ("data/tiny-qwen3", None),
+...                            "adapter": ("data/tiny-qwen3", "data/adapters/lora")},
+...                           ["And it came to pass"], max_tokens=8)
+>>> rep.first_divergence().step, rep.rows[0]["text"]
+(0, ', that the LORD spake unto the LORD')
 """
 from __future__ import annotations
 

@@ -30,7 +30,10 @@ rounded once to its dtype, else ``replacement differs`` / ``replacement not writ
 Base tensors the adapter does not touch must come through bit for bit; any that
 changed are listed with the verdict ``changed without adapter``.
 
->>> # merge_check("fused", "data/tiny-qwen3", "data/adapters/lora")
+>>> import lorakit
+>>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")
+>>> merge_check("fused", "data/tiny-qwen3", "data/adapters/lora").ok
+True
 """
 from __future__ import annotations
 

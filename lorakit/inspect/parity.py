@@ -13,8 +13,8 @@ identical bytes are skipped at ``memcmp`` speed.
 
 ``lorakit diff A B [--json]`` prints the same report.
 
->>> # parity("fused-lorakit", "fused-mlx-lm").identical
->>> # ulp_compare("fused-lorakit", "fused-mlx-lm").plot()
+>>> parity("data/tiny-qwen3", "data/tiny-qwen3").identical
+True
 """
 from __future__ import annotations
 

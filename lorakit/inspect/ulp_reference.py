@@ -7,7 +7,6 @@ in ulps of the fused tensor's own format: a correctly rounded fuse is never abov
 
 >>> error_histogram(np.array([0.0, 0.25, 0.5, 0.75, 3.0, np.nan]))[:6].tolist()
 [1, 2, 1, 0, 1, 0]
->>> # ulp_vs_reference("fused", "data/tiny-qwen3", "data/adapters/lora")
 """
 from __future__ import annotations
 
@@ -83,7 +82,11 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
     the fused tensor's own format: <= 0.5 everywhere means correctly rounded.
     Quantized fused weights are listed but not measured (see :func:`merge_check`).
 
-    >>> # ulp_vs_reference("fused", "data/tiny-qwen3", "data/adapters/lora")
+    >>> import lorakit
+    >>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")
+    >>> rep = ulp_vs_reference("fused", "data/tiny-qwen3", "data/adapters/lora")
+    >>> round(rep.summary["max error (ulp)"], 6), rep.summary["not correctly rounded"]
+    (0.5, 0)
     """
     sf, sb = open_source(fused), open_source(base)
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)

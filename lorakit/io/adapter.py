@@ -68,7 +68,9 @@ def load_adapter(path: PathLike) -> Adapter:
     lorakit never reads another ``.safetensors`` file (a training checkpoint such as
     ``0000100_adapters.safetensors``) in its place.
 
-    >>> # load_adapter("data/adapters/lora")
+    >>> ad = load_adapter("data/adapters/lora")
+    >>> ad.format, len(ad.targets)
+    ('mlx-lm', 28)
     """
     path = Path(path)
     named: Optional[Path] = None

@@ -171,7 +171,8 @@ class AdapterTensors:
     only when :meth:`read` asks for it (so a tensor that is refused or unused is never
     read into memory).
 
-    >>> # AdapterTensors(Path("data/adapters/lora/adapters.safetensors")).names[:1]
+    >>> AdapterTensors(Path("data/adapters/lora/adapters.safetensors")).names[:1]
+    ['model.layers.0.self_attn.q_proj.lora_a']
     """
 
     def __init__(self, file: Path) -> None:

@@ -163,7 +163,8 @@ class Checkpoint:
         tensors: every tensor's :class:`TensorInfo`, by name, in file order.
         shards: shard file names in order.
 
-    >>> # ck = Checkpoint("data/tiny-qwen3"); ck.dtype, len(ck.tensors)
+    >>> ck = Checkpoint("data/tiny-qwen3"); ck.dtype, len(ck.tensors)
+    ('BF16', 46)
     """
 
     kind = "checkpoint"

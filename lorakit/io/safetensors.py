@@ -137,7 +137,8 @@ def read_header(path: PathLike) -> SafetensorsHeader:
     bytes between tensors or after the last). A failed check raises
     :class:`~lorakit.errors.FormatError` naming the file and tensor.
 
-    >>> # read_header("model.safetensors").tensors["model.norm.weight"].shape
+    >>> read_header("data/tiny-qwen3/model.safetensors").tensors["model.norm.weight"].shape
+    (256,)
     """
     path = Path(path)
     try:
@@ -332,8 +333,10 @@ class SafetensorsWriter:
     The header is written first from the plan, so no tensor has to wait in memory
     for the others. Each :meth:`write` checks the tensor against its plan.
 
-    >>> # with SafetensorsWriter(path, [PlannedTensor("w", "BF16", (2, 2))]) as w:
-    >>> #     w.write("w", np.zeros((2, 2), np.uint16))
+    >>> with SafetensorsWriter("w.safetensors", [PlannedTensor("w", "BF16", (2, 2))]) as w:
+    ...     w.write("w", np.zeros((2, 2), np.uint16))
+    >>> read_header("w.safetensors").tensors["w"].dtype
+    'BF16'
     """
 
     def __init__(self, path: PathLike, plan: Sequence[PlannedTensor],

@@ -34,8 +34,11 @@ and PEFT adapter writers). Outputs go through :mod:`lorakit.io.output`: built
 hidden, published whole, with a ``lorakit.json`` provenance; ``force`` replaces
 only an empty directory or a previous lorakit output.
 
->>> # lorakit.synth_checkpoint("bench-out/qwen3-1.7b", "qwen3-1.7b")
->>> # lorakit.synth_adapter("bench-out/lora", "bench-out/qwen3-1.7b", rank=8, layers=16)
+>>> from lorakit.synth import synth_adapter, synth_checkpoint
+>>> small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=600)
+>>> ck = synth_checkpoint("out/qwen3-small", "qwen3-1.7b", overrides=small, progress=False)
+>>> synth_adapter("out/lora", ck, rank=8, layers=2).name
+'lora'
 """
 from __future__ import annotations
 

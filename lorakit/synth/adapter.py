@@ -50,7 +50,11 @@ def synth_adapter(path: PathLike, checkpoint_path: PathLike, *, rank: int = 8,
     Returns:
         The output directory.
 
-    >>> # synth_adapter("bench-out/lora", "bench-out/qwen3-1.7b", rank=8, layers=16)
+    >>> from lorakit.synth import synth_checkpoint
+    >>> small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=600)
+    >>> ck = synth_checkpoint("out/base", "qwen3-1.7b", overrides=small, progress=False)
+    >>> synth_adapter("out/lora-2", ck, rank=8, layers=2).name
+    'lora-2'
     """
     if kind not in ("lora", "dora"):
         raise AdapterError("unknown adapter kind", expected="lora or dora", found=repr(kind))

@@ -46,7 +46,9 @@ def synth_checkpoint(path: PathLike, preset_or_config: Union[str, PathLike, Mapp
     Returns:
         The output directory.
 
-    >>> # synth_checkpoint("bench-out/qwen3-1.7b", "qwen3-1.7b")
+    >>> small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=600)
+    >>> synth_checkpoint("out/qwen3-tiny", "qwen3-1.7b", overrides=small, progress=False).name
+    'qwen3-tiny'
     """
     if dtype not in _DTYPES:
         raise FormatError("unsupported dtype", expected=" / ".join(_DTYPES), found=repr(dtype))

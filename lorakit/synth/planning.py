@@ -124,8 +124,8 @@ def plan_checkpoint(config: Mapping[str, Any], layout: str = "mlx"
                     ) -> List[Tuple[str, Tuple[int, ...]]]:
     """Every tensor (name, shape) of a checkpoint of ``config``, in save order.
 
-    >>> # plan_checkpoint(PRESETS["qwen3-1.7b"])[0]
-    >>> # ('model.embed_tokens.weight', (151936, 2048))
+    >>> plan_checkpoint(PRESETS["qwen3-1.7b"])[0]
+    ('model.embed_tokens.weight', (151936, 2048))
     """
     from mlx.utils import tree_flatten
 

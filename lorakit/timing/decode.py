@@ -17,7 +17,11 @@ through ``mlx_lm.generate.stream_generate``, so the tok/s figures are those
 Each fused checkpoint is written into a temporary directory just before its variant
 is timed and removed right after, so at most one fused copy is on disk at a time.
 
->>> # t = lorakit.time_decode("data/tiny-qwen3", "data/adapters/lora"); t.plot()
+>>> import lorakit
+>>> t = lorakit.time_decode("data/tiny-qwen3", "data/adapters/lora", variants=["base", "fused"],
+...                         tokens=4, repeats=1, warmup=0, progress=False)
+>>> [v.variant for v in t.variants if v.ok], len(t.plot().axes)
+(['base', 'fused'], 2)
 """
 from __future__ import annotations
 
@@ -534,7 +538,10 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
 
     Runs in a background thread as well: all MLX work happens in the workers.
 
-    >>> # t = time_decode("data/tiny-qwen3", "data/adapters/lora", tokens=32); print(t)
+    >>> t = time_decode("data/tiny-qwen3", variants=["base"], tokens=4, repeats=1, warmup=0,
+    ...                 progress=False)
+    >>> print(str(t).splitlines()[0])
+    Decode timing: tiny-qwen3
     """
     model = Path(model)
     adapter = Path(adapter_path) if adapter_path is not None else None

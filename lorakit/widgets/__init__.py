@@ -12,8 +12,8 @@ figure it returns, so every number a widget shows can be had without it.
 - :class:`GenerationCompare`: :func:`lorakit.compare_generations` side by side.
 - :class:`AdapterCompare`: :func:`lorakit.compare_adapters`.
 
->>> # from lorakit.widgets import FusePanel
->>> # FusePanel()
+>>> from lorakit.widgets import FusePanel
+>>> panel = FusePanel()  # choices from the repository's data/
 """
 from __future__ import annotations
 

@@ -5,9 +5,9 @@ target (relative to the base weight when a base is given), and layer x kind maps
 of the deltas' cosine similarity and of the overlap of their column and row
 subspaces (principal angles), with the per-module table.
 
->>> # from lorakit.widgets import AdapterCompare
->>> # AdapterCompare({"lora": "data/adapters/lora", "dora": "data/adapters/dora"},
->>> #                base="data/tiny-qwen3")
+>>> from lorakit.widgets import AdapterCompare
+>>> w = AdapterCompare({"lora": "data/adapters/lora", "dora": "data/adapters/dora"},
+...                    base="data/tiny-qwen3")
 """
 from __future__ import annotations
 

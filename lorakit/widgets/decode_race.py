@@ -5,9 +5,13 @@ a process of its own, so the kernel stays free); each variant's result arrives
 through its ``on_result`` hook and the widget redraws the tok/s and peak-memory
 bars (:meth:`DecodeTiming.plot`) and the table as it comes.
 
->>> # from lorakit.widgets import DecodeRace
->>> # race = DecodeRace("data/tiny-qwen3", "data/adapters/lora"); race   # then click Start
->>> # race.start(); ...; timing = race.wait()
+In a notebook, show the widget and click Start (or call ``race.start()``; then
+``race.wait()`` returns the :class:`DecodeTiming`):
+
+>>> from lorakit.widgets import DecodeRace
+>>> race = DecodeRace("data/tiny-qwen3", "data/adapters/lora")
+>>> type(race).__name__
+'DecodeRace'
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ of cells (layers x tensor kinds, coloured by dtype like the report's heatmap; ho
 a cell for its tensors, click it for a table of them), and the report's own
 heatmap figure.
 
->>> # from lorakit.widgets import DtypeMapView
->>> # DtypeMapView("data/tiny-qwen3")
+>>> from lorakit.widgets import DtypeMapView
+>>> view = DtypeMapView("data/tiny-qwen3")
 """
 from __future__ import annotations
 

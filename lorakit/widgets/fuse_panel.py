@@ -5,8 +5,8 @@ Every choice maps onto one argument of :func:`lorakit.fuse`; the result is the
 dtype map (:class:`DtypeMapView`). Outputs go to a temporary directory (or
 ``out_dir``), never into the base or adapter folders.
 
->>> # from lorakit.widgets import FusePanel
->>> # FusePanel()                      # choices from the repository's data/
+>>> from lorakit.widgets import FusePanel
+>>> panel = FusePanel()  # choices from the repository's data/
 """
 from __future__ import annotations
 

@@ -6,10 +6,12 @@ each model's continuation in a column, the first token where it parts from the
 reference model (the first one) highlighted, and the report's per-step logit
 margins for one prompt.
 
->>> # from lorakit.widgets import GenerationCompare
->>> # GenerationCompare({"base": "data/tiny-qwen3",
->>> #                    "adapter": ("data/tiny-qwen3", "data/adapters/lora"),
->>> #                    "fused": "fused"}, prompts=["And it came to pass"])
+>>> from lorakit.widgets import GenerationCompare
+>>> g = GenerationCompare({"base": "data/tiny-qwen3",
+...                        "adapter": ("data/tiny-qwen3", "data/adapters/lora")},
+...                       prompts=["And it came to pass"])
+>>> type(g).__name__
+'GenerationCompare'
 """
 from __future__ import annotations
 

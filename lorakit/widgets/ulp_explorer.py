@@ -6,9 +6,11 @@ exact float64 fuse as B; the widget calls :func:`lorakit.ulp_compare` (or
 report's histograms: overall, layers x bins, one layer, or one tensor, with the
 numbers behind them (max ulp, differing elements).
 
->>> # from lorakit.widgets import UlpExplorer
->>> # UlpExplorer({"nearest": "out/nearest", "mlx-lm": "out/mlx-lm"},
->>> #             base="data/tiny-qwen3", adapter="data/adapters/lora")
+>>> import lorakit
+>>> from lorakit.widgets import UlpExplorer
+>>> fused = {r: lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", f"out/{r}",
+...                          rounding=r, progress=False).output for r in ("nearest", "mlx-lm")}
+>>> w = UlpExplorer(fused, base="data/tiny-qwen3", adapter="data/adapters/lora")
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ except ImportError:  # conftest's fixture skips these tests (or fails them, in C
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 WIDGET_TIMEOUT = 60_000  # ms a widget action may take on a busy 2-core machine
 
