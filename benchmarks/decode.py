@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
 
-    from lorakit.timing.decode import DecodeTiming, time_decode
+    from lorakit.timing.decode import time_decode
+    from lorakit.timing.table import DecodeTiming
 
     cache = args.cache or Path(tempfile.mkdtemp(prefix="lorakit-bench-"))
     cache.mkdir(parents=True, exist_ok=True)

@@ -119,7 +119,7 @@ def bench_tensor_pairs(out: Path, pairs, tensor: str, repeat: int = 10) -> List[
     in the page cache, so the ratio to ``cat`` shows compute cost, not disk luck."""
     from lorakit.inspect.parity import parity
     from lorakit.io.checkpoint import Checkpoint
-    from lorakit.io.safetensors import PlannedTensor, SafetensorsWriter
+    from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
     rows = []
     for label, a, b in pairs:

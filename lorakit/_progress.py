@@ -71,8 +71,7 @@ def progress_bar(progress: Progress, total: int, desc: str, unit: str = "B",
         return ProgressBar(total, callback=progress)
     if not progress:
         return ProgressBar(total)
-    # lazy: tqdm.auto imports ipywidgets inside a notebook; only when a bar is shown
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # lazy: imports ipywidgets in a notebook; only with a bar
 
     # disable=None: no bar when stderr is not a terminal (logs, pipes, CI), so an
     # error there reads as one message; notebooks still show theirs

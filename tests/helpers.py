@@ -16,13 +16,14 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import mlx.core as mx
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from lorakit.io.output import TMP_MARK
+from model_factory import make_adapter, make_model
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data"
@@ -178,3 +179,49 @@ def make_env(tmp_path: Path, pristine: Dict[str, Path]) -> Env:
     return Env(tmp_path, inputs, inputs / "base", inputs / "ad", tmp_path / "outdir" / "fused")
 
 
+# -- the kill tests' inputs (also used by the signal tests) ----------------------------
+#: a qwen3-shaped model of ~100 MB in 3 shards: 1-2 s for a whole `lorakit fuse` process.
+KILL_MODEL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=16,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+KILL_KEYS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj", "mlp.up_proj")
+
+
+def reshard(path: Path, n: int) -> None:
+    """Rewrite ``path``'s single model.safetensors as ``n`` shards of similar size + index."""
+    weights = mx.load(str(path / "model.safetensors"))
+    names = sorted(weights)
+    total = sum(weights[k].nbytes for k in names)
+    shards: List[Dict[str, mx.array]] = [{}]
+    size = 0
+    for k in names:
+        if size >= total * len(shards) / n and len(shards) < n:
+            shards.append({})
+        shards[-1][k] = weights[k]
+        size += weights[k].nbytes
+    wm = {}
+    for i, part in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        mx.save_safetensors(str(path / fname), part, metadata={"format": "mlx"})
+        wm.update({k: fname for k in part})
+    (path / "model.safetensors").unlink()
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2))
+
+
+def build_kill_inputs(root: Path) -> Tuple[Path, Path]:
+    base = make_model(root / "base", "qwen3", **KILL_MODEL)
+    reshard(base, 3)
+    adapter = make_adapter(base, root / "adapter", keys=KILL_KEYS, rank=8)
+    return base, adapter
+
+
+def cli(base: Path, adapter: Path, out: Path, force: bool = False) -> List[str]:
+    args = [sys.executable, "-m", "lorakit", "fuse", "--model", str(base), "--adapter-path",
+            str(adapter), "--save-path", str(out), "-q"]
+    return args + (["--force"] if force else [])
+
+
+def cli_env() -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "LORAKIT_DEBUG"}
+    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    return env

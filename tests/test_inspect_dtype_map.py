@@ -13,7 +13,7 @@ import pytest
 from lorakit import numerics as nm
 from lorakit.inspect.dtype_map import dtype_map, open_source, split_name
 from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.safetensors import PlannedTensor, SafetensorsWriter
+from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
 
 @pytest.fixture(scope="module")

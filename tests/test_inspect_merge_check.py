@@ -11,7 +11,7 @@ import pytest
 import lorakit
 from lorakit.inspect.merge_check import merge_check
 from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.safetensors import PlannedTensor, SafetensorsWriter
+from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
 import model_factory as mf
 

@@ -12,7 +12,7 @@ from lorakit.inspect.parity import parity
 from lorakit.inspect.ulp import (_Acc, TensorDiff, compare_sources, error_histogram,
                                  ulp_compare, ulp_tensors, ulp_vs_reference)
 from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.safetensors import PlannedTensor, SafetensorsWriter
+from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
 
 BF16 = nm.float_format("bf16")

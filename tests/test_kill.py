@@ -6,73 +6,22 @@ CI kills at a few points here; ``benchmarks/kill.py`` kills at many.
 """
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, Tuple
 
 import mlx.core as mx
 import pytest
 
 from lorakit.fusion.stream import fuse
 from lorakit.io.checkpoint import Checkpoint
-from model_factory import make_adapter, make_model
-from helpers import REPO, temporaries, tree_hash
+from helpers import REPO, build_kill_inputs, cli, cli_env as _env, temporaries, tree_hash
 
 pytestmark = pytest.mark.slow  # fuse processes killed at timed points
-
-#: a qwen3-shaped model of ~100 MB in 3 shards: 1-2 s for a whole `lorakit fuse` process.
-KILL_MODEL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=16,
-                  num_attention_heads=8, num_key_value_heads=4, head_dim=64)
-KILL_KEYS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj", "mlp.up_proj")
-
-
-def reshard(path: Path, n: int) -> None:
-    """Rewrite ``path``'s single model.safetensors as ``n`` shards of similar size + index."""
-    import json
-
-    weights = mx.load(str(path / "model.safetensors"))
-    names = sorted(weights)
-    total = sum(weights[k].nbytes for k in names)
-    shards: List[Dict[str, mx.array]] = [{}]
-    size = 0
-    for k in names:
-        if size >= total * len(shards) / n and len(shards) < n:
-            shards.append({})
-        shards[-1][k] = weights[k]
-        size += weights[k].nbytes
-    wm = {}
-    for i, part in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        mx.save_safetensors(str(path / fname), part, metadata={"format": "mlx"})
-        wm.update({k: fname for k in part})
-    (path / "model.safetensors").unlink()
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2))
-
-
-def build_kill_inputs(root: Path) -> Tuple[Path, Path]:
-    base = make_model(root / "base", "qwen3", **KILL_MODEL)
-    reshard(base, 3)
-    adapter = make_adapter(base, root / "adapter", keys=KILL_KEYS, rank=8)
-    return base, adapter
-
-
-def cli(base: Path, adapter: Path, out: Path, force: bool = False) -> List[str]:
-    args = [sys.executable, "-m", "lorakit", "fuse", "--model", str(base), "--adapter-path",
-            str(adapter), "--save-path", str(out), "-q"]
-    return args + (["--force"] if force else [])
-
-
-def _env() -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "LORAKIT_DEBUG"}
-    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-    return env
-
 
 def timed_run(base: Path, adapter: Path, out: Path) -> Tuple[float, float]:
     """Run one uninterrupted CLI fuse; return (seconds until its temporary directory

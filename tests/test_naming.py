@@ -13,7 +13,7 @@ import lorakit
 from lorakit.errors import AdapterError
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.naming import bind
-from lorakit.io.safetensors import PlannedTensor, SafetensorsWriter
+from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
 import model_factory as mf
 

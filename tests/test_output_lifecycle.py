@@ -21,7 +21,7 @@ from lorakit.io.output import (PROVENANCE, Interrupted, OutputDirectory, OutputW
                                check_output_path, clean_stale_temporaries, live_temporaries,
                                stale_temporaries, temp_owner)
 from model_factory import make_adapter, make_model
-from test_bad_inputs import REPO, temporaries, tree_hash
+from helpers import REPO, build_kill_inputs, cli, cli_env, temporaries, tree_hash
 
 DEAD_PID = 999_999_999  # above any pid_max: no such process
 
@@ -219,13 +219,11 @@ def test_signal_mid_fuse_leaves_nothing(tmp_path_factory, sig: str) -> None:
     """SIGTERM (timeout, systemd, schedulers, Jupyter restarts) or SIGHUP while a CLI
     fuse writes: no temporary, nothing at the output, no parent it created; the
     process still ends by that signal."""
-    from test_kill import _env, build_kill_inputs, cli
-
     root = tmp_path_factory.mktemp(f"sig-{sig}")
     base, adapter = build_kill_inputs(root / "in")
     before = tree_hash(root / "in")
     out = root / "made" / "by" / "fuse" / "out"
-    p = subprocess.Popen(cli(base, adapter, out), env=_env(), stdout=subprocess.DEVNULL,
+    p = subprocess.Popen(cli(base, adapter, out), env=cli_env(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, cwd=REPO)
     t0 = time.perf_counter()
     while p.poll() is None and not (out.parent.is_dir() and temporaries(out)):

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from lorakit.errors import FormatError
-from lorakit.io.checkpoint import Checkpoint, open_checkpoint, resolve_model_path
+from lorakit.io.checkpoint import Checkpoint, open_checkpoint
+from lorakit.io.paths import resolve_model_path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -145,7 +146,7 @@ def _tiny_checkpoint(d: Path) -> Path:
 
     import numpy as np
 
-    from lorakit.io.safetensors import PlannedTensor, SafetensorsWriter
+    from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
     d.mkdir()
     names = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(40)]
@@ -187,7 +188,7 @@ def test_cli_os_errors_on_other_paths_are_one_message(here: Path) -> None:
 
     import numpy as np
 
-    from lorakit.io.safetensors import PlannedTensor, SafetensorsWriter
+    from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
     ck = _tiny_checkpoint(here / "tiny")
     ad = here / "ad"  # a rank-1 mlx-lm LoRA on the last layer's up_proj

@@ -11,7 +11,7 @@ import lorakit
 import lorakit.synth as synth
 from lorakit.errors import OutputExistsError
 from lorakit.io.output import PROVENANCE
-from test_bad_inputs import tree_hash
+from helpers import tree_hash
 
 PKG = Path(synth.__file__).parent
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -54,7 +54,7 @@ def _fuse_result(work: Path) -> str:
 
 
 def _decode_timing(work: Path) -> Any:
-    from lorakit.timing.decode import DecodeTiming
+    from lorakit.timing.table import DecodeTiming
 
     dev = {"device": "cpu", "backend": "cpu", "kind": "cpu", "mlx": "0.0.0",
            "mlx_lm": "0.0.0", "python": "3.11.7"}

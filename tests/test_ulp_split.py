@@ -13,7 +13,7 @@ from lorakit import _html, numerics as nm
 from lorakit._progress import progress_bar
 from lorakit.inspect import parity as parity_mod
 from lorakit.inspect import ulp, ulp_accumulate, ulp_reference, ulp_report, ulp_stream
-from lorakit.io.safetensors import PlannedTensor, SafetensorsWriter
+from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
 PKG = Path(ulp.__file__).resolve().parents[1]
 BF16 = nm.float_format("bf16")

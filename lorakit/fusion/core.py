@@ -46,6 +46,7 @@ from ..io.dtypes import code_of, mx_dtype
 from ..io.naming import Binding
 from ..io.safetensors import NUMPY_STORAGE
 from .delta import tensor_pieces
+from ..io.safetensors import mx_to_raw, raw_to_mx
 
 ROUNDINGS = ("nearest", "round-once", "mlx-lm", "scale-after")
 DTYPE_POLICIES = ("preserve", "promote", "bfloat16", "float16", "float32")
@@ -280,9 +281,7 @@ def torch_row_norm(x: np.ndarray, lanes: int = 8) -> np.ndarray:
 def _fuse_mlx(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale: float,
               magnitude: Optional[np.ndarray], code_out: str, rounding: str,
               promote: bool):
-    import mlx.core as mx
-
-    from ..io.safetensors import mx_to_raw, raw_to_mx
+    import mlx.core as mx  # lazy: MLX only when computing
 
     weight = raw_to_mx(w, code_in)
     out = fuse_mlx_array(weight, mx.array(A), mx.array(B), scale,
@@ -302,7 +301,7 @@ def fuse_mlx_array(weight, A, B, scale: float, magnitude=None, *, rounding: str 
     so the result is float32. DoRA follows ``DoRALinear.fuse``, whose result is
     float32 whatever the weight's dtype (the caller casts it back).
     """
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: MLX only when computing
 
     if rounding == "mlx-lm":
         delta = (scale * B) @ A

@@ -16,9 +16,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, List, Tuple, Union
 
+import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_unflatten
 
-from ..io.adapter import Adapter, LoraTarget, load_adapter
+from ..errors import AdapterError
+from ..io.adapter import MLX_WEIGHTS, PEFT_WEIGHTS, Adapter, LoraTarget, load_adapter
 from ..io.checkpoint import QuantParams
 from ..io.naming import bind, bind_replacements, bindings_by_tensor
 from ..io.safetensors import mx_to_raw, raw_to_mx
@@ -53,7 +57,6 @@ def _lora_targets(model: Any) -> Tuple[List[LoraTarget], List[Tuple[str, Any]]]:
 
 
 def _f32():
-    import mlx.core as mx
 
     return mx.float32
 
@@ -75,8 +78,6 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None, *,
     >>> type(model.layers[0].self_attn.q_proj).__name__, model.layers[0].self_attn.q_proj.weight.dtype
     ('Linear', mlx.core.bfloat16)
     """
-    import mlx.core as mx
-    from mlx.utils import tree_unflatten
 
     check_rounding(rounding)
     output_code("BF16", dtype)
@@ -124,13 +125,12 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None, *,
 
 
 def _float_module(qmod: Any, weight: Any) -> Any:
-    import mlx.nn as nn
 
     cls = type(qmod).__name__
     if cls == "QuantizedEmbedding":
         m = nn.Embedding(*weight.shape)
     elif cls == "QuantizedSwitchLinear":
-        from mlx_lm.models.switch_layers import SwitchLinear
+        from mlx_lm.models.switch_layers import SwitchLinear  # lazy: mlx-lm is heavy
 
         e, o, i = weight.shape
         m = SwitchLinear(i, o, e, bias="bias" in qmod)
@@ -163,12 +163,8 @@ def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
     >>> type(model.layers[0].self_attn.q_proj).__name__
     'LoRALinear'
     """
-    import mlx.core as mx
-    from mlx.utils import tree_unflatten
-    from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
-    from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
-
-    from ..errors import AdapterError
+    from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear  # lazy: mlx-lm is heavy
+    from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear  # lazy: mlx-lm is heavy
 
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
     src = ModelSource(model)
@@ -222,12 +218,11 @@ def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
 def load_unfused(model: Any, adapter_path: PathLike) -> Any:
     """The unfused adapter on ``model``: mlx-lm's own ``load_adapters`` for its own
     format (the reference path), :func:`attach_adapter` for PEFT adapters."""
-    from ..io.adapter import MLX_WEIGHTS, PEFT_WEIGHTS
 
     path = Path(adapter_path)
     if not (path / MLX_WEIGHTS).exists() and (path / PEFT_WEIGHTS).exists():
         return attach_adapter(model, path)
-    from mlx_lm.utils import load_adapters
+    from mlx_lm.utils import load_adapters  # lazy: mlx-lm is heavy
 
     model = load_adapters(model, str(path))
     model.eval()

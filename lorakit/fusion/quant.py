@@ -44,7 +44,7 @@ def _mx_parts(ck: Checkpoint, module: str):
 def dequantize_raw(ck: Checkpoint, module: str, out_code: Optional[str]) -> np.ndarray:
     """Dequantize ``module`` of ``ck`` to raw float storage (in the scales' dtype,
     or ``out_code``)."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: MLX only when computing
 
     q = ck.quant_params(module)
     if q is None:
@@ -67,7 +67,7 @@ def dequantize_raw(ck: Checkpoint, module: str, out_code: Optional[str]) -> np.n
 
 def quantize_raw(raw: np.ndarray, code: str, q: QuantParams) -> Dict[str, np.ndarray]:
     """Quantize float storage with ``mx.quantize`` -> raw weight / scales / biases."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: MLX only when computing
 
     x = raw_to_mx(raw, code)
     parts = mx.quantize(x, group_size=q.group_size, bits=q.bits, mode=q.mode)

@@ -34,10 +34,12 @@ from ..io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from ..io.adapter import Replacement
 from ..io.naming import Binding, bind, bind_replacements, bindings_by_tensor
 from ..io.output import OutputDirectory, check_output_path
-from ..io.safetensors import PlannedTensor, SafetensorsWriter, TensorInfo
+from ..io.safetensors import TensorInfo
+from ..io.safetensors_write import PlannedTensor, SafetensorsWriter
 from .core import cast_raw as _cast
 from .core import check_rounding, fuse_bindings as _fuse_float, output_code
 from .quant import RequantStat, dequantize_raw, requant_module as _requant_module
+from .. import __version__
 
 PathLike = Union[str, Path]
 
@@ -228,7 +230,6 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
 def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]], tmp: Path,
            out: Path, rounding: str, dtype_policy: str, dequantize: bool, progress: Any,
            t0: float, replaced: Optional[Dict[str, Replacement]] = None) -> FuseResult:
-    from .. import __version__
 
     dtypes: Counter = Counter()
     requant: List[RequantStat] = []
@@ -332,7 +333,7 @@ _local = threading.local()
 
 def _thread_stream():
     """Each worker thread gets its own MLX stream, so MLX work runs in parallel too."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: MLX only when computing
 
     s = getattr(_local, "stream", None)
     if s is None:
@@ -369,7 +370,7 @@ class _Jobs:
         self.next = 0
 
     def _run(self, k: int) -> Any:
-        import mlx.core as mx
+        import mlx.core as mx  # lazy: MLX only when computing
 
         with mx.stream(_thread_stream()):
             return _compute(self.ck, self.items[k], self.by_tensor, self.rounding,

@@ -32,6 +32,7 @@ from .deltas import _weight_norm, layer_kind_grid, lowrank_svd, numerical_rank, 
 from ..io.source import open_source
 from .layers import split_name
 from .report import Report
+from . import plots
 
 __all__ = ["AdapterComparison", "compare_adapters", "delta_inner", "principal_angles"]
 
@@ -72,7 +73,6 @@ class AdapterComparison(Report):
     def plot(self, value: str = "norms", ax=None):
         """``norms``: side-by-side bars of ||dW||_F per target (relative with a base);
         ``cosine`` / ``col_overlap`` / ``row_overlap``: layer x kind heatmaps."""
-        from . import plots
 
         both = [r for r in self.rows if r["status"] == "both"]
         if value == "norms":

@@ -27,6 +27,7 @@ from ..io.naming import bind
 from ..io.source import TensorSource, open_source, weight_f64
 from .layers import layer_kind_cells, split_name
 from .report import Report
+from . import plots
 
 __all__ = ["lowrank_svd", "effective_rank", "numerical_rank", "DeltaNorms",
            "delta_norms", "layer_kind_grid"]
@@ -142,7 +143,6 @@ class DeltaNorms(Report):
     def plot(self, value: Optional[str] = None, ax=None, log: bool = True):
         """Heatmap (layers x kinds) of ``rel`` (with a base) or ``fro``; or
         ``value="spectra"`` for the singular value spectra."""
-        from . import plots
 
         if value == "spectra":
             return self.plot_spectra(ax=ax)
@@ -156,7 +156,6 @@ class DeltaNorms(Report):
                                    log=log and value != "erank")
 
     def plot_spectra(self, ax=None, limit: int = 24):
-        from . import plots
 
         curves = [(r["module"] + (f"[{r['expert']}]" if r["expert"] is not None else ""), s)
                   for r, s in zip(self.rows, self.singular_values)]

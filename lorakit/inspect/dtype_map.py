@@ -23,6 +23,7 @@ from ..io.safetensors import FLOAT_CODES
 from ..io.source import TensorMeta, TensorSource, open_source, weight_f64  # noqa: F401  (old home)
 from .layers import _LORA_PARTS, layer_kind_cells, split_name  # noqa: F401  (old home)
 from .report import Report
+from .plots import dtype_heatmap
 
 __all__ = ["DtypeMap", "dtype_map"]
 
@@ -67,7 +68,6 @@ class DtypeMap(Report):
 
     def plot(self, ax=None, part: str = "weight"):
         """Heatmap of dtypes, layers x tensor kinds; flagged cells outlined. Returns a Figure."""
-        from .plots import dtype_heatmap
 
         return dtype_heatmap(self, ax=ax, part=part)
 

@@ -25,6 +25,8 @@ import numpy as np
 
 from ..errors import LorakitError
 from .report import Report
+from ..fusion.model import load_unfused
+from . import plots
 
 __all__ = ["Divergence", "Generation", "GenerationReport", "compare_generations"]
 
@@ -86,7 +88,6 @@ class GenerationReport(Report):
 
     def plot(self, prompt: int = 0, ax=None):
         """Per-step logit margins of every model for one prompt, first divergence marked."""
-        from . import plots
 
         gens = self.generations[prompt]
         steps = [d.step for d in self.divergences[prompt]]
@@ -104,9 +105,7 @@ def _load(label: str, spec: Any) -> Tuple[Any, Any]:
     if isinstance(spec, tuple) and len(spec) == 2 and hasattr(spec[0], "parameters"):
         return spec
     if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], (str, Path)):
-        from mlx_lm import load
-
-        from ..fusion.model import load_unfused
+        from mlx_lm import load  # lazy: mlx-lm is heavy
 
         path, adapter = spec
         model, tok = load(str(path))[:2]
@@ -134,8 +133,8 @@ def _eos_ids(tok: Any) -> set:
 
 def _decode_lockstep(models: Dict[str, Tuple[Any, Any]], prompt: str, max_tokens: int,
                      chat: bool) -> Tuple[Dict[str, Generation], List[Divergence]]:
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
+    import mlx.core as mx  # lazy: MLX only when computing
+    from mlx_lm.models.cache import make_prompt_cache  # lazy: mlx-lm is heavy
 
     labels = list(models)
     gens: Dict[str, Generation] = {}

@@ -50,6 +50,10 @@ from ..io.source import TensorSource, open_source, weight_f64
 from .layers import split_name
 from .report import Report
 from .ulp_stream import compare_sources
+from ..io.safetensors import raw_to_mx
+from ..io.naming import bind, bind_replacements, bindings_by_tensor
+from ..fusion.core import cast_raw
+from . import plots
 
 __all__ = ["MergeCheck", "merge_check", "intended_pieces", "VERDICTS_OK"]
 
@@ -114,13 +118,12 @@ def _reference_change(T: np.ndarray, W: np.ndarray, fused: TensorSource, tensor:
     if q is None:
         fmt = nm.float_format(fused.tensors[tensor].dtype)
         return nm.to_float64(nm.round_to_format(T, fmt), fmt) - W
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: MLX only when computing
 
     code = fused.tensors.get(f"{module}.scales")
     code = code.dtype if code is not None else (base_scales_code or "BF16")
     fmt = nm.float_format(code)
     x = nm.round_to_format(T, fmt)  # lorakit and mlx-lm fuse in the scales' dtype
-    from ..io.safetensors import raw_to_mx
 
     xm = raw_to_mx(x, fmt.safetensors)
     parts = mx.quantize(xm, group_size=q.group_size, bits=q.bits, mode=q.mode)
@@ -146,7 +149,6 @@ class MergeCheck(Report):
 
     def plot(self, ax=None):
         """Survived vs expected fraction of each delta, side by side."""
-        from . import plots
 
         rows = [r for r in self.rows if r.get("survived") is not None]
         return plots.grouped_bars([r["tensor"].replace(".weight", "") for r in rows],
@@ -199,7 +201,6 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
     Returns:
         A :class:`MergeCheck` (``.ok``, ``.verdicts()``, rows with the numbers).
     """
-    from ..io.naming import bind, bind_replacements, bindings_by_tensor
 
     sf, sb = open_source(fused), open_source(base)
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
@@ -300,7 +301,6 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
 def _replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) -> Dict[str, Any]:
     """A PEFT modules_to_save copy: the fused tensor must be the copy, rounded once to
     the fused tensor's dtype (verdict ``replaced``), bit for bit."""
-    from ..fusion.core import cast_raw
 
     base_code = sb.tensors[tensor].dtype
     row = _row(tensor, base_code, "replaced")

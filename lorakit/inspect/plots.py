@@ -74,8 +74,8 @@ def _fit(n_rows: int, n_cols: int, base: Tuple[float, float] = (4.0, 2.5)) -> Tu
 def dtype_heatmap(dm, ax=None, part: str = "weight"):
     """Layers x kinds, one colour per dtype; flagged tensors outlined in black."""
     # lazy: matplotlib only when a figure is drawn
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch, Rectangle
+    from matplotlib.colors import ListedColormap  # lazy: matplotlib only when a figure is drawn
+    from matplotlib.patches import Patch, Rectangle  # lazy: matplotlib only when a figure is drawn
 
     labels, kinds, cells = dm.grid(part)
     flags = dm.flag_grid(part)

@@ -9,7 +9,7 @@ reads ahead, so memory stays bounded whatever the checkpoints' size.
 :func:`lorakit.parity` and :func:`lorakit.ulp_compare` turn the diffs into reports.
 
 >>> sorted({d.status for d in compare_sources("data/tiny-qwen3", "data/tiny-qwen3")})
-['identical']
+['equal']
 """
 from __future__ import annotations
 

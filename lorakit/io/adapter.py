@@ -21,7 +21,7 @@ from .adapter_base import (CONFIG, EMBEDDING_HINTS, MLX_WEIGHTS, PEFT_PREFIX,  #
                            PEFT_WEIGHTS, Adapter, LoraTarget, PathLike, Replacement)
 from .adapter_mlx import check_layer_scope, load_mlx
 from .adapter_peft import check_targets_exist, load_peft
-from .checkpoint import _load_json, safe_member
+from .paths import load_json, safe_member
 
 __all__ = ["Adapter", "LoraTarget", "Replacement", "load_adapter", "check_runtime_scope",
            "MLX_WEIGHTS", "PEFT_WEIGHTS", "CONFIG"]
@@ -87,7 +87,7 @@ def load_adapter(path: PathLike) -> Adapter:
     cfg_path = safe_member(path, CONFIG, source=path, what="adapter config")
     for name in (MLX_WEIGHTS, PEFT_WEIGHTS):
         safe_member(path, name, source=path, what="adapter weights")  # no links out
-    cfg = _load_json(cfg_path, "adapter config")
+    cfg = load_json(cfg_path, "adapter config")
     if not isinstance(cfg, dict):
         raise AdapterError("adapter config is not a JSON object", file=cfg_path,
                            expected="a JSON object", found=type(cfg).__name__)

@@ -11,20 +11,17 @@ folder, are accepted; any other link out of the directory is refused.
 """
 from __future__ import annotations
 
-import difflib
-import errno
 import json
-import os
-import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
-from ..errors import FormatError, UnsafePathError
+from ..errors import FormatError
 from .dtypes import majority_dtype
+from .paths import (check_model_dir, is_hub_blob, load_json, resolve_model_path, safe_member,
+                    user_path)
 from .safetensors import FLOAT_CODES, TensorInfo, _file_kind, raw_to_mx, read_header, read_raw
 
 PathLike = Union[str, Path]
@@ -39,77 +36,6 @@ class QuantParams:
     group_size: int
     bits: int
     mode: str = "affine"
-
-
-#: a JSON config larger than this is refused before it is read (real ones are KBs).
-MAX_JSON_BYTES = 64 * 1024 * 1024
-
-
-def _load_json(path: Path, what: str) -> Any:
-    try:
-        st = path.stat()
-        if not stat.S_ISREG(st.st_mode):
-            # a FIFO or device would block or never end
-            raise FormatError(f"{what} is not a regular file", file=path,
-                              expected="a JSON file", found=_file_kind(st.st_mode))
-        if st.st_size > MAX_JSON_BYTES:
-            raise FormatError(f"{what} is implausibly large", file=path,
-                              expected=f"<= {MAX_JSON_BYTES} bytes", found=f"{st.st_size} bytes")
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
-    except FileNotFoundError:
-        raise FormatError(f"{what} is missing", file=path, expected=f"a {path.name} file",
-                          found="no such file",
-                          hint="point at a model directory with config.json"
-                          if path.name == "config.json" else None) from None
-    except (ValueError, RecursionError) as e:  # JSON, UTF-8 and int-size errors
-        raise FormatError(f"{what} is not valid JSON", file=path, expected="valid UTF-8 JSON",
-                          found=f"{type(e).__name__}: {str(e)[:100]}") from None
-    except OSError as e:
-        raise FormatError(f"cannot read {what}: {e.strerror or e}", file=path,
-                          expected="a readable file", found=type(e).__name__) from None
-
-
-def _is_hub_blob(link: Path, target: Path) -> bool:
-    """A hub snapshot file: <repo>/snapshots/<rev>/name -> <repo>/blobs/<hash>."""
-    parts = link.parent.resolve().parts
-    if len(parts) < 3 or parts[-2] != "snapshots":
-        return False
-    repo = Path(*parts[:-2])
-    return target.parent == repo / "blobs"
-
-
-def safe_member(directory: Path, name: Any, *, source: Path, what: str,
-                tensor: Optional[str] = None) -> Path:
-    """Resolve ``name`` as a file inside ``directory``, refusing anything that escapes it.
-
-    Refused: non-strings, empty names, absolute paths, ``..`` components, path
-    separators, and links whose target lies outside the directory (except hub
-    snapshot links into the cache's blobs).
-    """
-    if not isinstance(name, str) or not name or name in (".", ".."):
-        raise UnsafePathError(f"unsafe {what} name", file=source, tensor=tensor,
-                              found=repr(name)[:80],
-                              expected="a plain file name inside the directory")
-    p = Path(name)
-    if p.is_absolute() or ".." in p.parts or len(p.parts) != 1 or "\x00" in name or "\\" in name:
-        raise UnsafePathError(f"unsafe {what} name", file=source, tensor=tensor,
-                              found=repr(name)[:80],
-                              expected="a plain file name inside the directory")
-    full = directory / name
-    if full.is_symlink():
-        try:
-            target = full.resolve(strict=False)
-        except (OSError, RuntimeError):  # a link loop
-            raise UnsafePathError(f"{what} is a link that cannot be resolved", file=full,
-                                  tensor=tensor, expected="a file inside the directory",
-                                  found="a link loop") from None
-        inside = target.parent == directory.resolve()
-        if not inside and not _is_hub_blob(full, target):
-            raise UnsafePathError(f"{what} is a link out of the directory", file=full,
-                                  tensor=tensor, found=f"link to {target}",
-                                  expected="a file inside the directory")
-    return full
 
 
 def _posint(x: Any) -> bool:
@@ -174,7 +100,7 @@ class Checkpoint:
         check_model_dir(self.path)
         self.label = self.path.name
         cfg_path = safe_member(self.path, "config.json", source=self.path, what="config.json")
-        self.config: Dict[str, Any] = _load_json(cfg_path, "config.json")
+        self.config: Dict[str, Any] = load_json(cfg_path, "config.json")
         if not isinstance(self.config, dict):
             raise FormatError("config.json is not a JSON object", file=cfg_path,
                               expected="a JSON object", found=type(self.config).__name__)
@@ -183,7 +109,7 @@ class Checkpoint:
         weight_map: Optional[Dict[str, str]] = None
         if index_path.exists() or index_path.is_symlink():
             index_path = safe_member(self.path, INDEX_NAME, source=self.path, what="index")
-            idx = _load_json(index_path, "index")
+            idx = load_json(index_path, "index")
             if not isinstance(idx, dict) or not isinstance(idx.get("weight_map"), dict):
                 raise FormatError("index has no weight_map object", file=index_path,
                                   tensor="weight_map", expected='{"weight_map": {...}}',
@@ -340,7 +266,7 @@ class Checkpoint:
             if p.is_file():
                 if p.is_symlink():
                     target = p.resolve()
-                    if target.parent != self.path.resolve() and not _is_hub_blob(p, target):
+                    if target.parent != self.path.resolve() and not is_hub_blob(p, target):
                         continue  # never copy what a link outside points at
                 out.append(p)
         return out
@@ -350,122 +276,6 @@ class Checkpoint:
         qs = f", {q['bits']}-bit" if q else ""
         return (f"Checkpoint({str(self.path)!r}, {self.model_type}, {len(self.tensors)} tensors, "
                 f"{self.dtype}{qs}, {len(self.shards)} shard{'s' if len(self.shards) != 1 else ''})")
-
-
-def user_path(path: PathLike, what: str = "path") -> Path:
-    """``path`` with ``~`` / ``~user`` expanded; an unknown user is a :class:`FormatError`.
-
-    >>> user_path("~/models").is_absolute()
-    True
-    """
-    p = Path(path)
-    try:
-        return p.expanduser()
-    except RuntimeError:  # ~user for a user this system does not know
-        user = str(path).split(os.sep, 1)[0]
-        raise FormatError(f"{what} names an unknown user", file=str(path),
-                          expected="~ or ~user for an existing user, or a plain path",
-                          found=f"no user {user[1:]!r}") from None
-
-
-def stat_path(path: Path, what: str = "path") -> Optional[os.stat_result]:
-    """``os.stat`` of ``path``: None when nothing is there, a :class:`FormatError`
-    naming the cause for a name too long, a permission denied, a link loop, ..."""
-    try:
-        return path.stat()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as e:
-        cause = {errno.ENAMETOOLONG: "a name in it is longer than the system allows",
-                 errno.EACCES: "permission denied", errno.EPERM: "permission denied",
-                 errno.ELOOP: "too many levels of links"}.get(e.errno, e.strerror or str(e))
-        raise FormatError(f"cannot use the {what}: {cause}", file=_short(path),
-                          expected="an accessible path",
-                          found=f"{type(e).__name__} ({errno.errorcode.get(e.errno, e.errno)})",
-                          hint="check the directories' permissions" if e.errno in
-                          (errno.EACCES, errno.EPERM) else None) from None
-    except ValueError as e:  # an embedded NUL byte
-        raise FormatError(f"cannot use the {what}: {e}", file=_short(path),
-                          expected="a path without NUL bytes", found=repr(str(path))[:80]) from None
-
-
-def _short(path: PathLike) -> str:
-    """A path as shown in an error: a 4000-byte name would drown the message."""
-    s = str(path)
-    return s if len(s) <= 240 else f"{s[:120]}...{s[-60:]} ({len(s)} characters)"
-
-
-def check_model_dir(path: Path) -> None:
-    """Refuse a model path that is not an accessible directory, saying why."""
-    st = stat_path(path, "model path")
-    if st is None and not path.is_symlink():
-        raise FormatError("model path does not exist: no such directory", file=_short(path),
-                          expected="a local model directory or a hub repo id (owner/name)",
-                          found="no such file or directory",
-                          hint=_did_you_mean(path) or "check the path for typos")
-    if st is None or not stat.S_ISDIR(st.st_mode):
-        raise FormatError("model path is not a directory", file=_short(path),
-                          expected="a model directory with config.json",
-                          found="a link to nothing" if st is None else "a file"
-                          if stat.S_ISREG(st.st_mode) else _file_kind(st.st_mode),
-                          hint="give a local model directory (or a hub repo id to open_checkpoint)")
-    if not os.access(path, os.R_OK | os.X_OK):
-        raise FormatError("cannot use the model path: permission denied", file=_short(path),
-                          expected="a directory you can list and read",
-                          found=f"mode {stat.filemode(st.st_mode)}",
-                          hint="check the directory's permissions")
-
-
-def _did_you_mean(path: Path) -> Optional[str]:
-    """A hint naming the directories beside ``path`` whose names are close to its own."""
-    parent = path.parent
-    try:
-        names = [p.name for p in parent.iterdir() if p.is_dir()]
-    except OSError:
-        return None
-    close = difflib.get_close_matches(path.name, names, n=3, cutoff=0.6)
-    return "did you mean " + " or ".join(str(parent / n) for n in close) + "?" if close else None
-
-
-#: what a hub repo id looks like (owner/name); anything else is taken as a local path.
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
-
-
-def _looks_local(text: str, p: Path) -> bool:
-    """Whether a missing model path was meant as a local path, not a hub repo id."""
-    if not _REPO_ID.fullmatch(text) or text.startswith(("~", ".")) or "\\" in text:
-        return True
-    if os.sep != "/" and os.sep in text:
-        return True
-    try:
-        return p.parent.is_dir()  # data/tiny-qwen where data/ exists: a typo, not a repo
-    except OSError:
-        return True
-
-
-def resolve_model_path(path_or_repo: PathLike) -> Path:
-    """A local directory as is; otherwise a hub repo id fetched through mlx-lm's downloader.
-
-    A path that does not exist and looks local (``./x``, ``../x``, ``/abs``, ``~/x``,
-    anything not shaped ``owner/name``, or ``owner/name`` where ``owner/`` is a local
-    directory) is refused at once, with the close names beside it, instead of asking
-    the hub. Unknown ``~user``, over-long names and permission errors are one
-    :class:`FormatError` each.
-    """
-    text = os.fspath(path_or_repo)
-    p = user_path(text, "model path")
-    if stat_path(p, "model path") is not None or p.is_symlink() or \
-            os.environ.get("LORAKIT_OFFLINE") or _looks_local(text, p):
-        check_model_dir(p)
-        return p
-    from mlx_lm.utils import _download  # the hub path mlx-lm users already rely on
-
-    try:
-        return Path(_download(text))
-    except Exception as e:  # the hub client's many error types, offline or not found
-        raise FormatError("cannot fetch the model from the hub", file=text,
-                          expected="a local directory, or a hub repo reachable now",
-                          found=f"{type(e).__name__}: {str(e)[:160]}") from None
 
 
 def open_checkpoint(path_or_repo: PathLike) -> Checkpoint:

@@ -17,10 +17,12 @@ Every lorakit verb that writes a directory (``fuse``, ``synth_checkpoint``,
 3. Temporaries that a dead process left are removed by exact name (never by a
    glob pattern); those of a running process are kept and reported.
 
->>> # with OutputDirectory(check_output_path("out", protected=[], force=False),
->>> #                      force=False) as od:
->>> #     (od.tmp / "config.json").write_text("{}")
->>> #     od.commit("example", {})
+>>> out = check_output_path("out", protected=[], force=False)
+>>> with OutputDirectory(out, force=False) as od:
+...     _ = (od.tmp / "config.json").write_text("{}")
+...     _ = od.commit("example", {})
+>>> sorted(p.name for p in out.iterdir())
+['config.json', 'lorakit.json']
 """
 from __future__ import annotations
 

@@ -23,9 +23,12 @@ import numpy as np
 
 from .. import numerics as nm
 from ..errors import FormatError
-from .checkpoint import Checkpoint, QuantParams, _load_json, resolve_model_path
+from .checkpoint import Checkpoint, QuantParams
+from .paths import load_json, resolve_model_path
 from .dtypes import majority_dtype
 from .safetensors import FLOAT_CODES, TensorInfo, nbytes_of, raw_to_mx, read_header, read_raw
+from .safetensors import mx_to_raw
+from .safetensors import MX_CODES
 
 __all__ = ["TensorMeta", "TensorSource", "FileSource", "ModelSource", "open_source",
            "majority_dtype", "weight_f64"]
@@ -162,8 +165,6 @@ class ModelSource(_SourceBase):
                  config: Optional[Dict[str, Any]] = None) -> None:
         from mlx.utils import tree_flatten  # lazy: mlx is heavy and optional at import
 
-        from .safetensors import MX_CODES
-
         self.model = model
         self.label = label
         self.path = Path("<in-memory model>")
@@ -185,7 +186,6 @@ class ModelSource(_SourceBase):
         return self._modules
 
     def read(self, name: str, rows: Optional[slice] = None) -> np.ndarray:
-        from .safetensors import mx_to_raw
 
         a = self.arrays[name]
         if rows is not None:
@@ -204,7 +204,7 @@ class ModelSource(_SourceBase):
 def _adapter_source(p: Path) -> FileSource:
     for name in _ADAPTER_WEIGHTS:
         if (p / name).exists():
-            cfg = _load_json(p / _ADAPTER_CONFIG, "adapter config")
+            cfg = load_json(p / _ADAPTER_CONFIG, "adapter config")
             return FileSource(p / name, "adapter", p.name, cfg if isinstance(cfg, dict) else {})
     raise FormatError("no adapter weights found", file=p,
                       expected=" or ".join(_ADAPTER_WEIGHTS))

@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import AdapterError
 from ..io.checkpoint import Checkpoint
 from ..io.output import SYNTH_MARK, OutputDirectory, check_output_path
-from ..io.safetensors import PlannedTensor, SafetensorsWriter
+from ..io.safetensors_write import PlannedTensor, SafetensorsWriter
 from .presets import DEFAULT_KEYS
 from .sites import _Site, _find_sites, _layer_prefix, _row_norms
 

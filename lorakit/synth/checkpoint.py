@@ -10,10 +10,11 @@ import numpy as np
 from .. import numerics as nm
 from ..errors import FormatError
 from ..io.output import SYNTH_MARK, OutputDirectory, check_output_path
-from ..io.safetensors import PlannedTensor, SafetensorsWriter
+from ..io.safetensors_write import PlannedTensor, SafetensorsWriter
 from .planning import parse_size, plan_checkpoint, resolve_config
 from .sampler import _Sampler, _fill_kind
 from .tokenizer import write_tokenizer
+from .._progress import progress_bar
 
 PathLike = Union[str, Path]
 
@@ -81,8 +82,6 @@ def _shards(plan: Sequence[PlannedTensor], limit: int) -> List[List[PlannedTenso
 
 def _write_checkpoint(tmp: Path, plan: List[Tuple[str, Tuple[int, ...]]], code: str, limit: int,
                       seed: int, std: float, layout: str, progress: bool, name: str) -> None:
-    from tqdm.auto import tqdm
-
     planned = [PlannedTensor(n, code, s) for n, s in plan]
     shards = _shards(planned, limit)
     files = ([f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -91,7 +90,7 @@ def _write_checkpoint(tmp: Path, plan: List[Tuple[str, Tuple[int, ...]]], code: 
     meta = {"format": "mlx" if layout == "mlx" else "pt", "lorakit_synth": f"{name} seed={seed}"}
     total = sum(p.nbytes for p in planned)
     weight_map: Dict[str, str] = {}
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="synth", disable=not progress)
+    bar = progress_bar(progress, total, "synth")
     try:
         for file, shard in zip(files, shards):
             with SafetensorsWriter(tmp / file, shard, meta) as w:

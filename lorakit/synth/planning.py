@@ -69,7 +69,7 @@ def resolve_config(preset_or_config: Union[str, PathLike, Mapping[str, Any]],
 
 def _model(config: Dict[str, Any]):
     """mlx-lm's model for ``config``, with lazy (never evaluated) parameters."""
-    from mlx_lm.utils import _get_classes
+    from mlx_lm.utils import _get_classes  # lazy: mlx-lm is heavy
 
     try:
         model_cls, args_cls = _get_classes(config)
@@ -101,7 +101,7 @@ def _hf_names(model, params: List[Tuple[str, Tuple[int, ...]]],
 
 def _check_round_trip(model, params, hf, model_type: str) -> None:
     """mlx-lm's sanitize must turn the HF names back into the model's parameters."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: MLX only when computing
 
     if not hasattr(model, "sanitize"):
         if hf != params:
@@ -127,7 +127,7 @@ def plan_checkpoint(config: Mapping[str, Any], layout: str = "mlx"
     >>> plan_checkpoint(PRESETS["qwen3-1.7b"])[0]
     ('model.embed_tokens.weight', (151936, 2048))
     """
-    from mlx.utils import tree_flatten
+    from mlx.utils import tree_flatten  # lazy: MLX only when computing
 
     if layout not in ("mlx", "hf"):
         raise FormatError("unknown layout", expected="mlx or hf", found=repr(layout))

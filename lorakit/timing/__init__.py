@@ -10,7 +10,7 @@ __all__ = ["time_decode", "DecodeTiming", "VariantTiming", "VARIANTS"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from . import decode
+        from . import decode, table
 
-        return getattr(decode, name)
+        return getattr(decode if name == "time_decode" else table, name)
     raise AttributeError(f"module 'lorakit.timing' has no attribute {name!r}")

@@ -22,7 +22,8 @@ from typing import Any, List, Optional, Sequence, Union
 
 import ipywidgets as W
 
-from ..timing.decode import VARIANTS, DecodeTiming, VariantTiming, time_decode
+from ..timing.decode import time_decode
+from ..timing.table import VARIANTS, DecodeTiming, VariantTiming
 from ._base import ErrorBox, FigureView, hook
 
 PathLike = Union[str, Path]

@@ -1,0 +1,167 @@
+"""Safetensors written as a stream: tensor by tensor in a declared order.
+
+The header is written first from a plan (:class:`PlannedTensor`), so no tensor waits
+in memory for the others and a checkpoint larger than RAM can be written;
+:func:`copy_range` copies an untouched tensor's bytes inside the kernel where it can.
+The files are plain safetensors that ``mx.load``, ``safetensors`` and ``mlx_lm.load``
+open.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import FormatError
+from .safetensors import PathLike, TensorInfo, nbytes_of
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor the writer will receive: its name, dtype code and shape."""
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes_of(self.dtype, self.shape)
+
+
+class SafetensorsWriter:
+    """Write a safetensors file tensor by tensor, in a declared order.
+
+    The header is written first from the plan, so no tensor has to wait in memory
+    for the others. Each :meth:`write` checks the tensor against its plan.
+
+    >>> with SafetensorsWriter("w.safetensors", [PlannedTensor("w", "BF16", (2, 2))]) as w:
+    ...     w.write("w", np.zeros((2, 2), np.uint16))
+    >>> from lorakit.io.safetensors import read_header
+    >>> read_header("w.safetensors").tensors["w"].dtype
+    'BF16'
+    """
+
+    def __init__(self, path: PathLike, plan: Sequence[PlannedTensor],
+                 metadata: Optional[Mapping[str, str]] = None) -> None:
+        self.path = Path(path)
+        self.plan = list(plan)
+        header: Dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        off = 0
+        for p in self.plan:
+            header[p.name] = {"dtype": p.dtype, "shape": list(p.shape),
+                              "data_offsets": [off, off + p.nbytes]}
+            off += p.nbytes
+        self.total = off
+        blob = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
+        blob += b" " * (-len(blob) % 8)  # data aligned to 8 bytes, as the reference writer does
+        self._f = open(self.path, "wb")
+        self._f.write(struct.pack("<Q", len(blob)))
+        self._f.write(blob)
+        self._next = 0
+        self.bytes_written = 0
+
+    def _expect(self, name: str) -> PlannedTensor:
+        if self._next >= len(self.plan) or self.plan[self._next].name != name:
+            want = self.plan[self._next].name if self._next < len(self.plan) else "nothing"
+            raise RuntimeError(f"writer expected {want}, got {name}")
+        p = self.plan[self._next]
+        self._next += 1
+        return p
+
+    def write(self, name: str, data: np.ndarray) -> None:
+        """Write the next tensor from a numpy array holding its raw storage."""
+        p = self._expect(name)
+        data = np.ascontiguousarray(data)
+        if data.nbytes != p.nbytes or tuple(data.shape) != p.shape:
+            raise RuntimeError(f"{name}: planned {p.dtype}{list(p.shape)} ({p.nbytes} bytes), "
+                               f"got {data.dtype}{list(data.shape)} ({data.nbytes} bytes)")
+        self._f.write(memoryview(data.reshape(-1)).cast("B"))
+        self.bytes_written += p.nbytes
+
+    def write_chunks(self, name: str, chunks: Iterable[np.ndarray]) -> None:
+        """Write the next tensor from consecutive pieces of its raw storage."""
+        p = self._expect(name)
+        n = 0
+        for c in chunks:
+            c = np.ascontiguousarray(c)
+            self._f.write(memoryview(c.reshape(-1)).cast("B"))
+            n += c.nbytes
+        if n != p.nbytes:
+            raise RuntimeError(f"{name}: planned {p.nbytes} bytes, got {n}")
+        self.bytes_written += n
+
+    def copy(self, name: str, src: TensorInfo) -> None:
+        """Write the next tensor by copying its bytes from another file, unchanged."""
+        p = self._expect(name)
+        if src.nbytes != p.nbytes:
+            raise RuntimeError(f"{name}: planned {p.nbytes} bytes, source has {src.nbytes}")
+        copy_range(src.file, src.begin, src.nbytes, self._f)
+        self.bytes_written += p.nbytes
+
+    def close(self) -> None:
+        if self._f.closed:
+            return
+        missing = [p.name for p in self.plan[self._next:]]
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        if missing:
+            raise RuntimeError(f"{self.path}: {len(missing)} planned tensors never written, "
+                               f"first {missing[0]}")
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+_COPY_CHUNK = 16 * 1024 * 1024
+
+
+def copy_range(src: Path, offset: int, count: int, dst) -> None:
+    """Append ``count`` bytes of ``src`` starting at ``offset`` to the open file ``dst``.
+
+    Uses the kernel's copy (``copy_file_range``) where there is one, so the bytes of
+    untouched tensors never pass through Python.
+    """
+    dst.flush()
+    with open(src, "rb") as f:
+        fd_in, fd_out = f.fileno(), dst.fileno()
+        done = 0
+        if hasattr(os, "copy_file_range"):
+            try:
+                while done < count:
+                    n = os.copy_file_range(fd_in, fd_out, min(count - done, 1 << 30),
+                                           offset + done)
+                    if n == 0:
+                        break
+                    done += n
+            except OSError:
+                pass  # cross-device or unsupported: fall back to read/write below
+            if done:
+                dst.seek(0, os.SEEK_END)
+        f.seek(offset + done)
+        while done < count:
+            buf = f.read(min(_COPY_CHUNK, count - done))
+            if not buf:
+                raise FormatError("file ended while copying a tensor", file=src,
+                                  expected=f"{count} bytes from offset {offset}",
+                                  found=f"{done} bytes")
+            dst.write(buf)
+            done += len(buf)
