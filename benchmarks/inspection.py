@@ -43,7 +43,7 @@ from lorakit.inspect.parity import parity
 t = time.perf_counter()
 rep = parity(sys.argv[1], sys.argv[2], threads=int(sys.argv[3]) or None)
 dt = time.perf_counter() - t
-from lorakit.inspect.ulp import kernel_available
+from lorakit.inspect.ulp_accumulate import kernel_available
 print(json.dumps({"seconds": dt, "identical": rep.identical, "kernel": kernel_available(),
                   "elements": rep.summary["elements compared"],
                   "differing": rep.summary["elements differing"],
@@ -183,7 +183,7 @@ def main() -> None:
     pairs = [("identical copy", p["base"], p["copy"]),
              ("base vs fused", p["base"], p["fused"]),
              ("lorakit vs mlx-lm fuse", p["fused"], p["fused_mlx"])]
-    from lorakit.inspect.ulp import _kernel
+    from lorakit.inspect.ulp_accumulate import _kernel
 
     paths = [x for x in args.paths.split(",") if x]
     if "kernel" in paths and _kernel is None:

@@ -57,7 +57,7 @@ _DEPRECATED = {
     "Adapter": ("lorakit.io.adapter", "Adapter", "lorakit.load_adapter(path)"),
     "Checkpoint": ("lorakit.io.checkpoint", "Checkpoint", "lorakit.open(path)"),
     "open_checkpoint": ("lorakit.io.checkpoint", "open_checkpoint", "lorakit.open(path)"),
-    "ulp_compare": ("lorakit.inspect.ulp", "ulp_compare", "lorakit.compare(a, b)"),
+    "ulp_compare": ("lorakit.inspect.parity", "ulp_compare", "lorakit.compare(a, b)"),
     "parity": ("lorakit.inspect.parity", "parity", "lorakit.compare(a, b)"),
     "merge_check": ("lorakit.inspect.merge_check", "merge_check", "lorakit.check(...)"),
     "synth_checkpoint": ("lorakit.synth", "synth_checkpoint", "lorakit.synth.synth_checkpoint"),

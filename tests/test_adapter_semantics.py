@@ -413,3 +413,51 @@ def test_peft_two_adapters_in_one_file_refused(peft_ad: Path) -> None:
     save_file(t, str(peft_ad / "adapter_model.safetensors"))
     with pytest.raises(AdapterError, match="a second tensor for the same factor"):
         load_adapter(peft_ad)
+
+
+# -- 5. the fuse obeys the same scope, and the fused model runs like the unfused one -----------
+def _logits(model, tokens) -> np.ndarray:
+    import mlx.core as mx
+
+    out = model(mx.array([tokens]))
+    mx.eval(out)
+    return np.array(out.astype(mx.float32))[0]
+
+
+@pytest.mark.slow  # loads mlx-lm models for each semantics case
+def test_fused_runs_like_unfused_for_each_semantics_case(base4: Path, ad_last2: Path,
+                                                         tmp_path: Path) -> None:
+    """For every case of section 2: where mlx-lm refuses the adapter unfused, the fuse
+    refuses it too (through bind, writing nothing); where mlx-lm runs it, the fused
+    checkpoint gives mlx-lm's unfused logits on the same tokens. The tensors the cases
+    add are made nonzero, so a fuse that dropped (or added) a module would show."""
+    from mlx_lm.tuner.utils import load_adapters
+    from mlx_lm.utils import load_model
+
+    import lorakit
+
+    rng = np.random.default_rng(7)
+    tokens = [1, 5, 9, 14, 3, 7, 2, 11]
+    base_logits = _logits(load_model(base4)[0], tokens)
+    checked = 0
+    for name, ad in _variants(base4, ad_last2, tmp_path / "v").items():
+        t = load_file(str(ad / "adapters.safetensors"))
+        t = {k: (rng.normal(0, 0.05, v.shape).astype(np.float32) if not v.any() else v)
+             * (40 if k.endswith("lora_b") else 1) for k, v in t.items()}
+        save_file(t, str(ad / "adapters.safetensors"))
+        out = tmp_path / "fused" / name / "out"
+        if _mlx_verdict(base4, ad) is not None:
+            with pytest.raises(AdapterError):
+                lorakit.fuse(base4, ad, out, progress=False)
+            assert not out.exists() and not out.parent.exists(), name
+            continue
+        lorakit.fuse(base4, ad, out, progress=False)
+        unfused, _ = load_model(base4)
+        load_adapters(unfused, str(ad))
+        want, got = _logits(unfused, tokens), _logits(load_model(out)[0], tokens)
+        moved = float(np.abs(want - base_logits).max())
+        assert moved > 1e-3, (name, "the adapter changes nothing: the test could not fail")
+        assert float(np.abs(got - want).max()) < 0.1 * moved, name
+        assert (got.argmax(-1) == want.argmax(-1)).all(), name
+        checked += 1
+    assert checked == 4

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from lorakit import numerics as nm
-from lorakit.inspect.dtype_map import dtype_map, open_source, split_name
+from lorakit.inspect.dtype_map import dtype_map
+from lorakit.inspect.layers import split_name
+from lorakit.io.source import open_source
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
@@ -126,7 +128,8 @@ def test_plot_and_html(models: dict) -> None:
 
 def test_importing_does_not_import_matplotlib() -> None:
     code = ("import sys, lorakit, lorakit.inspect.dtype_map, lorakit.inspect.deltas, "
-            "lorakit.inspect.ulp, lorakit.inspect.parity, lorakit.inspect.merge_check, "
+            "lorakit.inspect.ulp_stream, lorakit.inspect.ulp_report, lorakit.inspect.ulp_reference, "
+            "lorakit.inspect.parity, lorakit.inspect.merge_check, "
             "lorakit.inspect.generation, lorakit.inspect.adapters, lorakit.inspect.plots, "
             "lorakit.cli.inspect_cmds; "
             "bad = [m for m in ('matplotlib', 'mlx_lm', 'ipywidgets') if m in sys.modules]; "

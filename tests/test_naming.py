@@ -75,6 +75,7 @@ def test_mixtral_names(tmp_path: Path) -> None:
     ad = lorakit.load_adapter(adapter)
     for t in ad.targets:
         t.module = t.module.replace(".mlp.", ".block_sparse_moe.")
+    ad.config["lora_parameters"]["keys"] = ["block_sparse_moe.switch_mlp.up_proj"]
     binds = bind(ad, Checkpoint(mix))
     assert sorted({b.tensor.split(".")[-2] for b in binds}) == ["w3"]
     assert len(binds) == 2 * 4

@@ -101,7 +101,9 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
     from lorakit.inspect.generation import compare_generations
     from lorakit.inspect.merge_check import merge_check
     from lorakit.inspect.parity import parity
-    from lorakit.inspect.ulp import ulp_compare, ulp_tensors, ulp_vs_reference
+    from lorakit.inspect.parity import ulp_compare
+    from lorakit.inspect.ulp_reference import ulp_vs_reference
+    from lorakit.inspect.ulp_report import ulp_tensors
     import numpy as np
 
     return {

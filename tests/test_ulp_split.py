@@ -12,10 +12,10 @@ import pytest
 from lorakit import _html, numerics as nm
 from lorakit._progress import progress_bar
 from lorakit.inspect import parity as parity_mod
-from lorakit.inspect import ulp, ulp_accumulate, ulp_reference, ulp_report, ulp_stream
+from lorakit.inspect import ulp_accumulate, ulp_report, ulp_stream
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
-PKG = Path(ulp.__file__).resolve().parents[1]
+PKG = Path(ulp_accumulate.__file__).resolve().parents[1]
 BF16 = nm.float_format("bf16")
 
 
@@ -37,34 +37,13 @@ def pair(tmp_path: Path):
     return write_file(tmp_path / "a.safetensors", a), write_file(tmp_path / "b.safetensors", b)
 
 
-def test_old_names_still_import() -> None:
-    assert ulp.compare_sources is ulp_stream.compare_sources
-    assert ulp.UlpReport is ulp_report.UlpReport and ulp.ulp_tensors is ulp_report.ulp_tensors
-    assert ulp.ulp_compare is parity_mod.ulp_compare
-    assert ulp.RefUlpReport is ulp_reference.RefUlpReport
-    assert ulp.ulp_vs_reference is ulp_reference.ulp_vs_reference
-    assert ulp._Acc is ulp_accumulate.Accumulator and ulp.TensorDiff is ulp_accumulate.TensorDiff
-    assert ulp._kernel is ulp_accumulate._kernel
-    for name in ulp.__all__ + ["error_labels", "kernel_available", "bin_labels"]:
-        assert hasattr(ulp, name), name
-
-
-def test_use_kernel_on_the_old_module_switches_the_accumulator(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ulp, "USE_KERNEL", False)
-    assert ulp_accumulate.USE_KERNEL is False and ulp.USE_KERNEL is False
-    assert not ulp.kernel_available()
-    monkeypatch.undo()
-    assert ulp.USE_KERNEL == ulp_accumulate.USE_KERNEL
-
-
 def test_ulp_compare_is_parity_seen_as_histograms(pair) -> None:
     a, b = pair
-    rep = ulp.ulp_compare(a, b, progress=False)
+    rep = parity_mod.ulp_compare(a, b, progress=False)
     diffs = ulp_stream.compare_sources(a, b)
     direct = ulp_report.ulp_report("ulp distances a.safetensors vs b.safetensors", diffs,
-                                   ulp.bin_labels(), {"A": str(a), "B": str(b)})
-    assert isinstance(rep, ulp.UlpReport)
+                                   ulp_accumulate.bin_labels(), {"A": str(a), "B": str(b)})
+    assert isinstance(rep, ulp_report.UlpReport)
     assert str(rep) == str(direct)
     assert rep.counts.tolist() == direct.counts.tolist()
     assert {k: v.tolist() for k, v in rep.per_layer.items()} == \

@@ -50,7 +50,7 @@ def _diff(args: argparse.Namespace) -> int:
     rep = parity(args.a, args.b)
     reports: Dict[str, Any] = {"parity": rep}
     if args.adapter:
-        from ..inspect.ulp import ulp_vs_reference
+        from ..inspect.ulp_reference import ulp_vs_reference
 
         reports["reference_a"] = ulp_vs_reference(args.a, args.base, args.adapter)
         reports["reference_b"] = ulp_vs_reference(args.b, args.base, args.adapter)

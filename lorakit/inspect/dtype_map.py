@@ -20,8 +20,8 @@ from typing import Any, Dict, List, Tuple, Union
 from ..errors import FormatError
 from ..io.dtypes import QUANT_SUFFIXES, config_dtype
 from ..io.safetensors import FLOAT_CODES
-from ..io.source import TensorMeta, TensorSource, open_source, weight_f64  # noqa: F401  (old home)
-from .layers import _LORA_PARTS, layer_kind_cells, split_name  # noqa: F401  (old home)
+from ..io.source import open_source
+from .layers import _LORA_PARTS, layer_kind_cells, split_name
 from .report import Report
 from .plots import dtype_heatmap
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from .._progress import Progress
 from . import plots
-from .dtype_map import open_source
+from ..io.source import open_source
 from .report import Report
 from .ulp_accumulate import DEFAULT_MAX_BIN, TensorDiff, bin_labels
 from .ulp_report import UlpReport, ulp_report
@@ -80,7 +80,7 @@ def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     """Compare two checkpoints (or adapters, files, in-memory models) tensor by tensor.
 
     Args:
-        a, b: anything :func:`~lorakit.inspect.dtype_map.open_source` accepts.
+        a, b: anything :func:`~lorakit.io.source.open_source` accepts.
         max_bin: top ulp histogram bin.
         names: restrict to these tensors.
         threads: pieces compared in parallel (default ``min(4, cpu_count)``).

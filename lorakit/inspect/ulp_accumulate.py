@@ -65,8 +65,13 @@ _BITS = {"BF16": np.dtype("<u2"), "F16": np.dtype("<u2"), "F32": np.dtype("<u4")
 
 
 def bits_dtype(code: str) -> np.dtype:
-    """numpy dtype holding a tensor's storage as plain bits (unsigned ints for floats)."""
-    return _BITS.get(code, NUMPY_STORAGE[code])
+    """numpy dtype holding a tensor's storage as plain bits (unsigned ints for floats;
+    bytes for the packed sub-byte codes, F4 / F6_*, compared byte by byte).
+
+    >>> bits_dtype("BF16"), bits_dtype("I8"), bits_dtype("F4")
+    (dtype('uint16'), dtype('int8'), dtype('uint8'))
+    """
+    return _BITS.get(code) or NUMPY_STORAGE.get(code) or np.dtype("<u1")
 
 
 # -- per-tensor accumulation -------------------------------------------------------------

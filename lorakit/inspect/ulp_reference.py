@@ -19,7 +19,7 @@ from .. import numerics as nm
 from ..io.adapter import Adapter, load_adapter
 from ..io.naming import bind, bindings_by_tensor
 from . import plots
-from .dtype_map import open_source
+from ..io.source import open_source
 from .merge_check import intended_pieces
 from .report import Report
 from .ulp_accumulate import hist_text

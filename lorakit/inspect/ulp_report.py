@@ -21,7 +21,7 @@ from .. import numerics as nm
 from ..errors import FormatError
 from ..io.safetensors import mx_to_raw
 from . import plots
-from .dtype_map import split_name
+from .layers import split_name
 from .report import Report
 from .ulp_accumulate import (CHUNK_BYTES, DEFAULT_MAX_BIN, Accumulator, TensorDiff, bin_labels,
                              bits_dtype, hist_text, pieces_in_memory)

@@ -26,7 +26,7 @@ from .. import numerics as nm
 from .._progress import Progress, progress_bar
 from ..errors import FormatError
 from ..io.safetensors import FLOAT_CODES, TensorInfo
-from .dtype_map import TensorSource, open_source, weight_f64
+from ..io.source import TensorSource, open_source, weight_f64
 from .ulp_accumulate import (CHUNK_BYTES, DEFAULT_MAX_BIN, Accumulator, Scratch, TensorDiff,
                              bits_dtype, pieces_in_memory)
 
@@ -142,7 +142,7 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
 
     Args:
         a, b: checkpoint/adapter directories, .safetensors files, Checkpoints or
-            in-memory mlx-lm models (anything :func:`~lorakit.inspect.dtype_map.open_source`
+            in-memory mlx-lm models (anything :func:`~lorakit.io.source.open_source`
             takes).
         max_bin: top of the last power-of-two histogram bin.
         names: compare only these tensor names.

@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 from ..errors import AdapterError
-from .adapter_base import (CONFIG, EMBEDDING_HINTS, MLX_WEIGHTS, PEFT_PREFIX,  # noqa: F401
-                           PEFT_WEIGHTS, Adapter, LoraTarget, PathLike, Replacement)
+from .adapter_base import (CONFIG, MLX_WEIGHTS, PEFT_WEIGHTS, Adapter, LoraTarget, PathLike, Replacement)
 from .adapter_mlx import check_layer_scope, load_mlx
 from .adapter_peft import check_targets_exist, load_peft
-from .paths import load_json, safe_member
+from .paths import load_json, safe_member, user_path
 
 __all__ = ["Adapter", "LoraTarget", "Replacement", "load_adapter", "check_runtime_scope",
            "MLX_WEIGHTS", "PEFT_WEIGHTS", "CONFIG"]
@@ -72,7 +71,7 @@ def load_adapter(path: PathLike) -> Adapter:
     >>> ad.format, len(ad.targets)
     ('mlx-lm', 28)
     """
-    path = Path(path)
+    path = user_path(path, "adapter path")
     named: Optional[Path] = None
     if path.is_file() and path.suffix == ".safetensors":
         named, path = path, path.parent
@@ -119,11 +118,13 @@ def check_runtime_scope(adapter: Adapter, ck: Any) -> None:
     """Refuse what the adapter's own runtime refuses on base ``ck`` (a Checkpoint or
     anything with ``config`` and ``tensors``): for mlx-lm, tensors outside the last
     ``num_layers`` of the model's blocks; for PEFT, ``target_modules`` that match no
-    module of the model. Call before binding; checks that need no model already ran
-    in :func:`load_adapter`."""
+    module of the model. :func:`lorakit.io.naming.bind` calls it first; checks that
+    need no model already ran in :func:`load_adapter`."""
     names = list(getattr(ck, "tensors", None) or getattr(ck, "params", None) or ())
     config = getattr(ck, "config", None) or {}
     if adapter.format == "mlx-lm":
+        if not isinstance(adapter.config.get("lora_parameters"), dict):
+            return  # built in memory, not read by load_adapter: no mlx-lm scope to check
         first = next((m for m in map(_IN_LAYER.match, (t.module for t in adapter.targets)) if m),
                      None)
         prefix = first.group(1).rsplit(".", 1)[-1] if first else "layers"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..errors import AdapterError
-from .adapter import Adapter, LoraTarget, Replacement
+from .adapter import Adapter, LoraTarget, Replacement, check_runtime_scope
 from .checkpoint import QuantParams
 from .source import TensorSource
 
@@ -139,7 +139,12 @@ def _stacked_slice(ck: TensorSource, module: str) -> Optional[Tuple[str, int]]:
 
 def bind(adapter: Adapter, ck: TensorSource) -> List[Binding]:
     """Land every target of ``adapter`` on ``ck``'s tensors, or raise one error listing
-    every target that lands nowhere or whose shape disagrees."""
+    every target that lands nowhere or whose shape disagrees.
+
+    Once every target lands, the adapter's own runtime rules are checked against
+    ``ck`` (:func:`~lorakit.io.adapter.check_runtime_scope`: mlx-lm's ``num_layers``
+    and ``keys`` scope, PEFT's ``target_modules`` that must match something), so a
+    fuse never makes a model the adapter could not have run on unfused."""
     out: List[Binding] = []
     errors: List[str] = []
     tied = bool(ck.config.get("tie_word_embeddings", False))
@@ -200,6 +205,7 @@ def bind(adapter: Adapter, ck: TensorSource) -> List[Binding]:
         raise _unfit(adapter, f"adapter does not fit the checkpoint: {len(errors)} of "
                      f"{len(adapter.targets)} targets unmatched or mismatched", errors,
                      f"targets of a {ck.model_type} model at {ck.path}", "target(s)")
+    check_runtime_scope(adapter, ck)
     return out
 
 

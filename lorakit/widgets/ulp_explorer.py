@@ -2,7 +2,7 @@
 
 Pick A and B among checkpoints (for example the outputs of several fuses), or the
 exact float64 fuse as B; the widget calls :func:`lorakit.ulp_compare` (or
-:func:`lorakit.inspect.ulp.ulp_vs_reference` for the exact fuse) and shows the
+:func:`lorakit.inspect.ulp_reference.ulp_vs_reference` for the exact fuse) and shows the
 report's histograms: overall, layers x bins, one layer, or one tensor, with the
 numbers behind them (max ulp, differing elements).
 
@@ -21,7 +21,9 @@ import ipywidgets as W
 
 from ..inspect.plots import histogram_bars
 from ..inspect.report import Report
-from ..inspect.ulp import UlpReport, ulp_compare, ulp_vs_reference
+from ..inspect.parity import ulp_compare
+from ..inspect.ulp_reference import ulp_vs_reference
+from ..inspect.ulp_report import UlpReport
 from ._base import ErrorBox, FigureView, facts_html, hook, rows_html, summary_html
 
 PathLike = Union[str, Path]
