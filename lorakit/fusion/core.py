@@ -352,14 +352,11 @@ def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale
         raise FuseError("shapes do not fit together", tensor=name,
                         expected=f"weight (out, in) = ({B.shape[0]}, {A.shape[-1]})",
                         found=f"weight {list(w.shape)}, A {list(A.shape)}, B {list(B.shape)}")
-    if code_in not in ("BF16", "F16", "F32", "F64"):
-        raise FuseError("cannot fuse into a non-float weight", tensor=name,
-                        expected="BF16, F16 or F32", found=code_in)
-    if "F64" in (code_in, code_out):
-        raise FuseError("cannot fuse into a float64 weight", tensor=name,
-                        expected="a BF16, F16 or F32 weight (the dtypes lorakit, MLX and "
-                        "mlx-lm's orders fuse)", found=f"{code_in} -> {code_out}",
-                        hint="store the checkpoint's float64 weights as float32 first")
+    if code_in not in ("BF16", "F16", "F32") or code_out == "F64":
+        raise FuseError("cannot fuse into a float64 weight" if "F64" in (code_in, code_out)
+                        else "cannot fuse into a non-float weight", tensor=name,
+                        expected="a BF16, F16 or F32 weight", found=f"{code_in} -> {code_out}",
+                        hint="store float64 weights as float32 first" if code_in == "F64" else None)
     fmt_in = nm.float_format(code_in)
     if rounding in ("mlx-lm", "scale-after"):
         out = _fuse_mlx(w, code_in, A, B, scale, magnitude, code_out, rounding,
