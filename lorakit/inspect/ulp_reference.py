@@ -90,7 +90,7 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
     """
     sf, sb = open_source(fused), open_source(base)
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
-    by_tensor = bindings_by_tensor(bind(ad, sb))  # type: ignore[arg-type]
+    by_tensor = bindings_by_tensor(bind(ad, sb))
     labels = error_labels()
     rows: List[Dict[str, Any]] = []
     all_counts: List[np.ndarray] = []

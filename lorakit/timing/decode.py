@@ -165,7 +165,8 @@ def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
             bar.set_postfix_str(f"making {n}")
         t0 = time.perf_counter()
         try:
-            v.note = _prepare(n, model, adapter, work, python)  # type: ignore[arg-type]
+            assert adapter is not None, "a fused variant needs an adapter"
+            v.note = _prepare(n, model, adapter, work, python)
             path = work / n
             if keep is not None:
                 keep[n] = v.note

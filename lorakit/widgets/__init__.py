@@ -7,7 +7,7 @@ figure it returns, so every number a widget shows can be had without it.
 - :class:`FusePanel`: :func:`lorakit.fuse` with its options, a progress bar, the
   result and the fused checkpoint's dtype map.
 - :class:`DtypeMapView`: :func:`lorakit.dtype_map` as a grid with hover and click.
-- :class:`UlpExplorer`: :func:`lorakit.ulp_compare` / the exact-fuse reference.
+- :class:`UlpExplorer`: :func:`lorakit.compare` / the exact-fuse reference.
 - :class:`DecodeRace`: :func:`lorakit.time_decode` live, in a background thread.
 - :class:`GenerationCompare`: :func:`lorakit.compare_generations` side by side.
 - :class:`AdapterCompare`: :func:`lorakit.compare_adapters`.

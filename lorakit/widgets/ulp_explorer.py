@@ -1,7 +1,7 @@
 """UlpExplorer: how far apart are two checkpoints, overall, per layer, per tensor?
 
 Pick A and B among checkpoints (for example the outputs of several fuses), or the
-exact float64 fuse as B; the widget calls :func:`lorakit.ulp_compare` (or
+exact float64 fuse as B; the widget calls :func:`lorakit.compare` (or
 :func:`lorakit.inspect.ulp_reference.ulp_vs_reference` for the exact fuse) and shows the
 report's histograms: overall, layers x bins, one layer, or one tensor, with the
 numbers behind them (max ulp, differing elements).
