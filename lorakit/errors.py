@@ -40,6 +40,14 @@ class LorakitError(Exception):
         self.hint = hint
         super().__init__(self._format())
 
+    def where(self, file: Optional[PathLike] = None, tensor: Optional[str] = None
+              ) -> "LorakitError":
+        """This error with ``file`` and ``tensor`` filled in where it named none (a
+        caller that knows more than the code that raised)."""
+        return type(self)(self.message, file=self.file if self.file is not None else file,
+                          tensor=self.tensor or tensor, expected=self.expected,
+                          found=self.found, hint=self.hint)
+
     def _format(self) -> str:
         parts = [self.message]
         if self.file is not None:

@@ -412,6 +412,16 @@ def _(e):
         "model.layers.0.self_attn.q_proj.lora_b": t["model.layers.0.self_attn.q_proj.lora_b"][:3]}))
 
 
+@case("adapter-same-module-twice", AdapterError, "adapters.safetensors",
+      "the same module spelled twice", "both reach model.layers.0.self_attn.q_proj.weight")
+def _(e):
+    """``model.layers.0...`` and ``layers.0...`` in one adapter land on one weight."""
+    def fn(t):
+        for leaf in ("lora_a", "lora_b"):
+            t[f"layers.0.self_attn.q_proj.{leaf}"] = t[f"model.layers.0.self_attn.q_proj.{leaf}"]
+    edit_tensors(mlx_weights(e), fn)
+
+
 @case("adapter-nan", AdapterError, "adapters.safetensors", "NaN or Inf",
       "expected: finite values", "found: 1 non-finite of 256",
       tensor="model.layers.0.self_attn.q_proj.lora_b")
@@ -506,6 +516,23 @@ def _(e):
         {"model.layers.0.self_attn.q_proj.m": np.ones(10, np.float32)}))
 
 
+@case("dora-zero-norm-row", FuseError, "model-0000", "DoRA row has zero norm",
+      "found: zero norm in row 0", tensor="model.layers.0.self_attn.q_proj.weight")
+def _(e):
+    """Row 0 of W + delta is all zeros (base row zeroed, the adapter adds nothing there):
+    DoRA's direction is undefined; one error, no RuntimeWarning, nothing written."""
+    e.adapter = e.at("ad_dora")
+    edit_tensors(mlx_weights(e, "ad_dora"), lambda t: t["model.layers.0.self_attn.q_proj.lora_b"]
+                 .__setitem__((slice(None), 0), 0.0))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    for shard in sorted(e.base.glob("model-*.safetensors")):
+        header, data = split_st(shard)
+        if name in header:
+            h = header[name]
+            at, row = h["data_offsets"][0], h["shape"][1] * 2
+            write_st(shard, header, data[:at] + bytes(row) + data[at + row:])
+
+
 @case("overflow-bf16-huge-scale", FuseError, "model-0000", "fused weight is not finite",
       "expected: finite BF16 values", "non-finite elements", tensor="_proj.weight")
 def _(e):
@@ -519,6 +546,22 @@ def _(e):
     e.kwargs["dtype"] = "float16"
     edit_json(e.adapter / "adapter_config.json",
               lambda c: c["lora_parameters"].update(scale=1e8))
+
+
+@case("fp16-unadapted-out-of-range", FuseError, S2, "does not fit F16", "would write Inf",
+      "expected: finite F16 values", "99840.0", tensor="{tensor}")
+def _(e):
+    """A value bf16 holds and f16 cannot, in a tensor the adapter never touches: the
+    conversion is refused by name instead of writing Inf."""
+    e.kwargs["dtype"] = "float16"
+    path = e.base / S2
+    header, data = split_st(path)
+    name = next(k for k in by_offset(header) if k.endswith("input_layernorm.weight"))
+    assert header[name]["dtype"] == "BF16"
+    at = header[name]["data_offsets"][0]
+    data = data[:at] + struct.pack("<H", 0x47C3) + data[at + 2:]  # bf16 99840.0
+    write_st(path, header, data)
+    return {"tensor": name}
 
 
 # adapters: configs -----------------------------------------------------------------------------

@@ -220,14 +220,14 @@ def test_in_memory_fuse_matches_disk_fuse(family, keys, quant, tmp_path: Path) -
     want = {k: v for k, v in mx.load(str(disk.output / "model.safetensors")).items()}
     # route 1: model loaded with its adapter (LoRA layers attached)
     model, _ = load(str(base), adapter_path=str(adapter))
-    lorakit.fuse_model(model, rounding="mlx-lm")
+    lorakit.fuse(model, rounding="mlx-lm")
     got = dict(tree_flatten(model.parameters()))
     assert not any("lora" in k for k in got)
     for k, v in want.items():
         assert got[k].dtype == v.dtype and mx.array_equal(got[k], v).item(), k
     # route 2: plain model plus adapter directory
     model2, _ = load(str(base))
-    lorakit.fuse_model(model2, adapter, rounding="mlx-lm")
+    lorakit.fuse(model2, adapter, rounding="mlx-lm")
     got2 = dict(tree_flatten(model2.parameters()))
     for k, v in want.items():
         assert mx.array_equal(got2[k], v).item(), k

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -48,3 +49,17 @@ def test_packed_codes_compare_byte_by_byte(tmp_path: Path) -> None:
     assert lorakit.compare(a, b, progress=False).identical
     rep = lorakit.compare(a, c, progress=False)
     assert not rep.identical and rep.rows[0]["differing"] == 1
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "round-once", "mlx-lm", "scale-after"])
+def test_dora_zero_norm_row_is_one_clear_error(rounding: str) -> None:
+    """W + delta all zeros in row 1: every order gives the same error, no RuntimeWarning."""
+    w = np.array([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]], np.float32)
+    b = np.array([[1.0], [0.0]], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(FuseError, match="DoRA row has zero norm") as info:
+            fuse_weight(w, "F32", A, b, 0.5, magnitude=np.ones(2, np.float32),
+                        rounding=rounding, name="model.layers.0.q_proj.weight")
+    assert "zero norm in row 1" in str(info.value)
+    assert "model.layers.0.q_proj.weight" in str(info.value)

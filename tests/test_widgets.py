@@ -162,7 +162,7 @@ def test_fuse_panel_rounding_and_quantized(data, tmp_path):
     p.rounding.value = "mlx-lm"
     out = p.run().output
     assert out.name.endswith("-mlx-lm-preserve-deq") and p.result.dequantized
-    assert not any(n.endswith(".scales") for n in lorakit.Checkpoint(out).tensors)
+    assert not any(n.endswith(".scales") for n in lorakit.open(out).tensors)
 
 
 def test_fuse_panel_shows_errors_and_recovers(data, tmp_path):

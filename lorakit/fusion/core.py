@@ -45,7 +45,8 @@ from ..errors import FuseError
 from ..io.dtypes import code_of, mx_dtype
 from ..io.naming import Binding
 from ..io.safetensors import NUMPY_STORAGE
-from .delta import tensor_pieces
+from .delta import dora_factor, tensor_pieces
+from .finite import cast_raw, check_result
 from ..io.safetensors import mx_to_raw, raw_to_mx
 
 ROUNDINGS = ("nearest", "round-once", "mlx-lm", "scale-after")
@@ -184,7 +185,7 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
         x += nm.to_float64(w[r0:r1], fmt_in)
         if magnitude is not None:
             norm = np.sqrt(np.einsum("ij,ij->i", x, x))
-            x *= (magnitude[r0:r1].astype(np.float64) / norm)[:, None]
+            x *= dora_factor(magnitude[r0:r1], norm, slice(r0, r1))[:, None]
         nm.round_to_format(x, fmt_out, out=out[r0:r1])
         if magnitude is None:
             cancel = cbuf[: r1 - r0]
@@ -228,7 +229,7 @@ def _fuse_round_once(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale:
         x += delta
         if magnitude is not None:
             norm = torch_row_norm(x)
-            x *= (magnitude[sl].astype(np.float32) / norm)[:, None]
+            x *= dora_factor(magnitude[sl], norm, sl)[:, None]
         nm.round_to_format(x, fmt_out, out=out[sl])
     return out
 
@@ -313,7 +314,10 @@ def fuse_mlx_array(weight, A, B, scale: float, magnitude=None, *, rounding: str 
         return weight + delta
     fused = weight + delta.astype(weight.dtype)
     if magnitude is not None:
-        norm_scale = magnitude / mx.linalg.norm(fused, axis=-1)
+        norm = mx.linalg.norm(fused, axis=-1)
+        if bool(mx.any(norm == 0)):  # the one clear error, not a row of NaN
+            dora_factor(np.ones(norm.shape), np.array(norm.astype(mx.float32)))
+        norm_scale = magnitude / norm
         fused = norm_scale[..., None] * fused
     return fused
 
@@ -358,60 +362,22 @@ def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale
                         expected="a BF16, F16 or F32 weight", found=f"{code_in} -> {code_out}",
                         hint="store float64 weights as float32 first" if code_in == "F64" else None)
     fmt_in = nm.float_format(code_in)
-    if rounding in ("mlx-lm", "scale-after"):
-        out = _fuse_mlx(w, code_in, A, B, scale, magnitude, code_out, rounding,
-                        promote=dtype_policy == "promote")
-    else:
-        fmt_out = nm.float_format(code_out)
-        if rounding == "nearest":
-            out = _fuse_nearest(w, fmt_in, A, B, scale, magnitude, fmt_out)
+    try:
+        if rounding in ("mlx-lm", "scale-after"):
+            out = _fuse_mlx(w, code_in, A, B, scale, magnitude, code_out, rounding,
+                            promote=dtype_policy == "promote")
+        elif rounding == "nearest":
+            out = _fuse_nearest(w, fmt_in, A, B, scale, magnitude, nm.float_format(code_out))
         else:
-            out = _fuse_round_once(w, fmt_in, A, B, scale, magnitude, fmt_out, kind)
+            out = _fuse_round_once(w, fmt_in, A, B, scale, magnitude,
+                                   nm.float_format(code_out), kind)
+    except FuseError as e:  # e.g. DoRA's zero-norm row: name the weight
+        raise e.where(tensor=name or None) from None
     # the same storage convention as lorakit.io.safetensors.read_raw: float16/float32
     # arrays for F16/F32, uint16 bits for BF16
     out = out.view(NUMPY_STORAGE[code_out])
-    _check_result(out, code_out, w, code_in, name)
+    check_result(out, code_out, w, code_in, name)
     return out, code_out
-
-
-_EXP_MASK = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00),
-             "F32": (np.uint32, 0x7F800000), "F64": (np.uint64, 0x7FF0000000000000)}
-
-
-def _nonfinite(raw: np.ndarray, code: str) -> np.ndarray:
-    """Mask of inf/NaN elements, from the exponent bits alone (no float conversion)."""
-    st, m = _EXP_MASK[code]
-    b = raw.view(st)
-    return (b & st(m)) == st(m)
-
-
-def _any_nonfinite(raw: np.ndarray, code: str) -> bool:
-    """Whether any element is inf/NaN: a masked max, in pieces, with no bool temporaries."""
-    st, m = _EXP_MASK[code]
-    flat = raw.reshape(-1).view(st)
-    buf = np.empty(min(flat.size, _PIECE * 4), st)
-    for i in range(0, flat.size, buf.size):
-        part = flat[i:i + buf.size]
-        t = buf[: part.size]
-        np.bitwise_and(part, st(m), out=t)
-        if t.size and t.max() == m:
-            return True
-    return False
-
-
-def _check_result(out: np.ndarray, code_out: str, w: np.ndarray, code_in: str, name: str) -> None:
-    if not _any_nonfinite(out, code_out):
-        return
-    bad = _nonfinite(out, code_out)
-    if bad.any():
-        new = bad & ~_nonfinite(w, code_in)
-        if new.any():
-            i = tuple(int(v) for v in np.argwhere(new)[0])
-            raise FuseError("fused weight is not finite: the sum overflows the output dtype "
-                            "or the adapter is too large", tensor=name,
-                            expected=f"finite {code_out} values",
-                            found=f"{int(new.sum())} non-finite elements, first at {list(i)}",
-                            hint="check the adapter's scale, or write float32 (--dtype float32)")
 
 
 # -- fusing one tensor ---------------------------------------------------------------------
@@ -438,11 +404,3 @@ def fuse_bindings(raw: np.ndarray, code: str, binds: List[Binding], rounding: st
     (p,) = pieces
     return fuse_weight(raw, code, p.A, p.B, p.scale, magnitude=p.magnitude, rounding=rounding,
                        dtype_policy=dtype_policy, name=name, kind=p.kind)
-
-
-def cast_raw(raw: np.ndarray, code_in: str, code_out: str) -> np.ndarray:
-    """Convert raw float storage between formats with one correct rounding."""
-    if code_in == code_out:
-        return raw
-    x = nm.to_float64(raw, nm.float_format(code_in))
-    return nm.round_to_format(x, nm.float_format(code_out)).view(NUMPY_STORAGE[code_out])

@@ -31,6 +31,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from ..errors import FuseError
 from ..io.adapter import LoraTarget
 from ..io.naming import Binding
 
@@ -118,5 +119,29 @@ def intended(W: np.ndarray, p: Piece, rows: Optional[slice] = None) -> np.ndarra
     if p.magnitude is not None:
         m = p.magnitude if rows is None else p.magnitude[rows]
         norm = np.sqrt(np.einsum("ij,ij->i", T, T))
-        T *= (m.astype(np.float64) / norm)[:, None]
+        T *= dora_factor(m, norm, rows)[:, None]
     return T
+
+
+def dora_factor(magnitude: np.ndarray, norm: np.ndarray, rows: Optional[slice] = None
+                ) -> np.ndarray:
+    """DoRA's per-row factor ``magnitude / ||W + delta||`` in the norm's dtype, or one
+    clear error where a row of ``W + delta`` is all zeros (its direction is undefined:
+    the unfused layer divides by zero too).
+
+    >>> dora_factor(np.array([2.0]), np.array([4.0])).tolist()
+    [0.5]
+    >>> dora_factor(np.array([1.0, 1.0]), np.array([1.0, 0.0]))
+    Traceback (most recent call last):
+    lorakit.errors.FuseError: DoRA row has zero norm: W + delta is all zeros in 1 row(s), ...
+    """
+    zero = norm == 0
+    if zero.any():
+        first = int(np.argmax(zero)) + ((rows.start or 0) if rows is not None else 0)
+        raise FuseError(f"DoRA row has zero norm: W + delta is all zeros in "
+                        f"{int(zero.sum())} row(s), so DoRA's direction is undefined",
+                        expected="rows of W + delta with a non-zero norm",
+                        found=f"zero norm in row {first}",
+                        hint="the adapter cancels the weight exactly; DoRA cannot be "
+                             "applied there (nor run unfused)")
+    return magnitude.astype(norm.dtype) / norm

@@ -27,7 +27,8 @@ from ..io.checkpoint import QuantParams
 from ..io.naming import bind, bind_replacements, bindings_by_tensor
 from ..io.safetensors import mx_to_raw, raw_to_mx
 from ..io.source import ModelSource
-from .core import cast_raw, check_rounding, fuse_bindings, output_code
+from .core import check_rounding, fuse_bindings, output_code
+from .finite import cast_raw
 
 PathLike = Union[str, Path]
 
@@ -115,7 +116,7 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None, *,
     for tensor, r in bind_replacements(ad, src).items():  # PEFT modules_to_save copies
         code = mx_to_raw(src.arrays[tensor])[1]
         out = output_code(code, dtype) if code in ("BF16", "F16", "F32") else r.code
-        updates.append((tensor, raw_to_mx(cast_raw(r.raw, r.code, out), out)))
+        updates.append((tensor, raw_to_mx(cast_raw(r.raw, r.code, out, tensor), out)))
     if updates:
         model.load_weights(updates, strict=False)
     if new_modules:

@@ -36,7 +36,7 @@ from ..io.naming import Binding, bind, bind_replacements, bindings_by_tensor
 from ..io.output import OutputDirectory, check_output_path
 from ..io.safetensors import TensorInfo
 from ..io.safetensors_write import PlannedTensor, SafetensorsWriter
-from .core import cast_raw as _cast
+from .finite import cast_raw as _cast
 from .core import check_rounding, fuse_bindings as _fuse_float, output_code
 from .quant import RequantStat, dequantize_raw, requant_module as _requant_module
 from .. import __version__
@@ -286,9 +286,7 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
         if e.file is not None or it is None:
             raise
         # the fusion core knows the tensor, not the file: name the shard it came from
-        raise type(e)(e.message, file=it.source.file if it.source else ck.path,
-                      tensor=e.tensor or it.name, expected=e.expected, found=e.found,
-                      hint=e.hint) from None
+        raise e.where(it.source.file if it.source else ck.path, it.name) from None
     finally:
         bar.close()
     _write_sidecars(ck, tmp, weight_map, total_bytes, dequantize, dtype_policy)
@@ -303,9 +301,9 @@ def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], rou
     """The work behind one planned tensor that is not a plain copy."""
     src = it.source
     if it.action == "cast":
-        return _cast(ck.read(it.name), src.dtype, it.plan.dtype)
+        return _cast(ck.read(it.name), src.dtype, it.plan.dtype, it.name)
     if it.action == "replace":  # PEFT modules_to_save: the adapter's copy, one rounding
-        return _cast(it.payload.raw, it.payload.code, it.plan.dtype)
+        return _cast(it.payload.raw, it.payload.code, it.plan.dtype, it.name)
     if it.action == "dequant":
         return dequantize_raw(ck, it.module, it.plan.dtype)
     if it.action == "fuse-q":

@@ -201,12 +201,32 @@ def bind(adapter: Adapter, ck: TensorSource) -> List[Binding]:
                     "embed_tokens instead, which changes both)")
         errors.append(f"  {'/'.join(t.names) or t.module}: no tensor "
                       f"{t.module}.weight in the checkpoint{hint}")
+    errors += _reached_twice(out)
     if errors:
         raise _unfit(adapter, f"adapter does not fit the checkpoint: {len(errors)} of "
                      f"{len(adapter.targets)} targets unmatched or mismatched", errors,
                      f"targets of a {ck.model_type} model at {ck.path}", "target(s)")
     check_runtime_scope(adapter, ck)
     return out
+
+
+def _reached_twice(bindings: List[Binding]) -> List[str]:
+    """One line per checkpoint weight (or expert of a stack) that two targets reach, e.g.
+    ``model.layers.0.q_proj`` and ``layers.0.q_proj`` spelled in one adapter: a runtime
+    applies one of them, so which one a fuse should apply is not defined."""
+    seen: Dict[Tuple[str, Optional[int]], Binding] = {}
+    lines = []
+    for b in bindings:
+        key = (b.tensor, b.weight_expert)
+        if key in seen:
+            first = seen[key].target
+            where = b.tensor + (f"[{b.weight_expert}]" if b.weight_expert is not None else "")
+            lines.append(f"  {'/'.join(first.names) or first.module} and "
+                         f"{'/'.join(b.target.names) or b.target.module}: both reach {where} "
+                         f"(the same module spelled twice)")
+        else:
+            seen[key] = b
+    return lines
 
 
 def bindings_by_tensor(bindings: List[Binding]) -> Dict[str, List[Binding]]:
