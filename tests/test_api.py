@@ -57,6 +57,17 @@ def test_import_is_light():
     assert out == "[]"
 
 
+def test_cli_parser_is_light():
+    """``lorakit --help`` and argument errors build the whole parser, every subcommand's
+    flags included, without loading an array library (start-up within ~0.1 s)."""
+    code = ("import sys; from lorakit.cli.main import build_parser; build_parser(); "
+            "heavy = ('numpy', 'mlx', 'matplotlib', 'ipywidgets', 'tqdm'); "
+            "print([m for m in heavy if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]"
+
+
 def test_open_gives_one_source_face():
     ck = lorakit.open(ROOT / "data" / "tiny-qwen3")
     ad = lorakit.open(ROOT / "data" / "adapters" / "lora")

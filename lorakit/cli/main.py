@@ -54,7 +54,7 @@ def _fuse(args: argparse.Namespace) -> int:
 
 
 def _add_fuse(sub) -> None:
-    from ..fusion.core import DTYPE_POLICIES, ROUNDINGS
+    from ..fusion.modes import DTYPE_POLICIES, ROUNDINGS
 
     p = sub.add_parser("fuse", help="fuse an adapter into a base checkpoint",
                        description="Fuse a LoRA/DoRA adapter (mlx-lm or PEFT format) into a "

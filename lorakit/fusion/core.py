@@ -47,10 +47,9 @@ from ..io.naming import Binding
 from ..io.safetensors import NUMPY_STORAGE
 from .delta import dora_factor, tensor_pieces
 from .finite import cast_raw, check_result
+from .modes import DTYPE_POLICIES, ROUNDINGS
 from ..io.safetensors import mx_to_raw, raw_to_mx
 
-ROUNDINGS = ("nearest", "round-once", "mlx-lm", "scale-after")
-DTYPE_POLICIES = ("preserve", "promote", "bfloat16", "float16", "float32")
 
 
 def check_rounding(rounding: str) -> str:

@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 import ipywidgets as W
 
-from ..fusion.core import DTYPE_POLICIES, ROUNDINGS
+from ..fusion.modes import DTYPE_POLICIES, ROUNDINGS
 from ..fusion.stream import FuseResult, fuse
 from ..io.checkpoint import Checkpoint
 from . import _assets
