@@ -33,6 +33,7 @@ from ..io.adapter import Adapter, load_adapter
 from ..io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from ..io.adapter import Replacement
 from ..io.naming import Binding, bind, bind_replacements, bindings_by_tensor
+from ..io.model_card import CARD_NAME, write_model_card
 from ..io.output import OutputDirectory, check_output_path
 from ..io.safetensors import TensorInfo
 from ..io.safetensors_write import PlannedTensor, SafetensorsWriter
@@ -202,6 +203,7 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
     t0 = time.perf_counter()
     check_rounding(rounding)
     output_code("BF16", dtype)  # validates the policy before anything is read
+    hub_id = None if isinstance(model, Path) or os.path.exists(model) else str(model)
     ck = open_checkpoint(model)
     adapter = adapter_path if isinstance(adapter_path, Adapter) else load_adapter(adapter_path)
     out = check_output_path(save_path, protected=[ck.path, adapter.path], force=force)
@@ -216,9 +218,13 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
         with OutputDirectory(out, force=force) as od:
             result = _write(ck, adapter, by_tensor, od.tmp, out, rounding, dtype, dequantize,
                             progress, t0, replaced)
-            od.commit("fuse", {"adapter_sha256": adapter.sha256,
-                               "adapter_format": adapter.format, "rounding": rounding,
-                               "dtype_policy": dtype, "dequantize": bool(dequantize)})
+            settings = {"adapter_sha256": adapter.sha256, "adapter_format": adapter.format,
+                        "rounding": rounding, "dtype_policy": dtype,
+                        "dequantize": bool(dequantize)}
+            card = ck.path / CARD_NAME
+            write_model_card(od.tmp, card if card.is_file() else None, hub_id, out.name,
+                             settings)
+            od.commit("fuse", settings)
     except OSError as e:  # disk full, a file vanishing under us: one clear error
         raise FuseError(f"I/O error while fusing: {e.strerror or e}",
                         file=e.filename or out, expected="readable inputs and room to write",
@@ -411,7 +417,7 @@ def _write_sidecars(ck: Checkpoint, tmp: Path, weight_map: Dict[str, str], total
     if dtype_policy in ("bfloat16", "float16", "float32"):
         config["torch_dtype"] = dtype_policy
     for p in ck.extra_files():
-        if p.name == "config.json":
+        if p.name in ("config.json", CARD_NAME):  # the card is written anew, as mlx-lm does
             continue
         shutil.copyfile(p, tmp / p.name)
     with open(tmp / "config.json", "w") as f:

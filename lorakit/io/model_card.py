@@ -1,0 +1,90 @@
+"""The model card (``README.md``) a fused checkpoint carries, as ``mlx_lm fuse`` writes
+it: the same metadata (through ``huggingface_hub``'s ``ModelCard``: the base's own card
+kept where the base has one, ``library_name: mlx``, ``pipeline_tag``, the ``mlx`` tag,
+``base_model`` for a hub base), and below it lorakit's provenance: the adapter's
+sha256, the rounding order and the dtype policy.
+
+>>> import tempfile, pathlib
+>>> d = pathlib.Path(tempfile.mkdtemp())
+>>> p = write_model_card(d, None, None, "fused", {"adapter_sha256": "ab" * 32,
+...     "adapter_format": "mlx-lm", "rounding": "nearest", "dtype_policy": "preserve",
+...     "dequantize": False})
+>>> text = p.read_text()
+>>> "library_name: mlx" in text, "rounding: `nearest`" in text
+(True, True)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from .. import __version__
+
+#: the file name mlx-lm and the hub use for a model card
+CARD_NAME = "README.md"
+
+_ROUNDING_WORDS = {
+    "nearest": "correctly rounded: W + scale * B @ A computed exactly, rounded once",
+    "round-once": "PEFT merge_and_unload's order (float32 product, one rounding)",
+    "mlx-lm": "bit-identical to `mlx_lm fuse`",
+    "scale-after": "mlx-lm's order with the scale applied after the product",
+}
+
+
+def write_model_card(directory: Path, base_card: Optional[Path], hub_id: Optional[str],
+                     title: str, settings: Mapping[str, Any]) -> Path:
+    """Write ``directory/README.md`` for a fused checkpoint.
+
+    Args:
+        directory: the (temporary) output directory.
+        base_card: the base checkpoint's ``README.md`` if it has one (its metadata is
+            kept, as mlx-lm keeps the hub card's), else None.
+        hub_id: the base's hub repo id when it came from the hub (``base_model``).
+        title: the card's heading (the output directory's name).
+        settings: the fuse's provenance (what ``lorakit.json`` records).
+    """
+    from huggingface_hub import ModelCard, ModelCardData  # lazy: only a fuse writes a card
+
+    card = None
+    if base_card is not None:
+        try:
+            card = ModelCard.load(base_card)
+        except Exception:  # a base README that is not a card: start from the template
+            card = None
+    if card is None:
+        card = ModelCard.from_template(ModelCardData(language="en"))
+    card.data.library_name = "mlx"
+    card.data.pipeline_tag = "text-generation"
+    tags = list(card.data.tags or [])
+    for t in ("mlx", "lorakit"):
+        if t not in tags:
+            tags.append(t)
+    card.data.tags = tags
+    if hub_id is not None:
+        card.data.base_model = hub_id
+    card.text = _text(title, hub_id, settings)
+    out = directory / CARD_NAME
+    card.save(out)
+    return out
+
+
+def _text(title: str, hub_id: Optional[str], s: Mapping[str, Any]) -> str:
+    rounding = str(s.get("rounding", ""))
+    lines = [
+        f"# {title}", "",
+        f"Fused with lorakit {__version__}"
+        + (f" from [{hub_id}](https://huggingface.co/{hub_id})" if hub_id else "") + ".", "",
+        f"- adapter: {s.get('adapter_format', '?')} format, sha256 `{s.get('adapter_sha256', '?')}`",
+        f"- rounding: `{rounding}` ({_ROUNDING_WORDS.get(rounding, rounding)})",
+        f"- dtype policy: `{s.get('dtype_policy', '?')}`"
+        + (" (quantized weights written dequantized)" if s.get("dequantize") else ""),
+        "- every file written is listed with its size and sha256 in `lorakit.json`", "",
+        "## Use with mlx", "",
+        "```python",
+        "from mlx_lm import load, generate",
+        "",
+        f'model, tokenizer = load("{title}")',
+        'print(generate(model, tokenizer, prompt="hello", verbose=True))',
+        "```", "",
+    ]
+    return "\n".join(lines)
