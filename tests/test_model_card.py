@@ -60,3 +60,65 @@ def test_a_base_readme_that_is_no_card_gets_the_template(tmp_path: Path, junk: s
     (base / "README.md").write_text(junk)
     r = lorakit.fuse(base, ADAPTER, tmp_path / "out", progress=False)
     assert "library_name: mlx" in _front_matter((r.output / "README.md").read_text())
+
+
+# -- mlx_lm fuse's flags: defaults, --export-gguf, --upload-repo, --trust-remote-code ---------
+def test_export_gguf_is_mlx_lm_s_file_byte_for_byte(tmp_path: Path) -> None:
+    """`--rounding mlx-lm --export-gguf` writes the GGUF mlx_lm fuse writes, bit for bit,
+    and lorakit.json vouches for it."""
+    from model_factory import make_adapter, make_model
+
+    from helpers import run_mlx_lm_fuse
+
+    base = make_model(tmp_path / "base", "llama")
+    adapter = make_adapter(base, tmp_path / "ad")
+    r = lorakit.fuse(base, adapter, tmp_path / "out", rounding="mlx-lm", export_gguf="m.gguf",
+                     progress=False)
+    run_mlx_lm_fuse(base, adapter, tmp_path / "mlx", "--export-gguf", "--gguf-path", "m.gguf")
+    assert (r.output / "m.gguf").read_bytes() == (tmp_path / "mlx" / "m.gguf").read_bytes()
+    assert foreign_entries(r.output) == []
+
+
+@pytest.mark.parametrize("why, kwargs, says", [
+    ("architecture", {}, "does not support this architecture"),
+    ("path", {"name": "sub/m.gguf"}, "a file name inside the output directory"),
+])
+def test_export_gguf_refusals_write_nothing(tmp_path: Path, why: str, kwargs: dict,
+                                            says: str) -> None:
+    from lorakit.errors import FormatError
+
+    base = BASE  # qwen3: not one mlx-lm's GGUF writer converts
+    if why == "path":
+        from model_factory import make_adapter, make_model
+        base = make_model(tmp_path / "base", "llama")
+        adapter = make_adapter(base, tmp_path / "ad")
+    else:
+        adapter = ADAPTER
+    with pytest.raises(FormatError, match=says):
+        lorakit.fuse(base, adapter, tmp_path / "out", export_gguf=kwargs.get("name", "m.gguf"),
+                     progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_cli_takes_mlx_lm_fuse_defaults_and_flags(tmp_path: Path) -> None:
+    """`lorakit fuse` run where mlx_lm fuse would be: mlx_model/ and adapters/ found by
+    default, fused_model/ written; --trust-remote-code accepted; --upload-repo refused
+    at once, before any work, when the hub is switched off."""
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+
+    shutil.copytree(BASE, tmp_path / "mlx_model")
+    shutil.copytree(ADAPTER, tmp_path / "adapters")
+    env = cli_env()
+    r = subprocess.run([sys.executable, "-m", "lorakit", "fuse", "-q", "--trust-remote-code"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "fused_model" / "README.md").is_file()
+    r = subprocess.run([sys.executable, "-m", "lorakit", "fuse", "-q", "--save-path", "up",
+                        "--upload-repo", "someone/fused"], cwd=tmp_path,
+                       env=dict(env, HF_HUB_OFFLINE="1"), capture_output=True, text=True)
+    assert r.returncode == 2 and "cannot upload: the hub is switched off" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "up").exists()

@@ -43,13 +43,20 @@ def _fuse(args: argparse.Namespace) -> int:
 
     _keep_freed_memory()
 
+    from ..io.export import check_upload, upload
+
+    if args.upload_repo is not None:
+        check_upload(args.upload_repo)
     result = fuse(args.model, args.adapter_path, args.save_path, rounding=args.rounding,
                   dtype=args.dtype, dequantize=args.dequantize, force=args.force,
+                  export_gguf=args.gguf_path if args.export_gguf else None,
                   progress=not args.quiet)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(result)
+    if args.upload_repo is not None:
+        print(f"uploaded to {upload(result.output, args.upload_repo)}")
     return 0
 
 
@@ -59,9 +66,13 @@ def _add_fuse(sub) -> None:
     p = sub.add_parser("fuse", help="fuse an adapter into a base checkpoint",
                        description="Fuse a LoRA/DoRA adapter (mlx-lm or PEFT format) into a "
                        "base checkpoint, one tensor in memory at a time, keeping dtypes.")
-    p.add_argument("--model", required=True, help="base model directory (or hub repo id)")
-    p.add_argument("--adapter-path", required=True, help="adapter directory")
-    p.add_argument("--save-path", required=True, help="output directory (must not exist)")
+    p.add_argument("--model", default="mlx_model",
+                   help="base model directory or hub repo id (default, as mlx_lm fuse: "
+                   "mlx_model)")
+    p.add_argument("--adapter-path", default="adapters",
+                   help="adapter directory, mlx-lm or PEFT format (default: adapters)")
+    p.add_argument("--save-path", default="fused_model",
+                   help="output directory, must not exist (default: fused_model)")
     p.add_argument("--rounding", choices=ROUNDINGS, default="nearest",
                    help="nearest: correctly rounded (default); round-once: PEFT; "
                    "mlx-lm: bit-identical to mlx_lm fuse; scale-after")
@@ -75,6 +86,17 @@ def _add_fuse(sub) -> None:
                    "lorakit output (every file listed, unchanged, in its lorakit.json); "
                    "anything else is refused and kept. The new output is complete before "
                    "the old one is swapped out")
+    p.add_argument("--export-gguf", action="store_true",
+                   help="also write a GGUF file into the output with mlx-lm's GGUF writer "
+                   "(llama, mistral, mixtral; float weights)")
+    p.add_argument("--gguf-path", default="ggml-model-f16.gguf",
+                   help="the GGUF file's name inside the output (default: ggml-model-f16.gguf)")
+    p.add_argument("--upload-repo", default=None, metavar="OWNER/NAME",
+                   help="upload the finished output to this Hugging Face repo "
+                   "(huggingface_hub; needs a login and the network)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted as mlx_lm fuse accepts it; lorakit's fuse reads tensors "
+                   "and never runs a model's code, so it changes nothing here")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_fuse)

@@ -28,7 +28,7 @@ __all__ = ["fuse"]
 def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
          save_path: Optional[PathLike] = None, *, rounding: str = "nearest",
          dtype: str = "preserve", dequantize: bool = False, force: bool = False,
-         progress: Union[bool, Callable[[int, int], None]] = True) -> Any:
+         export_gguf: Optional[str] = None, progress: Union[bool, Callable[[int, int], None]] = True) -> Any:
     """Fuse an adapter: ``W' = W + scale * B @ A`` for every adapted weight, rounded as
     ``rounding`` says and written in the weight's own dtype unless ``dtype`` says otherwise.
 
@@ -42,7 +42,8 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
             ``mlx_lm fuse``) or ``scale-after``.
         dtype: ``preserve`` (default), ``promote``, ``bfloat16``, ``float16``, ``float32``.
         dequantize: for quantized bases, write float weights instead of re-quantizing.
-        force / progress: as :func:`lorakit.fusion.stream.fuse` (checkpoints only).
+        force / export_gguf / progress: as :func:`lorakit.fusion.stream.fuse`
+            (checkpoints only).
 
     Returns:
         A :class:`~lorakit.fusion.stream.FuseResult` for a checkpoint; the model itself
@@ -59,5 +60,5 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
                         "an adapter and an output directory")
     result: FuseResult = fuse_checkpoint(model, adapter_path, save_path, rounding=rounding,
                                          dtype=dtype, dequantize=dequantize, force=force,
-                                         progress=progress)
+                                         export_gguf=export_gguf, progress=progress)
     return result

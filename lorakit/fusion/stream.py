@@ -33,6 +33,7 @@ from ..io.adapter import Adapter, load_adapter
 from ..io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from ..io.adapter import Replacement
 from ..io.naming import Binding, bind, bind_replacements, bindings_by_tensor
+from ..io.export import check_gguf_export, export_gguf as write_gguf
 from ..io.model_card import CARD_NAME, write_model_card
 from ..io.output import OutputDirectory, check_output_path
 from ..io.safetensors import TensorInfo
@@ -173,7 +174,7 @@ def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, Li
 # -- the fuse --------------------------------------------------------------------------------
 def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: PathLike, *,
          rounding: str = "nearest", dtype: str = "preserve", dequantize: bool = False,
-         force: bool = False,
+         force: bool = False, export_gguf: Optional[str] = None,
          progress: Union[bool, Callable[[int, int], None]] = True) -> FuseResult:
     """Fuse an adapter into a checkpoint and write a new checkpoint.
 
@@ -190,6 +191,9 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
         dequantize: for quantized bases, write float weights instead of re-quantizing.
         force: replace an existing empty directory or previous lorakit output
             (recognised by its ``lorakit.json``); anything else is refused.
+        export_gguf: also write this GGUF file (a plain name) into the output with
+            mlx-lm's GGUF writer, as ``mlx_lm fuse --export-gguf`` does (llama, mistral,
+            mixtral; checked before any work).
         progress: show a progress bar (tqdm.auto); or a callable
             ``progress(done_bytes, total_bytes)`` called as tensors are written
             (widgets use it), with no bar.
@@ -211,6 +215,8 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
         raise FuseError("dtype 'promote' does not apply to a quantized base",
                         file=ck.path, expected="--dequantize with promote, or preserve",
                         found="quantized weights")
+    if export_gguf is not None:
+        check_gguf_export(ck.config, dequantize, export_gguf)
     bindings = bind(adapter, ck)
     by_tensor = bindings_by_tensor(bindings)
     replaced = bind_replacements(adapter, ck, dequantize)
@@ -224,6 +230,8 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
             card = ck.path / CARD_NAME
             write_model_card(od.tmp, card if card.is_file() else None, hub_id, out.name,
                              settings)
+            if export_gguf is not None:
+                write_gguf(od.tmp, export_gguf)
             od.commit("fuse", settings)
     except OSError as e:  # disk full, a file vanishing under us: one clear error
         raise FuseError(f"I/O error while fusing: {e.strerror or e}",
