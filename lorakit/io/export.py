@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -48,8 +49,6 @@ def check_gguf_export(config: Mapping[str, Any], dequantize: bool, gguf_path: st
 def export_gguf(directory: Path, gguf_path: str) -> Path:
     """Write ``directory/gguf_path`` from the fused checkpoint in ``directory`` (complete
     but for its provenance) with mlx-lm's GGUF writer; returns the file."""
-    import json
-
     from mlx.utils import tree_flatten  # lazy: MLX only for an export
     from mlx_lm.gguf import convert_to_gguf  # lazy: mlx-lm's writer, only for an export
     from mlx_lm.utils import load_model  # lazy: as above
