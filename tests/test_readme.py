@@ -24,7 +24,7 @@ def test_readme_python_example_runs(tmp_path: Path) -> None:
         exec(compile(code, "README.md", "exec"), ns)
     finally:
         os.chdir(cwd)
-    assert (tmp_path / "fused" / "config.json").exists()
+    assert (tmp_path / "scratch" / "fused" / "config.json").exists()
     assert ns["result"].tensors_fused > 0
 
 
@@ -62,3 +62,36 @@ def test_walkthrough_url_opens_the_notebook_itself() -> None:
     assert path is not None, "".join(lines)
     assert path.startswith("/lab/tree/notebooks/") and path.endswith(".ipynb"), path
     assert (ROOT / path[len("/lab/tree/"):]).is_file()
+
+
+@pytest.mark.slow  # runs the README's commands in fresh processes
+def test_readme_examples_run_in_either_order(tmp_path: Path) -> None:
+    """The shell example's complete `lorakit` lines, then the Python example, then the
+    shell lines again: each finds the other's outputs in scratch/ and replaces them."""
+    import subprocess
+    import sys
+
+    text = (ROOT / "README.md").read_text()
+    shell = re.search(r"```bash\nlorakit fuse (.*?)```", text, re.S).group(0)
+    lines = [ln.split("#")[0].strip() for ln in shell.splitlines()[1:-1]]
+    lines = [ln for ln in lines if ln.startswith("lorakit ") and "..." not in ln
+             and not ln.startswith("lorakit bench")]
+    assert any(ln.startswith("lorakit fuse") for ln in lines), lines
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    code = "\n".join(ln for ln in code.splitlines() if "time_decode" not in ln)
+    shutil.copytree(ROOT / "data", tmp_path / "data",
+                    ignore=shutil.ignore_patterns(".build", "corpora", "logs"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+
+    def run_shell() -> None:
+        for ln in lines:
+            r = subprocess.run([sys.executable, "-m", "lorakit", *ln.split()[1:]], cwd=tmp_path,
+                               env=env, capture_output=True, text=True)
+            assert r.returncode == 0, (ln, r.stderr)
+
+    run_shell()
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    run_shell()
+    assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == ["fused", "mlx-fused"]
