@@ -47,7 +47,7 @@ TOKENIZER_DIR = BUILD / "tokenizer"
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 
 STEPS = ["corpora", "tokenizer", "base", "quant", "moe", "adapters", "peft", "summary"]
-ADAPTERS = ["lora", "dora", "lora-embed", "lora-4bit", "moe-lora"]
+ADAPTERS = ["lora", "dora", "lora-embed", "lora-4bit", "lora-4bit-weak", "moe-lora"]
 LORA_KEYS = [
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -539,6 +539,7 @@ SUMMARY_ASSETS = [
     ("lora-embed", "data/tiny-qwen3", "data/adapters/lora-embed"),
     ("tiny-qwen3-4bit", "data/tiny-qwen3-4bit", None),
     ("lora-4bit", "data/tiny-qwen3-4bit", "data/adapters/lora-4bit"),
+    ("lora-4bit-weak", "data/tiny-qwen3-4bit", "data/adapters/lora-4bit-weak"),
     ("tiny-qwen3-moe", "data/tiny-qwen3-moe", None),
     ("moe-lora", "data/tiny-qwen3-moe", "data/adapters/moe-lora"),
 ]
