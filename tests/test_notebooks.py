@@ -132,12 +132,12 @@ def test_notebook_stripped_and_shaped(path):
     assert first.cell_type == "markdown" and "What you will learn" in first.source
     assert last.cell_type == "markdown" and "Exercise" in last.source
     setup = nb.cells[1].source
-    assert "LORAKIT_DATA" in setup and "tempfile.mkdtemp" in setup
+    assert "LORAKIT_DATA" in setup and "tempfile.TemporaryDirectory" in setup
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs(path):
+def test_notebook_runs(path, tmp_path):
     _require_data()
     data_before = sorted(p.relative_to(DATA) for p in DATA.rglob("*"))
     nb, seconds, per_cell = execute(path, NB_DIR)
@@ -148,8 +148,10 @@ def test_notebook_runs(path):
     assert "<table" in text, f"{path.name} shows no table"
     missing = [s for s in EXPECT[path.name[:2]] if s not in text]
     assert not missing, f"{path.name}: outputs lack {missing}"
-    # nothing is written into data/
+    # nothing is written into data/, and what it made in the temporary folder is gone
     assert sorted(p.relative_to(DATA) for p in DATA.rglob("*")) == data_before
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("lorakit"))
+    assert left == [], f"{path.name} left {left} behind (TMPDIR={tmp_path})"
     assert seconds <= BUDGET_S, f"{path.name} took {seconds:.1f} s (budget {BUDGET_S:.0f} s)"
 
 

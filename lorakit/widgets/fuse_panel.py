@@ -39,7 +39,7 @@ class FusePanel(W.VBox):
         data: folder to offer checkpoints (its subfolders) and adapters
             (``data/adapters/*``) from; default: the repository's ``data/``.
         out_dir: where fused checkpoints are written (default: a new temporary
-            directory). Each run writes ``<base>+<adapter>-<rounding>-<dtype>`` there,
+            directory, removed with the panel or when Python exits). Each run writes ``<base>+<adapter>-<rounding>-<dtype>`` there,
             replacing an earlier run with the same settings.
         base, adapter: initial selections (names in ``data`` or paths).
 
@@ -51,8 +51,10 @@ class FusePanel(W.VBox):
     def __init__(self, data: Optional[PathLike] = None, out_dir: Optional[PathLike] = None,
                  base: Optional[str] = None, adapter: Optional[str] = None) -> None:
         self.data = Path(data) if data is not None else _assets.find_data()
-        self.out_dir = Path(out_dir) if out_dir is not None else Path(
-            tempfile.mkdtemp(prefix="lorakit-fusepanel-"))
+        # a directory of its own is removed with the panel (or when Python exits)
+        self._own = None if out_dir is not None else tempfile.TemporaryDirectory(
+            prefix="lorakit-fusepanel-")
+        self.out_dir = Path(out_dir) if out_dir is not None else Path(self._own.name)
         self.result: Optional[FuseResult] = None
         self.runs = 0
         style = {"description_width": "8em"}
