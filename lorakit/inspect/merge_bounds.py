@@ -23,16 +23,16 @@ working format (the base weight's dtype)::
 
 The magnitudes are taken one bound above ``|T|`` and ``|D|`` (a value may round up
 into the next binade). DoRA rescales rows by ``s = m / ||X||`` with ``X = W + D``
-(mlx-lm normalises the already rounded ``X``), so the element term is scaled by ``s``
-and the row norm's own error adds ``|T| (||e||_row / ||X||_row + (n + 16) 2**-24)``.
+(mlx-lm normalises the already rounded ``X``, and its norm comes back in ``X``'s dtype),
+so the element term is scaled by ``s`` and the row norm's own error adds
+``|T| ((||e||_row + ulp_w(||X||_row) / 2) / ||X||_row + (n + 16) 2**-24)``.
 
-A re-quantized (affine) weight adds the quantization of each group: the largest error
-a correct re-quantization of that group shows (``mx.quantize`` fits the scale to the
-group's edge and clips, so this reaches one step at 4 bits, more at 8 bits where the
-bf16 scale and bias are coarse next to the step), at least half the step ``|scale_g|``,
-with 5% slack for a group whose range moved by rounding, plus 5% of the step and the
-storage rounding of the scale (``2**bits`` codes times its half-ulp) and of the bias,
-and the rounding of the dequantized value. Other quantization modes use twice the
+A re-quantized (affine) weight adds the quantization of each group: one step
+``|scale_g|`` (``mx.quantize`` fits the scale so that the group's larger edge is a code
+and clips at the other end, which costs up to a whole step, not half; 5% slack for a
+group whose range moved by the fuse's rounding), the storage rounding of the scale
+(``2**bits`` codes times its half-ulp) and of the bias, and the rounding of the
+dequantized value. Other quantization modes use twice the
 largest error a correct re-quantization of the same group shows.
 
 A wrong merge whose distance stays inside this bound everywhere cannot be told from a
@@ -82,7 +82,9 @@ def float_bound(T: np.ndarray, W: np.ndarray, p: Piece, rows: Optional[slice],
     m = np.abs((p.magnitude if rows is None else p.magnitude[rows]).astype(np.float64))
     s = np.divide(m, norm, out=np.zeros_like(m), where=norm > 0)
     e_row = np.sqrt(np.einsum("ij,ij->i", e, e))
-    rel = np.divide(e_row, norm, out=np.zeros_like(e_row), where=norm > 0) * 1.01 \
+    # mlx-lm takes the norm of the rounded X in X's own dtype: one more rounding of it
+    e_row = e_row * 1.01 + _half_ulp(_up(norm + e_row * 1.01, fmt_work), fmt_work)
+    rel = np.divide(e_row, norm, out=np.zeros_like(e_row), where=norm > 0) \
         + (X.shape[1] + 16) * _U32
     y = s[:, None] * e + aT * rel[:, None]
     return y + _half_ulp(_up(aT + y, fmt_out), fmt_out)
@@ -104,7 +106,7 @@ def quant_bound(T: np.ndarray, F: np.ndarray, Q: np.ndarray, pre: np.ndarray, q:
         h = 0.5 * nm.ulp(step, fmt_scales)  # storage rounding of the scale (and bias)
         if biases is not None:
             h = h + 0.5 * nm.ulp(np.abs(biases), fmt_scales) / 2 ** q.bits
-        err = 1.05 * np.maximum(grp, 0.5 * step) + 0.05 * step + (2 ** q.bits) * h
+        err = 1.05 * step + (2 ** q.bits) * h
     else:  # no closed form here: twice what a correct re-quantization shows per group
         err = 2 * grp
     err = np.repeat(err, g, axis=1)[:, :cols]
