@@ -165,6 +165,9 @@ def _wrong_cases(work: Path, good: Dict[str, Path]):
         "applied twice")
     d2 = adapter_variant(DORA, work / "ad-dora-x2", scale=2.0)
     add("dora scale x2", fuse(BASE, d2, work / "f-dora-x2"), BASE, DORA, "wrong scale")
+    d13 = adapter_variant(DORA, work / "ad-dora-x1.05", scale=1.05)
+    add("dora scale x1.05 (fitted)", fuse(BASE, d13, work / "f-dora-x1.05"), BASE, DORA,
+        "wrong scale")
     # embeddings, MoE, 4-bit
     e2 = adapter_variant(EMBED, work / "ad-embed-x2", scale=2.0)
     add("embedding scale x2", fuse(BASE, e2, work / "f-embed-x2"), BASE, EMBED, "wrong scale")

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..fusion.delta import Piece, intended, lowrank
 
-__all__ = ["Candidate", "candidates", "CauseStats", "diagnose"]
+__all__ = ["Candidate", "candidates", "CauseStats", "diagnose", "scaled"]
 
 #: (name, detail, build(W, rows) -> T_h, piece whose bound applies or None, bound factor)
 Candidate = Tuple[str, str, Callable[[np.ndarray, Optional[slice]], np.ndarray],
@@ -40,7 +40,7 @@ _LOW_RANK_ENERGY = 0.9
 _SAMPLE_ROWS = 512
 
 
-def _scaled(p: Piece, k: float) -> Piece:
+def scaled(p: Piece, k: float) -> Piece:
     return dataclasses.replace(p, target=dataclasses.replace(p.target, scale=p.scale * k))
 
 
@@ -76,7 +76,7 @@ def candidates(p: Piece, rnd: Callable[[np.ndarray], np.ndarray]) -> List[Candid
                              lambda W, rows: intended(rnd(intended(W, p, rows)), p, rows),
                              None, 2.0)]
     for k, why in _factors(p):
-        q = _scaled(p, k)
+        q = scaled(p, k)
         out.append(("wrong scale", why, lambda W, rows, q=q: intended(W, q, rows), q, 1.0))
     if p.magnitude is not None:
         q = dataclasses.replace(p, magnitude=None)
@@ -144,22 +144,37 @@ def _low_rank(E: np.ndarray, rank: int) -> Optional[bool]:
     return total > 0 and float(np.sum(s[:k] ** 2)) >= _LOW_RANK_ENERGY * total
 
 
-def diagnose(st: CauseStats) -> Tuple[str, str, Dict[str, float]]:
-    """(verdict, detail, numbers) for a tensor that failed its bound."""
-    rms = np.sqrt(st.sq / max(1, st.n))
-    rank = np.where(rms <= 1.0, np.sqrt(st.sq_common / max(1, st.n)), np.inf)
-    best = int(np.argmin(rank)) if rms.size else -1
+def diagnose(st: CauseStats, scaled_rms: Optional[Callable[[float], float]] = None
+             ) -> Tuple[str, str, Dict[str, float]]:
+    """(verdict, detail, numbers) for a tensor that failed its bound.
+
+    ``scaled_rms(k)``: the RMS distance (in bound units) from the intended result at
+    ``k`` times the scale, for DoRA, where the change is not linear in the scale."""
+    n = max(1, st.n)
+    rms = np.sqrt(st.sq / n)
+    common = np.where(rms <= 1.0, np.sqrt(st.sq_common / n), np.inf)
+    best = int(np.argmin(common)) if rms.size else -1
     k = st.fitted()
     corr = st.RD / math.sqrt(st.RR * st.DD) if st.RR > 0 and st.DD > 0 else 0.0
-    nums = {"fit": k, "corr": corr}
-    if best >= 0 and rms[best] <= 1.0:
+    resid = max(0.0, st.RR - 2 * k * st.RD + k * k * st.DD)  # sum ((R - k D) / bound)^2
+    fit_rms = math.sqrt(resid / n)
+    nums = {"fit": k, "corr": corr, "fit_rms": fit_rms}
+    # k differs from 1 by more than its own noise (the bound-weighted fit's sigma)
+    k_real = st.DD > 0 and abs(k - 1) > 4 / math.sqrt(st.DD)
+    if scaled_rms is not None and k_real and not (best >= 0 and np.isfinite(common[best])):
+        fit_rms = scaled_rms(k)
+        nums["fit_rms"] = fit_rms
+    if best >= 0 and np.isfinite(common[best]) and \
+            not (k_real and fit_rms <= 1.0 and fit_rms < 0.8 * common[best]):
         name, why = st.names[best]
         nums["candidate_rms"] = float(rms[best])
         return name, why, nums
-    resid = max(0.0, st.RR - 2 * k * st.RD + k * k * st.DD)  # sum ((R - k D) / bound)^2
-    nums["fit_rms"] = math.sqrt(resid / max(1, st.n))
-    if nums["fit_rms"] <= 1.0:
-        return "wrong scale", f"x{k:.4g} (fitted: the change is the delta times {k:.4g})", nums
+    if fit_rms <= 1.0:
+        if k_real:
+            return "wrong scale", f"x{k:.4g} (fitted: the change is the delta times {k:.4g})", \
+                nums
+        return "changed otherwise", (f"the delta is there (x{k:.4f}), but "
+                                     "some elements lie beyond what rounding explains"), nums
     low = None
     if st.R_sample is not None and st.D_sample is not None:
         low = _low_rank(st.R_sample - k * st.D_sample, st.rank)

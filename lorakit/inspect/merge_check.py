@@ -52,7 +52,7 @@ from ..io.safetensors import raw_to_mx
 from ..io.source import TensorSource, open_source, weight_f64
 from . import plots
 from .merge_bounds import float_bound, quant_bound
-from .merge_causes import CauseStats, candidates, diagnose
+from .merge_causes import CauseStats, candidates, diagnose, scaled
 from .merge_untouched import (extra_rows, replacement_row, requested_conversion, row,
                               untouched_rows, wider)
 from .report import Report
@@ -250,7 +250,20 @@ def _cause(sf, sb, tensor, binds, bound: _Bound, transposed: bool) -> Tuple[str,
         st.add(F, W, T, tol, cands, rows,
                lambda Th, q: bound(F, W, Th, q, rows, ref if bound.q is not None else None))
     assert st is not None
-    return diagnose(st)
+    dora = any(p.magnitude is not None for p in tensor_pieces(binds))
+
+    def scaled_rms(k: float) -> float:  # DoRA at k times the scale, one more pass
+        sq, n = 0.0, 0
+        for F, W, T, p, rows in _pieces(sf, sb, tensor, binds, raw=False,
+                                        transposed=transposed):
+            q = scaled(p, k)
+            Tk = intended(W, q, rows)
+            ref = bound.reference(Tk) if bound.q is not None else None
+            sq += float(np.sum(np.square((F - Tk) / bound(F, W, Tk, q, rows, ref))))
+            n += F.size
+        return math.sqrt(sq / max(1, n))
+
+    return diagnose(st, scaled_rms if dora else None)
 
 
 def _adapted_row(sf, sb, tensor, binds, conversion: Optional[str]) -> Dict[str, Any]:
