@@ -191,6 +191,25 @@ def wrong_cases(work, good):
     return _wrong_cases(work, good)
 
 
+def test_wrong_merges_fast(work: Path, good) -> None:
+    """A few wrong merges cheap enough for the fast tier (the whole suite is slow)."""
+    x2 = adapter_variant(LORA, work / "fast-x2", scale=2.0)
+    other = adapter_variant(LORA, work / "fast-other", tensors=other_factors(0.8))
+    plain = adapter_variant(DORA, work / "fast-plain",
+                            tensors=lambda t: {k: v for k, v in t.items() if not k.endswith(".m")},
+                            cfg=lambda c: c.update(fine_tune_type="lora"))
+    cases = [(BASE, BASE, LORA, "not applied"),
+             (fuse(BASE, x2, work / "fast-f-x2"), BASE, LORA, "wrong scale"),
+             (fuse(BASE, other, work / "fast-f-other"), BASE, LORA, "another adapter"),
+             (fuse(BASE, plain, work / "fast-f-plain"), BASE, DORA, "DoRA magnitude missing"),
+             (BASE_Q4, BASE_Q4, LORA_Q4, "not applied")]
+    for fused, base, adapter, cause in cases:
+        rep = check(fused, base, adapter, check_untouched=False)
+        assert rep.exit_code() == 1 and set(rep.causes().values()) == {cause}, str(rep)
+        assert len(rep.causes()) == len(rep.rows)
+
+
+@pytest.mark.slow
 def test_wrong_merges_get_their_cause(wrong_cases) -> None:
     """Every adapted tensor of every wrong merge is wrong, with the planted cause."""
     seen = {}
@@ -204,6 +223,7 @@ def test_wrong_merges_get_their_cause(wrong_cases) -> None:
     assert len(seen) >= 12
 
 
+@pytest.mark.slow
 def test_named_scales_say_what_they_look_like(wrong_cases) -> None:
     expect = {"lora scale x2": "x2", "lora scale alpha not alpha/r": "alpha used as the scale",
               "lora scale rslora": "rsLoRA", "lora subtracted": "subtracted",
@@ -218,6 +238,7 @@ def test_named_scales_say_what_they_look_like(wrong_cases) -> None:
     assert all(r["fit"] == pytest.approx(1.3, rel=1e-3) for r in rep.rows)
 
 
+@pytest.mark.slow
 def test_another_adapter_reports_its_share(wrong_cases) -> None:
     fused, base, adapter, _ = wrong_cases["another adapter corr 0.8"]
     rep = check(fused, base, adapter, check_untouched=False)
@@ -226,6 +247,7 @@ def test_another_adapter_reports_its_share(wrong_cases) -> None:
     assert all(0.6 < r["corr"] < 0.95 for r in rep.rows), [r["corr"] for r in rep.rows]
 
 
+@pytest.mark.slow
 def test_different_base_also_shows_in_untouched(wrong_cases) -> None:
     fused, base, adapter, _ = wrong_cases["lora on a different base"]
     rep = check(fused, base, adapter)
@@ -373,3 +395,42 @@ def test_cli_exit_codes(work: Path, good) -> None:
     assert missing.returncode == 2
     h = run_cli("check", "--help")
     assert all(s in h.stdout for s in ("0 ", "1 ", "3 ", "2 "))
+
+
+# -- the README's detection-limit claims, against the committed benchmark JSON ---------------
+def test_readme_claims_match_benchmark_json() -> None:
+    """README's check section quotes benchmarks/results/merge_verdict.json
+    (``python benchmarks/merge_verdict.py --json benchmarks/results/merge_verdict.json``)."""
+    res = json.loads((REPO / "benchmarks" / "results" / "merge_verdict.json").read_text())
+    readme = (REPO / "README.md").read_text()
+    assert "python benchmarks/merge_verdict.py --json benchmarks/results/merge_verdict.json" \
+        in readme
+    cases = res["cases"]
+    lora, dora, q4 = cases["lora (bf16)"], cases["dora (bf16)"], cases["lora (4-bit base)"]
+    # no false alarm, and the largest distances quoted
+    for c in cases.values():
+        assert all(v["status"] == "ok" for v in c["correct"].values())
+    top = {n: max(v["largest distance"] for v in c["correct"].values()) for n, c in cases.items()}
+    text = " ".join(readme.split())
+    assert (f"largest distance {top['lora (bf16)']:.2g} for LoRA, {top['dora (bf16)']:.2g} "
+            f"for DoRA, {top['lora (4-bit base)']:.2g} on the 4-bit base").replace("1 for", "1.0 for") \
+        in text
+    def caught(c, key):
+        v = c["scale"][key]
+        return v["tensors flagged"], v["tensors"]
+    for k in ("x0.998", "x1.002"):  # 0.2% off, nearest order: every tensor
+        f, n = caught(lora, f"{k} nearest")
+        assert f == n
+    for k in ("x0.999", "x1.001"):  # 0.1% off in mlx-lm's order
+        f, n = caught(lora, f"{k} mlx-lm")
+        assert f == n
+    for k in ("x0.95", "x1.05"):
+        for mode in ("nearest", "mlx-lm"):
+            f, n = caught(q4, f"{k} {mode}")
+            assert f == n
+    assert 0 < caught(q4, "x0.98 nearest")[0] < 28
+    flips = lora["ulp flips"]
+    assert flips["0.01 of elements +1 ulp"]["tensors flagged"] == 28
+    assert flips["1e-05 of elements +1 ulp"]["tensors flagged"] == 10
+    assert "to 0.001% of\nthem on 10 of 28" in readme
+    assert all(v["status"] == "ok" for v in dora["ulp flips"].values())

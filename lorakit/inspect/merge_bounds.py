@@ -45,7 +45,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import numerics as nm
-from ..fusion.delta import Piece, lowrank
+from ..fusion.delta import Piece
 
 __all__ = ["float_bound", "quant_bound"]
 
@@ -61,14 +61,29 @@ def _up(mag: np.ndarray, fmt: Any) -> np.ndarray:
     return mag + nm.ulp(mag, fmt)
 
 
+_LAST: list = []  # (A, B, rows, |B| @ |A|, B @ A): the pieces of one chunk, reused by the
+# candidates of a failing tensor, which differ from the piece only by their scale
+
+
+def _products(p: Piece, rows: Optional[slice]):
+    key = (rows.start, rows.stop) if rows is not None else None
+    if _LAST and _LAST[0] is p.A and _LAST[1] is p.B and _LAST[2] == key:
+        return _LAST[3], _LAST[4]
+    B = (p.B if rows is None else p.B[rows]).astype(np.float64)
+    A = p.A.astype(np.float64)
+    out = (np.abs(B) @ np.abs(A), B @ A)
+    _LAST[:] = [p.A, p.B, key, *out]
+    return out
+
+
 def float_bound(T: np.ndarray, W: np.ndarray, p: Piece, rows: Optional[slice],
                 fmt_work: Any, fmt_out: Any) -> np.ndarray:
     """Per element, the largest ``|F - T|`` a correct fuse of piece ``p`` can leave
     (see the module docstring). ``T`` and ``W`` are the float64 target and base rows."""
-    B = p.B if rows is None else p.B[rows]
-    S = abs(p.scale) * (np.abs(B.astype(np.float64)) @ np.abs(p.A.astype(np.float64)))
+    S1, BA = _products(p, rows)
+    S = abs(p.scale) * S1
     e32 = (p.A.shape[0] + 2) * _U32 * S
-    D = lowrank(p, rows)
+    D = p.scale * BA
     X = W + D  # before DoRA's normalisation (T itself for LoRA)
     aX, aD = np.abs(X), np.abs(D)
     e = (_half_ulp(_up(aD + e32, fmt_work), fmt_work) + _half_ulp(_up(aX + e32, fmt_work), fmt_work)
