@@ -144,12 +144,15 @@ def _low_rank(E: np.ndarray, rank: int) -> Optional[bool]:
     return total > 0 and float(np.sum(s[:k] ** 2)) >= _LOW_RANK_ENERGY * total
 
 
-def diagnose(st: CauseStats, scaled_rms: Optional[Callable[[float], float]] = None
-             ) -> Tuple[str, str, Dict[str, float]]:
+def diagnose(st: CauseStats,
+             scaled_rms: Optional[Callable[[float], Tuple[float, float]]] = None,
+             k_scale: Optional[float] = None) -> Tuple[str, str, Dict[str, float]]:
     """(verdict, detail, numbers) for a tensor that failed its bound.
 
-    ``scaled_rms(k)``: the RMS distance (in bound units) from the intended result at
-    ``k`` times the scale, for DoRA, where the change is not linear in the scale."""
+    For DoRA, where the change is not linear in the scale: ``k_scale`` the fitted
+    factor of the scale (from the derivative of the result in the scale) and
+    ``scaled_rms(k)`` the RMS distance (in bound units) from the intended result at
+    a factor refined from ``k``, and that factor."""
     n = max(1, st.n)
     rms = np.sqrt(st.sq / n)
     common = np.where(rms <= 1.0, np.sqrt(st.sq_common / n), np.inf)
@@ -161,9 +164,12 @@ def diagnose(st: CauseStats, scaled_rms: Optional[Callable[[float], float]] = No
     nums = {"fit": k, "corr": corr, "fit_rms": fit_rms}
     # k differs from 1 by more than its own noise (the bound-weighted fit's sigma)
     k_real = st.DD > 0 and abs(k - 1) > 4 / math.sqrt(st.DD)
-    if scaled_rms is not None and k_real and not (best >= 0 and np.isfinite(common[best])):
-        fit_rms = scaled_rms(k)
-        nums["fit_rms"] = fit_rms
+    if scaled_rms is not None and k_scale is not None:
+        k, k_real = k_scale, abs(k_scale - 1) > 1e-4
+        nums["fit"] = k
+        if k_real and not (best >= 0 and np.isfinite(common[best])):
+            fit_rms, k = scaled_rms(k)
+            nums.update(fit_rms=fit_rms, fit=k)
     if best >= 0 and np.isfinite(common[best]) and \
             not (k_real and fit_rms <= 1.0 and fit_rms < 0.8 * common[best]):
         name, why = st.names[best]

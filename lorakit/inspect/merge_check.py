@@ -241,7 +241,13 @@ def _cause(sf, sb, tensor, binds, bound: _Bound, transposed: bool) -> Tuple[str,
             return bound.reference(x)[0]
         return nm.to_float64(nm.round_to_format(x, fmt), fmt)
 
+    dora = any(p.magnitude is not None for p in tensor_pieces(binds))
+    fg = gg = 0.0  # DoRA: <F - T, G>, <G, G> with G the derivative of T in the scale
     for F, W, T, p, rows in _pieces(sf, sb, tensor, binds, raw=False, transposed=transposed):
+        if dora:
+            G = (intended(W, scaled(p, 1 + 1e-3), rows) - T) / 1e-3
+            fg += float(np.vdot(F - T, G))
+            gg += float(np.vdot(G, G))
         cands = candidates(p, rnd)
         if st is None:
             st = CauseStats.start(cands, p.A.shape[0])
@@ -250,20 +256,31 @@ def _cause(sf, sb, tensor, binds, bound: _Bound, transposed: bool) -> Tuple[str,
         st.add(F, W, T, tol, cands, rows,
                lambda Th, q: bound(F, W, Th, q, rows, ref if bound.q is not None else None))
     assert st is not None
-    dora = any(p.magnitude is not None for p in tensor_pieces(binds))
 
-    def scaled_rms(k: float) -> float:  # DoRA at k times the scale, one more pass
-        sq, n = 0.0, 0
-        for F, W, T, p, rows in _pieces(sf, sb, tensor, binds, raw=False,
-                                        transposed=transposed):
-            q = scaled(p, k)
-            Tk = intended(W, q, rows)
-            ref = bound.reference(Tk) if bound.q is not None else None
-            sq += float(np.sum(np.square((F - Tk) / bound(F, W, Tk, q, rows, ref))))
-            n += F.size
-        return math.sqrt(sq / max(1, n))
+    def scaled_rms(k: float) -> Tuple[float, float]:
+        """DoRA at k times the scale: Newton steps on k (a pass each), then the RMS
+        distance (bound units) at the k found."""
+        for _ in range(4):
+            sq, n, fg, gg = 0.0, 0, 0.0, 0.0
+            for F, W, T, p, rows in _pieces(sf, sb, tensor, binds, raw=False,
+                                            transposed=transposed):
+                q = scaled(p, k)
+                Tk = intended(W, q, rows)
+                ref = bound.reference(Tk) if bound.q is not None else None
+                sq += float(np.sum(np.square((F - Tk) / bound(F, W, Tk, q, rows, ref))))
+                n += F.size
+                G = (intended(W, scaled(p, k * (1 + 1e-3)), rows) - Tk) / (k * 1e-3)
+                fg += float(np.vdot(F - Tk, G))
+                gg += float(np.vdot(G, G))
+            rms = math.sqrt(sq / max(1, n))
+            if rms <= 1.0 or gg == 0:
+                return rms, k
+            k += fg / gg
+        return rms, k
 
-    return diagnose(st, scaled_rms if dora else None)
+    if not dora:
+        return diagnose(st)
+    return diagnose(st, scaled_rms, 1 + fg / gg if gg > 0 else 1.0)
 
 
 def _adapted_row(sf, sb, tensor, binds, conversion: Optional[str]) -> Dict[str, Any]:
