@@ -424,11 +424,11 @@ def test_readme_claims_match_benchmark_json() -> None:
     for k in ("x0.999", "x1.001"):  # 0.1% off in mlx-lm's order
         f, n = caught(lora, f"{k} mlx-lm")
         assert f == n
-    for k in ("x0.95", "x1.05"):
+    for k in ("x0.9", "x1.1", "x0.95"):  # 4-bit: 10% off caught everywhere, x0.95 too
         for mode in ("nearest", "mlx-lm"):
             f, n = caught(q4, f"{k} {mode}")
             assert f == n
-    assert 0 < caught(q4, "x0.98 nearest")[0] < 28
+    assert caught(q4, "x1.05 nearest")[0] == 0  # ... x1.05 not: the stated limit
     flips = lora["ulp flips"]
     assert flips["0.01 of elements +1 ulp"]["tensors flagged"] == 28
     assert flips["1e-05 of elements +1 ulp"]["tensors flagged"] == 10

@@ -372,6 +372,8 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
         for r in rows:  # the delta sits on another weight in most adapted tensors
             if r.get("base_like"):
                 r.update(verdict="different base", detail=r["detail"] + ": another base")
+    for r in rows:
+        r.pop("base_like", None)
     rows += extra_rows(sf, sb)
     rep = MergeCheck(title=f"merge check of {sf.label}", rows=rows,
                      columns=["tensor", "dtype", "distance", "max_ulp", "beyond", "survived",
