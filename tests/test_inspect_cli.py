@@ -58,7 +58,7 @@ def test_diff_exit_codes_and_json(paths: dict, capsys) -> None:
 def test_check(paths: dict, capsys) -> None:
     code, out, _ = run(capsys, "check", "--base", paths["base"], "--adapter", paths["ad"],
                        "--fused", paths["near"])
-    assert code == 0 and "ok: True" in out
+    assert code == 0 and "status: ok" in out and "exit code: 0" in out
     code, out, _ = run(capsys, "check", "--base", paths["base"], "--adapter", paths["ad"],
                        "--fused", paths["base"], "--json")
     assert code == 1

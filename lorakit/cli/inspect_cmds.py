@@ -2,7 +2,8 @@
 :mod:`lorakit.inspect`. Each prints a report's text twin, or its JSON with ``--json``.
 
 Exit status: 0 when all is well; ``diff`` returns 1 when the checkpoints differ
-(as diff(1) does) and ``check`` 1 when a verdict is not ok; 2 for bad input.
+(as diff(1) does); ``check`` returns 1 for a wrong merge and 3 for a merge that is
+numerically right but promoted to a wider dtype; 2 for bad input.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def _check(args: argparse.Namespace) -> int:
                       check_untouched=not args.skip_untouched)
     rep.max_rows = args.max_rows
     _emit(args, {"merge_check": rep})
-    return 0 if rep.ok else 1
+    return rep.exit_code()
 
 
 def add(sub) -> None:
@@ -97,12 +98,25 @@ def add(sub) -> None:
     p.add_argument("--max-rows", type=int, default=60, help="table rows shown (text)")
     p.set_defaults(run=_diff)
 
-    p = sub.add_parser("check", help="did the merge take? verdict per adapted tensor "
-                       "(exit 1 if not ok)",
+    p = sub.add_parser("check", help="did the merge work? verdict per tensor "
+                       "(exit 0 ok, 1 wrong merge, 3 right but promoted)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Check a fused checkpoint against its base and adapter: "
-                       "per tensor the fraction of the delta that survived, its correlation "
-                       "with the intended delta, and a verdict (ok, not applied, applied "
-                       "twice, wrong scale, lost to quantization, ...).")
+                       "per adapted tensor the distance\nfrom the exact intended result "
+                       "(float64), in units of what rounding to the stored dtype can\n"
+                       "explain (<= 1 is right, whichever correct order fused it), and "
+                       "a verdict naming the\ncause of a wrong merge (not applied, applied "
+                       "twice, wrong scale, another adapter,\ntransposed, DoRA magnitude "
+                       "missing, different base, missing / extra tensor, untouched\n"
+                       "tensor changed).",
+                       epilog="exit status:\n"
+                       "  0  ok: every tensor is the intended merge (or its documented "
+                       "conversion)\n"
+                       "  1  a wrong merge\n"
+                       "  2  bad input (unreadable checkpoint or adapter)\n"
+                       "  3  right but promoted: numerically the intended merge, stored "
+                       "in a wider dtype\n"
+                       "     than the base (bytes doubled)")
     p.add_argument("--fused", required=True, help="fused checkpoint")
     p.add_argument("--base", required=True, help="base checkpoint")
     p.add_argument("--adapter", required=True, help="adapter directory")
