@@ -75,6 +75,16 @@ def quantize_raw(raw: np.ndarray, code: str, q: QuantParams) -> Dict[str, np.nda
     return {n: mx_to_raw(p)[0] for n, p in zip(names, parts) if p is not None}
 
 
+def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
+    """mlx's packed uint32 words -> one integer code per element (LSB-first bit stream)."""
+    u8 = np.ascontiguousarray(packed).astype("<u4").view(np.uint8)
+    stream = np.unpackbits(u8.reshape(u8.shape[0] if u8.ndim > 1 else 1, -1),
+                           axis=-1, bitorder="little")
+    n = stream.shape[-1] // bits
+    b = stream[..., : n * bits].reshape(stream.shape[0], n, bits).astype(np.uint16)
+    return (b << np.arange(bits, dtype=np.uint16)).sum(-1)
+
+
 def requant_survival(base_raw: np.ndarray, code: str, parts: Dict[str, np.ndarray],
                      fused_code: str, q: QuantParams, binds: List[Binding],
                      name: str, base_codes: Optional[np.ndarray] = None) -> RequantStat:
@@ -107,7 +117,8 @@ def requant_survival(base_raw: np.ndarray, code: str, parts: Dict[str, np.ndarra
     survived = float((real * delta).sum() / dd) if dd > 0 else 1.0
     changed = float("nan")
     if base_codes is not None:
-        changed = float((base_codes != parts["weight"]).mean())
+        changed = float((unpack_codes(base_codes, q.bits)
+                         != unpack_codes(parts["weight"], q.bits)).mean())
     return RequantStat(name, survived, changed)
 
 
