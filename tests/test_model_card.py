@@ -50,7 +50,7 @@ def test_base_card_metadata_is_kept(tmp_path: Path) -> None:
     meta = _front_matter(text)
     assert "license: apache-2.0" in meta and "- bible" in meta and "- mlx" in meta
     assert "The base's own text." not in text  # the text is the fuse's, as in mlx-lm
-    assert "(base)" not in text and "# out" in text
+    assert "# base + lora" in text
 
 
 @pytest.mark.parametrize("junk", ["not a card at all", "---\n: [\n---\nbroken yaml\n"])

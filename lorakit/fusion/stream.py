@@ -228,8 +228,8 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
                         "rounding": rounding, "dtype_policy": dtype,
                         "dequantize": bool(dequantize)}
             card = ck.path / CARD_NAME
-            write_model_card(od.tmp, card if card.is_file() else None, hub_id, out.name,
-                             settings)
+            write_model_card(od.tmp, card if card.is_file() else None, hub_id,
+                             f"{ck.path.name} + {adapter.path.name}", settings)
             if export_gguf is not None:
                 write_gguf(od.tmp, export_gguf)
             od.commit("fuse", settings)

@@ -40,7 +40,8 @@ def write_model_card(directory: Path, base_card: Optional[Path], hub_id: Optiona
         base_card: the base checkpoint's ``README.md`` if it has one (its metadata is
             kept, as mlx-lm keeps the hub card's), else None.
         hub_id: the base's hub repo id when it came from the hub (``base_model``).
-        title: the card's heading (the output directory's name).
+        title: the card's heading (base and adapter names: never the output path, so
+            the same fuse writes the same bytes wherever it goes).
         settings: the fuse's provenance (what ``lorakit.json`` records).
     """
     from huggingface_hub import ModelCard, ModelCardData  # lazy: only a fuse writes a card
@@ -83,7 +84,7 @@ def _text(title: str, hub_id: Optional[str], s: Mapping[str, Any]) -> str:
         "```python",
         "from mlx_lm import load, generate",
         "",
-        f'model, tokenizer = load("{title}")',
+        'model, tokenizer = load("path/to/this/directory")',
         'print(generate(model, tokenizer, prompt="hello", verbose=True))',
         "```", "",
     ]
