@@ -66,6 +66,16 @@ def test_check(paths: dict, capsys) -> None:
     assert {r["verdict"] for r in rows} == {"not applied"}
 
 
+def test_check_takes_fuse_s_flag_names(paths: dict, capsys) -> None:
+    """One vocabulary: check reads --model / --adapter-path / --save-path like fuse."""
+    code, out, _ = run(capsys, "check", "--model", paths["base"], "--adapter-path", paths["ad"],
+                       "--save-path", paths["near"])
+    assert code == 0 and "status: ok" in out
+    code, _, _ = run(capsys, "check", "--model", paths["base"], "--adapter-path", paths["ad"],
+                     "--save-path", paths["base"])
+    assert code == 1
+
+
 def test_errors_are_one_message(paths: dict, tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "lorakit", "diff", str(paths["near"]),
                            str(tmp_path / "missing")], capture_output=True, text=True)

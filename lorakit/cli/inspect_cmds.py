@@ -117,9 +117,14 @@ def add(sub) -> None:
                        "  3  right but promoted: numerically the intended merge, stored "
                        "in a wider dtype\n"
                        "     than the base (bytes doubled)")
-    p.add_argument("--fused", required=True, help="fused checkpoint")
-    p.add_argument("--base", required=True, help="base checkpoint")
-    p.add_argument("--adapter", required=True, help="adapter directory")
+    # fuse's vocabulary: --model (the base), --adapter-path, --save-path (the fused
+    # output); check's first spellings stay as aliases
+    p.add_argument("--save-path", "--fused", dest="fused", required=True,
+                   help="the fused checkpoint (as fuse's --save-path; alias --fused)")
+    p.add_argument("--model", "--base", dest="base", required=True,
+                   help="the base checkpoint (as fuse's --model; alias --base)")
+    p.add_argument("--adapter-path", "--adapter", dest="adapter", required=True,
+                   help="the adapter directory (as fuse's --adapter-path; alias --adapter)")
     p.add_argument("--skip-untouched", action="store_true",
                    help="do not verify that unadapted tensors are bit-identical")
     p.add_argument("--json", action="store_true", help="print JSON")
