@@ -28,7 +28,8 @@ __all__ = ["fuse"]
 def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
          save_path: Optional[PathLike] = None, *, rounding: str = "nearest",
          dtype: str = "preserve", dequantize: bool = False, force: bool = False,
-         export_gguf: Optional[str] = None, progress: Union[bool, Callable[[int, int], None]] = True) -> Any:
+         export_gguf: Optional[str] = None,
+         progress: Union[bool, Callable[[int, int], None]] = True) -> Any:
     """Fuse an adapter: ``W' = W + scale * B @ A`` for every adapted weight, rounded as
     ``rounding`` says and written in the weight's own dtype unless ``dtype`` says otherwise.
 

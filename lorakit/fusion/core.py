@@ -45,7 +45,7 @@ from ..errors import FuseError
 from ..io.dtypes import code_of, mx_dtype
 from ..io.naming import Binding
 from ..io.safetensors import NUMPY_STORAGE
-from .delta import dora_factor, tensor_pieces
+from .delta import check_dora_norm, dora_factor, tensor_pieces
 from .finite import cast_raw, check_result
 from .modes import DTYPE_POLICIES, ROUNDINGS
 from ..io.safetensors import mx_to_raw, raw_to_mx
@@ -315,7 +315,7 @@ def fuse_mlx_array(weight, A, B, scale: float, magnitude=None, *, rounding: str 
     if magnitude is not None:
         norm = mx.linalg.norm(fused, axis=-1)
         if bool(mx.any(norm == 0)):  # the one clear error, not a row of NaN
-            dora_factor(np.ones(norm.shape), np.array(norm.astype(mx.float32)))
+            check_dora_norm(np.array(norm.astype(mx.float32)))
         norm_scale = magnitude / norm
         fused = norm_scale[..., None] * fused
     return fused

@@ -125,13 +125,21 @@ def intended(W: np.ndarray, p: Piece, rows: Optional[slice] = None) -> np.ndarra
 
 def dora_factor(magnitude: np.ndarray, norm: np.ndarray, rows: Optional[slice] = None
                 ) -> np.ndarray:
-    """DoRA's per-row factor ``magnitude / ||W + delta||`` in the norm's dtype, or one
-    clear error where a row of ``W + delta`` is all zeros (its direction is undefined:
-    the unfused layer divides by zero too).
+    """DoRA's per-row factor ``magnitude / ||W + delta||`` in the norm's dtype, after
+    :func:`check_dora_norm`.
 
     >>> dora_factor(np.array([2.0]), np.array([4.0])).tolist()
     [0.5]
-    >>> dora_factor(np.array([1.0, 1.0]), np.array([1.0, 0.0]))
+    """
+    check_dora_norm(norm, rows)
+    return magnitude.astype(norm.dtype) / norm
+
+
+def check_dora_norm(norm: np.ndarray, rows: Optional[slice] = None) -> None:
+    """One clear error where a row of ``W + delta`` is all zeros: its direction is
+    undefined (the unfused layer divides by zero too). ``rows``: where ``norm`` starts.
+
+    >>> check_dora_norm(np.array([1.0, 0.0]))
     Traceback (most recent call last):
     lorakit.errors.FuseError: DoRA row has zero norm: W + delta is all zeros in 1 row(s), ...
     """
@@ -144,4 +152,3 @@ def dora_factor(magnitude: np.ndarray, norm: np.ndarray, rows: Optional[slice] =
                         found=f"zero norm in row {first}",
                         hint="the adapter cancels the weight exactly; DoRA cannot be "
                              "applied there (nor run unfused)")
-    return magnitude.astype(norm.dtype) / norm

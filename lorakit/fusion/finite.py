@@ -46,20 +46,26 @@ def any_nonfinite(raw: np.ndarray, code: str) -> bool:
     return False
 
 
+def _new_nonfinite(out: np.ndarray, code_out: str, src: np.ndarray, code_in: str):
+    """(count, first index) of elements non-finite in ``out`` but finite in ``src``;
+    None when there are none (the common case costs one masked scan)."""
+    if not any_nonfinite(out, code_out):
+        return None
+    new = nonfinite(out, code_out) & ~nonfinite(src, code_in)
+    if not new.any():
+        return None
+    return int(new.sum()), tuple(int(v) for v in np.argwhere(new)[0])
+
+
 def check_result(out: np.ndarray, code_out: str, w: np.ndarray, code_in: str, name: str) -> None:
     """Refuse a fused result with Inf/NaN where the weight was finite."""
-    if not any_nonfinite(out, code_out):
-        return
-    bad = nonfinite(out, code_out)
-    if bad.any():
-        new = bad & ~nonfinite(w, code_in)
-        if new.any():
-            i = tuple(int(v) for v in np.argwhere(new)[0])
-            raise FuseError("fused weight is not finite: the sum overflows the output dtype "
-                            "or the adapter is too large", tensor=name,
-                            expected=f"finite {code_out} values",
-                            found=f"{int(new.sum())} non-finite elements, first at {list(i)}",
-                            hint="check the adapter's scale, or write float32 (--dtype float32)")
+    bad = _new_nonfinite(out, code_out, w, code_in)
+    if bad is not None:
+        raise FuseError("fused weight is not finite: the sum overflows the output dtype "
+                        "or the adapter is too large", tensor=name,
+                        expected=f"finite {code_out} values",
+                        found=f"{bad[0]} non-finite elements, first at {list(bad[1])}",
+                        hint="check the adapter's scale, or write float32 (--dtype float32)")
 
 
 def cast_raw(raw: np.ndarray, code_in: str, code_out: str, name: str = "") -> np.ndarray:
@@ -72,14 +78,12 @@ def cast_raw(raw: np.ndarray, code_in: str, code_out: str, name: str = "") -> np
         return raw
     x = nm.to_float64(raw, nm.float_format(code_in))
     out = nm.round_to_format(x, nm.float_format(code_out)).view(NUMPY_STORAGE[code_out])
-    if any_nonfinite(out, code_out):
-        new = nonfinite(out, code_out) & ~nonfinite(raw, code_in)
-        if new.any():
-            i = tuple(int(v) for v in np.argwhere(new)[0])
-            raise FuseError(f"tensor does not fit {code_out}: converting it would write Inf",
-                            tensor=name or None, expected=f"finite {code_out} values",
-                            found=f"{int(new.sum())} elements out of {code_out}'s range, "
-                                  f"first at {list(i)} ({float(x[i])!r})",
-                            hint="keep the checkpoint's dtype (--dtype preserve) or write "
-                                 "float32")
+    bad = _new_nonfinite(out, code_out, raw, code_in)
+    if bad is not None:
+        raise FuseError(f"tensor does not fit {code_out}: converting it would write Inf",
+                        tensor=name or None, expected=f"finite {code_out} values",
+                        found=f"{bad[0]} elements out of {code_out}'s range, "
+                              f"first at {list(bad[1])} ({float(x[bad[1]])!r})",
+                        hint="keep the checkpoint's dtype (--dtype preserve) or write "
+                             "float32")
     return out
