@@ -157,6 +157,7 @@ def test_fuse_panel_rounding_and_quantized(data, tmp_path):
     assert not p.quant.disabled
     p.run()
     assert p.error.value == "" and p.result.requant  # re-quantized, survival measured
+    assert "codes changed" in p.status.value and "delta survived" in p.summary.value
     assert any(r["stored_as"].startswith("Q") for r in p.view.report.rows)
     p.quant.value = True
     p.rounding.value = "mlx-lm"

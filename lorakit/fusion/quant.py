@@ -32,6 +32,8 @@ class RequantStat:
     tensor: str
     survived: float  # projection of the realised change on the intended delta, 1.0 = all
     codes_changed: float  # fraction of quantized codes that changed
+    codes: int = 0  # quantized codes compared (elements of the weight)
+    delta_sq: float = 0.0  # <delta, delta>: the weight of this tensor in the overall share
 
 
 def _mx_parts(ck: Checkpoint, module: str):
@@ -115,11 +117,11 @@ def requant_survival(base_raw: np.ndarray, code: str, parts: Dict[str, np.ndarra
     real = new.astype(np.float64) - old
     dd = float((delta * delta).sum())
     survived = float((real * delta).sum() / dd) if dd > 0 else 1.0
-    changed = float("nan")
+    changed, ncodes = float("nan"), 0
     if base_codes is not None:
-        changed = float((unpack_codes(base_codes, q.bits)
-                         != unpack_codes(parts["weight"], q.bits)).mean())
-    return RequantStat(name, survived, changed)
+        ne = unpack_codes(base_codes, q.bits) != unpack_codes(parts["weight"], q.bits)
+        changed, ncodes = float(ne.mean()), int(ne.size)
+    return RequantStat(name, survived, changed, ncodes, dd)
 
 
 def requant_module(ck: Checkpoint, module: str, binds: List[Binding], rounding: str,
@@ -134,3 +136,32 @@ def requant_module(ck: Checkpoint, module: str, binds: List[Binding], rounding: 
     stat = requant_survival(base, code, parts, fcode, q, binds, f"{module}.weight",
                             base_codes=ck.read(f"{module}.weight"))
     return parts, stat
+
+
+def survival_overall(stats: List[RequantStat]) -> Dict[str, float]:
+    """Survival over all re-quantized tensors: ``codes_changed`` (changed codes over all
+    codes compared) and ``survived`` (``sum <real, delta> / sum <delta, delta>``: the
+    projection over the whole model, each tensor weighted by its delta's squared norm).
+
+    >>> survival_overall([RequantStat("a", 1.0, 0.5, 10, 3.0), RequantStat("b", 0.0, 1.0, 30, 1.0)])
+    {'codes_changed': 0.875, 'survived': 0.75, 'codes': 40, 'tensors': 2}
+    """
+    codes = sum(s.codes for s in stats)
+    dd = sum(s.delta_sq for s in stats)
+    changed = (sum(s.codes_changed * s.codes for s in stats) / codes) if codes else float("nan")
+    survived = (sum(s.survived * s.delta_sq for s in stats) / dd) if dd > 0 else float("nan")
+    return {"codes_changed": changed, "survived": survived, "codes": codes,
+            "tensors": len(stats)}
+
+
+def survival_rows(stats: List[RequantStat]) -> List[Tuple[str, str, str]]:
+    """One ``(tensor, codes changed, delta survived)`` text row per re-quantized tensor."""
+    return [(s.tensor, f"{s.codes_changed:.1%} of {s.codes:,}", f"{s.survived:.1%}")
+            for s in stats]
+
+
+def survival_text(stats: List[RequantStat], indent: str = "") -> List[str]:
+    """:func:`survival_rows` as aligned text lines under a header."""
+    per = [("tensor", "codes changed", "delta survived")] + survival_rows(stats)
+    w0, w1 = (max(len(r[i]) for r in per) for i in (0, 1))
+    return [f"{indent}{a:<{w0}}  {b:>{w1}}  {c:>14}" for a, b, c in per]

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from .._html import escape, facts_table
+from .._html import escape, facts_table, table
 from .._progress import progress_bar
 from ..errors import FuseError, LorakitError
 from ..io.adapter import Adapter, load_adapter
@@ -40,7 +40,8 @@ from ..io.safetensors import TensorInfo
 from ..io.safetensors_write import PlannedTensor, SafetensorsWriter
 from .finite import cast_raw as _cast
 from .core import check_rounding, fuse_bindings as _fuse_float, output_code
-from .quant import RequantStat, dequantize_raw, requant_module as _requant_module
+from .quant import (RequantStat, dequantize_raw, requant_module as _requant_module,
+                    survival_overall, survival_rows, survival_text)
 from .. import __version__
 
 PathLike = Union[str, Path]
@@ -81,11 +82,11 @@ class FuseResult:
                 ("bytes written", f"{self.bytes_written / 1e9:.3f} GB"),
                 ("time", f"{self.seconds:.2f} s")]
         if self.requant:
-            s = np.array([r.survived for r in self.requant])
-            c = np.array([r.codes_changed for r in self.requant])
-            rows.append(("delta surviving re-quantization",
-                         f"median {np.median(s):.1%}, min {s.min():.1%} "
-                         f"(codes changed: median {np.median(c):.2%})"))
+            o = survival_overall(self.requant)
+            rows += [("codes changed", f"{o['codes_changed']:.1%} of {o['codes']:,} codes "
+                      f"({o['tensors']} re-quantized tensors)"),
+                     ("delta survived", f"{o['survived']:.1%} of the intended delta "
+                      "(projection on it, all tensors)")]
         if self.replaced_names:
             rows.append(("replaced (modules_to_save)", ", ".join(self.replaced_names)))
         if self.dequantized:
@@ -95,12 +96,20 @@ class FuseResult:
     def __str__(self) -> str:
         rows = self._rows()
         w = max(len(k) for k, _ in rows)
-        return "\n".join([f"Fused {self.adapter.name} into {self.base.name}"] +
-                         [f"  {k:<{w}}  {v}" for k, v in rows])
+        lines = [f"Fused {self.adapter.name} into {self.base.name}"] + \
+            [f"  {k:<{w}}  {v}" for k, v in rows]
+        if self.requant:
+            lines += ["  re-quantized tensors:"] + survival_text(self.requant, "    ")
+        return "\n".join(lines)
 
     def _repr_html_(self) -> str:
+        per = ""
+        if self.requant:
+            per = ("<details><summary>survival per re-quantized tensor</summary>" +
+                   table(survival_rows(self.requant),
+                         head=["tensor", "codes changed", "delta survived"]) + "</details>")
         return (f"<div><b>lorakit fuse</b>: {escape(self.adapter.name)} &rarr; "
-                f"{escape(self.output.name)}{facts_table(self._rows())}</div>")
+                f"{escape(self.output.name)}{facts_table(self._rows())}{per}</div>")
 
     def __repr__(self) -> str:
         return (f"FuseResult({str(self.output)!r}, {self.tensors_fused} fused, "

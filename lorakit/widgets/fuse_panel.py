@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 import ipywidgets as W
 
 from ..fusion.modes import DTYPE_POLICIES, ROUNDINGS
+from ..fusion.quant import survival_overall
 from ..fusion.stream import FuseResult, fuse
 from ..io.checkpoint import Checkpoint
 from . import _assets
@@ -172,6 +173,10 @@ class FusePanel(W.VBox):
         self.progress.value = 1.0
         self.progress.bar_style = "success"
         self.status.value = f"done in {result.seconds:.2f} s"
+        if result.requant:  # a re-quantized base: what of the delta the codes kept
+            o = survival_overall(result.requant)
+            self.status.value += (f"; codes changed {o['codes_changed']:.1%}, delta survived "
+                                  f"{o['survived']:.1%}")
         self.summary.value = result._repr_html_()
         self.view.layout.display = None
         return result
