@@ -284,6 +284,233 @@ static void run32(const uint32_t *a, const uint32_t *b, size_t n, uint32_t cap, 
     }
 }
 
+/* ---- scale statistics (lorakit.inspect.ulp_scale.ScaleStats, the same numbers) ----
+ * scale(a, b, fmt, ecount, emax) -> (sumsq_a, sumsq_d, sign_changes, to_zero)
+ * sumsq_a: sum of a*a over every element (float64); sumsq_d: sum of (a - b)**2 over
+ * differing pairs of finite values; sign_changes: opposite signs, both non-zero;
+ * to_zero: zero on one side only; ecount / emax (int64, one counter per binade):
+ * differing elements and their largest ulp distance by the exponent field of
+ * min(|a|, |b|). NaN on either side: left out of everything but sumsq_a. */
+typedef struct {
+    double a2, d2;
+    int64_t sc, tz;
+} Scale;
+
+static inline double val32(uint32_t u, int fmt) {
+    return fmt == 2 ? (double)bits_to_f32(u) : (double)to_f32((uint16_t)u, fmt);
+}
+
+/* finite values only (the caller checks): bf16 and f32 by their bits, f16 by f16_fast */
+static ALWAYS_INLINE float fval(uint32_t u, const int fmt) {
+    return fmt == 2 ? bits_to_f32(u) : fmt == 0 ? bits_to_f32(u << 16) : f16_fast(u, u & 0x7FFFu);
+}
+
+static ALWAYS_INLINE uint32_t elem(const void *p, size_t i, const int fmt) {
+    return fmt == 2 ? ((const uint32_t *)p)[i] : ((const uint16_t *)p)[i];
+}
+
+/* the sum of squares of a block of A: eight lanes, so that the compiler vectorises it */
+static ALWAYS_INLINE double sumsq_block(const void *a, size_t m, const int fmt) {
+    const uint32_t mask = fmt == 2 ? 0x7FFFFFFFu : 0x7FFFu;
+    const uint32_t inf = fmt == 2 ? 0x7F800000u : fmt == 0 ? 0x7F80u : 0x7C00u;
+    double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    uint32_t special = 0;
+    size_t i = 0;
+    for (; i + 8 <= m; i += 8)
+        for (int k = 0; k < 8; k++) {
+            uint32_t u = elem(a, i + k, fmt);
+            double v = (double)fval(u, fmt);
+            special |= (uint32_t)((u & mask) >= inf);
+            lane[k] += v * v;
+        }
+    double t = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    if (special) { /* an inf or NaN: the exact conversion */
+        t = 0;
+        i = 0;
+    }
+    for (; i < m; i++) {
+        double v = val32(elem(a, i, fmt), fmt);
+        t += v * v;
+    }
+    return t;
+}
+
+/* one element, exact rules (a block holding an inf or NaN) */
+static ALWAYS_INLINE void scale_slow(uint32_t ua, uint32_t ub, const int fmt, int64_t *ec,
+                                     int64_t *em, Scale *sc, double *a2) {
+    const uint32_t sbit = fmt == 2 ? 31u : 15u;
+    const uint32_t mask = fmt == 2 ? 0x7FFFFFFFu : 0x7FFFu;
+    const uint32_t inf = fmt == 2 ? 0x7F800000u : fmt == 0 ? 0x7F80u : 0x7C00u;
+    const int mant = fmt == 2 ? 23 : fmt == 0 ? 7 : 10;
+    double va = val32(ua, fmt);
+    *a2 += va * va;
+    if (ua == ub) return;
+    uint32_t ma = ua & mask, mb = ub & mask;
+    if (ma > inf || mb > inf) return;
+    int64_t pa = (ua >> sbit) ? -(int64_t)ma : (int64_t)ma;
+    int64_t pb = (ub >> sbit) ? -(int64_t)mb : (int64_t)mb;
+    int64_t v = pa > pb ? pa - pb : pb - pa;
+    sc->sc += ((ua ^ ub) >> sbit) & (ma != 0) & (mb != 0);
+    sc->tz += (ma == 0) != (mb == 0);
+    uint32_t e = (ma < mb ? ma : mb) >> mant;
+    ec[e]++;
+    if (v > em[e]) em[e] = v;
+    if (ma < inf && mb < inf) {
+        double d = va - val32(ub, fmt);
+        sc->d2 += d * d;
+    }
+}
+
+/* Blocks of BLOCK elements: equal bytes cost a sum of squares of A; otherwise a
+   branch-free pass in eight lanes (squares, differences, sign and zero counts: an
+   equal element adds zero to each) and a counting pass into four interleaved copies
+   of the binade counters (as count_block). */
+static ALWAYS_INLINE void scale_run(const void *a, const void *b, size_t n, const int fmt,
+                                    int64_t *ec, int64_t *em, Scale *sc) {
+    const size_t item = fmt == 2 ? 4 : 2;
+    const uint32_t sbit = fmt == 2 ? 31u : 15u;
+    const uint32_t mask = fmt == 2 ? 0x7FFFFFFFu : 0x7FFFu;
+    const uint32_t inf = fmt == 2 ? 0x7F800000u : fmt == 0 ? 0x7F80u : 0x7C00u;
+    const int mant = fmt == 2 ? 23 : fmt == 0 ? 7 : 10;
+    const size_t bins = fmt == 1 ? 32 : 256;
+    uint32_t c4[4 * 256];
+    int64_t m4[4 * 256];
+    memset(c4, 0, sizeof c4);
+    memset(m4, 0, sizeof m4);
+    for (size_t s = 0; s < n; s += BLOCK) {
+        size_t m = n - s < BLOCK ? n - s : BLOCK;
+        const char *x = (const char *)a + s * item, *y = (const char *)b + s * item;
+        if (memcmp(x, y, m * item) == 0) {
+            sc->a2 += sumsq_block(x, m, fmt);
+            continue;
+        }
+        uint32_t special = 0;
+        for (size_t i = 0; i < m; i++)
+            special |= (uint32_t)((elem(x, i, fmt) & mask) >= inf) |
+                       (uint32_t)((elem(y, i, fmt) & mask) >= inf);
+        if (special || m < BLOCK) {
+            double a2 = 0;
+            for (size_t i = 0; i < m; i++)
+                scale_slow(elem(x, i, fmt), elem(y, i, fmt), fmt, ec, em, sc, &a2);
+            sc->a2 += a2;
+            continue;
+        }
+        /* squares in float32 lanes per block (exact for 16-bit formats: 8 or 11
+           significant bits), summed in float64 per block */
+        float la[16], ld[16];
+        uint32_t lsc[16], ltz[16];
+        for (int k = 0; k < 16; k++) {
+            la[k] = ld[k] = 0.0f;
+            lsc[k] = ltz[k] = 0;
+        }
+        for (size_t i = 0; i < BLOCK; i += 16)
+            for (int k = 0; k < 16; k++) {
+                uint32_t ua = elem(x, i + k, fmt), ub = elem(y, i + k, fmt);
+                uint32_t ma = ua & mask, mb = ub & mask;
+                float va = fval(ua, fmt), vb = fval(ub, fmt);
+                float d = va - vb;
+                la[k] += va * va;
+                ld[k] += d * d;
+                lsc[k] += ((ua ^ ub) >> sbit) & (uint32_t)(ma != 0) & (uint32_t)(mb != 0);
+                ltz[k] += (uint32_t)(ma == 0) ^ (uint32_t)(mb == 0);
+            }
+        double ta = 0, td = 0;
+        for (int k = 0; k < 16; k++) {
+            ta += la[k];
+            td += ld[k];
+            sc->sc += lsc[k];
+            sc->tz += ltz[k];
+        }
+        sc->a2 += ta;
+        sc->d2 += td;
+        /* differing elements only, found without branches, then counted */
+        uint16_t idx[BLOCK];
+        size_t nd = 0;
+        for (size_t i = 0; i < BLOCK; i++) {
+            idx[nd] = (uint16_t)i;
+            nd += elem(x, i, fmt) != elem(y, i, fmt);
+        }
+        for (size_t j = 0; j < nd; j++) {
+            size_t i = idx[j];
+            uint32_t ua = elem(x, i, fmt), ub = elem(y, i, fmt);
+            uint32_t ma = ua & mask, mb = ub & mask;
+            int64_t sa = -(int64_t)(ua >> sbit), sb = -(int64_t)(ub >> sbit);
+            int64_t t = (((int64_t)ma ^ sa) - sa) - (((int64_t)mb ^ sb) - sb);
+            int64_t tm = t >> 63;
+            int64_t v = (t ^ tm) - tm; /* branch-free: signs are random */
+            uint32_t lo = ma ^ ((ma ^ mb) & -(uint32_t)(mb < ma));
+            size_t e = (lo >> mant) + (j & 3) * bins;
+            c4[e] += 1;
+            if (v > m4[e]) m4[e] = v; /* rarely true once a few blocks are seen */
+        }
+    }
+    for (size_t k = 0; k < bins; k++)
+        for (int j = 0; j < 4; j++) {
+            ec[k] += c4[j * bins + k];
+            if (m4[j * bins + k] > em[k]) em[k] = m4[j * bins + k];
+        }
+}
+
+MULTIVERSION
+static void scale_bf16(const void *a, const void *b, size_t n, int64_t *ec, int64_t *em,
+                       Scale *sc) {
+    scale_run(a, b, n, 0, ec, em, sc);
+}
+
+MULTIVERSION
+static void scale_f16(const void *a, const void *b, size_t n, int64_t *ec, int64_t *em,
+                      Scale *sc) {
+    scale_run(a, b, n, 1, ec, em, sc);
+}
+
+MULTIVERSION
+static void scale_f32(const void *a, const void *b, size_t n, int64_t *ec, int64_t *em,
+                      Scale *sc) {
+    scale_run(a, b, n, 2, ec, em, sc);
+}
+
+static PyObject *scale(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer ba, bb, bc, bm;
+    int fmt;
+    if (!PyArg_ParseTuple(args, "y*y*iw*w*", &ba, &bb, &fmt, &bc, &bm)) return NULL;
+    PyObject *res = NULL;
+    size_t item = fmt == 2 ? 4 : 2;
+    size_t bins = fmt == 1 ? 32 : 256;
+    if (fmt < 0 || fmt > 2) {
+        PyErr_SetString(PyExc_ValueError, "fmt must be 0 (bf16), 1 (f16) or 2 (f32)");
+        goto done;
+    }
+    if (ba.len != bb.len || ba.len % (Py_ssize_t)item) {
+        PyErr_SetString(PyExc_ValueError, "a and b must hold the same whole number of elements");
+        goto done;
+    }
+    if ((size_t)bc.len != bins * 8 || (size_t)bm.len != bins * 8) {
+        PyErr_SetString(PyExc_ValueError, "ecount and emax must be int64 buffers, one per binade");
+        goto done;
+    }
+    Scale st = {0.0, 0.0, 0, 0};
+    size_t n = (size_t)ba.len / item;
+    if (n > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "pieces are limited to 2**32 - 1 elements");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (fmt == 0)
+        scale_bf16(ba.buf, bb.buf, n, (int64_t *)bc.buf, (int64_t *)bm.buf, &st);
+    else if (fmt == 1)
+        scale_f16(ba.buf, bb.buf, n, (int64_t *)bc.buf, (int64_t *)bm.buf, &st);
+    else
+        scale_f32(ba.buf, bb.buf, n, (int64_t *)bc.buf, (int64_t *)bm.buf, &st);
+    Py_END_ALLOW_THREADS
+    res = Py_BuildValue("ddLL", st.a2, st.d2, (long long)st.sc, (long long)st.tz);
+done:
+    PyBuffer_Release(&ba);
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&bc);
+    PyBuffer_Release(&bm);
+    return res;
+}
+
 static PyObject *accumulate(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer ba, bb, bh;
     int fmt;
@@ -343,6 +570,10 @@ static PyMethodDef methods[] = {
      "accumulate(a, b, fmt, hist) -> (differing, nan_mismatch, max_ulp, ulp_sum, max_abs)\n\n"
      "Ulp distances of two pieces of storage bits (fmt 0 bf16, 1 f16, 2 f32) counted into\n"
      "hist (int64, max_bin + 2 counters, the last for larger distances)."},
+    {"scale", scale, METH_VARARGS,
+     "scale(a, b, fmt, ecount, emax) -> (sumsq_a, sumsq_d, sign_changes, to_zero)\n\n"
+     "Scale statistics of two pieces (see lorakit.inspect.ulp_scale): ecount / emax get\n"
+     "differing elements and their largest ulp distance per binade of min(|a|, |b|)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ulpkernel",

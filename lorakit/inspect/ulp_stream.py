@@ -28,7 +28,7 @@ from ..errors import FormatError
 from ..io.safetensors import FLOAT_CODES, TensorInfo
 from ..io.source import TensorSource, open_source, weight_f64
 from .ulp_accumulate import (CHUNK_BYTES, DEFAULT_MAX_BIN, Accumulator, Scratch, TensorDiff,
-                             bits_dtype, pieces_in_memory)
+                             bits_dtype, pieces_in_memory, scale_kernel)
 
 __all__ = ["compare_sources"]
 
@@ -167,10 +167,11 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     readers: List[_Reader] = []
     local = _Local(chunk, readers)
     pool = ThreadPoolExecutor(threads) if threads > 1 else None
-    pending: Deque[Tuple[Accumulator, Any, int]] = deque()
+    pending: Deque[Tuple[Accumulator, Any, int, int]] = deque()
+    equal_at: Dict[int, List[Tuple[int, int]]] = {}  # id(acc) -> pieces equal by memcmp
     window = 4 * threads  # pieces in flight: bounds memory, keeps every thread busy
     out: List[TensorDiff] = []
-    finish: List[Tuple[Accumulator, TensorDiff]] = []
+    finish: List[Tuple[Accumulator, TensorDiff, Optional[TensorInfo]]] = []
     streamed = [n for n in order if n in sb.tensors and sb.tensors[n].dtype == sa.tensors[n].dtype
                 and tuple(sb.tensors[n].shape) == tuple(sa.tensors[n].shape)]
     bar = progress_bar(progress, sum(sa.tensors[n].nbytes for n in streamed),
@@ -178,8 +179,11 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
 
     def drain(limit: int) -> None:
         while len(pending) > limit:
-            acc, fut, nbytes = pending.popleft()
-            acc.merge(fut.result() if pool is not None else fut)
+            acc, fut, nbytes, off = pending.popleft()
+            part = fut.result() if pool is not None else fut
+            acc.merge(part)
+            if isinstance(part, int):
+                equal_at.setdefault(id(acc), []).append((off, nbytes))
             bar.update(nbytes)
 
     prefetched: set = set()
@@ -201,8 +205,8 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                     td.status = "dtype mismatch"
             else:
                 acc = Accumulator(ma.dtype, max_bin)
-                finish.append((acc, td))
                 ia, ib = sa.file_info(name), sb.file_info(name)
+                finish.append((acc, td, ia))
                 if ia is None or ib is None:  # in memory already: compare in place
                     storage = bits_dtype(ma.dtype)
                     acc.work = local.work
@@ -224,13 +228,19 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                     n = min(chunk, ia.nbytes - off)
                     if pool is None:
                         pending.append((acc, _file_piece(local, ia, ib, off, n, ma.dtype,
-                                                         max_bin), n))
+                                                         max_bin), n, off))
                     else:
                         pending.append((acc, pool.submit(_file_piece, local, ia, ib, off, n,
-                                                         ma.dtype, max_bin), n))
+                                                         ma.dtype, max_bin), n, off))
                     drain(window)
         drain(0)
-        for acc, td in finish:
+        for acc, td, ia in finish:
+            if acc.differing and ia is not None:  # rms(A) needs the pieces memcmp skipped
+                for off, n in equal_at.get(id(acc), ()):
+                    local.ra.read(ia, off, n)
+                    acc.scale.add_a(np.frombuffer(local.ra.buf, bits_dtype(ia.dtype),
+                                                  count=n // bits_dtype(ia.dtype).itemsize),
+                                    scale_kernel())
             acc.result(td)
         for name, mb in sb.tensors.items():
             if name not in sa.tensors and (wanted is None or name in wanted):
