@@ -28,7 +28,7 @@ from . import plots
 from ..io.source import open_source
 from .report import Report
 from .ulp_accumulate import DEFAULT_MAX_BIN, TensorDiff, bin_labels
-from .ulp_report import UlpReport, ulp_report
+from .ulp_report import UlpReport, scale_row, scale_summary, ulp_report
 from .ulp_stream import compare_sources
 
 __all__ = ["ParityReport", "parity", "ulp_compare"]
@@ -114,7 +114,8 @@ def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
             "dtype": d.dtype_a if d.dtype_a == d.dtype_b else f"{d.dtype_a} vs {d.dtype_b}",
             "shape": shape_s, "elements": d.elements, "differing": d.differing,
             "frac": d.differing / d.elements if d.elements else None,
-            "max_ulp": d.max_ulp, "max_abs": d.max_abs, "nan_mismatch": d.nan_mismatch,
+            **scale_row(d), "max_ulp": d.max_ulp, "max_abs": d.max_abs,
+            "nan_mismatch": d.nan_mismatch,
         })
         if d.status != "equal":
             flagged.append(i)
@@ -129,6 +130,7 @@ def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     summary: Dict[str, Any] = {
         "A": str(sa.path or sa.label), "B": str(sb.path or sb.label),
         "identical": identical,
+        **scale_summary(diffs),
         "tensors": len(diffs),
         "tensors differing": len(by_status.get("differs", [])),
         "elements compared": elements,
@@ -148,7 +150,8 @@ def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     verdict = "identical" if identical else f"{len(flagged)} of {len(diffs)} tensors differ"
     return ParityReport(title=f"parity {sa.label} vs {sb.label}: {verdict}", rows=rows,
                         columns=["tensor", "status", "dtype", "shape", "elements", "differing",
-                                 "frac", "max_ulp", "max_abs"],
+                                 "frac", "rel_err", "max_ulp_typ", "near_zero", "max_ulp",
+                                 "max_abs"],
                         summary=summary, flagged=flagged, identical=identical, labels=labels,
                         overall=overall, diffs=diffs, sources=(sa.label, sb.label))
 

@@ -26,7 +26,51 @@ from .report import Report
 from .ulp_accumulate import (CHUNK_BYTES, DEFAULT_MAX_BIN, Accumulator, TensorDiff, bin_labels,
                              bits_dtype, hist_text, pieces_in_memory)
 
-__all__ = ["UlpReport", "ulp_report", "ulp_tensors"]
+__all__ = ["UlpReport", "ulp_report", "ulp_tensors", "scale_row", "scale_summary"]
+
+
+def scale_row(d: TensorDiff) -> Dict[str, Any]:
+    """A diff's figures at the tensor's scale, for a report row (0 for an equal tensor):
+    ``rel_err`` = rms(a - b) / rms(A), ``max_ulp_typ`` = the largest ulp distance among
+    elements whose magnitudes are at least ``2**floor(log2 rms(A))``, ``near_zero`` =
+    differing elements below ``2**-10`` of that (zeros and subnormals included)."""
+    eq = d.status == "equal"
+    return {"rel_err": 0.0 if eq else d.rel_rms,
+            "max_ulp_typ": 0 if eq else d.max_ulp_typical,
+            "near_zero": 0 if eq else d.near_zero,
+            "sign_changes": 0 if eq else d.sign_changes,
+            "zero_one_side": 0 if eq else d.to_zero,
+            "max_ulp_at_rms": 0.0 if eq else d.max_ulp_at_rms,
+            "rms_a": d.rms_a}
+
+
+def scale_summary(diffs: Sequence[TensorDiff]) -> Dict[str, Any]:
+    """Summary lines that put the ulp distances at the tensors' scale (first: the
+    figure that matters for behaviour, the relative error), over the tensors that
+    differ with ulps measured. Empty when none does."""
+    ds = [d for d in diffs if d.differing and d.rel_rms is not None]
+    if not ds:
+        return {}
+    a2 = sum(d.rms_a ** 2 * d.elements for d in ds)
+    d2 = sum((d.rel_rms * d.rms_a) ** 2 * d.elements for d in ds)
+    typ = max(d.max_ulp_typical for d in ds)
+    at_rms = max((d.max_ulp_at_rms for d in ds if d.max_ulp_at_rms is not None), default=None)
+    near = sum(d.near_zero for d in ds)
+    signs, zeros = sum(d.sign_changes for d in ds), sum(d.to_zero for d in ds)
+    top = max(d.max_ulp for d in ds)
+    out: Dict[str, Any] = {
+        "relative error, rms(A - B) / rms(A)": (d2 / a2) ** 0.5,
+        "max |a - b| in ulps at rms(A)": at_rms,
+        "max ulp at typical magnitudes (|a|, |b| >= rms(A))": typ,
+        "differing near zero (< 2**-10 rms(A))": near,
+        "zero on one side": zeros,
+        "sign changes": signs,
+    }
+    if top > typ:
+        out["why max ulp is large"] = (
+            f"{top} ulp is a distance near zero, where the format's steps are tiny; at "
+            f"typical magnitudes the largest is {typ} ulp")
+    return out
 
 
 @dataclass(repr=False)
@@ -91,14 +135,15 @@ def ulp_report(title: str, diffs: Sequence[TensorDiff], labels: Sequence[str],
         rows.append({"tensor": d.name, "layer": layer, "kind": kind,
                      "dtype": d.dtype_a if d.dtype_a == d.dtype_b else
                      f"{d.dtype_a}/{d.dtype_b}", "status": d.status, "elements": d.elements,
-                     "differing": d.differing, "max_ulp": d.max_ulp, "mean_ulp": d.mean_ulp,
-                     "nan_mismatch": d.nan_mismatch,
+                     "differing": d.differing, **scale_row(d), "max_ulp": d.max_ulp,
+                     "mean_ulp": d.mean_ulp, "nan_mismatch": d.nan_mismatch,
                      "hist": hist_text(labels, d.counts)})
         if d.status != "equal":
             flagged.append(i)
     overall = counts.sum(axis=0)
     ulps = [d.max_ulp for d in diffs if d.max_ulp is not None]
     summary = dict(summary)
+    summary.update(scale_summary(diffs))
     summary.update({
         "tensors": len(diffs),
         "elements": int(sum(d.elements for d in diffs)),
@@ -107,8 +152,8 @@ def ulp_report(title: str, diffs: Sequence[TensorDiff], labels: Sequence[str],
         "histogram": hist_text(labels, overall, top=6),
     })
     return UlpReport(title=title, rows=rows, summary=summary, flagged=flagged,
-                     columns=["tensor", "dtype", "status", "elements", "differing", "max_ulp",
-                              "mean_ulp", "hist"],
+                     columns=["tensor", "dtype", "status", "elements", "differing", "rel_err",
+                              "max_ulp_typ", "near_zero", "max_ulp", "mean_ulp", "hist"],
                      labels=labels, counts=counts, overall=overall, per_layer=per_layer,
                      diffs=list(diffs))
 

@@ -190,7 +190,7 @@ class ScaleStats:
                    near_zero_below=2.0 ** (rms_exp + NEAR_ZERO_LOG2),
                    typical_from=2.0 ** rms_exp,
                    max_ulp_typical=int(self.emax[ta:].max()) if ta < self.emax.size else 0)
-        if max_abs is not None and math.isfinite(max_abs):
+        if max_abs is not None and not math.isnan(max_abs):  # inf against a number: inf
             out["max_rel"] = max_abs / rms
             out["max_ulp_at_rms"] = max_abs / ulp_at(rms, self.code)
         return out
