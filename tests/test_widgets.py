@@ -195,6 +195,12 @@ def test_ulp_explorer_views(fused, data):
     name = "model.layers.1.mlp.down_proj.weight"
     u.tensor.value = name
     assert u.view.value == "tensor" and name in u.facts.value
+    # the zero-crossing explanation: relative error first, large ulps by magnitude
+    assert "relative error" in u.summary.value and "near zero" in u.summary.value
+    assert "differing elements by magnitude" in u.facts.value and "rel_err" in u.facts.value
+    d = next(d for d in rep.diffs if d.name == name)
+    assert max(m for _, _, m in d.binades) == d.max_ulp
+    assert sum(c for _, c, _ in d.binades) == d.differing
     ax = u.figure.figure.axes[0]
     assert name in ax.get_title()
 

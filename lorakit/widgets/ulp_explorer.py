@@ -4,7 +4,9 @@ Pick A and B among checkpoints (for example the outputs of several fuses), or th
 exact float64 fuse as B; the widget calls :func:`lorakit.compare` (or
 :func:`lorakit.inspect.ulp_reference.ulp_vs_reference` for the exact fuse) and shows the
 report's histograms: overall, layers x bins, one layer, or one tensor, with the
-numbers behind them (max ulp, differing elements).
+numbers behind them (relative error, max ulp at typical magnitudes and overall,
+elements near zero, differing elements, and for a tensor its differing elements by
+magnitude: the large ulp distances sit near zero).
 
 >>> import lorakit
 >>> from lorakit.widgets import UlpExplorer
@@ -30,8 +32,10 @@ PathLike = Union[str, Path]
 #: the B choice meaning "the exact fuse of base + adapter, in float64"
 REFERENCE = "exact fuse (float64)"
 VIEWS = ("overall", "layers", "layer", "tensor")
-TENSOR_FACTS = ("status", "dtype", "elements", "differing", "max_ulp", "mean_ulp",
-                "nan_mismatch", "max_err", "mean_err", "not_nearest", "hist")
+TENSOR_FACTS = ("status", "dtype", "elements", "differing", "rel_err", "max_ulp_at_rms",
+                "max_ulp_typ", "near_zero", "zero_one_side", "sign_changes", "rms_a",
+                "max_ulp", "mean_ulp", "nan_mismatch", "max_err", "mean_err", "not_nearest",
+                "hist")
 
 
 class UlpExplorer(W.VBox):
@@ -183,8 +187,20 @@ class UlpExplorer(W.VBox):
             else:
                 fig = rep.plot(tensor=name)
             self.facts.value = f"<b>{name}</b>" + facts_html(
-                {k: row[k] for k in TENSOR_FACTS if k in row})
+                {k: row[k] for k in TENSOR_FACTS if k in row}) + _by_magnitude(rep, name)
         self.figure.show(fig)
+
+
+def _by_magnitude(rep: Report, name: str) -> str:
+    """The differing elements of one tensor by binade of min(|a|, |b|): how many, and
+    their largest ulp distance (large ones sit near zero, where steps are tiny)."""
+    d = next((d for d in getattr(rep, "diffs", []) if d.name == name), None)
+    if d is None or not d.binades:
+        return ""
+    rows = [{"|a|, |b| from": 0.0 if e is None else 2.0 ** e, "differing": c, "max_ulp": m}
+            for e, c, m in d.binades]
+    return ("<div class='lorakit-binades'><b>differing elements by magnitude</b>" +
+            rows_html(rows, ["|a|, |b| from", "differing", "max_ulp"]) + "</div>")
 
 
 def _layer_label(layer: Any) -> str:
