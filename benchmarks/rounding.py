@@ -18,6 +18,7 @@ import numpy as np
 
 from lorakit import numerics as nm
 from lorakit.fusion.core import ROUNDINGS, fuse_weight
+from lorakit.inspect.ulp_report import ulp_tensors
 
 BF16 = nm.float_format("BF16")
 
@@ -49,12 +50,19 @@ def main() -> None:
                 out, _ = fuse_weight(w, "BF16", A, B, scale, rounding=mode)
                 times.append(time.perf_counter() - t)
             err = nm.ulp_error_vs_reference(out, ref, BF16)
+            # the same difference at the weight's scale (lorakit.inspect.ulp_scale)
+            vs = ulp_tensors(correct, out, "bf16").diffs[0]
             results.append({
                 "delta_ulps": delta_ulps, "mode": mode,
                 "differ_from_correct": float((out != correct).mean()),
                 "over_half_ulp": float((err > 0.5).mean()),
                 "max_ulp_error": float(err.max()),
                 "ns_per_element": statistics.median(times) / w.size * 1e9,
+                "vs_correct": {"max_ulp": vs.max_ulp, "rel_err": vs.rel_rms or 0.0,
+                               "max_ulp_typical": vs.max_ulp_typical or 0,
+                               "near_zero": vs.near_zero or 0,
+                               "zero_one_side": vs.to_zero or 0,
+                               "sign_changes": vs.sign_changes or 0},
             })
     print("| delta (bf16 ulps, RMS) | mode | elements != correctly rounded | > 0.5 ulp | "
           "max error (ulp) | ns/element |")
@@ -63,9 +71,17 @@ def main() -> None:
         print(f"| {r['delta_ulps']} | {r['mode']} | {r['differ_from_correct']:.3e} | "
               f"{r['over_half_ulp']:.3e} | {r['max_ulp_error']:.3g} | "
               f"{r['ns_per_element']:.1f} |")
+    print("\nagainst the correctly rounded result, at the weight's scale:")
+    print("| delta | mode | max ulp | max ulp at typical magnitudes | rms(diff)/rms(W) |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        v = r["vs_correct"]
+        print(f"| {r['delta_ulps']} | {r['mode']} | {v['max_ulp']} | {v['max_ulp_typical']} | "
+              f"{v['rel_err']:.2e} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({"command": "python benchmarks/rounding.py --repeats 1 --json "
+                       "benchmarks/results/rounding.json", "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":
