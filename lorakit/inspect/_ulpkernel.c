@@ -313,17 +313,19 @@ static ALWAYS_INLINE uint32_t elem(const void *p, size_t i, const int fmt) {
 static ALWAYS_INLINE double sumsq_block(const void *a, size_t m, const int fmt) {
     const uint32_t mask = fmt == 2 ? 0x7FFFFFFFu : 0x7FFFu;
     const uint32_t inf = fmt == 2 ? 0x7F800000u : fmt == 0 ? 0x7F80u : 0x7C00u;
-    double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float lane[16];
     uint32_t special = 0;
     size_t i = 0;
-    for (; i + 8 <= m; i += 8)
-        for (int k = 0; k < 8; k++) {
+    for (int k = 0; k < 16; k++) lane[k] = 0.0f;
+    for (; i + 16 <= m; i += 16)
+        for (int k = 0; k < 16; k++) {
             uint32_t u = elem(a, i + k, fmt);
-            double v = (double)fval(u, fmt);
+            float v = fval(u, fmt);
             special |= (uint32_t)((u & mask) >= inf);
             lane[k] += v * v;
         }
-    double t = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    double t = 0;
+    for (int k = 0; k < 16; k++) t += lane[k];
     if (special) { /* an inf or NaN: the exact conversion */
         t = 0;
         i = 0;
@@ -373,8 +375,7 @@ static ALWAYS_INLINE void scale_run(const void *a, const void *b, size_t n, cons
     const uint32_t inf = fmt == 2 ? 0x7F800000u : fmt == 0 ? 0x7F80u : 0x7C00u;
     const int mant = fmt == 2 ? 23 : fmt == 0 ? 7 : 10;
     const size_t bins = fmt == 1 ? 32 : 256;
-    uint32_t c4[4 * 256];
-    int64_t m4[4 * 256];
+    uint32_t c4[4 * 257], m4[4 * 257];
     memset(c4, 0, sizeof c4);
     memset(m4, 0, sizeof m4);
     for (size_t s = 0; s < n; s += BLOCK) {
@@ -423,31 +424,31 @@ static ALWAYS_INLINE void scale_run(const void *a, const void *b, size_t n, cons
         }
         sc->a2 += ta;
         sc->d2 += td;
-        /* differing elements only, found without branches, then counted */
-        uint16_t idx[BLOCK];
-        size_t nd = 0;
+        /* binade of min(|a|, |b|) and ulp distance per element, branch-free (equal
+           elements go to an extra bin, `bins`, that is never read), then counted */
+        uint16_t eb[BLOCK];
+        uint32_t vv[BLOCK];
         for (size_t i = 0; i < BLOCK; i++) {
-            idx[nd] = (uint16_t)i;
-            nd += elem(x, i, fmt) != elem(y, i, fmt);
-        }
-        for (size_t j = 0; j < nd; j++) {
-            size_t i = idx[j];
             uint32_t ua = elem(x, i, fmt), ub = elem(y, i, fmt);
             uint32_t ma = ua & mask, mb = ub & mask;
             int64_t sa = -(int64_t)(ua >> sbit), sb = -(int64_t)(ub >> sbit);
             int64_t t = (((int64_t)ma ^ sa) - sa) - (((int64_t)mb ^ sb) - sb);
             int64_t tm = t >> 63;
-            int64_t v = (t ^ tm) - tm; /* branch-free: signs are random */
-            uint32_t lo = ma ^ ((ma ^ mb) & -(uint32_t)(mb < ma));
-            size_t e = (lo >> mant) + (j & 3) * bins;
+            uint32_t lo = ma < mb ? ma : mb;
+            uint32_t same = ua == ub;
+            vv[i] = (uint32_t)((t ^ tm) - tm); /* < 2**32: at most 2 * 0x7F800000 */
+            eb[i] = (uint16_t)(same ? bins : (lo >> mant));
+        }
+        for (size_t i = 0; i < BLOCK; i++) {
+            size_t e = eb[i] + (i & 3) * (bins + 1);
             c4[e] += 1;
-            if (v > m4[e]) m4[e] = v; /* rarely true once a few blocks are seen */
+            if (vv[i] > m4[e]) m4[e] = vv[i]; /* rarely true once a few blocks are seen */
         }
     }
     for (size_t k = 0; k < bins; k++)
         for (int j = 0; j < 4; j++) {
-            ec[k] += c4[j * bins + k];
-            if (m4[j * bins + k] > em[k]) em[k] = m4[j * bins + k];
+            ec[k] += c4[j * (bins + 1) + k];
+            if ((int64_t)m4[j * (bins + 1) + k] > em[k]) em[k] = m4[j * (bins + 1) + k];
         }
 }
 
