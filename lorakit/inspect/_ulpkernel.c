@@ -375,7 +375,7 @@ static ALWAYS_INLINE void scale_run(const void *a, const void *b, size_t n, cons
     const uint32_t inf = fmt == 2 ? 0x7F800000u : fmt == 0 ? 0x7F80u : 0x7C00u;
     const int mant = fmt == 2 ? 23 : fmt == 0 ? 7 : 10;
     const size_t bins = fmt == 1 ? 32 : 256;
-    uint32_t c4[4 * 257], m4[4 * 257];
+    uint32_t c4[8 * 257], m4[257];
     memset(c4, 0, sizeof c4);
     memset(m4, 0, sizeof m4);
     for (size_t s = 0; s < n; s += BLOCK) {
@@ -428,28 +428,39 @@ static ALWAYS_INLINE void scale_run(const void *a, const void *b, size_t n, cons
            elements go to an extra bin, `bins`, that is never read), then counted */
         uint16_t eb[BLOCK];
         uint32_t vv[BLOCK];
-        for (size_t i = 0; i < BLOCK; i++) {
-            uint32_t ua = elem(x, i, fmt), ub = elem(y, i, fmt);
-            uint32_t ma = ua & mask, mb = ub & mask;
-            int64_t sa = -(int64_t)(ua >> sbit), sb = -(int64_t)(ub >> sbit);
-            int64_t t = (((int64_t)ma ^ sa) - sa) - (((int64_t)mb ^ sb) - sb);
-            int64_t tm = t >> 63;
-            uint32_t lo = ma < mb ? ma : mb;
-            uint32_t same = ua == ub;
-            vv[i] = (uint32_t)((t ^ tm) - tm); /* < 2**32: at most 2 * 0x7F800000 */
-            eb[i] = (uint16_t)(same ? bins : (lo >> mant));
+        if (fmt == 2) {
+            for (size_t i = 0; i < BLOCK; i++) {
+                uint32_t ua = elem(x, i, fmt), ub = elem(y, i, fmt);
+                uint32_t ma = ua & mask, mb = ub & mask;
+                int64_t sa = -(int64_t)(ua >> sbit), sb = -(int64_t)(ub >> sbit);
+                int64_t t = (((int64_t)ma ^ sa) - sa) - (((int64_t)mb ^ sb) - sb);
+                int64_t tm = t >> 63;
+                uint32_t lo = ma < mb ? ma : mb;
+                vv[i] = (uint32_t)((t ^ tm) - tm); /* < 2**32: at most 2 * 0x7F800000 */
+                eb[i] = (uint16_t)(ua == ub ? bins : (lo >> mant));
+            }
+        } else { /* 16-bit: positions and distances fit int32, eight lanes per AVX2 op */
+            for (size_t i = 0; i < BLOCK; i++) {
+                uint32_t ua = elem(x, i, fmt), ub = elem(y, i, fmt);
+                int32_t ma = (int32_t)(ua & mask), mb = (int32_t)(ub & mask);
+                int32_t sa = -(int32_t)(ua >> sbit), sb = -(int32_t)(ub >> sbit);
+                int32_t t = ((ma ^ sa) - sa) - ((mb ^ sb) - sb);
+                int32_t tm = t >> 31;
+                int32_t lo = ma < mb ? ma : mb;
+                vv[i] = (uint32_t)((t ^ tm) - tm);
+                eb[i] = (uint16_t)(ua == ub ? (int32_t)bins : (lo >> mant));
+            }
         }
         for (size_t i = 0; i < BLOCK; i++) {
-            size_t e = eb[i] + (i & 3) * (bins + 1);
-            c4[e] += 1;
+            size_t e = eb[i];
+            c4[e + (i & 7) * (bins + 1)] += 1; /* eight copies: runs of one binade */
             if (vv[i] > m4[e]) m4[e] = vv[i]; /* rarely true once a few blocks are seen */
         }
     }
-    for (size_t k = 0; k < bins; k++)
-        for (int j = 0; j < 4; j++) {
-            ec[k] += c4[j * (bins + 1) + k];
-            if ((int64_t)m4[j * (bins + 1) + k] > em[k]) em[k] = m4[j * (bins + 1) + k];
-        }
+    for (size_t k = 0; k < bins; k++) {
+        for (int j = 0; j < 8; j++) ec[k] += c4[j * (bins + 1) + k];
+        if ((int64_t)m4[k] > em[k]) em[k] = m4[k];
+    }
 }
 
 MULTIVERSION
