@@ -23,6 +23,7 @@ from lorakit.inspect import ulp_accumulate as ua
 from lorakit.inspect.parity import parity
 from lorakit.inspect.ulp_accumulate import Accumulator, TensorDiff
 from lorakit.inspect.ulp_report import ulp_tensors
+from lorakit.inspect.ulp_scale import TensorScale, binades
 from lorakit.inspect.ulp_stream import compare_sources
 
 
@@ -80,9 +81,10 @@ def test_scale_figures_match_brute_force(code, kernel, monkeypatch):
         pytest.skip("C ulp kernel with scale() not built")
     monkeypatch.setattr(ua, "USE_KERNEL", kernel)
     x, y = _pair(code)
-    acc = Accumulator(code, 1023)
+    scale = TensorScale.of(x, code, ua.scale_kernel())
+    acc = Accumulator(code, 1023, scale=scale)
     for s in range(0, x.size, 7_000):  # several pieces, merged as the stream does
-        part = Accumulator(code, 1023)
+        part = Accumulator(code, 1023, scale=scale)
         part.add(x[s:s + 7_000], y[s:s + 7_000])
         acc.merge(part)
     td = acc.result(TensorDiff("t", "", code, code, x.shape, x.shape))
@@ -93,8 +95,12 @@ def test_scale_figures_match_brute_force(code, kernel, monkeypatch):
             assert got == pytest.approx(v, rel=1e-6), k
         else:
             assert got == v, k
-    assert sum(c for _, c, _ in td.binades) == td.differing
-    assert max(m for _, _, m in td.binades) == td.max_ulp
+    bins = binades(x, y, code)
+    assert sum(c for _, c, _ in bins) == td.differing
+    assert max(m for _, _, m in bins) == td.max_ulp
+    typ = math.frexp(want["rms_a"])[1] - 1
+    assert max((m for e, _, m in bins if e is not None and e >= typ), default=0) == \
+        td.max_ulp_typical
 
 
 def test_stream_counts_pieces_memcmp_skipped_into_rms(tmp_path):

@@ -284,16 +284,23 @@ static void run32(const uint32_t *a, const uint32_t *b, size_t n, uint32_t cap, 
     }
 }
 
-/* ---- scale statistics (lorakit.inspect.ulp_scale.ScaleStats, the same numbers) ----
- * scale(a, b, fmt, ecount, emax) -> (sumsq_a, sumsq_d, sign_changes, to_zero)
- * sumsq_a: sum of a*a over every element (float64); sumsq_d: sum of (a - b)**2 over
- * differing pairs of finite values; sign_changes: opposite signs, both non-zero;
- * to_zero: zero on one side only; ecount / emax (int64, one counter per binade):
- * differing elements and their largest ulp distance by the exponent field of
- * min(|a|, |b|). NaN on either side: left out of everything but sumsq_a. */
+/* ---- scale statistics (lorakit.inspect.ulp_scale.ScaleStats: the same numbers) ----
+ *
+ * sumsq(a, fmt) -> sum of a*a over the piece (float64 over blocks; float32 lanes within
+ *     a block of 256, exact squares for the 16-bit formats).
+ * scale(a, b, fmt, near_bits, typ_bits)
+ *     -> (sumsq_d, sign_changes, to_zero, near_zero, max_ulp_typical)
+ *     over the elements whose bits differ, NaN on either side left out: sum of
+ *     (a - b)**2 (inf left out too), opposite signs with both non-zero, zero on one
+ *     side only, min(|a|, |b|) below near_bits (magnitude bits), and the largest ulp
+ *     distance where min(|a|, |b|) >= typ_bits. The thresholds come from the tensor's
+ *     rms, known before its first differing piece is compared (ulp_scale.TensorScale).
+ * Each block of 256 elements: a memcmp, a check for inf / NaN, then one branch-free
+ * pass in sixteen lanes that the compiler vectorises (no scatter); a block holding an
+ * inf or NaN goes element by element. */
 typedef struct {
-    double a2, d2;
-    int64_t sc, tz;
+    double d2;
+    int64_t sc, tz, near, typ;
 } Scale;
 
 static inline double val32(uint32_t u, int fmt) {
@@ -309,185 +316,174 @@ static ALWAYS_INLINE uint32_t elem(const void *p, size_t i, const int fmt) {
     return fmt == 2 ? ((const uint32_t *)p)[i] : ((const uint16_t *)p)[i];
 }
 
-/* the sum of squares of a block of A: eight lanes, so that the compiler vectorises it */
-static ALWAYS_INLINE double sumsq_block(const void *a, size_t m, const int fmt) {
-    const uint32_t mask = fmt == 2 ? 0x7FFFFFFFu : 0x7FFFu;
-    const uint32_t inf = fmt == 2 ? 0x7F800000u : fmt == 0 ? 0x7F80u : 0x7C00u;
-    float lane[16];
-    uint32_t special = 0;
-    size_t i = 0;
-    for (int k = 0; k < 16; k++) lane[k] = 0.0f;
-    for (; i + 16 <= m; i += 16)
-        for (int k = 0; k < 16; k++) {
-            uint32_t u = elem(a, i + k, fmt);
-            float v = fval(u, fmt);
-            special |= (uint32_t)((u & mask) >= inf);
-            lane[k] += v * v;
+#define FMT_CONSTS(fmt)                                                                 \
+    const uint32_t sbit = fmt == 2 ? 31u : 15u;                                         \
+    const uint32_t mask = fmt == 2 ? 0x7FFFFFFFu : 0x7FFFu;                             \
+    const uint32_t inf = fmt == 2 ? 0x7F800000u : fmt == 0 ? 0x7F80u : 0x7C00u;        \
+    (void)sbit; (void)mask; (void)inf
+
+static ALWAYS_INLINE double sumsq_run(const void *a, size_t n, const int fmt) {
+    FMT_CONSTS(fmt);
+    double total = 0;
+    for (size_t s = 0; s < n; s += BLOCK) {
+        size_t m = n - s < BLOCK ? n - s : BLOCK;
+        const char *x = (const char *)a + s * (fmt == 2 ? 4 : 2);
+        float lane[16];
+        uint32_t special = 0;
+        size_t i = 0;
+        for (int k = 0; k < 16; k++) lane[k] = 0.0f;
+        for (; i + 16 <= m; i += 16)
+            for (int k = 0; k < 16; k++) {
+                uint32_t u = elem(x, i + k, fmt);
+                float v = fval(u, fmt);
+                special |= (uint32_t)((u & mask) >= inf);
+                lane[k] += v * v;
+            }
+        double t = 0;
+        for (int k = 0; k < 16; k++) t += lane[k];
+        if (special) { /* an inf or NaN: the exact conversion */
+            t = 0;
+            i = 0;
         }
-    double t = 0;
-    for (int k = 0; k < 16; k++) t += lane[k];
-    if (special) { /* an inf or NaN: the exact conversion */
-        t = 0;
-        i = 0;
+        for (; i < m; i++) {
+            double v = val32(elem(x, i, fmt), fmt);
+            t += v * v;
+        }
+        total += t;
     }
-    for (; i < m; i++) {
-        double v = val32(elem(a, i, fmt), fmt);
-        t += v * v;
-    }
-    return t;
+    return total;
 }
 
 /* one element, exact rules (a block holding an inf or NaN) */
-static ALWAYS_INLINE void scale_slow(uint32_t ua, uint32_t ub, const int fmt, int64_t *ec,
-                                     int64_t *em, Scale *sc, double *a2) {
-    const uint32_t sbit = fmt == 2 ? 31u : 15u;
-    const uint32_t mask = fmt == 2 ? 0x7FFFFFFFu : 0x7FFFu;
-    const uint32_t inf = fmt == 2 ? 0x7F800000u : fmt == 0 ? 0x7F80u : 0x7C00u;
-    const int mant = fmt == 2 ? 23 : fmt == 0 ? 7 : 10;
-    double va = val32(ua, fmt);
-    *a2 += va * va;
+static ALWAYS_INLINE void scale_slow(uint32_t ua, uint32_t ub, const int fmt, uint32_t nb,
+                                     uint32_t tb, Scale *sc) {
+    FMT_CONSTS(fmt);
     if (ua == ub) return;
     uint32_t ma = ua & mask, mb = ub & mask;
     if (ma > inf || mb > inf) return;
     int64_t pa = (ua >> sbit) ? -(int64_t)ma : (int64_t)ma;
     int64_t pb = (ub >> sbit) ? -(int64_t)mb : (int64_t)mb;
     int64_t v = pa > pb ? pa - pb : pb - pa;
+    uint32_t lo = ma < mb ? ma : mb;
     sc->sc += ((ua ^ ub) >> sbit) & (ma != 0) & (mb != 0);
     sc->tz += (ma == 0) != (mb == 0);
-    uint32_t e = (ma < mb ? ma : mb) >> mant;
-    ec[e]++;
-    if (v > em[e]) em[e] = v;
+    sc->near += lo < nb;
+    if (lo >= tb && v > sc->typ) sc->typ = v;
     if (ma < inf && mb < inf) {
-        double d = va - val32(ub, fmt);
+        double d = val32(ua, fmt) - val32(ub, fmt);
         sc->d2 += d * d;
     }
 }
 
-/* Blocks of BLOCK elements: equal bytes cost a sum of squares of A; otherwise a
-   branch-free pass in eight lanes (squares, differences, sign and zero counts: an
-   equal element adds zero to each) and a counting pass into four interleaved copies
-   of the binade counters (as count_block). */
 static ALWAYS_INLINE void scale_run(const void *a, const void *b, size_t n, const int fmt,
-                                    int64_t *ec, int64_t *em, Scale *sc) {
+                                    uint32_t nb, uint32_t tb, Scale *sc) {
+    FMT_CONSTS(fmt);
     const size_t item = fmt == 2 ? 4 : 2;
-    const uint32_t sbit = fmt == 2 ? 31u : 15u;
-    const uint32_t mask = fmt == 2 ? 0x7FFFFFFFu : 0x7FFFu;
-    const uint32_t inf = fmt == 2 ? 0x7F800000u : fmt == 0 ? 0x7F80u : 0x7C00u;
-    const int mant = fmt == 2 ? 23 : fmt == 0 ? 7 : 10;
-    const size_t bins = fmt == 1 ? 32 : 256;
-    uint32_t c4[8 * 257], m4[257];
-    memset(c4, 0, sizeof c4);
-    memset(m4, 0, sizeof m4);
     for (size_t s = 0; s < n; s += BLOCK) {
         size_t m = n - s < BLOCK ? n - s : BLOCK;
         const char *x = (const char *)a + s * item, *y = (const char *)b + s * item;
-        if (memcmp(x, y, m * item) == 0) {
-            sc->a2 += sumsq_block(x, m, fmt);
-            continue;
-        }
+        if (memcmp(x, y, m * item) == 0) continue;
         uint32_t special = 0;
         for (size_t i = 0; i < m; i++)
             special |= (uint32_t)((elem(x, i, fmt) & mask) >= inf) |
                        (uint32_t)((elem(y, i, fmt) & mask) >= inf);
         if (special || m < BLOCK) {
-            double a2 = 0;
             for (size_t i = 0; i < m; i++)
-                scale_slow(elem(x, i, fmt), elem(y, i, fmt), fmt, ec, em, sc, &a2);
-            sc->a2 += a2;
+                scale_slow(elem(x, i, fmt), elem(y, i, fmt), fmt, nb, tb, sc);
             continue;
         }
-        /* squares in float32 lanes per block (exact for 16-bit formats: 8 or 11
-           significant bits), summed in float64 per block */
-        float la[16], ld[16];
-        uint32_t lsc[16], ltz[16];
+        float ld[16];
+        uint32_t lsc[16], ltz[16], lnear[16], ltyp[16];
         for (int k = 0; k < 16; k++) {
-            la[k] = ld[k] = 0.0f;
-            lsc[k] = ltz[k] = 0;
+            ld[k] = 0.0f;
+            lsc[k] = ltz[k] = lnear[k] = ltyp[k] = 0;
         }
         for (size_t i = 0; i < BLOCK; i += 16)
             for (int k = 0; k < 16; k++) {
                 uint32_t ua = elem(x, i + k, fmt), ub = elem(y, i + k, fmt);
                 uint32_t ma = ua & mask, mb = ub & mask;
-                float va = fval(ua, fmt), vb = fval(ub, fmt);
-                float d = va - vb;
-                la[k] += va * va;
+                float d = fval(ua, fmt) - fval(ub, fmt);
+                uint32_t ne = (uint32_t)(ua != ub);
+                uint32_t lo = mb ^ ((ma ^ mb) & -(uint32_t)(ma < mb)); /* min, no branch */
+                /* distance |pos(a) - pos(b)| < 2**32: ma + mb across zero, else |ma - mb| */
+                uint32_t sg = (ua ^ ub) >> sbit;
+                int32_t t = (int32_t)ma - (int32_t)mb, tm = t >> 31;
+                uint32_t v = ((ma + mb) & -sg) | ((uint32_t)((t ^ tm) - tm) & (sg - 1u));
+                uint32_t vt = v & -(uint32_t)(lo >= tb);
+                uint32_t old = ltyp[k];
                 ld[k] += d * d;
-                lsc[k] += ((ua ^ ub) >> sbit) & (uint32_t)(ma != 0) & (uint32_t)(mb != 0);
+                lsc[k] += sg & (uint32_t)(ma != 0) & (uint32_t)(mb != 0);
                 ltz[k] += (uint32_t)(ma == 0) ^ (uint32_t)(mb == 0);
+                lnear[k] += ne & (uint32_t)(lo < nb);
+                ltyp[k] = old ^ ((old ^ vt) & -(uint32_t)(vt > old));
             }
-        double ta = 0, td = 0;
+        double td = 0;
         for (int k = 0; k < 16; k++) {
-            ta += la[k];
             td += ld[k];
             sc->sc += lsc[k];
             sc->tz += ltz[k];
+            sc->near += lnear[k];
+            if ((int64_t)ltyp[k] > sc->typ) sc->typ = ltyp[k];
         }
-        sc->a2 += ta;
         sc->d2 += td;
-        /* binade of min(|a|, |b|) and ulp distance per element, branch-free (equal
-           elements go to an extra bin, `bins`, that is never read), then counted */
-        uint16_t eb[BLOCK];
-        uint32_t vv[BLOCK];
-        if (fmt == 2) {
-            for (size_t i = 0; i < BLOCK; i++) {
-                uint32_t ua = elem(x, i, fmt), ub = elem(y, i, fmt);
-                uint32_t ma = ua & mask, mb = ub & mask;
-                int64_t sa = -(int64_t)(ua >> sbit), sb = -(int64_t)(ub >> sbit);
-                int64_t t = (((int64_t)ma ^ sa) - sa) - (((int64_t)mb ^ sb) - sb);
-                int64_t tm = t >> 63;
-                uint32_t lo = ma < mb ? ma : mb;
-                vv[i] = (uint32_t)((t ^ tm) - tm); /* < 2**32: at most 2 * 0x7F800000 */
-                eb[i] = (uint16_t)(ua == ub ? bins : (lo >> mant));
-            }
-        } else { /* 16-bit: positions and distances fit int32, eight lanes per AVX2 op */
-            for (size_t i = 0; i < BLOCK; i++) {
-                uint32_t ua = elem(x, i, fmt), ub = elem(y, i, fmt);
-                int32_t ma = (int32_t)(ua & mask), mb = (int32_t)(ub & mask);
-                int32_t sa = -(int32_t)(ua >> sbit), sb = -(int32_t)(ub >> sbit);
-                int32_t t = ((ma ^ sa) - sa) - ((mb ^ sb) - sb);
-                int32_t tm = t >> 31;
-                int32_t lo = ma < mb ? ma : mb;
-                vv[i] = (uint32_t)((t ^ tm) - tm);
-                eb[i] = (uint16_t)(ua == ub ? (int32_t)bins : (lo >> mant));
-            }
-        }
-        for (size_t i = 0; i < BLOCK; i++) {
-            size_t e = eb[i];
-            c4[e + (i & 7) * (bins + 1)] += 1; /* eight copies: runs of one binade */
-            if (vv[i] > m4[e]) m4[e] = vv[i]; /* rarely true once a few blocks are seen */
-        }
-    }
-    for (size_t k = 0; k < bins; k++) {
-        for (int j = 0; j < 8; j++) ec[k] += c4[j * (bins + 1) + k];
-        if ((int64_t)m4[k] > em[k]) em[k] = m4[k];
     }
 }
 
 MULTIVERSION
-static void scale_bf16(const void *a, const void *b, size_t n, int64_t *ec, int64_t *em,
+static void scale_bf16(const void *a, const void *b, size_t n, uint32_t nb, uint32_t tb,
                        Scale *sc) {
-    scale_run(a, b, n, 0, ec, em, sc);
+    scale_run(a, b, n, 0, nb, tb, sc);
 }
 
 MULTIVERSION
-static void scale_f16(const void *a, const void *b, size_t n, int64_t *ec, int64_t *em,
+static void scale_f16(const void *a, const void *b, size_t n, uint32_t nb, uint32_t tb,
                       Scale *sc) {
-    scale_run(a, b, n, 1, ec, em, sc);
+    scale_run(a, b, n, 1, nb, tb, sc);
 }
 
 MULTIVERSION
-static void scale_f32(const void *a, const void *b, size_t n, int64_t *ec, int64_t *em,
+static void scale_f32(const void *a, const void *b, size_t n, uint32_t nb, uint32_t tb,
                       Scale *sc) {
-    scale_run(a, b, n, 2, ec, em, sc);
+    scale_run(a, b, n, 2, nb, tb, sc);
+}
+
+MULTIVERSION
+static double sumsq_bf16(const void *a, size_t n) { return sumsq_run(a, n, 0); }
+
+MULTIVERSION
+static double sumsq_f16(const void *a, size_t n) { return sumsq_run(a, n, 1); }
+
+MULTIVERSION
+static double sumsq_f32(const void *a, size_t n) { return sumsq_run(a, n, 2); }
+
+static PyObject *sumsq(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer ba;
+    int fmt;
+    if (!PyArg_ParseTuple(args, "y*i", &ba, &fmt)) return NULL;
+    PyObject *res = NULL;
+    size_t item = fmt == 2 ? 4 : 2;
+    if (fmt < 0 || fmt > 2 || ba.len % (Py_ssize_t)item) {
+        PyErr_SetString(PyExc_ValueError, "fmt 0 (bf16), 1 (f16) or 2 (f32), whole elements");
+        goto done;
+    }
+    double t;
+    size_t n = (size_t)ba.len / item;
+    Py_BEGIN_ALLOW_THREADS
+    t = fmt == 0 ? sumsq_bf16(ba.buf, n) : fmt == 1 ? sumsq_f16(ba.buf, n) : sumsq_f32(ba.buf, n);
+    Py_END_ALLOW_THREADS
+    res = PyFloat_FromDouble(t);
+done:
+    PyBuffer_Release(&ba);
+    return res;
 }
 
 static PyObject *scale(PyObject *Py_UNUSED(self), PyObject *args) {
-    Py_buffer ba, bb, bc, bm;
+    Py_buffer ba, bb;
     int fmt;
-    if (!PyArg_ParseTuple(args, "y*y*iw*w*", &ba, &bb, &fmt, &bc, &bm)) return NULL;
+    unsigned long long nb, tb;
+    if (!PyArg_ParseTuple(args, "y*y*iKK", &ba, &bb, &fmt, &nb, &tb)) return NULL;
     PyObject *res = NULL;
     size_t item = fmt == 2 ? 4 : 2;
-    size_t bins = fmt == 1 ? 32 : 256;
     if (fmt < 0 || fmt > 2) {
         PyErr_SetString(PyExc_ValueError, "fmt must be 0 (bf16), 1 (f16) or 2 (f32)");
         goto done;
@@ -496,30 +492,23 @@ static PyObject *scale(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "a and b must hold the same whole number of elements");
         goto done;
     }
-    if ((size_t)bc.len != bins * 8 || (size_t)bm.len != bins * 8) {
-        PyErr_SetString(PyExc_ValueError, "ecount and emax must be int64 buffers, one per binade");
-        goto done;
-    }
-    Scale st = {0.0, 0.0, 0, 0};
+    Scale st = {0.0, 0, 0, 0, 0};
     size_t n = (size_t)ba.len / item;
-    if (n > UINT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "pieces are limited to 2**32 - 1 elements");
-        goto done;
-    }
+    uint32_t n32 = nb > UINT32_MAX ? UINT32_MAX : (uint32_t)nb;
+    uint32_t t32 = tb > UINT32_MAX ? UINT32_MAX : (uint32_t)tb;
     Py_BEGIN_ALLOW_THREADS
     if (fmt == 0)
-        scale_bf16(ba.buf, bb.buf, n, (int64_t *)bc.buf, (int64_t *)bm.buf, &st);
+        scale_bf16(ba.buf, bb.buf, n, n32, t32, &st);
     else if (fmt == 1)
-        scale_f16(ba.buf, bb.buf, n, (int64_t *)bc.buf, (int64_t *)bm.buf, &st);
+        scale_f16(ba.buf, bb.buf, n, n32, t32, &st);
     else
-        scale_f32(ba.buf, bb.buf, n, (int64_t *)bc.buf, (int64_t *)bm.buf, &st);
+        scale_f32(ba.buf, bb.buf, n, n32, t32, &st);
     Py_END_ALLOW_THREADS
-    res = Py_BuildValue("ddLL", st.a2, st.d2, (long long)st.sc, (long long)st.tz);
+    res = Py_BuildValue("dLLLL", st.d2, (long long)st.sc, (long long)st.tz,
+                        (long long)st.near, (long long)st.typ);
 done:
     PyBuffer_Release(&ba);
     PyBuffer_Release(&bb);
-    PyBuffer_Release(&bc);
-    PyBuffer_Release(&bm);
     return res;
 }
 
@@ -583,9 +572,10 @@ static PyMethodDef methods[] = {
      "Ulp distances of two pieces of storage bits (fmt 0 bf16, 1 f16, 2 f32) counted into\n"
      "hist (int64, max_bin + 2 counters, the last for larger distances)."},
     {"scale", scale, METH_VARARGS,
-     "scale(a, b, fmt, ecount, emax) -> (sumsq_a, sumsq_d, sign_changes, to_zero)\n\n"
-     "Scale statistics of two pieces (see lorakit.inspect.ulp_scale): ecount / emax get\n"
-     "differing elements and their largest ulp distance per binade of min(|a|, |b|)."},
+     "scale(a, b, fmt, near_bits, typ_bits)\n"
+     "    -> (sumsq_d, sign_changes, to_zero, near_zero, max_ulp_typical)\n\n"
+     "Scale statistics of two pieces' differing elements (lorakit.inspect.ulp_scale)."},
+    {"sumsq", sumsq, METH_VARARGS, "sumsq(a, fmt) -> sum of squares of a piece's values"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ulpkernel",

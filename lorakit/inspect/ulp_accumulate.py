@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import numerics as nm
 from ..io.safetensors import FLOAT_CODES, NUMPY_STORAGE
-from .ulp_scale import ScaleStats
+from .ulp_scale import ScaleStats, TensorScale
 
 __all__ = ["DEFAULT_MAX_BIN", "CHUNK_BYTES", "USE_KERNEL", "kernel_available", "bits_dtype",
            "TensorDiff", "Scratch", "Accumulator", "bin_labels", "hist_text",
@@ -52,8 +52,9 @@ USE_KERNEL = os.environ.get("LORAKIT_ULP_KERNEL", "1") != "0"
 
 
 def scale_kernel():
-    """The kernel when it has ``scale`` (an older build lacks it: numpy does that part)."""
-    return _kernel if USE_KERNEL and hasattr(_kernel, "scale") else None
+    """The kernel when it has ``scale`` / ``sumsq`` (an older build lacks them: numpy
+    does that part)."""
+    return _kernel if USE_KERNEL and hasattr(_kernel, "sumsq") else None
 
 
 def kernel_available() -> bool:
@@ -108,8 +109,8 @@ class TensorDiff:
     counts: Optional[np.ndarray] = None
     #: at the tensor's scale (lorakit.inspect.ulp_scale, fields SCALE_FIELDS): rms of A,
     #: rms(a - b) / rms(A), max |a - b| / rms(A) and in ulps at rms(A), sign changes,
-    #: elements zero on one side, differing elements near zero, the largest ulp distance
-    #: at typical magnitudes, and [exponent, count, max ulp] per binade
+    #: elements zero on one side, differing elements near zero and the largest ulp
+    #: distance at typical magnitudes
     rms_a: Optional[float] = None
     rel_rms: Optional[float] = None
     max_rel: Optional[float] = None
@@ -120,7 +121,6 @@ class TensorDiff:
     near_zero_below: Optional[float] = None
     typical_from: Optional[float] = None
     max_ulp_typical: Optional[int] = None
-    binades: Optional[List[List[Any]]] = None
 
     @property
     def mean_ulp(self) -> Optional[float]:
@@ -176,7 +176,8 @@ def _positions16(x: np.ndarray, out: np.ndarray, s: np.ndarray) -> np.ndarray:
 class Accumulator:
     """Accumulates one tensor's comparison over pieces of raw storage (as bits)."""
 
-    def __init__(self, code: str, max_bin: int, work: Optional[Scratch] = None) -> None:
+    def __init__(self, code: str, max_bin: int, work: Optional[Scratch] = None,
+                 scale: Optional[TensorScale] = None) -> None:
         self.code = code
         self.max_bin = max_bin
         self.ulps = code in _ULP16 or code == "F32"
@@ -189,7 +190,7 @@ class Accumulator:
         self.ulp_sum = 0
         self.max_abs = 0.0 if code in FLOAT_CODES else None
         self.work = work
-        self.scale = ScaleStats(code)
+        self.scale = ScaleStats(code, scale)  # figures at the tensor's scale
         if code in _ULP16:
             self._inf = nm.float_format(code).inf_bits
 
@@ -231,11 +232,17 @@ class Accumulator:
         self.raw[:c.size] += c
 
     def add(self, x: np.ndarray, y: np.ndarray) -> None:
+        before = self.differing
+        self._add(x, y)
+        if self.differing > before:  # only a differing piece needs the tensor's scale
+            native = x.dtype.isnative and y.dtype.isnative
+            self.scale.add(x, y, scale_kernel() if native else None)
+
+    def _add(self, x: np.ndarray, y: np.ndarray) -> None:
         n = x.size
         fmt = _KERNEL_FMT.get(self.code)
         fast = fmt is not None and _kernel is not None and USE_KERNEL and \
             x.dtype.isnative and y.dtype.isnative
-        self.scale.add(x, y, scale_kernel() if fast else None)
         if fast:
             # one pass in C: the same numbers as the numpy path below, 3-4x faster
             diff, nan, top, total, mabs = _kernel.accumulate(

@@ -24,7 +24,8 @@ from . import plots
 from .layers import split_name
 from .report import Report
 from .ulp_accumulate import (CHUNK_BYTES, DEFAULT_MAX_BIN, Accumulator, TensorDiff, bin_labels,
-                             bits_dtype, hist_text, pieces_in_memory)
+                             bits_dtype, hist_text, pieces_in_memory, scale_kernel)
+from .ulp_scale import TensorScale
 
 __all__ = ["UlpReport", "ulp_report", "ulp_tensors", "scale_row", "scale_summary"]
 
@@ -189,8 +190,8 @@ def ulp_tensors(a: Any, b: Any, fmt: Optional[str] = None, *, name: str = "tenso
     if ca != cb or xa.shape != xb.shape:
         raise FormatError("tensors differ in format or shape", tensor=name,
                           expected=f"{ca}{list(xa.shape)}", found=f"{cb}{list(xb.shape)}")
-    acc = Accumulator(ca, max_bin)
     st = bits_dtype(ca)
+    acc = Accumulator(ca, max_bin, scale=TensorScale.of(xa.view(st), ca, scale_kernel()))
     for x, y, _ in pieces_in_memory(xa.view(st), xb.view(st), CHUNK_BYTES // 2):
         acc.add(x, y)
     td = acc.result(TensorDiff(name, "", ca, cb, xa.shape, xb.shape))

@@ -1,55 +1,53 @@
 """What an ulp distance means at the tensor's scale: relative error, zero crossings.
 
 An ulp distance counts representable values between two numbers, so it is huge for
-values near zero: bf16 ``+1e-5`` against ``-0.00087`` is 14,949 steps apart although
-the two differ by less than a thousandth of a typical weight. :class:`ScaleStats`
-gathers, beside the exact ulp histogram of
-:class:`~lorakit.inspect.ulp_accumulate.Accumulator`, what puts a difference at the
-tensor's scale:
+values near zero: bf16 ``0`` against ``-0.00087`` is 14,949 steps apart although the
+two differ by less than a hundredth of a typical weight. Beside the exact ulp
+histogram of :class:`~lorakit.inspect.ulp_accumulate.Accumulator`,
+:class:`ScaleStats` gathers what puts a difference at the tensor's scale:
 
-- ``sumsq_a``: the sum of squares of A's values over the whole tensor (rms(A), "the
-  tensor's typical magnitude": A is the first source of a comparison);
-- ``sumsq_d``: the sum of ``(a - b)**2`` (so ``rel_rms = rms(a - b) / rms(A)``);
-- ``sign_changes``: elements where A and B have opposite signs, both non-zero, and
-  ``to_zero``: elements zero on one side only (together: the zero crossings);
-- per binade of ``min(|a|, |b|)`` (the exponent field of the smaller magnitude), the
-  count of differing elements and their largest ulp distance (``binades``: ``[exponent,
-  count, max ulp]``, exponent None for zeros and subnormals). With rms(A) known at the
-  end this gives the differing elements *near zero* (``near_zero``: ``min(|a|, |b|) <
-  near_zero_below = 2**(floor(log2 rms) + NEAR_ZERO_LOG2)``, zeros and subnormals
-  always) and the largest ulp
-  distance *at typical magnitudes* (``max_ulp_typical``: over elements with
-  ``min(|a|, |b|) >= typical_from = 2**floor(log2 rms)``), the figure to compare with
+- ``rms_a``: the rms of A's values over the whole tensor (A is the first source of a
+  comparison: "the tensor's typical magnitude"), and ``rel_rms = rms(a - b) / rms_a``;
+- ``sign_changes``: differing elements of opposite signs, both non-zero, and
+  ``to_zero``: zero on one side only (together: the zero crossings);
+- ``near_zero``: differing elements with ``min(|a|, |b|) < near_zero_below =
+  2**(floor(log2 rms_a) + NEAR_ZERO_LOG2)`` (zeros and subnormals always count);
+- ``max_ulp_typical``: the largest ulp distance among differing elements with
+  ``min(|a|, |b|) >= typical_from = 2**floor(log2 rms_a)``: the figure to set beside
   the rounding of a fuse (0.5 ulp, a few ulps for double rounding).
 
-Both ulp paths (C kernel and numpy) call the same code here, so their numbers agree.
+The thresholds need rms(A) before the first differing piece of a tensor is compared:
+:class:`TensorScale` computes it once, on demand (a tensor whose bytes are all equal
+never needs it), so that each piece then costs one branch-free pass (the C kernel's
+``scale``, or numpy: the same numbers up to the order of float sums).
+:func:`binades` lists one tensor's differing elements by magnitude, for a closer look.
 
->>> s = ScaleStats("BF16")
->>> a = np.array([0x3F80, 0x3F80, 0x3727], np.uint16)  # 1.0, 1.0, ~1e-5
->>> b = np.array([0x3F81, 0x3F80, 0xBA64], np.uint16)  # 1.0078125, 1.0, ~-0.00087
+>>> a = np.array([0x3F80, 0x3F80, 0x3727, 0x3F00], np.uint16)  # 1, 1, ~1e-5, 0.5
+>>> b = np.array([0x3F81, 0x3F80, 0xBA64, 0x3F00], np.uint16)  # 1.0078, 1, ~-0.00087, 0.5
+>>> s = ScaleStats("BF16", TensorScale.of(a, "BF16"))
 >>> s.add(a, b)
->>> r = s.finish(3, max_abs=float(0.00087 + 1e-5))
+>>> r = s.finish(4, max_abs=0.0078125)
 >>> r["sign_changes"], r["near_zero"], r["max_ulp_typical"]
 (1, 1, 1)
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .. import numerics as nm
 
-__all__ = ["NEAR_ZERO_LOG2", "SCALE_FIELDS", "ScaleStats", "ulp_at"]
+__all__ = ["NEAR_ZERO_LOG2", "SCALE_FIELDS", "ScaleStats", "TensorScale", "binades", "ulp_at"]
 
+#: differing elements whose smaller magnitude is below 2**NEAR_ZERO_LOG2 * rms(A)
+#: (rounded down to a power of two) are "near zero": their ulp distances say little
+NEAR_ZERO_LOG2 = -10
 #: what :meth:`ScaleStats.finish` returns (and TensorDiff carries)
 SCALE_FIELDS = ("rms_a", "rel_rms", "max_rel", "max_ulp_at_rms", "sign_changes", "to_zero",
-                "near_zero", "near_zero_below", "typical_from", "max_ulp_typical", "binades")
-
-#: elements whose smaller magnitude is below 2**NEAR_ZERO_LOG2 * rms(A) (rounded down to
-#: a power of two) are "near zero": their ulp distances say little about the error
-NEAR_ZERO_LOG2 = -10
+                "near_zero", "near_zero_below", "typical_from", "max_ulp_typical")
 _FLOAT = {"BF16", "F16", "F32"}
 _KERNEL_FMT = {"BF16": 0, "F16": 1, "F32": 2}
 
@@ -68,129 +66,161 @@ def ulp_at(value: float, code: str) -> float:
 
 
 def _values(x: np.ndarray, code: str) -> np.ndarray:
-    """Storage bits -> float32 values (bf16 by a shift; f16 through numpy)."""
-    if code == "BF16":
-        return (x.astype(np.uint32) << 16).view(np.float32)
-    if code == "F16":
-        with np.errstate(invalid="ignore"):
-            return x.view(np.float16).astype(np.float32)
-    return x.view(np.float32)
+    """Storage bits -> float64 values."""
+    with np.errstate(invalid="ignore"):
+        if code == "BF16":
+            return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        if code == "F16":
+            return x.view(np.float16).astype(np.float64)
+        return x.view(np.float32).astype(np.float64)
+
+
+def sumsq(x: np.ndarray, code: str, kernel: Any = None) -> float:
+    """Sum of squares of a piece's values (storage bits); inf or NaN give inf or NaN."""
+    if kernel is not None and hasattr(kernel, "sumsq"):
+        return kernel.sumsq(np.ascontiguousarray(x), _KERNEL_FMT[code])
+    v = _values(x, code)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.dot(v, v))
+
+
+def _thresholds(rms: float, code: str) -> Tuple[int, int, float, float]:
+    """(near_bits, typ_bits, near_zero_below, typical_from) for a tensor of this rms:
+    magnitude-bit thresholds at whole binades, zeros and subnormals always near zero."""
+    f = nm.float_format(code)
+    rms_exp = math.frexp(rms)[1] - 1  # floor(log2(rms))
+    nb = 1 << f.exponent_bits
+    tn = min(max(rms_exp + NEAR_ZERO_LOG2 + f.emax, 1), nb - 1)
+    tt = min(max(rms_exp + f.emax, 1), nb - 1)
+    return (tn << f.mantissa_bits, tt << f.mantissa_bits, 2.0 ** (tn - f.emax),
+            2.0 ** (tt - f.emax))
+
+
+class TensorScale:
+    """rms(A) of one tensor and the thresholds it sets, computed once on first use.
+
+    ``sumsq_fn`` returns the sum of squares of A's values over the whole tensor of
+    ``n`` elements. Shared by the pieces of a tensor (thread-safe)."""
+
+    def __init__(self, code: str, n: int, sumsq_fn: Callable[[], float]) -> None:
+        self.code, self.n, self._fn = code, n, sumsq_fn
+        self._lock = threading.Lock()
+        self._val: Optional[Tuple[float, Optional[Tuple[int, int, float, float]]]] = None
+
+    @classmethod
+    def of(cls, a_bits: np.ndarray, code: str, kernel: Any = None) -> "TensorScale":
+        """The scale of a tensor held in memory (its storage bits)."""
+        flat = a_bits.reshape(-1)
+        return cls(code, flat.size, lambda: sumsq(flat, code, kernel))
+
+    def get(self) -> Tuple[float, Optional[Tuple[int, int, float, float]]]:
+        """``(sumsq_a, thresholds or None)``: None when rms(A) is 0 or not finite."""
+        with self._lock:
+            if self._val is None:
+                s = float(self._fn())
+                ok = self.n > 0 and s > 0 and math.isfinite(s)
+                self._val = (s, _thresholds(math.sqrt(s / self.n), self.code) if ok else None)
+            return self._val
 
 
 class ScaleStats:
     """Scale statistics of one tensor's comparison (see the module docstring)."""
 
-    def __init__(self, code: str) -> None:
+    def __init__(self, code: str, tensor: Optional[TensorScale] = None) -> None:
         self.code = code
-        self.on = code in _FLOAT
-        self.sumsq_a = 0.0
-        self.covered = 0  # elements of A counted into sumsq_a
+        self.tensor = tensor
+        self.on = code in _FLOAT and tensor is not None
+        self.seen = False  # a differing piece was measured
         self.sumsq_d = 0.0
-        self.sign_changes = 0
-        self.to_zero = 0  # one side +-0, the other not
-        if self.on:
-            f = nm.float_format(code)
-            self._mb, self._sign, self._inf = f.mantissa_bits, f.bits - 1, f.inf_bits
-            self._bias = f.emax
-            nb = 1 << f.exponent_bits
-            self.ecount = np.zeros(nb, np.int64)
-            self.emax = np.zeros(nb, np.int64)
-
-    def add_a(self, x: np.ndarray, kernel: Any = None) -> None:
-        """Count A's values of a piece into rms(A) (a piece whose bytes are equal)."""
-        if not self.on or not x.size:
-            return
-        if kernel is not None:
-            self.sumsq_a += kernel.scale(x, x, _KERNEL_FMT[self.code], self.ecount,
-                                         self.emax)[0]
-            self.covered += x.size
-            return
-        with np.errstate(invalid="ignore"):
-            v = _values(x, self.code).astype(np.float64)
-        with np.errstate(over="ignore", invalid="ignore"):
-            s = float(np.dot(v, v))  # inf or NaN in A: no rms (finish says None)
-        self.sumsq_a += s
-        self.covered += x.size
+        self.sign_changes = self.to_zero = self.near_zero = self.max_ulp_typical = 0
 
     def add(self, x: np.ndarray, y: np.ndarray, kernel: Any = None) -> None:
-        """One piece of both tensors (storage bits): rms(A) and the differing elements.
+        """One piece of both tensors (storage bits). ``kernel``: the C ulp kernel (its
+        ``scale``), or None for numpy."""
+        if not self.on or x.size == 0:
+            return
+        _, th = self.tensor.get()
+        if th is None:
+            return
+        self.seen = True
+        nb, tb = th[0], th[1]
+        if kernel is not None and hasattr(kernel, "sumsq"):
+            d2, sc, tz, near, typ = kernel.scale(np.ascontiguousarray(x),
+                                                 np.ascontiguousarray(y),
+                                                 _KERNEL_FMT[self.code], nb, tb)
+        else:
+            d2, sc, tz, near, typ = self._numpy(x, y, nb, tb)
+        self.sumsq_d += d2
+        self.sign_changes += sc
+        self.to_zero += tz
+        self.near_zero += near
+        self.max_ulp_typical = max(self.max_ulp_typical, typ)
 
-        ``kernel``: the C ulp kernel (its ``scale`` function, the same numbers up to
-        the order of float64 sums), or None for numpy."""
-        if not self.on:
-            return
-        if kernel is not None:
-            a2, d2, sc, tz = kernel.scale(np.ascontiguousarray(x), np.ascontiguousarray(y),
-                                          _KERNEL_FMT[self.code], self.ecount, self.emax)
-            self.sumsq_a += a2
-            self.sumsq_d += d2
-            self.sign_changes += sc
-            self.to_zero += tz
-            self.covered += x.size
-            return
-        self.add_a(x)
+    def _numpy(self, x: np.ndarray, y: np.ndarray, nb: int, tb: int):
+        f = nm.float_format(self.code)
         idx = np.flatnonzero(x != y)
-        if not idx.size:
-            return
         xa, yb = x.take(idx), y.take(idx)
-        wide = np.int64 if self.code == "F32" else np.int32
-        am = (xa & (xa.dtype.type((1 << self._sign) - 1))).astype(wide)
-        bm = (yb & (yb.dtype.type((1 << self._sign) - 1))).astype(wide)
-        sa, sb = (xa >> self._sign).astype(bool), (yb >> self._sign).astype(bool)
-        ok = (am <= self._inf) & (bm <= self._inf)  # NaN mismatches are counted elsewhere
-        if not ok.all():
-            am, bm, sa, sb, xa, yb = am[ok], bm[ok], sa[ok], sb[ok], xa[ok], yb[ok]
-        d = np.abs(np.where(sa, -am, am) - np.where(sb, -bm, bm))
+        am = (xa & xa.dtype.type(f.abs_mask)).astype(np.int64)
+        bm = (yb & yb.dtype.type(f.abs_mask)).astype(np.int64)
+        ok = (am <= f.inf_bits) & (bm <= f.inf_bits)  # NaN mismatches are counted elsewhere
+        am, bm, xa, yb = am[ok], bm[ok], xa[ok], yb[ok]
+        sa = (xa >> (f.bits - 1)).astype(bool)
+        sb = (yb >> (f.bits - 1)).astype(bool)
+        v = np.abs(np.where(sa, -am, am) - np.where(sb, -bm, bm))
+        lo = np.minimum(am, bm)
         za, zb = am == 0, bm == 0
-        self.sign_changes += int(np.count_nonzero((sa != sb) & ~za & ~zb))
-        self.to_zero += int(np.count_nonzero(za != zb))
-        e = np.minimum(am, bm) >> self._mb
-        self.ecount += np.bincount(e, minlength=self.ecount.size)
-        np.maximum.at(self.emax, e, d)
-        fin = (am < self._inf) & (bm < self._inf)
-        va = _values(xa, self.code).astype(np.float64)
-        vb = _values(yb, self.code).astype(np.float64)
-        diff = va - vb
-        if not fin.all():
-            diff = diff[fin]
-        self.sumsq_d += float(np.dot(diff, diff))
+        fin = (am < f.inf_bits) & (bm < f.inf_bits)
+        d = _values(xa[fin], self.code) - _values(yb[fin], self.code)
+        typ = v[lo >= tb]
+        return (float(np.dot(d, d)), int(np.count_nonzero((sa != sb) & ~za & ~zb)),
+                int(np.count_nonzero(za != zb)), int(np.count_nonzero(lo < nb)),
+                int(typ.max()) if typ.size else 0)
 
     def merge(self, o: "ScaleStats") -> None:
-        self.sumsq_a += o.sumsq_a
-        self.covered += o.covered
+        self.seen |= o.seen
         self.sumsq_d += o.sumsq_d
         self.sign_changes += o.sign_changes
         self.to_zero += o.to_zero
-        if self.on:
-            self.ecount += o.ecount
-            np.maximum(self.emax, o.emax, out=self.emax)
+        self.near_zero += o.near_zero
+        self.max_ulp_typical = max(self.max_ulp_typical, o.max_ulp_typical)
 
     def finish(self, n: int, max_abs: Optional[float]) -> Dict[str, Any]:
-        """The statistics of a tensor of ``n`` elements (``max_abs``: largest |a - b|).
-
-        ``rms_a`` is None unless every element of A was counted (see
-        :meth:`add_a`); then the figures relative to it are None too.
-        """
+        """The figures of a tensor of ``n`` elements (``max_abs``: largest |a - b|);
+        all None unless a differing piece was measured against a finite, non-zero
+        rms(A)."""
         out: Dict[str, Any] = dict.fromkeys(SCALE_FIELDS)
-        if not self.on or not n:
+        if not self.seen or not n:
             return out
-        out["sign_changes"], out["to_zero"] = self.sign_changes, self.to_zero
-        nz = np.flatnonzero(self.ecount)
-        out["binades"] = [[int(b) - self._bias if b else None, int(self.ecount[b]),
-                           int(self.emax[b])] for b in nz]
-        if self.covered != n or not self.sumsq_a > 0 or not math.isfinite(self.sumsq_a):
-            return out
-        rms = math.sqrt(self.sumsq_a / n)
-        rms_exp = math.frexp(rms)[1] - 1  # floor(log2(rms))
-        # zeros and subnormals (binade 0) are always near zero
-        tb = min(max(rms_exp + NEAR_ZERO_LOG2 + self._bias, 1), self.ecount.size)
-        ta = min(max(rms_exp + self._bias, 1), self.ecount.size)
+        s, th = self.tensor.get()
+        rms = math.sqrt(s / n)
         out.update(rms_a=rms, rel_rms=math.sqrt(self.sumsq_d / n) / rms,
-                   near_zero=int(self.ecount[:tb].sum()),
-                   near_zero_below=2.0 ** (rms_exp + NEAR_ZERO_LOG2),
-                   typical_from=2.0 ** rms_exp,
-                   max_ulp_typical=int(self.emax[ta:].max()) if ta < self.emax.size else 0)
+                   sign_changes=self.sign_changes, to_zero=self.to_zero,
+                   near_zero=self.near_zero, near_zero_below=th[2], typical_from=th[3],
+                   max_ulp_typical=self.max_ulp_typical)
         if max_abs is not None and not math.isnan(max_abs):  # inf against a number: inf
             out["max_rel"] = max_abs / rms
             out["max_ulp_at_rms"] = max_abs / ulp_at(rms, self.code)
         return out
+
+
+def binades(a: np.ndarray, b: np.ndarray, code: str) -> List[List[Any]]:
+    """One tensor's differing elements by binade of ``min(|a|, |b|)``: ``[[exponent,
+    count, max ulp], ...]`` (exponent None for zeros and subnormals; NaN left out).
+
+    >>> binades(np.array([0x3F80, 0x0000], np.uint16), np.array([0x3F81, 0x3727], np.uint16), "bf16")
+    [[None, 1, 14119], [0, 1, 1]]
+    """
+    f = nm.float_format(code)
+    x, y = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
+    ne = x != y
+    x, y = x[ne], y[ne]
+    am = (x & x.dtype.type(f.abs_mask)).astype(np.int64)
+    bm = (y & y.dtype.type(f.abs_mask)).astype(np.int64)
+    keep = (am <= f.inf_bits) & (bm <= f.inf_bits)  # NaN on either side: left out
+    d = nm.ulp_distance(x[keep], y[keep], f).astype(np.int64)
+    e = np.minimum(am[keep], bm[keep]) >> f.mantissa_bits
+    out = []
+    for k in np.unique(e):
+        sel = e == k
+        out.append([None if k == 0 else int(k) - f.emax, int(sel.sum()), int(d[sel].max())])
+    return out

@@ -29,6 +29,7 @@ from ..io.safetensors import FLOAT_CODES, TensorInfo
 from ..io.source import TensorSource, open_source, weight_f64
 from .ulp_accumulate import (CHUNK_BYTES, DEFAULT_MAX_BIN, Accumulator, Scratch, TensorDiff,
                              bits_dtype, pieces_in_memory, scale_kernel)
+from .ulp_scale import TensorScale, sumsq
 
 __all__ = ["compare_sources"]
 
@@ -88,7 +89,7 @@ class _Local(threading.local):
 
 
 def _file_piece(local: _Local, ia: TensorInfo, ib: TensorInfo, off: int, n: int, code: str,
-                max_bin: int) -> Union[int, Accumulator]:
+                max_bin: int, scale: Optional[TensorScale] = None) -> Union[int, Accumulator]:
     """Compare bytes [off, off + n) of two tensors: the element count when the bytes are
     equal (memcmp), else a partial :class:`Accumulator` of the piece."""
     ra, rb = local.ra, local.rb
@@ -100,7 +101,7 @@ def _file_piece(local: _Local, ia: TensorInfo, ib: TensorInfo, off: int, n: int,
     k = n // storage.itemsize
     if ra.buf == rb.buf:
         return k
-    acc = Accumulator(code, max_bin, local.work)
+    acc = Accumulator(code, max_bin, local.work, scale)
     acc.add(np.frombuffer(ra.buf, storage, count=k), np.frombuffer(rb.buf, storage, count=k))
     acc.work = None  # the scratch arrays stay with the thread
     return acc
@@ -131,6 +132,39 @@ def _compare_mixed(sa: TensorSource, sb: TensorSource, name_a: str, name_b: str,
                 max_abs = max(max_abs, m)
     td.max_abs = max_abs
     return td
+
+
+def _file_scale(info: TensorInfo, code: str, chunk: int, threads: int) -> TensorScale:
+    """rms(A) of a tensor on disk, read on first use (its first differing piece) by
+    ``threads`` readers of its own (the stream's threads wait for it; the pieces'
+    sums are added in order, so the result does not depend on the threads)."""
+    storage = bits_dtype(code)
+    local = threading.local()
+
+    def piece(off: int) -> float:
+        r = getattr(local, "r", None)
+        if r is None:
+            r = local.r = _Reader(chunk)
+            readers.append(r)
+        n = min(chunk, info.nbytes - off)
+        r.read(info, off, n)
+        return sumsq(np.frombuffer(r.buf, storage, count=n // storage.itemsize), code,
+                     scale_kernel())
+
+    readers: List[_Reader] = []
+
+    def total() -> float:
+        offs = range(0, info.nbytes, chunk)
+        try:
+            if threads > 1 and len(offs) > 1:
+                with ThreadPoolExecutor(threads) as pool:
+                    return math.fsum(pool.map(piece, offs))
+            return math.fsum(piece(off) for off in offs)
+        finally:
+            for r in readers:
+                r.close()
+
+    return TensorScale(code, info.nbytes // storage.itemsize, total)
 
 
 def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
@@ -167,11 +201,10 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     readers: List[_Reader] = []
     local = _Local(chunk, readers)
     pool = ThreadPoolExecutor(threads) if threads > 1 else None
-    pending: Deque[Tuple[Accumulator, Any, int, int]] = deque()
-    equal_at: Dict[int, List[Tuple[int, int]]] = {}  # id(acc) -> pieces equal by memcmp
+    pending: Deque[Tuple[Accumulator, Any, int]] = deque()
     window = 4 * threads  # pieces in flight: bounds memory, keeps every thread busy
     out: List[TensorDiff] = []
-    finish: List[Tuple[Accumulator, TensorDiff, Optional[TensorInfo]]] = []
+    finish: List[Tuple[Accumulator, TensorDiff]] = []
     streamed = [n for n in order if n in sb.tensors and sb.tensors[n].dtype == sa.tensors[n].dtype
                 and tuple(sb.tensors[n].shape) == tuple(sa.tensors[n].shape)]
     bar = progress_bar(progress, sum(sa.tensors[n].nbytes for n in streamed),
@@ -179,11 +212,8 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
 
     def drain(limit: int) -> None:
         while len(pending) > limit:
-            acc, fut, nbytes, off = pending.popleft()
-            part = fut.result() if pool is not None else fut
-            acc.merge(part)
-            if isinstance(part, int):
-                equal_at.setdefault(id(acc), []).append((off, nbytes))
+            acc, fut, nbytes = pending.popleft()
+            acc.merge(fut.result() if pool is not None else fut)
             bar.update(nbytes)
 
     prefetched: set = set()
@@ -204,19 +234,22 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                 else:
                     td.status = "dtype mismatch"
             else:
-                acc = Accumulator(ma.dtype, max_bin)
                 ia, ib = sa.file_info(name), sb.file_info(name)
-                finish.append((acc, td, ia))
                 if ia is None or ib is None:  # in memory already: compare in place
                     storage = bits_dtype(ma.dtype)
-                    acc.work = local.work
-                    for x, y, _ in pieces_in_memory(sa.read(name).view(storage),
-                                                  sb.read(name).view(storage),
+                    xa = sa.read(name).view(storage)
+                    acc = Accumulator(ma.dtype, max_bin, local.work,
+                                      TensorScale.of(xa, ma.dtype, scale_kernel()))
+                    finish.append((acc, td))
+                    for x, y, _ in pieces_in_memory(xa, sb.read(name).view(storage),
                                                   max(1, chunk // storage.itemsize)):
                         acc.add(x, y)
                         bar.update(x.nbytes)
                     acc.work = None
                     continue
+                scale = _file_scale(ia, ma.dtype, chunk, threads)
+                acc = Accumulator(ma.dtype, max_bin, None, scale)
+                finish.append((acc, td))
                 for nxt in order[i:i + 2]:  # this tensor and the next: disk runs ahead
                     if nxt not in prefetched and nxt in sb.tensors:
                         prefetched.add(nxt)
@@ -228,19 +261,13 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                     n = min(chunk, ia.nbytes - off)
                     if pool is None:
                         pending.append((acc, _file_piece(local, ia, ib, off, n, ma.dtype,
-                                                         max_bin), n, off))
+                                                         max_bin, scale), n))
                     else:
                         pending.append((acc, pool.submit(_file_piece, local, ia, ib, off, n,
-                                                         ma.dtype, max_bin), n, off))
+                                                         ma.dtype, max_bin, scale), n))
                     drain(window)
         drain(0)
-        for acc, td, ia in finish:
-            if acc.differing and ia is not None:  # rms(A) needs the pieces memcmp skipped
-                for off, n in equal_at.get(id(acc), ()):
-                    local.ra.read(ia, off, n)
-                    acc.scale.add_a(np.frombuffer(local.ra.buf, bits_dtype(ia.dtype),
-                                                  count=n // bits_dtype(ia.dtype).itemsize),
-                                    scale_kernel())
+        for acc, td in finish:
             acc.result(td)
         for name, mb in sb.tensors.items():
             if name not in sa.tensors and (wanted is None or name in wanted):

@@ -25,7 +25,10 @@ from ..inspect.plots import histogram_bars
 from ..inspect.report import Report
 from ..inspect.parity import ulp_compare
 from ..inspect.ulp_reference import ulp_vs_reference
+from ..inspect.ulp_accumulate import bits_dtype
 from ..inspect.ulp_report import UlpReport
+from ..inspect.ulp_scale import binades
+from ..io.source import open_source
 from ._base import ErrorBox, FigureView, facts_html, hook, rows_html, summary_html
 
 PathLike = Union[str, Path]
@@ -186,19 +189,26 @@ class UlpExplorer(W.VBox):
                                      title=f"ulp distances: {name}")
             else:
                 fig = rep.plot(tensor=name)
+            extra = ""
+            if isinstance(rep, UlpReport) and self.b.value != REFERENCE:
+                d = next((d for d in rep.diffs if d.name == name), None)
+                extra = _by_magnitude(self.checkpoints[self.a.value],
+                                      self.checkpoints[self.b.value], d)
             self.facts.value = f"<b>{name}</b>" + facts_html(
-                {k: row[k] for k in TENSOR_FACTS if k in row}) + _by_magnitude(rep, name)
+                {k: row[k] for k in TENSOR_FACTS if k in row}) + extra
         self.figure.show(fig)
 
 
-def _by_magnitude(rep: Report, name: str) -> str:
-    """The differing elements of one tensor by binade of min(|a|, |b|): how many, and
-    their largest ulp distance (large ones sit near zero, where steps are tiny)."""
-    d = next((d for d in getattr(rep, "diffs", []) if d.name == name), None)
-    if d is None or not d.binades:
+def _by_magnitude(a: Path, b: Path, d: Any) -> str:
+    """One tensor's differing elements by binade of min(|a|, |b|): how many, and their
+    largest ulp distance (the large ones sit near zero, where steps are tiny)."""
+    if d is None or not d.differing or d.counts is None:
         return ""
+    sa, sb = open_source(a), open_source(b)
+    st = bits_dtype(d.dtype_a)
     rows = [{"|a|, |b| from": 0.0 if e is None else 2.0 ** e, "differing": c, "max_ulp": m}
-            for e, c, m in d.binades]
+            for e, c, m in binades(sa.read(d.name).view(st), sb.read(d.name).view(st),
+                                   d.dtype_a)]
     return ("<div class='lorakit-binades'><b>differing elements by magnitude</b>" +
             rows_html(rows, ["|a|, |b| from", "differing", "max_ulp"]) + "</div>")
 
