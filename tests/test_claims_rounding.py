@@ -90,7 +90,7 @@ def test_readme_rounding_numbers_come_from_the_committed_benchmark(rounding_json
     fr = [r["differ_from_correct"] for r in ml]
     assert (m.group(1), m.group(2)) == (f"{100 * min(fr):.2f}", f"{100 * max(fr):.2f}")
     assert _num(m.group(3)) == round(max(r["max_ulp_error"] for r in ml))
-    m = _find(README, r"that is up to ([\d,]+) ulps, all of it near zero")
+    m = _find(README, r"that is up to ([\d,]+) ulps, at values near zero")
     assert _num(m.group(1)) == max(r["vs_correct"]["max_ulp"] for r in ml)
     m = _find(README, r"\(\|w\| >= its rms\) the two are at most (\d+) ulp apart, and "
                       r"rms\(difference\) / rms\(weight\) is (\d+(?:\.\d+)?(?:e[+-]\d+)?) to (\d+(?:\.\d+)?(?:e[+-]\d+)?)")
@@ -198,3 +198,19 @@ def test_notebook_ulp_and_quantization_claims():
 def test_diff_streams_in_1_mb_pieces():
     m = _find(README, r"streams both in (\d+) MB pieces")
     assert CHUNK_BYTES == int(m.group(1)) << 20
+
+
+def test_benchmarks_scale_cost_table_matches_its_json():
+    data = json.loads((ROOT / "benchmarks/results/ulp_scale_speed.json").read_text())
+    text = _flat((ROOT / "BENCHMARKS.md").read_text())
+    assert _flat(data["command"]).replace("python ", "") in text.replace("python ", "")
+    b = data["seconds_min"]
+    for case, ratio in (("6 of 8 tensors differ", data["ratio_differing"]),
+                        ("identical", data["ratio_identical"])):
+        key = "differing" if case != "identical" else "identical"
+        m = _find(text, rf"\| {case} \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|")
+        assert m.group(1) == f"{1e3 * b[f'{key}, on']:.1f}"
+        assert m.group(2) == f"{1e3 * b[f'{key}, off']:.1f}"
+        assert m.group(3) == f"{ratio:.2f}"
+    m = _find(text, r"of 2048 x 4096 \((\d+) MiB each\)")
+    assert int(m.group(1)) << 20 == data["bytes_per_side"]
