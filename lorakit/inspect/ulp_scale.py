@@ -65,23 +65,23 @@ def ulp_at(value: float, code: str) -> float:
     return 2.0 ** (max(e, f.emin) - f.mantissa_bits)
 
 
-def _values(x: np.ndarray, code: str) -> np.ndarray:
-    """Storage bits -> float64 values."""
+def _values32(x: np.ndarray, code: str) -> np.ndarray:
+    """Storage bits -> float32 values (exact for every format here)."""
     with np.errstate(invalid="ignore"):
         if code == "BF16":
-            return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+            return (x.astype(np.uint32) << 16).view(np.float32)
         if code == "F16":
-            return x.view(np.float16).astype(np.float64)
-        return x.view(np.float32).astype(np.float64)
+            return x.view(np.float16).astype(np.float32)
+        return x.view(np.float32)
 
 
 def sumsq(x: np.ndarray, code: str, kernel: Any = None) -> float:
     """Sum of squares of a piece's values (storage bits); inf or NaN give inf or NaN."""
     if kernel is not None and hasattr(kernel, "sumsq"):
         return kernel.sumsq(np.ascontiguousarray(x), _KERNEL_FMT[code])
-    v = _values(x, code)
+    v = _values32(x, code)
     with np.errstate(over="ignore", invalid="ignore"):
-        return float(np.dot(v, v))
+        return float(np.dot(v, v))  # float32 products, BLAS's blocked sums
 
 
 def _thresholds(rms: float, code: str) -> Tuple[int, int, float, float]:
@@ -160,21 +160,25 @@ class ScaleStats:
         f = nm.float_format(self.code)
         idx = np.flatnonzero(x != y)
         xa, yb = x.take(idx), y.take(idx)
-        am = (xa & xa.dtype.type(f.abs_mask)).astype(np.int64)
-        bm = (yb & yb.dtype.type(f.abs_mask)).astype(np.int64)
-        ok = (am <= f.inf_bits) & (bm <= f.inf_bits)  # NaN mismatches are counted elsewhere
-        am, bm, xa, yb = am[ok], bm[ok], xa[ok], yb[ok]
-        sa = (xa >> (f.bits - 1)).astype(bool)
-        sb = (yb >> (f.bits - 1)).astype(bool)
-        v = np.abs(np.where(sa, -am, am) - np.where(sb, -bm, bm))
+        mask = xa.dtype.type(f.abs_mask)
+        wide = np.int64 if f.bits == 32 else np.int32  # |pa - pb| fits: 2 * 0x7F80
+        am, bm = (xa & mask).astype(wide), (yb & mask).astype(wide)
+        if max(int(am.max()), int(bm.max())) > f.inf_bits:  # a NaN: left out (rare)
+            ok = (am <= f.inf_bits) & (bm <= f.inf_bits)
+            am, bm, xa, yb = am[ok], bm[ok], xa[ok], yb[ok]
+        sg = ((xa ^ yb) >> (f.bits - 1)).astype(bool)
+        v = np.where(sg, am + bm, np.abs(am - bm))
         lo = np.minimum(am, bm)
-        za, zb = am == 0, bm == 0
-        fin = (am < f.inf_bits) & (bm < f.inf_bits)
-        d = _values(xa[fin], self.code) - _values(yb[fin], self.code)
+        nz = (am != 0) & (bm != 0)
+        va, vb = _values32(xa, self.code), _values32(yb, self.code)
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = (va - vb).astype(np.float64)
+        if max(int(am.max(initial=0)), int(bm.max(initial=0))) >= f.inf_bits:
+            d = d[(am < f.inf_bits) & (bm < f.inf_bits)]
         typ = v[lo >= tb]
-        return (float(np.dot(d, d)), int(np.count_nonzero((sa != sb) & ~za & ~zb)),
-                int(np.count_nonzero(za != zb)), int(np.count_nonzero(lo < nb)),
-                int(typ.max()) if typ.size else 0)
+        return (float(np.dot(d, d)), int(np.count_nonzero(sg & nz)),
+                int(v.size - np.count_nonzero(nz) - np.count_nonzero((am == 0) & (bm == 0))),
+                int(np.count_nonzero(lo < nb)), int(typ.max()) if typ.size else 0)
 
     def merge(self, o: "ScaleStats") -> None:
         self.seen |= o.seen
