@@ -201,7 +201,7 @@ def test_quantized_fuse_reports_surviving_delta(tmp_path: Path) -> None:
     s_large = np.median([r.survived for r in r_large.requant])
     assert len(r_small.requant) == r_small.tensors_fused
     assert s_small < 0.5 < s_large  # a tiny delta is mostly erased by 4-bit codes
-    assert "surviving re-quantization" in str(r_small)
+    assert "delta survived" in str(r_small) and "codes changed" in str(r_small)
 
 
 # -- in memory -----------------------------------------------------------------------------

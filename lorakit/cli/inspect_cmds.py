@@ -85,8 +85,11 @@ def add(sub) -> None:
     p.set_defaults(run=_inspect, all=True)
 
     p = sub.add_parser("diff", help="parity of two checkpoints (exit 1 if they differ)",
-                       description="Compare two checkpoints tensor by tensor: elements "
-                       "differing, max ulp and abs difference, dtype/shape mismatches, "
+                       description="Compare two checkpoints tensor by tensor: first the "
+                       "relative error rms(A - B) / rms(A) and the largest ulp distance at "
+                       "typical magnitudes, then elements differing, near zero (where ulp "
+                       "distances are large but mean little), zero on one side and changing "
+                       "sign, max ulp and abs difference, dtype/shape mismatches, "
                        "tensors on one side only. With --adapter and --base, also each "
                        "side's ulp error against the exact float64 fuse.")
     p.add_argument("a", help="first checkpoint (directory or .safetensors file)")

@@ -69,8 +69,8 @@ def scale_summary(diffs: Sequence[TensorDiff]) -> Dict[str, Any]:
     }
     if top > typ:
         out["why max ulp is large"] = (
-            f"{top} ulp is a distance near zero, where the format's steps are tiny; at "
-            f"typical magnitudes the largest is {typ} ulp")
+            f"the {top} ulp are at small values, where the format's steps are tiny; at "
+            f"typical magnitudes (>= rms(A)) the largest distance is {typ} ulp")
     return out
 
 
