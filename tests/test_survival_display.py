@@ -66,6 +66,7 @@ def test_codes_changed_per_tensor_and_overall_match_the_files(fused):
     assert (overall < 0.5) == (name == "lora-4bit-weak")
 
 
+@pytest.mark.slow  # a merge check per adapter: about 2 s
 def test_delta_survived_matches_the_merge_check(fused):
     name, out, res = fused
     rep = lorakit.check(out, BASE, DATA / "adapters" / name)
