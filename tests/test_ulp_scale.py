@@ -160,3 +160,38 @@ def test_cli_diff_text_and_json_lead_with_the_relative_error(two_orders, capsys)
     assert s["max ulp at typical magnitudes (|a|, |b| >= rms(A))"] < 10 < s["max ulp"]
     row = next(r for r in data["rows"] if r["status"] == "differs")
     assert {"rel_err", "max_ulp_typ", "near_zero", "sign_changes", "zero_one_side"} <= set(row)
+
+
+@pytest.fixture(scope="module")
+def qwen3_paths(qwen3, qwen3_fused):
+    return qwen3["base"], qwen3["ad"], qwen3_fused["nearest"], qwen3_fused["mlx-lm"]
+
+
+def test_reference_error_leads_with_relative_error(qwen3_paths):
+    from lorakit.inspect.merge_check import intended_pieces
+    from lorakit.inspect.ulp_reference import ulp_vs_reference
+    from lorakit.io.adapter import load_adapter
+    from lorakit.io.naming import bind, bindings_by_tensor
+    from lorakit.io.source import open_source
+
+    base, ad, near, mlx = qwen3_paths
+    rn, rm = ulp_vs_reference(near, base, ad), ulp_vs_reference(mlx, base, ad)
+    key_typ = "max error at typical magnitudes (ulp, |T| >= rms(T))"
+    key_rel = "relative error, rms(F - T) / rms(T)"
+    assert rn.summary[key_typ] <= 0.5 and "why max error is large" not in rn.summary
+    assert rm.summary[key_typ] < 4 < rm.summary["max error (ulp)"]
+    assert "why max error is large" in rm.summary
+    assert rn.summary[key_rel] < rm.summary[key_rel]
+    keys = list(rm.summary)
+    assert keys.index(key_rel) < keys.index("max error (ulp)")
+    # brute force for one tensor: rms(F - T) / rms(T) from the exact pieces
+    sf, sb = open_source(mlx), open_source(base)
+    by = bindings_by_tensor(bind(load_adapter(ad), sb))
+    name = next(iter(by))
+    t2 = d2 = 0.0
+    for f, _, t in intended_pieces(sf, sb, name, by[name]):
+        fv = nm.to_float64(f, sf.tensors[name].dtype)
+        t2 += float((t * t).sum())
+        d2 += float(((fv - t) ** 2).sum())
+    row = next(r for r in rm.rows if r["tensor"] == name)
+    assert row["rel_err"] == pytest.approx(math.sqrt(d2 / t2), rel=1e-9)

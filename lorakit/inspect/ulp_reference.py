@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+import math
+
 import numpy as np
 
 from .. import numerics as nm
@@ -23,6 +25,7 @@ from ..io.source import open_source
 from .merge_check import intended_pieces
 from .report import Report
 from .ulp_accumulate import hist_text
+from .ulp_scale import NEAR_ZERO_LOG2
 
 __all__ = ["RefUlpReport", "ulp_vs_reference", "error_histogram", "error_labels"]
 
@@ -75,6 +78,71 @@ class RefUlpReport(Report):
     figure = plot
 
 
+class _RefScale:
+    """The error at the tensor's scale: rms(F - T) / rms(T), and per binade of |T|
+    the largest ulp error and the elements not correctly rounded, so that the error at
+    typical magnitudes (|T| >= 2**floor(log2 rms(T))) and near zero can be told apart
+    once rms(T) is known (see :mod:`lorakit.inspect.ulp_scale`)."""
+
+    _LO = -200  # binade index offset: exponents of float64 |T| clipped to [-200, 200)
+
+    def __init__(self) -> None:
+        self.t2 = self.d2 = 0.0
+        self.emax = np.zeros(400)
+        self.bad = np.zeros(400, np.int64)
+
+    def add(self, f: np.ndarray, t: np.ndarray, err: np.ndarray) -> None:
+        ok = np.isfinite(f) & np.isfinite(t) & ~np.isnan(err)
+        f, t, err = f[ok], t[ok], err[ok]
+        self.t2 += float(np.dot(t, t))
+        d = f - t
+        self.d2 += float(np.dot(d, d))
+        e = np.clip(np.frexp(np.abs(t))[1] - 1, self._LO, -self._LO - 1) - self._LO
+        np.maximum.at(self.emax, e, err)
+        self.bad += np.bincount(e[err > 0.5], minlength=self.emax.size)
+
+    def finish(self) -> Dict[str, Any]:
+        """Raw sums for the row (:func:`_finish_scale` turns them into figures)."""
+        if not self.t2 > 0:
+            return {}
+        return {"_t2": self.t2, "_d2": self.d2, "_emax": self.emax, "_bad": self.bad}
+
+
+def _finish_scale(row: Dict[str, Any]) -> None:
+    """Turn a row's raw scale sums into its figures (rms(T) needs the element count)."""
+    if "_t2" not in row:
+        row.setdefault("rel_err", None)
+        row.setdefault("max_err_typ", None)
+        row.setdefault("not_nearest_near_zero", None)
+        return
+    t2, d2, emax, bad = (row.pop(k) for k in ("_t2", "_d2", "_emax", "_bad"))
+    rms = math.sqrt(t2 / max(1, row["elements"]))
+    ta = math.frexp(rms)[1] - 1 - _RefScale._LO
+    tn = max(ta + NEAR_ZERO_LOG2, 0)
+    row.update(rel_err=math.sqrt(d2 / t2), max_err_typ=float(emax[max(ta, 0):].max()),
+               not_nearest_near_zero=int(bad[:tn].sum()), rms_t=rms, _t2=t2, _d2=d2)
+
+
+def _scale_summary(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
+    rows = [r for r in measured if r.get("_t2")]
+    if not rows:
+        return {}
+    t2, d2 = sum(r.pop("_t2") for r in rows), sum(r.pop("_d2") for r in rows)
+    typ = max(r["max_err_typ"] for r in rows)
+    top = max(r["max_err"] for r in rows)
+    out: Dict[str, Any] = {
+        "relative error, rms(F - T) / rms(T)": math.sqrt(d2 / t2),
+        "max error at typical magnitudes (ulp, |T| >= rms(T))": typ,
+        "not correctly rounded near zero (|T| < 2**-10 rms(T))":
+            sum(r["not_nearest_near_zero"] for r in rows),
+    }
+    if top > max(1.0, 2 * typ):  # the max is not what typical elements see
+        out["why max error is large"] = (
+            f"the {top:.4g} ulp are at small values of the exact result, where ulps are "
+            f"tiny; at typical magnitudes the largest error is {typ:.4g} ulp")
+    return out
+
+
 def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
     """Ulp error of each fused weight against the exact ``W + scale * B @ A`` (float64).
 
@@ -109,6 +177,7 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
         else:
             fmt = nm.float_format(meta.dtype)
             total, mx_err, bad = 0.0, 0.0, 0
+            sc = _RefScale()
             for raw_f, _, target in intended_pieces(sf, sb, tensor, binds):
                 err = nm.ulp_error_vs_reference(raw_f, target, fmt)
                 counts += error_histogram(err)
@@ -118,8 +187,11 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
                     total += float(finite.sum())
                 bad += int((err > 0.5).sum())
                 row["elements"] += err.size
+                sc.add(nm.to_float64(raw_f, fmt).reshape(-1), target.reshape(-1),
+                       err.reshape(-1))
             row.update(max_err=mx_err, mean_err=total / max(1, row["elements"]),
-                       not_nearest=bad, hist=hist_text(labels, counts))
+                       not_nearest=bad, hist=hist_text(labels, counts), **sc.finish())
+        _finish_scale(row)
         if row["status"] != "measured" or (row["not_nearest"] or 0) > 0:
             flagged.append(len(rows))
         rows.append(row)
@@ -131,6 +203,7 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
     summary = {
         "fused": str(sf.path or sf.label), "base": str(sb.path or sb.label),
         "adapter": str(ad.path), "tensors": len(rows), "elements": n,
+        **_scale_summary(measured),
         "max error (ulp)": max((r["max_err"] for r in measured), default=None),
         "mean error (ulp)": (sum(r["mean_err"] * r["elements"] for r in measured) / n)
         if n else None,
@@ -138,7 +211,7 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
         "histogram": hist_text(labels, overall, top=6),
     }
     return RefUlpReport(title=f"ulp error of {sf.label} vs exact fuse", rows=rows,
-                        columns=["tensor", "dtype", "status", "elements", "max_err", "mean_err",
-                                 "not_nearest", "hist"],
+                        columns=["tensor", "dtype", "status", "elements", "rel_err", "max_err_typ",
+                                 "max_err", "mean_err", "not_nearest", "hist"],
                         summary=summary, flagged=flagged, labels=labels, counts=counts_arr,
                         overall=overall)
