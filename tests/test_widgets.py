@@ -215,6 +215,7 @@ def test_ulp_explorer_reference_and_identity(fused, data):
     assert isinstance(u.report, RefUlpReport)
     assert list(u.view.options) == ["overall", "tensor"]
     assert u.report.summary["not correctly rounded"] == 0  # nearest is correctly rounded
+    assert "relative error, rms(F - T) / rms(T)" in u.summary.value
     u.a.value = "mlx-lm"
     u.button.click()
     assert u.report.summary["not correctly rounded"] > 0
