@@ -148,6 +148,11 @@ def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     if nan:
         summary["NaN mismatches"] = nan
     verdict = "identical" if identical else f"{len(flagged)} of {len(diffs)} tensors differ"
+    rel = summary.get("relative error, rms(A - B) / rms(A)")
+    if rel is not None:  # the figure that matters for behaviour leads the one-line verdict
+        verdict += (f", relative error {rel:.2g}, at most "
+                    f"{summary['max ulp at typical magnitudes (|a|, |b| >= rms(A))']} ulp at "
+                    "typical magnitudes")
     return ParityReport(title=f"parity {sa.label} vs {sb.label}: {verdict}", rows=rows,
                         columns=["tensor", "status", "dtype", "shape", "elements", "differing",
                                  "frac", "rel_err", "max_ulp_typ", "near_zero", "max_ulp",
