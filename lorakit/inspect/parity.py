@@ -2,7 +2,10 @@
 
 The question after a fuse is usually "does lorakit's output equal ``mlx_lm
 fuse``'s (or PEFT's, or yesterday's)?". :func:`parity` answers with one table:
-elements compared and differing, the largest ulp and absolute difference, per
+first what matters for behaviour, the relative error ``rms(A - B) / rms(A)`` and the
+largest ulp distance at typical magnitudes, then elements compared and differing,
+those near zero (where ulp distances are huge and mean little: see
+:mod:`lorakit.inspect.ulp_scale`), the largest ulp and absolute difference, per
 tensor and in total, plus every dtype or shape mismatch and every tensor present
 on one side only. It streams both checkpoints (see
 :func:`lorakit.inspect.ulp_stream.compare_sources`): memory stays bounded and
