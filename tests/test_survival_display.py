@@ -6,6 +6,7 @@ recomputed here from the files: codes unpacked with plain shifts (not
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -90,6 +91,12 @@ def test_cli_fuse_prints_survival(tmp_path, capsys):
     m = re.search(r"codes changed\s+([\d.]+)%", out)
     assert float(m.group(1)) == pytest.approx(100 * overall, abs=0.051)
     assert "delta survived" in out and "re-quantized tensors:" in out
+    code = main(["fuse", "--model", str(BASE), "--adapter-path",
+                 str(DATA / "adapters" / "lora-4bit"), "--save-path", str(tmp_path / "o"),
+                 "--quiet", "--force", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["survival"]["codes_changed"] == pytest.approx(overall)
+    assert len(data["requant"]) == 28 and all(r["codes"] > 0 for r in data["requant"])
 
 
 def test_float_fuse_shows_no_survival(tmp_path):

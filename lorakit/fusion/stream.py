@@ -70,6 +70,7 @@ class FuseResult:
     def to_dict(self) -> Dict[str, Any]:
         d = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
         d["requant"] = [r.__dict__ for r in self.requant]
+        d["survival"] = survival_overall(self.requant) if self.requant else None
         return d
 
     def _rows(self) -> List[Tuple[str, str]]:
