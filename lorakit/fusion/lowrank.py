@@ -9,6 +9,8 @@ Two ways to a truncated SVD of a delta:
   iterations re-orthonormalised by QR each time, then the exact SVD of the small
   projection. With an energy target the sketch doubles until the target is met
   (or the exact SVD takes over).
+* :func:`weighted_sum` / :func:`delta_gram`: adapters' deltas summed exactly
+  (concatenated factors) and the Gram matrix of their deltas (norms of any mix).
 * :func:`factor_svd` for a delta given as factors ``scale * B @ A``: QR of ``B`` and
   ``A^T``, SVD of the r x r core; the full delta is never formed.
 
@@ -23,15 +25,17 @@ holding a fraction of ``||D||_F^2``).
 """
 from __future__ import annotations
 
+import hashlib
 import math
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import LorakitError
+from ..io.adapter_base import Adapter, LoraTarget
 
 __all__ = ["EXACT_MAX", "OVERSAMPLE", "POWER_ITERS", "choose_rank", "matrix_svd",
-           "factor_svd", "split_factors"]
+           "factor_svd", "split_factors", "weighted_sum", "delta_gram"]
 
 #: largest min(out, in) for which the exact SVD is used
 EXACT_MAX = 1024
@@ -143,3 +147,69 @@ def split_factors(U: np.ndarray, S: np.ndarray, Vt: np.ndarray, k: int, scale: f
     B = (U[:, :k] * root) / float(scale)
     A = root[:, None] * Vt[:k]
     return A.astype(np.float32), B.astype(np.float32)
+
+
+def weighted_sum(adapters: Sequence[Adapter], weights: Sequence[float]) -> Adapter:
+    """The exact weighted sum of LoRA adapters' deltas, ``sum_i w_i s_i B_i A_i`` per
+    module, as one adapter with concatenated factors (rank = sum of the ranks of the
+    adapters touching the module, scale 1): nothing is truncated, no cross terms.
+
+    DoRA adapters and whole-tensor copies (``modules_to_save``) are refused: their
+    effect is not a sum of deltas.
+    """
+    if len(adapters) != len(weights) or not adapters:
+        raise LorakitError("one weight per adapter", expected=f"{len(adapters)} weights",
+                           found=f"{len(weights)}")
+    for ad in adapters:
+        if ad.is_dora or ad.replacements:
+            raise LorakitError("only LoRA deltas can be summed", file=ad.path,
+                               found="DoRA magnitudes" if ad.is_dora else "modules_to_save",
+                               expected="a LoRA adapter")
+    parts: Dict[str, List[LoraTarget]] = {}
+    scaled: Dict[str, List[np.ndarray]] = {}
+    for ad, w in zip(adapters, weights):
+        for t in ad.targets:
+            parts.setdefault(t.module, []).append(t)
+            scaled.setdefault(t.module, []).append(
+                (float(w) * t.scale * t.B.astype(np.float64)).astype(np.float32))
+    targets = []
+    for module, ts in parts.items():
+        kinds = {t.kind for t in ts}
+        if len(kinds) != 1:
+            raise LorakitError("a module is adapted as different layer kinds", tensor=module,
+                               found="/".join(sorted(kinds)), expected="one kind")
+        A = np.concatenate([t.A for t in ts], axis=-2)
+        B = np.concatenate(scaled[module], axis=-1)
+        targets.append(LoraTarget(module, ts[0].kind, A, B, 1.0,
+                                  names=tuple(n for t in ts for n in t.names)))
+    h = hashlib.sha256(repr([(a.sha256, float(w)) for a, w in zip(adapters, weights)]).encode())
+    first = adapters[0]
+    return Adapter(first.path, first.format, targets,
+                   {"weighted_sum": {str(a.path): float(w) for a, w in zip(adapters, weights)}},
+                   first.weights_file, "lora", _sha256=h.hexdigest())
+
+
+def delta_gram(adapters: Sequence[Adapter]) -> Dict[str, np.ndarray]:
+    """Per module, the n x n Gram matrix ``G[i, j] = <delta_i, delta_j>_F`` of n
+    adapters' deltas from their factors (``s_i s_j trace((B_i^T B_j)(A_j A_i^T))``, an
+    r x r product; zero where an adapter leaves the module alone). Any weighted sum's
+    norm is then ``sqrt(w^T G w)``, without forming a delta."""
+    n = len(adapters)
+    by_module: Dict[str, List[Optional[LoraTarget]]] = {}
+    for i, ad in enumerate(adapters):
+        for t in ad.targets:
+            by_module.setdefault(t.module, [None] * n)[i] = t
+    out: Dict[str, np.ndarray] = {}
+    for module, ts in by_module.items():
+        G = np.zeros((n, n))
+        for i, a in enumerate(ts):
+            for j, b in enumerate(ts[: i + 1]):
+                if a is None or b is None:
+                    continue
+                Ba, Bb = a.B.astype(np.float64), b.B.astype(np.float64)
+                Aa, Ab = a.A.astype(np.float64), b.A.astype(np.float64)
+                g = a.scale * b.scale * float(np.einsum(
+                    "...or,...os,...si,...ri->", Ba, Bb, Ab, Aa, optimize=True))
+                G[i, j] = G[j, i] = g
+        out[module] = G
+    return out
