@@ -38,7 +38,7 @@ __all__ = ["EXACT_MAX", "OVERSAMPLE", "POWER_ITERS", "choose_rank", "matrix_svd"
            "factor_svd", "split_factors", "weighted_sum", "delta_gram"]
 
 #: largest min(out, in) for which the exact SVD is used
-EXACT_MAX = 1024
+EXACT_MAX = 512
 #: extra sketch columns of the randomized SVD
 OVERSAMPLE = 16
 #: power iterations of the randomized SVD

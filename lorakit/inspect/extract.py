@@ -4,7 +4,7 @@ For every tensor the two checkpoints hold, streamed one at a time:
 
 * bit-identical tensors are untouched (compared as raw bytes, a slice at a time);
 * a changed 2-D linear weight gives ``D = T - W`` in float64 and its truncated SVD
-  (:mod:`lorakit.fusion.lowrank`: exact when ``min(out, in) <= 1024``, else randomized
+  (:mod:`lorakit.fusion.lowrank`: exact when ``min(out, in) <= 512``, else randomized
   with 16 oversampling columns and 2 power iterations), kept at ``rank`` or at the
   fewest singular values holding ``energy`` of ``||D||_F^2`` (per-module ranks);
 * any other changed tensor (embeddings, the head, norms, biases) is saved in full, as
@@ -110,7 +110,7 @@ def _full_diff(b: TensorSource, t: TensorSource, name: str) -> Dict[str, float]:
     changed, sq, same = 0, 0.0, True
     for rows in _row_chunks(shape):
         rb, rt = b.read(name, rows), t.read(name, rows)
-        if rb.tobytes() == rt.tobytes():
+        if np.array_equal(rb, rt):
             continue
         same = False
         d = weight_f64(t, name, rows) - weight_f64(b, name, rows)
@@ -202,19 +202,21 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
             if not _selected(module, modules):
                 skipped += 1
             elif _lowrank_candidate(name, info.shape):
-                W, T = weight_f64(b, name), weight_f64(t, name)
-                D = T - W
-                del W
-                if not D.any():
+                raw_b, raw_t = b.read(name), t.read(name)
+                if np.array_equal(raw_b, raw_t):
                     untouched += 1
                 else:
+                    W, T = weight_f64(b, name), weight_f64(t, name)
+                    D = T - W
+                    del W
                     row, A, B, S = _lowrank_row(name, D, T, t.tensors[name].dtype, rank, energy,
                                                 exact_max, seed)
                     rows.append(row)
                     spectra[row["module"]] = S
                     targets.append(LoraTarget(row["module"], "linear", A, B, 1.0,
                                               names=(name,)))
-                del D, T
+                    del D, T
+                del raw_b, raw_t
             else:
                 diff = _full_diff(b, t, name)
                 if diff["same"]:
