@@ -200,3 +200,59 @@ def test_compare_adapters_reads_the_results(rank8):
     small = resize(LORA, rank=2).adapter
     c2 = lorakit.compare_adapters(small, LORA)
     assert 0.5 < min(r["cosine"] for r in c2.rows) < 0.9999
+
+
+# -- saving and the command line ---------------------------------------------------------
+
+def test_saved_results_load_back_exactly(fused, tmp_path):
+    rep = extract(BASE, fused, energy=0.99, save_path=tmp_path / "ext", progress=False)
+    back = lorakit.load_adapter(tmp_path / "ext")
+    assert back.format == "peft" and len({t.rank for t in back.targets}) > 1
+    mem = {t.module: t for t in rep.adapter.targets}
+    for t in back.targets:
+        m = mem[t.module]
+        d_back = t.scale * (t.B.astype(np.float64) @ t.A.astype(np.float64))
+        d_mem = m.scale * (m.B.astype(np.float64) @ m.A.astype(np.float64))
+        assert np.array_equal(d_back, d_mem)
+    res = resize(LORA, rank=3, save_path=tmp_path / "r3", format="mlx-lm")
+    r3 = lorakit.load_adapter(res.saved)
+    assert r3.format == "mlx-lm" and {t.rank for t in r3.targets} == {3}
+    with pytest.raises(LorakitError, match="one rank"):
+        resize(LORA, energy=0.9, save_path=tmp_path / "bad", format="mlx-lm")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_cli_extract_and_resize(fused, tmp_path, capsys):
+    from lorakit.cli.main import main
+
+    code = main(["extract", "--base", str(BASE), "--tuned", str(fused), "--rank", "8",
+                 "--modules", "q_proj", "--save-path", str(tmp_path / "e"), "-q", "--json"])
+    assert code == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert out["summary"]["low-rank modules"] == 4
+    assert len(lorakit.load_adapter(tmp_path / "e").targets) == 4
+    assert main(["resize", str(LORA), "--energy", "0.9", "--save-path", str(tmp_path / "r")]) == 0
+    assert "resize: lora" in capsys.readouterr().out
+    assert main(["resize", str(LORA), "--rank", "2", "--save-path", str(tmp_path / "r")]) == 2
+    assert "exists" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # runs the README's adapter-algebra lines, twice (--force replaces)
+def test_readme_extract_and_resize_lines_run(tmp_path, monkeypatch):
+    import re
+
+    from lorakit.cli.main import main
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"```bash\n(lorakit extract .*?)```", text, re.S).group(1)
+    lines = [ln.split() for ln in block.splitlines() if ln.startswith("lorakit ")]
+    assert [ln[1] for ln in lines] == ["extract", "resize"]
+    (tmp_path / "data").symlink_to(DATA, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "scratch/fused", progress=False)
+    for _ in range(2):
+        for ln in lines:
+            assert main(ln[1:] + ["-q"] * (ln[1] == "extract")) == 0
+    assert lorakit.load_adapter("scratch/extracted").format == "peft"

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import importlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ from ..errors import FormatError, LorakitError
 from ..fusion.lowrank import (EXACT_MAX, OVERSAMPLE, POWER_ITERS, check_target, choose_rank,
                               matrix_svd, split_factors)
 from ..io.adapter_base import EMBEDDING_HINTS, Adapter, LoraTarget, Replacement
+from ..io.adapter_write import save_adapter
 from ..io.source import TensorSource, open_source, weight_f64
 from .report import Report
 
@@ -177,7 +177,8 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
             ``||T - W||_F^2`` (per-module ranks).
         modules: only modules matching these names or patterns (``q_proj``,
             ``self_attn.o_proj``, ``model.layers.1*``); default all.
-        save_path: also write the adapter there (``lorakit.io.adapter_write``).
+        save_path: also write the adapter there (``lorakit.io.adapter_write``, float32
+            factors, scale 1).
         format: ``"peft"`` (default: per-module ranks and full copies fit) or ``"mlx-lm"``.
         force: replace a previous lorakit output at ``save_path``.
         exact_max: largest ``min(out, in)`` that gets the exact SVD.
@@ -256,21 +257,16 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
                         summary=summary, flagged=flagged, adapter=adapter,
                         singular_values=spectra)
     if save_path is not None:
-        rep.saved = save_result(adapter, save_path, format=format, force=force)
+        rep.saved = save_result(adapter, save_path, format=format, force=force,
+                                provenance={"base": str(b.path), "tuned": str(t.path),
+                                            "target": summary["target"]})
         rep.summary["saved to"] = str(rep.saved)
     return rep
 
 
-def save_result(adapter: Adapter, path: Any, *, format: str, force: bool) -> Path:
-    """Write ``adapter`` with lorakit's adapter writer (``lorakit.io.adapter_write``,
-    looked up when called: it lands from the algebra branch)."""
-    try:
-        writer = importlib.import_module("lorakit.io.adapter_write")
-    except ModuleNotFoundError as e:
-        if e.name != "lorakit.io.adapter_write":
-            raise
-        raise LorakitError("saving an adapter needs lorakit.io.adapter_write, not in this "
-                           "install", file=path, hint="use the report's .adapter in memory"
-                           ) from None
-    out = writer.save_adapter(adapter, path, format=format, force=force)
-    return Path(out) if out is not None else Path(path)
+def save_result(adapter: Adapter, path: Any, *, format: str, force: bool,
+                verb: str = "extract", provenance: Optional[Dict[str, Any]] = None) -> Path:
+    """Write a computed adapter with lorakit's adapter writer, factors in float32 (the
+    precision they were computed to)."""
+    return save_adapter(adapter, path, format=format, force=force, dtype="F32", verb=verb,
+                        provenance=provenance)

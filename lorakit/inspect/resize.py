@@ -129,6 +129,8 @@ def resize(adapter: Any, *, rank: Optional[int] = None, energy: Optional[float] 
     rep = ResizeReport(f"resize: {ad.path.name}", rows, summary=summary, adapter=out,
                        singular_values=spectra)
     if save_path is not None:
-        rep.saved = save_result(out, save_path, format=format, force=force)
+        rep.saved = save_result(out, save_path, format=format, force=force, verb="resize",
+                                provenance={"source": str(ad.path),
+                                            "target": summary["target"]})
         rep.summary["saved to"] = str(rep.saved)
     return rep
