@@ -108,6 +108,7 @@ def test_within_flags_a_truncated_extraction_and_not_a_full_one(fused, rank8):
     assert len(low.flagged) == 28
 
 
+@pytest.mark.slow  # a few seconds: more extracts and fuses
 def test_randomized_svd_agrees_with_exact(fused, rank8):
     rnd = extract(BASE, fused, rank=8, exact_max=64, progress=False)
     assert {r["method"] for r in rnd.rows} == {"randomized"}
@@ -117,6 +118,7 @@ def test_randomized_svd_agrees_with_exact(fused, rank8):
         assert b["within"] == "yes"
 
 
+@pytest.mark.slow  # a few seconds: more extracts and fuses
 def test_energy_picks_per_module_ranks(fused):
     base, tuned = Checkpoint(BASE), Checkpoint(fused)
     rep = extract(BASE, fused, energy=0.95, progress=False)
@@ -129,6 +131,7 @@ def test_energy_picks_per_module_ranks(fused):
         assert row["rank"] == int(np.argmax(cum >= 0.95)) + 1
 
 
+@pytest.mark.slow  # a few seconds: more extracts and fuses
 def test_modules_filter_and_untouched(fused):
     rep = extract(BASE, fused, rank=8, modules=["q_proj"], progress=False)
     assert [r["module"].rsplit(".", 1)[-1] for r in rep.rows] == ["q_proj"] * 4
@@ -136,6 +139,7 @@ def test_modules_filter_and_untouched(fused):
     assert same.rows == [] and same.summary["untouched tensors"] == 46
 
 
+@pytest.mark.slow  # a few seconds: more extracts and fuses
 def test_embedding_changes_are_saved_in_full(tmp_path):
     fused = tmp_path / "fused-embed"
     lorakit.fuse(BASE, DATA / "adapters" / "lora-embed", fused, progress=False)
@@ -204,6 +208,7 @@ def test_compare_adapters_reads_the_results(rank8):
 
 # -- saving and the command line ---------------------------------------------------------
 
+@pytest.mark.slow  # a few seconds: more extracts and fuses
 def test_saved_results_load_back_exactly(fused, tmp_path):
     rep = extract(BASE, fused, energy=0.99, save_path=tmp_path / "ext", progress=False)
     back = lorakit.load_adapter(tmp_path / "ext")
@@ -222,6 +227,7 @@ def test_saved_results_load_back_exactly(fused, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow  # a few seconds: more extracts and fuses
 def test_cli_extract_and_resize(fused, tmp_path, capsys):
     from lorakit.cli.main import main
 
