@@ -81,7 +81,8 @@ def test_refusing_the_extracted_adapter_reproduces_the_fused_checkpoint(fused, r
     in the delta's row and column spaces, so where the fused value sat near a rounding
     boundary the re-fuse rounds the other way. On this 128-512 wide model that is 14% of
     the adapted elements (2.9% by more than one ulp of the value: values near zero);
-    on the 1.7B shape 6% (benchmarks/extract.py). Everything else is bit-identical."""
+    on the 1.7B shape 6.7%, 1.0% by more than one ulp (benchmarks/extract.py).
+    Everything else is bit-identical."""
     again = tmp_path / "again"
     lorakit.fuse(BASE, rank8.adapter, again, progress=False)
     a, b = Checkpoint(fused), Checkpoint(again)
