@@ -107,8 +107,9 @@ class AdapterMixer(W.VBox):
                                           button_style="primary"), "mixer-write")
         self.status = hook(W.HTML(""), "mixer-status")
         self.error = ErrorBox("mixer-error")
+        self._holding = False
         for s in self.sliders:
-            s.observe(lambda _c: self.refresh(), names="value")
+            s.observe(lambda _c: None if self._holding else self.refresh(), names="value")
         self.generate_button.on_click(lambda _b: self.generate())
         self.write_button.on_click(lambda _b: self.write())
         details = W.Accordion([self.table])
@@ -126,11 +127,12 @@ class AdapterMixer(W.VBox):
 
     def set_weights(self, weights: Sequence[float]) -> None:
         """Move the sliders (the live view follows once, at the end)."""
-        with self.hold_trait_notifications():
+        self._holding = True
+        try:
             for s, v in zip(self.sliders, weights):
-                s.unobserve_all("value")
                 s.value = float(v)
-                s.observe(lambda _c: self.refresh(), names="value")
+        finally:
+            self._holding = False
         self.refresh()
 
     def refresh(self) -> Dict[str, Any]:
