@@ -17,6 +17,8 @@ Jupyter, ipywidgets nor matplotlib; each verb loads what it needs when called.
 ``check``                 did the merge work? a fused checkpoint against base + adapter
 ``compare_generations``   greedy text of several models side by side
 ``time_decode``           decode speed and memory of base, fused and unfused variants
+``extract``               a LoRA from two checkpoints (tuned minus base), truncated SVD
+``resize``                an adapter at a lower rank, from its factors alone
 ========================  ===============================================================
 
 >>> import lorakit
@@ -47,6 +49,8 @@ _EXPORTS = {
     "check": ("lorakit.inspect.merge_check", "merge_check"),
     "compare_generations": ("lorakit.inspect.generation", "compare_generations"),
     "time_decode": ("lorakit.timing.decode", "time_decode"),
+    "extract": ("lorakit.inspect.extract", "extract"),
+    "resize": ("lorakit.inspect.resize", "resize"),
     "LorakitError": ("lorakit.errors", "LorakitError"),
 }
 

@@ -98,6 +98,8 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
     from lorakit.inspect.adapters import compare_adapters
     from lorakit.inspect.deltas import delta_norms
     from lorakit.inspect.dtype_map import dtype_map
+    from lorakit.inspect.extract import extract
+    from lorakit.inspect.resize import resize
     from lorakit.inspect.generation import compare_generations
     from lorakit.inspect.merge_check import merge_check
     from lorakit.inspect.parity import parity
@@ -119,6 +121,9 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
         "MergeCheck": _in(lambda: merge_check("fused", BASE, LORA)),
         "DeltaNorms": _in(lambda: delta_norms(DORA, BASE)),
         "AdapterComparison": _in(lambda: compare_adapters(LORA, DORA, BASE)),
+        "ExtractReport": _in(lambda: extract(BASE, "fused", rank=8,
+                                             modules=["self_attn.q_proj"], progress=False)),
+        "ResizeReport": _in(lambda: resize(LORA, energy=0.9)),
         "GenerationReport": _in(lambda: compare_generations(
             {"base": BASE, "adapter": (BASE, LORA), "fused": "fused"},
             ["And it came to pass"], max_tokens=8)),
@@ -127,7 +132,7 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
 
 NAMES = ["FuseResult", "DecodeTiming", "DtypeMap", "ParityReport", "UlpReport",
          "UlpReport-tensors", "RefUlpReport", "MergeCheck", "DeltaNorms", "AdapterComparison",
-         "GenerationReport"]
+         "GenerationReport", "ExtractReport", "ResizeReport"]
 
 
 def _build(name: str, work: Path) -> Any:

@@ -1,0 +1,158 @@
+"""Extract a LoRA from a fused checkpoint and fuse it again: accuracy, time, peak RSS.
+
+Two cases: the embedded model (data/tiny-qwen3 fused with data/adapters/lora) and a
+random checkpoint of Qwen3-1.7B's shape (``lorakit.synth``: preset qwen3-1.7b, a
+rank-8 adapter on the last 16 layers x 7 projections, fused by ``lorakit.fuse``), all
+in a temporary directory that is removed at the end. For each case:
+
+* ``lorakit.extract(base, fused, rank=8)`` runs in a fresh process under ``os.wait4``:
+  wall time, CPU time and peak RSS (``ru_maxrss``) of that process alone;
+* per module, ``||D_r - delta||_F`` (the extracted delta against the adapter's own
+  float64 delta) over ``||e||_F`` (the fused checkpoint's rounding error,
+  ``e = (T - W) - delta``) and over ``noise`` (Frobenius norm of half an ulp of every
+  fused element, the bound on ``||e||_F``); the bound proven is ratio <= 2;
+* the extracted adapter fused again (``lorakit.fuse``, nearest rounding) against the
+  fused checkpoint: elements that differ, and by how many ulps of the value.
+
+Usage::
+
+    .venv/bin/python benchmarks/extract.py --json benchmarks/results/extract.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import lorakit  # noqa: E402
+from lorakit import numerics as nm  # noqa: E402
+from lorakit.io.adapter import Adapter, LoraTarget  # noqa: E402
+from lorakit.io.checkpoint import Checkpoint  # noqa: E402
+
+CHILD = """
+import json, sys, time, numpy as np, lorakit
+base, fused, out = sys.argv[1:4]
+t = time.perf_counter()
+rep = lorakit.extract(base, fused, rank=8, progress=False)
+wall = time.perf_counter() - t
+np.savez(out + ".npz", **{f"A:{x.module}": x.A for x in rep.adapter.targets},
+         **{f"B:{x.module}": x.B for x in rep.adapter.targets})
+json.dump({"extract_s": wall, "summary": rep.to_dict()["summary"],
+           "rows": rep.rows}, open(out + ".json", "w"))
+"""
+
+
+def _run_extract(base: Path, fused: Path, out: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-c", CHILD, str(base), str(fused), str(out)], env=env)
+    _, status, usage = os.wait4(p.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit("extract failed")
+    res = json.loads(Path(str(out) + ".json").read_text())
+    res.update(process_wall_s=time.perf_counter() - t0, peak_rss_bytes=usage.ru_maxrss * 1024,
+               user_s=usage.ru_utime, system_s=usage.ru_stime)
+    return res
+
+
+def _f64(ck: Checkpoint, name: str) -> np.ndarray:
+    return nm.to_float64(ck.read(name), ck.tensors[name].dtype)
+
+
+def measure(base: Path, adapter: Path, work: Path) -> dict:
+    fused = work / "fused"
+    t = time.perf_counter()
+    lorakit.fuse(base, adapter, fused, progress=False)
+    fuse_s = time.perf_counter() - t
+    res = _run_extract(base, fused, work / "extracted")
+    npz = np.load(str(work / "extracted") + ".npz")
+    modules = [k[2:] for k in npz.files if k.startswith("A:")]
+    targets = [LoraTarget(m, "linear", npz[f"A:{m}"], npz[f"B:{m}"], 1.0) for m in modules]
+    ext = Adapter(fused, "mlx-lm", targets, {}, fused, _sha256="benchmark")
+    want = {t.module: t for t in lorakit.load_adapter(adapter).targets}
+    b, f = Checkpoint(base), Checkpoint(fused)
+    ratios_e, ratios_noise, e_norms = [], [], []
+    for tg in targets:
+        name = tg.module + ".weight"
+        W, F = _f64(b, name), _f64(f, name)
+        w = want[tg.module]
+        delta = w.scale * (w.B.astype(np.float64) @ w.A.astype(np.float64))
+        e = (F - W) - delta
+        half = 0.5 * nm.ulp(F, f.tensors[name].dtype)
+        err = float(np.linalg.norm(tg.B.astype(np.float64) @ tg.A.astype(np.float64) - delta))
+        ratios_e.append(err / float(np.linalg.norm(e)))
+        ratios_noise.append(err / float(np.linalg.norm(half)))
+        e_norms.append(float(np.linalg.norm(e)))
+    again = work / "again"
+    lorakit.fuse(base, ext, again, progress=False)
+    g = Checkpoint(again)
+    adapted = {t.module + ".weight" for t in targets}
+    counts = {"elements": 0, "adapted_elements": 0, "differ": 0, "differ_1ulp": 0,
+              "differ_gt1ulp": 0, "max_ulps_of_value": 0.0, "other_tensors_identical": True}
+    for name in f.tensors:
+        x, y = f.read(name), g.read(name)
+        counts["elements"] += int(x.size)
+        if name not in adapted:
+            counts["other_tensors_identical"] &= x.tobytes() == y.tobytes()
+            continue
+        fx, fy = _f64(f, name), _f64(g, name)
+        ulps = np.abs(fx - fy) / nm.ulp(np.maximum(np.abs(fx), np.abs(fy)), f.tensors[name].dtype)
+        counts["adapted_elements"] += int(x.size)
+        counts["differ"] += int(np.count_nonzero(ulps))
+        counts["differ_1ulp"] += int(np.count_nonzero((ulps > 0) & (ulps <= 1)))
+        counts["differ_gt1ulp"] += int(np.count_nonzero(ulps > 1))
+        counts["max_ulps_of_value"] = max(counts["max_ulps_of_value"], float(ulps.max()))
+    counts["differ_fraction"] = counts["differ"] / counts["adapted_elements"]
+    counts["differ_gt1ulp_fraction"] = counts["differ_gt1ulp"] / counts["adapted_elements"]
+    return {"fuse_s": fuse_s, "extract": {k: res[k] for k in
+                                          ("extract_s", "process_wall_s", "peak_rss_bytes",
+                                           "user_s", "system_s", "summary")},
+            "modules": len(targets),
+            "recovery": {"bound": "||D_r - delta||_F <= 2 ||e||_F <= 2 noise",
+                         "max_err_over_e": max(ratios_e), "median_err_over_e":
+                         float(np.median(ratios_e)), "max_err_over_noise": max(ratios_noise),
+                         "all_within_bound": max(ratios_e) <= 2.0},
+            "refuse": counts,
+            "checkpoint_bytes": sum(i.nbytes for i in b.tensors.values())}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--skip-large", action="store_true", help="only the embedded model")
+    args = ap.parse_args()
+    from lorakit.synth import synth_adapter, synth_checkpoint
+
+    results = {"command": "python benchmarks/extract.py" +
+               (f" --json {args.json}" if args.json else ""), "cases": {}}
+    with tempfile.TemporaryDirectory(prefix="lorakit-extract-") as tmp:
+        tiny = Path(tmp) / "tiny"
+        tiny.mkdir()
+        results["cases"]["tiny-qwen3"] = measure(ROOT / "data/tiny-qwen3",
+                                                 ROOT / "data/adapters/lora", tiny)
+        print(json.dumps(results["cases"]["tiny-qwen3"]["refuse"]), flush=True)
+        if not args.skip_large:
+            big = Path(tmp) / "big"
+            big.mkdir()
+            ck = synth_checkpoint(big / "base", "qwen3-1.7b", progress=False)
+            ad = synth_adapter(big / "lora", ck, rank=8)
+            results["cases"]["qwen3-1.7b"] = measure(ck, ad, big)
+    text = json.dumps(results, indent=2)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

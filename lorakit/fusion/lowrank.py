@@ -1,0 +1,215 @@
+"""Low-rank approximation in float64: the arithmetic of extract and resize.
+
+Two ways to a truncated SVD of a delta:
+
+* :func:`matrix_svd` for a dense delta ``D`` (a fine-tuned weight minus its base):
+  LAPACK's exact SVD in float64 when the matrix is small (``min(out, in) <=
+  EXACT_MAX``), else a randomized range finder (Halko, Martinsson & Tropp 2011,
+  Alg. 4.4): a Gaussian sketch of ``k + OVERSAMPLE`` columns, ``POWER_ITERS`` power
+  iterations re-orthonormalised by QR each time, then the exact SVD of the small
+  projection. With an energy target the sketch doubles until the target is met
+  (or the exact SVD takes over).
+* :func:`weighted_sum` / :func:`delta_gram`: adapters' deltas summed exactly
+  (concatenated factors) and the Gram matrix of their deltas (norms of any mix).
+* :func:`factor_svd` for a delta given as factors ``scale * B @ A``: QR of ``B`` and
+  ``A^T``, SVD of the r x r core; the full delta is never formed.
+
+Ranks are chosen by :func:`choose_rank` (a fixed rank, or the fewest singular values
+holding a fraction of ``||D||_F^2``).
+
+>>> rng = np.random.default_rng(0)
+>>> D = rng.normal(size=(40, 3)) @ rng.normal(size=(3, 50))
+>>> U, S, Vt, how = matrix_svd(D, rank=3)
+>>> how, bool(np.allclose((U * S) @ Vt, D))
+('exact', True)
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import LorakitError
+from ..io.adapter_base import Adapter, LoraTarget
+
+__all__ = ["EXACT_MAX", "OVERSAMPLE", "POWER_ITERS", "choose_rank", "matrix_svd",
+           "factor_svd", "split_factors", "weighted_sum", "delta_gram"]
+
+#: largest min(out, in) for which the exact SVD is used
+EXACT_MAX = 512
+#: extra sketch columns of the randomized SVD
+OVERSAMPLE = 16
+#: power iterations of the randomized SVD
+POWER_ITERS = 2
+
+
+def choose_rank(S: np.ndarray, total_sq: float, rank: Optional[int] = None,
+                energy: Optional[float] = None) -> int:
+    """How many singular values to keep: ``rank`` (at most ``len(S)``), or the fewest
+    whose squares hold ``energy`` of ``total_sq`` (``||D||_F^2``); 0 for a zero delta.
+
+    >>> choose_rank(np.array([3.0, 2.0, 1.0]), 14.0, energy=0.9)
+    2
+    """
+    if total_sq <= 0 or len(S) == 0:
+        return 0
+    if rank is not None:
+        return min(int(rank), len(S))
+    cum = np.cumsum(np.asarray(S, np.float64) ** 2) / total_sq
+    k = int(np.searchsorted(cum, float(energy) * (1 - 1e-12))) + 1  # tolerate last-bit noise
+    return min(k, len(S))
+
+
+def check_target(rank: Optional[int], energy: Optional[float]) -> None:
+    """Exactly one of ``rank`` (a positive int) and ``energy`` (in (0, 1]) is given."""
+    if (rank is None) == (energy is None):
+        raise LorakitError("give exactly one of rank and energy",
+                           expected="rank=R or energy=E", found=f"rank={rank}, energy={energy}")
+    if rank is not None and (isinstance(rank, bool) or int(rank) != rank or rank < 1):
+        raise LorakitError("rank must be a positive integer", expected=">= 1", found=repr(rank))
+    if energy is not None and not (0 < float(energy) <= 1):
+        raise LorakitError("energy must be a fraction", expected="0 < energy <= 1",
+                           found=repr(energy))
+
+
+def _exact(D: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    U, S, Vt = np.linalg.svd(D, full_matrices=False)
+    return U, S, Vt
+
+
+def _randomized(D: np.ndarray, width: int, rng: np.random.Generator
+                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Randomized SVD of ``D`` with a sketch of ``width`` columns."""
+    Q, _ = np.linalg.qr(D @ rng.standard_normal((D.shape[1], width)))
+    for _ in range(POWER_ITERS):
+        Z, _ = np.linalg.qr(D.T @ Q)
+        Q, _ = np.linalg.qr(D @ Z)
+    Ub, S, Vt = np.linalg.svd(Q.T @ D, full_matrices=False)
+    return Q @ Ub, S, Vt
+
+
+def matrix_svd(D: np.ndarray, rank: Optional[int] = None, energy: Optional[float] = None,
+               *, exact_max: int = EXACT_MAX, seed: int = 0
+               ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    """The leading singular triplets of a dense float64 ``D`` (out, in).
+
+    Returns:
+        (U, S, Vt, method) holding at least the kept rank (more when they come for
+        free); ``method`` is ``"exact"`` or ``"randomized"``.
+    """
+    D = np.asarray(D, np.float64)
+    n = min(D.shape)
+    if n <= exact_max:
+        return (*_exact(D), "exact")
+    rng = np.random.default_rng(seed)
+    total = float(np.einsum("ij,ij->", D, D))
+    k = int(rank) if rank is not None else 64
+    while True:
+        width = min(k + OVERSAMPLE, n)
+        if width * 2 > n:  # the sketch is no longer small: the exact SVD is cheaper
+            return (*_exact(D), "exact")
+        U, S, Vt = _randomized(D, width, rng)
+        if rank is not None or total == 0:
+            return U, S, Vt, "randomized"
+        if choose_rank(S, total, energy=energy) < len(S) or \
+                float(np.sum(S ** 2)) >= energy * total * (1 - 1e-12):
+            return U, S, Vt, "randomized"
+        k *= 2
+
+
+def factor_svd(A: np.ndarray, B: np.ndarray, scale: float = 1.0
+               ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Thin SVD of ``scale * B @ A`` (B (out, r), A (r, in)) from QR of ``B`` and
+    ``A^T`` and the SVD of the r x r core, in float64, never forming the product.
+
+    >>> rng = np.random.default_rng(1)
+    >>> A, B = rng.normal(size=(4, 30)), rng.normal(size=(20, 4))
+    >>> U, S, Vt = factor_svd(A, B, 0.5)
+    >>> bool(np.allclose((U * S) @ Vt, 0.5 * B @ A))
+    True
+    """
+    Qb, Rb = np.linalg.qr(np.asarray(B, np.float64))
+    Qa, Ra = np.linalg.qr(np.asarray(A, np.float64).T)
+    Uc, S, Vct = np.linalg.svd(float(scale) * (Rb @ Ra.T))
+    return Qb @ Uc, S, Vct @ Qa.T
+
+
+def split_factors(U: np.ndarray, S: np.ndarray, Vt: np.ndarray, k: int, scale: float = 1.0
+                  ) -> Tuple[np.ndarray, np.ndarray]:
+    """Factors ``(A (k, in), B (out, k))`` as float32 with ``scale * B @ A`` the rank-k
+    truncation ``U_k S_k Vt_k``: the singular values split evenly (``sqrt(S)`` on each
+    side), ``B`` divided by ``scale``."""
+    if not math.isfinite(scale) or scale == 0:
+        raise LorakitError("scale must be finite and non-zero", found=repr(scale))
+    root = np.sqrt(S[:k])
+    B = (U[:, :k] * root) / float(scale)
+    A = root[:, None] * Vt[:k]
+    return A.astype(np.float32), B.astype(np.float32)
+
+
+def weighted_sum(adapters: Sequence[Adapter], weights: Sequence[float]) -> Adapter:
+    """The exact weighted sum of LoRA adapters' deltas, ``sum_i w_i s_i B_i A_i`` per
+    module, as one adapter with concatenated factors (rank = sum of the ranks of the
+    adapters touching the module, scale 1): nothing is truncated, no cross terms.
+
+    DoRA adapters and whole-tensor copies (``modules_to_save``) are refused: their
+    effect is not a sum of deltas.
+    """
+    if len(adapters) != len(weights) or not adapters:
+        raise LorakitError("one weight per adapter", expected=f"{len(adapters)} weights",
+                           found=f"{len(weights)}")
+    for ad in adapters:
+        if ad.is_dora or ad.replacements:
+            raise LorakitError("only LoRA deltas can be summed", file=ad.path,
+                               found="DoRA magnitudes" if ad.is_dora else "modules_to_save",
+                               expected="a LoRA adapter")
+    parts: Dict[str, List[LoraTarget]] = {}
+    scaled: Dict[str, List[np.ndarray]] = {}
+    for ad, w in zip(adapters, weights):
+        for t in ad.targets:
+            parts.setdefault(t.module, []).append(t)
+            scaled.setdefault(t.module, []).append(
+                (float(w) * t.scale * t.B.astype(np.float64)).astype(np.float32))
+    targets = []
+    for module, ts in parts.items():
+        kinds = {t.kind for t in ts}
+        if len(kinds) != 1:
+            raise LorakitError("a module is adapted as different layer kinds", tensor=module,
+                               found="/".join(sorted(kinds)), expected="one kind")
+        A = np.concatenate([t.A for t in ts], axis=-2)
+        B = np.concatenate(scaled[module], axis=-1)
+        targets.append(LoraTarget(module, ts[0].kind, A, B, 1.0,
+                                  names=tuple(n for t in ts for n in t.names)))
+    h = hashlib.sha256(repr([(a.sha256, float(w)) for a, w in zip(adapters, weights)]).encode())
+    first = adapters[0]
+    return Adapter(first.path, first.format, targets,
+                   {"weighted_sum": {str(a.path): float(w) for a, w in zip(adapters, weights)}},
+                   first.weights_file, "lora", _sha256=h.hexdigest())
+
+
+def delta_gram(adapters: Sequence[Adapter]) -> Dict[str, np.ndarray]:
+    """Per module, the n x n Gram matrix ``G[i, j] = <delta_i, delta_j>_F`` of n
+    adapters' deltas from their factors (``s_i s_j trace((B_i^T B_j)(A_j A_i^T))``, an
+    r x r product; zero where an adapter leaves the module alone). Any weighted sum's
+    norm is then ``sqrt(w^T G w)``, without forming a delta."""
+    n = len(adapters)
+    by_module: Dict[str, List[Optional[LoraTarget]]] = {}
+    for i, ad in enumerate(adapters):
+        for t in ad.targets:
+            by_module.setdefault(t.module, [None] * n)[i] = t
+    out: Dict[str, np.ndarray] = {}
+    for module, ts in by_module.items():
+        G = np.zeros((n, n))
+        for i, a in enumerate(ts):
+            for j, b in enumerate(ts[: i + 1]):
+                if a is None or b is None:
+                    continue
+                Ba, Bb = a.B.astype(np.float64), b.B.astype(np.float64)
+                Aa, Ab = a.A.astype(np.float64), b.A.astype(np.float64)
+                g = a.scale * b.scale * float(np.einsum(
+                    "...or,...os,...si,...ri->", Ba, Bb, Ab, Aa, optimize=True))
+                G[i, j] = G[j, i] = g
+        out[module] = G
+    return out

@@ -1,0 +1,272 @@
+"""``lorakit.extract``: a LoRA adapter from two checkpoints (tuned minus base).
+
+For every tensor the two checkpoints hold, streamed one at a time:
+
+* bit-identical tensors are untouched (compared as raw bytes, a slice at a time);
+* a changed 2-D linear weight gives ``D = T - W`` in float64 and its truncated SVD
+  (:mod:`lorakit.fusion.lowrank`: exact when ``min(out, in) <= 512``, else randomized
+  with 16 oversampling columns and 2 power iterations), kept at ``rank`` or at the
+  fewest singular values holding ``energy`` of ``||D||_F^2`` (per-module ranks);
+* any other changed tensor (embeddings, the head, norms, biases) is saved in full, as
+  PEFT's ``modules_to_save`` (lorakit's :class:`~lorakit.io.adapter_base.Replacement`).
+
+Each low-rank row reports ``residual = ||D - scale B A||_F`` of the stored float32
+factors and ``noise``, the Frobenius norm of half an ulp of every element of the tuned
+weight: what rounding ``W + delta`` to the tuned checkpoint's dtype may add. When the
+tuned checkpoint is a correctly rounded fuse of a rank-r adapter, extracting at rank r
+gives ``residual <= ||e||_F <= noise`` (``e`` the rounding error: the delta itself is
+a rank-r candidate), and the extracted delta is within ``2 ||e||_F`` of the adapter's
+(triangle inequality); ``within`` says whether ``residual <= noise``.
+
+>>> r = extract("data/tiny-qwen3", "data/tiny-qwen3", rank=4, progress=False)
+>>> r.summary["low-rank modules"], r.summary["untouched tensors"]
+(0, 46)
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .. import numerics as nm
+from .._progress import Progress, progress_bar
+from ..errors import FormatError, LorakitError
+from ..fusion.lowrank import (EXACT_MAX, OVERSAMPLE, POWER_ITERS, check_target, choose_rank,
+                              matrix_svd, split_factors)
+from ..io.adapter_base import EMBEDDING_HINTS, Adapter, LoraTarget, Replacement
+from ..io.adapter_write import save_adapter
+from ..io.source import TensorSource, open_source, weight_f64
+from .report import Report
+
+__all__ = ["ExtractReport", "extract", "svd_note"]
+
+FLOAT_CODES = ("BF16", "F16", "F32", "F64")
+
+
+def svd_note(exact_max: int = EXACT_MAX) -> str:
+    return (f"exact f64 SVD where min(out, in) <= {exact_max}, else randomized "
+            f"(oversampling {OVERSAMPLE}, {POWER_ITERS} power iterations)")
+
+
+@dataclass(repr=False)
+class ExtractReport(Report):
+    """Rows: module, shape, rank, method, fro (``||D||_F``), residual, rel_error,
+    noise, within (``residual <= noise``), note. ``adapter``: the extracted
+    :class:`~lorakit.io.adapter_base.Adapter` (fuse it, compare it, save it);
+    ``singular_values[module]``: the spectrum each rank was chosen from."""
+
+    adapter: Optional[Adapter] = None
+    saved: Optional[Path] = None
+    singular_values: Optional[Dict[str, np.ndarray]] = None
+
+    def plot(self, ax=None):
+        """Relative truncation error per low-rank module (log scale)."""
+        import matplotlib.pyplot as plt  # lazy: matplotlib is optional
+
+        rows = [r for r in self.rows if r["method"] != "full"]
+        if ax is None:
+            _, ax = plt.subplots(figsize=(8, 3))
+        ax.semilogy(range(len(rows)), [max(r["rel_error"], 1e-18) for r in rows], "o")
+        ax.set_xlabel("module")
+        ax.set_ylabel("||D - BA|| / ||D||")
+        ax.set_title(self.title)
+        return ax.figure
+
+
+def _quantized(src: TensorSource) -> bool:
+    cfg = src.config or {}
+    return bool(cfg.get("quantization") or cfg.get("quantization_config"))
+
+
+def _selected(module: str, patterns: Optional[Sequence[str]]) -> bool:
+    if not patterns:
+        return True
+    return any(module == p or module.endswith("." + p) or fnmatch.fnmatchcase(module, p)
+               for p in patterns)
+
+
+def _lowrank_candidate(name: str, shape: Sequence[int]) -> bool:
+    module, _, leaf = name.rpartition(".")
+    last = module.rsplit(".", 1)[-1]
+    return (leaf == "weight" and len(shape) == 2 and last not in EMBEDDING_HINTS
+            and last != "lm_head")
+
+
+def _row_chunks(shape: Sequence[int]) -> List[Optional[slice]]:
+    if len(shape) == 0:
+        return [None]
+    return list(nm.chunks(int(shape[0]), int(np.prod(shape[1:], dtype=np.int64))))
+
+
+def _full_diff(b: TensorSource, t: TensorSource, name: str) -> Dict[str, float]:
+    """Changed elements, ``||T - W||_F`` and whether the bytes are the same, a slice
+    of rows at a time (bytes first: identical slices cost a compare)."""
+    shape = b.tensors[name].shape
+    changed, sq, same = 0, 0.0, True
+    for rows in _row_chunks(shape):
+        rb, rt = b.read(name, rows), t.read(name, rows)
+        if np.array_equal(rb, rt):
+            continue
+        same = False
+        d = weight_f64(t, name, rows) - weight_f64(b, name, rows)
+        changed += int(np.count_nonzero(d))
+        sq += float(np.sum(d * d))
+    return {"changed": changed, "fro": math.sqrt(sq), "same": same}
+
+
+def _check_pair(b: TensorSource, t: TensorSource) -> None:
+    for src in (b, t):
+        if _quantized(src):
+            raise FormatError("extract reads float checkpoints only", file=src.path,
+                              expected="a float (bf16/fp16/f32) checkpoint",
+                              found="a quantized checkpoint (quantization in config.json)",
+                              hint="extract from the float checkpoints, or fuse into a float "
+                                   "one first (lorakit fuse --dequantize)")
+    errors = []
+    for name, info in b.tensors.items():
+        if name not in t.tensors:
+            errors.append(f"  {name}: in the base, not in the tuned checkpoint")
+        elif tuple(t.tensors[name].shape) != tuple(info.shape):
+            errors.append(f"  {name}: base shape {list(info.shape)}, tuned "
+                          f"{list(t.tensors[name].shape)}")
+        elif t.tensors[name].dtype not in FLOAT_CODES or info.dtype not in FLOAT_CODES:
+            errors.append(f"  {name}: not float ({info.dtype} / {t.tensors[name].dtype})")
+    errors += [f"  {n}: in the tuned checkpoint, not in the base" for n in t.tensors
+               if n not in b.tensors]
+    if errors:
+        raise FormatError(f"{len(errors)} tensor(s) do not pair up:\n" + "\n".join(errors[:40]),
+                          file=t.path, expected=f"the tensors of the base at {b.path}",
+                          found=f"{len(errors)} mismatch(es), listed above")
+
+
+def _lowrank_row(name: str, D: np.ndarray, T: np.ndarray, code: str, rank: Optional[int],
+                 energy: Optional[float], exact_max: int, seed: int):
+    total = float(np.einsum("ij,ij->", D, D))
+    U, S, Vt, method = matrix_svd(D, rank, energy, exact_max=exact_max, seed=seed)
+    k = max(choose_rank(S, total, rank, energy), 1)
+    A, B = split_factors(U, S, Vt, k)
+    R = D - B.astype(np.float64) @ A.astype(np.float64)
+    residual = math.sqrt(float(np.einsum("ij,ij->", R, R)))
+    half = 0.5 * nm.ulp(T, code)
+    noise = math.sqrt(float(np.einsum("ij,ij->", half, half)))
+    fro = math.sqrt(total)
+    row = {"module": name[: -len(".weight")], "shape": list(D.shape), "rank": k,
+           "method": method, "fro": fro, "residual": residual,
+           "rel_error": residual / fro if fro else 0.0, "noise": noise,
+           "within": "yes" if residual <= noise else "no", "note": ""}
+    return row, A, B, S
+
+
+def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
+            energy: Optional[float] = None, modules: Optional[Sequence[str]] = None,
+            save_path: Any = None, format: str = "peft", force: bool = False,
+            exact_max: int = EXACT_MAX, seed: int = 0, progress: Progress = True
+            ) -> ExtractReport:
+    """Extract a LoRA adapter from a tuned checkpoint (fused, or fully fine-tuned) and
+    its base.
+
+    Args:
+        base, tuned: checkpoint directories (or tensor sources) of the same model.
+        rank: keep this rank in every module; or
+        energy: per module, the fewest singular values holding this fraction of
+            ``||T - W||_F^2`` (per-module ranks).
+        modules: only modules matching these names or patterns (``q_proj``,
+            ``self_attn.o_proj``, ``model.layers.1*``); default all.
+        save_path: also write the adapter there (``lorakit.io.adapter_write``, float32
+            factors, scale 1).
+        format: ``"peft"`` (default: per-module ranks and full copies fit) or ``"mlx-lm"``.
+        force: replace a previous lorakit output at ``save_path``.
+        exact_max: largest ``min(out, in)`` that gets the exact SVD.
+        seed: seed of the randomized SVD's sketch.
+        progress: True (a bar), False, or ``progress(done_bytes, total_bytes)``.
+
+    Returns:
+        An :class:`ExtractReport`; ``.adapter`` is the extracted adapter.
+    """
+    check_target(rank, energy)
+    b, t = open_source(base), open_source(tuned)
+    _check_pair(b, t)
+    targets: List[LoraTarget] = []
+    replacements: List[Replacement] = []
+    rows: List[Dict[str, Any]] = []
+    spectra: Dict[str, np.ndarray] = {}
+    untouched = skipped = 0
+    total = sum(i.nbytes for i in b.tensors.values())
+    with progress_bar(progress, total, "extract") as bar:
+        for name, info in b.tensors.items():
+            module, _, leaf = name.rpartition(".")
+            if not _selected(module, modules):
+                skipped += 1
+            elif _lowrank_candidate(name, info.shape):
+                raw_b, raw_t = b.read(name), t.read(name)
+                if np.array_equal(raw_b, raw_t):
+                    untouched += 1
+                else:
+                    W, T = weight_f64(b, name), weight_f64(t, name)
+                    D = T - W
+                    del W
+                    row, A, B, S = _lowrank_row(name, D, T, t.tensors[name].dtype, rank, energy,
+                                                exact_max, seed)
+                    rows.append(row)
+                    spectra[row["module"]] = S
+                    targets.append(LoraTarget(row["module"], "linear", A, B, 1.0,
+                                              names=(name,)))
+                    del D, T
+                del raw_b, raw_t
+            else:
+                diff = _full_diff(b, t, name)
+                if diff["same"]:
+                    untouched += 1
+                else:
+                    replacements.append(Replacement(module, leaf, t.read(name),
+                                                    t.tensors[name].dtype, name))
+                    rows.append({"module": name, "shape": list(info.shape), "rank": "-",
+                                 "method": "full", "fro": diff["fro"], "residual": 0.0,
+                                 "rel_error": 0.0, "noise": "-", "within": "-",
+                                 "note": f"saved in full: {diff['changed']} elements differ"})
+            bar.update(info.nbytes)
+    h = hashlib.sha256()
+    for tg in targets:
+        h.update(tg.module.encode() + tg.A.tobytes() + tg.B.tobytes())
+    for r in replacements:
+        h.update(r.name.encode() + r.raw.tobytes())
+    adapter = Adapter(Path(getattr(t, "path", "tuned")), format, targets,
+                      {"extracted_from": {"base": str(b.path), "tuned": str(t.path)}},
+                      Path(getattr(t, "path", "tuned")), "lora", replacements,
+                      _sha256=h.hexdigest())
+    low = [r for r in rows if r["method"] != "full"]
+    summary: Dict[str, Any] = {
+        "base": str(b.path), "tuned": str(t.path),
+        "target": f"rank {rank}" if rank is not None else f"energy {energy}",
+        "low-rank modules": len(low), "saved in full": len(replacements),
+        "untouched tensors": untouched, "skipped (--modules)": skipped,
+        "ranks": sorted({r["rank"] for r in low}),
+        "max rel_error": max((r["rel_error"] for r in low), default=0.0),
+        "within rounding noise": f"{sum(r['within'] == 'yes' for r in low)} of {len(low)}",
+        "svd": svd_note(exact_max),
+    }
+    flagged = [i for i, r in enumerate(rows) if r["within"] == "no"]
+    rep = ExtractReport(f"extract: {t.label or t.path} - {b.label or b.path}", rows,
+                        columns=["module", "shape", "rank", "method", "fro", "residual",
+                                 "rel_error", "noise", "within", "note"],
+                        summary=summary, flagged=flagged, adapter=adapter,
+                        singular_values=spectra)
+    if save_path is not None:
+        rep.saved = save_result(adapter, save_path, format=format, force=force,
+                                provenance={"base": str(b.path), "tuned": str(t.path),
+                                            "target": summary["target"]})
+        rep.summary["saved to"] = str(rep.saved)
+    return rep
+
+
+def save_result(adapter: Adapter, path: Any, *, format: str, force: bool,
+                verb: str = "extract", provenance: Optional[Dict[str, Any]] = None) -> Path:
+    """Write a computed adapter with lorakit's adapter writer, factors in float32 (the
+    precision they were computed to)."""
+    return save_adapter(adapter, path, format=format, force=force, dtype="F32", verb=verb,
+                        provenance=provenance)

@@ -1,0 +1,190 @@
+"""AdapterMixer: two or three LoRA adapters, a weight slider each.
+
+Live (on every slider move, from the factors only): the norm of the mixed delta
+``sum_i w_i delta_i`` per module and in total, and against each parent its distance
+``||mix - delta_i||`` and cosine, all from the per-module Gram matrix of the deltas
+(:func:`lorakit.fusion.lowrank.delta_gram`: ``||sum w_i delta_i||^2 = w^T G w``).
+On request: greedy text of the base, the mix (its exact sum as one adapter,
+:func:`lorakit.fusion.lowrank.weighted_sum`, attached unfused) and each parent
+(:func:`lorakit.compare_generations`), and a button that writes the combination
+(``lorakit.combine`` with method ``exact`` where this install has it).
+
+>>> from lorakit.widgets import AdapterMixer
+>>> w = AdapterMixer({"lora": "data/adapters/lora", "peft": "data/adapters/peft-lora"},
+...                  base="data/tiny-qwen3")
+>>> w.set_weights([1.0, 0.0]); round(w.stats["cosine"]["lora"], 6)
+1.0
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+import ipywidgets as W
+import numpy as np
+
+import lorakit
+
+from ..fusion.lowrank import delta_gram, weighted_sum
+from ..fusion.model import attach_adapter
+from ..inspect.generation import GenerationReport, compare_generations
+from ..io.adapter import Adapter, load_adapter
+from ._base import ErrorBox, facts_html, hook, rows_html
+
+PathLike = Union[str, Path]
+
+
+def mix_stats(gram: Mapping[str, np.ndarray], labels: Sequence[str],
+              weights: Sequence[float]) -> Dict[str, Any]:
+    """Norms of the weighted sum of deltas from their Gram matrices: ``total`` (the
+    mix's ``||.||_F`` over all modules), per parent ``distance`` (``||mix - delta_i||``)
+    and ``cosine``, and per module ``rows``."""
+    w = np.asarray(weights, np.float64)
+    n = len(labels)
+    tot = np.zeros((n, n))
+    rows: List[Dict[str, Any]] = []
+    for module, G in gram.items():
+        tot += G
+        rows.append({"module": module, "mix": math.sqrt(max(float(w @ G @ w), 0.0)),
+                     **{lab: math.sqrt(max(float(G[i, i]), 0.0)) for i, lab in enumerate(labels)}})
+    mix_sq = max(float(w @ tot @ w), 0.0)
+    dist, cos = {}, {}
+    for i, lab in enumerate(labels):
+        e = np.zeros(n)
+        e[i] = 1.0
+        dist[lab] = math.sqrt(max(float((w - e) @ tot @ (w - e)), 0.0))
+        den = math.sqrt(mix_sq * max(float(tot[i, i]), 0.0))
+        cos[lab] = float(w @ tot[:, i]) / den if den > 0 else float("nan")
+    return {"total": math.sqrt(mix_sq), "distance": dist, "cosine": cos, "rows": rows}
+
+
+class AdapterMixer(W.VBox):
+    """Mix two or three LoRA adapters of one base with a weight slider each.
+
+    Args:
+        adapters: label -> adapter directory (or loaded Adapter); two or three.
+        base: the base checkpoint (greedy text; the write button's base).
+        weights: initial weights (default 1/n each).
+        prompt: the prompt of the greedy-text comparison.
+        max_tokens: tokens generated per model.
+
+    Attributes:
+        stats: the live numbers (:func:`mix_stats`).
+        generations: the last :class:`~lorakit.inspect.generation.GenerationReport`.
+        written: what the last write returned.
+    """
+
+    def __init__(self, adapters: Mapping[str, Union[PathLike, Adapter]], base: PathLike, *,
+                 weights: Optional[Sequence[float]] = None,
+                 prompt: str = "And it came to pass", max_tokens: int = 12) -> None:
+        if not 2 <= len(adapters) <= 3:
+            raise ValueError("AdapterMixer mixes two or three adapters")
+        self.labels = list(adapters)
+        self.specs = dict(adapters)
+        self.adapters = [a if isinstance(a, Adapter) else load_adapter(a)
+                         for a in adapters.values()]
+        self.base = Path(base)
+        self.gram = delta_gram(self.adapters)
+        self.stats: Dict[str, Any] = {}
+        self.generations: Optional[GenerationReport] = None
+        self.written: Any = None
+        n = len(self.labels)
+        init = list(weights) if weights is not None else [1.0 / n] * n
+        self.sliders = [hook(W.FloatSlider(value=v, min=-1.0, max=2.0, step=0.05,
+                                           description=lab, continuous_update=False),
+                             f"mixer-weight-{i}")
+                        for i, (lab, v) in enumerate(zip(self.labels, init))]
+        self.summary = hook(W.HTML(""), "mixer-summary")
+        self.table = hook(W.HTML(""), "mixer-table")
+        self.prompt = hook(W.Text(value=prompt, description="prompt"), "mixer-prompt")
+        self.max_tokens = max_tokens
+        self.generate_button = hook(W.Button(description="Greedy text"), "mixer-generate")
+        self.text = hook(W.HTML(""), "mixer-text")
+        self.save_path = hook(W.Text(value="", placeholder="output adapter directory",
+                                     description="save to"), "mixer-save-path")
+        self.write_button = hook(W.Button(description="Write combination",
+                                          button_style="primary"), "mixer-write")
+        self.status = hook(W.HTML(""), "mixer-status")
+        self.error = ErrorBox("mixer-error")
+        self._holding = False
+        for s in self.sliders:
+            s.observe(lambda _c: None if self._holding else self.refresh(), names="value")
+        self.generate_button.on_click(lambda _b: self.generate())
+        self.write_button.on_click(lambda _b: self.write())
+        details = W.Accordion([self.table])
+        details.set_title(0, "per-module norms")
+        details.selected_index = None
+        super().__init__([W.VBox(self.sliders), self.error, self.summary, details,
+                          W.HBox([self.prompt, self.generate_button]), self.text,
+                          W.HBox([self.save_path, self.write_button]), self.status])
+        hook(self, "adapter-mixer")
+        self.refresh()
+
+    @property
+    def weights(self) -> List[float]:
+        return [float(s.value) for s in self.sliders]
+
+    def set_weights(self, weights: Sequence[float]) -> None:
+        """Move the sliders (the live view follows once, at the end)."""
+        self._holding = True
+        try:
+            for s, v in zip(self.sliders, weights):
+                s.value = float(v)
+        finally:
+            self._holding = False
+        self.refresh()
+
+    def refresh(self) -> Dict[str, Any]:
+        """Recompute the live norms (what a slider move does)."""
+        self.stats = mix_stats(self.gram, self.labels, self.weights)
+        facts: Dict[str, Any] = {"weights": self.weights, "||mix||_F": self.stats["total"]}
+        for lab in self.labels:
+            facts[f"||mix - {lab}||_F"] = self.stats["distance"][lab]
+            facts[f"cosine(mix, {lab})"] = self.stats["cosine"][lab]
+        self.summary.value = facts_html(facts)
+        self.table.value = rows_html(self.stats["rows"], ["module", "mix"] + self.labels)
+        return self.stats
+
+    def mix(self) -> Adapter:
+        """The exact weighted sum as one adapter (concatenated factors)."""
+        return weighted_sum(self.adapters, self.weights)
+
+    def generate(self) -> Optional[GenerationReport]:
+        """Greedy text of the base, the mix and each parent (what the button does)."""
+        self.error.show(None)
+        try:
+            from mlx_lm import load  # lazy: mlx-lm is heavy
+
+            model, tok = load(str(self.base))[:2]
+            models: Dict[str, Any] = {"base": str(self.base),
+                                      "mix": (attach_adapter(model, self.mix()), tok)}
+            for lab, a in zip(self.labels, self.adapters):
+                models[lab] = (str(self.base), a.path)
+            rep = compare_generations(models, [self.prompt.value], self.max_tokens)
+        except Exception as e:  # shown in the widget
+            self.error.show(e)
+            return None
+        self.generations = rep
+        self.text.value = rep._repr_html_()
+        return rep
+
+    def write(self) -> Any:
+        """Write the combination to the save path with ``lorakit.combine`` (what the
+        button does); an error in the widget when this install has no ``combine``."""
+        self.error.show(None)
+        try:
+            combine = getattr(lorakit, "combine", None)
+            if combine is None:
+                raise RuntimeError("lorakit.combine is not in this install; the mix is "
+                                   "available in memory as AdapterMixer.mix()")
+            if not self.save_path.value.strip():
+                raise ValueError("give an output directory in 'save to'")
+            specs = [self.specs[lab] for lab in self.labels]
+            self.written = combine(specs, weights=self.weights, method="exact",
+                                   save_path=self.save_path.value.strip())
+        except Exception as e:  # shown in the widget
+            self.error.show(e)
+            return None
+        self.status.value = f"written: {self.save_path.value.strip()}"
+        return self.written
