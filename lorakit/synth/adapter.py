@@ -1,18 +1,18 @@
 """Writing a synthetic LoRA/DoRA adapter, as ``mlx_lm lora`` or PEFT saves one."""
 from __future__ import annotations
 
-import json
 import math
 import zlib
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple, Union, Dict
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from ..errors import AdapterError
 from ..io.checkpoint import Checkpoint
-from ..io.output import SYNTH_MARK, OutputDirectory, check_output_path
-from ..io.safetensors_write import PlannedTensor, SafetensorsWriter
+from ..io.adapter_base import Adapter, LoraTarget
+from ..io.adapter_write import save_adapter
+from ..io.output import SYNTH_MARK, check_output_path
 from .presets import DEFAULT_KEYS
 from .sites import _Site, _find_sites, _layer_prefix, _row_norms
 
@@ -87,16 +87,22 @@ def synth_adapter(path: PathLike, checkpoint_path: PathLike, *, rank: int = 8,
         raise AdapterError("mlx-lm has no DoRA for MoE experts (SwitchLinear)",
                            expected="kind='lora', or keys without gate/up/down, "
                            "or format='peft'", found="DoRA on stacked experts")
-    with OutputDirectory(out, force=force, allow_empty=True, mark=SYNTH_MARK) as od:
-        if format == "mlx-lm":
-            _write_mlx_adapter(od.tmp, out, ck, sites, rank, float(scale), layer_list, n_layers,
-                               kind, seed, delta_std)
-        else:
-            _write_peft_adapter(od.tmp, ck, sites, rank, float(scale), layer_list, n_layers,
-                                kind, seed, delta_std)
-        od.commit("synth-adapter", {"kind": kind, "format": format, "rank": rank,
-                                    "scale": float(scale), "layers": layer_list,
-                                    "seed": seed, "delta_std": delta_std})
+    targets = _targets(ck, sites, rank, float(scale), kind, format, seed, delta_std)
+    adapter = Adapter(ck.path, format, targets, {}, ck.path / "none", kind)
+    if format == "mlx-lm":
+        cfg = _mlx_training_config(out, ck, rank, float(scale), n_layers - min(layer_list),
+                                   kind, seed, [s.rel for s in sites])
+    else:
+        all_layers = layer_list == list(range(n_layers))
+        cfg = {"base_model_name_or_path": str(ck.path),
+               "layers_pattern": None if all_layers else "layers",
+               "layers_to_transform": None if all_layers else layer_list,
+               "target_modules": sorted({t.module.rsplit(".", 1)[-1] for t in targets})}
+    save_adapter(adapter, out, format=format, force=force, dtype="F32",
+                 num_layers=n_layers - min(layer_list), protected=[ck.path],
+                 verb="synth-adapter", config=cfg, mark=SYNTH_MARK,
+                 provenance={"kind": kind, "format": format, "rank": rank, "scale": float(scale),
+                             "layers": layer_list, "seed": seed, "delta_std": delta_std})
     return out
 
 
@@ -114,79 +120,47 @@ def _site_rng(seed: int, site: _Site) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(site.module.encode())])
 
 
-def _write_tensors(file: Path, tensors: List[Tuple[str, np.ndarray]], meta: Dict[str, str]) -> None:
-    plan = [PlannedTensor(n, "F32", tuple(a.shape)) for n, a in tensors]
-    with SafetensorsWriter(file, plan, meta) as w:
-        for n, a in tensors:
-            w.write(n, np.ascontiguousarray(a, dtype=np.float32))
-
-
-def _write_mlx_adapter(tmp: Path, out: Path, ck, sites: List[_Site], rank: int, scale: float,
-                       layer_list: List[int], n_layers: int, kind: str, seed: int,
-                       delta_std: float) -> None:
-    tensors: List[Tuple[str, np.ndarray]] = []
+def _targets(ck, sites: List[_Site], rank: int, scale: float, kind: str, format: str,
+             seed: int, delta_std: float) -> List[LoraTarget]:
+    """One target per site (PEFT: one per expert of a stacked site), drawn per site."""
+    out: List[LoraTarget] = []
     for site in sites:
         rng = _site_rng(seed, site)
         lead, (n_out, n_in) = tuple(site.shape[:-2]), site.shape[-2:]
         A, B = _lora_pair(rng, n_in, n_out, rank, scale, delta_std, lead)
-        # mlx-lm stores Linear as lora_a (in, r), lora_b (r, out); SwitchLinear as
-        # lora_a (E, r, in), lora_b (E, out, r)
-        a, b = (A, B) if site.switch else (A.T, B.T)
-        tensors += [(f"{site.module}.lora_a", a), (f"{site.module}.lora_b", b)]
-        if kind == "dora":
-            m = _row_norms(ck, site) * (1 + 0.01 * rng.standard_normal(n_out)).astype(np.float32)
-            tensors.append((f"{site.module}.m", m))
-    tensors.sort(key=lambda t: t[0])  # mx.save_safetensors writes keys in sorted order
-    _write_tensors(tmp / "adapters.safetensors", tensors, {"format": "mlx"})
-    rels = list(dict.fromkeys(s.rel for s in sites))
-    cfg = {
-        "adapter_path": str(out),
-        "batch_size": 4, "config": None, "data": "synthetic", "fine_tune_type": kind,
-        "grad_accumulation_steps": 1, "grad_checkpoint": False, "iters": 1000,
-        "learning_rate": 1e-05, "lora_parameters": {"rank": rank, "dropout": 0.0,
-                                                    "scale": scale, "keys": rels},
-        "lr_schedule": None, "mask_prompt": False, "max_seq_length": 2048,
-        "model": str(ck.path), "num_layers": n_layers - min(layer_list), "optimizer": "adam",
-        "resume_adapter_file": None, "save_every": 100, "seed": seed, "steps_per_eval": 200,
-        "steps_per_report": 10, "test": False, "test_batches": 500, "train": True,
-        "val_batches": 25,
-    }
-    (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=4))
-
-
-def _write_peft_adapter(tmp: Path, ck, sites: List[_Site], rank: int, scale: float,
-                        layer_list: List[int], n_layers: int, kind: str, seed: int,
-                        delta_std: float) -> None:
-    tensors: List[Tuple[str, np.ndarray]] = []
-    targets = set()
-    for site in sites:
-        rng = _site_rng(seed, site)
-        lead, (n_out, n_in) = tuple(site.shape[:-2]), site.shape[-2:]
-        A, B = _lora_pair(rng, n_in, n_out, rank, scale, delta_std, lead)
+        if format == "mlx-lm":
+            m = None
+            if kind == "dora":
+                m = _row_norms(ck, site) * (1 + 0.01 * rng.standard_normal(n_out)).astype(
+                    np.float32)
+            out.append(LoraTarget(site.module, "switch" if site.switch else "linear", A, B,
+                                  scale, m))
+            continue
         norms = _row_norms(ck, site) if kind == "dora" else None
         modules = site.expert_modules if site.switch else (site.module,)
         for e, module in enumerate(modules):
             a, b = (A[e], B[e]) if site.switch else (A, B)
-            p = "base_model.model." + module
-            tensors += [(f"{p}.lora_A.weight", a), (f"{p}.lora_B.weight", b)]
+            m = None
             if norms is not None:
                 nrm = norms[e] if site.switch else norms
                 m = nrm * (1 + 0.01 * rng.standard_normal(n_out)).astype(np.float32)
-                tensors.append((f"{p}.lora_magnitude_vector", m))
-            targets.add(module.rsplit(".", 1)[-1])
-    tensors.sort(key=lambda t: t[0])  # safetensors' save_file orders tensors by name
-    _write_tensors(tmp / "adapter_model.safetensors", tensors, {"format": "pt"})
-    all_layers = layer_list == list(range(n_layers))
-    cfg = {
-        "alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": str(ck.path),
-        "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-        "init_lora_weights": True, "layer_replication": None,
-        "layers_pattern": None if all_layers else "layers",
-        "layers_to_transform": None if all_layers else layer_list, "loftq_config": {},
-        "lora_alpha": scale * rank, "lora_bias": False, "lora_dropout": 0.0,
-        "megatron_config": None, "megatron_core": "megatron.core", "modules_to_save": None,
-        "peft_type": "LORA", "r": rank, "rank_pattern": {}, "revision": None,
-        "target_modules": sorted(targets), "task_type": "CAUSAL_LM", "use_dora": kind == "dora",
-        "use_rslora": False,
+            out.append(LoraTarget(module, "linear", a, b, scale, m))
+    return out
+
+
+def _mlx_training_config(out: Path, ck, rank: int, scale: float, num_layers: int, kind: str,
+                         seed: int, rels: List[str]) -> Dict[str, Any]:
+    """The rest of the adapter_config.json that ``mlx_lm lora`` writes."""
+    return {
+        "adapter_path": str(out),
+        "batch_size": 4, "config": None, "data": "synthetic", "fine_tune_type": kind,
+        "grad_accumulation_steps": 1, "grad_checkpoint": False, "iters": 1000,
+        "learning_rate": 1e-05, "lora_parameters": {"rank": rank, "dropout": 0.0,
+                                                    "scale": scale,
+                                                    "keys": list(dict.fromkeys(rels))},
+        "lr_schedule": None, "mask_prompt": False, "max_seq_length": 2048,
+        "model": str(ck.path), "num_layers": num_layers, "optimizer": "adam",
+        "resume_adapter_file": None, "save_every": 100, "seed": seed, "steps_per_eval": 200,
+        "steps_per_report": 10, "test": False, "test_batches": 500, "train": True,
+        "val_batches": 25,
     }
-    (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))

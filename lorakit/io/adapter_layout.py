@@ -1,0 +1,131 @@
+"""How one in-memory adapter is laid out in each format: names, scales as alpha, scopes.
+
+The pure helpers behind :mod:`lorakit.io.adapter_write` (no files touched here):
+
+* :func:`alpha_for` finds a PEFT ``lora_alpha`` with ``alpha / r == scale`` exactly
+  in float64 (PEFT computes ``scaling = lora_alpha / r``), or says there is none;
+* :func:`expert_modules` / :func:`restack` turn mlx-lm's stacked MoE experts
+  (``mlp.switch_mlp.gate_proj``, (experts, …)) into the per-expert modules PEFT and
+  Hugging Face checkpoints have (``mlp.experts.3.gate_proj``; Mixtral's
+  ``block_sparse_moe.experts.3.w1``) and back;
+* :func:`mlx_scope` finds mlx-lm's ``num_layers`` and ``lora_parameters.keys`` for a
+  set of modules.
+
+>>> alpha_for(20.0, 8), alpha_for(0.1, 3)
+(160, None)
+>>> expert_modules("model.layers.0.block_sparse_moe.switch_mlp.gate_proj", 2)
+['model.layers.0.block_sparse_moe.experts.0.w1', 'model.layers.0.block_sparse_moe.experts.1.w1']
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from ..errors import AdapterError
+
+#: Mixtral names its experts' projections w1/w2/w3 (mlx-lm: gate/down/up_proj).
+MIXTRAL = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+_MIXTRAL_BACK = {v: k for k, v in MIXTRAL.items()}
+_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.([^.]+)$")
+_IN_LAYER = re.compile(r"^(.+?)\.(\d+)\.(.+)$")
+
+
+def alpha_for(scale: float, rank: int) -> Union[int, float, None]:
+    """A ``lora_alpha`` with ``alpha / rank == scale`` exactly in float64 (an int when
+    whole, as PEFT writes it), or None when no float64 alpha gives that scale.
+
+    ``scale * rank`` is tried first, then its float64 neighbours (a few ulps away).
+    """
+    if not (math.isfinite(scale) and scale > 0):
+        return None
+    first = float(scale) * rank
+    cands = [first]
+    lo = hi = first
+    for _ in range(4):
+        lo, hi = math.nextafter(lo, -math.inf), math.nextafter(hi, math.inf)
+        cands += [lo, hi]
+    for a in cands:
+        if a > 0 and math.isfinite(a) and a / rank == scale:
+            return int(a) if a.is_integer() and abs(a) < 2 ** 53 else a
+    return None
+
+
+def expert_modules(switch_module: str, experts: int) -> List[str]:
+    """The per-expert module paths of an mlx-lm stacked-expert module."""
+    if ".switch_mlp." not in switch_module:
+        raise AdapterError("a stacked-experts target outside a switch_mlp module",
+                           tensor=switch_module, expected="<block>.switch_mlp.<proj>",
+                           found=switch_module)
+    head, proj = switch_module.rsplit(".switch_mlp.", 1)
+    if head.endswith("block_sparse_moe"):
+        proj = MIXTRAL.get(proj, proj)
+    return [f"{head}.experts.{e}.{proj}" for e in range(experts)]
+
+
+def switch_name(expert_module: str) -> Optional[Tuple[str, int]]:
+    """(stacked mlx-lm module, expert index) of a per-expert module path, else None."""
+    m = _EXPERT.match(expert_module)
+    if m is None:
+        return None
+    head, e, proj = m.group(1), int(m.group(2)), m.group(3)
+    if head.endswith("block_sparse_moe"):
+        proj = _MIXTRAL_BACK.get(proj, proj)
+    return f"{head}.switch_mlp.{proj}", e
+
+
+def restack(modules: Sequence[str]) -> Dict[str, List[Tuple[int, str]]]:
+    """Per-expert modules grouped under their stacked name: only groups that hold every
+    expert 0..E-1 (a partial group stays per-expert: mlx-lm cannot hold it)."""
+    groups: Dict[str, List[Tuple[int, str]]] = {}
+    for m in modules:
+        s = switch_name(m)
+        if s is not None:
+            groups.setdefault(s[0], []).append((s[1], m))
+    out = {}
+    for name, members in groups.items():
+        members.sort()
+        if [e for e, _ in members] == list(range(len(members))):
+            out[name] = members
+    return out
+
+
+def mlx_scope(modules: Sequence[str], num_layers: Optional[int]) -> Tuple[int, List[str]]:
+    """(num_layers, keys) under which mlx-lm puts a LoRA layer on each of ``modules``.
+
+    Inside ``<prefix>.<i>.<rel>`` the key is ``rel``; elsewhere the whole path.
+    ``num_layers`` None: from the highest block adapted down to the lowest (right when
+    the adapter reaches the model's last block, as mlx-lm's own adapters do; on a
+    deeper model mlx-lm refuses the file loudly, naming each tensor).
+    """
+    keys: List[str] = []
+    layers: List[int] = []
+    for m in modules:
+        g = _IN_LAYER.match(m)
+        key = g.group(3) if g else m
+        if g:
+            layers.append(int(g.group(2)))
+        if key not in keys:
+            keys.append(key)
+    if num_layers is None:
+        num_layers = (max(layers) + 1 - min(layers)) if layers else -1
+    return num_layers, sorted(keys)
+
+
+def layer_gaps(modules: Sequence[str], num_layers: int) -> List[str]:
+    """Modules mlx-lm would put a LoRA layer on (blocks of the scope, keys) that
+    ``modules`` lacks, within the blocks the adapter itself names."""
+    have = set(modules)
+    idx: Dict[str, int] = {}
+    rels = set()
+    for m in modules:
+        g = _IN_LAYER.match(m)
+        if g:
+            idx[g.group(1)] = max(idx.get(g.group(1), -1), int(g.group(2)))
+            rels.add(g.group(3))
+    out = []
+    for prefix, top in idx.items():
+        lo = top + 1 - num_layers if num_layers > 0 else 0
+        for i in range(max(lo, 0), top + 1):
+            out += [f"{prefix}.{i}.{r}" for r in sorted(rels) if f"{prefix}.{i}.{r}" not in have]
+    return out
