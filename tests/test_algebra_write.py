@@ -90,9 +90,16 @@ def test_per_module_ranks_and_scales_go_to_rank_and_alpha_patterns(tmp_path):
     assert cfg["rank_pattern"] and cfg["alpha_pattern"]
     back = load_adapter(out)
     _same_targets(ad, back)
-    with pytest.raises(AdapterError, match="one rank per adapter"):
+    with pytest.raises(AdapterError, match="one scale per adapter"):
         save_adapter(ad, tmp_path / "m", format="mlx-lm")
     assert not (tmp_path / "m").exists()
+    ad.targets[1].scale = 2.0  # one scale: the rank-2 target is zero-padded to rank 4
+    m = load_adapter(save_adapter(ad, tmp_path / "m", format="mlx-lm"))
+    for t in ad.targets:
+        u = _by_module(m)[t.module]
+        assert u.rank == 4
+        assert np.array_equal(t.B.astype(np.float64) @ t.A.astype(np.float64),
+                              u.B.astype(np.float64) @ u.A.astype(np.float64))
 
 
 def test_mlx_folds_a_power_of_two_scale_and_refuses_others(tmp_path):

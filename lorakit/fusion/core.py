@@ -138,13 +138,16 @@ def _exact_fix(x64: np.ndarray, w_rows: np.ndarray, fmt_in, Bs: np.ndarray, A: n
     if idx.size == 0:
         return
     cols = x64.shape[1]
-    s = Fraction(scale)
+    # a combination of adapters has one scale per rank column (fusion/algebra.py)
+    sk = [Fraction(float(c)) for c in np.broadcast_to(np.asarray(scale, np.float64),
+                                                        (A.shape[0],))]
     flat_out = out_bits.reshape(-1)
     for f in idx:
         i, j = divmod(int(f), cols)
         w = float(nm.to_float64(w_rows[i:i + 1, j:j + 1], fmt_in)[0, 0])
-        exact = Fraction(w) + s * sum(
-            Fraction(float(Bs[i, k])) * Fraction(float(A[k, j])) for k in range(A.shape[0]))
+        exact = Fraction(w) + sum(
+            sk[k] * Fraction(float(Bs[i, k])) * Fraction(float(A[k, j]))
+            for k in range(A.shape[0]))
         x = float(exact)  # correctly rounded to f64
         if Fraction(x) != exact:
             # x may sit exactly on a tie that the exact value does not: step off it
