@@ -20,7 +20,7 @@ partial sum rounded to float32, summed in adapter order), which ``--like peft`` 
 >>> import numpy as np
 >>> xs = [np.array([1.0, -2.0, 3.0], np.float32), np.array([-1.0, 1.0, 1.0], np.float32)]
 >>> merge("ties", xs, [1.0, 1.0], density=1.0).tolist()
-[1.0, 1.0, 2.0]
+[1.0, -2.0, 2.0]
 """
 from __future__ import annotations
 
