@@ -40,22 +40,18 @@ def add_combination_flags(p: argparse.ArgumentParser, method_flag: str) -> None:
                    help="fraction kept by ties, magnitude_prune, dare_*")
     p.add_argument("--seed", type=int, default=None, help="random seed of dare_* (required)")
     p.add_argument("--like", choices=("peft",), default=None,
-                   help="reproduce PEFT's add_weighted_adapter + merge_and_unload bit for bit "
-                   "(not implemented yet: refused)")
+                   help="reproduce PEFT's add_weighted_adapter (+ merge_and_unload, which "
+                   "fuse then does with --rounding round-once) bit for bit: linear, cat, "
+                   "ties, magnitude_prune; svd within 1 ulp on a few elements")
 
 
-def combination_of(args: argparse.Namespace) -> Any:
+def combination_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
     """The combined adapter (a Combination) the flags ask for."""
     from ..fusion.algebra import combine
 
-    if getattr(args, "like", None) == "peft":
-        raise LorakitError("--like peft is not implemented yet", tensor="--like",
-                           expected="lorakit's own methods (exact, cat, svd, linear, ties, ...)",
-                           found="--like peft",
-                           hint="lorakit's linear/ties/magnitude_prune follow PEFT's "
-                           "definitions, evaluated in float64 and rounded once")
     return combine(args.adapter_path, _weights(args.weights), method=args.method,
-                   rank=args.rank, density=args.density, seed=args.seed)
+                   rank=args.rank, density=args.density, seed=args.seed, like=args.like,
+                   base_dtype=base_dtype)
 
 
 def fuse_adapter(args: argparse.Namespace) -> Any:
@@ -66,6 +62,15 @@ def fuse_adapter(args: argparse.Namespace) -> Any:
     if len(paths) == 1 and args.weights is None and args.method == "exact" \
             and args.like is None:
         return paths[0]
+    if args.like == "peft":
+        from ..io.source import open_source
+
+        if args.rounding not in ("nearest", "round-once"):
+            raise LorakitError("--like peft merges as PEFT does", tensor="--rounding",
+                               expected="--rounding round-once (implied by --like peft)",
+                               found=f"--rounding {args.rounding}")
+        args.rounding = "round-once"  # PEFT's merge_and_unload
+        return combination_of(args, open_source(args.model).dtype).adapter
     comb = combination_of(args)
     if args.method == "exact" and args.rounding != "nearest":
         raise LorakitError("an exact combination of adapters is fused correctly rounded only",
@@ -79,11 +84,10 @@ def fuse_adapter(args: argparse.Namespace) -> Any:
 def _combine(args: argparse.Namespace) -> int:
     from ..fusion.algebra import combine
 
-    if getattr(args, "like", None) == "peft":
-        combination_of(args)  # refuses
     rep = combine(args.adapter_path, _weights(args.weights), method=args.method,
-                  rank=args.rank, density=args.density, seed=args.seed,
-                  save_path=args.save_path, format=args.format, force=args.force)
+                  rank=args.rank, density=args.density, seed=args.seed, like=args.like,
+                  base_dtype=args.model_dtype, save_path=args.save_path, format=args.format,
+                  force=args.force)
     print(json.dumps(rep.to_dict(), indent=2) if args.json else rep)
     return 0
 
@@ -107,6 +111,9 @@ def add(sub) -> None:
     add_combination_flags(p, "--method")
     p.add_argument("--format", choices=("mlx-lm", "peft"), default="mlx-lm",
                    help="format of the written adapter (default: mlx-lm)")
+    p.add_argument("--model-dtype", choices=("BF16", "F16", "F32"), default="BF16",
+                   help="with --like peft: the dtype of the model PEFT would build cat's "
+                   "factors in (default: BF16)")
     p.add_argument("--save-path", required=True, help="output adapter directory")
     p.add_argument("--force", action="store_true", help=_FORCE_HELP)
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -50,7 +50,8 @@ from ..errors import AdapterError, LorakitError
 from ..inspect.report import Report
 from ..io.adapter import Adapter, LoraTarget, load_adapter
 from ..io.adapter_write import save_adapter
-from .peft_methods import FACTOR_METHODS, RANDOM, merge
+from .peft_like import check_like_peft, like_peft_target
+from .peft_methods import RANDOM, merge
 
 PathLike = Union[str, Path]
 METHODS = ("exact", "cat", "linear", "svd", "ties", "ties_svd", "magnitude_prune",
@@ -70,7 +71,8 @@ class Combination(Report):
         """Write the combination as an adapter (``exact`` is saved folded, as ``cat``)."""
         ad = _folded(self.adapter)[0] if self.method == "exact" else self.adapter
         prov = {"method": self.method, "weights": self.summary.get("weights"),
-                "sources": self.summary.get("adapters")}
+                "sources": self.summary.get("adapters"), "like": self.summary.get("like")}
+        # PEFT's cat factors are bf16/fp16 values: F32 holds them exactly
         return save_adapter(ad, path, format=format, force=force, dtype="F32",
                             provenance=prov, verb="combine")
 
@@ -192,6 +194,7 @@ def _factor_merge(method: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[
 def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequence[float]] = None,
             *, method: str = "exact", rank: Optional[int] = None,
             density: Optional[float] = None, seed: Optional[int] = None,
+            like: Optional[str] = None, base_dtype: str = "BF16",
             save_path: Optional[PathLike] = None, format: str = "mlx-lm",
             force: bool = False) -> Combination:
     """Combine adapters with weights (negative allowed) into one adapter.
@@ -203,6 +206,9 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
         rank: the rank of ``svd`` / ``ties_svd`` (default: the largest input rank).
         density: the kept fraction for ``ties``, ``magnitude_prune``, ``dare_*``.
         seed: the random seed of ``dare_*`` (required there).
+        like: ``"peft"``: the adapter PEFT's ``add_weighted_adapter`` builds, bit for bit
+            (:mod:`lorakit.fusion.peft_like`; fuse it with ``rounding="round-once"``).
+        base_dtype: the model's dtype PEFT would build ``cat`` factors in (``like``).
         save_path / format / force: also write the combination there.
 
     >>> c = combine(["data/adapters/lora", "data/adapters/lora"], [0.5, 0.5])
@@ -215,6 +221,12 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
     ads = [_load(a) for a in adapters]
     w = [1.0] * len(ads) if weights is None else [float(x) for x in weights]
     _check_inputs(ads, w)
+    if like not in (None, "peft"):
+        raise LorakitError("unknown --like", tensor="like", expected="peft", found=repr(like))
+    if like == "peft":
+        check_like_peft(method)
+        if len(ads) == 1:
+            method = "linear"  # PEFT combines a single adapter linearly whatever is asked
     rng = None
     if method in RANDOM:
         if seed is None:
@@ -229,7 +241,9 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
         row: Dict[str, Any] = {"module": module, "kind": t0.kind,
                                "adapters": len(parts), "rank_in": "+".join(
                                    str(t.rank) for _, t in parts)}
-        if method in ("exact", "cat"):
+        if like == "peft":
+            t = like_peft_target(method, module, parts, w, density, base_dtype, rank)
+        elif method in ("exact", "cat"):
             t = _cat_target(module, parts, w)
             if method == "cat":
                 one, (err,) = _folded(Adapter(ads[0].path, ads[0].format, [t], {},
@@ -256,7 +270,7 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
         row["rank"] = t.rank
         targets.append(t)
         rows.append(row)
-    h = hashlib.sha256(repr((method, w, rank, density, seed)).encode())
+    h = hashlib.sha256(repr((method, w, rank, density, seed, like, base_dtype)).encode())
     for ad in ads:
         h.update(ad.sha256.encode())
     fmt = ads[0].format if all(a.format == ads[0].format for a in ads) else "peft"
@@ -264,7 +278,9 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
                   _sha256=h.hexdigest())
     summary: Dict[str, Any] = {"method": method, "adapters": [str(a.path) for a in ads],
                                "weights": w, "modules": len(targets)}
-    if method in ("svd", "ties_svd"):
+    if like:
+        summary["like"] = f"{like} (factors as PEFT builds them on a {base_dtype} model)"
+    if method in ("svd", "ties_svd") and not like:
         summary["worst_trunc_rel_err"] = max((r["trunc_rel_err"] for r in rows), default=0.0)
     if method in ("ties", "ties_svd", "magnitude_prune", "dare_linear", "dare_ties"):
         summary["density"] = density

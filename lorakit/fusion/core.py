@@ -404,5 +404,7 @@ def fuse_bindings(raw: np.ndarray, code: str, binds: List[Binding], rounding: st
             parts.append(part)
         return np.stack(parts), out_code
     (p,) = pieces
+    # round-once rounds an embedding's delta first; so does PEFT for round_delta targets
+    kind = "embedding" if p.target.round_delta else p.kind
     return fuse_weight(raw, code, p.A, p.B, p.scale, magnitude=p.magnitude, rounding=rounding,
-                       dtype_policy=dtype_policy, name=name, kind=p.kind)
+                       dtype_policy=dtype_policy, name=name, kind=kind)

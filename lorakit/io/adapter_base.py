@@ -75,6 +75,9 @@ class LoraTarget:
     magnitude: Optional[np.ndarray] = None
     names: Tuple[str, ...] = ()
     base_weight: Optional[Tuple[np.ndarray, str]] = None  # (raw, dtype code), PEFT only
+    #: PEFT merges this delta rounded to the weight's dtype before adding it (an
+    #: adapter PEFT built in memory in the model's dtype: add_weighted_adapter's cat)
+    round_delta: bool = False
 
     @property
     def rank(self) -> int:
