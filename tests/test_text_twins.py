@@ -95,6 +95,7 @@ def _in(fn: Callable[[], Any]) -> Callable[[Path], Any]:
 
 
 def _builders() -> Dict[str, Callable[[Path], Any]]:
+    from lorakit.fusion.algebra import combine
     from lorakit.inspect.adapters import compare_adapters
     from lorakit.inspect.deltas import delta_norms
     from lorakit.inspect.dtype_map import dtype_map
@@ -119,6 +120,8 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
         "MergeCheck": _in(lambda: merge_check("fused", BASE, LORA)),
         "DeltaNorms": _in(lambda: delta_norms(DORA, BASE)),
         "AdapterComparison": _in(lambda: compare_adapters(LORA, DORA, BASE)),
+        "Combination": _in(lambda: combine([LORA, "data/adapters/lora-embed"], [0.7, 0.3],
+                                           method="cat")),
         "GenerationReport": _in(lambda: compare_generations(
             {"base": BASE, "adapter": (BASE, LORA), "fused": "fused"},
             ["And it came to pass"], max_tokens=8)),
@@ -127,7 +130,7 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
 
 NAMES = ["FuseResult", "DecodeTiming", "DtypeMap", "ParityReport", "UlpReport",
          "UlpReport-tensors", "RefUlpReport", "MergeCheck", "DeltaNorms", "AdapterComparison",
-         "GenerationReport"]
+         "GenerationReport", "Combination"]
 
 
 def _build(name: str, work: Path) -> Any:

@@ -280,6 +280,10 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
                                "weights": w, "modules": len(targets)}
     if like:
         summary["like"] = f"{like} (factors as PEFT builds them on a {base_dtype} model)"
+    if method == "cat" and not like:
+        errs = [r["fold_rel_err"] for r in rows]
+        summary["exactly_stored"] = f"{sum(e == 0 for e in errs)} of {len(errs)} modules"
+        summary["worst_fold_rel_err"] = max(errs, default=0.0)
     if method in ("svd", "ties_svd") and not like:
         summary["worst_trunc_rel_err"] = max((r["trunc_rel_err"] for r in rows), default=0.0)
     if method in ("ties", "ties_svd", "magnitude_prune", "dare_linear", "dare_ties"):
