@@ -184,3 +184,14 @@ def test_never_overwrites_user_files(tmp_path):
     save_adapter(_toy(seed=1), out, format="peft", force=True)  # a lorakit output: replaced
     with pytest.raises(LorakitError):
         save_adapter(_toy(), out, format="peft")
+
+
+def test_llama_cpp_notes_name_what_its_converter_drops(tmp_path):
+    def notes(out):
+        return json.loads((out / "lorakit.json").read_text())["settings"]["llama_cpp_convert"]
+
+    out = save_adapter(_toy(ranks=(4, 4), scales=(2.0, 0.5)), tmp_path / "p", format="peft")
+    assert notes(out) == ["alpha_pattern is ignored (lora_alpha is used for every module)"]
+    assert notes(save_adapter(_toy(), tmp_path / "q", format="peft")) == []
+    assert "DoRA magnitudes are refused" in notes(
+        save_adapter(_toy(dora=True), tmp_path / "d", format="peft"))

@@ -109,6 +109,8 @@ def save_adapter(adapter: Adapter, path: PathLike, *, format: str = "mlx-lm",
         (od.tmp / CONFIG).write_text(json.dumps(cfg, indent=2))
         info = {"format": format, "dtype": code, "source": str(adapter.path),
                 "source_format": adapter.format, "targets": len(adapter.targets)}
+        if format == "peft":
+            info["llama_cpp_convert"] = llama_cpp_notes(cfg)
         info.update(dict(provenance or {}))
         od.commit(verb, info)
     return out
@@ -365,6 +367,23 @@ def peft_config(targets: Sequence[LoraTarget], alphas: Mapping[str, Any],
         "use_dora": any(t.is_dora for t in targets), "use_qalora": False,
         "use_rslora": False,
     }
+
+
+def llama_cpp_notes(cfg: Mapping[str, Any]) -> List[str]:
+    """What llama.cpp's ``convert_lora_to_gguf.py`` cannot take from a PEFT config as
+    written (empty: it reads the adapter as PEFT does). It reads ``lora_alpha`` alone
+    (scale alpha / r of each tensor's own rank) and refuses DoRA magnitudes and whole
+    tensors other than norms."""
+    out = []
+    if cfg.get("alpha_pattern"):
+        out.append("alpha_pattern is ignored (lora_alpha is used for every module)")
+    if cfg.get("use_rslora"):
+        out.append("use_rslora is ignored (alpha / r is used)")
+    if cfg.get("use_dora"):
+        out.append("DoRA magnitudes are refused")
+    if cfg.get("modules_to_save"):
+        out.append("modules_to_save tensors are refused (norms excepted)")
+    return out
 
 
 def _base_name(adapter: Adapter) -> Optional[str]:
