@@ -175,6 +175,7 @@ def test_refusals():
         combine([LORA, EMB], [1, 1], method="ties")
 
 
+@pytest.mark.slow  # three fuses through the CLI
 def test_cli_second_adapter_path_is_not_dropped(tmp_path, capsys):
     from lorakit.cli.main import main
 
@@ -225,6 +226,7 @@ def test_compare_adapters_reads_combinations(tmp_path):
     assert "lora" in str(cmp_)
 
 
+@pytest.mark.slow  # five commands, one a fuse
 def test_readme_algebra_commands_run(tmp_path, monkeypatch, capsys):
     import re
 
