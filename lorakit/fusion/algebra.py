@@ -121,7 +121,8 @@ def _cat_target(module: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[fl
     A = np.concatenate([t.A for _, t in parts], axis=-2)
     B = np.concatenate([t.B for _, t in parts], axis=-1)
     cols = np.concatenate([np.full(t.rank, float(w[i]) * float(t.scale)) for i, t in parts])
-    return LoraTarget(module, t0.kind, A, B, cols, None,
+    scale = float(cols[0]) if np.all(cols == cols[0]) else cols  # one scale when it is one
+    return LoraTarget(module, t0.kind, A, B, scale, None,
                       tuple(n for _, t in parts for n in t.names))
 
 
@@ -131,6 +132,10 @@ def _folded(ad: Adapter) -> Tuple[Adapter, List[float]]:
     targets, errs = [], []
     for t in ad.targets:
         c = np.atleast_1d(np.asarray(t.scale, np.float64))
+        if c.size == 1 and c[0] > 0:
+            targets.append(t)
+            errs.append(0.0)
+            continue
         s0 = abs(float(c[0])) or 1.0  # positive: a sign moves into B exactly
         ratio = np.broadcast_to(c / s0, (t.rank,))
         B = (t.B.astype(np.float64) * ratio).astype(np.float32)
