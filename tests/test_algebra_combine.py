@@ -44,16 +44,12 @@ def _checkpoint(path):
     return out
 
 
-def test_exact_fuse_of_several_adapters_is_correctly_rounded(tmp_path):
-    import lorakit
-
-    paths, w = [LORA, EMB, LORA], [0.7, -0.3, 0.25]
-    rep = combine(paths, w)
-    lorakit.fuse(DATA / "tiny-qwen3", rep.adapter, tmp_path / "f", progress=False)
-    base, fused = _checkpoint(DATA / "tiny-qwen3"), _checkpoint(tmp_path / "f")
+def _not_nearest(fused_dir, paths, w):
+    """(elements farther than 0.5 ulp from the float64 sum, elements checked); untouched
+    tensors must keep their bits."""
+    base, fused = _checkpoint(DATA / "tiny-qwen3"), _checkpoint(fused_dir)
     want = _exact_sum(paths, w)
-    assert len(want) == 29
-    checked = 0
+    bad = checked = 0
     for name, (code, raw) in base.items():
         module = name[: -len(".weight")]
         fcode, fraw = fused[name]
@@ -66,10 +62,27 @@ def test_exact_fuse_of_several_adapters_is_correctly_rounded(tmp_path):
         up, down = _bf16(fraw + np.uint16(1)), _bf16(fraw - np.uint16(1))
         # nearest: no neighbour of the fused value is closer to the exact one
         err = np.abs(got - exact)
-        assert np.all(err <= np.abs(up - exact)) and np.all(err <= np.abs(down - exact)), name
-        assert np.all(err <= 0.5 * np.maximum(np.abs(up - got), np.abs(down - got)))
+        ok = (err <= np.abs(up - exact)) & (err <= np.abs(down - exact))
+        ok &= err <= 0.5 * np.maximum(np.abs(up - got), np.abs(down - got))
+        bad += int((~ok).sum())
         checked += got.size
-    assert checked > 100_000
+    return bad, checked
+
+
+def test_exact_fuse_of_several_adapters_is_correctly_rounded(tmp_path):
+    import lorakit
+
+    paths, w = [LORA, EMB, LORA], [0.7, -0.3, 0.25]
+    assert len(_exact_sum(paths, w)) == 29
+    rep = combine(paths, w)
+    lorakit.fuse(DATA / "tiny-qwen3", rep.adapter, tmp_path / "f", progress=False)
+    bad, checked = _not_nearest(tmp_path / "f", paths, w)
+    assert bad == 0 and checked > 100_000
+    # the check can fail: mlx-lm's float32 order on the stored cat adapter misses it
+    cat = combine(paths, w, method="cat")
+    lorakit.fuse(DATA / "tiny-qwen3", cat.adapter, tmp_path / "m", rounding="mlx-lm",
+                 progress=False)
+    assert _not_nearest(tmp_path / "m", paths, w)[0] > 0
 
 
 def test_exact_combination_is_the_weighted_sum_and_deterministic():
