@@ -60,10 +60,12 @@ def _not_nearest(fused_dir, paths, w):
         exact = _bf16(raw) + want[module]
         got = _bf16(fraw)
         up, down = _bf16(fraw + np.uint16(1)), _bf16(fraw - np.uint16(1))
+        # a neighbour by bits of +-0 can be a NaN: then it is no competitor
+        up, down = np.where(np.isnan(up), np.inf, up), np.where(np.isnan(down), np.inf, down)
         # nearest: no neighbour of the fused value is closer to the exact one
         err = np.abs(got - exact)
         ok = (err <= np.abs(up - exact)) & (err <= np.abs(down - exact))
-        ok &= err <= 0.5 * np.maximum(np.abs(up - got), np.abs(down - got))
+        ok &= err <= 0.5 * np.fmax(np.abs(up - got), np.abs(down - got))
         bad += int((~ok).sum())
         checked += got.size
     return bad, checked
