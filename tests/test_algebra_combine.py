@@ -257,3 +257,16 @@ def test_readme_algebra_commands_run(tmp_path, monkeypatch, capsys):
         assert argv[0] == "lorakit"
         assert main(argv[1:] + (["-q"] if argv[1] == "fuse" else [])) == 0, argv
     assert load_adapter(tmp_path / "scratch" / "mix").targets[0].rank == 16
+
+
+def test_rslora_and_patterns_combine_with_their_own_scales():
+    """Each adapter's own resolved scale (rsLoRA alpha/sqrt(r), rank and alpha patterns)."""
+    src = ROOT / "tests" / "fixtures" / "peft" / "qwen3_rslora_patterns" / "adapter"
+    rep = combine([src, src], [0.25, 0.75])
+    orig = {t.module: t for t in load_adapter(src).targets}
+    assert len({t.scale for t in orig.values()}) == 4  # 5.657, 11.31, 2.475, 8.0
+    for t in rep.adapter.targets:
+        want = _f64_delta(orig[t.module])
+        got = (t.B.astype(np.float64) * np.asarray(t.scale)) @ t.A.astype(np.float64)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.abs(want).max())
+        assert t.rank == 2 * orig[t.module].rank
