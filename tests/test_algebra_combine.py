@@ -270,3 +270,13 @@ def test_rslora_and_patterns_combine_with_their_own_scales():
         got = (t.B.astype(np.float64) * np.asarray(t.scale)) @ t.A.astype(np.float64)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.abs(want).max())
         assert t.rank == 2 * orig[t.module].rank
+
+
+def test_moe_experts_spelled_two_ways_are_refused_not_dropped(tmp_path):
+    moe = DATA / "adapters" / "moe-lora"
+    peft = convert(moe, tmp_path / "p", to="peft")
+    with pytest.raises(LorakitError, match="two ways"):
+        combine([moe, peft], [0.5, 0.5])
+    back = convert(peft, tmp_path / "m", to="mlx-lm")  # one spelling: combines
+    rep = combine([moe, back], [0.5, 0.5])
+    assert any(t.kind == "switch" for t in rep.adapter.targets)

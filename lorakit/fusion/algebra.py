@@ -49,6 +49,7 @@ import numpy as np
 from ..errors import AdapterError, LorakitError
 from ..inspect.report import Report
 from ..io.adapter import Adapter, LoraTarget, load_adapter
+from ..io.adapter_layout import expert_modules
 from ..io.adapter_write import save_adapter
 from .peft_like import check_like_peft, like_peft_target
 from .peft_methods import RANDOM, merge
@@ -112,6 +113,16 @@ def _groups(ads: List[Adapter]) -> Dict[str, List[Tuple[int, LoraTarget]]]:
                                    tensor=t.module, expected=f"{g[0][1].kind} {g[0][1].shape}",
                                    found=f"{t.kind} {t.shape}")
             g.append((i, t))
+    for module, parts in out.items():  # one weight, two spellings: never drop one silently
+        if parts[0][1].kind == "switch":
+            n = parts[0][1].A.shape[0]
+            both = [m for m in expert_modules(module, n) if m in out]
+            if both:
+                raise AdapterError("adapters name the same MoE experts two ways (stacked "
+                                   "and per expert)", tensor=module,
+                                   expected="one spelling for every adapter",
+                                   found=f"{module} and {both[0]}",
+                                   hint="convert them to one format first (lorakit convert)")
     return out
 
 
