@@ -280,3 +280,14 @@ def test_moe_experts_spelled_two_ways_are_refused_not_dropped(tmp_path):
     back = convert(peft, tmp_path / "m", to="mlx-lm")  # one spelling: combines
     rep = combine([moe, back], [0.5, 0.5])
     assert any(t.kind == "switch" for t in rep.adapter.targets)
+
+
+def test_exact_combination_refuses_other_rounding_orders(tmp_path):
+    import lorakit
+
+    rep = combine([LORA, EMB], [0.7, 0.3])
+    for rounding in ("round-once", "mlx-lm"):
+        with pytest.raises(LorakitError, match="correctly rounded only"):
+            lorakit.fuse(DATA / "tiny-qwen3", rep.adapter, tmp_path / rounding,
+                         rounding=rounding, progress=False)
+        assert not (tmp_path / rounding).exists()

@@ -363,6 +363,11 @@ def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale
                         else "cannot fuse into a non-float weight", tensor=name,
                         expected="a BF16, F16 or F32 weight", found=f"{code_in} -> {code_out}",
                         hint="store float64 weights as float32 first" if code_in == "F64" else None)
+    if np.ndim(scale) and rounding != "nearest":  # an exact combination of adapters
+        raise FuseError("an exact combination of adapters is fused correctly rounded only",
+                        tensor=name, expected="rounding='nearest'", found=f"{rounding!r}",
+                        hint="combine with method='cat' to fuse one stored adapter in "
+                        "another order")
     fmt_in = nm.float_format(code_in)
     try:
         if rounding in ("mlx-lm", "scale-after"):
