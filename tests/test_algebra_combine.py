@@ -291,3 +291,14 @@ def test_exact_combination_refuses_other_rounding_orders(tmp_path):
             lorakit.fuse(DATA / "tiny-qwen3", rep.adapter, tmp_path / rounding,
                          rounding=rounding, progress=False)
         assert not (tmp_path / rounding).exists()
+
+
+@pytest.mark.slow  # loads the model with mlx-lm
+def test_attach_refuses_per_column_scales_and_takes_cat():
+    import lorakit
+    from mlx_lm import load
+
+    model, _ = load(str(DATA / "tiny-qwen3"))
+    with pytest.raises(LorakitError, match="one per rank column"):
+        lorakit.attach_adapter(model, combine([LORA, EMB], [0.7, 0.3]).adapter)
+    lorakit.attach_adapter(model, combine([LORA, EMB], [0.5, -2.0], method="cat").adapter)
