@@ -10,6 +10,8 @@ Jupyter, ipywidgets nor matplotlib; each verb loads what it needs when called.
 ``open``                  a checkpoint, adapter, ``.safetensors`` file or model as a tensor source
 ``load_adapter``          an adapter (mlx-lm or PEFT format) as lorakit's one description
 ``attach_adapter``        put an adapter on a loaded mlx-lm model, unfused
+``combine``               N adapters with weights as one adapter (exact, cat, svd, PEFT's)
+``convert``               an adapter written in the other format (mlx-lm <-> PEFT), exactly
 ``dtype_map``             per-layer dtypes and bytes, from headers only
 ``delta_norms``           norms, spectra and ranks of an adapter's deltas
 ``compare_adapters``      two adapters of one base, module by module
@@ -41,6 +43,8 @@ _EXPORTS = {
     "fuse": ("lorakit.fusion.api", "fuse"),
     "open": ("lorakit.io.source", "open"),
     "load_adapter": ("lorakit.io.adapter", "load_adapter"),
+    "combine": ("lorakit.fusion.algebra", "combine"),
+    "convert": ("lorakit.fusion.algebra", "convert"),
     "attach_adapter": ("lorakit.fusion.model", "attach_adapter"),
     "dtype_map": ("lorakit.inspect.dtype_map", "dtype_map"),
     "delta_norms": ("lorakit.inspect.deltas", "delta_norms"),

@@ -90,9 +90,16 @@ def test_per_module_ranks_and_scales_go_to_rank_and_alpha_patterns(tmp_path):
     assert cfg["rank_pattern"] and cfg["alpha_pattern"]
     back = load_adapter(out)
     _same_targets(ad, back)
-    with pytest.raises(AdapterError, match="one rank per adapter"):
+    with pytest.raises(AdapterError, match="one scale per adapter"):
         save_adapter(ad, tmp_path / "m", format="mlx-lm")
     assert not (tmp_path / "m").exists()
+    ad.targets[1].scale = 2.0  # one scale: the rank-2 target is zero-padded to rank 4
+    m = load_adapter(save_adapter(ad, tmp_path / "m", format="mlx-lm"))
+    for t in ad.targets:
+        u = _by_module(m)[t.module]
+        assert u.rank == 4
+        assert np.array_equal(t.B.astype(np.float64) @ t.A.astype(np.float64),
+                              u.B.astype(np.float64) @ u.A.astype(np.float64))
 
 
 def test_mlx_folds_a_power_of_two_scale_and_refuses_others(tmp_path):
@@ -177,3 +184,14 @@ def test_never_overwrites_user_files(tmp_path):
     save_adapter(_toy(seed=1), out, format="peft", force=True)  # a lorakit output: replaced
     with pytest.raises(LorakitError):
         save_adapter(_toy(), out, format="peft")
+
+
+def test_llama_cpp_notes_name_what_its_converter_drops(tmp_path):
+    def notes(out):
+        return json.loads((out / "lorakit.json").read_text())["settings"]["llama_cpp_convert"]
+
+    out = save_adapter(_toy(ranks=(4, 4), scales=(2.0, 0.5)), tmp_path / "p", format="peft")
+    assert notes(out) == ["alpha_pattern is ignored (lora_alpha is used for every module)"]
+    assert notes(save_adapter(_toy(), tmp_path / "q", format="peft")) == []
+    assert "DoRA magnitudes are refused" in notes(
+        save_adapter(_toy(dora=True), tmp_path / "d", format="peft"))

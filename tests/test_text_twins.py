@@ -95,6 +95,7 @@ def _in(fn: Callable[[], Any]) -> Callable[[Path], Any]:
 
 
 def _builders() -> Dict[str, Callable[[Path], Any]]:
+    from lorakit.fusion.algebra import combine
     from lorakit.inspect.adapters import compare_adapters
     from lorakit.inspect.deltas import delta_norms
     from lorakit.inspect.dtype_map import dtype_map
@@ -124,6 +125,8 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
         "ExtractReport": _in(lambda: extract(BASE, "fused", rank=8,
                                              modules=["self_attn.q_proj"], progress=False)),
         "ResizeReport": _in(lambda: resize(LORA, energy=0.9)),
+        "Combination": _in(lambda: combine([LORA, "data/adapters/lora-embed"], [0.7, 0.3],
+                                           method="cat")),
         "GenerationReport": _in(lambda: compare_generations(
             {"base": BASE, "adapter": (BASE, LORA), "fused": "fused"},
             ["And it came to pass"], max_tokens=8)),
@@ -132,7 +135,7 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
 
 NAMES = ["FuseResult", "DecodeTiming", "DtypeMap", "ParityReport", "UlpReport",
          "UlpReport-tensors", "RefUlpReport", "MergeCheck", "DeltaNorms", "AdapterComparison",
-         "GenerationReport", "ExtractReport", "ResizeReport"]
+         "GenerationReport", "ExtractReport", "ResizeReport", "Combination"]
 
 
 def _build(name: str, work: Path) -> Any:

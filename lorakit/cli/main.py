@@ -47,7 +47,9 @@ def _fuse(args: argparse.Namespace) -> int:
 
     if args.upload_repo is not None:
         check_upload(args.upload_repo)
-    result = fuse(args.model, args.adapter_path, args.save_path, rounding=args.rounding,
+    from .algebra_cmds import fuse_adapter
+
+    result = fuse(args.model, fuse_adapter(args), args.save_path, rounding=args.rounding,
                   dtype=args.dtype, dequantize=args.dequantize, force=args.force,
                   export_gguf=args.gguf_path if args.export_gguf else None,
                   progress=not args.quiet)
@@ -69,8 +71,9 @@ def _add_fuse(sub) -> None:
     p.add_argument("--model", default="mlx_model",
                    help="base model directory or hub repo id (default, as mlx_lm fuse: "
                    "mlx_model)")
-    p.add_argument("--adapter-path", default="adapters",
-                   help="adapter directory, mlx-lm or PEFT format (default: adapters)")
+    p.add_argument("--adapter-path", action="append", default=None,
+                   help="adapter directory, mlx-lm or PEFT format (default: adapters); "
+                   "repeat it to fuse a combination (--weights, --combine)")
     p.add_argument("--save-path", default="fused_model",
                    help="output directory, must not exist (default: fused_model)")
     p.add_argument("--rounding", choices=ROUNDINGS, default="nearest",
@@ -99,13 +102,16 @@ def _add_fuse(sub) -> None:
                    "and never runs a model's code, so it changes nothing here")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    from .algebra_cmds import add_combination_flags
+    add_combination_flags(p, "--combine")
     p.set_defaults(run=_fuse)
 
 
 def _registered_adders() -> List[Callable]:
     adders: List[Callable] = [_add_fuse]
     for mod in ("lorakit.cli.inspect_cmds", "lorakit.cli.bench_cmd", "lorakit.cli.synth_cmd",
-                "lorakit.cli.extract_cmds"):
+                "lorakit.cli.extract_cmds",
+                "lorakit.cli.algebra_cmds"):
         try:
             m = __import__(mod, fromlist=["add"])
         except ModuleNotFoundError as e:

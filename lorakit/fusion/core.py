@@ -138,13 +138,16 @@ def _exact_fix(x64: np.ndarray, w_rows: np.ndarray, fmt_in, Bs: np.ndarray, A: n
     if idx.size == 0:
         return
     cols = x64.shape[1]
-    s = Fraction(scale)
+    # a combination of adapters has one scale per rank column (fusion/algebra.py)
+    sk = [Fraction(float(c)) for c in np.broadcast_to(np.asarray(scale, np.float64),
+                                                        (A.shape[0],))]
     flat_out = out_bits.reshape(-1)
     for f in idx:
         i, j = divmod(int(f), cols)
         w = float(nm.to_float64(w_rows[i:i + 1, j:j + 1], fmt_in)[0, 0])
-        exact = Fraction(w) + s * sum(
-            Fraction(float(Bs[i, k])) * Fraction(float(A[k, j])) for k in range(A.shape[0]))
+        exact = Fraction(w) + sum(
+            sk[k] * Fraction(float(Bs[i, k])) * Fraction(float(A[k, j]))
+            for k in range(A.shape[0]))
         x = float(exact)  # correctly rounded to f64
         if Fraction(x) != exact:
             # x may sit exactly on a tie that the exact value does not: step off it
@@ -360,6 +363,11 @@ def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale
                         else "cannot fuse into a non-float weight", tensor=name,
                         expected="a BF16, F16 or F32 weight", found=f"{code_in} -> {code_out}",
                         hint="store float64 weights as float32 first" if code_in == "F64" else None)
+    if np.ndim(scale) and rounding != "nearest":  # an exact combination of adapters
+        raise FuseError("an exact combination of adapters is fused correctly rounded only",
+                        tensor=name, expected="rounding='nearest'", found=f"{rounding!r}",
+                        hint="combine with method='cat' to fuse one stored adapter in "
+                        "another order")
     fmt_in = nm.float_format(code_in)
     try:
         if rounding in ("mlx-lm", "scale-after"):
@@ -401,5 +409,7 @@ def fuse_bindings(raw: np.ndarray, code: str, binds: List[Binding], rounding: st
             parts.append(part)
         return np.stack(parts), out_code
     (p,) = pieces
+    # round-once rounds an embedding's delta first; so does PEFT for round_delta targets
+    kind = "embedding" if p.target.round_delta else p.kind
     return fuse_weight(raw, code, p.A, p.B, p.scale, magnitude=p.magnitude, rounding=rounding,
-                       dtype_policy=dtype_policy, name=name, kind=p.kind)
+                       dtype_policy=dtype_policy, name=name, kind=kind)

@@ -60,6 +60,8 @@ class Piece:
 
     @property
     def scale(self) -> float:
+        """A float, or one per rank column (r,) for an exact combination of adapters
+        (``scale * B`` broadcasts over B's columns either way)."""
         return self.target.scale
 
     @property

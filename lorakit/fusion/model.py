@@ -183,6 +183,13 @@ def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
                                found=f"{t.module} -> {b.tensor}",
                                hint="fuse it instead (lorakit.fuse), which slices the experts")
         mod = modules[b.module]
+        if np.ndim(t.scale):  # an exact combination: one scale per rank column
+            raise AdapterError("an mlx-lm LoRA layer has one scale; this target has one per "
+                               "rank column (an exact combination of adapters)",
+                               file=ad.weights_file, tensor=t.module,
+                               expected="one scale", found=f"{np.size(t.scale)} scales",
+                               hint="combine with method='cat' (one stored adapter), or "
+                               "fuse the exact combination (lorakit.fuse)")
         if t.base_weight is not None:  # PEFT saved the weight it was trained on
             raw, code = t.base_weight
             weights.append((b.tensor, raw_to_mx(raw, code).astype(mod.weight.dtype)))

@@ -60,7 +60,8 @@ class LoraTarget:
             (``model.layers.3.self_attn.q_proj``).
         kind: ``"linear"``, ``"embedding"`` or ``"switch"`` (stacked MoE experts).
         A: float32 (…, r, in). B: float32 (…, out, r).
-        scale: the multiplier applied to ``B @ A``.
+        scale: the multiplier applied to ``B @ A``; for an exact combination of
+            adapters (:func:`lorakit.combine`), one per rank column (an array (r,)).
         magnitude: DoRA's learned row norms (out,), or None for plain LoRA.
         names: the adapter tensor names this target came from (for messages).
         base_weight: a copy of the base weight saved with the adapter (PEFT does this
@@ -75,6 +76,9 @@ class LoraTarget:
     magnitude: Optional[np.ndarray] = None
     names: Tuple[str, ...] = ()
     base_weight: Optional[Tuple[np.ndarray, str]] = None  # (raw, dtype code), PEFT only
+    #: PEFT merges this delta rounded to the weight's dtype before adding it (an
+    #: adapter PEFT built in memory in the model's dtype: add_weighted_adapter's cat)
+    round_delta: bool = False
 
     @property
     def rank(self) -> int:
@@ -91,7 +95,9 @@ class LoraTarget:
 
     def __repr__(self) -> str:
         d = ", DoRA" if self.is_dora else ""
-        return f"LoraTarget({self.module!r}, {self.kind}, r={self.rank}, scale={self.scale:g}{d})"
+        sc = np.asarray(self.scale)  # a combination's exact sum: one scale per rank column
+        scale = f"{float(sc):g}" if sc.ndim == 0 else f"{sc.size} column scales"
+        return f"LoraTarget({self.module!r}, {self.kind}, r={self.rank}, scale={scale}{d})"
 
 
 @dataclass

@@ -18,15 +18,16 @@ factors                     lora_a (in, r), lora_b      lora_A.weight (r, in),
                                                         lora_embedding_B (dims, r)
 scale                       lora_parameters.scale,      lora_alpha / r per module
                             one for the whole adapter   (alpha_pattern, rank_pattern)
-rank                        one for the whole adapter   per module (rank_pattern)
+rank                        one (lower ones zero-padded) per module (rank_pattern)
 DoRA                        ``.m``; none on experts     lora_magnitude_vector
 MoE experts                 stacked (switch_mlp)        one module per expert
 whole tensors               none                        modules_to_save
 ==========================  ==========================  ==============================
 
 What a format cannot hold is refused with the reason, never approximated: per-module
-ranks or scales in mlx-lm (a scale that differs by a power of two is folded into
-``lora_b`` exactly), a scale no float64 ``lora_alpha`` gives as ``alpha / r``,
+scales in mlx-lm (a scale that differs by a power of two is folded into ``lora_b``
+exactly; per-module ranks are padded to the largest with zeros, which leaves every
+delta unchanged), a scale no float64 ``lora_alpha`` gives as ``alpha / r``,
 factors that the requested dtype cannot hold exactly.
 """
 from __future__ import annotations
@@ -108,6 +109,8 @@ def save_adapter(adapter: Adapter, path: PathLike, *, format: str = "mlx-lm",
         (od.tmp / CONFIG).write_text(json.dumps(cfg, indent=2))
         info = {"format": format, "dtype": code, "source": str(adapter.path),
                 "source_format": adapter.format, "targets": len(adapter.targets)}
+        if format == "peft":
+            info["llama_cpp_convert"] = llama_cpp_notes(cfg)
         info.update(dict(provenance or {}))
         od.commit(verb, info)
     return out
@@ -191,6 +194,13 @@ def _mlx_targets(adapter: Adapter) -> List[LoraTarget]:
     return out
 
 
+def _padded(t: LoraTarget, rank: int) -> LoraTarget:
+    lead = t.A.shape[:-2]
+    A = np.concatenate([t.A, np.zeros(lead + (rank - t.rank, t.A.shape[-1]), np.float32)], -2)
+    B = np.concatenate([t.B, np.zeros(lead + (t.B.shape[-2], rank - t.rank), np.float32)], -1)
+    return LoraTarget(t.module, t.kind, A, B, t.scale, t.magnitude, t.names, t.base_weight)
+
+
 def _mlx_scale(targets: List[LoraTarget], file: Path) -> Tuple[float, Dict[str, float]]:
     """The adapter's one scale, and a power-of-two factor to fold into each target's B."""
     scale = Counter(t.scale for t in targets).most_common(1)[0][0]
@@ -222,14 +232,10 @@ def _mlx_layout(adapter: Adapter, code: str, num_layers: Optional[int]
                            expected="LoRA factors only", found="a whole tensor",
                            hint="save with format='peft'")
     targets = _mlx_targets(adapter)
-    ranks = Counter(t.rank for t in targets)
-    if len(ranks) > 1:
-        t = next(t for t in targets if t.rank != ranks.most_common(1)[0][0])
-        raise AdapterError("mlx-lm holds one rank per adapter; this adapter's ranks differ",
-                           file=file, tensor=t.module,
-                           expected=f"rank {ranks.most_common(1)[0][0]} everywhere",
-                           found=f"ranks {sorted(ranks)}", hint="save with format='peft' "
-                           "(rank_pattern holds per-module ranks)")
+    rank = max(t.rank for t in targets)
+    # mlx-lm has one rank: a lower-rank target is padded with zero rows of A and zero
+    # columns of B, which add exact zeros to every product (the delta is unchanged)
+    targets = [t if t.rank == rank else _padded(t, rank) for t in targets]
     bad = next((t for t in targets if t.kind == "switch" and t.is_dora), None) or next(
         (t for t in targets if t.is_dora and ".experts." in t.module), None)
     if bad is not None:
@@ -271,7 +277,7 @@ def _mlx_layout(adapter: Adapter, code: str, num_layers: Optional[int]
             tensors.append(_enc(f"{t.module}.m", t.magnitude, code))
     cfg = {k: v for k, v in src.items() if k not in ("lora_parameters",)}
     params = dict(src.get("lora_parameters") or {})
-    params.update({"rank": int(next(iter(ranks))), "scale": scale,
+    params.update({"rank": int(rank), "scale": scale,
                    "dropout": params.get("dropout", 0.0)})
     params["keys"] = keys if not (src and set(params.get("keys") or ()) == set(keys)) \
         else params["keys"]
@@ -303,6 +309,9 @@ def _peft_layout(adapter: Adapter, code: str
     alphas: Dict[str, Any] = {}
     for t in targets:
         p = PEFT_PREFIX + t.module
+        if t.scale < 0:  # PEFT needs lora_alpha > 0: the sign moves into B (exactly)
+            t = LoraTarget(t.module, t.kind, t.A, -t.B, -t.scale, t.magnitude, t.names,
+                           t.base_weight)
         if t.kind == "embedding":
             tensors += [_enc(f"{p}.lora_embedding_A", t.B.T, code),
                         _enc(f"{p}.lora_embedding_B", t.A.T, code)]
@@ -358,6 +367,23 @@ def peft_config(targets: Sequence[LoraTarget], alphas: Mapping[str, Any],
         "use_dora": any(t.is_dora for t in targets), "use_qalora": False,
         "use_rslora": False,
     }
+
+
+def llama_cpp_notes(cfg: Mapping[str, Any]) -> List[str]:
+    """What llama.cpp's ``convert_lora_to_gguf.py`` cannot take from a PEFT config as
+    written (empty: it reads the adapter as PEFT does). It reads ``lora_alpha`` alone
+    (scale alpha / r of each tensor's own rank) and refuses DoRA magnitudes and whole
+    tensors other than norms."""
+    out = []
+    if cfg.get("alpha_pattern"):
+        out.append("alpha_pattern is ignored (lora_alpha is used for every module)")
+    if cfg.get("use_rslora"):
+        out.append("use_rslora is ignored (alpha / r is used)")
+    if cfg.get("use_dora"):
+        out.append("DoRA magnitudes are refused")
+    if cfg.get("modules_to_save"):
+        out.append("modules_to_save tensors are refused (norms excepted)")
+    return out
 
 
 def _base_name(adapter: Adapter) -> Optional[str]:

@@ -1,0 +1,133 @@
+"""``lorakit combine`` and ``lorakit convert``, and the combination flags of ``lorakit fuse``
+(thin callers of :mod:`lorakit.fusion.algebra`)."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, List, Optional
+
+from ..errors import LorakitError
+
+_METHODS = ("exact", "cat", "linear", "svd", "ties", "ties_svd", "magnitude_prune",
+            "dare_linear", "dare_ties")
+_FORCE_HELP = ("replace an existing output, but only an empty directory or a previous lorakit "
+               "output (listed in its lorakit.json); anything else is refused and kept")
+
+
+def _weights(text: Optional[str]) -> Optional[List[float]]:
+    if text is None:
+        return None
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise LorakitError("--weights must be numbers separated by commas",
+                           expected="e.g. --weights 0.7,0.3 or --weights 1,-1",
+                           found=repr(text)) from None
+
+
+def add_combination_flags(p: argparse.ArgumentParser, method_flag: str) -> None:
+    """The flags shared by ``combine`` and ``fuse`` (``--method`` / ``--combine``)."""
+    p.add_argument("--weights", default=None, metavar="W1,W2,...",
+                   help="one weight per --adapter-path, negative allowed (default: 1 each)")
+    p.add_argument(method_flag, dest="method", choices=_METHODS, default="exact",
+                   help="exact (default): the exact weighted sum of the deltas; cat: the same "
+                   "stored as one concatenated adapter; svd: truncated to --rank; linear, ties, "
+                   "magnitude_prune, dare_linear, dare_ties: PEFT's add_weighted_adapter "
+                   "definitions (factors merged separately: cross terms); ties_svd")
+    p.add_argument("--rank", type=int, default=None,
+                   help="rank of svd / ties_svd (default: the largest input rank)")
+    p.add_argument("--density", type=float, default=None,
+                   help="fraction kept by ties, magnitude_prune, dare_*")
+    p.add_argument("--seed", type=int, default=None, help="random seed of dare_* (required)")
+    p.add_argument("--like", choices=("peft",), default=None,
+                   help="reproduce PEFT's add_weighted_adapter (+ merge_and_unload, which "
+                   "fuse then does with --rounding round-once) bit for bit: linear, cat, "
+                   "ties, magnitude_prune; svd within 1 ulp on a few elements")
+
+
+def combination_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
+    """The combined adapter (a Combination) the flags ask for."""
+    from ..fusion.algebra import combine
+
+    return combine(args.adapter_path, _weights(args.weights), method=args.method,
+                   rank=args.rank, density=args.density, seed=args.seed, like=args.like,
+                   base_dtype=base_dtype)
+
+
+def fuse_adapter(args: argparse.Namespace) -> Any:
+    """What ``lorakit fuse`` fuses: the one --adapter-path as given, or the combination
+    of several (a second --adapter-path used to replace the first silently)."""
+    paths = args.adapter_path or ["adapters"]
+    args.adapter_path = paths
+    if len(paths) == 1 and args.weights is None and args.method == "exact" \
+            and args.like is None:
+        return paths[0]
+    if args.like == "peft":
+        from ..io.source import open_source
+
+        if args.rounding not in ("nearest", "round-once"):
+            raise LorakitError("--like peft merges as PEFT does", tensor="--rounding",
+                               expected="--rounding round-once (implied by --like peft)",
+                               found=f"--rounding {args.rounding}")
+        args.rounding = "round-once"  # PEFT's merge_and_unload
+        return combination_of(args, open_source(args.model).dtype).adapter
+    comb = combination_of(args)
+    if args.method == "exact" and args.rounding != "nearest":
+        raise LorakitError("an exact combination of adapters is fused correctly rounded only",
+                           tensor="--rounding", expected="--rounding nearest",
+                           found=f"--rounding {args.rounding}",
+                           hint="the other orders are those of one adapter's runtime; use "
+                           "--combine cat to fuse the stored concatenated adapter with them")
+    return comb.adapter
+
+
+def _combine(args: argparse.Namespace) -> int:
+    from ..fusion.algebra import combine
+
+    rep = combine(args.adapter_path, _weights(args.weights), method=args.method,
+                  rank=args.rank, density=args.density, seed=args.seed, like=args.like,
+                  base_dtype=args.model_dtype, save_path=args.save_path, format=args.format,
+                  force=args.force)
+    print(json.dumps(rep.to_dict(), indent=2) if args.json else rep)
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from ..fusion.algebra import convert
+
+    out = convert(args.adapter, args.save_path, to=args.to, force=args.force,
+                  num_layers=args.num_layers)
+    print(json.dumps({"output": str(out), "format": args.to}) if args.json else
+          f"wrote {args.to} adapter {out}")
+    return 0
+
+
+def add(sub) -> None:
+    p = sub.add_parser("combine", help="combine adapters with weights into one adapter",
+                       description="Combine N adapters (mlx-lm or PEFT) with weights into one "
+                       "adapter: exactly (default), or by PEFT's methods.")
+    p.add_argument("--adapter-path", action="append", required=True,
+                   help="an adapter directory (repeat for each adapter)")
+    add_combination_flags(p, "--method")
+    p.add_argument("--format", choices=("mlx-lm", "peft"), default="mlx-lm",
+                   help="format of the written adapter (default: mlx-lm)")
+    p.add_argument("--model-dtype", choices=("BF16", "F16", "F32"), default="BF16",
+                   help="with --like peft: the dtype of the model PEFT would build cat's "
+                   "factors in (default: BF16)")
+    p.add_argument("--save-path", required=True, help="output adapter directory")
+    p.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=_combine)
+
+    c = sub.add_parser("convert", help="convert an adapter between mlx-lm and PEFT",
+                       description="Write an adapter in the other format, bit for bit "
+                       "(LoRA, DoRA magnitudes, embeddings, per-module ranks, scales as alpha).")
+    c.add_argument("adapter", help="adapter directory (mlx-lm or PEFT)")
+    c.add_argument("--to", choices=("peft", "mlx-lm"), required=True)
+    c.add_argument("--save-path", required=True, help="output adapter directory")
+    c.add_argument("--num-layers", type=int, default=None,
+                   help="mlx-lm's num_layers (default: the source's, or lowest to highest "
+                   "adapted block)")
+    c.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    c.add_argument("--json", action="store_true", help="print the result as JSON")
+    c.set_defaults(run=_convert)

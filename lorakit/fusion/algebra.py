@@ -1,0 +1,330 @@
+"""Adapter algebra: weighted combinations of adapters, and conversion between formats.
+
+:func:`combine` turns N adapters and N weights into one adapter (a
+:class:`Combination` report holding it). The intended change of the combination of
+adapters ``i`` with weights ``w_i`` on a module is
+
+    D = sum_i w_i * s_i * B_i @ A_i        (s_i: each adapter's own scale, resolved on
+                                            reading: mlx-lm's scale, alpha/r, rsLoRA
+                                            alpha/sqrt(r), rank and alpha patterns)
+
+Methods:
+
+* ``exact`` (default): ``D`` itself, held as the concatenated factors
+  ``[B_1 .. B_N]``, ``[A_1; ..; A_N]`` with one scale per rank column (``w_i * s_i``
+  in float64). Fused (``lorakit fuse`` with several ``--adapter-path``), it is rounded
+  once, like every lorakit fuse. Saved, the column scales are folded into ``B`` (see
+  ``cat``).
+* ``cat``: the same factors with the column scales folded into ``B`` and one scale
+  1.0: exact wherever each ``w_i * s_i`` is a power of two times the first (then the
+  fold only moves exponents); otherwise each folded ``B`` element is rounded once to
+  float32 (relative error <= 2**-24), and the report gives the measured error per
+  module (``fold_rel_err``).
+* ``svd``: ``D`` in float64, truncated to rank R (default: the largest input rank)
+  by its SVD; ``B = U S``, ``A = V^T`` rounded to float32; the report gives the
+  truncation error ``||D - B A||_F / ||D||_F`` per module.
+* ``linear``, ``ties``, ``magnitude_prune``, ``dare_linear``, ``dare_ties``: PEFT's
+  ``add_weighted_adapter`` definitions: the A factors and the B factors are merged
+  separately (:mod:`lorakit.fusion.peft_methods`) with weights
+  ``sign(w s) sqrt(|w s|)`` on A and ``sqrt(|w s|)`` on B, so the product carries
+  cross terms ``B_i A_j`` between adapters (PEFT issue 3004); needs equal ranks.
+  lorakit evaluates each merge in float64 and rounds once to float32.
+* ``ties_svd``: PEFT's ``ties`` on the full deltas ``w_i s_i B_i A_i``, then ``svd``.
+
+DoRA adapters are refused: a DoRA change ``m * (W + d) / ||W + d|| - W`` depends on the
+base weight and is not low rank, so no weighted sum of DoRA adapters is an adapter.
+``modules_to_save`` copies are refused too (PEFT refuses two of them on one module).
+
+:func:`convert` reads an adapter and writes it in the other format
+(:func:`lorakit.io.adapter_write.save_adapter`).
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ..errors import AdapterError, LorakitError
+from ..inspect.report import Report
+from ..io.adapter import Adapter, LoraTarget, load_adapter
+from ..io.adapter_layout import expert_modules
+from ..io.adapter_write import save_adapter
+from .peft_like import check_like_peft, like_peft_target
+from .peft_methods import RANDOM, merge
+
+PathLike = Union[str, Path]
+METHODS = ("exact", "cat", "linear", "svd", "ties", "ties_svd", "magnitude_prune",
+           "dare_linear", "dare_ties")
+
+__all__ = ["combine", "convert", "Combination", "METHODS"]
+
+
+class Combination(Report):
+    """The result of :func:`combine`: the combined :class:`Adapter` (``.adapter``), one
+    row per module (rank, and the fold or truncation error), and ``save()``."""
+
+    adapter: Adapter
+    method: str
+
+    def save(self, path: PathLike, *, format: str = "mlx-lm", force: bool = False) -> Path:
+        """Write the combination as an adapter (``exact`` is saved folded, as ``cat``)."""
+        ad = _folded(self.adapter)[0] if self.method == "exact" else self.adapter
+        prov = {"method": self.method, "weights": self.summary.get("weights"),
+                "sources": self.summary.get("adapters"), "like": self.summary.get("like")}
+        # PEFT's cat factors are bf16/fp16 values: F32 holds them exactly
+        return save_adapter(ad, path, format=format, force=force, dtype="F32",
+                            provenance=prov, verb="combine")
+
+
+def _load(a: Union[PathLike, Adapter]) -> Adapter:
+    return a if isinstance(a, Adapter) else load_adapter(a)
+
+
+def _check_inputs(ads: List[Adapter], weights: Sequence[float]) -> None:
+    if not ads:
+        raise LorakitError("combine needs at least one adapter", expected="--adapter-path A "
+                           "[--adapter-path B ...]", found="none")
+    if len(weights) != len(ads):
+        raise LorakitError("one weight per adapter", tensor="weights",
+                           expected=f"{len(ads)} weights", found=f"{len(weights)}: {weights}")
+    for ad in ads:
+        if ad.is_dora:
+            raise AdapterError("DoRA adapters cannot be combined into an adapter",
+                               file=ad.path, expected="LoRA adapters",
+                               found="DoRA (magnitude vectors)",
+                               hint="a DoRA change depends on the base weight's row norms and "
+                               "is not low rank; fuse DoRA adapters one at a time")
+        if ad.replacements or any(t.base_weight is not None for t in ad.targets):
+            raise AdapterError("adapters with whole tensors (modules_to_save) cannot be "
+                               "combined by weights", file=ad.path,
+                               expected="LoRA factors only", found="modules_to_save copies")
+
+
+def _groups(ads: List[Adapter]) -> Dict[str, List[Tuple[int, LoraTarget]]]:
+    """module -> [(adapter index, target)], modules in first-seen order."""
+    out: Dict[str, List[Tuple[int, LoraTarget]]] = {}
+    for i, ad in enumerate(ads):
+        for t in ad.targets:
+            g = out.setdefault(t.module, [])
+            if g and (g[0][1].kind != t.kind or g[0][1].shape != t.shape):
+                raise AdapterError("adapters disagree on a module's shape", file=ad.path,
+                                   tensor=t.module, expected=f"{g[0][1].kind} {g[0][1].shape}",
+                                   found=f"{t.kind} {t.shape}")
+            g.append((i, t))
+    for module, parts in out.items():  # one weight, two spellings: never drop one silently
+        if parts[0][1].kind == "switch":
+            n = parts[0][1].A.shape[0]
+            both = [m for m in expert_modules(module, n) if m in out]
+            if both:
+                raise AdapterError("adapters name the same MoE experts two ways (stacked "
+                                   "and per expert)", tensor=module,
+                                   expected="one spelling for every adapter",
+                                   found=f"{module} and {both[0]}",
+                                   hint="convert them to one format first (lorakit convert)")
+    return out
+
+
+def _cat_target(module: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[float]
+                ) -> LoraTarget:
+    t0 = parts[0][1]
+    A = np.concatenate([t.A for _, t in parts], axis=-2)
+    B = np.concatenate([t.B for _, t in parts], axis=-1)
+    cols = np.concatenate([np.full(t.rank, float(w[i]) * float(t.scale)) for i, t in parts])
+    scale = float(cols[0]) if np.all(cols == cols[0]) else cols  # one scale when it is one
+    return LoraTarget(module, t0.kind, A, B, scale, None,
+                      tuple(n for _, t in parts for n in t.names))
+
+
+def _folded(ad: Adapter) -> Tuple[Adapter, List[float]]:
+    """The adapter with column scales folded into B (scale: the first column's), and
+    each target's largest relative fold error (0.0: exact)."""
+    targets, errs = [], []
+    for t in ad.targets:
+        c = np.atleast_1d(np.asarray(t.scale, np.float64))
+        if c.size == 1 and c[0] > 0:
+            targets.append(t)
+            errs.append(0.0)
+            continue
+        s0 = abs(float(c[0])) or 1.0  # positive: a sign moves into B exactly
+        ratio = np.broadcast_to(c / s0, (t.rank,))
+        B = (t.B.astype(np.float64) * ratio).astype(np.float32)
+        want = t.B.astype(np.float64) * ratio
+        den = np.abs(want)
+        err = float(np.max(np.abs(B - want) / np.where(den > 0, den, 1))) if B.size else 0.0
+        targets.append(LoraTarget(t.module, t.kind, t.A, B, s0, None, t.names))
+        errs.append(err)
+    return Adapter(ad.path, ad.format, targets, ad.config, ad.weights_file, ad.fine_tune_type,
+                   _sha256=ad._sha256), errs
+
+
+def _delta(t: LoraTarget, w: float) -> np.ndarray:
+    """``w * scale * B @ A`` in float64 ((experts,) out, in)."""
+    return (w * float(t.scale)) * (t.B.astype(np.float64) @ t.A.astype(np.float64))
+
+
+def _svd(D: np.ndarray, rank: int, factors: Optional[Tuple[np.ndarray, np.ndarray]] = None
+         ) -> Tuple[np.ndarray, np.ndarray, float]:
+    """(A (…, R, in), B (…, out, R)) float32 of D's rank-R truncation, and its relative
+    Frobenius error measured with the float32 factors. ``factors`` (Bs, A) with
+    ``D = Bs @ A`` (low rank): the SVD of D from the QR factors of Bs and A^T (an
+    r x r SVD instead of an out x in one)."""
+    if factors is None:
+        U, S, Vh = np.linalg.svd(D, full_matrices=False)
+    else:
+        Bs, A64 = factors
+        Qb, Rb = np.linalg.qr(Bs)
+        Qa, Ra = np.linalg.qr(np.swapaxes(A64, -1, -2))
+        u, S, vh = np.linalg.svd(Rb @ np.swapaxes(Ra, -1, -2))
+        U, Vh = Qb @ u, vh @ np.swapaxes(Qa, -1, -2)
+    R = min(rank, S.shape[-1])
+    B = (U[..., :, :R] * S[..., None, :R]).astype(np.float32)
+    A = Vh[..., :R, :].astype(np.float32)
+    approx = B.astype(np.float64) @ A.astype(np.float64)
+    nrm = np.linalg.norm(D)
+    return A, B, float(np.linalg.norm(D - approx) / nrm) if nrm > 0 else 0.0
+
+
+def _factor_merge(method: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[float],
+                  density: Optional[float], rng: Optional[np.random.Generator]
+                  ) -> Tuple[np.ndarray, np.ndarray]:
+    """PEFT's merge of the A and of the B factors (lorakit orientation)."""
+    ranks = {t.rank for _, t in parts}
+    if len(ranks) > 1:
+        raise AdapterError(f"{method} combines factors and needs equal ranks",
+                           tensor=parts[0][1].module, expected="one rank",
+                           found=f"ranks {sorted(ranks)}",
+                           hint="use method exact, cat or svd")
+    ws = [float(w[i]) * float(t.scale) for i, t in parts]
+    wa = [np.sqrt(abs(x)) * (1 if x >= 0 else -1) for x in ws]
+    wb = [np.sqrt(abs(x)) for x in ws]
+    As, Bs = [t.A for _, t in parts], [t.B for _, t in parts]
+    if parts[0][1].kind == "embedding":  # PEFT's lora_embedding_A is lorakit's B.T
+        return (merge(method, As, wb, density=density, rng=rng),
+                merge(method, Bs, wa, density=density, rng=rng))
+    return (merge(method, As, wa, density=density, rng=rng),
+            merge(method, Bs, wb, density=density, rng=rng))
+
+
+def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequence[float]] = None,
+            *, method: str = "exact", rank: Optional[int] = None,
+            density: Optional[float] = None, seed: Optional[int] = None,
+            like: Optional[str] = None, base_dtype: str = "BF16",
+            save_path: Optional[PathLike] = None, format: str = "mlx-lm",
+            force: bool = False) -> Combination:
+    """Combine adapters with weights (negative allowed) into one adapter.
+
+    Args:
+        adapters: adapter directories (mlx-lm or PEFT) or loaded adapters.
+        weights: one per adapter (default: 1.0 each).
+        method: one of :data:`METHODS` (see the module's docstring).
+        rank: the rank of ``svd`` / ``ties_svd`` (default: the largest input rank).
+        density: the kept fraction for ``ties``, ``magnitude_prune``, ``dare_*``.
+        seed: the random seed of ``dare_*`` (required there).
+        like: ``"peft"``: the adapter PEFT's ``add_weighted_adapter`` builds, bit for bit
+            (:mod:`lorakit.fusion.peft_like`; fuse it with ``rounding="round-once"``).
+        base_dtype: the model's dtype PEFT would build ``cat`` factors in (``like``).
+        save_path / format / force: also write the combination there.
+
+    >>> c = combine(["data/adapters/lora", "data/adapters/lora"], [0.5, 0.5])
+    >>> c.adapter.targets[0].rank, c.summary["method"]
+    (16, 'exact')
+    """
+    if method not in METHODS:
+        raise LorakitError("unknown combination method", tensor="method",
+                           expected=" / ".join(METHODS), found=repr(method))
+    ads = [_load(a) for a in adapters]
+    w = [1.0] * len(ads) if weights is None else [float(x) for x in weights]
+    _check_inputs(ads, w)
+    if like not in (None, "peft"):
+        raise LorakitError("unknown --like", tensor="like", expected="peft", found=repr(like))
+    if like == "peft":
+        check_like_peft(method)
+        if len(ads) == 1:
+            method = "linear"  # PEFT combines a single adapter linearly whatever is asked
+    rng = None
+    if method in RANDOM:
+        if seed is None:
+            raise LorakitError(f"{method} is random: it needs a seed", tensor="seed",
+                               expected="--seed S (the same seed gives the same result)",
+                               found="none")
+        rng = np.random.default_rng(seed)
+    targets: List[LoraTarget] = []
+    rows: List[Dict[str, Any]] = []
+    for module, parts in _groups(ads).items():
+        t0 = parts[0][1]
+        row: Dict[str, Any] = {"module": module, "kind": t0.kind,
+                               "adapters": len(parts), "rank_in": "+".join(
+                                   str(t.rank) for _, t in parts)}
+        if like == "peft":
+            t = like_peft_target(method, module, parts, w, density, base_dtype, rank)
+        elif method in ("exact", "cat"):
+            t = _cat_target(module, parts, w)
+            if method == "cat":
+                one, (err,) = _folded(Adapter(ads[0].path, ads[0].format, [t], {},
+                                              ads[0].weights_file))
+                t = one.targets[0]
+                row["fold_rel_err"] = err
+        elif method in ("svd", "ties_svd"):
+            R = rank or max(t.rank for _, t in parts)
+            deltas = [_delta(t, w[i]) for i, t in parts]
+            if method == "svd":
+                D = np.sum(deltas, axis=0)
+                c = _cat_target(module, parts, w)
+                low = (c.B.astype(np.float64) * np.asarray(c.scale), c.A.astype(np.float64))
+            else:
+                D = merge("ties", deltas, [1.0] * len(deltas), density=density).astype(
+                    np.float64)
+                low = None
+            A, B, err = _svd(D, R, low)
+            t = LoraTarget(module, t0.kind, A, B, 1.0, None, t0.names)
+            row["trunc_rel_err"] = err
+        else:
+            A, B = _factor_merge(method, parts, w, density, rng)
+            t = LoraTarget(module, t0.kind, A, B, 1.0, None, t0.names)
+        row["rank"] = t.rank
+        targets.append(t)
+        rows.append(row)
+    h = hashlib.sha256(repr((method, w, rank, density, seed, like, base_dtype)).encode())
+    for ad in ads:
+        h.update(ad.sha256.encode())
+    fmt = ads[0].format if all(a.format == ads[0].format for a in ads) else "peft"
+    out = Adapter(ads[0].path, fmt, targets, {}, ads[0].weights_file, "lora",
+                  _sha256=h.hexdigest())
+    summary: Dict[str, Any] = {"method": method, "adapters": [str(a.path) for a in ads],
+                               "weights": w, "modules": len(targets)}
+    if like:
+        summary["like"] = f"{like} (factors as PEFT builds them on a {base_dtype} model)"
+    if method == "cat" and not like:
+        errs = [r["fold_rel_err"] for r in rows]
+        summary["exactly_stored"] = f"{sum(e == 0 for e in errs)} of {len(errs)} modules"
+        summary["worst_fold_rel_err"] = max(errs, default=0.0)
+    if method in ("svd", "ties_svd") and not like:
+        summary["worst_trunc_rel_err"] = max((r["trunc_rel_err"] for r in rows), default=0.0)
+    if method in ("ties", "ties_svd", "magnitude_prune", "dare_linear", "dare_ties"):
+        summary["density"] = density
+    if method in RANDOM:
+        summary["seed"] = seed
+    cols = ["module", "kind", "rank_in", "rank"] + [k for k in ("fold_rel_err", "trunc_rel_err")
+                                                    if rows and k in rows[0]]
+    rep = Combination(f"combine ({method}) of {len(ads)} adapter(s)", rows, cols, summary)
+    rep.adapter, rep.method = out, method
+    if save_path is not None:
+        rep.summary["saved"] = str(rep.save(save_path, format=format, force=force))
+    return rep
+
+
+def convert(adapter: Union[PathLike, Adapter], save_path: PathLike, *, to: str = "peft",
+            force: bool = False, num_layers: Optional[int] = None) -> Path:
+    """Write ``adapter`` in format ``to`` (``"peft"`` or ``"mlx-lm"``), its factors in
+    their own dtype, bit for bit (see :func:`lorakit.io.adapter_write.save_adapter`).
+
+    >>> import tempfile, os
+    >>> out = convert("data/adapters/lora", os.path.join(tempfile.mkdtemp(), "p"), to="peft")
+    >>> sorted(p.name for p in out.iterdir())
+    ['adapter_config.json', 'adapter_model.safetensors', 'lorakit.json']
+    """
+    ad = _load(adapter)
+    return save_adapter(ad, save_path, format=to, force=force, num_layers=num_layers,
+                        verb="convert", provenance={"to": to})

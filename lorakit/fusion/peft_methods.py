@@ -1,0 +1,107 @@
+"""PEFT's task-arithmetic merges (``peft/utils/merge_utils.py``, PEFT 0.21.2), in numpy.
+
+Each takes the task tensors of N adapters (same shape) and one weight per adapter:
+
+* ``linear``: ``sum_i w_i x_i``;
+* ``magnitude_prune``: each ``x_i`` keeps its ``int(density * size)`` largest
+  magnitudes (the rest zero), then ``linear``;
+* ``ties``: magnitude-prune each, elect a sign per element (the sign of the sum of the
+  pruned, unweighted tensors, ``>= 0`` counting as +), keep the weighted values of that
+  sign and average them over how many agree (at least 1);
+* ``dare_linear`` / ``dare_ties``: a random mask keeps each element with probability
+  ``density`` (rescaled by ``1 / density``), then ``linear`` / ``ties``. PEFT draws the
+  mask with torch's generator; lorakit with numpy's, from ``seed``: the same
+  distribution, never the same mask.
+
+``exact=True`` evaluates in float64 and rounds the result once to float32 (lorakit's
+default); ``exact=False`` follows torch's float32 evaluation (each product and each
+partial sum rounded to float32, summed in adapter order), which ``--like peft`` needs.
+
+>>> import numpy as np
+>>> xs = [np.array([1.0, -2.0, 3.0], np.float32), np.array([-1.0, 1.0, 1.0], np.float32)]
+>>> merge("ties", xs, [1.0, 1.0], density=1.0).tolist()
+[1.0, -2.0, 2.0]
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from ..errors import LorakitError
+
+FACTOR_METHODS = ("linear", "ties", "magnitude_prune", "dare_linear", "dare_ties")
+RANDOM = ("dare_linear", "dare_ties")
+
+
+def magnitude_mask(x: np.ndarray, density: float) -> np.ndarray:
+    """True for the ``int(density * x.size)`` largest ``|x|`` (ties: the first in order)."""
+    mask = np.zeros(x.size, bool)
+    if density >= 1:
+        mask[:] = True
+        return mask.reshape(x.shape)
+    k = int(density * x.size)
+    if k > 0:
+        order = np.argsort(-np.abs(x.reshape(-1)).astype(np.float64), kind="stable")
+        mask[order[:k]] = True
+    return mask.reshape(x.shape)
+
+
+def _weighted_sum(xs: Sequence[np.ndarray], ws: Sequence[float], exact: bool,
+                  masks: Optional[Sequence[np.ndarray]] = None) -> np.ndarray:
+    if exact:
+        acc = np.zeros(xs[0].shape, np.float64)
+        for i, (x, w) in enumerate(zip(xs, ws)):
+            t = x.astype(np.float64) * w
+            acc += t if masks is None else np.where(masks[i], t, 0.0)
+        return acc
+    acc = None
+    for i, (x, w) in enumerate(zip(xs, ws)):
+        t = (x.astype(np.float32) * np.float32(w)).astype(np.float32)
+        if masks is not None:
+            t = np.where(masks[i], t, np.float32(0))
+        acc = t if acc is None else (acc + t).astype(np.float32)
+    return acc
+
+
+def merge(method: str, xs: Sequence[np.ndarray], ws: Sequence[float], *,
+          density: Optional[float] = None, rng: Optional[np.random.Generator] = None,
+          exact: bool = True) -> np.ndarray:
+    """PEFT's ``method`` over task tensors ``xs`` with weights ``ws``: float32 result."""
+    if method not in FACTOR_METHODS:
+        raise LorakitError("unknown merge method", expected=" / ".join(FACTOR_METHODS),
+                           found=repr(method))
+    xs = [np.asarray(x) for x in xs]
+    if method != "linear":
+        if density is None or not 0 <= density <= 1:
+            raise LorakitError(f"{method} needs a density in [0, 1]", tensor="density",
+                               expected="--density D, 0 <= D <= 1", found=repr(density))
+    if method in ("magnitude_prune", "ties"):
+        xs = [np.where(magnitude_mask(x, density), x, np.float32(0)).astype(np.float32)
+              for x in xs]
+    elif method in RANDOM:
+        if rng is None:
+            raise LorakitError(f"{method} is random: it needs a seed", tensor="seed",
+                               expected="--seed S", found="none")
+        if density < 1:
+            kept = []
+            for x in xs:
+                m = rng.random(x.shape) < density
+                if exact:
+                    kept.append(np.where(m, x.astype(np.float64) / density, 0.0))
+                else:
+                    kept.append((np.where(m, x, np.float32(0)) / np.float32(density)
+                                 ).astype(np.float32))
+            xs = kept
+    if method in ("linear", "magnitude_prune", "dare_linear"):
+        return np.asarray(_weighted_sum(xs, ws, exact), np.float64).astype(np.float32)
+    # ties / dare_ties: the elected sign, then the mean of the agreeing weighted values
+    signs = [np.sign(x) for x in xs]
+    total = _weighted_sum(xs, [1.0] * len(xs), exact)
+    major = np.where(total >= 0, 1, -1)
+    masks: List[np.ndarray] = [s == major for s in signs]
+    summed = _weighted_sum(xs, ws, exact, masks)
+    count = np.maximum(np.sum(masks, axis=0), 1)
+    if exact:
+        return (summed / count).astype(np.float32)
+    return (summed / count.astype(np.float32)).astype(np.float32)
