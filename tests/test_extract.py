@@ -223,9 +223,15 @@ def test_saved_results_load_back_exactly(fused, tmp_path):
     res = resize(LORA, rank=3, save_path=tmp_path / "r3", format="mlx-lm")
     r3 = lorakit.load_adapter(res.saved)
     assert r3.format == "mlx-lm" and {t.rank for t in r3.targets} == {3}
-    with pytest.raises(LorakitError, match="one rank"):
-        resize(LORA, energy=0.9, save_path=tmp_path / "bad", format="mlx-lm")
-    assert not (tmp_path / "bad").exists()
+    # per-module ranks in mlx-lm's one-rank config: lower ranks zero-padded, deltas exact
+    mixed = resize(LORA, energy=0.9, save_path=tmp_path / "pad", format="mlx-lm")
+    assert len({t.rank for t in mixed.adapter.targets}) > 1
+    pad = {t.module: t for t in lorakit.load_adapter(mixed.saved).targets}
+    assert len({t.rank for t in pad.values()}) == 1
+    for m in mixed.adapter.targets:
+        t = pad[m.module]
+        assert np.array_equal(t.scale * (t.B.astype(np.float64) @ t.A.astype(np.float64)),
+                              m.scale * (m.B.astype(np.float64) @ m.A.astype(np.float64)))
 
 
 @pytest.mark.slow  # a few seconds: more extracts and fuses
