@@ -294,6 +294,7 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
                     break
                 v = _time_variant(n, model, adapter, work, spec, python, bar, cancel,
                                   timeout, keep)
+                v.run_rounds = [r] * len(v.decode_tps)
                 v = pooled[n].merge(v) if n in pooled else v
                 pooled[n] = v
                 result.add(v)

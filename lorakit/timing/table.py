@@ -47,6 +47,7 @@ class VariantTiming:
     prefill_tps: List[float] = field(default_factory=list)
     decode_tps: List[float] = field(default_factory=list)
     ttft_s: List[float] = field(default_factory=list)
+    run_rounds: List[int] = field(default_factory=list)
     peak_bytes: int = 0
     peak_source: str = ""
     mlx_peak_bytes: int = 0
@@ -94,6 +95,7 @@ class VariantTiming:
             self.prefill_tps = self.prefill_tps + other.prefill_tps
             self.decode_tps = self.decode_tps + other.decode_tps
             self.ttft_s = self.ttft_s + other.ttft_s
+            self.run_rounds = self.run_rounds + other.run_rounds
             for k in ("peak_bytes", "mlx_peak_bytes", "rss_peak_bytes"):
                 setattr(self, k, max(getattr(self, k), getattr(other, k)))
             self.tokens = other.tokens or self.tokens
