@@ -55,9 +55,11 @@ def add(sub) -> None:
     p.add_argument("--tokens", type=int, default=128, help="tokens decoded per run (default 128)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per variant (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=int, default=None,
                    help="run the variant list this many times in rotated orders and pool "
-                   "the runs, so a noisy machine's slow phases hit every variant (default 1)")
+                   "the runs, so a noisy machine's slow phases hit every variant; the "
+                   "interval of each ratio to base is paired by round (default: 5 below "
+                   "1 GB of weights, 3 below 20 GB, else 2)")
     p.add_argument("--device", choices=["cpu", "gpu"], default=None,
                    help="MLX device (default: MLX's default device)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompt")

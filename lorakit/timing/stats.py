@@ -14,8 +14,9 @@ what the machine did between processes:
   the noise inside one process, and :func:`speed_verdict` says so.
 
 A variant is called slower only when the interval lies wholly below 1 *and* the
-ratio is below ``1 - threshold``: noise alone (interval reaching 1) and a real but
-small effect (inside the threshold) are both left unflagged.
+ratio is below ``1 - threshold`` *and* below the :func:`noise_band` of the base
+against itself (how far the same bytes move between processes on this machine):
+noise alone and a real but small effect (inside the threshold) are left unflagged.
 
 Pure Python (``random`` with a fixed seed): the same runs give the same interval.
 
@@ -87,14 +88,48 @@ def ratio_interval(runs: Sequence[float], rounds: Optional[Sequence[int]],
     return lo, hi
 
 
+def noise_band(base_runs: Sequence[float], base_rounds: Optional[Sequence[int]], *,
+               per_round: Optional[int] = None, confidence: float = CONFIDENCE,
+               resamples: int = RESAMPLES, seed: int = 1) -> Tuple[float, float]:
+    """What the base against *itself* can read as: the percentile band of
+    ``median(draw1) / median(draw2)`` where both draws resample the base's rounds (and
+    the runs inside them) independently. Identical bytes decoded in two processes land
+    inside this band by chance; a ratio inside it says nothing. ``(nan, nan)`` with
+    fewer than 2 base runs."""
+    b = by_round(base_runs, base_rounds, per_round)
+    keys = sorted(b)
+    if sum(len(x) for x in b.values()) < 2:
+        return math.nan, math.nan
+    rng = random.Random(seed)
+
+    def draw() -> List[float]:
+        if len(keys) >= 2:
+            return [x for r in (rng.choice(keys) for _ in keys)
+                    for x in rng.choices(b[r], k=len(b[r]))]
+        pool = b[keys[0]]
+        return rng.choices(pool, k=len(pool))
+
+    ratios = sorted(statistics.median(draw()) / statistics.median(draw())
+                    for _ in range(resamples))
+    tail = (1 - confidence) / 2
+    return (ratios[max(0, int(math.floor(tail * resamples)))],
+            ratios[min(resamples - 1, int(math.ceil((1 - tail) * resamples)) - 1)])
+
+
 def speed_verdict(ratio: float, interval: Tuple[float, float], *, rounds: int,
-                  threshold: float = SPEED_THRESHOLD) -> Tuple[bool, str]:
-    """(flagged, words) for a decode ratio to base and its interval."""
+                  threshold: float = SPEED_THRESHOLD,
+                  noise: Optional[Tuple[float, float]] = None) -> Tuple[bool, str]:
+    """(flagged, words) for a decode ratio to base and its interval. With ``noise``
+    (:func:`noise_band`), a ratio inside the base-against-itself band is never
+    flagged either: the machine moves the base that much on its own."""
     lo, hi = interval
     if math.isnan(ratio) or math.isnan(lo):
         return False, "no interval"
     span = f"{ratio:.2f}x, {CONFIDENCE:.0%} interval {lo:.2f}-{hi:.2f}"
     if hi < 1 and ratio < 1 - threshold:
+        if noise is not None and not math.isnan(noise[0]) and ratio >= noise[0]:
+            return False, (f"same speed within noise ({span}; base against itself "
+                           f"{noise[0]:.2f}-{noise[1]:.2f})")
         return True, f"slower: {span}"
     if lo > 1 and ratio > 1 + threshold:
         return False, f"faster: {span}"
