@@ -217,3 +217,58 @@ def test_rounds_rotate_and_pool(assets, monkeypatch):
     assert t.settings["rounds"] == 3
     with pytest.raises(LorakitError, match="rounds"):
         time_decode(model, adapter, variants=["base"], rounds=0, progress=False)
+
+
+# -- the noise-aware verdict: false-alarm and miss rates on simulated timings --------------
+def _simulated(effect, rng, rounds=3, reps=3, s_round=0.1, s_proc=0.05, s_run=0.05):
+    """Decode tok/s of base and a variant ``effect`` x as fast: a slow phase of the
+    machine per round (shared), a per-process factor and per-run jitter (log-normal)."""
+    b, v, rb, rv = [], [], [], []
+    for r in range(rounds):
+        f = math.exp(rng.gauss(0, s_round))
+        pb, pv = math.exp(rng.gauss(0, s_proc)), math.exp(rng.gauss(0, s_proc))
+        for _ in range(reps):
+            b.append(100 * f * pb * math.exp(rng.gauss(0, s_run)))
+            v.append(100 * effect * f * pv * math.exp(rng.gauss(0, s_run)))
+            rb.append(r)
+            rv.append(r)
+    return b, rb, v, rv
+
+
+def _flag_rate(effect, trials=40, **noise):
+    from lorakit.timing.stats import noise_band, ratio_interval, speed_verdict
+
+    rng, flagged = __import__("random").Random(7), 0
+    for i in range(trials):
+        b, rb, v, rv = _simulated(effect, rng, **noise)
+        ci = ratio_interval(v, rv, b, rb, resamples=200, seed=i)
+        band = noise_band(b, rb, resamples=200, seed=i)
+        ratio = sorted(v)[len(v) // 2] / sorted(b)[len(b) // 2]
+        flagged += speed_verdict(ratio, ci, rounds=3, noise=band)[0]
+    return flagged / trials
+
+
+@pytest.mark.parametrize("noise", [{}, {"s_round": 0.3, "s_proc": 0.15}],
+                         ids=["moderate-noise", "shared-machine-noise"])
+def test_same_speed_is_not_flagged(noise):
+    """False alarms: equal speeds under noise flagged in at most 1 trial in 20."""
+    assert _flag_rate(1.0, **noise) <= 0.05
+
+
+def test_h200_sized_slowdown_is_flagged():
+    """Misses: a 0.64x variant (the seed's promoted fuse) under moderate noise is
+    flagged in at least 9 trials of 10."""
+    assert _flag_rate(0.64) >= 0.9
+
+
+def test_verdict_words_and_threshold():
+    from lorakit.timing.stats import bytes_verdict, speed_verdict
+
+    assert speed_verdict(0.95, (0.93, 0.97), rounds=3)[0] is False  # real, but < 10%
+    assert speed_verdict(0.80, (0.60, 1.05), rounds=3)[0] is False  # interval reaches 1
+    assert speed_verdict(0.80, (0.75, 0.85), rounds=3)[0] is True
+    # inside what the base does against itself: not flagged
+    flag, words = speed_verdict(0.80, (0.75, 0.85), rounds=3, noise=(0.5, 2.0))
+    assert not flag and "base against itself 0.50-2.00" in words
+    assert bytes_verdict(1.0, 0) == (False, "")
+    assert bytes_verdict(1.82, 9_440_000) == (True, "1.82x weight bytes (f32 9.44 MB)")
