@@ -64,9 +64,9 @@ def ratio_interval(runs: Sequence[float], rounds: Optional[Sequence[int]],
                    resamples: int = RESAMPLES, seed: int = 0) -> Tuple[float, float]:
     """Percentile bootstrap interval of ``median(runs) / median(base_runs)``,
     resampling rounds (paired: the same rounds for both) and runs inside rounds.
-    ``(nan, nan)`` when either side has no runs."""
+    ``(nan, nan)`` when either side has fewer than 2 runs."""
     a, b = by_round(runs, rounds, per_round), by_round(base_runs, base_rounds, per_round)
-    if not a or not b:
+    if len(runs) < 2 or len(base_runs) < 2:  # one run: nothing to resample
         return math.nan, math.nan
     common = sorted(set(a) & set(b))
     rng = random.Random(seed)
@@ -124,7 +124,8 @@ def speed_verdict(ratio: float, interval: Tuple[float, float], *, rounds: int,
     flagged either: the machine moves the base that much on its own."""
     lo, hi = interval
     if math.isnan(ratio) or math.isnan(lo):
-        return False, "no interval"
+        return False, (f"{ratio:.2f}x; no interval from one run (repeats or rounds >= 2)"
+                       if not math.isnan(ratio) else "no interval")
     span = f"{ratio:.2f}x, {CONFIDENCE:.0%} interval {lo:.2f}-{hi:.2f}"
     if hi < 1 and ratio < 1 - threshold:
         if noise is not None and not math.isnan(noise[0]) and ratio >= noise[0]:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+from ..inspect.moe_cpu import NOTE as MOE_NOTE
 from ..inspect.report import Report
 from .stats import (BYTES_THRESHOLD, CONFIDENCE, SPEED_THRESHOLD, bytes_verdict, human_bytes,
                     noise_band, ratio_interval, speed_verdict)
@@ -64,6 +65,7 @@ class VariantTiming:
     weight_bytes: Dict[str, int] = field(default_factory=dict)
     param_bytes: Dict[str, int] = field(default_factory=dict)
     lora_modules: int = 0
+    moe_f32_blocks: int = 0
     generated: int = 0
     tokens: List[int] = field(default_factory=list)
     load_s: float = 0.0
@@ -284,6 +286,10 @@ class DecodeTiming(Report):
                        default=0)
             if 0 < size < 1e9:
                 self.summary["on this device"] += "; " + TINY_NOTE.format(size=human_bytes(size))
+        moe = {v.variant: v.moe_f32_blocks for v in self.variants if v.moe_f32_blocks}
+        if moe:
+            self.summary["note"] = MOE_NOTE.format(n=", ".join(f"{k}: {n} blocks"
+                                                              for k, n in moe.items()))
         verdicts = self.verdicts()
         ref = next((v.tokens for v in self.variants if v.variant == "unfused" and v.ok), None)
         rows: List[Dict[str, Any]] = []
