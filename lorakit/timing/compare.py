@@ -8,7 +8,7 @@ a GPU run showed, both computed by the same verdict code (nothing typed by hand)
 the command that produced it.
 
 >>> from pathlib import Path
->>> h200 = load_benchmark(Path("benchmarks/results/h200-qwen3-8b.json"))
+>>> h200 = load_benchmark("h200-qwen3-8b.json")  # a bare name: from RESULTS
 >>> [h200.rows[i]["variant"] for i in h200.flagged]
 ['promoted']
 >>> print(side_by_side({"H200": h200}).rows[1]["H200 weights x base"])
@@ -16,18 +16,47 @@ the command that produced it.
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Dict, List, Union
 
+from ..errors import LorakitError
 from ..inspect.report import Report
 from .table import VARIANTS, DecodeTiming
+
+# the committed benchmark results of this source tree
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def _path(path: Union[str, Path]) -> Path:
+    p = Path(path)
+    if not p.exists() and p.parent == Path(".") and (RESULTS / p).exists():
+        p = RESULTS / p
+    if not p.is_file():
+        raise LorakitError("no such benchmark result", file=str(p),
+                           expected=f"a JSON file, or a name under {RESULTS}")
+    return p
 
 
 def load_benchmark(path: Union[str, Path]) -> DecodeTiming:
     """A committed decode-timing result (``benchmarks/decode.py --out``), re-judged by
-    this version's verdict code; ``settings["command"]`` is what produced it."""
-    return DecodeTiming.from_json(Path(path).read_text())
+    this version's verdict code; ``settings["command"]`` is what produced it. A bare
+    file name is looked up in :data:`RESULTS`."""
+    return DecodeTiming.from_json(_path(path).read_text())
+
+
+def load_seed(path: Union[str, Path] = "seed-report.json") -> Report:
+    """The seed report's table (a run reported by a user, not measured here), from
+    its committed JSON: decode tok/s and peak memory per variant."""
+    d = json.loads(_path(path).read_text())
+    rows = [{"variant": n, "decode tok/s": v.get("decode_tps", "-".join(
+                 str(x) for x in v.get("decode_tps_range", [])) or None),
+             "peak GB": v.get("peak_gb")} for n, v in d["variants"].items()]
+    return Report(title=f"seed report: {d['model']} on {d['machine']}", rows=rows,
+                  summary={"what": d["what"], "source": d["source"],
+                           "command": d["command"]},
+                  columns=["variant", "decode tok/s", "peak GB"])
 
 
 def _where(t: DecodeTiming) -> str:
