@@ -98,8 +98,8 @@ def test_twice_as_slow_claim():
 
 def test_benchmarks_md_decode_section_numbers_come_from_json():
     text = (ROOT / "BENCHMARKS.md").read_text()
-    sec = text[text.index("## Decode timing: noise-aware verdicts"):]
-    sec = sec[:sec.index("\n## ", 5)] if "\n## " in sec[5:] else sec
+    sec = text[text.index("### Noise-aware verdicts"):]
+    sec = sec[:sec.index("\n### ", 5)]
     h200 = side_by_side({"H200": load_benchmark("h200-qwen3-8b.json")})
     allowed = []
     for r in h200.rows:
@@ -110,6 +110,7 @@ def test_benchmarks_md_decode_section_numbers_come_from_json():
             t = DecodeTiming.from_dict(run["table"])
             for n in ("fused", "mlx-lm-fused", "promoted"):
                 allowed += [t.ratio(n)] + list(t.interval(n))
+            allowed += list(t.noise_band()) + [t.verdicts()["promoted"]["bytes_ratio"]]
             allowed.append(run["seconds"])
     allowed += [1.66, 9.44, 12.3]  # peak x base (H200), f32 MB (CPU), f32 GB (H200)
     allowed = [x for x in allowed if isinstance(x, (int, float))]
@@ -117,3 +118,11 @@ def test_benchmarks_md_decode_section_numbers_come_from_json():
     assert nums, "the section states numbers"
     for c in nums:
         assert any(_matches(c, x) for x in allowed), c
+
+
+def test_readme_thresholds_are_the_code_s():
+    from lorakit.timing.stats import CONFIDENCE
+
+    text = (ROOT / "README.md").read_text()
+    para = text[text.index("The decode-timing table flags"):][:600]
+    assert f"below {1 - SPEED_THRESHOLD:.2f}" in para and f"{CONFIDENCE:.0%} bootstrap" in para

@@ -43,7 +43,7 @@ def timing(assets):
     model, adapter, _ = assets
     seen = []
     t = time_decode(model, adapter, prompt_tokens=PROMPT, tokens=TOKENS, repeats=REPEATS,
-                    device="cpu", progress=False, on_result=seen.append)
+                    rounds=2, device="cpu", progress=False, on_result=seen.append)
     return t, seen
 
 
@@ -51,7 +51,7 @@ def timing(assets):
 def test_every_variant_ran_and_hook_saw_each(timing):
     t, seen = timing
     assert [v.variant for v in t.variants] == list(VARIANTS)
-    assert [v.variant for v in seen] == list(VARIANTS)
+    assert [v.variant for v in seen] == list(VARIANTS) + list(VARIANTS[1:]) + [VARIANTS[0]]
     assert all(v.ok for v in t.variants), [v.error for v in t.variants]
 
 
@@ -164,7 +164,10 @@ def test_bad_arguments(assets):
 def test_variant_that_cannot_be_made_is_reported(tmp_path):
     model = make_model(tmp_path / "q", "qwen3", quantize={"group_size": 32, "bits": 4})
     adapter = make_adapter(model, tmp_path / "qa", keys=("self_attn.q_proj",))
-    t = time_decode(model, adapter, variants=["promoted"], progress=False)
+    made = []
+    t = time_decode(model, adapter, variants=["promoted"], progress=False,
+                    on_result=made.append)
+    assert len(made) == 1  # tried once, not once per round
     v = t.variant("promoted")
     assert not v.ok and "promote" in v.error
     assert "error" in str(t)
@@ -176,7 +179,8 @@ def test_cli_bench_json(assets, capsys):
 
     model, _, _ = assets
     rc = main(["bench", "--model", str(model), "--variants", "base", "--prompt-tokens", "4",
-               "--tokens", "4", "--repeats", "1", "--device", "cpu", "--json", "-q"])
+               "--tokens", "4", "--repeats", "1", "--rounds", "1", "--device", "cpu", "--json",
+               "-q"])
     assert rc == 0
     d = json.loads(capsys.readouterr().out)
     (v,) = d["variants"]

@@ -304,6 +304,8 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
             for n in names[r % len(names):] + names[:r % len(names)]:
                 if cancel is not None and cancel.is_set():
                     break
+                if n in pooled and pooled[n].error and not pooled[n].decode_tps:
+                    continue  # could not be made or run: not retried every round
                 v = _time_variant(n, model, adapter, work, spec, python, bar, cancel,
                                   timeout, keep)
                 v.run_rounds = [r] * len(v.decode_tps)
