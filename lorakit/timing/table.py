@@ -308,7 +308,8 @@ class DecodeTiming(Report):
                 "decode tok/s": v.decode_median,
                 "decode min-max": f"{min(v.decode_tps):.4g}-{max(v.decode_tps):.4g}",
                 "decode x base": dr,
-                f"{CONFIDENCE:.0%} interval": f"{ci[0]:.2f}-{ci[1]:.2f}",
+                f"{CONFIDENCE:.0%} interval": "" if math.isnan(ci[0]) else
+                f"{ci[0]:.2f}-{ci[1]:.2f}",
                 "TTFT ms": v.ttft_median * 1e3,
                 "peak GB": _gb(v.peak_bytes),
                 "peak x base": pr,
