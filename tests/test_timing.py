@@ -60,8 +60,9 @@ def test_numbers_positive_and_finite(timing):
     t, _ = timing
     for v in t.variants:
         for xs in (v.prefill_tps, v.decode_tps, v.ttft_s):
-            assert len(xs) == REPEATS
+            assert len(xs) == REPEATS * 2  # two rounds pooled
             assert all(math.isfinite(x) and x > 0 for x in xs), (v.variant, xs)
+        assert sorted(set(v.run_rounds)) == [0, 1] and len(v.run_rounds) == REPEATS * 2
         assert v.peak_bytes > 0 and v.rss_peak_bytes > 0
         # end-of-sequence never cuts a run short
         assert v.generated == TOKENS and len(v.tokens) == TOKENS
@@ -69,6 +70,11 @@ def test_numbers_positive_and_finite(timing):
         assert v.peak_bytes == v.rss_peak_bytes
     assert t.ratio("base") == 1.0 and t.ratio("base", "peak") == 1.0
     assert math.isfinite(t.ratio("fused")) and t.ratio("fused") > 0
+    lo, hi = t.interval("fused")
+    assert 0 < lo <= hi and math.isfinite(hi)  # two rounds: an interval from both
+    assert "paired over 2 interleaved rounds" in t.summary["noise"]
+    assert "on CPU" in t.summary["on this device"] and "tiny" in t.summary["on this device"]
+    assert "fused" not in [t.rows[i]["variant"] for i in t.flagged]
 
 
 @pytest.mark.slow  # runs decode timing workers

@@ -46,7 +46,10 @@ def add(sub) -> None:
         description="Time greedy decoding (mlx-lm's generation path) of a checkpoint, the "
         "checkpoint with the adapter attached, and fused checkpoints (f32-promoted, dtype "
         "kept, mlx_lm fuse). Each variant runs in its own process; reports prefill and "
-        "decode tok/s, time to first token, peak memory and weight bytes by dtype.")
+        "decode tok/s, time to first token, peak memory and weight bytes by dtype. Each decode "
+        "ratio to base comes with a 95% bootstrap interval over interleaved rounds; a row "
+        "is flagged only for weight bytes over 1.02x base or a ratio below 0.90 outside "
+        "the interval and the base's own noise.")
     p.add_argument("--model", required=True, help="base model directory")
     p.add_argument("--adapter-path", help="adapter directory (needed by all but 'base')")
     p.add_argument("--variants", default=None,
