@@ -105,7 +105,9 @@ def main(argv=None) -> int:
                             repeats=args.repeats, warmup=args.warmup, device=args.device,
                             workdir=cache, progress=not args.quiet, on_result=on_result,
                             rounds=args.rounds)
-            t.settings.update(shape=shape, assets=made, synth_s=round(synth_s, 1),
+            t.settings.update(command="python benchmarks/decode.py " + " ".join(
+                                  sys.argv[1:] if argv is None else argv),
+                              shape=shape, assets=made, synth_s=round(synth_s, 1),
                               total_s=round(time.perf_counter() - t0, 1))
             print(f"## {shape} ({made}; {t.settings['total_s']} s)\n{t}\n", flush=True)
             if args.out is not None:

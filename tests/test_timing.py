@@ -43,7 +43,7 @@ def timing(assets):
     model, adapter, _ = assets
     seen = []
     t = time_decode(model, adapter, prompt_tokens=PROMPT, tokens=TOKENS, repeats=REPEATS,
-                    device="cpu", progress=False, on_result=seen.append)
+                    rounds=2, device="cpu", progress=False, on_result=seen.append)
     return t, seen
 
 
@@ -51,7 +51,7 @@ def timing(assets):
 def test_every_variant_ran_and_hook_saw_each(timing):
     t, seen = timing
     assert [v.variant for v in t.variants] == list(VARIANTS)
-    assert [v.variant for v in seen] == list(VARIANTS)
+    assert [v.variant for v in seen] == list(VARIANTS) + list(VARIANTS[1:]) + [VARIANTS[0]]
     assert all(v.ok for v in t.variants), [v.error for v in t.variants]
 
 
@@ -60,8 +60,9 @@ def test_numbers_positive_and_finite(timing):
     t, _ = timing
     for v in t.variants:
         for xs in (v.prefill_tps, v.decode_tps, v.ttft_s):
-            assert len(xs) == REPEATS
+            assert len(xs) == REPEATS * 2  # two rounds pooled
             assert all(math.isfinite(x) and x > 0 for x in xs), (v.variant, xs)
+        assert sorted(set(v.run_rounds)) == [0, 1] and len(v.run_rounds) == REPEATS * 2
         assert v.peak_bytes > 0 and v.rss_peak_bytes > 0
         # end-of-sequence never cuts a run short
         assert v.generated == TOKENS and len(v.tokens) == TOKENS
@@ -69,6 +70,11 @@ def test_numbers_positive_and_finite(timing):
         assert v.peak_bytes == v.rss_peak_bytes
     assert t.ratio("base") == 1.0 and t.ratio("base", "peak") == 1.0
     assert math.isfinite(t.ratio("fused")) and t.ratio("fused") > 0
+    lo, hi = t.interval("fused")
+    assert 0 < lo <= hi and math.isfinite(hi)  # two rounds: an interval from both
+    assert "paired over 2 interleaved rounds" in t.summary["noise"]
+    assert "on CPU" in t.summary["on this device"] and "tiny" in t.summary["on this device"]
+    assert "fused" not in [t.rows[i]["variant"] for i in t.flagged]
 
 
 @pytest.mark.slow  # runs decode timing workers
@@ -164,7 +170,10 @@ def test_bad_arguments(assets):
 def test_variant_that_cannot_be_made_is_reported(tmp_path):
     model = make_model(tmp_path / "q", "qwen3", quantize={"group_size": 32, "bits": 4})
     adapter = make_adapter(model, tmp_path / "qa", keys=("self_attn.q_proj",))
-    t = time_decode(model, adapter, variants=["promoted"], progress=False)
+    made = []
+    t = time_decode(model, adapter, variants=["promoted"], progress=False,
+                    on_result=made.append)
+    assert len(made) == 1  # tried once, not once per round
     v = t.variant("promoted")
     assert not v.ok and "promote" in v.error
     assert "error" in str(t)
@@ -176,7 +185,8 @@ def test_cli_bench_json(assets, capsys):
 
     model, _, _ = assets
     rc = main(["bench", "--model", str(model), "--variants", "base", "--prompt-tokens", "4",
-               "--tokens", "4", "--repeats", "1", "--device", "cpu", "--json", "-q"])
+               "--tokens", "4", "--repeats", "1", "--rounds", "1", "--device", "cpu", "--json",
+               "-q"])
     assert rc == 0
     d = json.loads(capsys.readouterr().out)
     (v,) = d["variants"]
@@ -217,3 +227,58 @@ def test_rounds_rotate_and_pool(assets, monkeypatch):
     assert t.settings["rounds"] == 3
     with pytest.raises(LorakitError, match="rounds"):
         time_decode(model, adapter, variants=["base"], rounds=0, progress=False)
+
+
+# -- the noise-aware verdict: false-alarm and miss rates on simulated timings --------------
+def _simulated(effect, rng, rounds=3, reps=3, s_round=0.1, s_proc=0.05, s_run=0.05):
+    """Decode tok/s of base and a variant ``effect`` x as fast: a slow phase of the
+    machine per round (shared), a per-process factor and per-run jitter (log-normal)."""
+    b, v, rb, rv = [], [], [], []
+    for r in range(rounds):
+        f = math.exp(rng.gauss(0, s_round))
+        pb, pv = math.exp(rng.gauss(0, s_proc)), math.exp(rng.gauss(0, s_proc))
+        for _ in range(reps):
+            b.append(100 * f * pb * math.exp(rng.gauss(0, s_run)))
+            v.append(100 * effect * f * pv * math.exp(rng.gauss(0, s_run)))
+            rb.append(r)
+            rv.append(r)
+    return b, rb, v, rv
+
+
+def _flag_rate(effect, trials=40, **noise):
+    from lorakit.timing.stats import noise_band, ratio_interval, speed_verdict
+
+    rng, flagged = __import__("random").Random(7), 0
+    for i in range(trials):
+        b, rb, v, rv = _simulated(effect, rng, **noise)
+        ci = ratio_interval(v, rv, b, rb, resamples=200, seed=i)
+        band = noise_band(b, rb, resamples=200, seed=i)
+        ratio = sorted(v)[len(v) // 2] / sorted(b)[len(b) // 2]
+        flagged += speed_verdict(ratio, ci, rounds=3, noise=band)[0]
+    return flagged / trials
+
+
+@pytest.mark.parametrize("noise", [{}, {"s_round": 0.3, "s_proc": 0.15}],
+                         ids=["moderate-noise", "shared-machine-noise"])
+def test_same_speed_is_not_flagged(noise):
+    """False alarms: equal speeds under noise flagged in at most 1 trial in 20."""
+    assert _flag_rate(1.0, **noise) <= 0.05
+
+
+def test_h200_sized_slowdown_is_flagged():
+    """Misses: a 0.64x variant (the seed's promoted fuse) under moderate noise is
+    flagged in at least 9 trials of 10."""
+    assert _flag_rate(0.64) >= 0.9
+
+
+def test_verdict_words_and_threshold():
+    from lorakit.timing.stats import bytes_verdict, speed_verdict
+
+    assert speed_verdict(0.95, (0.93, 0.97), rounds=3)[0] is False  # real, but < 10%
+    assert speed_verdict(0.80, (0.60, 1.05), rounds=3)[0] is False  # interval reaches 1
+    assert speed_verdict(0.80, (0.75, 0.85), rounds=3)[0] is True
+    # inside what the base does against itself: not flagged
+    flag, words = speed_verdict(0.80, (0.75, 0.85), rounds=3, noise=(0.5, 2.0))
+    assert not flag and "base against itself 0.50-2.00" in words
+    assert bytes_verdict(1.0, 0) == (False, "")
+    assert bytes_verdict(1.82, 9_440_000) == (True, "1.82x weight bytes (f32 9.44 MB)")

@@ -280,7 +280,7 @@ def test_generation_compare_marks_first_divergence(data, fused):
 @pytest.mark.slow  # a timing worker thread
 def test_decode_race_runs_in_background(data):
     r = DecodeRace(data / "tiny-qwen3", data / "adapters" / "lora", variants=["base", "fused"],
-                   tokens=4, prompt_tokens=4, repeats=1, warmup=0, device="cpu")
+                   tokens=4, prompt_tokens=4, repeats=1, warmup=0, device="cpu", rounds=2)
     assert r.variants == ["base", "fused"]
     t0 = time.monotonic()
     r.start_button.click()
@@ -292,7 +292,8 @@ def test_decode_race_runs_in_background(data):
     assert not r.running and r.error.value == "", r.error.value
     assert [v.variant for v in result.variants] == ["base", "fused"]
     assert all(v.ok for v in result.variants)
-    assert r.updates == 2 and r.progress.value == 2 and r.progress.bar_style == "success"
+    assert r.updates == 4 and r.progress.value == r.progress.max == 4  # 2 variants x 2 rounds
+    assert r.progress.bar_style == "success"
     assert isinstance(r.chart.figure, Figure) and r.chart.value[:4] == b"\x89PNG"
     assert "fused" in r.table.value and "finished" in r.status.value
     assert not r.start_button.disabled and r.stop_button.disabled
@@ -301,7 +302,7 @@ def test_decode_race_runs_in_background(data):
 @pytest.mark.slow  # a timing worker thread
 def test_decode_race_stop(data):
     r = DecodeRace(data / "tiny-qwen3", data / "adapters" / "lora", tokens=4, prompt_tokens=4,
-                   repeats=1, warmup=0, device="cpu")
+                   repeats=1, warmup=0, device="cpu", rounds=1)
     seen = []
     r.start()
     deadline = time.monotonic() + 300

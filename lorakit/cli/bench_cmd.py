@@ -46,7 +46,10 @@ def add(sub) -> None:
         description="Time greedy decoding (mlx-lm's generation path) of a checkpoint, the "
         "checkpoint with the adapter attached, and fused checkpoints (f32-promoted, dtype "
         "kept, mlx_lm fuse). Each variant runs in its own process; reports prefill and "
-        "decode tok/s, time to first token, peak memory and weight bytes by dtype.")
+        "decode tok/s, time to first token, peak memory and weight bytes by dtype. Each decode "
+        "ratio to base comes with a 95% bootstrap interval over interleaved rounds; a row "
+        "is flagged only for weight bytes over 1.02x base or a ratio below 0.90 outside "
+        "the interval and the base's own noise.")
     p.add_argument("--model", required=True, help="base model directory")
     p.add_argument("--adapter-path", help="adapter directory (needed by all but 'base')")
     p.add_argument("--variants", default=None,
@@ -55,9 +58,11 @@ def add(sub) -> None:
     p.add_argument("--tokens", type=int, default=128, help="tokens decoded per run (default 128)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per variant (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=int, default=None,
                    help="run the variant list this many times in rotated orders and pool "
-                   "the runs, so a noisy machine's slow phases hit every variant (default 1)")
+                   "the runs, so a noisy machine's slow phases hit every variant; the "
+                   "interval of each ratio to base is paired by round (default: 5 below "
+                   "1 GB of weights, 3 below 20 GB, else 2)")
     p.add_argument("--device", choices=["cpu", "gpu"], default=None,
                    help="MLX device (default: MLX's default device)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompt")

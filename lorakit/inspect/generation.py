@@ -27,6 +27,7 @@ from ..errors import LorakitError
 from .report import Report
 from ..fusion.model import load_unfused
 from . import plots
+from .moe_cpu import NOTE as MOE_NOTE, moe_float32_on_cpu
 
 __all__ = ["Divergence", "Generation", "GenerationReport", "compare_generations"]
 
@@ -218,6 +219,8 @@ def compare_generations(models: Mapping[str, Any], prompts: Sequence[str] | str,
     if isinstance(prompts, str):
         prompts = [prompts]
     loaded = {label: _load(label, spec) for label, spec in models.items()}
+    # MoE experts on CPU: float32 (MLX's CPU GatherMM has no bf16), said in the summary
+    moe = {label: len(moe_float32_on_cpu(m)) for label, (m, _) in loaded.items()}
     labels = list(loaded)
     ref = labels[0]
     rows: List[Dict[str, Any]] = []
@@ -246,6 +249,9 @@ def compare_generations(models: Mapping[str, Any], prompts: Sequence[str] | str,
     summary = {"models": ", ".join(labels), "reference": ref, "prompts": len(prompts),
                "max tokens": max_tokens, "decoding": "greedy (argmax)",
                "prompts with identical outputs": f"{n_identical} of {len(prompts)}"}
+    if any(moe.values()):
+        summary["note"] = MOE_NOTE.format(n=", ".join(f"{k}: {n} blocks"
+                                                      for k, n in moe.items() if n))
     return GenerationReport(title=f"greedy outputs of {len(labels)} models",
                             rows=rows, summary=summary, flagged=flagged,
                             columns=["prompt", "model", "tokens", "diverges_at", "margin",

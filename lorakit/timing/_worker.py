@@ -29,6 +29,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from lorakit.fusion.model import load_unfused
+from lorakit.inspect.moe_cpu import moe_float32_on_cpu
 from lorakit.timing._protocol import MARK, TOKENIZER_FILES
 
 # mlx_lm's modules are imported inside the functions that use them: mlx_lm.generate
@@ -180,6 +181,7 @@ def main(spec: Dict[str, Any]) -> Dict[str, Any]:
     model, config = load_model(model_path)
     if spec.get("adapter_path"):  # mlx-lm's load_adapters, or lorakit's for PEFT adapters
         model = load_unfused(model, spec["adapter_path"])
+    moe_f32 = moe_float32_on_cpu(model)  # MLX's CPU GatherMM: float32 only
     mx.eval(model.parameters())
     tok, has_tokenizer = load_tokenizer(model_path, config)
     load_s = time.perf_counter() - t0
@@ -211,6 +213,7 @@ def main(spec: Dict[str, Any]) -> Dict[str, Any]:
             "peak_source": "mlx" if on_gpu else "rss",
             "mlx_peak_bytes": mlx_peak, "rss_peak_bytes": rss_peak,
             "param_bytes": param_bytes(model), "lora_modules": lora_modules,
+            "moe_f32_blocks": len(moe_f32),
             "has_tokenizer": has_tokenizer, "load_s": load_s, "device": facts}
 
 

@@ -19,7 +19,7 @@ is timed and removed right after, so at most one fused copy is on disk at a time
 
 >>> import lorakit
 >>> t = lorakit.time_decode("data/tiny-qwen3", "data/adapters/lora", variants=["base", "fused"],
-...                         tokens=4, repeats=1, warmup=0, progress=False)
+...                         tokens=4, repeats=1, warmup=0, rounds=1, progress=False)
 >>> [v.variant for v in t.variants if v.ok], len(t.plot().axes)
 (['base', 'fused'], 2)
 """
@@ -62,6 +62,13 @@ def weight_bytes(model: PathLike, adapter_path: Optional[PathLike] = None) -> Di
                     c[t.dtype] += t.nbytes
                 break
     return dict(c)
+
+
+def auto_rounds(weight_bytes: int) -> int:
+    """Interleaved rounds a decode timing can afford by default: every round starts
+    each variant's process again, so small checkpoints get more rounds (a better
+    estimate of the noise between processes), large ones fewer."""
+    return 5 if weight_bytes < 1e9 else 3 if weight_bytes < 20e9 else 2
 
 
 def _has_tokenizer(path: Path) -> bool:
@@ -213,7 +220,7 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
                 workdir: Optional[PathLike] = None, progress: bool = True,
                 on_result: Optional[Callable[[VariantTiming], None]] = None,
                 cancel: Any = None, timeout: Optional[float] = None,
-                python: Optional[str] = None, rounds: int = 1) -> DecodeTiming:
+                python: Optional[str] = None, rounds: Optional[int] = None) -> DecodeTiming:
     """Time greedy decoding of a checkpoint and its adapter, fused and unfused.
 
     Args:
@@ -241,7 +248,10 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
             ``rounds * repeats`` runs). A slow phase of a shared machine then falls on
             every variant alike instead of on whichever ran at the time. With more
             than one round the fused checkpoints are made once and kept on disk until
-            the end (one copy per fused variant).
+            the end (one copy per fused variant). Default (None): as many as are
+            affordable, :func:`auto_rounds` (5 for a checkpoint under 1 GB, 3 under
+            20 GB, else 2); the table's interval of each ratio to base is paired by
+            round, and with one round it cannot see the noise between processes.
 
     Returns:
         A :class:`DecodeTiming`. A variant that failed carries its ``error``.
@@ -249,7 +259,7 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
     Runs in a background thread as well: all MLX work happens in the workers.
 
     >>> t = time_decode("data/tiny-qwen3", variants=["base"], tokens=4, repeats=1, warmup=0,
-    ...                 progress=False)
+    ...                 rounds=1, progress=False)
     >>> print(str(t).splitlines()[0])
     Decode timing: tiny-qwen3
     """
@@ -265,13 +275,15 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
         raise LorakitError("these variants need an adapter",
                            found=", ".join(n for n in names if n != "base"),
                            hint="pass adapter_path (--adapter-path)")
+    ckpt = Checkpoint(model)  # a bad model directory fails here, before any work
+    if rounds is None:
+        rounds = auto_rounds(sum(t.nbytes for t in ckpt.tensors.values()))
     if min(prompt_tokens, tokens, repeats, rounds) < 1 or warmup < 0:
         raise LorakitError("prompt_tokens, tokens, repeats and rounds must be >= 1, "
                            "warmup >= 0",
                            found=f"{prompt_tokens}, {tokens}, {repeats}, {rounds}, {warmup}")
     if device not in (None, "cpu", "gpu", "default"):
         raise LorakitError("unknown device", found=str(device), expected="cpu, gpu or None")
-    Checkpoint(model)  # a bad model directory fails here, before any work
     python = python or sys.executable
     settings = {"model": str(model), "adapter_path": str(adapter) if adapter else None,
                 "variants": names, "prompt_tokens": prompt_tokens, "tokens": tokens,
@@ -292,8 +304,11 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
             for n in names[r % len(names):] + names[:r % len(names)]:
                 if cancel is not None and cancel.is_set():
                     break
+                if n in pooled and pooled[n].error and not pooled[n].decode_tps:
+                    continue  # could not be made or run: not retried every round
                 v = _time_variant(n, model, adapter, work, spec, python, bar, cancel,
                                   timeout, keep)
+                v.run_rounds = [r] * len(v.decode_tps)
                 v = pooled[n].merge(v) if n in pooled else v
                 pooled[n] = v
                 result.add(v)

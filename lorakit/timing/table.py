@@ -12,15 +12,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+from ..inspect.moe_cpu import NOTE as MOE_NOTE
 from ..inspect.report import Report
+from .stats import (BYTES_THRESHOLD, CONFIDENCE, SPEED_THRESHOLD, bytes_verdict, human_bytes,
+                    noise_band, ratio_interval, speed_verdict)
 
 PathLike = Union[str, Path]
 
 VARIANTS = ("base", "unfused", "promoted", "fused", "mlx-lm-fused")
 FUSED_VARIANTS = ("promoted", "fused", "mlx-lm-fused")
-# the goal a dtype-kept fuse should meet against the base checkpoint
-DECODE_TOLERANCE = 0.97
-PEAK_TOLERANCE = 1.02
+# a variant is flagged when its decode ratio to base is below 1 - SPEED_THRESHOLD *and*
+# its whole bootstrap interval is below 1, or its weight bytes exceed base's by more
+# than BYTES_THRESHOLD (exact, from the headers); see lorakit/timing/stats.py
+DECODE_TOLERANCE = 1 - SPEED_THRESHOLD
+PEAK_TOLERANCE = 1 + BYTES_THRESHOLD
+CPU_NOTE = ("on CPU: bf16 matmuls are not faster than f32 here, so decode speed cannot "
+            "show what promoted f32 weights cost on a GPU; the weight bytes (exact) can, "
+            "and speed is flagged only beyond the threshold and outside the interval")
+TINY_NOTE = ("the model is tiny ({size}): per-token overhead, not weight reads, sets the "
+             "speed, so equal bytes decoding at different speeds is noise")
 ADAPTER_FILES = ("adapters.safetensors", "adapter_model.safetensors")
 
 
@@ -47,6 +57,7 @@ class VariantTiming:
     prefill_tps: List[float] = field(default_factory=list)
     decode_tps: List[float] = field(default_factory=list)
     ttft_s: List[float] = field(default_factory=list)
+    run_rounds: List[int] = field(default_factory=list)
     peak_bytes: int = 0
     peak_source: str = ""
     mlx_peak_bytes: int = 0
@@ -54,6 +65,7 @@ class VariantTiming:
     weight_bytes: Dict[str, int] = field(default_factory=dict)
     param_bytes: Dict[str, int] = field(default_factory=dict)
     lora_modules: int = 0
+    moe_f32_blocks: int = 0
     generated: int = 0
     tokens: List[int] = field(default_factory=list)
     load_s: float = 0.0
@@ -94,6 +106,7 @@ class VariantTiming:
             self.prefill_tps = self.prefill_tps + other.prefill_tps
             self.decode_tps = self.decode_tps + other.decode_tps
             self.ttft_s = self.ttft_s + other.ttft_s
+            self.run_rounds = self.run_rounds + other.run_rounds
             for k in ("peak_bytes", "mlx_peak_bytes", "rss_peak_bytes"):
                 setattr(self, k, max(getattr(self, k), getattr(other, k)))
             self.tokens = other.tokens or self.tokens
@@ -120,7 +133,7 @@ def _gb(n: float) -> float:
 
 
 def _dtypes_text(by_dtype: Dict[str, int]) -> str:
-    return " + ".join(f"{k} {v / 1e9:.3g}G" for k, v in
+    return " + ".join(f"{k} {human_bytes(v)}" for k, v in
                       sorted(by_dtype.items(), key=lambda kv: -kv[1]))
 
 
@@ -183,6 +196,64 @@ class DecodeTiming(Report):
             return v.prefill_median / base.prefill_median
         raise ValueError(f"what must be decode, peak or prefill, not {what!r}")
 
+    def interval(self, name: str) -> tuple:
+        """The bootstrap interval (lo, hi) of ``name``'s decode ratio to base, paired
+        by round (:func:`lorakit.timing.stats.ratio_interval`); (nan, nan) if missing."""
+        try:
+            base, v = self.variant("base"), self.variant(name)
+        except KeyError:
+            return math.nan, math.nan
+        if not (base.ok and v.ok):
+            return math.nan, math.nan
+        if name == "base":
+            return 1.0, 1.0
+        return ratio_interval(v.decode_tps, v.run_rounds or None, base.decode_tps,
+                              base.run_rounds or None,
+                              per_round=self.settings.get("repeats") or None)
+
+    def noise_band(self) -> tuple:
+        """The base against itself (:func:`lorakit.timing.stats.noise_band`)."""
+        try:
+            base = self.variant("base")
+        except KeyError:
+            return math.nan, math.nan
+        if not base.ok:
+            return math.nan, math.nan
+        return noise_band(base.decode_tps, base.run_rounds or None,
+                          per_round=self.settings.get("repeats") or None)
+
+    def rounds_run(self) -> int:
+        """How many rounds the base variant's runs came from (1 without labels)."""
+        try:
+            base = self.variant("base")
+        except KeyError:
+            return 0
+        return len(set(base.run_rounds)) if base.run_rounds else 1
+
+    def verdicts(self) -> Dict[str, Dict[str, Any]]:
+        """Per variant: decode ratio and interval, weight-bytes ratio, the words and
+        whether each is flagged (``speed_flag``, ``bytes_flag``)."""
+        out: Dict[str, Dict[str, Any]] = {}
+        try:
+            base = self.variant("base")
+        except KeyError:
+            base = None
+        band = self.noise_band()
+        for v in self.variants:
+            if not v.ok or base is None or not base.ok or v.variant == "base":
+                continue
+            dr = self.ratio(v.variant, "decode")
+            ci = self.interval(v.variant)
+            sf, sw = speed_verdict(dr, ci, rounds=self.rounds_run(), noise=band)
+            br = v.weights_total / base.weights_total if base.weights_total else math.nan
+            bf, bw = bytes_verdict(br, v.weight_bytes.get("F32", 0))
+            if v.variant == "unfused" and bw:  # its extra bytes are the adapter: expected
+                bf, bw = False, bw + " (base + adapter)"
+            out[v.variant] = {"decode_ratio": dr, "interval": list(ci), "speed_flag": sf,
+                              "speed": sw, "bytes_ratio": br, "bytes_flag": bf,
+                              "bytes": bw, "f32_bytes": v.weight_bytes.get("F32", 0)}
+        return out
+
     def refresh(self) -> None:
         """Recompute the table rows, summary and flags from ``variants``."""
         s = self.settings
@@ -199,6 +270,27 @@ class DecodeTiming(Report):
             "versions": (f"mlx {dev.get('mlx')}, mlx-lm {dev.get('mlx_lm')}, "
                          f"python {dev.get('python')}") if dev else "",
         }
+        n_rounds, band = self.rounds_run(), self.noise_band()
+        self.summary["noise"] = (
+            f"{CONFIDENCE:.0%} bootstrap interval of each decode ratio to base, "
+            + (f"paired over {n_rounds} interleaved rounds" if n_rounds > 1 else
+               "from the runs of one round only (it cannot see noise between processes; "
+               "use rounds >= 3)")
+            + f"; flagged: ratio < {1 - SPEED_THRESHOLD:.2f} with the whole interval < 1 "
+            "and below the base against itself"
+            + (" ({:.2f}-{:.2f})".format(*band) if not math.isnan(band[0]) else "")
+            + f", or weight bytes > {1 + BYTES_THRESHOLD:.2f}x base")
+        if dev and dev.get("kind") == "cpu":
+            self.summary["on this device"] = CPU_NOTE
+            size = max((v.weights_total for v in self.variants if v.variant == "base"),
+                       default=0)
+            if 0 < size < 1e9:
+                self.summary["on this device"] += "; " + TINY_NOTE.format(size=human_bytes(size))
+        moe = {v.variant: v.moe_f32_blocks for v in self.variants if v.moe_f32_blocks}
+        if moe:
+            self.summary["note"] = MOE_NOTE.format(n=", ".join(f"{k}: {n} blocks"
+                                                              for k, n in moe.items()))
+        verdicts = self.verdicts()
         ref = next((v.tokens for v in self.variants if v.variant == "unfused" and v.ok), None)
         rows: List[Dict[str, Any]] = []
         flagged: List[int] = []
@@ -208,27 +300,35 @@ class DecodeTiming(Report):
                 flagged.append(i)
                 continue
             dr, pr = self.ratio(v.variant, "decode"), self.ratio(v.variant, "peak")
+            vd = verdicts.get(v.variant, {})
+            ci = vd.get("interval", [1.0, 1.0])
             row = {
                 "variant": v.variant,
                 "prefill tok/s": v.prefill_median,
                 "decode tok/s": v.decode_median,
                 "decode min-max": f"{min(v.decode_tps):.4g}-{max(v.decode_tps):.4g}",
                 "decode x base": dr,
+                f"{CONFIDENCE:.0%} interval": "" if math.isnan(ci[0]) else
+                f"{ci[0]:.2f}-{ci[1]:.2f}",
                 "TTFT ms": v.ttft_median * 1e3,
                 "peak GB": _gb(v.peak_bytes),
                 "peak x base": pr,
                 "weights GB": _gb(v.weights_total),
                 "weight dtypes": _dtypes_text(v.weight_bytes),
+                "weights x base": vd.get("bytes_ratio", 1.0),
+                "verdict": "; ".join(w for w in (vd.get("bytes"), vd.get("speed")) if w)
+                if vd else "reference",
             }
             if ref is not None:
                 row["= unfused tokens"] = f"{_prefix_match(v.tokens, ref)}/{len(ref)}"
             rows.append(row)
-            if v.variant != "base" and ((dr < DECODE_TOLERANCE) or (pr > PEAK_TOLERANCE)):
+            if vd.get("speed_flag") or vd.get("bytes_flag"):
                 flagged.append(i)
         self.rows = rows
         self.flagged = flagged
         cols = ["variant", "prefill tok/s", "decode tok/s", "decode min-max", "decode x base",
-                "TTFT ms", "peak GB", "peak x base", "weights GB", "weight dtypes"]
+                f"{CONFIDENCE:.0%} interval", "TTFT ms", "peak GB", "peak x base",
+                "weights GB", "weights x base", "weight dtypes", "verdict"]
         if ref is not None:
             cols.append("= unfused tokens")
         if any(not v.ok for v in self.variants):
@@ -254,7 +354,9 @@ class DecodeTiming(Report):
 
     # -- figure ------------------------------------------------------------------------
     def plot(self, ax=None):
-        """Bar charts of decode tok/s (min-max whiskers) and peak memory per variant.
+        """Decode speed as a ratio to base with each ratio's bootstrap interval as a
+        whisker (dashed: 1 and the flag threshold), and weight bytes (exact) beside
+        peak memory per variant.
 
         Returns the matplotlib Figure (made without pyplot, so it shows once in a
         notebook and is safe to draw from a background thread).
@@ -266,24 +368,31 @@ class DecodeTiming(Report):
         colors = [_COLORS.get(n, "#888888") for n in names]
         fig = Figure(figsize=(9, 3.4), layout="constrained")
         a1, a2 = fig.subplots(1, 2)
-        med = [v.decode_median for v in ok]
-        lo = [m - min(v.decode_tps) for m, v in zip(med, ok)]
-        hi = [max(v.decode_tps) - m for m, v in zip(med, ok)]
-        a1.bar(names, med, yerr=[lo, hi], color=colors, capsize=3)
-        a1.set_ylabel("decode tok/s (median)")
-        a2.bar(names, [_gb(v.peak_bytes) for v in ok], color=colors)  # no spread: one peak
-        a2.set_ylabel("peak memory GB" + (" (RSS)" if ok and ok[0].peak_source == "rss"
-                                          else ""))
-        peaks = [_gb(v.peak_bytes) for v in ok]
-        tops = [max(v.decode_tps) for v in ok]  # labels sit above the whiskers
-        for a, vals, at in ((a1, med, tops), (a2, peaks, peaks)):
+        ratios = [self.ratio(n, "decode") for n in names]
+        cis = [self.interval(n) for n in names]
+        lo = [max(0.0, r - c[0]) if not math.isnan(c[0]) else 0.0 for r, c in zip(ratios, cis)]
+        hi = [max(0.0, c[1] - r) if not math.isnan(c[1]) else 0.0 for r, c in zip(ratios, cis)]
+        a1.bar(names, ratios, yerr=[lo, hi], color=colors, capsize=3)
+        a1.axhline(1.0, color="#444444", lw=0.8, ls="--")
+        a1.axhline(1 - SPEED_THRESHOLD, color="#c44e52", lw=0.8, ls=":")
+        a1.set_ylabel(f"decode x base ({CONFIDENCE:.0%} interval)")
+        x = list(range(len(ok)))
+        weights, peaks = [_gb(v.weights_total) for v in ok], [_gb(v.peak_bytes) for v in ok]
+        a2.bar([i - 0.2 for i in x], weights, width=0.4, color=colors, label="weights (exact)")
+        a2.bar([i + 0.2 for i in x], peaks, width=0.4, color=colors, alpha=0.45,
+               label="peak" + (" RSS" if ok and ok[0].peak_source == "rss" else ""))
+        a2.set_xticks(x, names)
+        a2.set_ylabel("GB")
+        a2.legend(fontsize=7, loc="lower right")
+        tops = [r + h for r, h in zip(ratios, hi)]
+        for a, vals, at in ((a1, ratios, tops), (a2, weights, weights)):
             a.tick_params(axis="x", labelrotation=20)
             a.margins(y=0.12)
-            base = next((x for n, x in zip(names, vals) if n == "base"), None)
-            for i, (x, y) in enumerate(zip(vals, at)):
-                label = f"{x / base:.2f}x" if base else f"{x:.3g}"
-                a.annotate(label, (i, y), ha="center", va="bottom", fontsize=8,
-                           xytext=(0, 2), textcoords="offset points")
+            base = next((y for n, y in zip(names, vals) if n == "base"), None)
+            for i, (y, top) in enumerate(zip(vals, at)):
+                label = f"{y / base:.2f}x" if base else f"{y:.3g}"
+                a.annotate(label, (i - (0.2 if a is a2 else 0), top), ha="center",
+                           va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
         dev = next((v.device for v in ok if v.device), {})
         where = " ".join(x for x in (dev.get("backend", ""), dev.get("device_info", {})
                                      .get("device_name", "")) if x)

@@ -22,7 +22,7 @@ from typing import Any, List, Optional, Sequence, Union
 
 import ipywidgets as W
 
-from ..timing.decode import time_decode
+from ..timing.decode import auto_rounds, time_decode, weight_bytes
 from ..timing.table import VARIANTS, DecodeTiming, VariantTiming
 from ._base import ErrorBox, FigureView, hook
 
@@ -55,6 +55,7 @@ class DecodeRace(W.VBox):
         self.timing: Optional[DecodeTiming] = None
         self.result: Optional[DecodeTiming] = None
         self.updates = 0
+        self._done = 0
         self._thread: Optional[threading.Thread] = None
         self._cancel = threading.Event()
         self._lock = threading.Lock()
@@ -119,8 +120,9 @@ class DecodeRace(W.VBox):
         self.error.show(None)
         self.chart.clear()
         self.table.value = ""
-        self.progress.max = max(1, len(names))
-        self.progress.value = 0
+        rounds = self.kw.get("rounds") or auto_rounds(sum(weight_bytes(self.model).values()))
+        self.progress.max = max(1, len(names) * rounds)  # one step per variant and round
+        self.progress.value = self._done = 0
         self.progress.bar_style = "info"
         self.status.value = f"preparing {', '.join(names)}..."
         self.start_button.disabled = True
@@ -146,7 +148,8 @@ class DecodeRace(W.VBox):
         with self._lock:
             assert self.timing is not None
             self.timing.add(v)
-            self.progress.value = len(self.timing.variants)
+            self._done += 1
+            self.progress.value = self._done
             done = ", ".join(x.variant for x in self.timing.variants)
             self.status.value = f"measured: {done}"
             self.chart.show(self.timing.plot())

@@ -1,0 +1,109 @@
+"""Decode timings side by side: a live run here beside a committed benchmark run.
+
+``side_by_side({"this machine": live, "H200": loaded})`` gives one row per variant
+and, for each run, its decode ratio to base with its interval, its weight bytes
+ratio and its verdict, so a notebook shows what this machine can show next to what
+a GPU run showed, both computed by the same verdict code (nothing typed by hand).
+:func:`load_benchmark` reads a committed ``benchmarks/results/*.json`` and keeps
+the command that produced it.
+
+>>> from pathlib import Path
+>>> h200 = load_benchmark("h200-qwen3-8b.json")  # a bare name: from RESULTS
+>>> [h200.rows[i]["variant"] for i in h200.flagged]
+['promoted']
+>>> print(side_by_side({"H200": h200}).rows[1]["H200 weights x base"])
+1.38
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Dict, List, Union
+
+from ..errors import LorakitError
+from ..inspect.report import Report
+from .table import VARIANTS, DecodeTiming
+
+# the committed benchmark results of this source tree
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def _path(path: Union[str, Path]) -> Path:
+    p = Path(path)
+    if not p.exists() and p.parent == Path(".") and (RESULTS / p).exists():
+        p = RESULTS / p
+    if not p.is_file():
+        raise LorakitError("no such benchmark result", file=str(p),
+                           expected=f"a JSON file, or a name under {RESULTS}")
+    return p
+
+
+def load_benchmark(path: Union[str, Path]) -> DecodeTiming:
+    """A committed decode-timing result (``benchmarks/decode.py --out``), re-judged by
+    this version's verdict code; ``settings["command"]`` is what produced it. A bare
+    file name is looked up in :data:`RESULTS`."""
+    return DecodeTiming.from_json(_path(path).read_text())
+
+
+def load_seed(path: Union[str, Path] = "seed-report.json") -> Report:
+    """The seed report's table (a run reported by a user, not measured here), from
+    its committed JSON: decode tok/s and peak memory per variant."""
+    d = json.loads(_path(path).read_text())
+    rows = [{"variant": n, "decode tok/s": v.get("decode_tps", "-".join(
+                 str(x) for x in v.get("decode_tps_range", [])) or None),
+             "peak GB": v.get("peak_gb")} for n, v in d["variants"].items()]
+    return Report(title=f"seed report: {d['model']} on {d['machine']}", rows=rows,
+                  summary={"what": d["what"], "source": d["source"],
+                           "command": d["command"]},
+                  columns=["variant", "decode tok/s", "peak GB"])
+
+
+def _where(t: DecodeTiming) -> str:
+    dev = next((v.device for v in t.variants if v.device), {})
+    name = dev.get("device_info", {}).get("device_name", "")
+    return " ".join(x for x in (dev.get("backend", ""), name) if x)
+
+
+def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
+    """One row per variant; per run: decode x base, its interval, weights x base and
+    the verdict. Flagged rows: flagged in any run."""
+    names = [n for n in VARIANTS if any(_has(t, n) for t in runs.values())]
+    rows: List[Dict[str, object]] = []
+    flagged: List[int] = []
+    columns = ["variant"]
+    for label in runs:
+        columns += [f"{label} decode x base", f"{label} interval",
+                    f"{label} weights x base", f"{label} verdict"]
+    for i, n in enumerate(names):
+        row: Dict[str, object] = {"variant": n}
+        hit = False
+        for label, t in runs.items():
+            verdicts = t.verdicts()
+            if not _has(t, n):
+                continue
+            d = verdicts.get(n, {})
+            lo, hi = t.interval(n)
+            row[f"{label} decode x base"] = _round(t.ratio(n, "decode"))
+            row[f"{label} interval"] = "" if math.isnan(lo) else f"{lo:.2f}-{hi:.2f}"
+            row[f"{label} weights x base"] = _round(d.get("bytes_ratio", 1.0))
+            row[f"{label} verdict"] = "; ".join(
+                w for w in (d.get("bytes"), d.get("speed")) if w) if d else "reference"
+            hit = hit or bool(d.get("speed_flag") or d.get("bytes_flag"))
+        rows.append(row)
+        if hit:
+            flagged.append(i)
+    summary = {label: f"{Path(t.settings.get('model', '?')).name} on {_where(t) or '?'}, "
+               f"{t.rounds_run()} round(s)"
+               + (f"; command: {t.settings['command']}" if t.settings.get("command") else "")
+               for label, t in runs.items()}
+    return Report(title="decode timing side by side: " + " | ".join(runs), rows=rows,
+                  summary=summary, flagged=flagged, columns=columns)
+
+
+def _has(t: DecodeTiming, name: str) -> bool:
+    return any(v.variant == name and v.ok for v in t.variants)
+
+
+def _round(x: float) -> float:
+    return x if math.isnan(x) else round(x, 2)

@@ -1,0 +1,156 @@
+"""How sure a decode timing is: bootstrap intervals of each variant's ratio to base.
+
+Decode speed on a shared machine moves by more than the effects a timing table is
+asked about (the same bytes decoded 0.75x or 1.4x as fast in two processes a minute
+apart). So a ratio to base comes with a percentile bootstrap interval that includes
+what the machine did between processes:
+
+- the runs are grouped by round (``time_decode(rounds=...)`` runs every variant
+  once per round, in a fresh process, the rounds in rotated orders);
+- each resample draws rounds with replacement, the *same* rounds for base and the
+  variant (a slow phase that hit both cancels), then runs with replacement inside
+  each drawn round, and takes the ratio of the pooled medians;
+- with a single round there is nothing to draw but runs: the interval then sees only
+  the noise inside one process, and :func:`speed_verdict` says so.
+
+A variant is called slower only when the interval lies wholly below 1 *and* the
+ratio is below ``1 - threshold`` *and* below the :func:`noise_band` of the base
+against itself (how far the same bytes move between processes on this machine):
+noise alone and a real but small effect (inside the threshold) are left unflagged.
+
+Pure Python (``random`` with a fixed seed): the same runs give the same interval.
+
+>>> lo, hi = ratio_interval([100.0, 101, 99, 100], [0, 0, 1, 1], [100.0, 99, 101, 100],
+...                         [0, 0, 1, 1])
+>>> lo < 1 < hi
+True
+>>> speed_verdict(0.64, (0.60, 0.68), rounds=3)
+(True, 'slower: 0.64x, 95% interval 0.60-0.68')
+"""
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from typing import Dict, List, Optional, Sequence, Tuple
+
+CONFIDENCE = 0.95
+RESAMPLES = 2000
+SPEED_THRESHOLD = 0.10  # a decode ratio below 0.90 (and outside its interval) is flagged
+BYTES_THRESHOLD = 0.02  # weight bytes above 1.02x base are flagged (exact, from headers)
+
+
+def by_round(values: Sequence[float], rounds: Optional[Sequence[int]],
+             per_round: Optional[int] = None) -> Dict[int, List[float]]:
+    """Runs grouped by the round they ran in. Without round labels (results saved
+    before they were recorded) the runs are cut into consecutive groups of
+    ``per_round`` (the ``repeats`` setting), or taken as one round."""
+    vals = [float(x) for x in values]
+    if rounds is not None and len(rounds) == len(vals):
+        labels = [int(r) for r in rounds]
+    elif per_round:
+        labels = [i // per_round for i in range(len(vals))]
+    else:
+        labels = [0] * len(vals)
+    out: Dict[int, List[float]] = {}
+    for r, x in zip(labels, vals):
+        out.setdefault(r, []).append(x)
+    return out
+
+
+def ratio_interval(runs: Sequence[float], rounds: Optional[Sequence[int]],
+                   base_runs: Sequence[float], base_rounds: Optional[Sequence[int]], *,
+                   per_round: Optional[int] = None, confidence: float = CONFIDENCE,
+                   resamples: int = RESAMPLES, seed: int = 0) -> Tuple[float, float]:
+    """Percentile bootstrap interval of ``median(runs) / median(base_runs)``,
+    resampling rounds (paired: the same rounds for both) and runs inside rounds.
+    ``(nan, nan)`` when either side has fewer than 2 runs."""
+    a, b = by_round(runs, rounds, per_round), by_round(base_runs, base_rounds, per_round)
+    if len(runs) < 2 or len(base_runs) < 2:  # one run: nothing to resample
+        return math.nan, math.nan
+    common = sorted(set(a) & set(b))
+    rng = random.Random(seed)
+    ratios: List[float] = []
+    for _ in range(resamples):
+        if len(common) >= 2:
+            drawn = [rng.choice(common) for _ in common]
+            xa = [x for r in drawn for x in rng.choices(a[r], k=len(a[r]))]
+            xb = [x for r in drawn for x in rng.choices(b[r], k=len(b[r]))]
+        else:  # one round (or none in common): only the runs can be resampled
+            pa = [x for r in sorted(a) for x in a[r]]
+            pb = [x for r in sorted(b) for x in b[r]]
+            xa, xb = rng.choices(pa, k=len(pa)), rng.choices(pb, k=len(pb))
+        ratios.append(statistics.median(xa) / statistics.median(xb))
+    ratios.sort()
+    tail = (1 - confidence) / 2
+    lo = ratios[max(0, int(math.floor(tail * resamples)))]
+    hi = ratios[min(resamples - 1, int(math.ceil((1 - tail) * resamples)) - 1)]
+    return lo, hi
+
+
+def noise_band(base_runs: Sequence[float], base_rounds: Optional[Sequence[int]], *,
+               per_round: Optional[int] = None, confidence: float = CONFIDENCE,
+               resamples: int = RESAMPLES, seed: int = 1) -> Tuple[float, float]:
+    """What the base against *itself* can read as: the percentile band of
+    ``median(draw1) / median(draw2)`` where both draws resample the base's rounds (and
+    the runs inside them) independently. Identical bytes decoded in two processes land
+    inside this band by chance; a ratio inside it says nothing. ``(nan, nan)`` with
+    fewer than 2 base runs."""
+    b = by_round(base_runs, base_rounds, per_round)
+    keys = sorted(b)
+    if sum(len(x) for x in b.values()) < 2:
+        return math.nan, math.nan
+    rng = random.Random(seed)
+
+    def draw() -> List[float]:
+        if len(keys) >= 2:
+            return [x for r in (rng.choice(keys) for _ in keys)
+                    for x in rng.choices(b[r], k=len(b[r]))]
+        pool = b[keys[0]]
+        return rng.choices(pool, k=len(pool))
+
+    ratios = sorted(statistics.median(draw()) / statistics.median(draw())
+                    for _ in range(resamples))
+    tail = (1 - confidence) / 2
+    return (ratios[max(0, int(math.floor(tail * resamples)))],
+            ratios[min(resamples - 1, int(math.ceil((1 - tail) * resamples)) - 1)])
+
+
+def speed_verdict(ratio: float, interval: Tuple[float, float], *, rounds: int,
+                  threshold: float = SPEED_THRESHOLD,
+                  noise: Optional[Tuple[float, float]] = None) -> Tuple[bool, str]:
+    """(flagged, words) for a decode ratio to base and its interval. With ``noise``
+    (:func:`noise_band`), a ratio inside the base-against-itself band is never
+    flagged either: the machine moves the base that much on its own."""
+    lo, hi = interval
+    if math.isnan(ratio) or math.isnan(lo):
+        return False, (f"{ratio:.2f}x; no interval from one run (repeats or rounds >= 2)"
+                       if not math.isnan(ratio) else "no interval")
+    span = f"{ratio:.2f}x, {CONFIDENCE:.0%} interval {lo:.2f}-{hi:.2f}"
+    if hi < 1 and ratio < 1 - threshold:
+        if noise is not None and not math.isnan(noise[0]) and ratio >= noise[0]:
+            return False, (f"same speed within noise ({span}; base against itself "
+                           f"{noise[0]:.2f}-{noise[1]:.2f})")
+        return True, f"slower: {span}"
+    if lo > 1 and ratio > 1 + threshold:
+        return False, f"faster: {span}"
+    if lo <= 1 <= hi:
+        return False, f"same speed within noise ({span})"
+    return False, f"within {threshold:.0%} of base ({span})"
+
+
+def bytes_verdict(ratio: float, f32_bytes: int, *,
+                  threshold: float = BYTES_THRESHOLD) -> Tuple[bool, str]:
+    """(flagged, words) for a weight-bytes ratio to base: exact, so no interval."""
+    if math.isnan(ratio) or ratio <= 1 + threshold:
+        return False, ""
+    return True, f"{ratio:.2f}x weight bytes" + (f" (f32 {human_bytes(f32_bytes)})"
+                                                 if f32_bytes else "")
+
+
+def human_bytes(n: float) -> str:
+    """``5.77 MB``, ``12.3 GB``: three significant digits, decimal units."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
