@@ -283,7 +283,7 @@ def _fuse_mlx(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale: 
               promote: bool):
     import mlx.core as mx  # lazy: MLX only when computing
 
-    weight = raw_to_mx(w, code_in)
+    weight = raw_to_mx(w, code_in) if isinstance(w, np.ndarray) else w  # or already MLX's
     out = fuse_mlx_array(weight, mx.array(A), mx.array(B), scale,
                          None if magnitude is None else mx.array(magnitude),
                          rounding=rounding, promote=promote)
@@ -329,7 +329,8 @@ def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale
     """Fuse one low-rank change into one weight.
 
     Args:
-        w: the weight's raw storage (bf16 as uint16 bits), 2-D (out, in).
+        w: the weight's raw storage (bf16 as uint16 bits), 2-D (out, in); for the
+            ``mlx-lm`` and ``scale-after`` orders also an ``mx.array`` of that dtype.
         code_in: its safetensors dtype code (``BF16``, ``F16``, ``F32``).
         A: float32 (r, in). B: float32 (out, r). scale: multiplier of ``B @ A``.
         magnitude: DoRA row magnitudes (out,), or None.

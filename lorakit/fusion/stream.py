@@ -335,9 +335,23 @@ def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], rou
         raw = dequantize_raw(ck, it.module, None)
         code = ck.tensors[f"{it.module}.scales"].dtype
     else:
-        raw, code = ck.read(it.name), src.dtype
+        raw, code = _read_weight(ck, it, rounding), src.dtype
     fused, _ = _fuse_float(raw, code, binds, rounding, dtype_policy, it.name)
     return fused
+
+
+def _read_weight(ck: Checkpoint, it: _Item, rounding: str) -> Any:
+    """The base weight to fuse into. For MLX's orders a lazily loaded ``mx.array``:
+    MLX reads the bytes from the file straight into its own memory when the fuse is
+    evaluated (no numpy buffer, no copy into MLX); lorakit has already checked the
+    file's header. Otherwise raw numpy storage."""
+    src = it.source
+    if rounding in ("mlx-lm", "scale-after") and len(src.shape) == 2 \
+            and src.dtype in ("BF16", "F16", "F32"):
+        import mlx.core as mx  # lazy: MLX only when computing
+
+        return mx.load(str(src.file))[it.name]
+    return ck.read(it.name)
 
 
 _local = threading.local()
