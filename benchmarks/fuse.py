@@ -194,10 +194,13 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench-out"), help="cache and output folder")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="also cProfile lorakit fuse")
+    ap.add_argument("--json", default=None,
+                    help="also write the results here (e.g. benchmarks/results/fuse.json)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ck, ad = prepare(out)
+    load_start = os.getloadavg()
     dst = out / "fuse-runs"
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir()
@@ -235,28 +238,33 @@ def main() -> int:
                      "median_wall_s": med(name, 0), "median_rss_bytes": med(name, 1),
                      "median_cpu_s": med(name, 2),
                      "wall_vs_mlx_lm": med(name, 0) / med("mlx_lm fuse", 0),
+                     "wall_vs_cp": med(name, 0) / med("cp -r", 0),
                      "rss_vs_mlx_lm": med(name, 1) / med("mlx_lm fuse", 1),
                      "cpu_vs_mlx_lm": med(name, 2) / med("mlx_lm fuse", 2)})
-    table = ["| command | median wall (s) | runs (s) | wall vs mlx_lm | median peak RSS (GB) "
-             "| RSS vs mlx_lm | median CPU user+sys (s) | CPU vs mlx_lm |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    table = ["| command | median wall (s) | runs (s) | wall vs mlx_lm | wall vs cp -r "
+             "| median peak RSS (GB) | RSS vs mlx_lm | median CPU user+sys (s) | CPU vs mlx_lm |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         table.append(f"| `{row['command']}` | {row['median_wall_s']:.1f} | "
                      f"{', '.join(f'{w:.1f}' for w in row['wall_s'])} | "
-                     f"{row['wall_vs_mlx_lm']:.2f}x | {row['median_rss_bytes'] / 1e9:.2f} | "
+                     f"{row['wall_vs_mlx_lm']:.2f}x | {row['wall_vs_cp']:.2f}x | "
+                     f"{row['median_rss_bytes'] / 1e9:.2f} | "
                      f"{row['rss_vs_mlx_lm']:.2f}x | {row['median_cpu_s']:.1f} | "
                      f"{row['cpu_vs_mlx_lm']:.2f}x |")
     print("\n" + "\n".join(table) + "\n")
     for k, v in checks.items():
         print(f"{k}: {json.dumps(v)}")
     report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                          "loadavg_at_end": os.getloadavg()},
+                          "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()},
               "checkpoint": str(ck), "adapter": str(ad), "runs": args.runs, "rows": rows,
               "checks": checks, "markdown": "\n".join(table)}
     if args.profile:
         report["profile"] = profile(ck, ad, dst, out)
         print("\n" + report["profile"])
     (out / "fuse.json").write_text(json.dumps(report, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    print(f"load average at start {load_start}, at end {os.getloadavg()}")
     shutil.rmtree(dst, ignore_errors=True)
     ident = checks["lorakit mlx-lm vs mlx_lm fuse"]["identical"]  # type: ignore[index]
     print(f"\nbit-identical (lorakit --rounding mlx-lm vs mlx_lm fuse): {ident}")

@@ -11,8 +11,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 import archcheck  # noqa: E402
 
 #: third-party modules that load only when used: heavy (MLX, mlx-lm, matplotlib,
-#: ipywidgets, IPython, pandas, tokenizers, tqdm's notebook widgets) or optional
-LAZY_OK = ("mlx", "mlx_lm", "matplotlib", "ipywidgets", "IPython", "pandas", "tokenizers",
+#: ipywidgets, IPython, pandas, tokenizers, tqdm's notebook widgets) or optional;
+#: numpy where a header-only path (``lorakit inspect`` of a checkpoint) must not load it
+LAZY_OK = ("numpy", "mlx", "mlx_lm", "matplotlib", "ipywidgets", "IPython", "pandas", "tokenizers",
            "tqdm", "huggingface_hub", "ctypes")
 #: where lorakit's own modules may be imported lazily: the CLI (``lorakit --help`` must
 #: start without numpy) and the packages' lazy attribute exports

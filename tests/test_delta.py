@@ -22,7 +22,8 @@ from lorakit.inspect.merge_check import intended_pieces
 from lorakit.io.adapter import LoraTarget, load_adapter
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.naming import bind, bindings_by_tensor
-from lorakit.io.source import open_source, weight_f64
+from lorakit.io.source import open_source
+from lorakit.io.weights import weight_f64
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 CASES = [("tiny-qwen3", "lora"), ("tiny-qwen3", "dora"), ("tiny-qwen3", "lora-embed"),

@@ -29,12 +29,13 @@ def _emit(args: argparse.Namespace, reports: Dict[str, Any]) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from ..inspect.deltas import delta_norms
     from ..inspect.dtype_map import dtype_map
 
     path = Path(args.path)
     reports: Dict[str, Any] = {"dtype_map": dtype_map(path)}
-    if reports["dtype_map"].summary.get("kind") == "adapter":
+    if reports["dtype_map"].summary.get("kind") == "adapter":  # numpy only for an adapter
+        from ..inspect.deltas import delta_norms
+
         reports["delta_norms"] = delta_norms(path, args.base)
     for r in reports.values():
         r.max_rows = args.max_rows

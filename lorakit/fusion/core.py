@@ -79,13 +79,15 @@ _PIECE = 1 << 16  # elements per piece: the f64 working set stays in the L2 cach
 _U64 = np.uint64
 
 
-def _near_ties(x: np.ndarray, fmt_out, cancel: Optional[np.ndarray] = None,
+def _near_ties(x: np.ndarray, fmt_out,
+               cancel: Optional[Tuple[np.ndarray, np.ndarray]] = None,
                error: Optional[Any] = None) -> np.ndarray:
     """Flat indices of f64 values that may round the wrong way in ``fmt_out``.
 
-    Those within 2**-20 ulp of a rounding tie. And, given ``cancel`` (per element, a
-    magnitude that ``|x|`` must exceed for the f64 error to stay under 2**-21 ulp,
-    see :func:`_fuse_nearest`): among the elements below it (their terms cancelled),
+    Those within 2**-20 ulp of a rounding tie. And, given ``cancel`` = (per row,
+    per column) factors whose product is, per element, a magnitude that ``|x|`` must
+    exceed for the f64 error to stay under 2**-21 ulp (see :func:`_fuse_nearest`):
+    among the elements below it (their terms cancelled),
     those whose distance to the nearest tie is within their own error bound
     (``error(flat indices)``). Without cancellation the f64 sum is within ~2**-44
     ulp, so everything else is already correct.
@@ -106,7 +108,14 @@ def _near_ties(x: np.ndarray, fmt_out, cancel: Optional[np.ndarray] = None,
         frac = y - np.floor(y)
         near[idx] = np.abs(frac - 0.5) < 2.0 ** -20
     if cancel is not None:  # the f64 error may be a sizeable part of an ulp here
-        cand = np.flatnonzero(cancel.reshape(-1) > ax)
+        rc, cm = cancel
+        # every element under its own bound is under the largest bound (a product of
+        # non-negative factors rounds monotonically): one compare with a scalar over
+        # the piece, then the exact per-element bound on the few below it
+        top = rc.max(initial=0.0) * cm.max(initial=0.0)
+        pre = np.flatnonzero(ax < top)
+        i, j = np.divmod(pre, x.shape[1])
+        cand = pre[rc[i] * cm[j] > ax[pre]]
         if cand.size:
             if error is None:
                 near[cand] = True
@@ -130,7 +139,7 @@ def _tie_distance(ax: np.ndarray, fmt_out) -> np.ndarray:
 
 def _exact_fix(x64: np.ndarray, w_rows: np.ndarray, fmt_in, Bs: np.ndarray, A: np.ndarray,
                scale: float, out_bits: np.ndarray, fmt_out,
-               cancel: Optional[np.ndarray] = None, error: Optional[Any] = None) -> None:
+               cancel: Optional[Tuple[np.ndarray, np.ndarray]] = None, error: Optional[Any] = None) -> None:
     """Redo, in exact rationals, the elements whose f64 sum lies within rounding noise
     of a tie of the output format, or whose terms cancel (in place). Rare: a handful
     per million, often none."""
@@ -167,7 +176,6 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
     # pass is cheap next to the per-piece overhead
     step = max(1, (_PIECE * (16 if magnitude is not None else 1)) // max(cols, 1))
     buf = np.empty((min(step, rows), cols), np.float64)
-    cbuf = np.empty_like(buf) if magnitude is None else None
     # Cancellation. The f64 result x of W + sum_k Bs[i,k] A[k,j] (any summation order,
     # FMA or not, Bs itself rounded) is within e = g (|W| + S) of the exact value
     # (Higham: g = gamma_n = n u / (1 - n u), n = rank + 3, u = 2**-53), where
@@ -190,8 +198,7 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
             x *= dora_factor(magnitude[r0:r1], norm, slice(r0, r1))[:, None]
         nm.round_to_format(x, fmt_out, out=out[r0:r1])
         if magnitude is None:
-            cancel = cbuf[: r1 - r0]
-            np.multiply(row_c[r0:r1, None], col_max[None, :], out=cancel)
+            cancel = (row_c[r0:r1], col_max)
 
             def error(flat: np.ndarray, r0: int = r0, r1: int = r1) -> np.ndarray:
                 """The f64 error bound g (|W| + sum_k |Bs[i,k] A[k,j]|) of these
@@ -286,7 +293,7 @@ def _fuse_mlx(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale: 
               promote: bool):
     import mlx.core as mx  # lazy: MLX only when computing
 
-    weight = raw_to_mx(w, code_in)
+    weight = raw_to_mx(w, code_in) if isinstance(w, np.ndarray) else w  # or already MLX's
     out = fuse_mlx_array(weight, mx.array(A), mx.array(B), scale,
                          None if magnitude is None else mx.array(magnitude),
                          rounding=rounding, promote=promote)
@@ -332,7 +339,8 @@ def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale
     """Fuse one low-rank change into one weight.
 
     Args:
-        w: the weight's raw storage (bf16 as uint16 bits), 2-D (out, in).
+        w: the weight's raw storage (bf16 as uint16 bits), 2-D (out, in); for the
+            ``mlx-lm`` and ``scale-after`` orders also an ``mx.array`` of that dtype.
         code_in: its safetensors dtype code (``BF16``, ``F16``, ``F32``).
         A: float32 (r, in). B: float32 (out, r). scale: multiplier of ``B @ A``.
         magnitude: DoRA row magnitudes (out,), or None.

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import numerics as nm
 from ..errors import FuseError
-from ..io.safetensors import NUMPY_STORAGE
+from ..io.safetensors import NUMPY_STORAGE, mx_to_raw
 
 _PIECE = 1 << 18  # elements scanned per step of the any-non-finite check
 
@@ -58,7 +58,10 @@ def _new_nonfinite(out: np.ndarray, code_out: str, src: np.ndarray, code_in: str
 
 
 def check_result(out: np.ndarray, code_out: str, w: np.ndarray, code_in: str, name: str) -> None:
-    """Refuse a fused result with Inf/NaN where the weight was finite."""
+    """Refuse a fused result with Inf/NaN where the weight was finite (``w``: raw
+    storage, or an ``mx.array`` as the MLX orders take it)."""
+    if not isinstance(w, np.ndarray) and any_nonfinite(out, code_out):
+        w = mx_to_raw(w)[0]
     bad = _new_nonfinite(out, code_out, w, code_in)
     if bad is not None:
         raise FuseError("fused weight is not finite: the sum overflows the output dtype "

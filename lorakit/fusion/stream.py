@@ -36,7 +36,7 @@ from ..io.naming import Binding, bind, bind_replacements, bindings_by_tensor
 from ..io.export import check_gguf_export, export_gguf as write_gguf
 from ..io.model_card import CARD_NAME, write_model_card
 from ..io.output import OutputDirectory, check_output_path
-from ..io.safetensors import TensorInfo
+from ..io.safetensors import FLOAT_CODES, TensorInfo
 from ..io.safetensors_write import PlannedTensor, SafetensorsWriter
 from .finite import cast_raw as _cast
 from .core import check_rounding, fuse_bindings as _fuse_float, output_code
@@ -345,9 +345,21 @@ def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], rou
         raw = dequantize_raw(ck, it.module, None)
         code = ck.tensors[f"{it.module}.scales"].dtype
     else:
-        raw, code = ck.read(it.name), src.dtype
+        raw, code = _read_weight(ck, it, rounding), src.dtype
     fused, _ = _fuse_float(raw, code, binds, rounding, dtype_policy, it.name)
     return fused
+
+
+def _read_weight(ck: Checkpoint, it: _Item, rounding: str) -> Any:
+    """The base weight: raw numpy storage, or for MLX's orders a lazy ``mx.load``ed
+    array (MLX reads the file into its own memory: no numpy buffer, no copy)."""
+    src = it.source
+    if rounding in ("mlx-lm", "scale-after") and src.dtype in FLOAT_CODES[:3] \
+            and len(src.shape) == 2:
+        import mlx.core as mx  # lazy: MLX only when computing
+
+        return mx.load(str(src.file))[it.name]
+    return ck.read(it.name)
 
 
 _local = threading.local()

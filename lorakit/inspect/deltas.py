@@ -24,7 +24,8 @@ from .. import numerics as nm
 from ..fusion.delta import target_pieces
 from ..io.adapter import Adapter, load_adapter
 from ..io.naming import bind
-from ..io.source import TensorSource, open_source, weight_f64
+from ..io.source import TensorSource, open_source
+from ..io.weights import weight_f64
 from .layers import layer_kind_cells, split_name
 from .report import Report
 from . import plots

@@ -49,7 +49,8 @@ from ..fusion.delta import Piece, intended, tensor_pieces
 from ..io.adapter import Adapter, load_adapter
 from ..io.naming import bind, bind_replacements, bindings_by_tensor
 from ..io.safetensors import raw_to_mx
-from ..io.source import TensorSource, open_source, weight_f64
+from ..io.source import TensorSource, open_source
+from ..io.weights import weight_f64
 from . import plots
 from .merge_bounds import float_bound, quant_bound
 from .merge_causes import CauseStats, candidates, diagnose, scaled

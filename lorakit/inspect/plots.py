@@ -9,9 +9,10 @@ state, no GUI backend, and Jupyter still renders a returned Figure inline. Pass
 from __future__ import annotations
 
 import io
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["dtype_heatmap", "value_heatmap", "histogram_bars", "spectra", "grouped_bars",
            "margin_lines"]
@@ -73,6 +74,8 @@ def _fit(n_rows: int, n_cols: int, base: Tuple[float, float] = (4.0, 2.5)) -> Tu
 
 def dtype_heatmap(dm, ax=None, part: str = "weight"):
     """Layers x kinds, one colour per dtype; flagged tensors outlined in black."""
+    import numpy as np  # lazy: the dtype map's header path starts without numpy
+
     # lazy: matplotlib only when a figure is drawn
     from matplotlib.colors import ListedColormap  # lazy: matplotlib only when a figure is drawn
     from matplotlib.patches import Patch, Rectangle  # lazy: matplotlib only when a figure is drawn
@@ -107,6 +110,8 @@ def value_heatmap(labels: Sequence[str], kinds: Sequence[str], values: np.ndarra
                   title: str, cbar: str, ax=None, log: bool = False, cmap: str = "viridis",
                   vmin: Optional[float] = None, vmax: Optional[float] = None):
     """A layer x kind heatmap of numbers (NaN cells left blank)."""
+    import numpy as np  # lazy: the dtype map's header path starts without numpy
+
     from matplotlib.colors import LogNorm  # lazy: matplotlib only when a figure is drawn
 
     fig, ax = _new(ax, _fit(len(labels), len(kinds)))
@@ -130,6 +135,8 @@ def value_heatmap(labels: Sequence[str], kinds: Sequence[str], values: np.ndarra
 def histogram_bars(labels: Sequence[str], series: Dict[str, Sequence[float]], *, title: str,
                    xlabel: str = "ulp distance", ax=None, log: bool = True):
     """Bars of binned counts (ulp histograms); several series side by side."""
+    import numpy as np  # lazy: the dtype map's header path starts without numpy
+
     fig, ax = _new(ax, (max(5.0, 0.5 * len(labels) + 2), 3.2))
     n = max(1, len(series))
     width = 0.8 / n
@@ -150,6 +157,8 @@ def histogram_bars(labels: Sequence[str], series: Dict[str, Sequence[float]], *,
 
 def spectra(curves: List[Tuple[str, np.ndarray]], *, title: str, ax=None, limit: int = 24):
     """Singular value spectra, one line per target (the largest ``limit`` shown)."""
+    import numpy as np  # lazy: the dtype map's header path starts without numpy
+
     fig, ax = _new(ax, (6.0, 3.5))
     shown = sorted(curves, key=lambda c: -(float(c[1][0]) if len(c[1]) else 0.0))[:limit]
     for name, s in shown:
@@ -168,6 +177,8 @@ def spectra(curves: List[Tuple[str, np.ndarray]], *, title: str, ax=None, limit:
 def grouped_bars(names: Sequence[str], series: Dict[str, Sequence[float]], *, title: str,
                  ylabel: str, ax=None, log: bool = False):
     """Side-by-side bars per name (e.g. the delta norms of two adapters per target)."""
+    import numpy as np  # lazy: the dtype map's header path starts without numpy
+
     fig, ax = _new(ax, (min(18.0, 3 + 0.3 * len(names) * max(1, len(series))), 3.5))
     n = max(1, len(series))
     width = 0.8 / n
@@ -186,6 +197,8 @@ def grouped_bars(names: Sequence[str], series: Dict[str, Sequence[float]], *, ti
 def margin_lines(series: Dict[str, Sequence[float]], *, title: str, diverge: Optional[int] = None,
                  ax=None):
     """Per-step top1 - top2 logit margins of several models; divergence marked."""
+    import numpy as np  # lazy: the dtype map's header path starts without numpy
+
     fig, ax = _new(ax, (6.5, 3.2))
     for label, vals in series.items():
         ax.plot(np.arange(len(vals)), np.asarray(vals, dtype=float), marker=".", lw=1,

@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
-
-import numpy as np
 
 from .._html import FLAGGED, Cell, Markup, escape, facts_table, table
 
 
+def _numpy() -> Any:
+    """numpy if something loaded it, else None: a value can be a numpy scalar or array
+    only once numpy is imported, so a report of headers alone never loads it."""
+    return sys.modules.get("numpy")
+
+
 def _fmt(v: Any) -> str:
-    if isinstance(v, (float, np.floating)):
+    np = _numpy()
+    if isinstance(v, float) or np is not None and isinstance(v, np.floating):
         v = float(v)
         if math.isnan(v):
             return "nan"
@@ -34,14 +40,15 @@ def _fmt(v: Any) -> str:
 
 
 def _jsonable(v: Any) -> Any:
-    if isinstance(v, np.ndarray):
+    np = _numpy()
+    if np is not None and isinstance(v, np.ndarray):
         return v.tolist()
-    if isinstance(v, (np.floating,)):
+    if np is not None and isinstance(v, (np.floating,)):
         f = float(v)
         return None if math.isnan(f) else f
     if isinstance(v, float) and math.isnan(v):
         return None
-    if isinstance(v, np.integer):
+    if np is not None and isinstance(v, np.integer):
         return int(v)
     if isinstance(v, dict):
         return {str(k): _jsonable(x) for k, x in v.items()}

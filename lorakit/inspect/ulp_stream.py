@@ -26,7 +26,8 @@ from .. import numerics as nm
 from .._progress import Progress, progress_bar
 from ..errors import FormatError
 from ..io.safetensors import FLOAT_CODES, TensorInfo
-from ..io.source import TensorSource, open_source, weight_f64
+from ..io.source import TensorSource, open_source
+from ..io.weights import weight_f64
 from .ulp_accumulate import (CHUNK_BYTES, DEFAULT_MAX_BIN, Accumulator, Scratch, TensorDiff,
                              bits_dtype, pieces_in_memory, scale_kernel)
 from .ulp_scale import TensorScale, sumsq

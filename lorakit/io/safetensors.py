@@ -18,9 +18,10 @@ import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 from ..errors import FormatError
 from ._safetensors_rules import (DTYPE_BITS, MAX_HEADER_BYTES, Bad, byte_size, check_layout,
@@ -35,15 +36,43 @@ ITEMSIZE: Dict[str, int] = {k: b // 8 for k, b in DTYPE_BITS.items() if b % 8 ==
 #: numpy dtype used to hold each code's raw data. bf16 has no numpy type: its
 #: bits are held as uint16 (see :mod:`lorakit.numerics`); fp8 as uint8. The packed
 #: sub-byte codes have none: lorakit copies them through but cannot compute on them.
-NUMPY_STORAGE: Dict[str, np.dtype] = {
-    "BOOL": np.dtype(np.bool_), "U8": np.dtype("<u1"), "I8": np.dtype("<i1"),
-    "F8_E4M3": np.dtype("<u1"), "F8_E5M2": np.dtype("<u1"), "F8_E8M0": np.dtype("<u1"),
-    "F8_E4M3FNUZ": np.dtype("<u1"), "F8_E5M2FNUZ": np.dtype("<u1"),
-    "I16": np.dtype("<i2"), "U16": np.dtype("<u2"), "F16": np.dtype("<f2"),
-    "BF16": np.dtype("<u2"), "I32": np.dtype("<i4"), "U32": np.dtype("<u4"),
-    "F32": np.dtype("<f4"), "I64": np.dtype("<i8"), "U64": np.dtype("<u8"),
-    "F64": np.dtype("<f8"), "C64": np.dtype("<c8"),
+_STORAGE_SPEC: Dict[str, str] = {
+    "BOOL": "?", "U8": "<u1", "I8": "<i1",
+    "F8_E4M3": "<u1", "F8_E5M2": "<u1", "F8_E8M0": "<u1",
+    "F8_E4M3FNUZ": "<u1", "F8_E5M2FNUZ": "<u1",
+    "I16": "<i2", "U16": "<u2", "F16": "<f2",
+    "BF16": "<u2", "I32": "<i4", "U32": "<u4",
+    "F32": "<f4", "I64": "<i8", "U64": "<u8",
+    "F64": "<f8", "C64": "<c8",
 }
+
+
+class _NumpyStorage(Mapping):
+    """code -> numpy dtype, numpy imported on the first lookup of a value: reading
+    headers (``lorakit inspect`` of a checkpoint) never loads numpy."""
+
+    def __init__(self) -> None:
+        self._dtypes: Dict[str, "np.dtype"] = {}
+
+    def __getitem__(self, code: str) -> "np.dtype":
+        dt = self._dtypes.get(code)
+        if dt is None:
+            import numpy as np  # lazy: header-only paths start without numpy
+
+            dt = self._dtypes[code] = np.dtype(_STORAGE_SPEC[code])
+        return dt
+
+    def __contains__(self, code: object) -> bool:
+        return code in _STORAGE_SPEC
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_STORAGE_SPEC)
+
+    def __len__(self) -> int:
+        return len(_STORAGE_SPEC)
+
+
+NUMPY_STORAGE: Mapping[str, "np.dtype"] = _NumpyStorage()
 
 #: dtypes packed below one byte per element: copied through untouched, never read.
 PACKED_CODES = tuple(k for k, b in DTYPE_BITS.items() if b % 8)
@@ -230,9 +259,11 @@ def read_raw(info: TensorInfo, rows: Optional[slice] = None) -> np.ndarray:
                           found=info.dtype,
                           hint="such tensors are copied through untouched; an adapter "
                           "cannot be fused into one")
-    if len(info.shape) > _NUMPY_MAXDIMS:
+    import numpy as np  # lazy: header-only paths start without numpy
+
+    if len(info.shape) > _numpy_maxdims():
         raise FormatError("tensor has more dimensions than numpy supports", file=info.file,
-                          tensor=info.name, expected=f"<= {_NUMPY_MAXDIMS} dimensions",
+                          tensor=info.name, expected=f"<= {_numpy_maxdims()} dimensions",
                           found=f"{len(info.shape)} dimensions")
     dt = NUMPY_STORAGE[info.dtype]
     shape = info.shape
@@ -266,13 +297,17 @@ def read_raw(info: TensorInfo, rows: Optional[slice] = None) -> np.ndarray:
                           found=f"{list(info.shape)}"[:80]) from None
 
 
-#: numpy 2 arrays have at most 64 dimensions (numpy 1: 32).
-_NUMPY_MAXDIMS = 64 if int(np.__version__.split(".")[0]) >= 2 else 32
+def _numpy_maxdims() -> int:
+    """numpy 2 arrays have at most 64 dimensions (numpy 1: 32)."""
+    import numpy as np  # lazy: header-only paths start without numpy
+
+    return 64 if int(np.__version__.split(".")[0]) >= 2 else 32
 
 
 def raw_to_mx(raw: np.ndarray, dtype: str):
     """Turn raw storage from :func:`read_raw` into an ``mx.array`` of the right dtype."""
     import mlx.core as mx  # lazy: MLX only when computing
+    import numpy as np  # lazy: header-only paths start without numpy
 
     if dtype == "BF16":
         return mx.array(raw.view(np.uint16)).view(mx.bfloat16)
@@ -282,6 +317,7 @@ def raw_to_mx(raw: np.ndarray, dtype: str):
 def mx_to_raw(arr) -> Tuple[np.ndarray, str]:
     """Turn an ``mx.array`` into (numpy storage, safetensors dtype code)."""
     import mlx.core as mx  # lazy: MLX only when computing
+    import numpy as np  # lazy: header-only paths start without numpy
 
     code = MX_CODES[arr.dtype]
     if arr.dtype == mx.bfloat16:

@@ -8,12 +8,14 @@ open.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -62,11 +64,13 @@ class SafetensorsWriter:
         self.total = off
         blob = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
         blob += b" " * (-len(blob) % 8)  # data aligned to 8 bytes, as the reference writer does
-        self._f = open(self.path, "wb")
-        self._f.write(struct.pack("<Q", len(blob)))
-        self._f.write(blob)
+        # unbuffered: a tensor goes to the kernel in one call, with no copy through a
+        # Python buffer (BENCHMARKS.md, "fuse steps")
+        self._f = open(self.path, "wb", buffering=0)
+        _write_all(self._f, struct.pack("<Q", len(blob)) + blob)
         self._next = 0
         self.bytes_written = 0
+        self._pos = self._synced = 8 + len(blob)
 
     def _expect(self, name: str) -> PlannedTensor:
         if self._next >= len(self.plan) or self.plan[self._next].name != name:
@@ -83,8 +87,8 @@ class SafetensorsWriter:
         if data.nbytes != p.nbytes or tuple(data.shape) != p.shape:
             raise RuntimeError(f"{name}: planned {p.dtype}{list(p.shape)} ({p.nbytes} bytes), "
                                f"got {data.dtype}{list(data.shape)} ({data.nbytes} bytes)")
-        self._f.write(memoryview(data.reshape(-1)).cast("B"))
-        self.bytes_written += p.nbytes
+        _write_all(self._f, memoryview(data.reshape(-1)).cast("B"))
+        self._advance(p.nbytes)
 
     def write_chunks(self, name: str, chunks: Iterable[np.ndarray]) -> None:
         """Write the next tensor from consecutive pieces of its raw storage."""
@@ -92,11 +96,11 @@ class SafetensorsWriter:
         n = 0
         for c in chunks:
             c = np.ascontiguousarray(c)
-            self._f.write(memoryview(c.reshape(-1)).cast("B"))
+            _write_all(self._f, memoryview(c.reshape(-1)).cast("B"))
             n += c.nbytes
         if n != p.nbytes:
             raise RuntimeError(f"{name}: planned {p.nbytes} bytes, got {n}")
-        self.bytes_written += n
+        self._advance(n)
 
     def copy(self, name: str, src: TensorInfo) -> None:
         """Write the next tensor by copying its bytes from another file, unchanged."""
@@ -104,13 +108,21 @@ class SafetensorsWriter:
         if src.nbytes != p.nbytes:
             raise RuntimeError(f"{name}: planned {p.nbytes} bytes, source has {src.nbytes}")
         copy_range(src.file, src.begin, src.nbytes, self._f)
-        self.bytes_written += p.nbytes
+        self._advance(p.nbytes)
+
+    def _advance(self, n: int) -> None:
+        """Count ``n`` bytes written; every :data:`WRITEBACK_BYTES` start the disk
+        write of what is new, so the final ``fsync`` waits for a tail, not the file."""
+        self.bytes_written += n
+        self._pos += n
+        if WRITEBACK_BYTES and self._pos - self._synced >= WRITEBACK_BYTES:
+            start_writeback(self._f.fileno(), self._synced, self._pos - self._synced)
+            self._synced = self._pos
 
     def close(self) -> None:
         if self._f.closed:
             return
         missing = [p.name for p in self.plan[self._next:]]
-        self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
         if missing:
@@ -132,6 +144,42 @@ class SafetensorsWriter:
 
 
 _COPY_CHUNK = 16 * 1024 * 1024
+
+#: bytes written between two starts of writeback (0: leave it all to the final fsync)
+WRITEBACK_BYTES = 64 << 20
+
+
+def _write_all(f, buf) -> None:
+    """Write all of ``buf`` to the unbuffered file ``f`` (a raw write may be partial)."""
+    mv = memoryview(buf)
+    while mv.nbytes:
+        n = f.write(mv)
+        mv = mv[n:]
+
+
+@functools.lru_cache(maxsize=None)
+def _sync_file_range() -> Optional[Callable[..., int]]:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes  # lazy: sync_file_range is Linux's and not in the os module
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def start_writeback(fd: int, offset: int, count: int) -> None:
+    """Ask the kernel to start writing a range of ``fd`` to the disk, without waiting
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``): the disk works while the fuse
+    computes. Durability still comes from the ``fsync`` at the end; where the call
+    does not exist this does nothing."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, offset, count, 2)  # SYNC_FILE_RANGE_WRITE; a failure is harmless here
 
 
 def copy_range(src: Path, offset: int, count: int, dst) -> None:
@@ -163,5 +211,5 @@ def copy_range(src: Path, offset: int, count: int, dst) -> None:
                 raise FormatError("file ended while copying a tensor", file=src,
                                   expected=f"{count} bytes from offset {offset}",
                                   found=f"{done} bytes")
-            dst.write(buf)
+            _write_all(dst, buf)
             done += len(buf)

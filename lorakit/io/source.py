@@ -17,21 +17,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Protocol, Tuple, Union, runtime_checkable
+from typing import (TYPE_CHECKING, Any, Dict, Mapping, Optional, Protocol, Tuple, Union,
+                    runtime_checkable)
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
-from .. import numerics as nm
 from ..errors import FormatError
 from .checkpoint import Checkpoint, QuantParams
 from .paths import load_json, resolve_model_path
 from .dtypes import majority_dtype
-from .safetensors import FLOAT_CODES, TensorInfo, nbytes_of, raw_to_mx, read_header, read_raw
+from .safetensors import TensorInfo, nbytes_of, read_header, read_raw
 from .safetensors import mx_to_raw
 from .safetensors import MX_CODES
 
 __all__ = ["TensorMeta", "TensorSource", "FileSource", "ModelSource", "open_source",
-           "majority_dtype", "weight_f64"]
+           "majority_dtype"]
 
 PathLike = Union[str, Path]
 
@@ -190,6 +191,8 @@ class ModelSource(_SourceBase):
         a = self.arrays[name]
         if rows is not None:
             a = a[rows]
+        import numpy as np  # lazy: header-only paths start without numpy
+
         return np.array(mx_to_raw(a)[0])
 
     def quant_params(self, module: str) -> Optional[QuantParams]:
@@ -239,35 +242,6 @@ def open_source(x: Any, label: Optional[str] = None) -> TensorSource:
     if label:
         src.label = label
     return src
-
-
-def weight_f64(src: TensorSource, name: str, rows: Optional[slice] = None) -> np.ndarray:
-    """A weight's values as float64, dequantizing packed weights with ``mx.dequantize``.
-
-    ``rows`` slices the leading axis (for quantized weights the whole tensor is
-    dequantized first; they are small).
-    """
-    module = name[: -len(".weight")] if name.endswith(".weight") else name
-    q = src.quant_params(module) if name.endswith(".weight") else None
-    if q is None:
-        code = src.tensors[name].dtype
-        raw = src.read(name, rows)
-        if code == "F64":
-            return np.asarray(raw, np.float64)
-        if code not in FLOAT_CODES:
-            raise FormatError("not a float tensor", tensor=name, found=code,
-                              expected="BF16, F16, F32 or F64 (or a quantized weight)")
-        return nm.to_float64(raw, nm.float_format(code))
-    import mlx.core as mx  # lazy: mlx is heavy and optional at import
-
-    parts = []
-    for leaf in ("weight", "scales", "biases"):
-        n = f"{module}.{leaf}"
-        parts.append(raw_to_mx(src.read(n), src.tensors[n].dtype) if n in src.tensors else None)
-    w, s, b = parts
-    x = mx.dequantize(w, s, b, group_size=q.group_size, bits=q.bits, mode=q.mode)
-    out = np.array(x.astype(mx.float32)).astype(np.float64)
-    return out if rows is None else out[rows]
 
 
 def open(x: Any, label: Optional[str] = None) -> TensorSource:  # noqa: A001  (lorakit.open)
