@@ -128,6 +128,10 @@ def test_dtype_view_headers_are_readable(fused):
     # the header may wrap (not clipped) and its hover spells the kind as tables do
     assert all("overflow" not in str(h.layout.overflow or "") for h in heads)
     assert any("title='norm_attn: post-attn norm'" in h.value for h in heads)
+    # a clicked cell's detail table is titled in words and explains its columns on hover
+    v.select("0", "norm_attn")
+    assert "<b>layer 0, post-attn norm</b>" in v.detail.value
+    assert "<th title='the dtype stored on disk'>dtype</th>" in v.detail.value
     # every kind lorakit knows has a label of its own, without code spelling
     assert all(kind_label(k) != k or "_" not in k for k in KIND_ORDER)
     assert all("_" not in kind_label(k) for k in KIND_ORDER)

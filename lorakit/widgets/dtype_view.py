@@ -131,6 +131,7 @@ class DtypeMapView(W.VBox):
         flagged = set(self.report.flagged)
         rows = [self.report.rows[i] for i in idx]
         self.selected = (layer, kind)
-        self.detail.value = (f"<b>layer {layer}, {kind}</b>"
+        self.detail.value = (f"<b>layer {layer}, {escape(kind_label(kind))}</b>"
                              + rows_html(rows, DETAIL_COLUMNS,
-                                         {j for j, i in enumerate(idx) if i in flagged}))
+                                         {j for j, i in enumerate(idx) if i in flagged},
+                                         DtypeMap.column_help))
