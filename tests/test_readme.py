@@ -75,7 +75,8 @@ def test_readme_examples_run_in_either_order(tmp_path: Path) -> None:
     shell = re.search(r"```bash\nlorakit fuse (.*?)```", text, re.S).group(0)
     lines = [ln.split("#")[0].strip() for ln in shell.splitlines()[1:-1]]
     lines = [ln for ln in lines if ln.startswith("lorakit ") and "..." not in ln
-             and not ln.startswith("lorakit bench")]
+             and not ln.startswith(("lorakit bench", "lorakit synth checkpoint",
+                                    "lorakit synth adapter"))]  # minutes, gigabytes
     assert any(ln.startswith("lorakit fuse") for ln in lines), lines
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     code = "\n".join(ln for ln in code.splitlines() if "time_decode" not in ln)
@@ -96,3 +97,55 @@ def test_readme_examples_run_in_either_order(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     run_shell()
     assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == ["fused", "mlx-fused"]
+
+
+def _setup_copy(tmp_path: Path) -> Path:
+    """tools/setup.sh alone in an empty folder laid out like the repository."""
+    (tmp_path / "tools").mkdir()
+    shutil.copy(ROOT / "tools" / "setup.sh", tmp_path / "tools" / "setup.sh")
+    return tmp_path
+
+
+def test_setup_shows_a_failing_steps_output_and_status(tmp_path: Path) -> None:
+    """Set-up hides what tools print while they succeed, but a failing step's own output
+    (the error a user needs) is shown, with its exit status, and set-up stops there."""
+    import subprocess
+
+    repo = _setup_copy(tmp_path)
+    py = tmp_path / "broken-python"
+    py.write_text("#!/bin/sh\necho 'chatter a user does not need'\n"
+                  "echo 'Error: [Errno 28] No space left on device' >&2\nexit 3\n")
+    py.chmod(0o755)
+    r = subprocess.run(["bash", "tools/setup.sh"], cwd=repo, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHON=str(py), TMPDIR=str(tmp_path)))
+    assert r.returncode == 3
+    assert r.stdout.splitlines() == [f"setup: creating .venv with {py} ... failed (exit 3)"]
+    assert "Error: [Errno 28] No space left on device" in r.stderr
+    assert "chatter a user does not need" in r.stderr  # the whole log, not a guess at it
+    assert not (repo / ".venv").exists()
+    assert not list(tmp_path.glob("lorakit-setup.*"))  # its log is removed
+
+
+@pytest.mark.slow  # a fresh virtual environment and every dependency: minutes
+def test_setup_prints_progress_only(tmp_path: Path) -> None:
+    """A real set-up in a fresh copy: one line per step, none of pip's notices or
+    setuptools' experimental-backend and editable-install banners."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file():
+            (repo / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, repo / f)
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    r = subprocess.run(["bash", "tools/setup.sh"], cwd=repo, capture_output=True, text=True,
+                       env=dict(env, TMPDIR=str(tmp_path)))
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert all(re.fullmatch(r"setup: .+ \.\.\. done \(\d+ s\)", ln) for ln in lines[:-1]), lines
+    assert re.fullmatch(r"setup: ready \(\.venv/bin/python; \d+ s in all\)", lines[-1])
+    assert any("installing lorakit" in ln for ln in lines)
+    assert r.stderr == ""
+    assert (repo / ".venv" / "bin" / "python").exists()
