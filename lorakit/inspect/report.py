@@ -113,7 +113,8 @@ class Report:
 
     def _shown(self) -> List[Tuple[int, int]]:
         """(position in display order, row index) of the rows a table shows: the first
-        ``max_rows``, then any flagged row beyond them (a verdict is never hidden)."""
+        ``max_rows``, then flagged rows beyond them (up to ``max_rows`` more: a verdict
+        is not hidden behind unflagged rows)."""
         flag = set(self.flagged)
         shown = []
         for pos, i in enumerate(self._order()):
