@@ -149,3 +149,23 @@ def test_setup_prints_progress_only(tmp_path: Path) -> None:
     assert any("installing lorakit" in ln for ln in lines)
     assert r.stderr == ""
     assert (repo / ".venv" / "bin" / "python").exists()
+
+
+def test_readme_setup_times_are_the_committed_measurement() -> None:
+    """The set-up and walkthrough times the README states are those of the committed
+    benchmark JSON (rounded to seconds), next to the command that wrote it."""
+    import json
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    d = json.loads((ROOT / "benchmarks" / "results" / "readme_commands.json").read_text())
+    fresh = d["setup_fresh"]
+    install = next(ln for ln in fresh["stdout"] if "installing lorakit" in ln)
+    install_s = int(re.search(r"done \((\d+) s\)", install).group(1))
+    assert fresh["exit"] == 0 and d["setup_again"]["exit"] == 0
+    assert (f"set-up in a fresh copy {fresh['seconds']:.0f} s ({install_s} s of it installing "
+            "the dependencies)") in text
+    assert f"{d['setup_again']['seconds']:.0f} s when `.venv` is already set up" in text
+    assert f"prints its URL {d['walkthrough_until_url']['seconds']:.0f} s later" in text
+    assert d["walkthrough_until_url"]["url"].endswith("/lab/tree/notebooks/"
+                                                      "01_why_dtype_matters.ipynb")
+    assert d["command"] in text
