@@ -169,3 +169,14 @@ def test_readme_setup_times_are_the_committed_measurement() -> None:
     assert d["walkthrough_until_url"]["url"].endswith("/lab/tree/notebooks/"
                                                       "01_why_dtype_matters.ipynb")
     assert d["command"] in text
+
+
+def test_readme_lists_every_subcommand() -> None:
+    """The README's CLI table names every subcommand the CLI registers, and no other."""
+    import argparse
+
+    from lorakit.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    listed = re.findall(r"^\| `lorakit (\w+)` \| \S", (ROOT / "README.md").read_text(), re.M)
+    assert sorted(listed) == sorted(sub.choices), listed
