@@ -1,6 +1,7 @@
 """The README's Python example runs as written (from the repository root)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -34,17 +35,19 @@ def test_walkthrough_url_opens_the_notebook_itself() -> None:
     the Launcher; the notebook it names exists."""
     import socket
     import subprocess
+    import sys
     import time
+    import urllib.request
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, LORAKIT_NO_SETUP="1")
+    env = dict(os.environ, LORAKIT_NO_SETUP="1", LORAKIT_VENV=sys.prefix)
     p = subprocess.Popen(["bash", str(ROOT / "tools" / "walkthrough.sh"), "--no-browser",
                           f"--port={port}", "--ServerApp.port_retries=0"],
                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
-    lines, path = [], None
+    lines, path, token, served = [], None, None, None
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
@@ -52,16 +55,23 @@ def test_walkthrough_url_opens_the_notebook_itself() -> None:
             if not line:
                 break
             lines.append(line)
-            m = re.search(rf"http://(?:localhost|127\.0\.0\.1):{port}(/\S*)\?token=", line)
+            m = re.search(rf"http://(?:localhost|127\.0\.0\.1):{port}(/\S*)\?token=(\w+)", line)
             if m:
-                path = m.group(1)
+                path, token = m.groups()
                 break
+        if path and path.startswith("/lab/tree/"):
+            # the server itself must find the file the URL names (given a notebook
+            # argument, Jupyter once served notebooks/ and this path was missing)
+            api = f"http://127.0.0.1:{port}/api/contents/{path[len('/lab/tree/'):]}"
+            with urllib.request.urlopen(f"{api}?content=0&token={token}", timeout=30) as r:
+                served = json.loads(r.read())
     finally:
         p.terminate()
         p.wait(timeout=30)
     assert path is not None, "".join(lines)
     assert path.startswith("/lab/tree/notebooks/") and path.endswith(".ipynb"), path
     assert (ROOT / path[len("/lab/tree/"):]).is_file()
+    assert served is not None and served["type"] == "notebook", served
 
 
 @pytest.mark.slow  # runs the README's commands in fresh processes
