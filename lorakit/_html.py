@@ -15,12 +15,15 @@ import html
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
-__all__ = ["Markup", "Cell", "escape", "table", "facts_table", "LEFT", "FLAGGED"]
+__all__ = ["Markup", "Cell", "escape", "table", "facts_table", "head_cells",
+           "collapsible", "LEFT", "FLAGGED", "COLLAPSE_ROWS"]
 
 #: style of left-aligned cells (key/value tables)
 LEFT = "text-align:left"
 #: style of a highlighted (flagged) row
 FLAGGED = "background:#fdd"
+#: tables with more rows than this start collapsed (a summary line to click open)
+COLLAPSE_ROWS = 20
 
 
 class Markup(str):
@@ -35,12 +38,13 @@ def escape(value: Any) -> str:
 @dataclass(frozen=True)
 class Cell:
     """One table cell: its content (text, escaped; or :class:`Markup`), ``<th>`` when
-    ``header``, an inline ``style`` and a ``colspan``."""
+    ``header``, an inline ``style``, a ``colspan`` and a ``title`` (the hover text)."""
 
     content: Any
     header: bool = False
     style: str = ""
     colspan: int = 1
+    title: str = ""
 
 
 CellLike = Union[Cell, Any]
@@ -51,7 +55,8 @@ def _cell(c: CellLike, header: bool = False) -> str:
         c = Cell(c, header=header)
     tag = "th" if c.header else "td"
     attrs = (f" colspan={c.colspan}" if c.colspan != 1 else "") + \
-        (f" style='{c.style}'" if c.style else "")
+        (f" style='{c.style}'" if c.style else "") + \
+        (f" title='{html.escape(c.title, quote=True)}'" if c.title else "")
     return f"<{tag}{attrs}>{escape(c.content)}</{tag}>"
 
 
@@ -77,3 +82,16 @@ def facts_table(facts: Iterable[Tuple[Any, Any]], key_style: str = LEFT,
     """Key/value pairs as a two-column table (keys as ``<th>``), no header row."""
     return table([Cell(k, header=True, style=key_style), Cell(v, style=value_style)]
                  for k, v in facts)
+
+
+def head_cells(columns: Sequence[str], help: Mapping[str, str]) -> list:
+    """Header cells for ``columns``, each with its one-line explanation as hover text."""
+    return [Cell(c, header=True, title=help.get(c, "")) for c in columns]
+
+
+def collapsible(summary: str, inner: str, rows: int) -> str:
+    """``inner`` under a ``<details>`` summary line; open unless ``rows`` > COLLAPSE_ROWS."""
+    state = " open" if rows <= COLLAPSE_ROWS else ""
+    hint = "" if state else " (click to show)"
+    return f"<details{state}><summary>{escape(summary)}{hint}</summary>{inner}</details>"
+

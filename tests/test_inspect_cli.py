@@ -81,3 +81,19 @@ def test_errors_are_one_message(paths: dict, tmp_path: Path) -> None:
                            str(tmp_path / "missing")], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.startswith("lorakit diff: error:") and "Traceback" not in proc.stderr
+
+
+def test_inspect_and_diff_take_fuse_s_flag_names(paths: dict, capsys) -> None:
+    """One vocabulary across subcommands: inspect and diff read --model / --adapter-path
+    as fuse does, with the same results as their old spellings (kept as aliases)."""
+    new = run(capsys, "inspect", paths["ad"], "--model", paths["base"], "--json")
+    old = run(capsys, "inspect", paths["ad"], "--base", paths["base"], "--json")
+    assert new[0] == 0 and new[1] == old[1] and "delta_norms" in json.loads(new[1])
+    new = run(capsys, "diff", paths["near"], paths["mlx"], "--adapter-path", paths["ad"],
+              "--model", paths["base"], "--json")
+    old = run(capsys, "diff", paths["near"], paths["mlx"], "--adapter", paths["ad"],
+              "--base", paths["base"], "--json")
+    assert new[0] == old[0] == 1 and new[1] == old[1] and "reference_a" in json.loads(new[1])
+    # one without the other is refused, in the new names
+    code, _, err = run(capsys, "diff", paths["near"], paths["mlx"], "--model", paths["base"])
+    assert code == 2 and "--adapter-path and --model go together" in err

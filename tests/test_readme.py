@@ -1,6 +1,7 @@
 """The README's Python example runs as written (from the repository root)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -34,17 +35,19 @@ def test_walkthrough_url_opens_the_notebook_itself() -> None:
     the Launcher; the notebook it names exists."""
     import socket
     import subprocess
+    import sys
     import time
+    import urllib.request
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, LORAKIT_NO_SETUP="1")
+    env = dict(os.environ, LORAKIT_NO_SETUP="1", LORAKIT_VENV=sys.prefix)
     p = subprocess.Popen(["bash", str(ROOT / "tools" / "walkthrough.sh"), "--no-browser",
                           f"--port={port}", "--ServerApp.port_retries=0"],
                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
-    lines, path = [], None
+    lines, path, token, served = [], None, None, None
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
@@ -52,16 +55,23 @@ def test_walkthrough_url_opens_the_notebook_itself() -> None:
             if not line:
                 break
             lines.append(line)
-            m = re.search(rf"http://(?:localhost|127\.0\.0\.1):{port}(/\S*)\?token=", line)
+            m = re.search(rf"http://(?:localhost|127\.0\.0\.1):{port}(/\S*)\?token=(\w+)", line)
             if m:
-                path = m.group(1)
+                path, token = m.groups()
                 break
+        if path and path.startswith("/lab/tree/"):
+            # the server itself must find the file the URL names (given a notebook
+            # argument, Jupyter once served notebooks/ and this path was missing)
+            api = f"http://127.0.0.1:{port}/api/contents/{path[len('/lab/tree/'):]}"
+            with urllib.request.urlopen(f"{api}?content=0&token={token}", timeout=30) as r:
+                served = json.loads(r.read())
     finally:
         p.terminate()
         p.wait(timeout=30)
     assert path is not None, "".join(lines)
     assert path.startswith("/lab/tree/notebooks/") and path.endswith(".ipynb"), path
     assert (ROOT / path[len("/lab/tree/"):]).is_file()
+    assert served is not None and served["type"] == "notebook", served
 
 
 @pytest.mark.slow  # runs the README's commands in fresh processes
@@ -75,7 +85,8 @@ def test_readme_examples_run_in_either_order(tmp_path: Path) -> None:
     shell = re.search(r"```bash\nlorakit fuse (.*?)```", text, re.S).group(0)
     lines = [ln.split("#")[0].strip() for ln in shell.splitlines()[1:-1]]
     lines = [ln for ln in lines if ln.startswith("lorakit ") and "..." not in ln
-             and not ln.startswith("lorakit bench")]
+             and not ln.startswith(("lorakit bench", "lorakit synth checkpoint",
+                                    "lorakit synth adapter"))]  # minutes, gigabytes
     assert any(ln.startswith("lorakit fuse") for ln in lines), lines
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     code = "\n".join(ln for ln in code.splitlines() if "time_decode" not in ln)
@@ -96,3 +107,86 @@ def test_readme_examples_run_in_either_order(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     run_shell()
     assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == ["fused", "mlx-fused"]
+
+
+def _setup_copy(tmp_path: Path) -> Path:
+    """tools/setup.sh alone in an empty folder laid out like the repository."""
+    (tmp_path / "tools").mkdir()
+    shutil.copy(ROOT / "tools" / "setup.sh", tmp_path / "tools" / "setup.sh")
+    return tmp_path
+
+
+def test_setup_shows_a_failing_steps_output_and_status(tmp_path: Path) -> None:
+    """Set-up hides what tools print while they succeed, but a failing step's own output
+    (the error a user needs) is shown, with its exit status, and set-up stops there."""
+    import subprocess
+
+    repo = _setup_copy(tmp_path)
+    py = tmp_path / "broken-python"
+    py.write_text("#!/bin/sh\necho 'chatter a user does not need'\n"
+                  "echo 'Error: [Errno 28] No space left on device' >&2\nexit 3\n")
+    py.chmod(0o755)
+    r = subprocess.run(["bash", "tools/setup.sh"], cwd=repo, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHON=str(py), TMPDIR=str(tmp_path)))
+    assert r.returncode == 3
+    assert r.stdout.splitlines() == [f"setup: creating .venv with {py} ... failed (exit 3)"]
+    assert "Error: [Errno 28] No space left on device" in r.stderr
+    assert "chatter a user does not need" in r.stderr  # the whole log, not a guess at it
+    assert not (repo / ".venv").exists()
+    assert not list(tmp_path.glob("lorakit-setup.*"))  # its log is removed
+
+
+@pytest.mark.slow  # a fresh virtual environment and every dependency: minutes
+def test_setup_prints_progress_only(tmp_path: Path) -> None:
+    """A real set-up in a fresh copy: one line per step, none of pip's notices or
+    setuptools' experimental-backend and editable-install banners."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file():
+            (repo / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, repo / f)
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    r = subprocess.run(["bash", "tools/setup.sh"], cwd=repo, capture_output=True, text=True,
+                       env=dict(env, TMPDIR=str(tmp_path)))
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert all(re.fullmatch(r"setup: .+ \.\.\. done \(\d+ s\)", ln) for ln in lines[:-1]), lines
+    assert re.fullmatch(r"setup: ready \(\.venv/bin/python; \d+ s in all\)", lines[-1])
+    assert any("installing lorakit" in ln for ln in lines)
+    assert r.stderr == ""
+    assert (repo / ".venv" / "bin" / "python").exists()
+
+
+def test_readme_setup_times_are_the_committed_measurement() -> None:
+    """The set-up and walkthrough times the README states are those of the committed
+    benchmark JSON (rounded to seconds), next to the command that wrote it."""
+    import json
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    d = json.loads((ROOT / "benchmarks" / "results" / "readme_commands.json").read_text())
+    fresh = d["setup_fresh"]
+    install = next(ln for ln in fresh["stdout"] if "installing lorakit" in ln)
+    install_s = int(re.search(r"done \((\d+) s\)", install).group(1))
+    assert fresh["exit"] == 0 and d["setup_again"]["exit"] == 0
+    assert (f"set-up in a fresh copy {fresh['seconds']:.0f} s ({install_s} s of it installing "
+            "the dependencies)") in text
+    assert f"{d['setup_again']['seconds']:.0f} s when `.venv` is already set up" in text
+    assert f"prints its URL {d['walkthrough_until_url']['seconds']:.0f} s later" in text
+    assert d["walkthrough_until_url"]["url"].endswith("/lab/tree/notebooks/"
+                                                      "01_why_dtype_matters.ipynb")
+    assert d["command"] in text
+
+
+def test_readme_lists_every_subcommand() -> None:
+    """The README's CLI table names every subcommand the CLI registers, and no other."""
+    import argparse
+
+    from lorakit.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    listed = re.findall(r"^\| `lorakit (\w+)` \| \S", (ROOT / "README.md").read_text(), re.M)
+    assert sorted(listed) == sorted(sub.choices), listed

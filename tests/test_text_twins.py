@@ -164,6 +164,26 @@ def test_html_twin_smoke(name: str, work: Path) -> None:
     assert html.escape(rep.title) in out
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "FuseResult"])
+def test_every_column_is_explained(name: str, work: Path) -> None:
+    """Each column a report shows has a one-line explanation: the header's hover text
+    in HTML and a line of the legend under the text table."""
+    import html
+    import re
+
+    rep = _build(name, work)
+    cols = rep.cols()
+    help = type(rep).column_help
+    assert cols and all(help.get(c, "").strip() for c in cols), \
+        f"{name}: columns without an explanation: {[c for c in cols if not help.get(c)]}"
+    heads = re.findall(r"<th title='([^']*)'>([^<]*)</th>", rep._repr_html_())
+    assert [h for _, h in heads] == [html.escape(c) for c in cols]
+    assert all(t == html.escape(help[c], quote=True) for (t, _), c in zip(heads, cols))
+    legend = str(rep).split("\n  columns:\n", 1)[1].splitlines()
+    w = max(len(c) for c in cols)
+    assert legend == [f"    {c.ljust(w)}  {help[c]}" for c in cols]
+
+
 def test_fuse_result_html_smoke(work: Path) -> None:
     import lorakit
 

@@ -113,6 +113,32 @@ def test_dtype_view_shows_promotion_and_cell_detail(fused):
     assert v.cells[("0", "norm_in")].description == "BF16"
 
 
+def test_dtype_view_headers_are_readable(fused):
+    """The grid's column headers name kinds as a reader would ("post-attn norm"), not
+    as the code spells them ("norm_attn", which the narrow column cut to "norm_at")."""
+    import re
+
+    from lorakit.inspect.layers import KIND_ORDER, kind_label
+
+    v = DtypeMapView(fused["promoted"])
+    _, kinds, _ = v.report.grid()
+    heads = v.grid.children[1:1 + len(kinds)]
+    texts = [re.sub(r"<[^>]+>", "", h.value) for h in heads]
+    assert texts == [kind_label(k) for k in kinds]
+    assert "post-attn norm" in texts and "input norm" in texts
+    assert not any("_" in t for t in texts), texts
+    # the header may wrap (not clipped) and its hover spells the kind as tables do
+    assert all("overflow" not in str(h.layout.overflow or "") for h in heads)
+    assert any("title='norm_attn: post-attn norm'" in h.value for h in heads)
+    # a clicked cell's detail table is titled in words and explains its columns on hover
+    v.select("0", "norm_attn")
+    assert "<b>layer 0, post-attn norm</b>" in v.detail.value
+    assert "<th title='the dtype stored on disk'>dtype</th>" in v.detail.value
+    # every kind lorakit knows has a label of its own, without code spelling
+    assert all(kind_label(k) != k or "_" not in k for k in KIND_ORDER)
+    assert all("_" not in kind_label(k) for k in KIND_ORDER)
+
+
 def test_dtype_view_colors_agree_with_report(fused):
     v = DtypeMapView(fused["nearest"])
     assert not v.report.flagged

@@ -6,9 +6,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NOTEBOOK=notebooks/01_why_dtype_matters.ipynb
-# LORAKIT_NO_SETUP=1 skips the set-up step (the tests use it on a ready .venv)
+# LORAKIT_NO_SETUP=1 skips the set-up step (the tests use it on a ready environment);
+# LORAKIT_VENV names that environment (default .venv, the one tools/setup.sh makes)
 [ "${LORAKIT_NO_SETUP:-0}" = "1" ] || bash tools/setup.sh
+VENV="${LORAKIT_VENV:-.venv}"
 ALLOW_ROOT=()
 [ "$(id -u)" = "0" ] && ALLOW_ROOT=(--allow-root)
-exec .venv/bin/jupyter lab "${ALLOW_ROOT[@]}" --LabApp.default_url="/lab/tree/$NOTEBOOK" \
-  "$NOTEBOOK" "$@"
+# The server's root is the repository (no notebook argument: given a file, Jupyter
+# serves that file's folder instead, and the URL below would name a missing path).
+exec "$VENV/bin/jupyter" lab "${ALLOW_ROOT[@]}" --ServerApp.root_dir="$PWD" \
+  --LabApp.default_url="/lab/tree/$NOTEBOOK" "$@"

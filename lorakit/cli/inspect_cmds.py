@@ -47,7 +47,7 @@ def _diff(args: argparse.Namespace) -> int:
     from ..inspect.parity import parity
 
     if bool(args.adapter) != bool(args.base):
-        raise LorakitError("--adapter and --base go together",
+        raise LorakitError("--adapter-path and --model go together",
                            hint="give both to measure each side against the exact fuse")
     rep = parity(args.a, args.b)
     reports: Dict[str, Any] = {"parity": rep}
@@ -80,7 +80,9 @@ def add(sub) -> None:
                        "(tensors whose dtype differs from the majority are marked with !). "
                        "For an adapter directory, also each delta's norms and ranks.")
     p.add_argument("path", help="checkpoint directory, adapter directory or .safetensors file")
-    p.add_argument("--base", help="adapter only: base model, for ||dW|| / ||W||")
+    p.add_argument("--model", "--base", dest="base",
+                   help="adapter only: base model, for ||dW|| / ||W|| (as fuse's --model; "
+                   "alias --base)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--max-rows", type=int, default=60, help="table rows shown (text)")
     p.set_defaults(run=_inspect, all=True)
@@ -91,12 +93,15 @@ def add(sub) -> None:
                        "typical magnitudes, then elements differing, near zero (where ulp "
                        "distances are large but mean little), zero on one side and changing "
                        "sign, max ulp and abs difference, dtype/shape mismatches, "
-                       "tensors on one side only. With --adapter and --base, also each "
+                       "tensors on one side only. With --adapter-path and --model, also each "
                        "side's ulp error against the exact float64 fuse.")
     p.add_argument("a", help="first checkpoint (directory or .safetensors file)")
     p.add_argument("b", help="second checkpoint")
-    p.add_argument("--adapter", help="adapter both were fused with")
-    p.add_argument("--base", help="base both were fused from")
+    # fuse's vocabulary, as check's: the first spellings stay as aliases
+    p.add_argument("--adapter-path", "--adapter", dest="adapter",
+                   help="adapter both were fused with (as fuse's; alias --adapter)")
+    p.add_argument("--model", "--base", dest="base",
+                   help="base both were fused from (as fuse's --model; alias --base)")
     p.add_argument("--all", action="store_true", help="list identical tensors too")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--max-rows", type=int, default=60, help="table rows shown (text)")

@@ -67,6 +67,23 @@ class AdapterComparison(Report):
     (mean cos^2 of the column angles: 1 = same subspace, 0 = orthogonal), row_angle,
     row_overlap. ``col_angles[i]`` / ``row_angles[i]``: all angles of row i."""
 
+    column_help = {
+        "module": "the adapted module",
+        "expert": "expert number in a mixture-of-experts layer",
+        "status": "both, only in A or only in B",
+        "fro_a": "||dW||_F of adapter A's delta on this module",
+        "fro_b": "||dW||_F of adapter B's delta",
+        "rel_a": "||dW||_F / ||W||_F for A: its change relative to the base weight",
+        "rel_b": "||dW||_F / ||W||_F for B",
+        "cosine": "cosine similarity of the two deltas (1 = same, 0 = unrelated, "
+                  "-1 = opposite)",
+        "col_angle": "smallest angle (degrees) between the deltas' column spaces",
+        "col_overlap": "mean cos^2 of the column-space angles (1 = same subspace, "
+                       "0 = orthogonal)",
+        "row_angle": "smallest angle (degrees) between the deltas' row spaces",
+        "row_overlap": "mean cos^2 of the row-space angles (1 = same, 0 = orthogonal)",
+    }
+
     col_angles: List[np.ndarray] = field(default_factory=list)
     row_angles: List[np.ndarray] = field(default_factory=list)
 

@@ -139,6 +139,19 @@ class DeltaNorms(Report):
     rel (``fro / ||W||_F``, with a base), spectral, erank (entropy effective rank),
     nrank (numerical rank). ``singular_values[i]`` holds row i's spectrum."""
 
+    column_help = {
+        "module": "the adapted module (the delta dW = scale x B @ A lands on its weight)",
+        "expert": "expert number in a mixture-of-experts layer",
+        "shape": "shape of dW (out, in)",
+        "rank": "the adapter's rank r for this module",
+        "fro": "Frobenius norm ||dW||_F: the size of the change",
+        "rel": "||dW||_F / ||W||_F: the change relative to the base weight",
+        "spectral": "largest singular value ||dW||_2",
+        "erank": "effective rank (entropy of the singular values): how many directions "
+                 "really carry the change",
+        "nrank": "numerical rank: singular values above float noise (<= rank)",
+    }
+
     singular_values: List[np.ndarray] = field(default_factory=list)
 
     def plot(self, value: Optional[str] = None, ax=None, log: bool = True):

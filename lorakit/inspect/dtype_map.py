@@ -39,6 +39,19 @@ class DtypeMap(Report):
     layer x kind table behind :meth:`plot`'s heatmap.
     """
 
+    column_help = {
+        "tensor": "the tensor's name in the checkpoint",
+        "layer": "transformer block number (None: outside the blocks, e.g. embeddings)",
+        "kind": "what it is: q/k/v/o, gate/up/down, norm_in (input norm), norm_attn "
+                "(post-attention norm), embed, head, ...",
+        "expert": "expert number in a mixture-of-experts layer (None: not an expert)",
+        "part": "weight, bias, or a quantized weight's scales / biases",
+        "dtype": "the dtype stored on disk",
+        "shape": "the tensor's shape",
+        "bytes": "bytes the tensor takes on disk",
+        "flag": "why its dtype is unexpected (empty: as expected)",
+    }
+
     bytes_by_dtype: Dict[str, int] = field(default_factory=dict)
 
     def flagged_names(self) -> List[str]:

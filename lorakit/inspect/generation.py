@@ -74,6 +74,18 @@ class GenerationReport(Report):
     ``divergences[p]``: the :class:`Divergence` of every pair of models that parted.
     """
 
+    column_help = {
+        "prompt": "prompt number",
+        "model": "which model generated (its label)",
+        "tokens": "tokens generated",
+        "diverges_at": "first step where it chose another token than the reference "
+                       "(None: never)",
+        "margin": "its top1 - top2 logit at that step (small: a near tie)",
+        "ref_margin": "the reference's top1 - top2 logit at that step",
+        "gap": "how much it preferred its own token over the reference's there (logits)",
+        "text": "the generated text",
+    }
+
     generations: List[Dict[str, Generation]] = field(default_factory=list)
     divergences: List[List[Divergence]] = field(default_factory=list)
 

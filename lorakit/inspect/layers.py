@@ -4,13 +4,20 @@ kind grid that tables and heatmaps share.
 
 >>> split_name("model.layers.2.mlp.down_proj.weight")
 (2, 'down', None, 'weight')
+>>> names = ["m.layers.10.q_proj", "m.norm", "m.layers.2.v_proj", "m.layers.2.q_proj",
+...          "m.embed_tokens", "lm_head"]
+>>> [names[i] for i in model_order(names)]
+['m.embed_tokens', 'm.layers.2.q_proj', 'm.layers.2.v_proj', 'm.layers.10.q_proj', 'm.norm', 'lm_head']
+>>> kind_label("norm_attn")
+'post-attn norm'
 """
 from __future__ import annotations
 
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["KIND_ORDER", "split_name", "layer_kind_cells"]
+__all__ = ["KIND_ORDER", "KIND_LABELS", "split_name", "kind_label", "model_order",
+           "layer_kind_cells"]
 
 # Last module-path component -> short kind. Unknown names keep their own component.
 _KIND = {
@@ -28,6 +35,16 @@ _KIND = {
 KIND_ORDER = ["embed", "q", "k", "v", "qkv", "o", "q_norm", "k_norm", "norm_in", "norm_attn",
               "router", "gate", "up", "gate_up", "down", "experts.gate", "experts.up",
               "experts.down", "norm_pre_ff", "norm_post_ff", "norm", "head"]
+#: What each kind is, for a reader: column headers and hover text.
+KIND_LABELS = {
+    "embed": "embedding", "q": "q proj", "k": "k proj", "v": "v proj", "qkv": "qkv proj",
+    "o": "out proj", "q_norm": "q norm", "k_norm": "k norm", "norm_in": "input norm",
+    "norm_attn": "post-attn norm", "router": "router", "gate": "gate proj",
+    "up": "up proj", "gate_up": "gate+up proj", "down": "down proj",
+    "experts.gate": "expert gate", "experts.up": "expert up", "experts.down": "expert down",
+    "norm_pre_ff": "pre-MLP norm", "norm_post_ff": "post-MLP norm", "norm": "final norm",
+    "head": "LM head",
+}
 _LEAVES = ("weight", "bias", "scales", "biases", "lora_a", "lora_b", "m", "lora_A", "lora_B",
            "lora_magnitude_vector")
 _LORA_PARTS = ("lora_a", "lora_b", "m", "lora_A", "lora_B", "lora_magnitude_vector")
@@ -68,6 +85,34 @@ def split_name(name: str) -> Tuple[Optional[int], str, Optional[int], str]:
     if expert is not None or "switch_mlp" in parts:
         kind = "experts." + kind
     return layer, kind, expert, part
+
+
+def kind_label(kind: str) -> str:
+    """A reader's name for a kind (``norm_attn`` -> ``post-attn norm``); unknown kinds
+    are shown as they are."""
+    return KIND_LABELS.get(kind, kind)
+
+
+def _natural(s: str) -> Tuple[Any, ...]:
+    # digit runs compare as numbers; re.split alternates text and digits, so equal
+    # positions always hold the same type
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", s)))
+
+
+def model_order(names: List[str]) -> List[int]:
+    """Indices of ``names`` (tensors or modules) in model order: the embedding, then the
+    blocks by layer number (numerically: 2 before 10) and within a block by kind
+    (:data:`KIND_ORDER`: q, k, v, o, norms, gate, up, down), expert and part, then the
+    rest (final norm, head). Every report table shows its rows in this order."""
+    rank = {k: i for i, k in enumerate(KIND_ORDER)}
+
+    def key(i: int) -> Tuple[Any, ...]:
+        layer, kind, expert, part = split_name(names[i])
+        group = 1 if layer is not None else 0 if kind == "embed" else 2
+        return (group, layer or 0, rank.get(kind, len(rank)), kind,
+                -1 if expert is None else expert, part, _natural(names[i]))
+
+    return sorted(range(len(names)), key=key)
 
 
 def _order_kinds(kinds) -> List[str]:

@@ -169,6 +169,22 @@ class MergeCheck(Report):
     ``status`` overall: ``ok``, ``wrong`` or ``promoted``; ``ok`` is True for ``ok``;
     :meth:`exit_code` maps it to 0 / 1 / 3."""
 
+    column_help = {
+        "tensor": "the adapted (or changed) tensor's name",
+        "dtype": "stored dtype of the fused tensor",
+        "distance": "largest |fused - exact| over what rounding to the dtype can explain "
+                    "(<= 1 is right)",
+        "max_ulp": "largest |fused - exact| in units in the last place of the dtype",
+        "beyond": "share of elements past the rounding bound",
+        "survived": "share of the adapter's delta found in the fused tensor (1 = all)",
+        "expected": "share of the delta a correct fuse keeps after rounding (1 = all)",
+        "fit": "the factor k that best explains fused - base as k x delta (1 = right scale)",
+        "corr": "correlation of fused - base with the adapter's delta (1 = same direction)",
+        "status": "ok, promoted (right but wider dtype) or wrong",
+        "verdict": "what happened, in words (e.g. ok, wrong scale, transposed)",
+        "detail": "the numbers behind the verdict",
+    }
+
     @property
     def status(self) -> str:
         st = {r["status"] for r in self.rows}

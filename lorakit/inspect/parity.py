@@ -47,6 +47,18 @@ class ParityReport(Report):
     ``sources``: the labels of A and B.
     """
 
+    column_help = {
+        "tensor": "the tensor's name",
+        "status": "equal (bit for bit), differs, or a mismatch of name, dtype or shape",
+        "dtype": "stored dtype (A/B when they differ)",
+        "shape": "the tensor's shape",
+        "elements": "number of elements compared",
+        "differing": "elements whose bits differ",
+        "frac": "differing / elements",
+        "max_ulp": "largest distance in units in the last place (ulp) of the dtype",
+        "max_abs": "largest absolute difference |A - B|",
+    }
+
     identical: bool = False
     labels: List[str] = field(default_factory=list)
     overall: Optional[np.ndarray] = None

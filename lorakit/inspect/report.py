@@ -12,9 +12,11 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
-from .._html import FLAGGED, Cell, Markup, escape, facts_table, table
+from .._html import (FLAGGED, Cell, Markup, collapsible, escape, facts_table, head_cells,
+                     table)
+from .layers import model_order
 
 
 def _numpy() -> Any:
@@ -70,7 +72,13 @@ class Report:
         summary: ordered key -> value facts shown above the table.
         flagged: row indices to highlight (e.g. tensors with an unexpected dtype).
         max_rows: rows shown in text/HTML before eliding (the data keeps all).
+
+    Class attribute ``column_help``: a one-line explanation per column, set by each
+    report beside its column list; HTML shows it on hover over the header, the text
+    twin as a legend under the table.
     """
+
+    column_help: ClassVar[Dict[str, str]] = {}
 
     title: str
     rows: List[Dict[str, Any]] = field(default_factory=list)
@@ -100,15 +108,31 @@ class Report:
 
         return pd.DataFrame(self.rows)
 
-    # -- text twin -----------------------------------------------------------------------
-    def _shown(self) -> List[int]:
-        n = len(self.rows)
-        if n <= self.max_rows:
-            return list(range(n))
-        keep = set(range(self.max_rows // 2)) | set(range(n - self.max_rows // 2, n))
-        keep |= set(self.flagged[: self.max_rows])
-        return sorted(keep)
+    # -- display order -------------------------------------------------------------------
+    def _order(self) -> List[int]:
+        """Row indices as tables show them: in model order (embeddings, blocks by layer
+        number and kind, then final norm and head) when a column names tensors or modules, else as
+        stored (timing variants, prompts). ``rows`` itself keeps the order it was made in."""
+        key = next((c for c in ("tensor", "module") if c in self.cols()), None)
+        if key is None:
+            return list(range(len(self.rows)))
+        return model_order([str(r.get(key) or "") for r in self.rows])
 
+    def _shown(self) -> List[Tuple[int, int]]:
+        """(position in display order, row index) of the rows a table shows: the first
+        ``max_rows``, then flagged rows beyond them (up to ``max_rows`` more: a verdict
+        is not hidden behind unflagged rows)."""
+        flag = set(self.flagged)
+        shown = []
+        for pos, i in enumerate(self._order()):
+            if pos < self.max_rows or (i in flag and len(shown) < 2 * self.max_rows):
+                shown.append((pos, i))
+        return shown
+
+    def _help(self, col: str) -> str:
+        return type(self).column_help.get(col, "")
+
+    # -- text twin -----------------------------------------------------------------------
     def __str__(self) -> str:
         lines = [self.title]
         for k, v in self.summary.items():
@@ -116,22 +140,32 @@ class Report:
         cols = self.cols()
         if cols and self.rows:
             shown = self._shown()
+            n = len(self.rows)
             table = [[c for c in cols]] + [[_fmt(self.rows[i].get(c, "")) for c in cols]
-                                           for i in shown]
+                                           for _, i in shown]
             widths = [max(len(r[j]) for r in table) for j in range(len(cols))]
             flag = set(self.flagged)
             lines.append("")
             lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(table[0], widths)))
             prev = -1
-            for i, row in zip(shown, table[1:]):
-                if i != prev + 1:
-                    lines.append(f"  ... {i - prev - 1} rows ...")
+            for (pos, i), row in zip(shown, table[1:]):
+                if pos != prev + 1:
+                    lines.append(f"  ... {pos - prev - 1} rows ...")
                 mark = "!" if i in flag else " "
                 lines.append(mark + " " + "  ".join(c.ljust(w) for c, w in zip(row, widths))
                              .rstrip())
-                prev = i
-            if prev != len(self.rows) - 1:
-                lines.append(f"  ... {len(self.rows) - 1 - prev} rows ...")
+                prev = pos
+            if prev != n - 1:
+                lines.append(f"  ... {n - 1 - prev} more rows ...")
+            if len(shown) < n:
+                lines.append(f"  ({n - len(shown)} of {n} rows not shown: raise max_rows, "
+                             "or --max-rows in the CLI)")
+            legend = [(c, self._help(c)) for c in cols if self._help(c)]
+            if legend:
+                w = max(len(c) for c, _ in legend)
+                lines.append("")
+                lines.append("  columns:")
+                lines.extend(f"    {c.ljust(w)}  {h}" for c, h in legend)
         return "\n".join(lines)
 
     def __repr__(self) -> str:  # cheap
@@ -148,15 +182,22 @@ class Report:
             body: List[List[Any]] = []
             styles: Dict[int, str] = {}
             prev = -1
-            for i in self._shown():
-                if i != prev + 1:
-                    body.append([Cell(Markup(f"&hellip; {i - prev - 1} rows"),
+            n = len(self.rows)
+            shown = self._shown()
+            for pos, i in shown:
+                if pos != prev + 1:
+                    body.append([Cell(Markup(f"&hellip; {pos - prev - 1} rows"),
                                       colspan=len(cols))])
                 if i in flag:
                     styles[len(body)] = FLAGGED
                 body.append([_fmt(self.rows[i].get(c, "")) for c in cols])
-                prev = i
-            parts.append(f"<details open><summary>{len(self.rows)} rows</summary>"
-                         f"{table(body, head=cols, row_styles=styles)}</details>")
+                prev = pos
+            if prev != n - 1:
+                body.append([Cell(Markup(f"&hellip; {n - 1 - prev} more rows (raise "
+                                         "<code>max_rows</code> to show them)"),
+                                  colspan=len(cols))])
+            head = head_cells(cols, type(self).column_help)
+            summary = f"{n} rows" + (f", {len(flag)} flagged" if flag else "")
+            parts.append(collapsible(summary, table(body, head=head, row_styles=styles), n))
         parts.append("</div>")
         return "".join(parts)

@@ -62,6 +62,17 @@ class RefUlpReport(Report):
     ``counts`` / ``overall``: histograms of the error.
     """
 
+    column_help = {
+        "tensor": "the adapted tensor's name",
+        "dtype": "stored dtype of the fused tensor",
+        "status": "measured, or why not (missing in fused, quantized)",
+        "elements": "number of elements measured",
+        "max_err": "largest error in ulp against the exact (float64) fuse",
+        "mean_err": "mean error in ulp against the exact fuse",
+        "not_nearest": "elements more than 0.5 ulp off: not the correctly rounded value",
+        "hist": "share of elements per error range in ulp (largest bins)",
+    }
+
     labels: List[str] = field(default_factory=list)
     counts: Optional[np.ndarray] = None
     overall: Optional[np.ndarray] = None

@@ -83,6 +83,19 @@ class UlpReport(Report):
     (``counts[i]``, zeros for rows without ulps). ``overall`` / ``per_layer``: sums.
     """
 
+    column_help = {
+        "tensor": "the tensor's name",
+        "layer": "transformer block number (None: outside the blocks)",
+        "kind": "what the tensor is (q/k/v/o projection, mlp part, norm, ...)",
+        "dtype": "stored dtype (A/B when they differ)",
+        "status": "equal (bit for bit), differs, or why it was not compared",
+        "elements": "number of elements compared",
+        "differing": "elements whose bits differ",
+        "max_ulp": "largest distance in units in the last place (ulp) of the dtype",
+        "mean_ulp": "mean distance in ulp over all elements",
+        "hist": "share of elements per ulp distance (largest bins)",
+    }
+
     labels: List[str] = field(default_factory=list)
     counts: Optional[np.ndarray] = None
     overall: Optional[np.ndarray] = None

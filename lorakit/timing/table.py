@@ -155,6 +155,23 @@ class DecodeTiming(Report):
     ``variants`` holds the raw :class:`VariantTiming` objects.
     """
 
+    column_help = {
+        "variant": "base (no adapter), unfused (adapter attached), fused, promoted "
+                   "(fused into float32), mlx-lm-fused (mlx_lm fuse's output)",
+        "prefill tok/s": "prompt tokens processed per second (median)",
+        "decode tok/s": "generated tokens per second (median)",
+        "decode min-max": "slowest-fastest decode tok/s over the repeats",
+        "decode x base": "decode tok/s over base's (< 0.97 is flagged)",
+        "TTFT ms": "time to first token, milliseconds (median)",
+        "peak GB": "the process's peak memory (RSS)",
+        "peak x base": "peak GB over base's (> 1.02 is flagged)",
+        "weights GB": "size of the model's weights in memory",
+        "weight dtypes": "weight bytes per dtype",
+        "= unfused tokens": "generated tokens equal to the unfused model's, counted "
+                            "from the start",
+        "note": "why a variant has no numbers",
+    }
+
     variants: List[VariantTiming] = field(default_factory=list)
     settings: Dict[str, Any] = field(default_factory=dict)
 

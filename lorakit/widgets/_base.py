@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 
 import ipywidgets as W
 
-from .._html import FLAGGED, LEFT, escape, facts_table, table
+from .._html import FLAGGED, LEFT, escape, facts_table, head_cells, table
 from ..inspect.report import Report, _fmt
 
 #: Prefix of the CSS classes that tests select on (``widget.add_class("t-...")``).
@@ -61,9 +61,12 @@ def summary_html(report: Report, title: bool = True) -> str:
     return f"<div class='lorakit-summary'>{head}{facts_html(report.summary)}</div>"
 
 
-def rows_html(rows: list, columns: list, flagged: Optional[set] = None) -> str:
-    """Rows (dicts) as an HTML table with the given columns; flagged rows shaded."""
-    return table([[_fmt(r.get(c, "")) for c in columns] for r in rows], head=columns,
+def rows_html(rows: list, columns: list, flagged: Optional[set] = None,
+              help: Optional[Dict[str, str]] = None) -> str:
+    """Rows (dicts) as an HTML table with the given columns; flagged rows shaded;
+    ``help``: the report's column explanations (header hover text)."""
+    return table([[_fmt(r.get(c, "")) for c in columns] for r in rows],
+                 head=head_cells(columns, help or {}),
                  row_styles={i: FLAGGED for i in flagged or ()})
 
 

@@ -14,7 +14,9 @@ from typing import Any, List, Optional, Tuple
 
 import ipywidgets as W
 
+from .._html import escape
 from ..inspect.dtype_map import DtypeMap, dtype_map
+from ..inspect.layers import kind_label
 from ..inspect.plots import _DTYPE_COLORS, _OTHER_COLOR, _QUANT_COLOR
 from ._base import ErrorBox, FigureView, hook, rows_html, summary_html
 
@@ -80,8 +82,12 @@ class DtypeMapView(W.VBox):
         labels, kinds, cells = rep.grid(self.part)
         flags = rep.flag_grid(self.part)
         children: List[W.Widget] = [W.HTML("<b>layer</b>")]
-        children += [W.HTML(f"<b title='{k}' style='font-size:85%'>{k}</b>",
-                             layout=W.Layout(overflow="hidden")) for k in kinds]
+        # a reader's label ("post-attn norm", not "norm_attn"), wrapped onto two lines
+        # when the column is narrow; the hover names the kind as tables spell it
+        children += [W.HTML(f"<b title='{escape(k)}: {escape(kind_label(k))}' "
+                            f"style='font-size:80%;line-height:1.1;white-space:normal;"
+                            f"display:block'>{escape(kind_label(k))}</b>")
+                     for k in kinds]
         self.cells = {}
         for lab, row, frow in zip(labels, cells, flags):
             children.append(W.HTML(lab))
@@ -125,6 +131,7 @@ class DtypeMapView(W.VBox):
         flagged = set(self.report.flagged)
         rows = [self.report.rows[i] for i in idx]
         self.selected = (layer, kind)
-        self.detail.value = (f"<b>layer {layer}, {kind}</b>"
+        self.detail.value = (f"<b>layer {layer}, {escape(kind_label(kind))}</b>"
                              + rows_html(rows, DETAIL_COLUMNS,
-                                         {j for j, i in enumerate(idx) if i in flagged}))
+                                         {j for j, i in enumerate(idx) if i in flagged},
+                                         DtypeMap.column_help))

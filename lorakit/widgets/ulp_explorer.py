@@ -180,7 +180,8 @@ class UlpExplorer(W.VBox):
             idx = [i for i, r in enumerate(rep.rows) if _layer_label(r.get("layer")) == lab]
             self.facts.value = rows_html([rep.rows[i] for i in idx],
                                          [c for c in rep.cols() if c != "hist"],
-                                         {j for j, i in enumerate(idx) if i in set(rep.flagged)})
+                                         {j for j, i in enumerate(idx) if i in set(rep.flagged)},
+                                         type(rep).column_help)
         else:
             name = self.tensor.value
             row = next(r for r in rep.rows if r["tensor"] == name)
