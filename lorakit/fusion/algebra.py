@@ -64,6 +64,15 @@ __all__ = ["combine", "convert", "Combination", "METHODS"]
 class Combination(Report):
     """The result of :func:`combine`: the combined :class:`Adapter` (``.adapter``), one
     row per module (rank, and the fold or truncation error), and ``save()``."""
+    column_help = {
+        "module": "the adapted module",
+        "kind": "linear, embedding or switch (MoE experts)",
+        "rank_in": "sum of the input adapters' ranks at this module",
+        "rank": "rank of the combined adapter",
+        "fold_rel_err": "relative error of folding per-column scales into B (0: exact)",
+        "trunc_rel_err": "relative error of the SVD truncation to --rank",
+    }
+
 
     adapter: Adapter
     method: str

@@ -40,7 +40,8 @@ from ..fusion.lowrank import (EXACT_MAX, OVERSAMPLE, POWER_ITERS, check_target, 
                               matrix_svd, split_factors)
 from ..io.adapter_base import EMBEDDING_HINTS, Adapter, LoraTarget, Replacement
 from ..io.adapter_write import save_adapter
-from ..io.source import TensorSource, open_source, weight_f64
+from ..io.source import TensorSource, open_source
+from ..io.weights import weight_f64
 from .report import Report
 
 __all__ = ["ExtractReport", "extract", "svd_note"]
@@ -59,6 +60,19 @@ class ExtractReport(Report):
     noise, within (``residual <= noise``), note. ``adapter``: the extracted
     :class:`~lorakit.io.adapter_base.Adapter` (fuse it, compare it, save it);
     ``singular_values[module]``: the spectrum each rank was chosen from."""
+    column_help = {
+        "module": "the module the LoRA factors belong to",
+        "shape": "the weight's shape (out, in)",
+        "rank": "rank kept (chosen by --rank or --energy)",
+        "method": "exact SVD, randomized SVD, or full (saved whole as modules_to_save)",
+        "fro": "||tuned - base||_F, the change's size",
+        "residual": "||tuned - base - D_r||_F: what rank r leaves out",
+        "rel_error": "residual / fro",
+        "noise": "||0.5 ulp of the tuned weight||_F: the rounding noise a fused checkpoint carries",
+        "within": "residual <= noise: the rank explains the change up to rounding",
+        "note": "why a tensor was skipped or saved whole",
+    }
+
 
     adapter: Optional[Adapter] = None
     saved: Optional[Path] = None

@@ -57,6 +57,11 @@ class ParityReport(Report):
         "frac": "differing / elements",
         "max_ulp": "largest distance in units in the last place (ulp) of the dtype",
         "max_abs": "largest absolute difference |A - B|",
+        "rel_err": "rms(A - B) / rms(A): the error at the tensor's own scale (what behaviour feels)",
+        "max_ulp_typ": "largest ulp distance among elements of typical magnitude (>= the tensor's rms, "
+                       "rounded down to a power of two)",
+        "near_zero": "differing elements below 2^-10 of the tensor's scale: their ulps are tiny, "
+                     "so large ulp distances there mean little",
     }
 
     identical: bool = False

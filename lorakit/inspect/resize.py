@@ -30,7 +30,8 @@ from ..fusion.delta import intended, target_pieces
 from ..fusion.lowrank import check_target, choose_rank, factor_svd, split_factors
 from ..io.adapter import Adapter, LoraTarget, load_adapter
 from ..io.naming import bind
-from ..io.source import open_source, weight_f64
+from ..io.source import open_source
+from ..io.weights import weight_f64
 from .extract import save_result
 from .report import Report
 
@@ -43,6 +44,18 @@ class ResizeReport(Report):
     (``||delta - delta_k||_F``, exact), rel_error, energy kept, dora_error (DoRA with a
     base). ``adapter``: the resized :class:`~lorakit.io.adapter_base.Adapter`;
     ``singular_values[module]``: each module's spectrum (per expert for MoE)."""
+    column_help = {
+        "module": "the adapted module",
+        "experts": "number of stacked MoE experts (1 for a plain module)",
+        "rank_before": "the adapter's rank",
+        "rank": "rank kept",
+        "fro": "||delta||_F of the adapter's low-rank delta",
+        "error": "||delta - delta_k||_F, exact from the discarded singular values",
+        "rel_error": "error / fro",
+        "energy": "share of ||delta||_F^2 kept",
+        "dora_error": "DoRA only, with base=: the error after DoRA's row normalisation",
+    }
+
 
     adapter: Optional[Adapter] = None
     saved: Optional[Path] = None

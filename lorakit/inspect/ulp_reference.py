@@ -71,6 +71,8 @@ class RefUlpReport(Report):
         "mean_err": "mean error in ulp against the exact fuse",
         "not_nearest": "elements more than 0.5 ulp off: not the correctly rounded value",
         "hist": "share of elements per error range in ulp (largest bins)",
+        "rel_err": "rms(fused - exact) / rms(exact): the error at the tensor's own scale",
+        "max_err_typ": "largest error in ulp among elements of typical magnitude",
     }
 
     labels: List[str] = field(default_factory=list)

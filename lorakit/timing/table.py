@@ -161,15 +161,19 @@ class DecodeTiming(Report):
         "prefill tok/s": "prompt tokens processed per second (median)",
         "decode tok/s": "generated tokens per second (median)",
         "decode min-max": "slowest-fastest decode tok/s over the repeats",
-        "decode x base": "decode tok/s over base's (< 0.97 is flagged)",
+        "decode x base": "decode tok/s over base's (median of the per-round ratios)",
         "TTFT ms": "time to first token, milliseconds (median)",
         "peak GB": "the process's peak memory (RSS)",
-        "peak x base": "peak GB over base's (> 1.02 is flagged)",
+        "peak x base": "peak GB over base's",
         "weights GB": "size of the model's weights in memory",
         "weight dtypes": "weight bytes per dtype",
         "= unfused tokens": "generated tokens equal to the unfused model's, counted "
                             "from the start",
         "note": "why a variant has no numbers",
+        "95% interval": "bootstrap interval of decode x base, paired by round (none for one run)",
+        "weights x base": "weight bytes over base's, exact from the headers (> 1.02 is flagged)",
+        "verdict": "flagged for bytes, or for speed when the ratio is below 0.90, its whole "
+                   "interval below 1 and below base-against-itself noise",
     }
 
     variants: List[VariantTiming] = field(default_factory=list)
