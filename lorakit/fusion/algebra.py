@@ -67,7 +67,7 @@ class Combination(Report):
     column_help = {
         "module": "the adapted module",
         "kind": "linear, embedding or switch (MoE experts)",
-        "rank_in": "sum of the input adapters' ranks at this module",
+        "rank_in": "the input adapters' ranks at this module (r1+r2+...)",
         "rank": "rank of the combined adapter",
         "fold_rel_err": "relative error of folding per-column scales into B (0: exact)",
         "trunc_rel_err": "relative error of the SVD truncation to --rank",
