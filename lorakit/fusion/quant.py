@@ -32,6 +32,7 @@ class RequantStat:
     tensor: str
     survived: float  # projection of the realised change on the intended delta, 1.0 = all
     codes_changed: float  # fraction of quantized codes that changed
+    policy: str = "requant"  # the quantization policy that wrote the module
 
 
 def _mx_parts(ck: Checkpoint, module: str):
@@ -104,6 +105,11 @@ def requant_survival(base_raw: np.ndarray, code: str, parts: Dict[str, np.ndarra
     new = np.array(mx.dequantize(w, s, b, group_size=q.group_size, bits=q.bits, mode=q.mode)
                    .astype(mx.float32))
     old = nm.to_float32(base_raw, nm.float_format(code))
+    return survival_of(old, new, binds, name, base_codes, parts["weight"], q.bits)
+
+
+def intended_change(old: np.ndarray, binds: List[Binding]) -> np.ndarray:
+    """The change the adapter asks for on float32 weights ``old`` (float64)."""
     delta = np.zeros_like(old, dtype=np.float64)
     for p in tensor_pieces(binds):
         sl = delta if p.slot is None else delta[p.slot]
@@ -112,13 +118,21 @@ def requant_survival(base_raw: np.ndarray, code: str, parts: Dict[str, np.ndarra
         else:
             W = (old if p.slot is None else old[p.slot]).astype(np.float64)
             sl += intended(W, p) - W
+    return delta
+
+
+def survival_of(old: np.ndarray, new: np.ndarray, binds: List[Binding], name: str,
+                base_codes: Optional[np.ndarray] = None, new_codes: Optional[np.ndarray] = None,
+                bits: int = 0) -> RequantStat:
+    """:class:`RequantStat` of realised float weights ``new`` against base ``old``."""
+    delta = intended_change(old, binds)
     real = new.astype(np.float64) - old
     dd = float((delta * delta).sum())
     survived = float((real * delta).sum() / dd) if dd > 0 else 1.0
     changed = float("nan")
-    if base_codes is not None:
-        changed = float((unpack_codes(base_codes, q.bits)
-                         != unpack_codes(parts["weight"], q.bits)).mean())
+    if base_codes is not None and new_codes is not None:
+        changed = float((unpack_codes(base_codes, bits)
+                         != unpack_codes(new_codes, bits)).mean())
     return RequantStat(name, survived, changed)
 
 

@@ -40,7 +40,9 @@ from ..io.safetensors import TensorInfo
 from ..io.safetensors_write import PlannedTensor, SafetensorsWriter
 from .finite import cast_raw as _cast
 from .core import check_rounding, fuse_bindings as _fuse_float, output_code
-from .quant import RequantStat, dequantize_raw, requant_module as _requant_module
+from .quant import RequantStat, dequantize_raw
+from .quant_policy import (REQUANT, module_parts, per_layer_config, plan_leaf, policy_summary,
+                           resolve)
 from .. import __version__
 
 PathLike = Union[str, Path]
@@ -65,6 +67,7 @@ class FuseResult:
     fused_names: List[str] = field(default_factory=list)
     #: tensors written from the adapter's own copies (PEFT modules_to_save)
     replaced_names: List[str] = field(default_factory=list)
+    quant_policy: str = "requant"
 
     def to_dict(self) -> Dict[str, Any]:
         d = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
@@ -83,9 +86,10 @@ class FuseResult:
         if self.requant:
             s = np.array([r.survived for r in self.requant])
             c = np.array([r.codes_changed for r in self.requant])
-            rows.append(("delta surviving re-quantization",
-                         f"median {np.median(s):.1%}, min {s.min():.1%} "
-                         f"(codes changed: median {np.median(c):.2%})"))
+            cc = f"{np.nanmedian(c):.2%}" if np.isfinite(c).any() else "n/a"
+            rows += [("delta surviving re-quantization", f"median {np.median(s):.1%}, min "
+                      f"{s.min():.1%} (codes changed: median {cc})")]
+            rows += policy_summary(self.quant_policy, self.requant)
         if self.replaced_names:
             rows.append(("replaced (modules_to_save)", ", ".join(self.replaced_names)))
         if self.dequantized:
@@ -124,7 +128,7 @@ def _module_of(name: str) -> str:
 
 def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, List[Binding]],
                 dtype_policy: str, dequantize: bool,
-                replaced: Optional[Dict[str, Replacement]] = None) -> List[_Item]:
+                replaced: Optional[Dict[str, Replacement]] = None, choices=None) -> List[_Item]:
     items: List[_Item] = []
     explicit = dtype_policy not in ("preserve", "promote")
     replaced = replaced or {}
@@ -143,6 +147,10 @@ def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, Li
                     items.append(_Item(name, PlannedTensor(name, fdt, shape), info, act, module,
                                        replaced.get(name)))
                 continue  # scales / biases disappear with the dequantized weight
+            pl = plan_leaf(ck, module, name, (choices or {}).get(module), fdt, info, by_tensor)
+            if pl is not None:  # a quant policy's new shapes (float, other bits)
+                items += [_Item(name, PlannedTensor(name, *p), info, "fuse-q", module) for p in pl]
+                continue
             if name in by_tensor:
                 items.append(_Item(name, PlannedTensor(name, info.dtype, info.shape), info,
                                    "fuse-q", module))
@@ -175,7 +183,8 @@ def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, Li
 def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: PathLike, *,
          rounding: str = "nearest", dtype: str = "preserve", dequantize: bool = False,
          force: bool = False, export_gguf: Optional[str] = None,
-         progress: Union[bool, Callable[[int, int], None]] = True) -> FuseResult:
+         progress: Union[bool, Callable[[int, int], None]] = True,
+         quant_policy: str = "requant", quant_budget: Optional[float] = None) -> FuseResult:
     """Fuse an adapter into a checkpoint and write a new checkpoint.
 
     Args:
@@ -220,13 +229,15 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
     bindings = bind(adapter, ck)
     by_tensor = bindings_by_tensor(bindings)
     replaced = bind_replacements(adapter, ck, dequantize)
+    choices = resolve(ck, by_tensor, quant_policy, rounding, dtype, quant_budget, dequantize)
     try:
         with OutputDirectory(out, force=force) as od:
             result = _write(ck, adapter, by_tensor, od.tmp, out, rounding, dtype, dequantize,
-                            progress, t0, replaced)
+                            progress, t0, replaced, choices)
             settings = {"adapter_sha256": adapter.sha256, "adapter_format": adapter.format,
                         "rounding": rounding, "dtype_policy": dtype,
                         "dequantize": bool(dequantize)}
+            settings.update({"quant_policy": quant_policy} if choices else {})
             card = ck.path / CARD_NAME
             write_model_card(od.tmp, card if card.is_file() else None, hub_id,
                              f"{ck.path.name} + {adapter.path.name}", settings)
@@ -237,13 +248,14 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
         raise FuseError(f"I/O error while fusing: {e.strerror or e}",
                         file=e.filename or out, expected="readable inputs and room to write",
                         found=f"{type(e).__name__} (errno {e.errno})") from e
-    result.seconds = time.perf_counter() - t0
+    result.seconds, result.quant_policy = time.perf_counter() - t0, quant_policy
     return result
 
 
 def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]], tmp: Path,
            out: Path, rounding: str, dtype_policy: str, dequantize: bool, progress: Any,
-           t0: float, replaced: Optional[Dict[str, Replacement]] = None) -> FuseResult:
+           t0: float, replaced: Optional[Dict[str, Replacement]] = None,
+           choices=None) -> FuseResult:
 
     dtypes: Counter = Counter()
     requant: List[RequantStat] = []
@@ -263,11 +275,11 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
     it: Optional[_Item] = None
     try:
         for shard, infos in ck.by_shard():
-            items = _plan_shard(ck, infos, by_tensor, dtype_policy, dequantize, replaced)
+            items = _plan_shard(ck, infos, by_tensor, dtype_policy, dequantize, replaced, choices)
             meta = dict(ck.headers[shard].metadata)
             meta.setdefault("format", "mlx")
             meta.update(meta_extra)
-            jobs = _Jobs(ck, items, by_tensor, rounding, dtype_policy)
+            jobs = _Jobs(ck, items, by_tensor, rounding, dtype_policy, choices)
             # re-quantized parts of the module being written, until all three are out
             pending: Dict[str, Dict[str, np.ndarray]] = {}
             with SafetensorsWriter(tmp / shard, [i.plan for i in items], meta) as w, jobs:
@@ -303,7 +315,7 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
         raise e.where(it.source.file if it.source else ck.path, it.name) from None
     finally:
         bar.close()
-    _write_sidecars(ck, tmp, weight_map, total_bytes, dequantize, dtype_policy)
+    _write_sidecars(ck, tmp, weight_map, total_bytes, dequantize, dtype_policy, choices)
     return FuseResult(out, ck.path, adapter.path, rounding, dtype_policy, len(fused_names),
                       len(weight_map), dict(dtypes), total_bytes, time.perf_counter() - t0,
                       dequantize and ck.quantization is not None, requant, fused_names,
@@ -311,7 +323,7 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
 
 
 def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], rounding: str,
-             dtype_policy: str) -> Any:
+             dtype_policy: str, choices: Optional[Dict[str, Choice]] = None) -> Any:
     """The work behind one planned tensor that is not a plain copy."""
     src = it.source
     if it.action == "cast":
@@ -320,9 +332,9 @@ def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], rou
         return _cast(it.payload.raw, it.payload.code, it.plan.dtype, it.name)
     if it.action == "dequant":
         return dequantize_raw(ck, it.module, it.plan.dtype)
-    if it.action == "fuse-q":
-        return _requant_module(ck, it.module, by_tensor[f"{it.module}.weight"], rounding,
-                               dtype_policy)
+    if it.action == "fuse-q":  # requant unless a quant policy chose otherwise
+        return module_parts(ck, it.module, by_tensor[f"{it.module}.weight"], rounding,
+                            dtype_policy, (choices or {}).get(it.module, REQUANT))
     binds = by_tensor[it.name]
     own = [b.target.base_weight for b in binds if b.target.base_weight is not None]
     if own:  # the adapter carries the weight it was trained on (PEFT embedding LoRA)
@@ -362,8 +374,9 @@ class _Jobs:
     """
 
     def __init__(self, ck: Checkpoint, items: List[_Item], by_tensor: Dict[str, List[Binding]],
-                 rounding: str, dtype_policy: str) -> None:
+                 rounding: str, dtype_policy: str, choices=None) -> None:
         self.ck, self.items, self.by_tensor = ck, items, by_tensor
+        self.choices = choices
         self.rounding, self.dtype_policy = rounding, dtype_policy
         seen = set()
         self.order: List[int] = []
@@ -386,7 +399,7 @@ class _Jobs:
 
         with mx.stream(_thread_stream()):
             return _compute(self.ck, self.items[k], self.by_tensor, self.rounding,
-                            self.dtype_policy)
+                            self.dtype_policy, self.choices)
 
     def pump(self, k: int) -> None:
         if not self.order:
@@ -417,8 +430,8 @@ _WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
 def _write_sidecars(ck: Checkpoint, tmp: Path, weight_map: Dict[str, str], total_bytes: int,
-                    dequantize: bool, dtype_policy: str) -> None:
-    config = json.loads(json.dumps(ck.config))
+                    dequantize: bool, dtype_policy: str, choices=None) -> None:
+    config = per_layer_config(json.loads(json.dumps(ck.config)), ck, choices)
     if dequantize:
         config.pop("quantization", None)
         config.pop("quantization_config", None)
