@@ -12,7 +12,7 @@ measured against the quantization step (per module and overall) and written to
 ``data/logs/lora-4bit-weak-ratio.json``.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/quant_policies.py \\
-        --json benchmarks/results/quant_policies.json
+        --tokens 1024 --json benchmarks/results/quant_policies.json
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ ADAPTER = "data/adapters/lora-4bit-weak"
 POLICIES = [("requant", None), ("same-grid", None), ("bits:5", None), ("bits:6", None),
             ("bits:8", None), ("float", None), ("auto", 1.05), ("auto", 1.15), ("auto", 1.5)]
 COMMAND = ("PYTHONPATH=$PWD .venv/bin/python benchmarks/quant_policies.py "
-           "--json benchmarks/results/quant_policies.json")
+           "--tokens 1024 --json benchmarks/results/quant_policies.json")
 
 
 def delta_to_step(base: str = BASE, adapter: str = ADAPTER) -> dict:
@@ -130,6 +130,18 @@ def run(tokens: int, context: int) -> dict:
             "rows": rows}
 
 
+def markdown_table(res: dict) -> str:
+    """The table README.md and BENCHMARKS.md carry, from the JSON (a test checks it)."""
+    lines = ["| policy | bytes / 4-bit base | delta survived (median, min) | mean KL vs unfused "
+             "| KL / requant's | top-1 agreement |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in res["rows"]:
+        surv = (f"{r['survived_median']:.1%}, {r['survived_min']:.1%}"
+                if "survived_median" in r else "-")
+        lines.append(f"| {r['policy']} | {r['bytes_ratio']:.3f} | {surv} | {r['mean_kl']:.4f} "
+                     f"| {r['kl_vs_requant']:.2f} | {r['top1_agreement']:.1%} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="benchmarks/results/quant_policies.json")
@@ -146,6 +158,7 @@ def main() -> None:
     res["delta_to_step"] = {k: ratio[k] for k in ("overall_ratio", "median_ratio",
                                                   "min_ratio", "max_ratio")}
     Path(ROOT / a.json).write_text(json.dumps(res, indent=2) + "\n")
+    print(markdown_table(res))
     print(f"wrote {a.json}")
 
 
