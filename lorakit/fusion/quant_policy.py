@@ -35,12 +35,11 @@ POLICIES = ("requant", "same-grid", "bits:N", "float", "learned", "auto")
 KEEP = 0.9  # auto: a module "keeps the adapter" when >= 90% of its intended delta survives
 AUTO_LADDER = ("bits:5", "bits:6", "bits:8", "float")  # auto's upgrades, cheapest first
 LEARNED_REFUSAL = (
-    "mlx_lm.quant's learned methods need what this fuse cannot give here: GPTQ and AWQ "
-    "calibrate from a float model's activations and re-derive every code (they cannot "
-    "take a fused weight as the target and keep the other layers' codes), and DWQ trains "
-    "scales and biases by backprop through the whole quantized model against a teacher "
-    "(mlx_lm.quant.dwq); it was not wired to the unfused adapter as teacher in this "
-    "version. Use auto, bits:N or float.")
+    "not implemented in this version: mlx_lm.quant's GPTQ and AWQ quantize a whole float "
+    "model from calibration activations (here they would re-derive every layer's codes, not "
+    "only the adapted ones), and DWQ trains scales and biases by backprop through the "
+    "quantized model against a teacher (the unfused adapter would be that teacher); none "
+    "of them is wired to a fuse and measured yet. Use auto, bits:N or float.")
 
 
 @dataclass(frozen=True)
