@@ -194,3 +194,22 @@ def test_summary_names_the_policy(tmp_path):
     assert r.to_dict()["quant_policy"] == "auto"
     assert {d["policy"] for d in r.to_dict()["requant"]} <= {"same-grid", "requant", "bits:5",
                                                             "bits:6", "bits:8", "float"}
+
+
+def test_readme_and_benchmarks_numbers_come_from_the_json():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("qp_bench", ROOT / "benchmarks/quant_policies.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = json.loads((ROOT / "benchmarks/results/quant_policies.json").read_text())
+    table = mod.markdown_table(res)
+    for doc in ("README.md", "BENCHMARKS.md"):
+        text = (ROOT / doc).read_text()
+        assert table in text, f"{doc}: the quant-policy table differs from the JSON"
+        assert res["command"] in text
+    ratio = json.loads((ROOT / "data/logs/lora-4bit-weak-ratio.json").read_text())
+    data_readme = (ROOT / "data/README.md").read_text()
+    assert f"overall {ratio['overall_ratio']:.2f}, median {ratio['median_ratio']:.2f}" \
+        in data_readme
+    nb = (ROOT / "notebooks/07_quantized_fuses.ipynb").read_text()
+    assert "quant_policies.json" in nb  # the notebook's KL numbers are loaded, not typed
