@@ -49,6 +49,7 @@ EXPECT: Dict[str, List[str]] = {
     "04": ["decode tok/s", "base", "promoted", "fused"],
     "05": ["cosine", "diverges_at"],
     "06": ["lost to quantization", "dequantized", "peft", "identical = True", "applied twice"],
+    "07": ["delta RMS / quantization step", "delta survived: median", "mean KL vs unfused", "float-base"],
     "08": ["cross terms / exact sum", "within rounding noise: 28 of 28", "(bound: 2)",
            "fraction differing", "||mix||_F"],
 }
@@ -118,6 +119,7 @@ def _record(name: str, seconds: float, per_cell: List[float]) -> None:
 
 
 def test_six_notebooks_exist():
+    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07"]
     assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "08"]
 
 

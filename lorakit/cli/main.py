@@ -39,7 +39,7 @@ def _keep_freed_memory() -> None:
 
 
 def _fuse(args: argparse.Namespace) -> int:
-    from ..fusion.stream import fuse
+    from ..fusion.api import fuse
 
     _keep_freed_memory()
 
@@ -52,7 +52,8 @@ def _fuse(args: argparse.Namespace) -> int:
     result = fuse(args.model, fuse_adapter(args), args.save_path, rounding=args.rounding,
                   dtype=args.dtype, dequantize=args.dequantize, force=args.force,
                   export_gguf=args.gguf_path if args.export_gguf else None,
-                  progress=not args.quiet)
+                  progress=not args.quiet, quant_policy=args.quant_policy,
+                  quant_budget=args.quant_budget, float_base=args.float_base)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -84,6 +85,14 @@ def _add_fuse(sub) -> None:
                    "the cast writes)")
     p.add_argument("--dequantize", action="store_true",
                    help="quantized base: write float weights instead of re-quantizing")
+    p.add_argument("--quant-policy", default="requant", metavar="POLICY",
+                   help="quantized base: requant (default, as mlx_lm fuse), same-grid, bits:N, "
+                   "float, auto, learned (refused here, says why)")
+    p.add_argument("--quant-budget", type=float, default=None, metavar="X",
+                   help="auto: at most X times the quantized base's bytes (default 1.15)")
+    p.add_argument("--float-base", default=None, metavar="PATH",
+                   help="fuse a QLoRA adapter of the quantized --model into this float "
+                   "original of it instead (float weights written)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing output, but only an empty directory or a previous "
                    "lorakit output (every file listed, unchanged, in its lorakit.json); "

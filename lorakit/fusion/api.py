@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Union
 
 from ..io.adapter import Adapter
 from .model import fuse_model
+from .quant_policy import check_float_base
 from .stream import FuseResult, fuse as fuse_checkpoint
 
 PathLike = Union[str, Path]
@@ -29,7 +30,9 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
          save_path: Optional[PathLike] = None, *, rounding: str = "nearest",
          dtype: str = "preserve", dequantize: bool = False, force: bool = False,
          export_gguf: Optional[str] = None,
-         progress: Union[bool, Callable[[int, int], None]] = True) -> Any:
+         progress: Union[bool, Callable[[int, int], None]] = True,
+         quant_policy: str = "requant", quant_budget: Optional[float] = None,
+         float_base: Optional[PathLike] = None) -> Any:
     """Fuse an adapter: ``W' = W + scale * B @ A`` for every adapted weight, rounded as
     ``rounding`` says and written in the weight's own dtype unless ``dtype`` says otherwise.
 
@@ -45,6 +48,12 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
         dequantize: for quantized bases, write float weights instead of re-quantizing.
         force / export_gguf / progress: as :func:`lorakit.fusion.stream.fuse`
             (checkpoints only).
+        quant_policy: for a quantized base, how adapted modules are stored: ``requant``
+            (default, as ``mlx_lm fuse``), ``same-grid``, ``bits:N``, ``float``, ``auto``
+            (:mod:`lorakit.fusion.quant_policy`); ``quant_budget`` caps auto's bytes
+            relative to the quantized base (default 1.15).
+        float_base: fuse a QLoRA adapter trained on the quantized ``model`` into this
+            float original of it instead (float weights written).
 
     Returns:
         A :class:`~lorakit.fusion.stream.FuseResult` for a checkpoint; the model itself
@@ -59,7 +68,10 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
     if adapter_path is None or save_path is None:
         raise TypeError("fuse(model_path, adapter_path, save_path): a checkpoint fuse needs "
                         "an adapter and an output directory")
+    if float_base is not None:
+        model = check_float_base(model, float_base)
     result: FuseResult = fuse_checkpoint(model, adapter_path, save_path, rounding=rounding,
                                          dtype=dtype, dequantize=dequantize, force=force,
-                                         export_gguf=export_gguf, progress=progress)
+                                         export_gguf=export_gguf, progress=progress,
+                                         quant_policy=quant_policy, quant_budget=quant_budget)
     return result

@@ -34,6 +34,7 @@ class RequantStat:
     codes_changed: float  # fraction of quantized codes that changed
     codes: int = 0  # quantized codes compared (elements of the weight)
     delta_sq: float = 0.0  # <delta, delta>: the weight of this tensor in the overall share
+    policy: str = "requant"  # the quantization policy that wrote the module
 
 
 def _mx_parts(ck: Checkpoint, module: str):
@@ -106,6 +107,11 @@ def requant_survival(base_raw: np.ndarray, code: str, parts: Dict[str, np.ndarra
     new = np.array(mx.dequantize(w, s, b, group_size=q.group_size, bits=q.bits, mode=q.mode)
                    .astype(mx.float32))
     old = nm.to_float32(base_raw, nm.float_format(code))
+    return survival_of(old, new, binds, name, base_codes, parts["weight"], q.bits)
+
+
+def intended_change(old: np.ndarray, binds: List[Binding]) -> np.ndarray:
+    """The change the adapter asks for on float32 weights ``old`` (float64)."""
     delta = np.zeros_like(old, dtype=np.float64)
     for p in tensor_pieces(binds):
         sl = delta if p.slot is None else delta[p.slot]
@@ -114,28 +120,22 @@ def requant_survival(base_raw: np.ndarray, code: str, parts: Dict[str, np.ndarra
         else:
             W = (old if p.slot is None else old[p.slot]).astype(np.float64)
             sl += intended(W, p) - W
+    return delta
+
+
+def survival_of(old: np.ndarray, new: np.ndarray, binds: List[Binding], name: str,
+                base_codes: Optional[np.ndarray] = None, new_codes: Optional[np.ndarray] = None,
+                bits: int = 0) -> RequantStat:
+    """:class:`RequantStat` of realised float weights ``new`` against base ``old``."""
+    delta = intended_change(old, binds)
     real = new.astype(np.float64) - old
     dd = float((delta * delta).sum())
     survived = float((real * delta).sum() / dd) if dd > 0 else 1.0
     changed, ncodes = float("nan"), 0
-    if base_codes is not None:
-        ne = unpack_codes(base_codes, q.bits) != unpack_codes(parts["weight"], q.bits)
+    if base_codes is not None and new_codes is not None:
+        ne = unpack_codes(base_codes, bits) != unpack_codes(new_codes, bits)
         changed, ncodes = float(ne.mean()), int(ne.size)
     return RequantStat(name, survived, changed, ncodes, dd)
-
-
-def requant_module(ck: Checkpoint, module: str, binds: List[Binding], rounding: str,
-                   dtype_policy: str) -> Tuple[Dict[str, np.ndarray], RequantStat]:
-    """Dequantize, fuse and re-quantize one quantized module; measure what survived."""
-    q = ck.quant_params(module)
-    assert q is not None  # planned only for quantized modules
-    code = ck.tensors[f"{module}.scales"].dtype
-    base = dequantize_raw(ck, module, None)
-    fused, fcode = fuse_bindings(base, code, binds, rounding, dtype_policy, f"{module}.weight")
-    parts = quantize_raw(fused, fcode, q)
-    stat = requant_survival(base, code, parts, fcode, q, binds, f"{module}.weight",
-                            base_codes=ck.read(f"{module}.weight"))
-    return parts, stat
 
 
 def survival_overall(stats: List[RequantStat]) -> Dict[str, float]:
@@ -148,7 +148,8 @@ def survival_overall(stats: List[RequantStat]) -> Dict[str, float]:
     """
     codes = sum(s.codes for s in stats)
     dd = sum(s.delta_sq for s in stats)
-    changed = (sum(s.codes_changed * s.codes for s in stats) / codes) if codes else float("nan")
+    changed = (sum(s.codes_changed * s.codes for s in stats if s.codes) / codes) if codes \
+        else float("nan")
     survived = (sum(s.survived * s.delta_sq for s in stats) / dd) if dd > 0 else float("nan")
     return {"codes_changed": changed, "survived": survived, "codes": codes,
             "tensors": len(stats)}
@@ -156,8 +157,8 @@ def survival_overall(stats: List[RequantStat]) -> Dict[str, float]:
 
 def survival_rows(stats: List[RequantStat]) -> List[Tuple[str, str, str]]:
     """One ``(tensor, codes changed, delta survived)`` text row per re-quantized tensor."""
-    return [(s.tensor, f"{s.codes_changed:.1%} of {s.codes:,}", f"{s.survived:.1%}")
-            for s in stats]
+    return [(s.tensor, f"{s.codes_changed:.1%} of {s.codes:,}" if s.codes else
+             "n/a (new grid or float)", f"{s.survived:.1%}") for s in stats]
 
 
 def survival_text(stats: List[RequantStat], indent: str = "") -> List[str]:

@@ -20,13 +20,12 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from .._html import escape, facts_table, table
 from .._progress import progress_bar
 from ..errors import FuseError, LorakitError
 from ..io.adapter import Adapter, load_adapter
@@ -40,81 +39,12 @@ from ..io.safetensors import FLOAT_CODES, TensorInfo
 from ..io.safetensors_write import PlannedTensor, SafetensorsWriter
 from .finite import cast_raw as _cast
 from .core import check_rounding, fuse_bindings as _fuse_float, output_code
-from .quant import (RequantStat, dequantize_raw, requant_module as _requant_module,
-                    survival_overall, survival_rows, survival_text)
+from .quant import RequantStat, dequantize_raw
+from .quant_policy import REQUANT, module_parts, per_layer_config, plan_leaf, resolve
+from .result import FuseResult
 from .. import __version__
 
 PathLike = Union[str, Path]
-
-
-@dataclass
-class FuseResult:
-    """What a fuse did. Renders as a table in notebooks; ``str()`` is the text twin."""
-
-    output: Path
-    base: Path
-    adapter: Path
-    rounding: str
-    dtype_policy: str
-    tensors_fused: int
-    tensors_total: int
-    dtypes_written: Dict[str, int]
-    bytes_written: int
-    seconds: float
-    dequantized: bool = False
-    requant: List[RequantStat] = field(default_factory=list)
-    fused_names: List[str] = field(default_factory=list)
-    #: tensors written from the adapter's own copies (PEFT modules_to_save)
-    replaced_names: List[str] = field(default_factory=list)
-
-    def to_dict(self) -> Dict[str, Any]:
-        d = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
-        d["requant"] = [r.__dict__ for r in self.requant]
-        d["survival"] = survival_overall(self.requant) if self.requant else None
-        return d
-
-    def _rows(self) -> List[Tuple[str, str]]:
-        rows = [("output", str(self.output)), ("base", str(self.base)),
-                ("adapter", str(self.adapter)), ("rounding", self.rounding),
-                ("dtype policy", self.dtype_policy),
-                ("tensors fused", f"{self.tensors_fused} of {self.tensors_total}"),
-                ("dtypes written", ", ".join(f"{k}: {v}" for k, v in
-                                             sorted(self.dtypes_written.items()))),
-                ("bytes written", f"{self.bytes_written / 1e9:.3f} GB"),
-                ("time", f"{self.seconds:.2f} s")]
-        if self.requant:
-            o = survival_overall(self.requant)
-            rows += [("codes changed", f"{o['codes_changed']:.1%} of {o['codes']:,} codes "
-                      f"({o['tensors']} re-quantized tensors)"),
-                     ("delta survived", f"{o['survived']:.1%} of the intended delta "
-                      "(projection on it, all tensors)")]
-        if self.replaced_names:
-            rows.append(("replaced (modules_to_save)", ", ".join(self.replaced_names)))
-        if self.dequantized:
-            rows.append(("quantization", "dequantized (float weights written)"))
-        return rows
-
-    def __str__(self) -> str:
-        rows = self._rows()
-        w = max(len(k) for k, _ in rows)
-        lines = [f"Fused {self.adapter.name} into {self.base.name}"] + \
-            [f"  {k:<{w}}  {v}" for k, v in rows]
-        if self.requant:
-            lines += ["  re-quantized tensors:"] + survival_text(self.requant, "    ")
-        return "\n".join(lines)
-
-    def _repr_html_(self) -> str:
-        per = ""
-        if self.requant:
-            per = ("<details><summary>survival per re-quantized tensor</summary>" +
-                   table(survival_rows(self.requant),
-                         head=["tensor", "codes changed", "delta survived"]) + "</details>")
-        return (f"<div><b>lorakit fuse</b>: {escape(self.adapter.name)} &rarr; "
-                f"{escape(self.output.name)}{facts_table(self._rows())}{per}</div>")
-
-    def __repr__(self) -> str:
-        return (f"FuseResult({str(self.output)!r}, {self.tensors_fused} fused, "
-                f"{self.rounding}, {self.dtype_policy})")
 
 
 # -- planning ----------------------------------------------------------------------------
@@ -134,7 +64,7 @@ def _module_of(name: str) -> str:
 
 def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, List[Binding]],
                 dtype_policy: str, dequantize: bool,
-                replaced: Optional[Dict[str, Replacement]] = None) -> List[_Item]:
+                replaced: Optional[Dict[str, Replacement]] = None, choices=None) -> List[_Item]:
     items: List[_Item] = []
     explicit = dtype_policy not in ("preserve", "promote")
     replaced = replaced or {}
@@ -153,6 +83,10 @@ def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, Li
                     items.append(_Item(name, PlannedTensor(name, fdt, shape), info, act, module,
                                        replaced.get(name)))
                 continue  # scales / biases disappear with the dequantized weight
+            pl = plan_leaf(ck, module, name, (choices or {}).get(module), fdt, info, by_tensor)
+            if pl is not None:  # a quant policy's new shapes (float, other bits)
+                items += [_Item(name, PlannedTensor(name, *p), info, "fuse-q", module) for p in pl]
+                continue
             if name in by_tensor:
                 items.append(_Item(name, PlannedTensor(name, info.dtype, info.shape), info,
                                    "fuse-q", module))
@@ -185,7 +119,8 @@ def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, Li
 def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: PathLike, *,
          rounding: str = "nearest", dtype: str = "preserve", dequantize: bool = False,
          force: bool = False, export_gguf: Optional[str] = None,
-         progress: Union[bool, Callable[[int, int], None]] = True) -> FuseResult:
+         progress: Union[bool, Callable[[int, int], None]] = True,
+         quant_policy: str = "requant", quant_budget: Optional[float] = None) -> FuseResult:
     """Fuse an adapter into a checkpoint and write a new checkpoint.
 
     Args:
@@ -230,13 +165,15 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
     bindings = bind(adapter, ck)
     by_tensor = bindings_by_tensor(bindings)
     replaced = bind_replacements(adapter, ck, dequantize)
+    choices = resolve(ck, by_tensor, quant_policy, rounding, dtype, quant_budget, dequantize)
     try:
         with OutputDirectory(out, force=force) as od:
             result = _write(ck, adapter, by_tensor, od.tmp, out, rounding, dtype, dequantize,
-                            progress, t0, replaced)
+                            progress, t0, replaced, choices)
             settings = {"adapter_sha256": adapter.sha256, "adapter_format": adapter.format,
                         "rounding": rounding, "dtype_policy": dtype,
                         "dequantize": bool(dequantize)}
+            settings.update({"quant_policy": quant_policy} if choices else {})
             card = ck.path / CARD_NAME
             write_model_card(od.tmp, card if card.is_file() else None, hub_id,
                              f"{ck.path.name} + {adapter.path.name}", settings)
@@ -247,13 +184,14 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
         raise FuseError(f"I/O error while fusing: {e.strerror or e}",
                         file=e.filename or out, expected="readable inputs and room to write",
                         found=f"{type(e).__name__} (errno {e.errno})") from e
-    result.seconds = time.perf_counter() - t0
+    result.seconds, result.quant_policy = time.perf_counter() - t0, quant_policy
     return result
 
 
 def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]], tmp: Path,
            out: Path, rounding: str, dtype_policy: str, dequantize: bool, progress: Any,
-           t0: float, replaced: Optional[Dict[str, Replacement]] = None) -> FuseResult:
+           t0: float, replaced: Optional[Dict[str, Replacement]] = None,
+           choices=None) -> FuseResult:
 
     dtypes: Counter = Counter()
     requant: List[RequantStat] = []
@@ -273,11 +211,11 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
     it: Optional[_Item] = None
     try:
         for shard, infos in ck.by_shard():
-            items = _plan_shard(ck, infos, by_tensor, dtype_policy, dequantize, replaced)
+            items = _plan_shard(ck, infos, by_tensor, dtype_policy, dequantize, replaced, choices)
             meta = dict(ck.headers[shard].metadata)
             meta.setdefault("format", "mlx")
             meta.update(meta_extra)
-            jobs = _Jobs(ck, items, by_tensor, rounding, dtype_policy)
+            jobs = _Jobs(ck, items, by_tensor, rounding, dtype_policy, choices)
             # re-quantized parts of the module being written, until all three are out
             pending: Dict[str, Dict[str, np.ndarray]] = {}
             with SafetensorsWriter(tmp / shard, [i.plan for i in items], meta) as w, jobs:
@@ -313,7 +251,7 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
         raise e.where(it.source.file if it.source else ck.path, it.name) from None
     finally:
         bar.close()
-    _write_sidecars(ck, tmp, weight_map, total_bytes, dequantize, dtype_policy)
+    _write_sidecars(ck, tmp, weight_map, total_bytes, dequantize, dtype_policy, choices)
     return FuseResult(out, ck.path, adapter.path, rounding, dtype_policy, len(fused_names),
                       len(weight_map), dict(dtypes), total_bytes, time.perf_counter() - t0,
                       dequantize and ck.quantization is not None, requant, fused_names,
@@ -321,7 +259,7 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
 
 
 def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], rounding: str,
-             dtype_policy: str) -> Any:
+             dtype_policy: str, choices: Optional[Dict[str, Choice]] = None) -> Any:
     """The work behind one planned tensor that is not a plain copy."""
     src = it.source
     if it.action == "cast":
@@ -330,9 +268,9 @@ def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], rou
         return _cast(it.payload.raw, it.payload.code, it.plan.dtype, it.name)
     if it.action == "dequant":
         return dequantize_raw(ck, it.module, it.plan.dtype)
-    if it.action == "fuse-q":
-        return _requant_module(ck, it.module, by_tensor[f"{it.module}.weight"], rounding,
-                               dtype_policy)
+    if it.action == "fuse-q":  # requant unless a quant policy chose otherwise
+        return module_parts(ck, it.module, by_tensor[f"{it.module}.weight"], rounding,
+                            dtype_policy, (choices or {}).get(it.module, REQUANT))
     binds = by_tensor[it.name]
     own = [b.target.base_weight for b in binds if b.target.base_weight is not None]
     if own:  # the adapter carries the weight it was trained on (PEFT embedding LoRA)
@@ -384,8 +322,9 @@ class _Jobs:
     """
 
     def __init__(self, ck: Checkpoint, items: List[_Item], by_tensor: Dict[str, List[Binding]],
-                 rounding: str, dtype_policy: str) -> None:
+                 rounding: str, dtype_policy: str, choices=None) -> None:
         self.ck, self.items, self.by_tensor = ck, items, by_tensor
+        self.choices = choices
         self.rounding, self.dtype_policy = rounding, dtype_policy
         seen = set()
         self.order: List[int] = []
@@ -408,7 +347,7 @@ class _Jobs:
 
         with mx.stream(_thread_stream()):
             return _compute(self.ck, self.items[k], self.by_tensor, self.rounding,
-                            self.dtype_policy)
+                            self.dtype_policy, self.choices)
 
     def pump(self, k: int) -> None:
         if not self.order:
@@ -439,8 +378,8 @@ _WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
 def _write_sidecars(ck: Checkpoint, tmp: Path, weight_map: Dict[str, str], total_bytes: int,
-                    dequantize: bool, dtype_policy: str) -> None:
-    config = json.loads(json.dumps(ck.config))
+                    dequantize: bool, dtype_policy: str, choices=None) -> None:
+    config = per_layer_config(json.loads(json.dumps(ck.config)), ck, choices)
     if dequantize:
         config.pop("quantization", None)
         config.pop("quantization_config", None)
