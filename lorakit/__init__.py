@@ -16,6 +16,7 @@ Jupyter, ipywidgets nor matplotlib; each verb loads what it needs when called.
 ``compare``               two checkpoints tensor by tensor, to the ulp
 ``check``                 did the merge work? a fused checkpoint against base + adapter
 ``compare_generations``   greedy text of several models side by side
+``compare_outputs``       behaviour on a corpus: per-token KL, top-1 agreement, perplexity
 ``time_decode``           decode speed and memory of base, fused and unfused variants
 ========================  ===============================================================
 
@@ -46,6 +47,7 @@ _EXPORTS = {
     "compare": ("lorakit.inspect.parity", "parity"),
     "check": ("lorakit.inspect.merge_check", "merge_check"),
     "compare_generations": ("lorakit.inspect.generation", "compare_generations"),
+    "compare_outputs": ("lorakit.inspect.behaviour", "compare_outputs"),
     "time_decode": ("lorakit.timing.decode", "time_decode"),
     "LorakitError": ("lorakit.errors", "LorakitError"),
 }

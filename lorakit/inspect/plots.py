@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["dtype_heatmap", "value_heatmap", "histogram_bars", "spectra", "grouped_bars",
-           "margin_lines"]
+           "margin_lines", "kl_figure"]
 
 # One fixed colour per dtype, so maps of different checkpoints read the same.
 _DTYPE_COLORS = {
@@ -196,4 +196,38 @@ def margin_lines(series: Dict[str, Sequence[float]], *, title: str, diverge: Opt
     ax.set_ylabel("top1 - top2 logit")
     ax.set_title(title)
     ax.legend(fontsize="small")
+    return fig
+
+
+def kl_figure(kl: np.ndarray, context: int, *, title: str, ax=None):
+    """Per-token KL: its distribution (log-spaced histogram) and its course along the
+    text (per-window mean, window boundaries every ``context - 1`` scored tokens).
+    With ``ax``: only the course, drawn there."""
+    kl = np.asarray(kl, dtype=np.float64)
+    per = max(context - 1, 1)
+    n_win = max(kl.size // per, 1)
+    means = kl[: n_win * per].reshape(n_win, per).mean(axis=1) if kl.size >= per else kl
+    if ax is not None:
+        fig, along = ax.figure, ax
+    else:
+        fig, _ = _new(None, (9.0, 3.0))
+        fig.clear()
+        hist, along = fig.subplots(1, 2)
+        pos = kl[kl > 0]
+        if pos.size:
+            lo, hi = np.log10(pos.min()), np.log10(pos.max())
+            hist.hist(pos, bins=np.logspace(lo, hi + 1e-9, 40), color="#4c72b0")
+            hist.set_xscale("log")
+        hist.set_xlabel("KL per token (nats)")
+        hist.set_ylabel("tokens")
+        zeros = int(kl.size - pos.size)
+        hist.set_title(f"distribution ({zeros} tokens at 0 or below)" if zeros else "distribution")
+    along.plot(np.arange(kl.size), kl, lw=0.4, color="#8c8c8c", label="per token")
+    along.plot((np.arange(len(means)) + 0.5) * per, means, "o-", color="#c44e52", ms=3,
+               label="window mean")
+    along.set_yscale("symlog", linthresh=max(float(np.median(np.abs(kl))), 1e-12))
+    along.set_xlabel("scored token")
+    along.set_ylabel("KL (nats)")
+    along.legend(fontsize="small")
+    fig.suptitle(title)
     return fig

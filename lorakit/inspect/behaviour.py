@@ -1,0 +1,267 @@
+"""Behaviour on a corpus: per-token KL(P_ref || P_test), top-1 agreement and perplexity.
+
+The scoring is defined so anyone can reproduce it (the definition of
+llama.cpp's ``llama-perplexity --kl-divergence``, with these choices made explicit):
+
+1. the corpus is read as UTF-8 text (a ``.jsonl`` file: each line's ``text`` field,
+   joined with ``"\\n"``); the default is the embedded validation text,
+   ``data/corpora/fortunes/valid.jsonl`` (held out from the text the embedded
+   adapters were trained on);
+2. it is tokenized once with the reference model's tokenizer (``tokenizer.encode(text)``)
+   and cut to the first ``tokens`` tokens;
+3. the ids are split into consecutive windows of ``context`` tokens; a last partial
+   window is dropped;
+4. each window goes through both models (mlx-lm's own model code) from an empty cache;
+   every position but the last is scored against the next token;
+5. log-softmax in float32; KL(P_ref || P_test) = sum_v p_ref(v) (log p_ref(v) - log
+   p_test(v)) in natural logarithms, per token; top-1 agreement: how often both
+   models' argmax (lowest id on ties) is the same token; perplexity: exp of the mean
+   negative log-likelihood of the next token.
+
+The math runs in MLX on the device, one compiled pass per window over both models'
+logits, and each window's work is queued before the previous window's numbers are
+read back, so the device never waits on Python. Memory is bounded by one window's
+logits (positions are processed in chunks when ``context * vocab`` is large); per
+token only the raw numbers are kept (KL, both top-1 ids, both NLLs), plus the top
+candidates of both models for the first ``detail`` scored tokens (for the widget).
+
+>>> rep = compare_outputs("data/tiny-qwen3", ("data/tiny-qwen3", "data/adapters/lora"),
+...                       tokens=1024, context=256)
+>>> rep.tokens, round(rep.top1_agreement, 2) < 1
+(1020, True)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .._progress import Progress, progress_bar
+from ..errors import LorakitError
+from ..fusion.model import attach_adapter
+
+__all__ = ["DEFAULT_CORPUS", "Side", "read_corpus", "windows", "score_windows",
+           "compare_outputs"]
+
+PathLike = Union[str, Path]
+
+#: the embedded validation text (held out from the embedded adapters' training text)
+DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpora" / "fortunes" / "valid.jsonl"
+
+#: positions x vocab above which a window's math is done in chunks of positions
+CHUNK_ELEMENTS = 1 << 26
+
+
+def read_corpus(corpus: Optional[PathLike] = None) -> Tuple[str, str, str]:
+    """(text, name, sha256 of the file's bytes) of a corpus file: UTF-8 text, or for a
+    ``.jsonl`` file each line's ``text`` field joined with ``"\\n"``. ``None``: the
+    embedded validation text."""
+    path = Path(corpus) if corpus is not None else DEFAULT_CORPUS
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise LorakitError("cannot read the corpus", file=path, expected="a readable text file",
+                           found=e.strerror or type(e).__name__) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LorakitError("the corpus is not UTF-8", file=path, expected="UTF-8 text",
+                           found=f"byte {raw[e.start]:#04x} at offset {e.start}") from None
+    if path.suffix == ".jsonl":
+        parts = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise LorakitError("a corpus line is not JSON", file=path, tensor=f"line {n}",
+                                   expected='{"text": ...}', found=str(e)) from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise LorakitError("a corpus line has no text field", file=path,
+                                   tensor=f"line {n}", expected='{"text": "..."}',
+                                   found=line[:60])
+            parts.append(obj["text"])
+        text = "\n".join(parts)
+    name = "data/corpora/fortunes/valid.jsonl (embedded)" if corpus is None else str(path)
+    return text, name, hashlib.sha256(raw).hexdigest()
+
+
+def windows(ids: Sequence[int], context: int, tokens: Optional[int] = None) -> np.ndarray:
+    """The ids cut to the first ``tokens`` and split into consecutive windows of
+    ``context`` (a last partial window dropped): an int32 array [windows, context]."""
+    if context < 2:
+        raise LorakitError("a window must hold at least two tokens", expected="context >= 2",
+                           found=f"context={context}")
+    ids = np.asarray(ids, dtype=np.int64)
+    if tokens is not None:
+        ids = ids[:tokens]
+    n = len(ids) // context
+    if n == 0:
+        raise LorakitError("the corpus is shorter than one window",
+                           expected=f"at least {context} tokens", found=f"{len(ids)} tokens",
+                           hint="pass a smaller context or a longer corpus")
+    return ids[: n * context].reshape(n, context).astype(np.int32)
+
+
+@dataclass
+class Side:
+    """One side of the comparison: a loaded model, its tokenizer and a label."""
+
+    model: Any
+    tokenizer: Any
+    label: str
+
+
+def _side(spec: Any, adapter: Optional[PathLike], label: str) -> Side:
+    """A checkpoint path / hub id (with ``adapter`` attached unfused), a
+    ``(path, adapter or None)`` pair, or a loaded ``(model, tokenizer)``."""
+    if isinstance(spec, tuple) and len(spec) == 2 and hasattr(spec[0], "parameters"):
+        model, tok = spec
+        if adapter is not None:
+            model = attach_adapter(model, adapter)
+        return Side(model, tok, label)
+    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], (str, Path)):
+        spec, pair_adapter = spec
+        if adapter is not None and pair_adapter is not None:
+            raise LorakitError(f"two adapters given for the {label} model",
+                               expected="one adapter", found=f"{pair_adapter} and {adapter}")
+        adapter = adapter if adapter is not None else pair_adapter
+    if isinstance(spec, (str, Path)):
+        from mlx_lm import load  # lazy: mlx-lm is heavy
+
+        model, tok = load(str(spec))[:2]
+        if adapter is not None:
+            model = attach_adapter(model, adapter)
+        name = str(spec) + (f" + {adapter}" if adapter is not None else "")
+        return Side(model, tok, name)
+    raise LorakitError(f"cannot load the {label} model", found=type(spec).__name__,
+                       expected="a path or hub id, (path, adapter or None), or (model, tokenizer)")
+
+
+_STEP = None
+
+
+def _window_math():
+    """The compiled per-chunk math: (ref logits, test logits, next ids) ->
+    (kl, ref top-1, test top-1, ref nll, test nll), all in float32."""
+    global _STEP
+    if _STEP is None:
+        import mlx.core as mx  # lazy: mlx is heavy
+
+        def step(lr, lt, y):
+            lr = lr.astype(mx.float32)
+            lt = lt.astype(mx.float32)
+            lpr = lr - mx.logsumexp(lr, axis=-1, keepdims=True)
+            lpt = lt - mx.logsumexp(lt, axis=-1, keepdims=True)
+            kl = mx.sum(mx.exp(lpr) * (lpr - lpt), axis=-1)
+            yy = y[:, None]
+            nr = -mx.take_along_axis(lpr, yy, axis=-1)[:, 0]
+            nt = -mx.take_along_axis(lpt, yy, axis=-1)[:, 0]
+            return kl, mx.argmax(lr, axis=-1), mx.argmax(lt, axis=-1), nr, nt
+
+        _STEP = mx.compile(step)
+    return _STEP
+
+
+def _topk(logits, k: int):
+    import mlx.core as mx  # lazy: mlx is heavy
+
+    lp = logits.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    idx = mx.argsort(-lp, axis=-1)[:, :k]
+    return idx, mx.take_along_axis(lp, idx, axis=-1)
+
+
+def score_windows(ref_model: Any, test_model: Any, wins: np.ndarray, *, top_k: int = 5,
+                  detail: int = 256, progress: Progress = None) -> Dict[str, np.ndarray]:
+    """Score every window through both models. Returns per scored token (in corpus
+    order): ``kl``, ``ref_top1``, ``test_top1``, ``ref_nll``, ``test_nll``, ``target``;
+    and for the first ``detail`` scored tokens ``ref_top_ids`` / ``ref_top_logp`` /
+    ``test_top_ids`` / ``test_top_logp`` ([detail, top_k])."""
+    import mlx.core as mx  # lazy: mlx is heavy
+
+    step = _window_math()
+    n_win, ctx = wins.shape
+    keys = ("kl", "ref_top1", "test_top1", "ref_nll", "test_nll")
+    out: Dict[str, List[np.ndarray]] = {k: [] for k in keys}
+    tops: Dict[str, List[np.ndarray]] = {k: [] for k in ("ref_top_ids", "ref_top_logp",
+                                                         "test_top_ids", "test_top_logp")}
+    pending: Optional[Tuple[Any, ...]] = None
+    scored = 0
+
+    def drain(res) -> None:
+        parts, top = res
+        for k, arrays in zip(keys, zip(*parts)):
+            out[k].append(np.concatenate([np.array(a) for a in arrays]))
+        if top is not None:
+            for k, a in zip(tops, top):
+                tops[k].append(np.array(a))
+
+    with progress_bar(progress, n_win, "kl") as bar:
+        for w in range(n_win):
+            x = mx.array(wins[w])[None]
+            y = mx.array(wins[w, 1:])
+            lr = ref_model(x)[0, :-1]
+            lt = test_model(x)[0, :-1]
+            vocab = lr.shape[-1]
+            rows = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+            parts = [step(lr[s:s + rows], lt[s:s + rows], y[s:s + rows])
+                     for s in range(0, ctx - 1, rows)]
+            top = None
+            if scored < detail and top_k > 0:
+                m = min(detail - scored, ctx - 1)
+                top = (*_topk(lr[:m], top_k), *_topk(lt[:m], top_k))
+            scored += ctx - 1
+            res = (parts, top)
+            mx.async_eval([a for p in parts for a in p] + list(top or ()))
+            if pending is not None:
+                drain(pending)
+                bar.update(1)
+            pending = res
+        if pending is not None:
+            drain(pending)
+            bar.update(1)
+    result = {k: np.concatenate(v) for k, v in out.items()}
+    result["target"] = wins[:, 1:].reshape(-1).copy()
+    k = max(top_k, 0)
+    for name, v in tops.items():
+        dt = np.int32 if name.endswith("ids") else np.float32
+        result[name] = np.concatenate(v) if v else np.zeros((0, k), dt)
+    return result
+
+
+def compare_outputs(reference: Any, test: Any, corpus: Optional[PathLike] = None, *,
+                    tokens: Optional[int] = None, context: int = 512,
+                    ref_adapter: Optional[PathLike] = None,
+                    test_adapter: Optional[PathLike] = None, top_k: int = 5,
+                    detail: int = 256, progress: Progress = None):
+    """How differently two models behave on a corpus: per-token KL(P_ref || P_test),
+    top-1 agreement and both perplexities (the module docstring has the exact rules).
+
+    ``reference`` / ``test``: a checkpoint path or hub id, a ``(path, adapter or
+    None)`` pair, or an already loaded ``(model, tokenizer)``; ``ref_adapter`` /
+    ``test_adapter`` attach an adapter unfused (mlx-lm or PEFT format, through
+    :func:`lorakit.attach_adapter`). ``corpus``: a text or ``.jsonl`` file (default: the
+    embedded validation text). ``tokens``: use only the first N tokens. ``context``:
+    window length. ``top_k`` / ``detail``: both models' top candidates kept for the
+    first ``detail`` scored tokens. Returns a
+    :class:`~lorakit.inspect.behaviour_report.BehaviourReport` (``mean_kl``,
+    ``top1_agreement``, ``ppl_ref``... and the raw per-token arrays).
+    """
+    from .behaviour_report import BehaviourReport  # the report module imports this one
+
+    ref = _side(reference, ref_adapter, "reference")
+    tst = _side(test, test_adapter, "test")
+    text, name, sha = read_corpus(corpus)
+    ids = ref.tokenizer.encode(text)
+    wins = windows(ids, context, tokens)
+    arrays = score_windows(ref.model, tst.model, wins, top_k=top_k, detail=detail,
+                           progress=progress)
+    return BehaviourReport.build(arrays, reference=ref.label, test=tst.label, corpus=name,
+                                 corpus_sha256=sha, context=context,
+                                 corpus_tokens=len(ids), tokenizer=ref.tokenizer)
