@@ -154,14 +154,18 @@ def _window_math():
         import mlx.core as mx  # lazy: mlx is heavy
 
         def step(lr, lt, y):
-            lr = lr.astype(mx.float32)
-            lt = lt.astype(mx.float32)
-            lpr = lr - mx.logsumexp(lr, axis=-1, keepdims=True)
-            lpt = lt - mx.logsumexp(lt, axis=-1, keepdims=True)
-            kl = mx.sum(mx.exp(lpr) * (lpr - lpt), axis=-1)
+            # KL = sum_v p_ref (lr - lt) - (lse_ref - lse_test): no [positions x vocab]
+            # log-probabilities materialised; argmax and the target's logit read the
+            # logits as they come (float32 conversion of bf16/f16 is exact).
+            r32 = lr.astype(mx.float32)
+            t32 = lt.astype(mx.float32)
+            lser = mx.logsumexp(r32, axis=-1)
+            lset = mx.logsumexp(t32, axis=-1)
+            e = mx.sum(mx.exp(r32 - lser[:, None]) * (r32 - t32), axis=-1)
+            kl = (e - lser) + lset
             yy = y[:, None]
-            nr = -mx.take_along_axis(lpr, yy, axis=-1)[:, 0]
-            nt = -mx.take_along_axis(lpt, yy, axis=-1)[:, 0]
+            nr = lser - mx.take_along_axis(r32, yy, axis=-1)[:, 0]
+            nt = lset - mx.take_along_axis(t32, yy, axis=-1)[:, 0]
             return kl, mx.argmax(lr, axis=-1), mx.argmax(lt, axis=-1), nr, nt
 
         _STEP = mx.compile(step)
@@ -169,12 +173,21 @@ def _window_math():
 
 
 def _topk(logits, k: int):
+    """The ``k`` largest log-probabilities per row and their ids, largest first."""
     import mlx.core as mx  # lazy: mlx is heavy
 
     lp = logits.astype(mx.float32)
-    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-    idx = mx.argsort(-lp, axis=-1)[:, :k]
-    return idx, mx.take_along_axis(lp, idx, axis=-1)
+    k = min(k, lp.shape[-1])
+    idx = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+    val = mx.take_along_axis(lp, idx, axis=-1)
+    return idx, val - mx.logsumexp(lp, axis=-1, keepdims=True)  # ordered on the host
+
+
+def _ordered(idx: np.ndarray, val: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Each row's candidates largest first, ties by the lowest id (as argmax)."""
+    order = np.lexsort((idx, -val), axis=-1)
+    return (np.take_along_axis(idx, order, -1).astype(np.int32),
+            np.take_along_axis(val, order, -1).astype(np.float32))
 
 
 def score_windows(ref_model: Any, test_model: Any, wins: np.ndarray, *, top_k: int = 5,
@@ -199,8 +212,9 @@ def score_windows(ref_model: Any, test_model: Any, wins: np.ndarray, *, top_k: i
         for k, arrays in zip(keys, zip(*parts)):
             out[k].append(np.concatenate([np.array(a) for a in arrays]))
         if top is not None:
-            for k, a in zip(tops, top):
-                tops[k].append(np.array(a))
+            ri, rv, ti, tv = (np.array(a) for a in top)
+            for k, a in zip(tops, (*_ordered(ri, rv), *_ordered(ti, tv))):
+                tops[k].append(a)
 
     with progress_bar(progress, n_win, "kl") as bar:
         for w in range(n_win):
