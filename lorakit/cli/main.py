@@ -104,7 +104,8 @@ def _add_fuse(sub) -> None:
 
 def _registered_adders() -> List[Callable]:
     adders: List[Callable] = [_add_fuse]
-    for mod in ("lorakit.cli.inspect_cmds", "lorakit.cli.bench_cmd", "lorakit.cli.synth_cmd"):
+    for mod in ("lorakit.cli.inspect_cmds", "lorakit.cli.bench_cmd", "lorakit.cli.synth_cmd",
+                "lorakit.cli.kl_cmd"):
         try:
             m = __import__(mod, fromlist=["add"])
         except ModuleNotFoundError as e:
