@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--top-k", type=int, default=5, help="top candidates kept (detail)")
     p.add_argument("--out")
     a = p.parse_args(argv)
 
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
 
     def kl() -> float:
         t = time.perf_counter()
-        score_windows(ref, test, wins)
+        score_windows(ref, test, wins, top_k=a.top_k)
         return time.perf_counter() - t
 
     plain(), kl()  # warm-up (compilation, allocations)
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
         "device": str(mx.default_device()), "mlx": mx.__version__,
         "platform": platform.platform(), "python": platform.python_version(),
         "tokens_scored": int(res["kl"].size), "windows": int(wins.shape[0]),
-        "context": a.context, "vocab": int(ref(mx.array(wins[0][:2])[None]).shape[-1]),
+        "context": a.context, "top_k": a.top_k, "vocab": int(ref(mx.array(wins[0][:2])[None]).shape[-1]),
         "plain_forward_s": tp, "kl_eval_s": tk,
         "median_plain_s": mp, "median_kl_s": mk, "overhead": mk / mp,
         "mean_kl": float(np.mean(res["kl"].astype(np.float64))),

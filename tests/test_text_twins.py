@@ -99,6 +99,7 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
     from lorakit.inspect.deltas import delta_norms
     from lorakit.inspect.dtype_map import dtype_map
     from lorakit.inspect.generation import compare_generations
+    from lorakit.inspect.behaviour import compare_outputs
     from lorakit.inspect.merge_check import merge_check
     from lorakit.inspect.parity import parity
     from lorakit.inspect.parity import ulp_compare
@@ -119,6 +120,8 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
         "MergeCheck": _in(lambda: merge_check("fused", BASE, LORA)),
         "DeltaNorms": _in(lambda: delta_norms(DORA, BASE)),
         "AdapterComparison": _in(lambda: compare_adapters(LORA, DORA, BASE)),
+        "BehaviourReport": _in(lambda: compare_outputs(BASE, (BASE, LORA), tokens=512,
+                                                        context=128)),
         "GenerationReport": _in(lambda: compare_generations(
             {"base": BASE, "adapter": (BASE, LORA), "fused": "fused"},
             ["And it came to pass"], max_tokens=8)),
@@ -127,7 +130,7 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
 
 NAMES = ["FuseResult", "DecodeTiming", "DtypeMap", "ParityReport", "UlpReport",
          "UlpReport-tensors", "RefUlpReport", "MergeCheck", "DeltaNorms", "AdapterComparison",
-         "GenerationReport"]
+         "GenerationReport", "BehaviourReport"]
 
 
 def _build(name: str, work: Path) -> Any:

@@ -53,7 +53,7 @@ PathLike = Union[str, Path]
 DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpora" / "fortunes" / "valid.jsonl"
 
 #: positions x vocab above which a window's math is done in chunks of positions
-CHUNK_ELEMENTS = 1 << 26
+CHUNK_ELEMENTS = 1 << 28
 
 
 def read_corpus(corpus: Optional[PathLike] = None) -> Tuple[str, str, str]:
@@ -177,10 +177,16 @@ def _topk(logits, k: int):
     import mlx.core as mx  # lazy: mlx is heavy
 
     lp = logits.astype(mx.float32)
-    k = min(k, lp.shape[-1])
-    idx = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
-    val = mx.take_along_axis(lp, idx, axis=-1)
-    return idx, val - mx.logsumexp(lp, axis=-1, keepdims=True)  # ordered on the host
+    lse = mx.logsumexp(lp, axis=-1, keepdims=True)
+    # k rounds of argmax (lowest id on ties) and masking: k reductions, no sort of the
+    # vocabulary (a sort of [rows x vocab] costs more than both forward passes' tail)
+    ids, vals, cols = [], [], mx.arange(lp.shape[-1])[None]
+    for _ in range(min(k, lp.shape[-1])):
+        i = mx.argmax(lp, axis=-1, keepdims=True)
+        ids.append(i)
+        vals.append(mx.take_along_axis(lp, i, axis=-1))
+        lp = mx.where(cols == i, -mx.inf, lp)
+    return mx.concatenate(ids, axis=-1), mx.concatenate(vals, axis=-1) - lse
 
 
 def _ordered(idx: np.ndarray, val: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
