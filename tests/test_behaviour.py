@@ -233,3 +233,20 @@ def test_cli_json(models) -> None:
                            "256", "--context", "128"], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=300)
     assert text.returncode == 0 and "mean_kl: 0" in text.stdout, text.stderr
+
+
+def test_kl_text_view(models) -> None:
+    """The widget's page: one span per detailed token, shaded by KL, both models'
+    candidates in the hover; identical models leave every token white."""
+    from lorakit import compare_outputs
+    from lorakit.widgets import KLTextView
+    from lorakit.widgets.kl_view import kl_html
+
+    rep = compare_outputs(models["base"], models["unfused"], tokens=256, context=128,
+                          detail=50)
+    page = kl_html(rep)
+    assert page.count("<span title=") == 50 and "ref: " in page and "test: " in page
+    assert page.count("background:#ffffff") < 50
+    same = compare_outputs(models["base"], models["base"], tokens=256, context=128, detail=50)
+    assert kl_html(same).count("background:#ffffff") == 50
+    assert KLTextView(rep).widget.value == page

@@ -11,6 +11,7 @@ figure it returns, so every number a widget shows can be had without it.
 - :class:`DecodeRace`: :func:`lorakit.time_decode` live, in a background thread.
 - :class:`GenerationCompare`: :func:`lorakit.compare_generations` side by side.
 - :class:`AdapterCompare`: :func:`lorakit.compare_adapters`.
+- :class:`KLTextView`: a :func:`lorakit.compare_outputs` report's text shaded by KL.
 
 >>> from lorakit.widgets import FusePanel
 >>> panel = FusePanel()  # choices from the repository's data/
@@ -23,7 +24,8 @@ from .decode_race import DecodeRace
 from .dtype_view import DtypeMapView
 from .fuse_panel import FusePanel
 from .generation import GenerationCompare
+from .kl_view import KLTextView
 from .ulp_explorer import UlpExplorer
 
 __all__ = ["AdapterCompare", "DecodeRace", "DtypeMapView", "FusePanel", "GenerationCompare",
-           "UlpExplorer", "find_data"]
+           "KLTextView", "UlpExplorer", "find_data"]
