@@ -34,6 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--top-k", type=int, default=5, help="top candidates kept (detail)")
+    p.add_argument("--cpu", action="store_true", help="run on MLX's CPU device")
     p.add_argument("--out")
     a = p.parse_args(argv)
 
@@ -41,6 +42,8 @@ def main(argv=None) -> int:
     import mlx_lm
     import numpy as np
 
+    if a.cpu:
+        mx.set_default_device(mx.cpu)
     from lorakit.fusion.model import attach_adapter
     from lorakit.inspect.behaviour import read_corpus, score_windows, windows
 

@@ -43,6 +43,7 @@ import numpy as np
 from .._progress import Progress, progress_bar
 from ..errors import LorakitError
 from ..fusion.model import attach_adapter
+from .behaviour_report import BehaviourReport
 
 __all__ = ["DEFAULT_CORPUS", "Side", "read_corpus", "windows", "score_windows",
            "compare_outputs"]
@@ -273,8 +274,6 @@ def compare_outputs(reference: Any, test: Any, corpus: Optional[PathLike] = None
     :class:`~lorakit.inspect.behaviour_report.BehaviourReport` (``mean_kl``,
     ``top1_agreement``, ``ppl_ref``... and the raw per-token arrays).
     """
-    from .behaviour_report import BehaviourReport  # the report module imports this one
-
     ref = _side(reference, ref_adapter, "reference")
     tst = _side(test, test_adapter, "test")
     text, name, sha = read_corpus(corpus)
