@@ -26,9 +26,9 @@ token only the raw numbers are kept (KL, both top-1 ids, both NLLs), plus the to
 candidates of both models for the first ``detail`` scored tokens (for the widget).
 
 >>> rep = compare_outputs("data/tiny-qwen3", ("data/tiny-qwen3", "data/adapters/lora"),
-...                       tokens=1024, context=256)
->>> rep.tokens, round(rep.top1_agreement, 2) < 1
-(1020, True)
+...                       tokens=512, context=128)
+>>> rep.tokens, rep.top1_agreement < 1
+(508, True)
 """
 from __future__ import annotations
 
