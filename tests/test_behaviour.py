@@ -67,6 +67,7 @@ def _independent(ref, test, text: str, tokens: int, context: int):
     return np.concatenate(kls), np.concatenate(agree)
 
 
+@pytest.mark.slow  # loads three models and runs them over the corpus
 def test_fused_is_far_closer_than_base(models) -> None:
     from lorakit import compare_outputs
 
@@ -82,6 +83,7 @@ def test_fused_is_far_closer_than_base(models) -> None:
     assert base.top1_agreement < 0.9  # the adapter changes behaviour: the check can fail
 
 
+@pytest.mark.slow  # loads three models and runs them over the corpus
 def test_matches_independent_computation(models) -> None:
     from lorakit import compare_outputs
     from lorakit.inspect.behaviour import read_corpus
@@ -98,6 +100,7 @@ def test_matches_independent_computation(models) -> None:
             np.testing.assert_allclose(rep.arrays["kl"], kl, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.slow  # loads three models and runs them over the corpus
 def test_identical_models_give_exactly_zero(models) -> None:
     from lorakit import compare_outputs
 
@@ -107,6 +110,7 @@ def test_identical_models_give_exactly_zero(models) -> None:
     assert np.all(rep.arrays["kl"] == 0)
 
 
+@pytest.mark.slow  # loads three models and runs them over the corpus
 def test_a_small_perturbation_is_seen(models) -> None:
     """No miss: one projection of the base scaled by 1% moves KL off zero."""
     import mlx.core as mx
@@ -120,6 +124,7 @@ def test_a_small_perturbation_is_seen(models) -> None:
     assert rep.mean_kl > 0 and rep.max_kl > 1e-6
 
 
+@pytest.mark.slow  # loads three models and runs them over the corpus
 def test_paths_and_adapters_load(models) -> None:
     """Path specs with an adapter attached (through attach_adapter) score like the
     loaded models; a PEFT adapter loads too."""
@@ -134,6 +139,7 @@ def test_paths_and_adapters_load(models) -> None:
     assert p.mean_kl > 0
 
 
+@pytest.mark.slow  # loads three models and runs them over the corpus
 def test_report_keys_arrays_and_twins(models) -> None:
     from lorakit import compare_outputs
 
@@ -195,6 +201,7 @@ def test_windows_drop_the_partial_one() -> None:
         windows(range(10), 1)
 
 
+@pytest.mark.slow  # loads three models and runs them over the corpus
 def test_scored_positions_are_next_tokens(models) -> None:
     """Within each window every position but the last is scored, against the next id;
     a chunked pass (positions in pieces) gives the same numbers."""
@@ -235,6 +242,7 @@ def test_cli_json(models) -> None:
     assert text.returncode == 0 and "mean_kl: 0" in text.stdout, text.stderr
 
 
+@pytest.mark.slow  # loads three models and runs them over the corpus
 def test_kl_text_view(models) -> None:
     """The widget's page: one span per detailed token, shaded by KL, both models'
     candidates in the hover; identical models leave every token white."""
