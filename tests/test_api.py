@@ -13,8 +13,8 @@ import lorakit
 
 ROOT = Path(__file__).resolve().parents[1]
 VERBS = ["fuse", "open", "load_adapter", "attach_adapter", "dtype_map", "delta_norms",
-         "compare_adapters", "compare", "check", "compare_generations", "time_decode",
-         "extract", "resize", "combine", "convert"]
+         "compare_adapters", "compare", "check", "compare_generations", "compare_outputs",
+         "time_decode", "extract", "resize", "combine", "convert"]
 
 
 def test_top_level_is_the_verbs_and_the_error_type():

@@ -102,6 +102,7 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
     from lorakit.inspect.extract import extract
     from lorakit.inspect.resize import resize
     from lorakit.inspect.generation import compare_generations
+    from lorakit.inspect.behaviour import compare_outputs
     from lorakit.inspect.merge_check import merge_check
     from lorakit.inspect.parity import parity
     from lorakit.inspect.parity import ulp_compare
@@ -127,6 +128,8 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
         "ResizeReport": _in(lambda: resize(LORA, energy=0.9)),
         "Combination": _in(lambda: combine([LORA, "data/adapters/lora-embed"], [0.7, 0.3],
                                            method="cat")),
+        "BehaviourReport": _in(lambda: compare_outputs(BASE, (BASE, LORA), tokens=512,
+                                                        context=128)),
         "GenerationReport": _in(lambda: compare_generations(
             {"base": BASE, "adapter": (BASE, LORA), "fused": "fused"},
             ["And it came to pass"], max_tokens=8)),
@@ -135,7 +138,7 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
 
 NAMES = ["FuseResult", "DecodeTiming", "DtypeMap", "ParityReport", "UlpReport",
          "UlpReport-tensors", "RefUlpReport", "MergeCheck", "DeltaNorms", "AdapterComparison",
-         "GenerationReport", "ExtractReport", "ResizeReport", "Combination"]
+         "GenerationReport", "ExtractReport", "ResizeReport", "Combination", "BehaviourReport"]
 
 
 def _build(name: str, work: Path) -> Any:

@@ -120,7 +120,7 @@ def _registered_adders() -> List[Callable]:
     adders: List[Callable] = [_add_fuse]
     for mod in ("lorakit.cli.inspect_cmds", "lorakit.cli.bench_cmd", "lorakit.cli.synth_cmd",
                 "lorakit.cli.extract_cmds",
-                "lorakit.cli.algebra_cmds"):
+                "lorakit.cli.algebra_cmds", "lorakit.cli.kl_cmd"):
         try:
             m = __import__(mod, fromlist=["add"])
         except ModuleNotFoundError as e:

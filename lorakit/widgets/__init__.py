@@ -12,6 +12,7 @@ figure it returns, so every number a widget shows can be had without it.
 - :class:`GenerationCompare`: :func:`lorakit.compare_generations` side by side.
 - :class:`AdapterCompare`: :func:`lorakit.compare_adapters`.
 - :class:`AdapterMixer`: two or three adapters mixed by weight sliders, live norms.
+- :class:`KLTextView`: a :func:`lorakit.compare_outputs` report's text shaded by KL.
 
 >>> from lorakit.widgets import FusePanel
 >>> panel = FusePanel()  # choices from the repository's data/
@@ -24,8 +25,9 @@ from .decode_race import DecodeRace
 from .dtype_view import DtypeMapView
 from .fuse_panel import FusePanel
 from .generation import GenerationCompare
+from .kl_view import KLTextView
 from .mixer import AdapterMixer
 from .ulp_explorer import UlpExplorer
 
-__all__ = ["AdapterCompare", "AdapterMixer", "DecodeRace", "DtypeMapView", "FusePanel", "GenerationCompare",
-           "UlpExplorer", "find_data"]
+__all__ = ["AdapterCompare", "AdapterMixer", "DecodeRace", "DtypeMapView", "FusePanel",
+           "GenerationCompare", "KLTextView", "UlpExplorer", "find_data"]
