@@ -41,6 +41,16 @@ class BehaviourReport(Report):
     ``ref_top_pieces`` / ``test_top_pieces`` (decoded top candidates), ``context``.
     """
 
+    column_help = {
+        "position": "index of the scored token in the corpus (after tokenization)",
+        "token": "the token that actually came next in the text",
+        "kl": "KL(P_ref || P_test) at this position, natural log",
+        "ref_top1": "the reference model's most likely next token",
+        "test_top1": "the test model's most likely next token",
+        "ref_nll": "the reference model's -log p(actual next token)",
+        "test_nll": "the test model's -log p(actual next token)",
+    }
+
     stats: Dict[str, Any] = field(default_factory=dict)
     arrays: Dict[str, np.ndarray] = field(default_factory=dict)
     pieces: List[str] = field(default_factory=list)
