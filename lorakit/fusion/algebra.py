@@ -31,8 +31,12 @@ Methods:
   lorakit evaluates each merge in float64 and rounds once to float32.
 * ``ties_svd``: PEFT's ``ties`` on the full deltas ``w_i s_i B_i A_i``, then ``svd``.
 
-DoRA adapters are refused: a DoRA change ``m * (W + d) / ||W + d|| - W`` depends on the
-base weight and is not low rank, so no weighted sum of DoRA adapters is an adapter.
+DoRA adapters are combined by ``exact`` only: a DoRA change ``m * (W + d) / ||W + d|| - W``
+depends on the base weight and is not low rank, so a module with a DoRA part becomes a
+:class:`~lorakit.fusion.delta.SumTarget` (``W + sum_i w_i (T_i(W) - W)``, each ``T_i``
+the adapter's own intended result), which the fuse rounds once
+(:mod:`lorakit.fusion.sum_fuse`); such a combination is not an adapter and cannot be
+saved.
 ``modules_to_save`` copies are refused too (PEFT refuses two of them on one module).
 
 :func:`convert` reads an adapter and writes it in the other format
@@ -51,6 +55,7 @@ from ..inspect.report import Report
 from ..io.adapter import Adapter, LoraTarget, load_adapter
 from ..io.adapter_layout import expert_modules
 from ..io.adapter_write import save_adapter
+from .delta import SumTarget
 from .peft_like import check_like_peft, like_peft_target
 from .peft_methods import RANDOM, merge
 
@@ -79,6 +84,14 @@ class Combination(Report):
 
     def save(self, path: PathLike, *, format: str = "mlx-lm", force: bool = False) -> Path:
         """Write the combination as an adapter (``exact`` is saved folded, as ``cat``)."""
+        if any(isinstance(t, SumTarget) for t in self.adapter.targets):
+            raise AdapterError("a combination with DoRA adapters cannot be saved as an "
+                               "adapter", file=path, expected="LoRA adapters only, or fuse "
+                               "the combination (lorakit fuse --adapter-path A --adapter-path "
+                               "B --weights ...)", found="DoRA parts in "
+                               f"{self.summary.get('dora_modules')} module(s)",
+                               hint="a DoRA change depends on the base weight's row norms "
+                               "and is not low rank, so no adapter holds the sum")
         ad = _folded(self.adapter)[0] if self.method == "exact" else self.adapter
         prov = {"method": self.method, "weights": self.summary.get("weights"),
                 "sources": self.summary.get("adapters"), "like": self.summary.get("like")}
@@ -91,7 +104,8 @@ def _load(a: Union[PathLike, Adapter]) -> Adapter:
     return a if isinstance(a, Adapter) else load_adapter(a)
 
 
-def _check_inputs(ads: List[Adapter], weights: Sequence[float]) -> None:
+def _check_inputs(ads: List[Adapter], weights: Sequence[float], method: str = "exact",
+                  like: Optional[str] = None) -> None:
     if not ads:
         raise LorakitError("combine needs at least one adapter", expected="--adapter-path A "
                            "[--adapter-path B ...]", found="none")
@@ -99,12 +113,14 @@ def _check_inputs(ads: List[Adapter], weights: Sequence[float]) -> None:
         raise LorakitError("one weight per adapter", tensor="weights",
                            expected=f"{len(ads)} weights", found=f"{len(weights)}: {weights}")
     for ad in ads:
-        if ad.is_dora:
-            raise AdapterError("DoRA adapters cannot be combined into an adapter",
-                               file=ad.path, expected="LoRA adapters",
+        if ad.is_dora and (method != "exact" or like is not None):
+            raise AdapterError(f"DoRA adapters cannot be combined by {method}"
+                               + (f" like {like}" if like else ""), file=ad.path,
+                               expected="LoRA adapters, or method exact (fused only)",
                                found="DoRA (magnitude vectors)",
                                hint="a DoRA change depends on the base weight's row norms and "
-                               "is not low rank; fuse DoRA adapters one at a time")
+                               "is not low rank; lorakit fuse --adapter-path A --adapter-path "
+                               "B --weights ... fuses the exact sum")
         if ad.replacements or any(t.base_weight is not None for t in ad.targets):
             raise AdapterError("adapters with whole tensors (modules_to_save) cannot be "
                                "combined by weights", file=ad.path,
@@ -245,7 +261,7 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
                            expected=" / ".join(METHODS), found=repr(method))
     ads = [_load(a) for a in adapters]
     w = [1.0] * len(ads) if weights is None else [float(x) for x in weights]
-    _check_inputs(ads, w)
+    _check_inputs(ads, w, method, like)
     if like not in (None, "peft"):
         raise LorakitError("unknown --like", tensor="like", expected="peft", found=repr(like))
     if like == "peft":
@@ -268,6 +284,12 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
                                    str(t.rank) for _, t in parts)}
         if like == "peft":
             t = like_peft_target(method, module, parts, w, density, base_dtype, rank)
+        elif method == "exact" and any(t.is_dora for _, t in parts):
+            c = _cat_target(module, parts, w)
+            mag = next(t.magnitude for _, t in parts if t.is_dora)
+            t = SumTarget(module, c.kind, c.A, c.B, c.scale, mag, c.names,
+                          parts=tuple((w[i], p) for i, p in parts))
+            row["dora"] = True
         elif method in ("exact", "cat"):
             t = _cat_target(module, parts, w)
             if method == "cat":
@@ -305,6 +327,11 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
                                "weights": w, "modules": len(targets)}
     if like:
         summary["like"] = f"{like} (factors as PEFT builds them on a {base_dtype} model)"
+    dora = sum(bool(r.pop("dora", False)) for r in rows)
+    if dora:
+        summary["dora_modules"] = dora
+        summary["dora"] = ("W-dependent (DoRA) sums: fused exactly (lorakit fuse), not "
+                           "savable as an adapter")
     if method == "cat" and not like:
         errs = [r["fold_rel_err"] for r in rows]
         summary["exactly_stored"] = f"{sum(e == 0 for e in errs)} of {len(errs)} modules"
