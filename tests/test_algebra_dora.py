@@ -101,7 +101,7 @@ def test_dora_plus_lora_fuse_is_within_half_ulp(tmp_path):
     assert rep.summary["dora_modules"] == 28
     lorakit.fuse(BASE, rep.adapter, tmp_path / "f", progress=False)
     bad, checked, worst = _check(tmp_path / "f", parts)
-    assert checked > 1_000_000 and bad == 0, (bad, checked)
+    assert checked == 2_359_296 and bad == 0, (bad, checked)  # README states these
     assert worst <= 0.5, worst
     # the check can fail: the same sum with DoRA's row rescale dropped (the DoRA
     # adapter read as plain LoRA, what a LoRA-only combination would fuse) misses
@@ -149,3 +149,23 @@ def test_other_roundings_refused(tmp_path):
     with pytest.raises(LorakitError, match="correctly rounded only"):
         lorakit.fuse(BASE, rep.adapter, tmp_path / "r", rounding="round-once", progress=False)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow  # CLI runs: fuse, combine refusal
+def test_cli_fuse_of_dora_and_lora_and_combine_refusal(tmp_path, capsys):
+    import lorakit
+    from lorakit.cli.main import main
+
+    args = ["--adapter-path", str(DORA), "--adapter-path", str(LORA), "--weights", "0.6,-0.4"]
+    assert main(["fuse", "--model", str(BASE), *args, "--save-path", str(tmp_path / "cli"),
+                 "-q"]) == 0
+    rep = combine([DORA, LORA], [0.6, -0.4])
+    lorakit.fuse(BASE, rep.adapter, tmp_path / "api", progress=False)
+    a, b = _checkpoint(tmp_path / "cli"), _checkpoint(tmp_path / "api")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k][1], b[k][1]) for k in a)
+    assert main(["fuse", "--model", str(BASE), *args, "--save-path", str(tmp_path / "r"),
+                 "--rounding", "mlx-lm", "-q"]) == 2
+    assert "DoRA adapters one at a time" in capsys.readouterr().err
+    assert main(["combine", *args, "--save-path", str(tmp_path / "c")]) == 2
+    assert "cannot be saved" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists() and not (tmp_path / "r").exists()

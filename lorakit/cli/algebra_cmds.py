@@ -77,7 +77,9 @@ def fuse_adapter(args: argparse.Namespace) -> Any:
                            tensor="--rounding", expected="--rounding nearest",
                            found=f"--rounding {args.rounding}",
                            hint="the other orders are those of one adapter's runtime; use "
-                           "--combine cat to fuse the stored concatenated adapter with them")
+                           "--combine cat to fuse the stored concatenated adapter with them"
+                           if "dora_modules" not in comb.summary else "the other orders are "
+                           "those of one adapter's runtime: fuse DoRA adapters one at a time")
     return comb.adapter
 
 
