@@ -169,3 +169,30 @@ def test_cli_fuse_of_dora_and_lora_and_combine_refusal(tmp_path, capsys):
     assert main(["combine", *args, "--save-path", str(tmp_path / "c")]) == 2
     assert "cannot be saved" in capsys.readouterr().err
     assert not (tmp_path / "c").exists() and not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow  # SVDs of 28 full deltas, twice, here and in the library
+def test_svd_of_dora_combination_truncates_the_w_dependent_sum(tmp_path):
+    parts = [(DORA, 0.6), (LORA, -0.4)]
+    with pytest.raises(LorakitError, match="needs the base weights"):
+        combine([DORA, LORA], [0.6, -0.4], method="svd")
+    base = _checkpoint(BASE)
+    ads = [(w, _raw_adapter(p)) for p, w in parts]
+    errs = {}
+    for R in (8, 64):
+        rep = combine([DORA, LORA], [0.6, -0.4], method="svd", rank=R, base=BASE,
+                      save_path=tmp_path / f"r{R}")
+        assert "dora_modules" not in rep.summary and (tmp_path / f"r{R}").is_dir()
+        for t, row in zip(rep.adapter.targets, rep.rows):
+            assert t.magnitude is None and t.rank == R == row["rank"]
+            W = _bf16(base[t.module + ".weight"][1])
+            D = sum(w * (_independent(W, a[t.module][1], a[t.module][2]) - W) for w, a in ads)
+            got = float(t.scale) * (t.B.astype(np.float64) @ t.A.astype(np.float64))
+            err = np.linalg.norm(D - got) / np.linalg.norm(D)
+            assert err == pytest.approx(row["trunc_rel_err"], rel=1e-6, abs=1e-12)
+            # the best rank-R approximation (Eckart-Young), up to the float32 factors
+            s = np.linalg.svd(D, compute_uv=False)
+            assert err <= np.sqrt((s[R:] ** 2).sum()) / np.linalg.norm(D) * (1 + 1e-4) + 1e-6
+            errs.setdefault(R, []).append(err)
+    # more rank, less error, module by module (the W-dependent sum is not rank 16)
+    assert all(a < b for a, b in zip(errs[64], errs[8]))

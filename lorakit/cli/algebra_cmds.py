@@ -51,7 +51,7 @@ def combination_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
 
     return combine(args.adapter_path, _weights(args.weights), method=args.method,
                    rank=args.rank, density=args.density, seed=args.seed, like=args.like,
-                   base_dtype=base_dtype)
+                   base_dtype=base_dtype, base=getattr(args, "model", None))
 
 
 def fuse_adapter(args: argparse.Namespace) -> Any:
@@ -89,7 +89,7 @@ def _combine(args: argparse.Namespace) -> int:
     rep = combine(args.adapter_path, _weights(args.weights), method=args.method,
                   rank=args.rank, density=args.density, seed=args.seed, like=args.like,
                   base_dtype=args.model_dtype, save_path=args.save_path, format=args.format,
-                  force=args.force)
+                  force=args.force, base=args.base)
     print(json.dumps(rep.to_dict(), indent=2) if args.json else rep)
     return 0
 
@@ -116,6 +116,8 @@ def add(sub) -> None:
     p.add_argument("--model-dtype", choices=("BF16", "F16", "F32"), default="BF16",
                    help="with --like peft: the dtype of the model PEFT would build cat's "
                    "factors in (default: BF16)")
+    p.add_argument("--base", default=None, help="with --method svd and DoRA adapters: the "
+                   "checkpoint their W-dependent change is evaluated on")
     p.add_argument("--save-path", required=True, help="output adapter directory")
     p.add_argument("--force", action="store_true", help=_FORCE_HELP)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
