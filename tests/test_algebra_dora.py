@@ -196,3 +196,23 @@ def test_svd_of_dora_combination_truncates_the_w_dependent_sum(tmp_path):
             errs.setdefault(R, []).append(err)
     # more rank, less error, module by module (the W-dependent sum is not rank 16)
     assert all(a < b for a, b in zip(errs[64], errs[8]))
+
+
+@pytest.mark.slow  # loads the model with mlx-lm
+def test_in_memory_fuse_of_dora_combination_equals_checkpoint_fuse(tmp_path):
+    import lorakit
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+
+    from lorakit.io.safetensors import mx_to_raw
+
+    rep = combine([DORA, LORA], [0.6, -0.4])
+    model, _ = load(str(BASE))
+    lorakit.fuse(model, rep.adapter)
+    lorakit.fuse(BASE, rep.adapter, tmp_path / "f", progress=False)
+    params = dict(tree_flatten(model.parameters()))
+    ck = _checkpoint(tmp_path / "f")
+    adapted = [k for k in ck if ".layers." in k and k.endswith("proj.weight")]
+    assert len(adapted) == 28 and all(k in params for k in adapted)
+    for k in adapted:
+        assert np.array_equal(mx_to_raw(params[k])[0], ck[k][1]), k
