@@ -131,6 +131,7 @@ def test_one_dora_adapter_weight_one_is_the_single_fuse(tmp_path):
 
 def test_saving_a_dora_combination_is_refused(tmp_path):
     rep = combine([DORA, LORA], [0.6, -0.4])
+    assert {r["rank"] for r in rep.rows} == {"W-dependent"} and "W-dependent" in str(rep)
     with pytest.raises(LorakitError, match="DoRA.*cannot be saved"):
         rep.save(tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -30,10 +30,12 @@ def add_combination_flags(p: argparse.ArgumentParser, method_flag: str) -> None:
     p.add_argument("--weights", default=None, metavar="W1,W2,...",
                    help="one weight per --adapter-path, negative allowed (default: 1 each)")
     p.add_argument(method_flag, dest="method", choices=_METHODS, default="exact",
-                   help="exact (default): the exact weighted sum of the deltas; cat: the same "
+                   help="exact (default): the exact weighted sum of the deltas (with DoRA "
+                   "adapters: fused only, not saved); cat: the same "
                    "stored as one concatenated adapter; svd: truncated to --rank; linear, ties, "
                    "magnitude_prune, dare_linear, dare_ties: PEFT's add_weighted_adapter "
-                   "definitions (factors merged separately: cross terms); ties_svd")
+                   "definitions (factors merged separately: cross terms); ties_svd. DoRA adapters: "
+                   "exact, or svd (evaluated on the base)")
     p.add_argument("--rank", type=int, default=None,
                    help="rank of svd / ties_svd (default: the largest input rank)")
     p.add_argument("--density", type=float, default=None,

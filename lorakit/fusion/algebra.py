@@ -78,7 +78,7 @@ class Combination(Report):
         "module": "the adapted module",
         "kind": "linear, embedding or switch (MoE experts)",
         "rank_in": "the input adapters' ranks at this module (r1+r2+...)",
-        "rank": "rank of the combined adapter",
+        "rank": "rank of the combined adapter (W-dependent: a DoRA sum, fused only)",
         "fold_rel_err": "relative error of folding per-column scales into B (0: exact)",
         "trunc_rel_err": "relative error of the SVD truncation to --rank",
     }
@@ -321,7 +321,7 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
         else:
             A, B = _factor_merge(method, parts, w, density, rng)
             t = LoraTarget(module, t0.kind, A, B, 1.0, None, t0.names)
-        row["rank"] = t.rank
+        row["rank"] = "W-dependent" if isinstance(t, SumTarget) else t.rank
         targets.append(t)
         rows.append(row)
     h = hashlib.sha256(repr((method, w, rank, density, seed, like, base_dtype)).encode())
