@@ -182,8 +182,8 @@ def test_dare_needs_a_seed_and_repeats_with_it():
 
 
 def test_refusals():
-    with pytest.raises(LorakitError, match="DoRA"):
-        combine([LORA, DORA], [1, 1])
+    with pytest.raises(LorakitError, match="DoRA"):  # exact: fused only (test_algebra_dora)
+        combine([LORA, DORA], [1, 1], method="cat")
     with pytest.raises(LorakitError, match="one weight per adapter"):
         combine([LORA, EMB], [1.0])
     with pytest.raises(LorakitError, match="density"):

@@ -30,10 +30,12 @@ def add_combination_flags(p: argparse.ArgumentParser, method_flag: str) -> None:
     p.add_argument("--weights", default=None, metavar="W1,W2,...",
                    help="one weight per --adapter-path, negative allowed (default: 1 each)")
     p.add_argument(method_flag, dest="method", choices=_METHODS, default="exact",
-                   help="exact (default): the exact weighted sum of the deltas; cat: the same "
+                   help="exact (default): the exact weighted sum of the deltas (with DoRA "
+                   "adapters: fused only, not saved); cat: the same "
                    "stored as one concatenated adapter; svd: truncated to --rank; linear, ties, "
                    "magnitude_prune, dare_linear, dare_ties: PEFT's add_weighted_adapter "
-                   "definitions (factors merged separately: cross terms); ties_svd")
+                   "definitions (factors merged separately: cross terms); ties_svd. DoRA adapters: "
+                   "exact, or svd (evaluated on the base)")
     p.add_argument("--rank", type=int, default=None,
                    help="rank of svd / ties_svd (default: the largest input rank)")
     p.add_argument("--density", type=float, default=None,
@@ -51,7 +53,7 @@ def combination_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
 
     return combine(args.adapter_path, _weights(args.weights), method=args.method,
                    rank=args.rank, density=args.density, seed=args.seed, like=args.like,
-                   base_dtype=base_dtype)
+                   base_dtype=base_dtype, base=getattr(args, "model", None))
 
 
 def fuse_adapter(args: argparse.Namespace) -> Any:
@@ -77,7 +79,9 @@ def fuse_adapter(args: argparse.Namespace) -> Any:
                            tensor="--rounding", expected="--rounding nearest",
                            found=f"--rounding {args.rounding}",
                            hint="the other orders are those of one adapter's runtime; use "
-                           "--combine cat to fuse the stored concatenated adapter with them")
+                           "--combine cat to fuse the stored concatenated adapter with them"
+                           if "dora_modules" not in comb.summary else "the other orders are "
+                           "those of one adapter's runtime: fuse DoRA adapters one at a time")
     return comb.adapter
 
 
@@ -87,7 +91,7 @@ def _combine(args: argparse.Namespace) -> int:
     rep = combine(args.adapter_path, _weights(args.weights), method=args.method,
                   rank=args.rank, density=args.density, seed=args.seed, like=args.like,
                   base_dtype=args.model_dtype, save_path=args.save_path, format=args.format,
-                  force=args.force)
+                  force=args.force, base=args.base)
     print(json.dumps(rep.to_dict(), indent=2) if args.json else rep)
     return 0
 
@@ -114,6 +118,8 @@ def add(sub) -> None:
     p.add_argument("--model-dtype", choices=("BF16", "F16", "F32"), default="BF16",
                    help="with --like peft: the dtype of the model PEFT would build cat's "
                    "factors in (default: BF16)")
+    p.add_argument("--base", default=None, help="with --method svd and DoRA adapters: the "
+                   "checkpoint their W-dependent change is evaluated on")
     p.add_argument("--save-path", required=True, help="output adapter directory")
     p.add_argument("--force", action="store_true", help=_FORCE_HELP)
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -31,8 +31,14 @@ Methods:
   lorakit evaluates each merge in float64 and rounds once to float32.
 * ``ties_svd``: PEFT's ``ties`` on the full deltas ``w_i s_i B_i A_i``, then ``svd``.
 
-DoRA adapters are refused: a DoRA change ``m * (W + d) / ||W + d|| - W`` depends on the
-base weight and is not low rank, so no weighted sum of DoRA adapters is an adapter.
+DoRA adapters are combined by ``exact`` only: a DoRA change ``m * (W + d) / ||W + d|| - W``
+depends on the base weight and is not low rank, so a module with a DoRA part becomes a
+:class:`~lorakit.fusion.delta.SumTarget` (``W + sum_i w_i (T_i(W) - W)``, each ``T_i``
+the adapter's own intended result), which the fuse rounds once
+(:mod:`lorakit.fusion.sum_fuse`); such a combination is not an adapter and cannot be
+saved. ``svd`` with DoRA parts truncates that W-dependent sum ``T(W) - W`` per module
+(``base=``: the checkpoint it is evaluated on) to rank R: an ordinary LoRA adapter,
+with the truncation error in the report.
 ``modules_to_save`` copies are refused too (PEFT refuses two of them on one module).
 
 :func:`convert` reads an adapter and writes it in the other format
@@ -51,6 +57,10 @@ from ..inspect.report import Report
 from ..io.adapter import Adapter, LoraTarget, load_adapter
 from ..io.adapter_layout import expert_modules
 from ..io.adapter_write import save_adapter
+from ..io.naming import bind
+from ..io.source import open_source
+from ..io.weights import weight_f64
+from .delta import SumTarget, intended, tensor_pieces
 from .peft_like import check_like_peft, like_peft_target
 from .peft_methods import RANDOM, merge
 
@@ -68,7 +78,7 @@ class Combination(Report):
         "module": "the adapted module",
         "kind": "linear, embedding or switch (MoE experts)",
         "rank_in": "the input adapters' ranks at this module (r1+r2+...)",
-        "rank": "rank of the combined adapter",
+        "rank": "rank of the combined adapter (W-dependent: a DoRA sum, fused only)",
         "fold_rel_err": "relative error of folding per-column scales into B (0: exact)",
         "trunc_rel_err": "relative error of the SVD truncation to --rank",
     }
@@ -79,6 +89,14 @@ class Combination(Report):
 
     def save(self, path: PathLike, *, format: str = "mlx-lm", force: bool = False) -> Path:
         """Write the combination as an adapter (``exact`` is saved folded, as ``cat``)."""
+        if any(isinstance(t, SumTarget) for t in self.adapter.targets):
+            raise AdapterError("a combination with DoRA adapters cannot be saved as an "
+                               "adapter", file=path, expected="LoRA adapters only, or fuse "
+                               "the combination (lorakit fuse --adapter-path A --adapter-path "
+                               "B --weights ...)", found="DoRA parts in "
+                               f"{self.summary.get('dora_modules')} module(s)",
+                               hint="a DoRA change depends on the base weight's row norms "
+                               "and is not low rank, so no adapter holds the sum")
         ad = _folded(self.adapter)[0] if self.method == "exact" else self.adapter
         prov = {"method": self.method, "weights": self.summary.get("weights"),
                 "sources": self.summary.get("adapters"), "like": self.summary.get("like")}
@@ -91,7 +109,8 @@ def _load(a: Union[PathLike, Adapter]) -> Adapter:
     return a if isinstance(a, Adapter) else load_adapter(a)
 
 
-def _check_inputs(ads: List[Adapter], weights: Sequence[float]) -> None:
+def _check_inputs(ads: List[Adapter], weights: Sequence[float], method: str = "exact",
+                  like: Optional[str] = None) -> None:
     if not ads:
         raise LorakitError("combine needs at least one adapter", expected="--adapter-path A "
                            "[--adapter-path B ...]", found="none")
@@ -99,12 +118,15 @@ def _check_inputs(ads: List[Adapter], weights: Sequence[float]) -> None:
         raise LorakitError("one weight per adapter", tensor="weights",
                            expected=f"{len(ads)} weights", found=f"{len(weights)}: {weights}")
     for ad in ads:
-        if ad.is_dora:
-            raise AdapterError("DoRA adapters cannot be combined into an adapter",
-                               file=ad.path, expected="LoRA adapters",
+        if ad.is_dora and (method not in ("exact", "svd") or like is not None):
+            raise AdapterError(f"DoRA adapters cannot be combined by {method}"
+                               + (f" like {like}" if like else ""), file=ad.path,
+                               expected="LoRA adapters, or method exact (fused only) "
+                               "or svd (with base=)",
                                found="DoRA (magnitude vectors)",
                                hint="a DoRA change depends on the base weight's row norms and "
-                               "is not low rank; fuse DoRA adapters one at a time")
+                               "is not low rank; lorakit fuse --adapter-path A --adapter-path "
+                               "B --weights ... fuses the exact sum")
         if ad.replacements or any(t.base_weight is not None for t in ad.targets):
             raise AdapterError("adapters with whole tensors (modules_to_save) cannot be "
                                "combined by weights", file=ad.path,
@@ -219,7 +241,7 @@ def _factor_merge(method: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[
 def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequence[float]] = None,
             *, method: str = "exact", rank: Optional[int] = None,
             density: Optional[float] = None, seed: Optional[int] = None,
-            like: Optional[str] = None, base_dtype: str = "BF16",
+            like: Optional[str] = None, base_dtype: str = "BF16", base: Any = None,
             save_path: Optional[PathLike] = None, format: str = "mlx-lm",
             force: bool = False) -> Combination:
     """Combine adapters with weights (negative allowed) into one adapter.
@@ -234,6 +256,7 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
         like: ``"peft"``: the adapter PEFT's ``add_weighted_adapter`` builds, bit for bit
             (:mod:`lorakit.fusion.peft_like`; fuse it with ``rounding="round-once"``).
         base_dtype: the model's dtype PEFT would build ``cat`` factors in (``like``).
+        base: the checkpoint (path or source) ``svd`` evaluates DoRA parts on.
         save_path / format / force: also write the combination there.
 
     >>> c = combine(["data/adapters/lora", "data/adapters/lora"], [0.5, 0.5])
@@ -245,7 +268,7 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
                            expected=" / ".join(METHODS), found=repr(method))
     ads = [_load(a) for a in adapters]
     w = [1.0] * len(ads) if weights is None else [float(x) for x in weights]
-    _check_inputs(ads, w)
+    _check_inputs(ads, w, method, like)
     if like not in (None, "peft"):
         raise LorakitError("unknown --like", tensor="like", expected="peft", found=repr(like))
     if like == "peft":
@@ -268,6 +291,12 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
                                    str(t.rank) for _, t in parts)}
         if like == "peft":
             t = like_peft_target(method, module, parts, w, density, base_dtype, rank)
+        elif method in ("exact", "svd") and any(t.is_dora for _, t in parts):
+            c = _cat_target(module, parts, w)
+            mag = next(t.magnitude for _, t in parts if t.is_dora)
+            t = SumTarget(module, c.kind, c.A, c.B, c.scale, mag, c.names,
+                          parts=tuple((w[i], p) for i, p in parts))
+            row["dora"] = True
         elif method in ("exact", "cat"):
             t = _cat_target(module, parts, w)
             if method == "cat":
@@ -292,10 +321,12 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
         else:
             A, B = _factor_merge(method, parts, w, density, rng)
             t = LoraTarget(module, t0.kind, A, B, 1.0, None, t0.names)
-        row["rank"] = t.rank
+        row["rank"] = "W-dependent" if isinstance(t, SumTarget) else t.rank
         targets.append(t)
         rows.append(row)
     h = hashlib.sha256(repr((method, w, rank, density, seed, like, base_dtype)).encode())
+    if method == "svd" and base is not None:  # DoRA parts were evaluated on it
+        h.update(str(getattr(base, "path", base)).encode())
     for ad in ads:
         h.update(ad.sha256.encode())
     fmt = ads[0].format if all(a.format == ads[0].format for a in ads) else "peft"
@@ -305,6 +336,13 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
                                "weights": w, "modules": len(targets)}
     if like:
         summary["like"] = f"{like} (factors as PEFT builds them on a {base_dtype} model)"
+    if method == "svd" and any(r.get("dora") for r in rows):
+        _svd_dora(targets, rows, ads, base, rank)
+    dora = sum(bool(r.pop("dora", False)) for r in rows)
+    if dora and method == "exact":
+        summary["dora_modules"] = dora
+        summary["dora"] = ("W-dependent (DoRA) sums: fused exactly (lorakit fuse), not "
+                           "savable as an adapter")
     if method == "cat" and not like:
         errs = [r["fold_rel_err"] for r in rows]
         summary["exactly_stored"] = f"{sum(e == 0 for e in errs)} of {len(errs)} modules"
@@ -322,6 +360,33 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
     if save_path is not None:
         rep.summary["saved"] = str(rep.save(save_path, format=format, force=force))
     return rep
+
+
+def _svd_dora(targets: List[LoraTarget], rows: List[Dict[str, Any]], ads: List[Adapter],
+              base: Any, rank: Optional[int]) -> None:
+    """Replace each DoRA :class:`SumTarget` by the rank-R truncation of ``T(W) - W``
+    (float64, W read from ``base``), in place, with its error in the row."""
+    if base is None:
+        raise LorakitError("svd of DoRA adapters needs the base weights", tensor="base",
+                           expected="base=CHECKPOINT (lorakit combine --base, or fuse's "
+                           "--model)", found="none",
+                           hint="a DoRA change depends on the base weight's row norms")
+    src = open_source(base)
+    idx = [k for k, r in enumerate(rows) if r.get("dora")]
+    sums = Adapter(ads[0].path, "mlx-lm", [targets[k] for k in idx], {}, ads[0].weights_file)
+    where = {b.target.module: b for b in bind(sums, src)}
+    for k in idx:
+        t, b = targets[k], where[targets[k].module]
+        if t.kind == "switch" or len(b.shape) != 2:
+            raise AdapterError("svd of DoRA adapters needs 2-D weights", tensor=t.module,
+                               expected="a linear or embedding weight",
+                               found=f"{t.kind} {list(b.shape)}")
+        W = weight_f64(src, b.tensor)
+        (p,) = tensor_pieces([b])
+        R = rank or max(pt.rank for _, pt in t.parts)  # type: ignore[attr-defined]
+        A, B, err = _svd(intended(W, p) - W, R)
+        targets[k] = LoraTarget(t.module, t.kind, A, B, 1.0, None, t.names)
+        rows[k].update(rank=int(A.shape[-2]), trunc_rel_err=err)
 
 
 def convert(adapter: Union[PathLike, Adapter], save_path: PathLike, *, to: str = "peft",

@@ -48,6 +48,7 @@ from ..io.safetensors import NUMPY_STORAGE
 from .delta import check_dora_norm, dora_factor, tensor_pieces
 from .finite import cast_raw, check_result
 from .modes import DTYPE_POLICIES, ROUNDINGS
+from .sum_fuse import fuse_sum
 from ..io.safetensors import mx_to_raw, raw_to_mx
 
 
@@ -411,13 +412,21 @@ def fuse_bindings(raw: np.ndarray, code: str, binds: List[Binding], rounding: st
             if p is None:
                 parts.append(cast_raw(raw[e], code, out_code))
                 continue
-            part, _ = fuse_weight(raw[e], code, p.A, p.B, p.scale, magnitude=p.magnitude,
-                                  rounding=rounding, dtype_policy=dtype_policy,
-                                  name=f"{name}[{e}]")
+            part, _ = (fuse_sum(raw[e], code, out_code, p, rounding, f"{name}[{e}]")
+                       if _is_sum(p) else
+                       fuse_weight(raw[e], code, p.A, p.B, p.scale, magnitude=p.magnitude,
+                                   rounding=rounding, dtype_policy=dtype_policy,
+                                   name=f"{name}[{e}]"))
             parts.append(part)
         return np.stack(parts), out_code
     (p,) = pieces
+    if _is_sum(p):  # an exact combination with DoRA parts (fusion/sum_fuse.py)
+        return fuse_sum(raw, code, output_code(code, dtype_policy), p, rounding, name)
     # round-once rounds an embedding's delta first; so does PEFT for round_delta targets
     kind = "embedding" if p.target.round_delta else p.kind
     return fuse_weight(raw, code, p.A, p.B, p.scale, magnitude=p.magnitude, rounding=rounding,
                        dtype_policy=dtype_policy, name=name, kind=kind)
+
+
+def _is_sum(p) -> bool:
+    return bool(getattr(p.target, "parts", None))

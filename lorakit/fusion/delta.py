@@ -26,8 +26,9 @@ their pieces and targets from here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -35,7 +36,23 @@ from ..errors import FuseError
 from ..io.adapter import LoraTarget
 from ..io.naming import Binding
 
-__all__ = ["Piece", "target_pieces", "tensor_pieces", "lowrank", "intended"]
+__all__ = ["Piece", "SumTarget", "target_pieces", "tensor_pieces", "lowrank", "intended"]
+
+
+@dataclass(repr=False)
+class SumTarget(LoraTarget):
+    """An exact weighted sum of adapters' targets on one module, DoRA among them
+    (:func:`lorakit.combine`, method ``exact``). A DoRA change depends on ``W`` and is
+    not low rank, so the intended result is ``W + sum_i w_i (T_i(W) - W)`` with
+    ``T_i`` each target's own :func:`intended` result (:func:`intended` computes it;
+    ``A``, ``B``, ``scale`` hold the concatenated LoRA factors, ``magnitude`` the first
+    DoRA part's, only so that shape-reading code and ``is_dora`` see what it is).
+
+    Attributes:
+        parts: ``(w_i, target_i)``: each adapter's weight and its own target.
+    """
+
+    parts: Tuple[Tuple[float, LoraTarget], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -116,7 +133,15 @@ def lowrank(p: Piece, rows: Optional[slice] = None) -> np.ndarray:
 def intended(W: np.ndarray, p: Piece, rows: Optional[slice] = None) -> np.ndarray:
     """The exact intended weight (float64) of a piece on ``W`` (the float64 base slice,
     restricted to ``rows`` when given): ``W + scale * B @ A``, DoRA-normalised by rows
-    to the magnitudes when the piece has them."""
+    to the magnitudes when the piece has them. For a :class:`SumTarget`'s piece:
+    ``(1 - sum_i w_i) W + sum_i w_i T_i`` (each ``T_i`` this function's result for
+    part ``i``), which is ``T_1`` itself for one part of weight 1."""
+    parts = getattr(p.target, "parts", None)
+    if parts:
+        T = (1.0 - math.fsum(w for w, _ in parts)) * W
+        for w, t in parts:
+            T += w * intended(W, _piece(t, p.expert, p.slot), rows)
+        return T
     T = W + lowrank(p, rows)
     if p.magnitude is not None:
         m = p.magnitude if rows is None else p.magnitude[rows]

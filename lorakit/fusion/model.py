@@ -183,6 +183,11 @@ def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
                                found=f"{t.module} -> {b.tensor}",
                                hint="fuse it instead (lorakit.fuse), which slices the experts")
         mod = modules[b.module]
+        if getattr(t, "parts", None):  # an exact combination with DoRA (delta.SumTarget)
+            raise AdapterError("no mlx-lm layer computes a weighted sum with DoRA parts",
+                               file=ad.weights_file, tensor=t.module,
+                               expected="one LoRA or DoRA adapter", found="a DoRA combination",
+                               hint="fuse the combination (lorakit.fuse)")
         if np.ndim(t.scale):  # an exact combination: one scale per rank column
             raise AdapterError("an mlx-lm LoRA layer has one scale; this target has one per "
                                "rank column (an exact combination of adapters)",
