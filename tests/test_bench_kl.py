@@ -54,3 +54,11 @@ def test_bench_kl_adds_the_column() -> None:
     assert kl["base"] > 1000 * kl["fused"], kl
     t = DecodeTiming.from_dict(d)
     assert [r["KL vs unfused"] for r in t.rows] == [kl["base"], 0.0, kl["fused"]]
+
+
+def test_a_failed_kl_is_said_not_hidden() -> None:
+    t = _table(False)
+    t.settings.update(kl_tokens=512, kl_error="cannot load the test model")
+    t.refresh()
+    assert "failed: cannot load the test model" in t.summary["KL vs unfused"]
+    assert "KL vs unfused" not in t.cols()

@@ -329,10 +329,14 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
                      if v.ok and (n in ("base", "unfused") or n in keep)}
             if bar is not None:
                 bar.set_postfix_str("KL vs unfused")
-            for n, kl in kl_vs_unfused(model, adapter, paths, n_kl).items():
+            result.settings["kl_tokens"] = n_kl
+            try:  # the timing is kept whatever happens to the KL column
+                kls = kl_vs_unfused(model, adapter, paths, n_kl)
+            except (LorakitError, ValueError, RuntimeError) as e:
+                kls, result.settings["kl_error"] = {}, str(e)
+            for n, kl in kls.items():
                 pooled[n].kl_vs_unfused = kl
                 result.add(pooled[n])
-            result.settings["kl_tokens"] = n_kl
             result.refresh()
     finally:
         shutil.rmtree(work, ignore_errors=True)

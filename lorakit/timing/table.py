@@ -314,7 +314,9 @@ class DecodeTiming(Report):
                 self.summary["on this device"] += "; " + TINY_NOTE.format(size=human_bytes(size))
         if s.get("kl_tokens"):
             self.summary["KL vs unfused"] = (f"mean over the first {s['kl_tokens']} tokens "
-                                             "of the embedded corpus, after timing")
+                                             "of the embedded corpus, after timing"
+                                             + (f"; failed: {s['kl_error']}"
+                                                if s.get("kl_error") else ""))
         moe = {v.variant: v.moe_f32_blocks for v in self.variants if v.moe_f32_blocks}
         if moe:
             self.summary["note"] = MOE_NOTE.format(n=", ".join(f"{k}: {n} blocks"
