@@ -26,7 +26,8 @@ def _bench(args: argparse.Namespace) -> int:
                          prompt_tokens=args.prompt_tokens, tokens=args.tokens,
                          repeats=args.repeats, warmup=args.warmup, device=args.device,
                          seed=args.seed, workdir=args.workdir, progress=not args.quiet,
-                         timeout=args.timeout, rounds=args.rounds)
+                         timeout=args.timeout, rounds=args.rounds,
+                         behaviour=(args.kl_tokens or True) if args.kl else False)
     if args.json:
         print(result.to_json(indent=2))
     else:
@@ -69,6 +70,12 @@ def add(sub) -> None:
     p.add_argument("--workdir", default=None,
                    help="where fused checkpoints are written for the run (default: temp)")
     p.add_argument("--timeout", type=float, default=None, help="seconds allowed per variant")
+    p.add_argument("--kl", action="store_true",
+                   help="after timing, add a column 'KL vs unfused': each variant's mean KL "
+                   "against the unfused adapter on the embedded corpus (computed in this "
+                   "process, each checkpoint loaded once; needs --adapter-path)")
+    p.add_argument("--kl-tokens", type=int, default=None,
+                   help="with --kl: corpus tokens per variant (default 512)")
     p.add_argument("--plot", default=None, metavar="PNG", help="also save the bar chart")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

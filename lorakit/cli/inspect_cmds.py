@@ -66,7 +66,8 @@ def _check(args: argparse.Namespace) -> int:
     from ..inspect.merge_check import merge_check
 
     rep = merge_check(args.fused, args.base, args.adapter,
-                      check_untouched=not args.skip_untouched)
+                      check_untouched=not args.skip_untouched,
+                      behaviour=(args.tokens or True) if args.kl else False)
     rep.max_rows = args.max_rows
     _emit(args, {"merge_check": rep})
     return rep.exit_code()
@@ -136,6 +137,12 @@ def add(sub) -> None:
                    help="the adapter directory (as fuse's --adapter-path; alias --adapter)")
     p.add_argument("--skip-untouched", action="store_true",
                    help="do not verify that unadapted tensors are bit-identical")
+    p.add_argument("--kl", action="store_true",
+                   help="also run the fused model against base + adapter (unfused) on the "
+                   "embedded corpus: one line 'fused vs unfused: mean KL, top-1 agreement' "
+                   "(numbers under 'behaviour' in --json); does not change the exit status")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="with --kl: corpus tokens scored (default 1024)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--max-rows", type=int, default=60, help="table rows shown (text)")
     p.set_defaults(run=_check, all=True)

@@ -53,6 +53,7 @@ from ..io.source import TensorSource, open_source
 from ..io.weights import weight_f64
 from . import plots
 from .merge_bounds import float_bound, quant_bound
+from .merge_behaviour import add_behaviour, behaviour_tokens
 from .merge_causes import CauseStats, candidates, diagnose, scaled
 from .merge_untouched import (extra_rows, replacement_row, requested_conversion, row,
                               untouched_rows, wider)
@@ -167,7 +168,8 @@ class MergeCheck(Report):
     corr, changed, delta_ulps, status, verdict and detail (the cause).
 
     ``status`` overall: ``ok``, ``wrong`` or ``promoted``; ``ok`` is True for ``ok``;
-    :meth:`exit_code` maps it to 0 / 1 / 3."""
+    :meth:`exit_code` maps it to 0 / 1 / 3. ``behaviour``: fused vs unfused on a corpus
+    (``mean_kl``, ``top1_agreement``...) when asked for, else None; never the verdict."""
 
     column_help = {
         "tensor": "the adapted (or changed) tensor's name",
@@ -184,6 +186,13 @@ class MergeCheck(Report):
         "verdict": "what happened, in words (e.g. ok, wrong scale, transposed)",
         "detail": "the numbers behind the verdict",
     }
+    behaviour: Optional[Dict[str, Any]] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = super().to_dict()
+        if self.behaviour is not None:
+            d["behaviour"] = dict(self.behaviour)
+        return d
 
     @property
     def status(self) -> str:
@@ -347,7 +356,7 @@ def _adapted_row(sf, sb, tensor, binds, conversion: Optional[str]) -> Dict[str, 
 
 
 def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
-                progress: Any = True) -> MergeCheck:
+                progress: Any = True, behaviour: Any = False) -> MergeCheck:
     """Check that a fused checkpoint is its base with its adapter merged, tensor by tensor.
 
     Args:
@@ -358,11 +367,15 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
             bit-identical in the fused checkpoint (reads both checkpoints fully).
         progress: a progress bar over that comparison (tqdm.auto; none when stderr is
             not a terminal), a callable ``progress(done_bytes, total_bytes)``, or False.
+        behaviour: True (1024 tokens) or a token count: also run the fused model against
+            the base with the adapter attached unfused on the embedded corpus (mean KL,
+            top-1 agreement: ``.behaviour`` and a summary line); never changes the verdict.
 
     Returns:
         A :class:`MergeCheck` (``.status``, ``.ok``, ``.exit_code()``, ``.verdicts()``,
         ``.causes()``, rows with the numbers).
     """
+    n_kl = behaviour_tokens(behaviour)
     sf, sb = open_source(fused), open_source(base)
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
     by_tensor = bindings_by_tensor(bind(ad, sb))
@@ -416,4 +429,6 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
     }
     if untouched_changed is not None:
         rep.summary["untouched tensors changed"] = untouched_changed
+    if n_kl is not None:
+        add_behaviour(rep, sf, sb, ad, n_kl, progress=True if progress is True else None)
     return rep

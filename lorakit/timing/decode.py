@@ -42,6 +42,7 @@ from ..io.checkpoint import Checkpoint
 from ..io.safetensors import read_header
 from ..fusion.stream import fuse
 from ._protocol import MARK, TOKENIZER_FILES
+from .kl_column import kl_tokens, kl_vs_unfused
 from .table import ADAPTER_FILES, FUSED_VARIANTS, VARIANTS, DecodeTiming, VariantTiming
 
 PathLike = Union[str, Path]
@@ -220,7 +221,8 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
                 workdir: Optional[PathLike] = None, progress: bool = True,
                 on_result: Optional[Callable[[VariantTiming], None]] = None,
                 cancel: Any = None, timeout: Optional[float] = None,
-                python: Optional[str] = None, rounds: Optional[int] = None) -> DecodeTiming:
+                python: Optional[str] = None, rounds: Optional[int] = None,
+                behaviour: Union[bool, int] = False) -> DecodeTiming:
     """Time greedy decoding of a checkpoint and its adapter, fused and unfused.
 
     Args:
@@ -252,6 +254,10 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
             affordable, :func:`auto_rounds` (5 for a checkpoint under 1 GB, 3 under
             20 GB, else 2); the table's interval of each ratio to base is paired by
             round, and with one round it cannot see the noise between processes.
+        behaviour: True (512 tokens) or a token count: after all timing, a column
+            "KL vs unfused": each variant's mean KL against the unfused adapter on the
+            embedded corpus (computed in this process; fused checkpoints are kept on
+            disk until then and each loaded once). Needs an adapter.
 
     Returns:
         A :class:`DecodeTiming`. A variant that failed carries its ``error``.
@@ -284,6 +290,9 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
                            found=f"{prompt_tokens}, {tokens}, {repeats}, {rounds}, {warmup}")
     if device not in (None, "cpu", "gpu", "default"):
         raise LorakitError("unknown device", found=str(device), expected="cpu, gpu or None")
+    n_kl = kl_tokens(behaviour)
+    if n_kl is not None and adapter is None:
+        raise LorakitError("the KL column needs an adapter", hint="pass adapter_path")
     python = python or sys.executable
     settings = {"model": str(model), "adapter_path": str(adapter) if adapter else None,
                 "variants": names, "prompt_tokens": prompt_tokens, "tokens": tokens,
@@ -297,7 +306,7 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
             "warmup": warmup, "seed": seed, "device": device}
     work = Path(tempfile.mkdtemp(prefix="lorakit-timing-",
                                  dir=str(workdir) if workdir is not None else None))
-    keep: Optional[Dict[str, str]] = {} if rounds > 1 else None
+    keep: Optional[Dict[str, str]] = {} if rounds > 1 or n_kl is not None else None
     pooled: Dict[str, VariantTiming] = {}
     try:
         for r in range(rounds):
@@ -314,6 +323,21 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
                 result.add(v)
                 if on_result is not None:
                     on_result(v)
+        if n_kl is not None and not (cancel is not None and cancel.is_set()):
+            assert adapter is not None and keep is not None
+            paths = {n: model if n == "base" else work / n for n, v in pooled.items()
+                     if v.ok and (n in ("base", "unfused") or n in keep)}
+            if bar is not None:
+                bar.set_postfix_str("KL vs unfused")
+            result.settings["kl_tokens"] = n_kl
+            try:  # the timing is kept whatever happens to the KL column
+                kls = kl_vs_unfused(model, adapter, paths, n_kl)
+            except (LorakitError, ValueError, RuntimeError) as e:
+                kls, result.settings["kl_error"] = {}, str(e)
+            for n, kl in kls.items():
+                pooled[n].kl_vs_unfused = kl
+                result.add(pooled[n])
+            result.refresh()
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if bar is not None:

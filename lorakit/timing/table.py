@@ -51,6 +51,8 @@ class VariantTiming:
         device: which device ran, backend flags and versions.
         note: how the variant's checkpoint was made.
         error: why the variant could not run (then the numbers are empty).
+        kl_vs_unfused: mean KL against the unfused adapter on a short corpus (only
+            when asked for: ``time_decode(behaviour=...)``).
     """
 
     variant: str
@@ -73,6 +75,7 @@ class VariantTiming:
     device: Dict[str, Any] = field(default_factory=dict)
     note: str = ""
     error: Optional[str] = None
+    kl_vs_unfused: Optional[float] = None
 
     @property
     def ok(self) -> bool:
@@ -170,6 +173,8 @@ class DecodeTiming(Report):
         "= unfused tokens": "generated tokens equal to the unfused model's, counted "
                             "from the start",
         "note": "why a variant has no numbers",
+        "KL vs unfused": "mean KL(unfused adapter || this variant) per token on the "
+                         "embedded corpus (0 = same next-token distributions)",
         "95% interval": "bootstrap interval of decode x base, paired by round (none for one run)",
         "weights x base": "weight bytes over base's, exact from the headers (> 1.02 is flagged)",
         "verdict": "flagged for bytes, or for speed when the ratio is below 0.90, its whole "
@@ -307,6 +312,11 @@ class DecodeTiming(Report):
                        default=0)
             if 0 < size < 1e9:
                 self.summary["on this device"] += "; " + TINY_NOTE.format(size=human_bytes(size))
+        if s.get("kl_tokens"):
+            self.summary["KL vs unfused"] = (f"mean over the first {s['kl_tokens']} tokens "
+                                             "of the embedded corpus, after timing"
+                                             + (f"; failed: {s['kl_error']}"
+                                                if s.get("kl_error") else ""))
         moe = {v.variant: v.moe_f32_blocks for v in self.variants if v.moe_f32_blocks}
         if moe:
             self.summary["note"] = MOE_NOTE.format(n=", ".join(f"{k}: {n} blocks"
@@ -340,6 +350,8 @@ class DecodeTiming(Report):
                 "verdict": "; ".join(w for w in (vd.get("bytes"), vd.get("speed")) if w)
                 if vd else "reference",
             }
+            if v.kl_vs_unfused is not None:
+                row["KL vs unfused"] = v.kl_vs_unfused
             if ref is not None:
                 row["= unfused tokens"] = f"{_prefix_match(v.tokens, ref)}/{len(ref)}"
             rows.append(row)
@@ -352,6 +364,8 @@ class DecodeTiming(Report):
                 "weights GB", "weights x base", "weight dtypes", "verdict"]
         if ref is not None:
             cols.append("= unfused tokens")
+        if any(v.kl_vs_unfused is not None for v in self.variants):
+            cols.append("KL vs unfused")
         if any(not v.ok for v in self.variants):
             cols.append("note")
         self.columns = cols
