@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Optional
+from functools import partial
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -77,14 +78,17 @@ def calibration_tokens(tokenizer, corpus: Optional[Path] = None,
 
 def learned_parts(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], mods: List[str],
                   rounding: str, dtype_policy: str, policy: str = "learned",
-                  corpus: Optional[Path] = None) -> Dict[str, Dict[str, np.ndarray]]:
+                  corpus: Optional[Path] = None, progress: Any = True
+                  ) -> Dict[str, Dict[str, np.ndarray]]:
     """Module -> raw ``weight`` / ``scales`` / ``biases`` chosen by mlx-lm's GPTQ for
-    the fused weight of every adapted module in ``mods`` (the base's bits/group size)."""
+    the fused weight of every adapted module in ``mods`` (the base's bits/group size).
+    ``progress=True`` shows mlx-lm's own tqdm bars (Hessians, quantizing); otherwise
+    they are silenced."""
     import mlx.core as mx  # lazy: MLX only when computing
     import mlx.nn as nn  # lazy: MLX only when computing
     from mlx.utils import tree_unflatten  # lazy: MLX only when computing
     from mlx_lm import load  # lazy: mlx-lm only for the learned policy
-    from mlx_lm.quant.gptq import gptq_quantize  # lazy: mlx-lm only for the learned policy
+    from mlx_lm.quant import gptq  # lazy: mlx-lm only for the learned policy
 
     parse_method(policy)
     q = {ck.quant_params(m) for m in mods}
@@ -115,7 +119,14 @@ def learned_parts(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], mods: Lis
     model.update_modules(tree_unflatten(swapped))
     data = calibration_tokens(tokenizer, corpus)
     mx.random.seed(0)
-    model, _ = gptq_quantize(model, data, qp.bits, qp.group_size, qp.bits, qp.group_size)
+    bars = gptq.tqdm
+    if progress is not True:  # mlx-lm's bars follow lorakit's progress= (on, or off)
+        gptq.tqdm = partial(bars, disable=True)
+    try:
+        model, _ = gptq.gptq_quantize(model, data, qp.bits, qp.group_size, qp.bits,
+                                      qp.group_size)
+    finally:
+        gptq.tqdm = bars
     done = dict(model.named_modules())
     out = {}
     for m in mods:

@@ -181,7 +181,7 @@ def config_entry(choice: Choice, q: QuantParams):
 
 def resolve(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], policy: str, rounding: str,
             dtype_policy: str, budget: Optional[float] = None,
-            dequantize: bool = False) -> Dict[str, Choice]:
+            dequantize: bool = False, progress: Any = False) -> Dict[str, Choice]:
     """Module -> Choice for every adapted quantized module ({} for ``requant``)."""
     c = parse_policy(policy)
     if c.kind == "requant":
@@ -193,7 +193,8 @@ def resolve(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], policy: str, ro
     mods = [n[: -len(".weight")] for n in by_tensor
             if n.endswith(".weight") and ck.quant_params(n[: -len(".weight")]) is not None]
     if c.kind == "learned":
-        parts = learned_parts(ck, by_tensor, mods, rounding, dtype_policy, policy)
+        parts = learned_parts(ck, by_tensor, mods, rounding, dtype_policy, policy,
+                              progress=progress)
         return {m: Choice("learned", parts=parts[m]) for m in mods}
     if c.kind != "auto":
         return {m: c for m in mods}
