@@ -36,9 +36,10 @@ METHODS = ("gptq",)
 SEQUENCE_LENGTH = 256
 SAMPLES = 16
 REFUSED = {
-    "awq": "mlx_lm.quant.awq searches per-model scaling configs (AWQ_MODEL_CONFIGS) over a "
-           "whole float model and rescales norms shared by adapted and untouched layers; it "
-           "is not wired to a fuse here. Use learned (GPTQ).",
+    "awq": "mlx_lm.quant.awq.awq_quantize (it has a qwen3 config) folds per-channel scales "
+           "into the preceding norms and projections, so it rewrites untouched layers too "
+           "and needs the whole float model; not wired to a fuse nor measured in this "
+           "version. Use learned (GPTQ).",
     "dwq": "mlx_lm.quant.dwq.dwq_quantize trains every quantized layer's scales and biases "
            "by backprop against a teacher; tried here with the unfused adapter as teacher on "
            "the GPTQ fuse of data/tiny-qwen3-4bit: one training step of 4 x 128 tokens took "
