@@ -1,7 +1,7 @@
 """Quantization policies on the weak 4-bit adapter (issue 15): bytes, survival, KL.
 
 For each policy of ``lorakit fuse --quant-policy`` (requant, same-grid, bits:8,
-float, auto at its default budget 1.15) the weak QLoRA adapter
+float, auto at its default budget 1.15, learned: mlx-lm's GPTQ) the weak QLoRA adapter
 ``data/adapters/lora-4bit-weak`` is fused into ``data/tiny-qwen3-4bit``; each output is
 loaded with ``mlx_lm.load`` and generates, and is scored against the unfused adapter
 on the quantized base (the QLoRA reference: what the user trained and evaluated)
@@ -13,6 +13,9 @@ measured against the quantization step (per module and overall) and written to
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/quant_policies.py \\
         --tokens 512 --json benchmarks/results/quant_policies.json
+
+``--only learned`` reruns only the named policies' rows and merges them into the JSON
+(the other rows kept; KL ratios recomputed against the stored requant row).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import List, Optional
 
 import numpy as np
 
@@ -39,7 +43,7 @@ BASE = "data/tiny-qwen3-4bit"
 FLOAT = "data/tiny-qwen3"
 ADAPTER = "data/adapters/lora-4bit-weak"
 POLICIES = [("requant", None), ("same-grid", None), ("bits:8", None), ("float", None),
-            ("auto", 1.15)]
+            ("auto", 1.15), ("learned", None)]
 COMMAND = ("PYTHONPATH=$PWD .venv/bin/python benchmarks/quant_policies.py "
            "--tokens 512 --json benchmarks/results/quant_policies.json")
 
@@ -79,7 +83,7 @@ def _generates(path: Path) -> str:
     return generate(model, tok, "The LORD", max_tokens=8)
 
 
-def run(tokens: int, context: int) -> dict:
+def run(tokens: int, context: int, only: Optional[List[str]] = None) -> dict:
     from mlx_lm import load
     ref = load(str(ROOT / BASE), adapter_path=str(ROOT / ADAPTER))  # the QLoRA reference
     base_bytes = (ROOT / BASE / "model.safetensors").stat().st_size
@@ -97,9 +101,12 @@ def run(tokens: int, context: int) -> dict:
               f"mean KL {rep.mean_kl:.5f}  top-1 {rep.top1_agreement:.4f}", flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
-        score("base (no adapter)", ROOT / BASE, {"bytes": base_bytes, "bytes_ratio": 1.0})
+        if not only:
+            score("base (no adapter)", ROOT / BASE, {"bytes": base_bytes, "bytes_ratio": 1.0})
         for policy, budget in POLICIES:
             label = policy if budget is None else f"{policy} {budget}"
+            if only and policy not in only:
+                continue
             out = Path(tmp) / label.replace(":", "_").replace(" ", "_")
             t0 = time.perf_counter()
             r = lorakit.fuse(str(ROOT / BASE), str(ROOT / ADAPTER), str(out), progress=False,
@@ -116,18 +123,39 @@ def run(tokens: int, context: int) -> dict:
                                "survived_mean": float(surv.mean()), "choices": counts,
                                "fuse_seconds": secs, "generates": _generates(out)})
         out = Path(tmp) / "float-base"
+        if only:
+            return {"rows": rows}
         r = lorakit.fuse(str(ROOT / BASE), str(ROOT / ADAPTER), str(out), progress=False,
                          float_base=str(ROOT / FLOAT))
         score("float-base", out, {"bytes": r.bytes_written,
                                   "bytes_ratio": r.bytes_written / base_bytes,
                                   "generates": _generates(out)})
-    req = next(r for r in rows if r["policy"] == "requant")["mean_kl"]
-    for r in rows:
-        r["kl_vs_requant"] = r["mean_kl"] / req
+    _ratios(rows)
     return {"command": COMMAND, "base": BASE, "adapter": ADAPTER, "reference":
             f"mlx_lm.load({BASE!r}, adapter_path={ADAPTER!r}) (unfused)",
             "corpus": "embedded validation text", "tokens": tokens, "context": context,
             "rows": rows}
+
+
+def _ratios(rows: List[dict]) -> None:
+    req = next(r for r in rows if r["policy"] == "requant")["mean_kl"]
+    for r in rows:
+        r["kl_vs_requant"] = r["mean_kl"] / req
+
+
+def merge(res: dict, new_rows: List[dict], command: str) -> dict:
+    """``--only``: the new rows replace those of the same policy (or go before
+    float-base); ratios recomputed."""
+    order = [p if b is None else f"{p} {b}" for p, b in POLICIES]
+    rows = [r for r in res["rows"] if r["policy"] not in {n["policy"] for n in new_rows}]
+    for n in new_rows:
+        n["command"] = command
+        after = [i for i, r in enumerate(rows) if r["policy"] in order and
+                 order.index(r["policy"]) < order.index(n["policy"])]
+        rows.insert((max(after) + 1) if after else len(rows), n)
+    res["rows"] = rows
+    _ratios(rows)
+    return res
 
 
 def markdown_table(res: dict) -> str:
@@ -148,7 +176,21 @@ def main() -> None:
     ap.add_argument("--ratio-json", default="data/logs/lora-4bit-weak-ratio.json")
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--only", nargs="+", default=None, metavar="POLICY",
+                    help="rerun only these policies' rows, merged into the existing --json")
     a = ap.parse_args()
+    if a.only:
+        res = json.loads(Path(ROOT / a.json).read_text())
+        if res["tokens"] != a.tokens or res["context"] != a.context:
+            raise SystemExit(f"--only: the JSON was measured at tokens={res['tokens']} "
+                             f"context={res['context']}; pass the same")
+        cmd = (f"PYTHONPATH=$PWD .venv/bin/python benchmarks/quant_policies.py --tokens "
+               f"{a.tokens} --json {a.json} --only {' '.join(a.only)}")
+        res = merge(res, run(a.tokens, a.context, a.only)["rows"], cmd)
+        Path(ROOT / a.json).write_text(json.dumps(res, indent=2) + "\n")
+        print(markdown_table(res))
+        print(f"wrote {a.json}")
+        return
     ratio = delta_to_step()
     ratio["command"] = COMMAND
     print(f"weak adapter: delta RMS / quantization step = {ratio['overall_ratio']:.4f} "

@@ -163,10 +163,11 @@ def test_requant_policy_is_todays_fuse(tmp_path):
     assert [s.survived for s in a.requant] == [s.survived for s in b.requant]
 
 
-def test_learned_is_refused_with_the_reason(tmp_path):
-    with pytest.raises(FuseError, match="learned"):
-        _fuse(tmp_path, "learned")
-    assert not (tmp_path / "learned").exists()
+@pytest.mark.parametrize("policy", ["learned:dwq", "learned:awq"])
+def test_learned_methods_that_cannot_run_are_refused_with_the_reason(tmp_path, policy):
+    with pytest.raises(FuseError, match=policy + ".*not available"):
+        _fuse(tmp_path, policy)
+    assert not (tmp_path / policy.replace(":", "_")).exists()
 
 
 def test_policy_on_a_float_base_is_refused(tmp_path):

@@ -87,7 +87,7 @@ def _add_fuse(sub) -> None:
                    help="quantized base: write float weights instead of re-quantizing")
     p.add_argument("--quant-policy", default="requant", metavar="POLICY",
                    help="quantized base: requant (default, as mlx_lm fuse), same-grid, bits:N, "
-                   "float, auto, learned (refused here, says why)")
+                   "float, auto, learned (mlx-lm's GPTQ on calibration text)")
     p.add_argument("--quant-budget", type=float, default=None, metavar="X",
                    help="auto: at most X times the quantized base's bytes (default 1.15)")
     p.add_argument("--float-base", default=None, metavar="PATH",

@@ -10,13 +10,15 @@ Per adapted module, one :class:`Choice`:
   recorded as mlx-lm's per-layer ``config["quantization"][module]``;
 - ``float``: keep the fused weight in the scales' float dtype
   (``config["quantization"][module] = false``);
-- ``learned``: refused on this setup (see :data:`LEARNED_REFUSAL`);
+- ``learned`` (``learned:gptq``): fuse, then mlx-lm's GPTQ picks the codes at the
+  base's bits on calibration text (:mod:`lorakit.fusion.quant_learned`; AWQ and DWQ are
+  refused with the reason there);
 - ``auto``: per module the cheapest choice that keeps the adapter, under a byte budget
   (the rule in :func:`resolve_auto`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -28,26 +30,22 @@ from ..io.dtypes import mx_dtype
 from ..io.naming import Binding
 from ..io.safetensors import mx_to_raw
 from .core import fuse_bindings
+from .quant_learned import learned_parts, parse_method
 from .quant import (RequantStat, dequantize_raw, quantize_raw, requant_survival, survival_of,
                     unpack_codes)
 
-POLICIES = ("requant", "same-grid", "bits:N", "float", "learned", "auto")
+POLICIES = ("requant", "same-grid", "bits:N", "float", "learned[:gptq]", "auto")
 KEEP = 0.9  # auto: a module "keeps the adapter" when >= 90% of its intended delta survives
 AUTO_LADDER = ("bits:5", "bits:6", "bits:8", "float")  # auto's upgrades, cheapest first
-LEARNED_REFUSAL = (
-    "not implemented in this version: mlx_lm.quant's GPTQ and AWQ quantize a whole float "
-    "model from calibration activations (here they would re-derive every layer's codes, not "
-    "only the adapted ones), and DWQ trains scales and biases by backprop through the "
-    "quantized model against a teacher (the unfused adapter would be that teacher); none "
-    "of them is wired to a fuse and measured yet. Use auto, bits:N or float.")
 
 
 @dataclass(frozen=True)
 class Choice:
     """What one adapted module becomes."""
 
-    kind: str  # requant | same-grid | bits | float
+    kind: str  # requant | same-grid | bits | float | learned
     bits: int = 0
+    parts: Any = field(default=None, compare=False, hash=False, repr=False)  # learned's
 
     @property
     def label(self) -> str:
@@ -69,8 +67,11 @@ def parse_policy(policy: str) -> Choice:
             raise FuseError("unsupported bits in quant policy", expected="bits:2..6 or bits:8",
                             found=repr(policy))
         return Choice("bits", n)
-    if p in ("requant", "same-grid", "float", "auto", "learned"):
+    if p in ("requant", "same-grid", "float", "auto"):
         return Choice(p)
+    if p == "learned" or p.startswith("learned:"):
+        parse_method(p)
+        return Choice("learned")
     raise FuseError("unknown quant policy", expected=" | ".join(POLICIES), found=repr(policy))
 
 
@@ -120,6 +121,9 @@ def module_parts(ck: Checkpoint, module: str, binds: List[Binding], rounding: st
         qn = QuantParams(q.group_size, choice.bits, q.mode)
         parts = quantize_raw(fused, fcode, qn)
         stat = requant_survival(base, code, parts, fcode, qn, binds, name)
+    elif choice.kind == "learned":
+        parts = choice.parts
+        stat = requant_survival(base, code, parts, fcode, q, binds, name, base_codes)
     elif choice.kind == "same-grid":
         _check_affine(ck, module, q, choice.label)
         parts, stat = _same_grid(ck, module, q, base, code, fused, fcode, binds, base_codes)
@@ -177,7 +181,7 @@ def config_entry(choice: Choice, q: QuantParams):
 
 def resolve(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], policy: str, rounding: str,
             dtype_policy: str, budget: Optional[float] = None,
-            dequantize: bool = False) -> Dict[str, Choice]:
+            dequantize: bool = False, progress: Any = False) -> Dict[str, Choice]:
     """Module -> Choice for every adapted quantized module ({} for ``requant``)."""
     c = parse_policy(policy)
     if c.kind == "requant":
@@ -186,12 +190,12 @@ def resolve(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], policy: str, ro
         raise FuseError("a quant policy applies to a quantized base, re-quantized",
                         file=ck.path, expected="a quantized base without --dequantize",
                         found="float base" if not ck.quantization else "--dequantize")
-    if c.kind == "learned":
-        raise FuseError("quant policy 'learned' is not available here", file=ck.path,
-                        expected="requant | same-grid | bits:N | float | auto",
-                        found=LEARNED_REFUSAL)
     mods = [n[: -len(".weight")] for n in by_tensor
             if n.endswith(".weight") and ck.quant_params(n[: -len(".weight")]) is not None]
+    if c.kind == "learned":
+        parts = learned_parts(ck, by_tensor, mods, rounding, dtype_policy, policy,
+                              progress=progress)
+        return {m: Choice("learned", parts=parts[m]) for m in mods}
     if c.kind != "auto":
         return {m: c for m in mods}
     return resolve_auto(ck, by_tensor, mods, rounding, dtype_policy,

@@ -165,7 +165,8 @@ def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: Pat
     bindings = bind(adapter, ck)
     by_tensor = bindings_by_tensor(bindings)
     replaced = bind_replacements(adapter, ck, dequantize)
-    choices = resolve(ck, by_tensor, quant_policy, rounding, dtype, quant_budget, dequantize)
+    choices = resolve(ck, by_tensor, quant_policy, rounding, dtype, quant_budget, dequantize,
+                      progress)
     try:
         with OutputDirectory(out, force=force) as od:
             result = _write(ck, adapter, by_tensor, od.tmp, out, rounding, dtype, dequantize,
