@@ -37,6 +37,7 @@ def test_walkthrough_url_opens_the_notebook_itself() -> None:
     import subprocess
     import sys
     import time
+    import urllib.error
     import urllib.request
 
     with socket.socket() as s:
@@ -63,8 +64,17 @@ def test_walkthrough_url_opens_the_notebook_itself() -> None:
             # the server itself must find the file the URL names (given a notebook
             # argument, Jupyter once served notebooks/ and this path was missing)
             api = f"http://127.0.0.1:{port}/api/contents/{path[len('/lab/tree/'):]}"
-            with urllib.request.urlopen(f"{api}?content=0&token={token}", timeout=30) as r:
-                served = json.loads(r.read())
+            while served is None and time.monotonic() < deadline:
+                try:  # the script prints the URL before the server has started listening
+                    with urllib.request.urlopen(f"{api}?content=0&token={token}",
+                                                timeout=30) as r:
+                        served = json.loads(r.read())
+                except ConnectionError:
+                    time.sleep(0.5)
+                except urllib.error.URLError as e:
+                    if not isinstance(e.reason, ConnectionError):
+                        raise
+                    time.sleep(0.5)
     finally:
         p.terminate()
         p.wait(timeout=30)

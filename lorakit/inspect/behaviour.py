@@ -57,6 +57,15 @@ DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpora" / "for
 CHUNK_ELEMENTS = 1 << 28
 
 
+def _encode(tokenizer: Any, text: str) -> List[int]:
+    """``tokenizer.encode(text)``, without transformers' warning that the corpus is longer
+    than the model's context (it is scored in windows; ``verbose`` changes no token)."""
+    try:
+        return list(tokenizer.encode(text, verbose=False))
+    except TypeError:  # a tokenizer without transformers' ``verbose``
+        return list(tokenizer.encode(text))
+
+
 def read_corpus(corpus: Optional[PathLike] = None) -> Tuple[str, str, str]:
     """(text, name, sha256 of the file's bytes) of a corpus file: UTF-8 text, or for a
     ``.jsonl`` file each line's ``text`` field joined with ``"\\n"``. ``None``: the
@@ -277,7 +286,7 @@ def compare_outputs(reference: Any, test: Any, corpus: Optional[PathLike] = None
     ref = _side(reference, ref_adapter, "reference")
     tst = _side(test, test_adapter, "test")
     text, name, sha = read_corpus(corpus)
-    ids = ref.tokenizer.encode(text)
+    ids = _encode(ref.tokenizer, text)
     wins = windows(ids, context, tokens)
     arrays = score_windows(ref.model, tst.model, wins, top_k=top_k, detail=detail,
                            progress=progress)

@@ -216,6 +216,8 @@ def kl_figure(kl: np.ndarray, context: int, *, title: str, ax=None):
     """Per-token KL: its distribution (log-spaced histogram) and its course along the
     text (per-window mean, window boundaries every ``context - 1`` scored tokens).
     With ``ax``: only the course, drawn there."""
+    import numpy as np  # lazy: the dtype map's header path starts without numpy
+
     kl = np.asarray(kl, dtype=np.float64)
     per = max(context - 1, 1)
     n_win = max(kl.size // per, 1)
