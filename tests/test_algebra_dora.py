@@ -24,17 +24,7 @@ BASE = DATA / "tiny-qwen3"
 LORA, DORA = DATA / "adapters" / "lora", DATA / "adapters" / "dora"
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 from make_peft_fixtures import read_safetensors  # noqa: E402  (numpy-only reader)
-
-
-def _bf16(bits):
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
-def _checkpoint(path):
-    out = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        out.update(read_safetensors(f))
-    return out
+from test_algebra_combine import _bf16, _checkpoint  # noqa: E402  (the same readers)
 
 
 def _raw_adapter(path):

@@ -83,7 +83,6 @@ class Combination(Report):
         "trunc_rel_err": "relative error of the SVD truncation to --rank",
     }
 
-
     adapter: Adapter
     method: str
 

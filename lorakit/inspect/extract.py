@@ -73,7 +73,6 @@ class ExtractReport(Report):
         "note": "why a tensor was skipped or saved whole",
     }
 
-
     adapter: Optional[Adapter] = None
     saved: Optional[Path] = None
     singular_values: Optional[Dict[str, np.ndarray]] = None

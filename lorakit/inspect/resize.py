@@ -56,7 +56,6 @@ class ResizeReport(Report):
         "dora_error": "DoRA only, with base=: the error after DoRA's row normalisation",
     }
 
-
     adapter: Optional[Adapter] = None
     saved: Optional[Path] = None
     singular_values: Optional[Dict[str, List[np.ndarray]]] = None
