@@ -15,7 +15,6 @@ bytes are copied). The result has the base's layout, so ``mlx_lm.load`` reads it
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from functools import partial
 from typing import Any, Dict, List, Optional
@@ -24,14 +23,12 @@ import numpy as np
 
 from ..errors import FuseError
 from ..io.checkpoint import Checkpoint
+from ..io.corpus import CALIBRATION_CORPUS, encode_text, read_corpus
 from ..io.naming import Binding
 from ..io.safetensors import mx_to_raw, raw_to_mx
 from .core import fuse_bindings
 from .quant import dequantize_raw
 
-#: the calibration text: held out from the validation text the KL is scored on
-DEFAULT_CALIBRATION = (Path(__file__).resolve().parents[2] / "data" / "corpora" / "fortunes"
-                       / "train.jsonl")
 METHODS = ("gptq",)
 SEQUENCE_LENGTH = 256
 SAMPLES = 16
@@ -67,11 +64,8 @@ def calibration_tokens(tokenizer, corpus: Optional[Path] = None,
     calibration text (UTF-8; ``.jsonl``: each line's ``text`` joined with newlines)."""
     import mlx.core as mx  # lazy: MLX only when computing
 
-    path = Path(corpus) if corpus is not None else DEFAULT_CALIBRATION
-    raw = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        raw = "\n".join(json.loads(line)["text"] for line in raw.splitlines() if line.strip())
-    ids = np.asarray(tokenizer.encode(raw), dtype=np.int32)
+    path = Path(corpus) if corpus is not None else CALIBRATION_CORPUS
+    ids = np.asarray(encode_text(tokenizer, read_corpus(path)[0]), dtype=np.int32)
     n = min(samples, len(ids) // sequence_length)
     if n == 0:
         raise FuseError("the calibration text is shorter than one window", file=path,

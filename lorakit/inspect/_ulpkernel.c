@@ -477,6 +477,20 @@ done:
     return res;
 }
 
+/* The arguments scale() and accumulate() share: a format code and two buffers holding
+   the same whole number of its elements. 0, or -1 with a ValueError set. */
+static int check_pair(const Py_buffer *a, const Py_buffer *b, int fmt, size_t item) {
+    if (fmt < 0 || fmt > 2) {
+        PyErr_SetString(PyExc_ValueError, "fmt must be 0 (bf16), 1 (f16) or 2 (f32)");
+        return -1;
+    }
+    if (a->len != b->len || a->len % (Py_ssize_t)item) {
+        PyErr_SetString(PyExc_ValueError, "a and b must hold the same whole number of elements");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *scale(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer ba, bb;
     int fmt;
@@ -484,14 +498,7 @@ static PyObject *scale(PyObject *Py_UNUSED(self), PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*iKK", &ba, &bb, &fmt, &nb, &tb)) return NULL;
     PyObject *res = NULL;
     size_t item = fmt == 2 ? 4 : 2;
-    if (fmt < 0 || fmt > 2) {
-        PyErr_SetString(PyExc_ValueError, "fmt must be 0 (bf16), 1 (f16) or 2 (f32)");
-        goto done;
-    }
-    if (ba.len != bb.len || ba.len % (Py_ssize_t)item) {
-        PyErr_SetString(PyExc_ValueError, "a and b must hold the same whole number of elements");
-        goto done;
-    }
+    if (check_pair(&ba, &bb, fmt, item) < 0) goto done;
     Scale st = {0.0, 0, 0, 0, 0};
     size_t n = (size_t)ba.len / item;
     uint32_t n32 = nb > UINT32_MAX ? UINT32_MAX : (uint32_t)nb;
@@ -519,14 +526,7 @@ static PyObject *accumulate(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *res = NULL;
     size_t item = fmt == 2 ? 4 : 2;
     uint32_t *h4 = NULL;
-    if (fmt < 0 || fmt > 2) {
-        PyErr_SetString(PyExc_ValueError, "fmt must be 0 (bf16), 1 (f16) or 2 (f32)");
-        goto done;
-    }
-    if (ba.len != bb.len || ba.len % (Py_ssize_t)item) {
-        PyErr_SetString(PyExc_ValueError, "a and b must hold the same whole number of elements");
-        goto done;
-    }
+    if (check_pair(&ba, &bb, fmt, item) < 0) goto done;
     if (bh.len % 8 || bh.len < 16) {
         PyErr_SetString(PyExc_ValueError, "hist must be an int64 buffer of max_bin + 2 counters");
         goto done;

@@ -32,8 +32,6 @@ candidates of both models for the first ``detail`` scored tokens (for the widget
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -41,6 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .._progress import Progress, progress_bar
+from ..io.corpus import DEFAULT_CORPUS, encode_text, read_corpus
 from ..errors import LorakitError
 from ..fusion.model import attach_adapter
 from .behaviour_report import BehaviourReport
@@ -50,55 +49,8 @@ __all__ = ["DEFAULT_CORPUS", "Side", "read_corpus", "windows", "score_windows",
 
 PathLike = Union[str, Path]
 
-#: the embedded validation text (held out from the embedded adapters' training text)
-DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpora" / "fortunes" / "valid.jsonl"
-
 #: positions x vocab above which a window's math is done in chunks of positions
 CHUNK_ELEMENTS = 1 << 28
-
-
-def _encode(tokenizer: Any, text: str) -> List[int]:
-    """``tokenizer.encode(text)``, without transformers' warning that the corpus is longer
-    than the model's context (it is scored in windows; ``verbose`` changes no token)."""
-    try:
-        return list(tokenizer.encode(text, verbose=False))
-    except TypeError:  # a tokenizer without transformers' ``verbose``
-        return list(tokenizer.encode(text))
-
-
-def read_corpus(corpus: Optional[PathLike] = None) -> Tuple[str, str, str]:
-    """(text, name, sha256 of the file's bytes) of a corpus file: UTF-8 text, or for a
-    ``.jsonl`` file each line's ``text`` field joined with ``"\\n"``. ``None``: the
-    embedded validation text."""
-    path = Path(corpus) if corpus is not None else DEFAULT_CORPUS
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise LorakitError("cannot read the corpus", file=path, expected="a readable text file",
-                           found=e.strerror or type(e).__name__) from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise LorakitError("the corpus is not UTF-8", file=path, expected="UTF-8 text",
-                           found=f"byte {raw[e.start]:#04x} at offset {e.start}") from None
-    if path.suffix == ".jsonl":
-        parts = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise LorakitError("a corpus line is not JSON", file=path, tensor=f"line {n}",
-                                   expected='{"text": ...}', found=str(e)) from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise LorakitError("a corpus line has no text field", file=path,
-                                   tensor=f"line {n}", expected='{"text": "..."}',
-                                   found=line[:60])
-            parts.append(obj["text"])
-        text = "\n".join(parts)
-    name = "data/corpora/fortunes/valid.jsonl (embedded)" if corpus is None else str(path)
-    return text, name, hashlib.sha256(raw).hexdigest()
 
 
 def windows(ids: Sequence[int], context: int, tokens: Optional[int] = None) -> np.ndarray:
@@ -286,7 +238,7 @@ def compare_outputs(reference: Any, test: Any, corpus: Optional[PathLike] = None
     ref = _side(reference, ref_adapter, "reference")
     tst = _side(test, test_adapter, "test")
     text, name, sha = read_corpus(corpus)
-    ids = _encode(ref.tokenizer, text)
+    ids = encode_text(ref.tokenizer, text)
     wins = windows(ids, context, tokens)
     arrays = score_windows(ref.model, tst.model, wins, top_k=top_k, detail=detail,
                            progress=progress)
