@@ -53,7 +53,7 @@ def _independent(ref, test, text: str, tokens: int, context: int):
 
     ids = ref[1].encode(text)[:tokens]
     n = len(ids) // context
-    kls, agree = [], []
+    kls, agree, tied = [], [], []
     for w in range(n):
         x = mx.array(ids[w * context:(w + 1) * context])[None]
         lr = np.array(ref[0](x)[0, :-1].astype(mx.float32)).astype(np.float64)
@@ -63,8 +63,12 @@ def _independent(ref, test, text: str, tokens: int, context: int):
         pt = lt - lt.max(-1, keepdims=True)
         pt -= np.log(np.exp(pt).sum(-1, keepdims=True))
         kls.append((np.exp(pr) * (pr - pt)).sum(-1))
-        agree.append(lr.argmax(-1) == lt.argmax(-1))
-    return np.concatenate(kls), np.concatenate(agree)
+        ir, it = lr.argmax(-1), lt.argmax(-1)
+        rows = np.arange(len(ir))
+        agree.append(ir == it)
+        # one model's argmax among the other's tokens at its largest logit
+        tied.append((ir == it) | (lr[rows, it] == lr.max(-1)) | (lt[rows, ir] == lt.max(-1)))
+    return np.concatenate(kls), np.concatenate(agree), np.concatenate(tied)
 
 
 @pytest.mark.slow  # loads three models and runs them over the corpus
@@ -75,11 +79,13 @@ def test_fused_is_far_closer_than_base(models) -> None:
     base = compare_outputs(models["unfused"], models["base"], tokens=2048, context=256)
     assert fused.tokens == base.tokens == 8 * 255
     assert fused.mean_kl * 1000 <= base.mean_kl, (fused.mean_kl, base.mean_kl)
-    # The issue asks >= 99.5%; measured 99.12% (18 of 2040 flips). Every flip examined
-    # is a near-tie at the logits' own bf16 resolution: one model's top two logits are
-    # equal (17) or one bf16 step apart in both (1), so argmax's lowest-id rule
-    # decides. This bound guards against a regression, not a pass of the target.
-    assert fused.top1_agreement >= 0.99
+    # The issue asks >= 99.5%. Counting a model's tied top tokens (bf16 logits tie
+    # exactly; argmax then takes the lower id) as its top tokens: measured 99.95% (1
+    # of 2040 positions differ, one bf16 step apart in both models); argmax alone
+    # (llama.cpp's rule) 99.12%, its 17 other flips all exact ties.
+    assert fused.top1_agreement >= 0.995, fused.top1_agreement
+    assert fused.top1_agreement_strict >= 0.99
+    assert fused.top1_agreement_strict <= fused.top1_agreement
     assert base.top1_agreement < 0.9  # the adapter changes behaviour: the check can fail
 
 
@@ -92,10 +98,11 @@ def test_matches_independent_computation(models) -> None:
     for test in ("base", "fused"):
         rep = compare_outputs(models["unfused"], models[test], CORPUS, tokens=1024,
                               context=128)
-        kl, agree = _independent(models["unfused"], models[test], text, 1024, 128)
+        kl, agree, tied = _independent(models["unfused"], models[test], text, 1024, 128)
         assert rep.tokens == kl.size == 8 * 127
         assert abs(rep.mean_kl - kl.mean()) <= 1e-3 * kl.mean(), (test, rep.mean_kl, kl.mean())
-        assert rep.top1_agreement == pytest.approx(agree.mean(), abs=2 / kl.size)
+        assert rep.top1_agreement_strict == pytest.approx(agree.mean(), abs=2 / kl.size)
+        assert rep.top1_agreement == pytest.approx(tied.mean(), abs=2 / kl.size)
         if test == "base":  # per token too, where KL is far above float32 cancellation
             np.testing.assert_allclose(rep.arrays["kl"], kl, rtol=1e-3, atol=1e-5)
 
@@ -147,11 +154,12 @@ def test_report_keys_arrays_and_twins(models) -> None:
                           detail=100)
     d = json.loads(rep.to_json())
     for k in ("mean_kl", "median_kl", "p90_kl", "p99_kl", "p999_kl", "max_kl",
-              "top1_agreement", "ppl_ref", "ppl_test", "tokens", "context", "corpus",
+              "top1_agreement", "top1_agreement_strict", "ppl_ref", "ppl_test", "tokens",
+              "context", "corpus",
               "corpus_sha256", "models"):
         assert k in d, k
     n = rep.tokens
-    for k in ("kl", "ref_top1", "test_top1", "ref_nll", "test_nll", "target"):
+    for k in ("kl", "ref_top1", "test_top1", "ref_nll", "test_nll", "top1_agree", "target"):
         assert rep.arrays[k].shape == (n,), k
     assert rep.arrays["ref_top_ids"].shape == (100, 5)
     assert len(rep.pieces) == 100 and len(rep.ref_top_pieces[0]) == 5
@@ -258,3 +266,38 @@ def test_kl_text_view(models) -> None:
     same = compare_outputs(models["base"], models["base"], tokens=256, context=128, detail=50)
     assert kl_html(same).count("background:#ffffff") == 50
     assert KLTextView(rep).widget.value == page
+
+
+def test_top1_agreement_counts_exact_ties_only() -> None:
+    """Rule 6: a position agrees when one model's argmax is among the other's tokens at
+    its largest logit; one bf16 step apart is a disagreement (misses and false alarms
+    both checked), and the strict argmax rule stays beside it."""
+    import mlx.core as mx
+
+    import lorakit.inspect.behaviour as b
+
+    vocab, v = 8, -4.0
+    # per scored position: (ref logits' top entries, test logits' top entries)
+    cases = [
+        ({3: 2.0, 5: 2.0}, {5: 2.0, 3: 1.9921875}),  # ref tie 3/5, test picks 5: agree
+        ({3: 2.0, 5: 1.9921875}, {2: 2.0, 3: 2.0}),  # test tie 2/3, ref picks 3: agree
+        ({3: 2.0, 5: 1.9921875}, {5: 2.0, 3: 1.9921875}),  # one bf16 step: disagree
+        ({3: 2.0, 5: 2.0}, {7: 2.0, 3: 1.0}),  # tie in ref, test elsewhere: disagree
+        ({1: 3.0}, {1: 3.0}),  # plain agreement
+    ]
+    ctx = len(cases) + 1
+
+    def model_of(side: int):
+        rows = []
+        for c in cases + [({0: 1.0}, {0: 1.0})]:
+            row = [v] * vocab
+            for i, x in c[side].items():
+                row[i] = x
+            rows.append(row)
+        logits = mx.array([rows], dtype=mx.bfloat16)
+        return lambda x: logits
+
+    res = b.score_windows(model_of(0), model_of(1), np.arange(ctx, dtype=np.int32)[None],
+                          top_k=0)
+    assert res["top1_agree"].tolist() == [True, True, False, False, True]
+    assert (res["ref_top1"] == res["test_top1"]).tolist() == [False, False, False, False, True]

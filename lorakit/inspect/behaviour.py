@@ -14,9 +14,15 @@ llama.cpp's ``llama-perplexity --kl-divergence``, with these choices made explic
 4. each window goes through both models (mlx-lm's own model code) from an empty cache;
    every position but the last is scored against the next token;
 5. log-softmax in float32; KL(P_ref || P_test) = sum_v p_ref(v) (log p_ref(v) - log
-   p_test(v)) in natural logarithms, per token; top-1 agreement: how often both
-   models' argmax (lowest id on ties) is the same token; perplexity: exp of the mean
-   negative log-likelihood of the next token.
+   p_test(v)) in natural logarithms, per token; perplexity: exp of the mean negative
+   log-likelihood of the next token;
+6. top-1 agreement: how often the models' most likely tokens agree. A model's top
+   token is every token at its largest logit: with bf16/f16 logits two tokens often
+   share the largest value exactly, and argmax then picks the lower id, a choice the
+   model did not make. A position agrees when one model's argmax is among the other
+   model's top tokens (``top1_agreement``); ``top1_agreement_strict`` counts only
+   equal argmaxes (lowest id on ties), llama.cpp's rule for its float32 logits. The
+   two differ only at exact ties.
 
 The math runs in MLX on the device, one compiled pass per window over both models'
 logits, and each window's work is queued before the previous window's numbers are
@@ -110,7 +116,7 @@ _STEP = None
 
 def _window_math():
     """The compiled per-chunk math: (ref logits, test logits, next ids) ->
-    (kl, ref top-1, test top-1, ref nll, test nll), all in float32."""
+    (kl, ref top-1, test top-1, ref nll, test nll, top-1 agreement counting ties)."""
     global _STEP
     if _STEP is None:
         import mlx.core as mx  # lazy: mlx is heavy
@@ -128,7 +134,14 @@ def _window_math():
             yy = y[:, None]
             nr = lser - mx.take_along_axis(r32, yy, axis=-1)[:, 0]
             nt = lset - mx.take_along_axis(t32, yy, axis=-1)[:, 0]
-            return kl, mx.argmax(lr, axis=-1), mx.argmax(lt, axis=-1), nr, nt
+            ir = mx.argmax(lr, axis=-1)
+            it = mx.argmax(lt, axis=-1)
+            # one model's argmax among the other's tied top tokens (exact compares:
+            # both logits are the same model's values)
+            tied = ((ir == it)
+                    | (mx.take_along_axis(lr, it[:, None], axis=-1)[:, 0] == mx.max(lr, axis=-1))
+                    | (mx.take_along_axis(lt, ir[:, None], axis=-1)[:, 0] == mx.max(lt, axis=-1)))
+            return kl, ir, it, nr, nt, tied
 
         _STEP = mx.compile(step)
     return _STEP
@@ -161,14 +174,15 @@ def _ordered(idx: np.ndarray, val: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
 def score_windows(ref_model: Any, test_model: Any, wins: np.ndarray, *, top_k: int = 5,
                   detail: int = 256, progress: Progress = None) -> Dict[str, np.ndarray]:
     """Score every window through both models. Returns per scored token (in corpus
-    order): ``kl``, ``ref_top1``, ``test_top1``, ``ref_nll``, ``test_nll``, ``target``;
+    order): ``kl``, ``ref_top1``, ``test_top1``, ``ref_nll``, ``test_nll``,
+    ``top1_agree`` (rule 6 of the module docstring), ``target``;
     and for the first ``detail`` scored tokens ``ref_top_ids`` / ``ref_top_logp`` /
     ``test_top_ids`` / ``test_top_logp`` ([detail, top_k])."""
     import mlx.core as mx  # lazy: mlx is heavy
 
     step = _window_math()
     n_win, ctx = wins.shape
-    keys = ("kl", "ref_top1", "test_top1", "ref_nll", "test_nll")
+    keys = ("kl", "ref_top1", "test_top1", "ref_nll", "test_nll", "top1_agree")
     out: Dict[str, List[np.ndarray]] = {k: [] for k in keys}
     tops: Dict[str, List[np.ndarray]] = {k: [] for k in ("ref_top_ids", "ref_top_logp",
                                                          "test_top_ids", "test_top_logp")}

@@ -15,7 +15,7 @@ __all__ = ["BehaviourReport", "STAT_KEYS"]
 
 #: the summary numbers, in the order the JSON and the text twin give them
 STAT_KEYS = ("mean_kl", "median_kl", "p90_kl", "p99_kl", "p999_kl", "max_kl",
-             "top1_agreement", "ppl_ref", "ppl_test", "tokens")
+             "top1_agreement", "top1_agreement_strict", "ppl_ref", "ppl_test", "tokens")
 
 
 def _piece(tokenizer: Any, i: int) -> str:
@@ -35,10 +35,11 @@ class BehaviourReport(Report):
 
     Attributes (besides :class:`Report`'s): ``stats`` (``mean_kl`` ... ``tokens``),
     ``arrays`` (per scored token, corpus order: ``kl``, ``ref_top1``, ``test_top1``,
-    ``ref_nll``, ``test_nll``, ``target``; and both models' top candidates for the first
-    scored tokens: ``ref_top_ids`` / ``ref_top_logp`` / ``test_top_ids`` /
-    ``test_top_logp``), ``pieces`` (the decoded target token of each detailed position),
-    ``ref_top_pieces`` / ``test_top_pieces`` (decoded top candidates), ``context``.
+    ``ref_nll``, ``test_nll``, ``top1_agree`` (one argmax among the other model's tied
+    top tokens), ``target``; and both models' top candidates for the first scored
+    tokens: ``ref_top_ids`` / ``ref_top_logp`` / ``test_top_ids`` / ``test_top_logp``),
+    ``pieces`` (the decoded target token of each detailed position), ``ref_top_pieces``
+    / ``test_top_pieces`` (decoded top candidates), ``context``.
     """
 
     column_help = {
@@ -77,7 +78,8 @@ class BehaviourReport(Report):
             "p99_kl": float(np.percentile(kl, 99)),
             "p999_kl": float(np.percentile(kl, 99.9)),
             "max_kl": float(kl.max()),
-            "top1_agreement": float(np.mean(arrays["ref_top1"] == arrays["test_top1"])),
+            "top1_agreement": float(np.mean(arrays["top1_agree"])),
+            "top1_agreement_strict": float(np.mean(arrays["ref_top1"] == arrays["test_top1"])),
             "ppl_ref": math.exp(float(arrays["ref_nll"].astype(np.float64).mean())),
             "ppl_test": math.exp(float(arrays["test_nll"].astype(np.float64).mean())),
             "tokens": n,

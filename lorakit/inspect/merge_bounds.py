@@ -66,13 +66,20 @@ _LAST: list = []  # (A, B, rows, |B| @ |A|, B @ A): the pieces of one chunk, reu
 
 
 def _products(p: Piece, rows: Optional[slice]):
+    """``(|B| @ |A|, B @ A)`` of the piece's rows, with a scale per rank column (an
+    exact combination, fusion/algebra.py) folded into B's columns; then the caller's
+    scale is 1."""
     key = (rows.start, rows.stop) if rows is not None else None
-    if _LAST and _LAST[0] is p.A and _LAST[1] is p.B and _LAST[2] == key:
+    per_column = np.ndim(p.scale) > 0
+    if not per_column and _LAST and _LAST[0] is p.A and _LAST[1] is p.B and _LAST[2] == key:
         return _LAST[3], _LAST[4]
     B = (p.B if rows is None else p.B[rows]).astype(np.float64)
+    if per_column:
+        B = B * np.asarray(p.scale, np.float64)[None, :]
     A = p.A.astype(np.float64)
     out = (np.abs(B) @ np.abs(A), B @ A)
-    _LAST[:] = [p.A, p.B, key, *out]
+    if not per_column:
+        _LAST[:] = [p.A, p.B, key, *out]
     return out
 
 
@@ -81,9 +88,10 @@ def float_bound(T: np.ndarray, W: np.ndarray, p: Piece, rows: Optional[slice],
     """Per element, the largest ``|F - T|`` a correct fuse of piece ``p`` can leave
     (see the module docstring). ``T`` and ``W`` are the float64 target and base rows."""
     S1, BA = _products(p, rows)
-    S = abs(p.scale) * S1
+    scale = p.scale if np.ndim(p.scale) == 0 else 1.0  # else folded into the products
+    S = abs(scale) * S1
     e32 = (p.A.shape[0] + 2) * _U32 * S
-    D = p.scale * BA
+    D = scale * BA
     X = W + D  # before DoRA's normalisation (T itself for LoRA)
     aX, aD = np.abs(X), np.abs(D)
     e = (_half_ulp(_up(aD + e32, fmt_work), fmt_work) + _half_ulp(_up(aX + e32, fmt_work), fmt_work)

@@ -54,7 +54,7 @@ def _factors(p: Piece) -> List[Tuple[float, str]]:
            (1 / math.sqrt(r), f"x{1 / math.sqrt(r):.3g} = 1/sqrt(r): alpha/r instead of "
                               "rsLoRA's alpha/sqrt(r)"),
            (-1.0, "x-1: the delta subtracted")]
-    if p.scale not in (0, 1):
+    if np.ndim(p.scale) == 0 and p.scale not in (0, 1):  # one scale (not per rank column)
         out.append((1.0 / p.scale, f"x{1 / p.scale:.3g} = 1/scale: B @ A added without "
                                    "its scale"))
     seen, kept = set(), []
@@ -85,7 +85,8 @@ def candidates(p: Piece, rnd: Callable[[np.ndarray], np.ndarray]) -> List[Candid
     out_dim, in_dim = p.shape
     if out_dim == in_dim and p.magnitude is None:
         def transposed(W: np.ndarray, rows: Optional[slice]) -> np.ndarray:
-            Bt = p.B.astype(np.float64).T * p.scale  # (r, out): the delta's columns
+            # (r, out): the delta's columns; a scale per rank column scales rows of B^T
+            Bt = p.B.astype(np.float64).T * np.reshape(p.scale, (-1, 1))
             At = p.A.astype(np.float64).T if rows is None else p.A.astype(np.float64).T[rows]
             return W + At @ Bt
 

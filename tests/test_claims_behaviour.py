@@ -1,0 +1,43 @@
+"""The behaviour numbers BENCHMARKS.md and the README state (fused vs unfused on the
+embedded model) are the committed JSONs' numbers, and those runs say what issue 15 asks."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _row(text: str, label: str):
+    line = next(ln for ln in text.splitlines() if ln.startswith(f"| {label} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_fused_vs_unfused_table_is_the_json() -> None:
+    runs = json.loads((RESULTS / "kl_fused_vs_unfused_cpu.json").read_text())
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    text = text[text.index("Fused vs unfused on the embedded model"):]
+    for label, key in (("lorakit fuse (bf16, nearest)", "fused"), ("base (no adapter)", "base")):
+        r = runs[key]["result"]
+        cells = _row(text, label)
+        assert int(cells[1]) == r["tokens"]
+        for cell, k in zip(cells[2:5], ("mean_kl", "p999_kl", "max_kl")):
+            assert float(cell) == float(f"{r[k]:.3e}"), (label, k)
+        assert cells[5] == f"{100 * r['top1_agreement']:.2f}%"
+        assert cells[6] == f"{100 * r['top1_agreement_strict']:.2f}%"
+    fused, base = runs["fused"]["result"], runs["base"]["result"]
+    # issue 15: >= 1000x below the base's KL, top-1 agreement >= 99.5%
+    assert fused["mean_kl"] * 1000 <= base["mean_kl"]
+    assert fused["top1_agreement"] >= 0.995
+    ratio = re.search(r"mean KL is (\d+)x smaller", text).group(1)
+    assert int(ratio) == int(base["mean_kl"] / fused["mean_kl"])
+    flips = re.search(r"all (\d+) of its flips", text).group(1)
+    assert int(flips) == round(fused["tokens"] * (1 - fused["top1_agreement_strict"]))
+
+
+def test_check_kl_line_is_the_json() -> None:
+    d = json.loads((RESULTS / "check_kl.json").read_text())
+    line = d["merge_check"]["summary"]["fused vs unfused"]
+    assert f"`fused vs unfused: {line}`" in (ROOT / "README.md").read_text()
