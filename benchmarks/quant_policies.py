@@ -93,6 +93,7 @@ def run(tokens: int, context: int, only: Optional[List[str]] = None) -> dict:
         rep = lorakit.compare_outputs(ref, str(path), tokens=tokens, context=context)
         row = {"policy": label, "mean_kl": rep.mean_kl, "median_kl": rep.median_kl,
                "p99_kl": rep.p99_kl, "top1_agreement": rep.top1_agreement,
+               "top1_agreement_strict": rep.top1_agreement_strict,
                "ppl_ref": rep.ppl_ref, "ppl_test": rep.ppl_test, "tokens": rep.tokens}
         row.update(extra)
         rows.append(row)
