@@ -301,3 +301,21 @@ def test_top1_agreement_counts_exact_ties_only() -> None:
                           top_k=0)
     assert res["top1_agree"].tolist() == [True, True, False, False, True]
     assert (res["ref_top1"] == res["test_top1"]).tolist() == [False, False, False, False, True]
+
+
+def test_unloadable_or_mismatched_models_are_one_clear_error(tmp_path) -> None:
+    """A test checkpoint without a tokenizer still loads (the reference tokenizes); a
+    vocabulary that differs from the reference's, a reference without a tokenizer and a
+    folder that is no checkpoint are each one LorakitError naming what was found."""
+    from lorakit import LorakitError, compare_outputs
+
+    llama = ROOT / "tests" / "fixtures" / "peft" / "llama_lora_bf16" / "base"  # no tokenizer
+    with pytest.raises(LorakitError, match="vocabularies differ") as e:
+        compare_outputs(BASE, llama, tokens=128, context=64)
+    assert "2048 logits" in str(e.value) and "256" in str(e.value)
+    with pytest.raises(LorakitError, match="cannot load the reference model") as e:
+        compare_outputs(llama, BASE, tokens=128, context=64)
+    assert str(llama) in str(e.value)
+    with pytest.raises(LorakitError, match="cannot load the test model") as e:
+        compare_outputs(BASE, tmp_path, tokens=128, context=64)
+    assert "config.json" in str(e.value)

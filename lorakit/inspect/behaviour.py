@@ -85,6 +85,28 @@ class Side:
     label: str
 
 
+def _load(spec: PathLike, label: str) -> Tuple[Any, Any]:
+    """mlx-lm's ``load``; the test side needs no tokenizer (the reference's tokenizes
+    the corpus), so a checkpoint folder without one still loads there."""
+    import mlx_lm  # lazy: mlx-lm is heavy
+    from mlx_lm.utils import load_model  # lazy: mlx-lm is heavy
+
+    try:
+        return tuple(mlx_lm.load(str(spec))[:2])
+    except Exception as e:  # noqa: BLE001 - mlx-lm and transformers raise many kinds
+        error = e
+    if label == "test" and Path(spec).is_dir():
+        try:
+            return load_model(Path(spec))[0], None
+        except Exception as e:  # noqa: BLE001
+            error = e
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    raise LorakitError(f"cannot load the {label} model with mlx-lm", file=str(spec),
+                       expected="an mlx-lm checkpoint (config.json, weights"
+                                + (", tokenizer)" if label == "reference" else ")"),
+                       found=f"{type(error).__name__}: {first}"[:300]) from None
+
+
 def _side(spec: Any, adapter: Optional[PathLike], label: str) -> Side:
     """A checkpoint path / hub id (with ``adapter`` attached unfused), a
     ``(path, adapter or None)`` pair, or a loaded ``(model, tokenizer)``."""
@@ -100,9 +122,7 @@ def _side(spec: Any, adapter: Optional[PathLike], label: str) -> Side:
                                expected="one adapter", found=f"{pair_adapter} and {adapter}")
         adapter = adapter if adapter is not None else pair_adapter
     if isinstance(spec, (str, Path)):
-        from mlx_lm import load  # lazy: mlx-lm is heavy
-
-        model, tok = load(str(spec))[:2]
+        model, tok = _load(spec, label)
         if adapter is not None:
             model = attach_adapter(model, adapter)
         name = str(spec) + (f" + {adapter}" if adapter is not None else "")
@@ -205,6 +225,11 @@ def score_windows(ref_model: Any, test_model: Any, wins: np.ndarray, *, top_k: i
             lr = ref_model(x)[0, :-1]
             lt = test_model(x)[0, :-1]
             vocab = lr.shape[-1]
+            if lt.shape[-1] != vocab:
+                raise LorakitError("the two models' vocabularies differ: their next-token "
+                                   "distributions cannot be compared",
+                                   expected=f"{vocab} logits per token (the reference's)",
+                                   found=f"{lt.shape[-1]} (the test model's)")
             rows = max(1, CHUNK_ELEMENTS // max(vocab, 1))
             parts = [step(lr[s:s + rows], lt[s:s + rows], y[s:s + rows])
                      for s in range(0, ctx - 1, rows)]
