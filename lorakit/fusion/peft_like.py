@@ -12,28 +12,38 @@ factors) on a model whose weights are ``base_code`` (BF16, F16 or F32):
   dtype: both factors are rounded to bf16/fp16. Merging such factors on the CPU, PEFT
   computes the delta in float32 and rounds it to the model's dtype before adding it
   (``round_delta``): two roundings.
-* ``svd``: the float32 deltas summed and truncated by torch's float32 SVD; lorakit
-  takes the SVD of the same float32 sum in float64, so its factors differ from
-  PEFT's by float32 rounding noise (the merged weights by at most 1 ulp, on few
-  elements: measured in tests/test_algebra_peft.py).
+* ``svd``: the float32 deltas summed and truncated by torch's float32 SVD
+  (``svd_rank``; ``svd_clamp``: U S and V^T clipped at the clamp quantile of their
+  values); lorakit takes the SVD of the same float32 sum in float64, so its factors
+  differ from PEFT's by float32 rounding noise (measured in BENCHMARKS.md, "Adapter
+  algebra", and tests/test_algebra_peft_wide.py).
 * ``dare_*`` draw torch's random masks: refused (lorakit's own ``dare_*`` take a seed).
+
+The new adapter is PEFT's too (:func:`peft_plan`): the adapters' config ranks
+(``r``, or the largest of ``r`` and ``rank_pattern``) must be equal for the factor
+methods (else PEFT's ValueError); its rank is that rank, their sum (``cat``) or
+``svd_rank`` / the largest (``svd``); its ``lora_alpha`` is that rank, and it keeps
+the first adapter's ``use_rslora``, so its scaling is ``r / sqrt(r)`` when the first
+adapter is rsLoRA (PEFT's merge then comes out ``sqrt(r)`` times too large: reproduced).
 
 The merge that follows is ``merge_and_unload`` (``rounding="round-once"``).
 """
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import LorakitError
-from ..io.adapter import LoraTarget
+from ..errors import AdapterError, LorakitError
+from ..io.adapter import Adapter, LoraTarget
 from ..numerics import round_to_format, to_float32
 from .core import peft_delta
 from .peft_methods import merge
 
 LIKE_PEFT = ("linear", "cat", "ties", "magnitude_prune", "svd")
 _FMT = {"BF16": "bfloat16", "F16": "float16"}
+_SAME_RANK = ("linear", "ties", "magnitude_prune", "dare_linear", "dare_ties")
 
 
 def check_like_peft(method: str) -> None:
@@ -44,16 +54,79 @@ def check_like_peft(method: str) -> None:
                            "own dare_* take --seed" if method.startswith("dare") else None)
 
 
+def config_rank(ad: Adapter) -> int:
+    """The rank PEFT allocates for ``ad``: ``r``, or the largest of ``r`` and the
+    ``rank_pattern`` values (an mlx-lm adapter: its largest module rank, as converted)."""
+    cfg = ad.config or {}
+    if "r" in cfg and "peft_type" in cfg:
+        return max([int(cfg["r"]), *(int(v) for v in (cfg.get("rank_pattern") or {}).values())])
+    return max((t.rank for t in ad.targets), default=0)
+
+
+def peft_plan(ads: Sequence[Adapter], method: str, rank: Optional[int]) -> Tuple[int, float]:
+    """(new rank, new scaling) of PEFT's ``add_weighted_adapter`` new adapter; PEFT's
+    refusal of unequal ranks for the factor methods as a :class:`LorakitError`."""
+    ranks = [config_rank(a) for a in ads]
+    if method in _SAME_RANK:
+        if len(set(ranks)) != 1:
+            raise AdapterError(f"PEFT's {method} needs adapters of one rank (PEFT raises "
+                               "ValueError: All adapters must have the same r value)",
+                               file=ads[[r != ranks[0] for r in ranks].index(True)].path,
+                               tensor="r", expected=f"r = {ranks[0]} (the first adapter's)",
+                               found=f"ranks {ranks}", hint="use method cat or svd")
+        new = ranks[0]
+    elif method == "cat":
+        new = sum(ranks)
+    else:
+        new = rank or max(ranks)
+    rs = bool((ads[0].config or {}).get("use_rslora", False))
+    return new, (new / math.sqrt(new) if rs and new else 1.0)
+
+
 def _in_model_dtype(x: np.ndarray, base_code: str) -> np.ndarray:
     if base_code not in _FMT:
         return x.astype(np.float32)
     return to_float32(round_to_format(x.astype(np.float32), _FMT[base_code]), _FMT[base_code])
 
 
+def torch_quantile(x32: np.ndarray, q: float) -> np.float32:
+    """``torch.quantile(x, q)`` (linear interpolation, float32 steps) of a 1-D array."""
+    s = np.sort(x32.astype(np.float32))
+    pos = np.float32(q) * np.float32(s.size - 1)
+    lo, hi = int(np.floor(pos)), int(np.ceil(pos))
+    wt = np.float32(pos - np.float32(lo))
+    a, b = s[lo], s[hi]
+    if abs(wt) < 0.5:
+        return np.float32(a + wt * np.float32(b - a))
+    return np.float32(b - np.float32(b - a) * np.float32(1 - wt))
+
+
+def _svd_target(module: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[float],
+                rank: int, scale: float, clamp: Optional[float]) -> LoraTarget:
+    t0 = parts[0][1]
+    total = None
+    for i, t in parts:  # task_arithmetic: stacked, times the f32 weights, summed in order
+        d = peft_delta(t.B.astype(np.float32), t.A.astype(np.float32), np.float32(t.scale))
+        d = (d * np.float32(w[i])).astype(np.float32)
+        total = d if total is None else (total + d).astype(np.float32)
+    assert total is not None
+    U, S, Vh = np.linalg.svd(total.astype(np.float64), full_matrices=False)
+    R = min(rank, S.shape[-1])
+    B = (U[:, :R].astype(np.float32) * S[:R].astype(np.float32)).astype(np.float32)
+    A = Vh[:R].astype(np.float32)
+    if clamp is not None:
+        hi = torch_quantile(np.concatenate([B.reshape(-1), A.reshape(-1)]), clamp)
+        B, A = np.clip(B, -hi, hi), np.clip(A, -hi, hi)
+    return LoraTarget(module, t0.kind, A, B, scale, None, t0.names)
+
+
 def like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget]],
                      w: Sequence[float], density: Optional[float], base_code: str,
-                     rank: Optional[int] = None) -> LoraTarget:
-    """The target PEFT's ``add_weighted_adapter(..., combination_type=method)`` makes."""
+                     rank: Optional[int] = None, *, scale: float = 1.0,
+                     majority_sign_method: str = "total",
+                     svd_clamp: Optional[float] = None) -> LoraTarget:
+    """The target PEFT's ``add_weighted_adapter(..., combination_type=method)`` makes
+    (``rank``, ``scale``: the new adapter's, from :func:`peft_plan`)."""
     t0 = parts[0][1]
     emb = t0.kind == "embedding"
     ws = [float(w[i]) * float(t.scale) for i, t in parts]
@@ -68,25 +141,25 @@ def like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget
             (As if emb else Bs).append(t.A if emb else t.B)
         A = _in_model_dtype(np.concatenate(As, axis=-2), base_code)
         B = _in_model_dtype(np.concatenate(Bs, axis=-1), base_code)
-        return LoraTarget(module, t0.kind, A, B, 1.0, None, t0.names,
+        return LoraTarget(module, t0.kind, A, B, scale, None, t0.names,
                           round_delta=base_code in _FMT)
     if method == "svd":
-        total = None
-        for (i, t), x in zip(parts, ws):
-            d = peft_delta(t.B.astype(np.float32), t.A.astype(np.float32), np.float32(t.scale))
-            d = (d * np.float32(w[i])).astype(np.float32)
-            total = d if total is None else (total + d).astype(np.float32)
-        U, S, Vh = np.linalg.svd(total.astype(np.float64), full_matrices=False)
-        R = min(rank or max(t.rank for _, t in parts), S.shape[-1])
-        B = (U[:, :R].astype(np.float32) * S[:R].astype(np.float32)).astype(np.float32)
-        return LoraTarget(module, t0.kind, Vh[:R].astype(np.float32), B, 1.0, None, t0.names)
+        return _svd_target(module, parts, w, rank or max(t.rank for _, t in parts), scale,
+                           svd_clamp)
+    ranks = sorted({t.rank for _, t in parts})
+    if len(ranks) > 1:  # torch.stack of factors of different shapes (rank_pattern)
+        raise AdapterError(f"PEFT's {method} stacks the factors, which differ in rank here "
+                           "(PEFT raises RuntimeError: stack expects each tensor to be "
+                           "equal size)", tensor=module, expected="one rank per module",
+                           found=f"ranks {ranks}", hint="use method cat or svd")
     wa = [float(np.sqrt(abs(x))) * (1 if x >= 0 else -1) for x in ws]
     wb = [float(np.sqrt(abs(x))) for x in ws]
     As, Bs = [t.A for _, t in parts], [t.B for _, t in parts]
+    kw = dict(density=density, exact=False, sign_method=majority_sign_method)
     if emb:
-        A = merge(method, As, wb, density=density, exact=False)
-        B = merge(method, Bs, wa, density=density, exact=False)
+        A = merge(method, As, wb, **kw)
+        B = merge(method, Bs, wa, **kw)
     else:
-        A = merge(method, As, wa, density=density, exact=False)
-        B = merge(method, Bs, wb, density=density, exact=False)
-    return LoraTarget(module, t0.kind, A, B, 1.0, None, t0.names)
+        A = merge(method, As, wa, **kw)
+        B = merge(method, Bs, wb, **kw)
+    return LoraTarget(module, t0.kind, A, B, scale, None, t0.names)

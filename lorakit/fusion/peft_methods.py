@@ -5,9 +5,10 @@ Each takes the task tensors of N adapters (same shape) and one weight per adapte
 * ``linear``: ``sum_i w_i x_i``;
 * ``magnitude_prune``: each ``x_i`` keeps its ``int(density * size)`` largest
   magnitudes (the rest zero), then ``linear``;
-* ``ties``: magnitude-prune each, elect a sign per element (the sign of the sum of the
-  pruned, unweighted tensors, ``>= 0`` counting as +), keep the weighted values of that
-  sign and average them over how many agree (at least 1);
+* ``ties``: magnitude-prune each, elect a sign per element (``sign_method="total"``:
+  the sign of the sum of the pruned, unweighted tensors; ``"frequency"``: of the sum of
+  their signs; ``>= 0`` counting as +), keep the weighted values of that sign and
+  average them over how many agree (at least 1);
 * ``dare_linear`` / ``dare_ties``: a random mask keeps each element with probability
   ``density`` (rescaled by ``1 / density``), then ``linear`` / ``ties``. PEFT draws the
   mask with torch's generator; lorakit with numpy's, from ``seed``: the same
@@ -66,12 +67,15 @@ def _weighted_sum(xs: Sequence[np.ndarray], ws: Sequence[float], exact: bool,
 
 def merge(method: str, xs: Sequence[np.ndarray], ws: Sequence[float], *,
           density: Optional[float] = None, rng: Optional[np.random.Generator] = None,
-          exact: bool = True) -> np.ndarray:
+          exact: bool = True, sign_method: str = "total") -> np.ndarray:
     """PEFT's ``method`` over task tensors ``xs`` with weights ``ws``: float32 result."""
     if method not in FACTOR_METHODS:
         raise LorakitError("unknown merge method", expected=" / ".join(FACTOR_METHODS),
                            found=repr(method))
     xs = [np.asarray(x) for x in xs]
+    if sign_method not in ("total", "frequency"):
+        raise LorakitError("unknown majority sign method", tensor="majority_sign_method",
+                           expected="total / frequency", found=repr(sign_method))
     if method != "linear":
         if density is None or not 0 <= density <= 1:
             raise LorakitError(f"{method} needs a density in [0, 1]", tensor="density",
@@ -97,7 +101,10 @@ def merge(method: str, xs: Sequence[np.ndarray], ws: Sequence[float], *,
         return np.asarray(_weighted_sum(xs, ws, exact), np.float64).astype(np.float32)
     # ties / dare_ties: the elected sign, then the mean of the agreeing weighted values
     signs = [np.sign(x) for x in xs]
-    total = _weighted_sum(xs, [1.0] * len(xs), exact)
+    if sign_method == "frequency":
+        total = np.sum(signs, axis=0)
+    else:
+        total = _weighted_sum(xs, [1.0] * len(xs), exact)
     major = np.where(total >= 0, 1, -1)
     masks: List[np.ndarray] = [s == major for s in signs]
     summed = _weighted_sum(xs, ws, exact, masks)
