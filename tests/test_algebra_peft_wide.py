@@ -4,17 +4,24 @@ no torch here): fp16/fp32/bf16 bases, three adapters, different ranks, rsLoRA,
 rank/alpha patterns, different target modules, zero and negative weights, density 0.3,
 majority_sign_method "frequency", svd_rank, svd_clamp, DoRA, and PEFT's refusals.
 
-linear, cat, ties, magnitude_prune: bit for bit. svd: lorakit's SVD is not torch's
-float32 LAPACK call; the tolerance below is measured (max ulps, share of elements).
+* linear, cat, ties, magnitude_prune (DoRA inputs included): bit for bit.
+* svd: lorakit's float64 SVD is not torch's float32 LAPACK (MKL) call. Tolerance
+  (measured: BENCHMARKS.md, "Adapter algebra"): bf16/fp16 bases, every element within
+  1 ulp at the operands' scale and at most 1% of elements differing; fp32 bases (where
+  torch's float32 SVD noise is visible), within 256 ulps at the operands' scale.
+* svd_clamp: the clamp is a quantile of the signed factors, so it depends on the
+  signs LAPACK gives the singular vectors, which MKL and numpy choose differently on
+  some modules: the modules where they agree meet the svd tolerance; the others do not.
+* refusals: where PEFT raises, lorakit raises a LorakitError; ``cat`` of DoRA adapters
+  on a bf16/fp16 model (PEFT merges it in the model's dtype) is refused by lorakit.
 """
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict
 
-import numpy as np
 import pytest
 
 import lorakit
@@ -23,14 +30,19 @@ from lorakit.errors import LorakitError
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures" / "algebra_wide"
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
-from make_algebra_fixtures_wide import cast_base, sha256  # noqa: E402
-from make_peft_fixtures import read_safetensors  # noqa: E402  (numpy-only reader)
+from make_algebra_fixtures_wide import cast_base, compare, sha256  # noqa: E402
 
 MANIFEST = json.loads((FIX / "manifest.json").read_text())
 CASES = MANIFEST["cases"]
 CODE = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
-SVD_MAX_ULPS = 1          # measured: see BENCHMARKS.md, "Adapter algebra"
-SVD_MAX_SHARE = 0.01
+SVD_OPERAND_ULPS = {"bf16": 1.0, "fp16": 1.0, "fp32": 256.0}
+SVD_MAX_SHARE = {"bf16": 0.01, "fp16": 0.01, "fp32": 1.0}
+
+MERGED = [k for k, v in CASES.items() if "merged" in v and k != "dora-cat"]
+EXACT = [k for k in MERGED if CASES[k]["combination_type"] != "svd"]
+SVD = [k for k in MERGED if CASES[k]["combination_type"] == "svd"
+       and "svd_clamp" not in CASES[k]["kwargs"]]
+REFUSED = [k for k, v in CASES.items() if "error" in v]
 
 
 @pytest.fixture(scope="module")
@@ -43,59 +55,89 @@ def bases(tmp_path_factory) -> Dict[str, Path]:
     return out
 
 
-def _combine(case: dict):
-    kw = dict(case["kwargs"])
+def _combine(case: dict, base=None, **over):
+    kw = {**case["kwargs"], **over}
     return lorakit.combine([FIX / "adapters" / a for a in case["adapters"]], case["weights"],
                            method=case["combination_type"], like="peft",
-                           base_dtype=CODE[case["base"]], density=kw.pop("density", None),
-                           rank=kw.pop("svd_rank", None), **kw)
+                           base_dtype=over.pop("base_dtype", None) or CODE[case["base"]],
+                           density=kw.pop("density", None), rank=kw.pop("svd_rank", None),
+                           base=base, **{k: v for k, v in kw.items() if k != "base_dtype"})
 
 
-def compare(got_dir: Path, want_file: Path) -> Tuple[int, int, int]:
-    """(elements differing, max distance in ulps, elements compared)."""
-    got = read_safetensors(got_dir / "model.safetensors")
-    want = read_safetensors(want_file)
-    n = bad = ulps = 0
-    for k, (tag, w) in want.items():
-        g = got[k][1]
-        assert got[k][0] == tag and g.shape == w.shape, k
-        iv = {"BF16": np.int16, "F16": np.int16, "F32": np.int32}[tag]
-        gi, wi = g.view(iv).astype(np.int64), w.view(iv).astype(np.int64)
-        # sign-magnitude bit patterns to a monotone integer line
-        gi = np.where(gi < 0, np.iinfo(iv).min - gi, gi)
-        wi = np.where(wi < 0, np.iinfo(iv).min - wi, wi)
-        n += w.size
-        bad += int((gi != wi).sum())
-        ulps = max(ulps, int(np.abs(gi - wi).max()))
-    return bad, ulps, n
-
-
-def run_case(name: str, bases: Dict[str, Path], out: Path) -> Tuple[int, int, int]:
+def run_case(name: str, bases: Dict[str, Path], out: Path, **over) -> dict:
     case = CASES[name]
-    c = _combine(case)
+    c = _combine(case, bases[case["base"]], **over)
     lorakit.fuse(bases[case["base"]], c.adapter, out, rounding="round-once", progress=False)
-    return compare(out, FIX / case["merged"])
-
-
-MERGED = [k for k, v in CASES.items() if "merged" in v and not k.startswith("dora")]
-EXACT = [k for k in MERGED if CASES[k]["combination_type"] != "svd"]
-SVD = [k for k in MERGED if CASES[k]["combination_type"] == "svd"]
-REFUSED = [k for k, v in CASES.items() if "error" in v]
+    return compare(out / "model.safetensors", FIX / case["merged"],
+                   bases[case["base"]] / "model.safetensors")
 
 
 @pytest.mark.parametrize("name", EXACT)
 def test_like_peft_bit_for_bit(tmp_path, bases, name):
-    bad, ulps, n = run_case(name, bases, tmp_path / "f")
-    assert n > 0 and bad == 0, (name, bad, ulps, n)
+    tot = run_case(name, bases, tmp_path / "f")["total"]
+    assert tot["n"] > 0 and tot["differ"] == 0, (name, tot)
 
 
 @pytest.mark.parametrize("name", SVD)
 def test_like_peft_svd_within_tolerance(tmp_path, bases, name):
-    bad, ulps, n = run_case(name, bases, tmp_path / "f")
-    assert ulps <= SVD_MAX_ULPS and bad <= SVD_MAX_SHARE * n, (name, bad, ulps, n)
+    dt = CASES[name]["base"]
+    tot = run_case(name, bases, tmp_path / "f")["total"]
+    assert tot["max_operand_ulps"] <= SVD_OPERAND_ULPS[dt], (name, tot)
+    assert tot["differ"] <= SVD_MAX_SHARE[dt] * tot["n"], (name, tot)
+
+
+def test_svd_clamp_matches_where_lapack_signs_agree(tmp_path, bases):
+    rows = run_case("ranks-svd-clamp", bases, tmp_path / "f")["tensors"]
+    for m in ("q_proj", "o_proj"):  # numpy's and MKL's singular-vector signs agree here
+        r = rows[f"model.layers.1.self_attn.{m}.weight"]
+        assert r["max_operand_ulps"] <= 1 and r["differ"] <= 0.01 * r["n"], (m, r)
+    # v_proj: some signs differ, so the clamp quantile does (documented, not hidden)
+    assert rows["model.layers.1.self_attn.v_proj.weight"]["max_operand_ulps"] > 1
 
 
 @pytest.mark.parametrize("name", REFUSED)
 def test_pefts_refusals_are_lorakits(name):
     with pytest.raises(LorakitError):
         _combine(CASES[name])
+
+
+def test_dora_cat_in_bf16_is_refused_not_approximated(bases):
+    with pytest.raises(LorakitError, match="does not reproduce cat of DoRA"):
+        _combine(CASES["dora-cat"], bases["bf16"])
+    with pytest.raises(LorakitError, match="base weight's row norms"):
+        _combine(CASES["dora-linear"])  # the new DoRA magnitude needs the base
+
+
+def test_the_parity_check_can_fail(tmp_path, bases):
+    """Misses are caught: the other sign election, the wrong model dtype for cat's
+    factors, and the rsLoRA mix scaled 1 instead of PEFT's sqrt(r) each differ."""
+    tot = run_case("ties-d03-frequency", bases, tmp_path / "a",
+                   majority_sign_method="total")["total"]
+    assert tot["differ"] > 0
+    tot = run_case("fp16-cat", bases, tmp_path / "b", base_dtype="BF16")["total"]
+    assert tot["differ"] > 0
+    c = _combine(CASES["rslora-linear"])
+    assert c.adapter.targets[0].scale == 2.0  # 4 / sqrt(4): PEFT's new rsLoRA adapter
+    t = c.adapter.targets[0]
+    c.adapter.targets[0] = type(t)(t.module, t.kind, t.A, t.B, 1.0, None, t.names)
+    lorakit.fuse(bases["bf16"], c.adapter, tmp_path / "c", rounding="round-once",
+                 progress=False)
+    r = compare(tmp_path / "c" / "model.safetensors", FIX / CASES["rslora-linear"]["merged"],
+                bases["bf16"] / "model.safetensors")["tensors"]
+    assert r[f"{t.module}.weight"]["differ"] > 0
+
+
+def test_cli_fuse_like_peft_three_adapters_frequency(tmp_path, bases):
+    from lorakit.cli.main import main
+
+    case = CASES["three-ties-d03-frequency"]
+    argv = ["fuse", "--model", str(bases["bf16"])]
+    for a in case["adapters"]:
+        argv += ["--adapter-path", str(FIX / "adapters" / a)]
+    argv += ["--weights", ",".join(map(str, case["weights"])), "--combine", "ties",
+             "--density", "0.3", "--majority-sign-method", "frequency", "--like", "peft",
+             "--save-path", str(tmp_path / "f"), "-q"]
+    assert main(argv) == 0
+    tot = compare(tmp_path / "f" / "model.safetensors", FIX / case["merged"],
+                  bases["bf16"] / "model.safetensors")["total"]
+    assert tot["differ"] == 0, tot

@@ -61,7 +61,7 @@ from ..io.naming import bind
 from ..io.source import open_source
 from ..io.weights import weight_f64
 from .delta import SumTarget, intended, tensor_pieces
-from .peft_like import check_like_peft, like_peft_target, peft_plan
+from .peft_like import check_like_peft, like_peft_target, peft_dora_magnitudes, peft_plan
 from .peft_methods import RANDOM, merge
 
 PathLike = Union[str, Path]
@@ -117,7 +117,7 @@ def _check_inputs(ads: List[Adapter], weights: Sequence[float], method: str = "e
         raise LorakitError("one weight per adapter", tensor="weights",
                            expected=f"{len(ads)} weights", found=f"{len(weights)}: {weights}")
     for ad in ads:
-        if ad.is_dora and (method not in ("exact", "svd") or like is not None):
+        if ad.is_dora and method not in ("exact", "svd") and like is None:
             raise AdapterError(f"DoRA adapters cannot be combined by {method}"
                                + (f" like {like}" if like else ""), file=ad.path,
                                expected="LoRA adapters, or method exact (fused only) "
@@ -349,6 +349,8 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
                                "weights": w, "modules": len(targets)}
     if like:
         summary["like"] = f"{like} (factors as PEFT builds them on a {base_dtype} model)"
+    if like == "peft" and ads[0].is_dora:
+        targets[:] = peft_dora_magnitudes(targets, ads, base, base_dtype)  # out holds it
     if method == "svd" and any(r.get("dora") for r in rows):
         _svd_dora(targets, rows, ads, base, rank)
     dora = sum(bool(r.pop("dora", False)) for r in rows)

@@ -25,6 +25,11 @@ methods (else PEFT's ValueError); its rank is that rank, their sum (``cat``) or
 ``svd_rank`` / the largest (``svd``); its ``lora_alpha`` is that rank, and it keeps
 the first adapter's ``use_rslora``, so its scaling is ``r / sqrt(r)`` when the first
 adapter is rsLoRA (PEFT's merge then comes out ``sqrt(r)`` times too large: reproduced).
+DoRA inputs: PEFT merges their LoRA factors and drops their magnitudes; the new adapter
+is DoRA when the first input is, with the magnitude it is created with (B = 0): the
+base weight's row norms in the model's dtype (:func:`peft_dora_magnitudes`, needs
+``base=``). ``cat`` of DoRA adapters on a bf16/fp16 model (PEFT's DoRA merge then runs
+in that dtype) is refused.
 
 The merge that follows is ``merge_and_unload`` (``rounding="round-once"``).
 """
@@ -35,10 +40,15 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+import dataclasses
+
 from ..errors import AdapterError, LorakitError
 from ..io.adapter import Adapter, LoraTarget
+from ..io.naming import bind
+from ..io.source import open_source
+from ..io.weights import weight_f64
 from ..numerics import round_to_format, to_float32
-from .core import peft_delta
+from .core import peft_delta, torch_row_norm
 from .peft_methods import merge
 
 LIKE_PEFT = ("linear", "cat", "ties", "magnitude_prune", "svd")
@@ -163,3 +173,34 @@ def like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget
         A = merge(method, As, wa, **kw)
         B = merge(method, Bs, wb, **kw)
     return LoraTarget(module, t0.kind, A, B, scale, None, t0.names)
+
+
+def peft_dora_magnitudes(targets: List[LoraTarget], ads: Sequence[Adapter], base,
+                         base_code: str) -> List[LoraTarget]:
+    """The targets with the magnitude PEFT gives a new DoRA adapter: the row norms of
+    the base weight (torch's f32 row norm, rounded to the model's dtype)."""
+    if base is None:
+        raise LorakitError("PEFT's combination of DoRA adapters is a DoRA adapter whose "
+                           "magnitude is the base weight's row norms", tensor="base",
+                           expected="base=CHECKPOINT (lorakit combine --base, or fuse's "
+                           "--model)", found="none")
+    if any(t.round_delta for t in targets):
+        raise AdapterError("--like peft does not reproduce cat of DoRA adapters on a "
+                           f"{base_code} model", file=ads[0].path, tensor="method",
+                           expected="linear, ties, magnitude_prune or svd (or an F32 model)",
+                           found="cat", hint="PEFT's DoRA merge of bf16/fp16 cat factors "
+                           "runs in the model's dtype")
+    src = open_source(base)
+    where = {b.target.module: b for b in bind(
+        Adapter(ads[0].path, "mlx-lm", list(targets), {}, ads[0].weights_file), src)}
+    out = []
+    for t in targets:
+        b = where[t.module]
+        if t.kind != "linear" or len(b.shape) != 2:
+            raise AdapterError("--like peft reproduces DoRA combinations of linear layers "
+                               "only", tensor=t.module, expected="a linear weight",
+                               found=f"{t.kind} {list(b.shape)}")
+        W = weight_f64(src, b.tensor).astype(np.float32)
+        out.append(dataclasses.replace(t, magnitude=_in_model_dtype(torch_row_norm(W),
+                                                                    base_code)))
+    return out
