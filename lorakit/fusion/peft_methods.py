@@ -35,17 +35,106 @@ FACTOR_METHODS = ("linear", "ties", "magnitude_prune", "dare_linear", "dare_ties
 RANDOM = ("dare_linear", "dare_ties")
 
 
-def magnitude_mask(x: np.ndarray, density: float) -> np.ndarray:
-    """True for the ``int(density * x.size)`` largest ``|x|`` (ties: the first in order)."""
+def magnitude_mask(x: np.ndarray, density: float, like_torch: bool = False) -> np.ndarray:
+    """True for the ``int(density * x.size)`` largest ``|x|``. Equal magnitudes across
+    the cut: the first in order, or (``like_torch``) the ones torch's CPU ``topk``
+    keeps (:func:`_torch_topk_set`)."""
     mask = np.zeros(x.size, bool)
     if density >= 1:
         mask[:] = True
         return mask.reshape(x.shape)
     k = int(density * x.size)
     if k > 0:
-        order = np.argsort(-np.abs(x.reshape(-1)).astype(np.float64), kind="stable")
-        mask[order[:k]] = True
+        v = np.abs(x.reshape(-1))
+        order = np.argsort(-v.astype(np.float64), kind="stable")
+        cut = v[order[k - 1]]
+        if like_torch and k < v.size and v[order[k]] == cut:  # a tie across the cut
+            mask[_torch_topk_set(v.astype(np.float32), k)] = True
+        else:
+            mask[order[:k]] = True
     return mask.reshape(x.shape)
+
+
+def _torch_topk_set(v: np.ndarray, k: int) -> List[int]:
+    """The indices torch 2.x's CPU ``topk(v, k)`` returns (as a set), ``v`` 1-D without
+    NaN: ``std::nth_element`` (libstdc++'s introselect) over (value, index) pairs with
+    ``a > b`` as the order; ``std::partial_sort`` (a heap) when ``64 k <= n``."""
+    q = [(float(a), i) for i, a in enumerate(v.tolist())]
+    n = len(q)
+
+    def gt(a, b):
+        return a[0] > b[0]
+
+    def sift(first: int, hole: int, length: int, val) -> None:  # __adjust_heap
+        top, child = hole, hole
+        while child < (length - 1) // 2:
+            child = 2 * (child + 1)
+            if gt(q[first + child], q[first + child - 1]):
+                child -= 1
+            q[first + hole] = q[first + child]
+            hole = child
+        if (length & 1) == 0 and child == (length - 2) // 2:
+            child = 2 * (child + 1)
+            q[first + hole] = q[first + child - 1]
+            hole = child - 1
+        parent = (hole - 1) // 2
+        while hole > top and gt(q[first + parent], val):
+            q[first + hole] = q[first + parent]
+            hole = parent
+            parent = (hole - 1) // 2
+        q[first + hole] = val
+
+    def heap_select(first: int, middle: int, last: int) -> None:
+        length = middle - first
+        if length > 1:
+            for parent in range((length - 2) // 2, -1, -1):
+                sift(first, parent, length, q[first + parent])
+        for i in range(middle, last):
+            if gt(q[i], q[first]):
+                val, q[i] = q[i], q[first]
+                sift(first, 0, length, val)
+
+    if 64 * k <= n:
+        heap_select(0, k, n)
+        return [i for _, i in q[:k]]
+    first, last, nth = 0, n, k - 1
+    depth = 2 * (n.bit_length() - 1)
+    while last - first > 3:
+        if depth == 0:
+            heap_select(first, nth + 1, last)
+            q[first], q[nth] = q[nth], q[first]
+            break
+        depth -= 1
+        a, b, c = first + 1, first + (last - first) // 2, last - 1  # median to first
+        if gt(q[a], q[b]):
+            m = b if gt(q[b], q[c]) else (c if gt(q[a], q[c]) else a)
+        else:
+            m = a if gt(q[a], q[c]) else (c if gt(q[b], q[c]) else b)
+        q[first], q[m] = q[m], q[first]
+        lo, hi, piv = first + 1, last, q[first]  # __unguarded_partition
+        while True:
+            while gt(q[lo], piv):
+                lo += 1
+            hi -= 1
+            while gt(piv, q[hi]):
+                hi -= 1
+            if not lo < hi:
+                break
+            q[lo], q[hi] = q[hi], q[lo]
+            lo += 1
+        if lo <= nth:
+            first = lo
+        else:
+            last = lo
+    else:
+        for i in range(first + 1, last):  # insertion sort of the last few
+            val = q[i]
+            j = i
+            while j > first and gt(val, q[j - 1]):
+                q[j] = q[j - 1]
+                j -= 1
+            q[j] = val
+    return [i for _, i in q[:k]]
 
 
 def _weighted_sum(xs: Sequence[np.ndarray], ws: Sequence[float], exact: bool,
@@ -81,8 +170,8 @@ def merge(method: str, xs: Sequence[np.ndarray], ws: Sequence[float], *,
             raise LorakitError(f"{method} needs a density in [0, 1]", tensor="density",
                                expected="--density D, 0 <= D <= 1", found=repr(density))
     if method in ("magnitude_prune", "ties"):
-        xs = [np.where(magnitude_mask(x, density), x, np.float32(0)).astype(np.float32)
-              for x in xs]
+        xs = [np.where(magnitude_mask(x, density, like_torch=not exact), x,
+                       np.float32(0)).astype(np.float32) for x in xs]
     elif method in RANDOM:
         if rng is None:
             raise LorakitError(f"{method} is random: it needs a seed", tensor="seed",
