@@ -39,8 +39,8 @@ SVD_OPERAND_ULPS = {"bf16": 1.0, "fp16": 1.0, "fp32": 256.0}
 SVD_MAX_SHARE = {"bf16": 0.01, "fp16": 0.01, "fp32": 1.0}
 
 MERGED = [k for k, v in CASES.items() if "merged" in v and k != "dora-cat"]
-EXACT = [k for k in MERGED if CASES[k]["combination_type"] != "svd"]
-SVD = [k for k in MERGED if CASES[k]["combination_type"] == "svd"
+EXACT = [k for k in MERGED if not CASES[k]["combination_type"].endswith("svd")]
+SVD = [k for k in MERGED if CASES[k]["combination_type"].endswith("svd")
        and "svd_clamp" not in CASES[k]["kwargs"]]
 REFUSED = [k for k, v in CASES.items() if "error" in v]
 

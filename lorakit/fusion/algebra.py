@@ -29,7 +29,8 @@ Methods:
   ``sign(w s) sqrt(|w s|)`` on A and ``sqrt(|w s|)`` on B, so the product carries
   cross terms ``B_i A_j`` between adapters (PEFT issue 3004); needs equal ranks.
   lorakit evaluates each merge in float64 and rounds once to float32.
-* ``ties_svd``: PEFT's ``ties`` on the full deltas ``w_i s_i B_i A_i``, then ``svd``.
+* ``ties_svd``: PEFT's ``ties`` on the full deltas ``s_i B_i A_i`` with weights ``w_i``,
+  then ``svd``.
 
 DoRA adapters are combined by ``exact`` only: a DoRA change ``m * (W + d) / ||W + d|| - W``
 depends on the base weight and is not low rank, so a module with a DoRA part becomes a
@@ -321,9 +322,11 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
                 c = _cat_target(module, parts, w)
                 low = (c.B.astype(np.float64) * np.asarray(c.scale), c.A.astype(np.float64))
             else:
-                D = merge("ties", deltas, [1.0] * len(deltas), density=density,
-                          sign_method=majority_sign_method).astype(
-                    np.float64)
+                # PEFT's ties(task_tensors=s_i B_i A_i, weights=w_i): prune and elect
+                # the sign on the unweighted deltas, then weight
+                D = merge("ties", [_delta(t, 1.0) for _, t in parts], [w[i] for i, _ in parts],
+                          density=density, sign_method=majority_sign_method
+                          ).astype(np.float64)
                 low = None
             A, B, err = _svd(D, R, low)
             t = LoraTarget(module, t0.kind, A, B, 1.0, None, t0.names)

@@ -17,6 +17,8 @@ factors) on a model whose weights are ``base_code`` (BF16, F16 or F32):
   values); lorakit takes the SVD of the same float32 sum in float64, so its factors
   differ from PEFT's by float32 rounding noise (measured in BENCHMARKS.md, "Adapter
   algebra", and tests/test_algebra_peft_wide.py).
+* ``ties_svd``: PEFT's ``ties`` over the full float32 deltas (as ``ties``, float32
+  steps), then as ``svd``.
 * ``dare_*`` draw torch's random masks: refused (lorakit's own ``dare_*`` take a seed).
 
 The new adapter is PEFT's too (:func:`peft_plan`): the adapters' config ranks
@@ -51,7 +53,7 @@ from ..numerics import round_to_format, to_float32
 from .core import peft_delta, torch_row_norm
 from .peft_methods import merge
 
-LIKE_PEFT = ("linear", "cat", "ties", "magnitude_prune", "svd")
+LIKE_PEFT = ("linear", "cat", "ties", "magnitude_prune", "svd", "ties_svd")
 _FMT = {"BF16": "bfloat16", "F16": "float16"}
 _SAME_RANK = ("linear", "ties", "magnitude_prune", "dare_linear", "dare_ties")
 
@@ -112,13 +114,18 @@ def torch_quantile(x32: np.ndarray, q: float) -> np.float32:
 
 
 def _svd_target(module: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[float],
-                rank: int, scale: float, clamp: Optional[float]) -> LoraTarget:
+                rank: int, scale: float, clamp: Optional[float], ties: Optional[dict] = None
+                ) -> LoraTarget:
     t0 = parts[0][1]
-    total = None
-    for i, t in parts:  # task_arithmetic: stacked, times the f32 weights, summed in order
-        d = peft_delta(t.B.astype(np.float32), t.A.astype(np.float32), np.float32(t.scale))
-        d = (d * np.float32(w[i])).astype(np.float32)
-        total = d if total is None else (total + d).astype(np.float32)
+    ds = [peft_delta(t.B.astype(np.float32), t.A.astype(np.float32), np.float32(t.scale))
+          for _, t in parts]
+    if ties is not None:  # ties_svd: PEFT's ties over the full deltas
+        total = merge("ties", ds, [w[i] for i, _ in parts], exact=False, **ties)
+    else:  # task_arithmetic: stacked, times the f32 weights, summed in order
+        total = None
+        for (i, _), d in zip(parts, ds):
+            d = (d * np.float32(w[i])).astype(np.float32)
+            total = d if total is None else (total + d).astype(np.float32)
     assert total is not None
     U, S, Vh = np.linalg.svd(total.astype(np.float64), full_matrices=False)
     R = min(rank, S.shape[-1])
@@ -153,9 +160,10 @@ def like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget
         B = _in_model_dtype(np.concatenate(Bs, axis=-1), base_code)
         return LoraTarget(module, t0.kind, A, B, scale, None, t0.names,
                           round_delta=base_code in _FMT)
-    if method == "svd":
+    if method in ("svd", "ties_svd"):
         return _svd_target(module, parts, w, rank or max(t.rank for _, t in parts), scale,
-                           svd_clamp)
+                           svd_clamp, None if method == "svd" else dict(
+                               density=density, sign_method=majority_sign_method))
     ranks = sorted({t.rank for _, t in parts})
     if len(ranks) > 1:  # torch.stack of factors of different shapes (rank_pattern)
         raise AdapterError(f"PEFT's {method} stacks the factors, which differ in rank here "
