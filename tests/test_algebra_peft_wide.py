@@ -34,9 +34,9 @@ from make_algebra_fixtures_wide import cast_base, compare, sha256  # noqa: E402
 
 MANIFEST = json.loads((FIX / "manifest.json").read_text())
 CASES = MANIFEST["cases"]
-CODE = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
-SVD_OPERAND_ULPS = {"bf16": 1.0, "fp16": 1.0, "fp32": 256.0}
-SVD_MAX_SHARE = {"bf16": 0.01, "fp16": 0.01, "fp32": 1.0}
+CODE = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "emb": "BF16", "gpt2": "BF16"}
+SVD_OPERAND_ULPS = {"bf16": 1.0, "fp16": 1.0, "fp32": 256.0, "emb": 1.0, "gpt2": 1.0}
+SVD_MAX_SHARE = {"bf16": 0.01, "fp16": 0.01, "fp32": 1.0, "emb": 0.01, "gpt2": 0.01}
 
 MERGED = [k for k, v in CASES.items() if "merged" in v and k != "dora-cat"]
 EXACT = [k for k in MERGED if not CASES[k]["combination_type"].endswith("svd")]
@@ -47,7 +47,7 @@ REFUSED = [k for k, v in CASES.items() if "error" in v]
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory) -> Dict[str, Path]:
-    out = {"bf16": cast_base("bf16", Path())}
+    out = {k: cast_base(k, Path()) for k in ("bf16", "emb", "gpt2")}
     for dt in ("fp16", "fp32"):
         out[dt] = cast_base(dt, tmp_path_factory.mktemp(dt))
     for dt, p in out.items():  # the very bases PEFT merged into

@@ -48,7 +48,8 @@ def add_combination_flags(p: argparse.ArgumentParser, method_flag: str) -> None:
     p.add_argument("--like", choices=("peft",), default=None,
                    help="reproduce PEFT's add_weighted_adapter (+ merge_and_unload, which "
                    "fuse then does with --rounding round-once) bit for bit: linear, cat, "
-                   "ties, magnitude_prune; svd, ties_svd within 1 ulp (bf16/fp16) on a few elements")
+                   "ties, magnitude_prune; svd, ties_svd within 1 ulp (bf16/fp16) on a few "
+                   "elements")
 
 
 def combination_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:

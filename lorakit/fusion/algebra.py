@@ -127,7 +127,8 @@ def _check_inputs(ads: List[Adapter], weights: Sequence[float], method: str = "e
                                hint="a DoRA change depends on the base weight's row norms and "
                                "is not low rank; lorakit fuse --adapter-path A --adapter-path "
                                "B --weights ... fuses the exact sum")
-        if ad.replacements or any(t.base_weight is not None for t in ad.targets):
+        if ad.replacements or (like is None and any(t.base_weight is not None
+                                                    for t in ad.targets)):
             raise AdapterError("adapters with whole tensors (modules_to_save) cannot be "
                                "combined by weights", file=ad.path,
                                expected="LoRA factors only", found="modules_to_save copies")
@@ -300,7 +301,8 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
         if like == "peft":
             t = like_peft_target(method, module, parts, w, density, base_dtype, new_rank,
                                  scale=new_scale, majority_sign_method=majority_sign_method,
-                                 svd_clamp=svd_clamp)
+                                 svd_clamp=svd_clamp, fan_in_fan_out=bool(
+                                     ads[parts[0][0]].config.get("fan_in_fan_out")))
         elif method in ("exact", "svd") and any(t.is_dora for _, t in parts):
             c = _cat_target(module, parts, w)
             mag = next(t.magnitude for _, t in parts if t.is_dora)

@@ -138,24 +138,34 @@ def _svd_target(module: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[fl
 
 
 def like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget]],
+                     *args, **kw) -> LoraTarget:
+    """The target PEFT's ``add_weighted_adapter(..., combination_type=method)`` makes,
+    with the base weight a PEFT adapter saved (an embedding's, ``save_embedding_layers``):
+    PEFT loads each into the model, so the last adapter's copy is the one merged into."""
+    t = _like_peft_target(method, module, parts, *args, **kw)
+    saved = [p.base_weight for _, p in parts if p.base_weight is not None]
+    return dataclasses.replace(t, base_weight=saved[-1]) if saved else t
+
+
+def _like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget]],
                      w: Sequence[float], density: Optional[float], base_code: str,
                      rank: Optional[int] = None, *, scale: float = 1.0,
                      majority_sign_method: str = "total",
-                     svd_clamp: Optional[float] = None) -> LoraTarget:
-    """The target PEFT's ``add_weighted_adapter(..., combination_type=method)`` makes
-    (``rank``, ``scale``: the new adapter's, from :func:`peft_plan`)."""
+                     svd_clamp: Optional[float] = None, fan_in_fan_out: bool = False
+                     ) -> LoraTarget:
+    """(``rank``, ``scale``: the new adapter's, from :func:`peft_plan`)."""
     t0 = parts[0][1]
-    emb = t0.kind == "embedding"
+    # PEFT's lora_A is lorakit's B.T for an embedding and a fan_in_fan_out (Conv1D) layer
+    swap = t0.kind == "embedding" or fan_in_fan_out
     ws = [float(w[i]) * float(t.scale) for i, t in parts]
     if method == "cat":
         As, Bs = [], []
         for (i, t) in parts:
-            # PEFT's lora_A (lorakit's A; for an embedding lora_embedding_A = lorakit's B.T)
-            a = t.B if emb else t.A
+            a = t.B if swap else t.A
             a = (a.astype(np.float32) * np.float32(w[i])).astype(np.float32)
             a = (a * np.float32(t.scale)).astype(np.float32)
-            (Bs if emb else As).append(a)
-            (As if emb else Bs).append(t.A if emb else t.B)
+            (Bs if swap else As).append(a)
+            (As if swap else Bs).append(t.A if swap else t.B)
         A = _in_model_dtype(np.concatenate(As, axis=-2), base_code)
         B = _in_model_dtype(np.concatenate(Bs, axis=-1), base_code)
         return LoraTarget(module, t0.kind, A, B, scale, None, t0.names,
@@ -172,14 +182,15 @@ def like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget
                            found=f"ranks {ranks}", hint="use method cat or svd")
     wa = [float(np.sqrt(abs(x))) * (1 if x >= 0 else -1) for x in ws]
     wb = [float(np.sqrt(abs(x))) for x in ws]
-    As, Bs = [t.A for _, t in parts], [t.B for _, t in parts]
+
+    def peft(x: np.ndarray) -> np.ndarray:  # lorakit's orientation <-> PEFT's, both ways
+        return np.ascontiguousarray(np.swapaxes(x, -1, -2)) if swap else x
+
     kw = dict(density=density, exact=False, sign_method=majority_sign_method)
-    if emb:
-        A = merge(method, As, wb, **kw)
-        B = merge(method, Bs, wa, **kw)
-    else:
-        A = merge(method, As, wa, **kw)
-        B = merge(method, Bs, wb, **kw)
+    # merged in PEFT's orientation: the flattening order decides ties in pruning
+    pa = merge(method, [peft(t.B if swap else t.A) for _, t in parts], wa, **kw)
+    pb = merge(method, [peft(t.A if swap else t.B) for _, t in parts], wb, **kw)
+    A, B = (peft(pb), peft(pa)) if swap else (pa, pb)
     return LoraTarget(module, t0.kind, A, B, scale, None, t0.names)
 
 
