@@ -26,8 +26,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
-    bases = {"bf16": T.cast_base("bf16", Path()), "fp16": T.cast_base("fp16", tmp / "fp16"),
-             "fp32": T.cast_base("fp32", tmp / "fp32")}
+    bases = {k: T.cast_base(k, tmp / k) for k in T.CODE}
     rows = {}
     for name, case in T.CASES.items():
         row = {"base": case["base"], "method": case["combination_type"],
