@@ -43,6 +43,14 @@ EXACT = [k for k in MERGED if not CASES[k]["combination_type"].endswith("svd")]
 SVD = [k for k in MERGED if CASES[k]["combination_type"].endswith("svd")
        and "svd_clamp" not in CASES[k]["kwargs"]]
 REFUSED = [k for k, v in CASES.items() if "error" in v]
+# one case per feature in the fast tier; the rest (about 8 s) in the slow one
+FAST = {"fp16-cat", "fp32-linear", "three-ties-d03-frequency", "rslora-linear", "pattern-cat",
+        "targets-ties", "bf16-factors-ties-d03", "gpt2-linear", "embedding-cat",
+        "dora-linear", "ranks-svd", "rslora-svd", "fp32-svd", "gpt2-svd"}
+
+
+def _tiered(names):
+    return [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in names]
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +80,13 @@ def run_case(name: str, bases: Dict[str, Path], out: Path, **over) -> dict:
                    bases[case["base"]] / "model.safetensors")
 
 
-@pytest.mark.parametrize("name", EXACT)
+@pytest.mark.parametrize("name", _tiered(EXACT))
 def test_like_peft_bit_for_bit(tmp_path, bases, name):
     tot = run_case(name, bases, tmp_path / "f")["total"]
     assert tot["n"] > 0 and tot["differ"] == 0, (name, tot)
 
 
-@pytest.mark.parametrize("name", SVD)
+@pytest.mark.parametrize("name", _tiered(SVD))
 def test_like_peft_svd_within_tolerance(tmp_path, bases, name):
     dt = CASES[name]["base"]
     tot = run_case(name, bases, tmp_path / "f")["total"]

@@ -6,7 +6,9 @@ factors) on a model whose weights are ``base_code`` (BF16, F16 or F32):
 * ``linear``, ``ties``, ``magnitude_prune``: the A and the B factors merged separately
   in float32 (:func:`lorakit.fusion.peft_methods.merge` with ``exact=False``), weights
   ``sign(w s) sqrt(|w s|)`` (A) and ``sqrt(|w s|)`` (B) cast to float32; the new
-  adapter's factors replace the layer's tensors, so they stay float32; scaling 1.
+  adapter's factors replace the layer's tensors, so they stay float32. Factors of an
+  embedding or a ``fan_in_fan_out`` (Conv1D) layer are merged in PEFT's orientation
+  (the flattening order decides ties in pruning: torch's ``topk`` choice, emulated).
 * ``cat``: ``lora_A * weight * scaling`` (two float32 products) stacked with the B
   factors, *copied into* the new layer's tensors, which PEFT created in the model's
   dtype: both factors are rounded to bf16/fp16. Merging such factors on the CPU, PEFT
@@ -37,12 +39,11 @@ The merge that follows is ``merge_and_unload`` (``rounding="round-once"``).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
-
-import dataclasses
 
 from ..errors import AdapterError, LorakitError
 from ..io.adapter import Adapter, LoraTarget
