@@ -22,15 +22,17 @@ import sys
 from pathlib import Path
 from typing import Dict
 
+import numpy as np
 import pytest
 
 import lorakit
 from lorakit.errors import LorakitError
+from lorakit.fusion.peft_methods import magnitude_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures" / "algebra_wide"
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
-from make_algebra_fixtures_wide import cast_base, compare, sha256  # noqa: E402
+from make_algebra_fixtures_wide import cast_base, compare, sha256, topk_input  # noqa: E402
 
 MANIFEST = json.loads((FIX / "manifest.json").read_text())
 CASES = MANIFEST["cases"]
@@ -149,3 +151,14 @@ def test_cli_fuse_like_peft_three_adapters_frequency(tmp_path, bases):
     tot = compare(tmp_path / "f" / "model.safetensors", FIX / case["merged"],
                   bases["bf16"] / "model.safetensors")["total"]
     assert tot["differ"] == 0, tot
+
+
+def test_magnitude_pruning_keeps_what_torch_topk_keeps():
+    """Among equal magnitudes across the cut, torch's CPU topk (recorded in the manifest)
+    decides; the first-in-order choice is a different set (the check can fail)."""
+    x = topk_input()
+    for k, want in MANIFEST["topk"].items():
+        d = int(k) / x.size
+        got = np.flatnonzero(magnitude_mask(x, d, like_torch=True)).tolist()
+        assert got == want, k
+    assert np.flatnonzero(magnitude_mask(x, 0.3)).tolist() != MANIFEST["topk"]["300"]

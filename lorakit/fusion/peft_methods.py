@@ -48,7 +48,8 @@ def magnitude_mask(x: np.ndarray, density: float, like_torch: bool = False) -> n
         v = np.abs(x.reshape(-1))
         order = np.argsort(-v.astype(np.float64), kind="stable")
         cut = v[order[k - 1]]
-        if like_torch and k < v.size and v[order[k]] == cut:  # a tie across the cut
+        # a tie across the cut decides which elements stay (not when they are zeros)
+        if like_torch and cut != 0 and k < v.size and v[order[k]] == cut:
             mask[_torch_topk_set(v.astype(np.float32), k)] = True
         else:
             mask[order[:k]] = True
