@@ -41,10 +41,15 @@ def add_combination_flags(p: argparse.ArgumentParser, method_flag: str) -> None:
     p.add_argument("--density", type=float, default=None,
                    help="fraction kept by ties, magnitude_prune, dare_*")
     p.add_argument("--seed", type=int, default=None, help="random seed of dare_* (required)")
+    p.add_argument("--majority-sign-method", choices=("total", "frequency"), default="total",
+                   help="ties' sign election (PEFT's majority_sign_method)")
+    p.add_argument("--svd-clamp", type=float, default=None, metavar="Q",
+                   help="with --like peft --method svd: PEFT's svd_clamp quantile")
     p.add_argument("--like", choices=("peft",), default=None,
                    help="reproduce PEFT's add_weighted_adapter (+ merge_and_unload, which "
                    "fuse then does with --rounding round-once) bit for bit: linear, cat, "
-                   "ties, magnitude_prune; svd within 1 ulp on a few elements")
+                   "ties, magnitude_prune; svd, ties_svd within 1 ulp (bf16/fp16) on a few "
+                   "elements")
 
 
 def combination_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
@@ -53,7 +58,8 @@ def combination_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
 
     return combine(args.adapter_path, _weights(args.weights), method=args.method,
                    rank=args.rank, density=args.density, seed=args.seed, like=args.like,
-                   base_dtype=base_dtype, base=getattr(args, "model", None))
+                   base_dtype=base_dtype, base=getattr(args, "model", None),
+                   majority_sign_method=args.majority_sign_method, svd_clamp=args.svd_clamp)
 
 
 def fuse_adapter(args: argparse.Namespace) -> Any:
@@ -91,7 +97,8 @@ def _combine(args: argparse.Namespace) -> int:
     rep = combine(args.adapter_path, _weights(args.weights), method=args.method,
                   rank=args.rank, density=args.density, seed=args.seed, like=args.like,
                   base_dtype=args.model_dtype, save_path=args.save_path, format=args.format,
-                  force=args.force, base=args.base)
+                  force=args.force, base=args.base,
+                  majority_sign_method=args.majority_sign_method, svd_clamp=args.svd_clamp)
     print(json.dumps(rep.to_dict(), indent=2) if args.json else rep)
     return 0
 

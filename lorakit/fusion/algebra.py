@@ -29,7 +29,8 @@ Methods:
   ``sign(w s) sqrt(|w s|)`` on A and ``sqrt(|w s|)`` on B, so the product carries
   cross terms ``B_i A_j`` between adapters (PEFT issue 3004); needs equal ranks.
   lorakit evaluates each merge in float64 and rounds once to float32.
-* ``ties_svd``: PEFT's ``ties`` on the full deltas ``w_i s_i B_i A_i``, then ``svd``.
+* ``ties_svd``: PEFT's ``ties`` on the full deltas ``s_i B_i A_i`` with weights ``w_i``,
+  then ``svd``.
 
 DoRA adapters are combined by ``exact`` only: a DoRA change ``m * (W + d) / ||W + d|| - W``
 depends on the base weight and is not low rank, so a module with a DoRA part becomes a
@@ -61,7 +62,7 @@ from ..io.naming import bind
 from ..io.source import open_source
 from ..io.weights import weight_f64
 from .delta import SumTarget, intended, tensor_pieces
-from .peft_like import check_like_peft, like_peft_target
+from .peft_like import check_like_peft, like_peft_target, peft_dora_magnitudes, peft_plan
 from .peft_methods import RANDOM, merge
 
 PathLike = Union[str, Path]
@@ -117,7 +118,7 @@ def _check_inputs(ads: List[Adapter], weights: Sequence[float], method: str = "e
         raise LorakitError("one weight per adapter", tensor="weights",
                            expected=f"{len(ads)} weights", found=f"{len(weights)}: {weights}")
     for ad in ads:
-        if ad.is_dora and (method not in ("exact", "svd") or like is not None):
+        if ad.is_dora and method not in ("exact", "svd") and like is None:
             raise AdapterError(f"DoRA adapters cannot be combined by {method}"
                                + (f" like {like}" if like else ""), file=ad.path,
                                expected="LoRA adapters, or method exact (fused only) "
@@ -126,7 +127,8 @@ def _check_inputs(ads: List[Adapter], weights: Sequence[float], method: str = "e
                                hint="a DoRA change depends on the base weight's row norms and "
                                "is not low rank; lorakit fuse --adapter-path A --adapter-path "
                                "B --weights ... fuses the exact sum")
-        if ad.replacements or any(t.base_weight is not None for t in ad.targets):
+        if ad.replacements or (like is None and any(t.base_weight is not None
+                                                    for t in ad.targets)):
             raise AdapterError("adapters with whole tensors (modules_to_save) cannot be "
                                "combined by weights", file=ad.path,
                                expected="LoRA factors only", found="modules_to_save copies")
@@ -217,8 +219,8 @@ def _svd(D: np.ndarray, rank: int, factors: Optional[Tuple[np.ndarray, np.ndarra
 
 
 def _factor_merge(method: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[float],
-                  density: Optional[float], rng: Optional[np.random.Generator]
-                  ) -> Tuple[np.ndarray, np.ndarray]:
+                  density: Optional[float], rng: Optional[np.random.Generator],
+                  sign_method: str = "total") -> Tuple[np.ndarray, np.ndarray]:
     """PEFT's merge of the A and of the B factors (lorakit orientation)."""
     ranks = {t.rank for _, t in parts}
     if len(ranks) > 1:
@@ -231,16 +233,17 @@ def _factor_merge(method: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[
     wb = [np.sqrt(abs(x)) for x in ws]
     As, Bs = [t.A for _, t in parts], [t.B for _, t in parts]
     if parts[0][1].kind == "embedding":  # PEFT's lora_embedding_A is lorakit's B.T
-        return (merge(method, As, wb, density=density, rng=rng),
-                merge(method, Bs, wa, density=density, rng=rng))
-    return (merge(method, As, wa, density=density, rng=rng),
-            merge(method, Bs, wb, density=density, rng=rng))
+        return (merge(method, As, wb, density=density, rng=rng, sign_method=sign_method),
+                merge(method, Bs, wa, density=density, rng=rng, sign_method=sign_method))
+    return (merge(method, As, wa, density=density, rng=rng, sign_method=sign_method),
+            merge(method, Bs, wb, density=density, rng=rng, sign_method=sign_method))
 
 
 def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequence[float]] = None,
             *, method: str = "exact", rank: Optional[int] = None,
             density: Optional[float] = None, seed: Optional[int] = None,
             like: Optional[str] = None, base_dtype: str = "BF16", base: Any = None,
+            majority_sign_method: str = "total", svd_clamp: Optional[float] = None,
             save_path: Optional[PathLike] = None, format: str = "mlx-lm",
             force: bool = False) -> Combination:
     """Combine adapters with weights (negative allowed) into one adapter.
@@ -256,6 +259,9 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
             (:mod:`lorakit.fusion.peft_like`; fuse it with ``rounding="round-once"``).
         base_dtype: the model's dtype PEFT would build ``cat`` factors in (``like``).
         base: the checkpoint (path or source) ``svd`` evaluates DoRA parts on.
+        majority_sign_method: ``ties``' sign election, PEFT's ``"total"`` (default) or
+            ``"frequency"``.
+        svd_clamp: ``like="peft"`` ``svd`` only: PEFT's quantile clamp of the factors.
         save_path / format / force: also write the combination there.
 
     >>> c = combine(["data/adapters/lora", "data/adapters/lora"], [0.5, 0.5])
@@ -274,6 +280,10 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
         check_like_peft(method)
         if len(ads) == 1:
             method = "linear"  # PEFT combines a single adapter linearly whatever is asked
+        new_rank, new_scale = peft_plan(ads, method, rank)
+    elif svd_clamp is not None:
+        raise LorakitError("svd_clamp is PEFT's (like='peft', method svd)", tensor="svd_clamp",
+                           expected="like='peft'", found=f"svd_clamp={svd_clamp}")
     rng = None
     if method in RANDOM:
         if seed is None:
@@ -289,7 +299,10 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
                                "adapters": len(parts), "rank_in": "+".join(
                                    str(t.rank) for _, t in parts)}
         if like == "peft":
-            t = like_peft_target(method, module, parts, w, density, base_dtype, rank)
+            t = like_peft_target(method, module, parts, w, density, base_dtype, new_rank,
+                                 scale=new_scale, majority_sign_method=majority_sign_method,
+                                 svd_clamp=svd_clamp, fan_in_fan_out=bool(
+                                     ads[parts[0][0]].config.get("fan_in_fan_out")))
         elif method in ("exact", "svd") and any(t.is_dora for _, t in parts):
             c = _cat_target(module, parts, w)
             mag = next(t.magnitude for _, t in parts if t.is_dora)
@@ -311,19 +324,25 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
                 c = _cat_target(module, parts, w)
                 low = (c.B.astype(np.float64) * np.asarray(c.scale), c.A.astype(np.float64))
             else:
-                D = merge("ties", deltas, [1.0] * len(deltas), density=density).astype(
-                    np.float64)
+                # PEFT's ties(task_tensors=s_i B_i A_i, weights=w_i): prune and elect
+                # the sign on the unweighted deltas, then weight
+                D = merge("ties", [_delta(t, 1.0) for _, t in parts], [w[i] for i, _ in parts],
+                          density=density, sign_method=majority_sign_method
+                          ).astype(np.float64)
                 low = None
             A, B, err = _svd(D, R, low)
             t = LoraTarget(module, t0.kind, A, B, 1.0, None, t0.names)
             row["trunc_rel_err"] = err
         else:
-            A, B = _factor_merge(method, parts, w, density, rng)
+            A, B = _factor_merge(method, parts, w, density, rng, majority_sign_method)
             t = LoraTarget(module, t0.kind, A, B, 1.0, None, t0.names)
         row["rank"] = "W-dependent" if isinstance(t, SumTarget) else t.rank
         targets.append(t)
         rows.append(row)
-    h = hashlib.sha256(repr((method, w, rank, density, seed, like, base_dtype)).encode())
+    h = hashlib.sha256(repr((method, w, rank, density, seed, like, base_dtype)
+                            + ((majority_sign_method,) if majority_sign_method != "total"
+                               else ()) + ((svd_clamp,) if svd_clamp is not None else ())
+                            ).encode())
     if method == "svd" and base is not None:  # DoRA parts were evaluated on it
         h.update(str(getattr(base, "path", base)).encode())
     for ad in ads:
@@ -335,6 +354,8 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
                                "weights": w, "modules": len(targets)}
     if like:
         summary["like"] = f"{like} (factors as PEFT builds them on a {base_dtype} model)"
+    if like == "peft" and ads[0].is_dora:
+        targets[:] = peft_dora_magnitudes(targets, ads, base, base_dtype)  # out holds it
     if method == "svd" and any(r.get("dora") for r in rows):
         _svd_dora(targets, rows, ads, base, rank)
     dora = sum(bool(r.pop("dora", False)) for r in rows)

@@ -6,34 +6,57 @@ factors) on a model whose weights are ``base_code`` (BF16, F16 or F32):
 * ``linear``, ``ties``, ``magnitude_prune``: the A and the B factors merged separately
   in float32 (:func:`lorakit.fusion.peft_methods.merge` with ``exact=False``), weights
   ``sign(w s) sqrt(|w s|)`` (A) and ``sqrt(|w s|)`` (B) cast to float32; the new
-  adapter's factors replace the layer's tensors, so they stay float32; scaling 1.
+  adapter's factors replace the layer's tensors, so they stay float32. Factors of an
+  embedding or a ``fan_in_fan_out`` (Conv1D) layer are merged in PEFT's orientation
+  (the flattening order decides ties in pruning: torch's ``topk`` choice, emulated).
 * ``cat``: ``lora_A * weight * scaling`` (two float32 products) stacked with the B
   factors, *copied into* the new layer's tensors, which PEFT created in the model's
   dtype: both factors are rounded to bf16/fp16. Merging such factors on the CPU, PEFT
   computes the delta in float32 and rounds it to the model's dtype before adding it
   (``round_delta``): two roundings.
-* ``svd``: the float32 deltas summed and truncated by torch's float32 SVD; lorakit
-  takes the SVD of the same float32 sum in float64, so its factors differ from
-  PEFT's by float32 rounding noise (the merged weights by at most 1 ulp, on few
-  elements: measured in tests/test_algebra_peft.py).
+* ``svd``: the float32 deltas summed and truncated by torch's float32 SVD
+  (``svd_rank``; ``svd_clamp``: U S and V^T clipped at the clamp quantile of their
+  values); lorakit takes the SVD of the same float32 sum in float64, so its factors
+  differ from PEFT's by float32 rounding noise (measured in BENCHMARKS.md, "Adapter
+  algebra", and tests/test_algebra_peft_wide.py).
+* ``ties_svd``: PEFT's ``ties`` over the full float32 deltas (as ``ties``, float32
+  steps), then as ``svd``.
 * ``dare_*`` draw torch's random masks: refused (lorakit's own ``dare_*`` take a seed).
+
+The new adapter is PEFT's too (:func:`peft_plan`): the adapters' config ranks
+(``r``, or the largest of ``r`` and ``rank_pattern``) must be equal for the factor
+methods (else PEFT's ValueError); its rank is that rank, their sum (``cat``) or
+``svd_rank`` / the largest (``svd``); its ``lora_alpha`` is that rank, and it keeps
+the first adapter's ``use_rslora``, so its scaling is ``r / sqrt(r)`` when the first
+adapter is rsLoRA (PEFT's merge then comes out ``sqrt(r)`` times too large: reproduced).
+DoRA inputs: PEFT merges their LoRA factors and drops their magnitudes; the new adapter
+is DoRA when the first input is, with the magnitude it is created with (B = 0): the
+base weight's row norms in the model's dtype (:func:`peft_dora_magnitudes`, needs
+``base=``). ``cat`` of DoRA adapters on a bf16/fp16 model (PEFT's DoRA merge then runs
+in that dtype) is refused.
 
 The merge that follows is ``merge_and_unload`` (``rounding="round-once"``).
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import LorakitError
-from ..io.adapter import LoraTarget
+from ..errors import AdapterError, LorakitError
+from ..io.adapter import Adapter, LoraTarget
+from ..io.naming import bind
+from ..io.source import open_source
+from ..io.weights import weight_f64
 from ..numerics import round_to_format, to_float32
-from .core import peft_delta
+from .core import peft_delta, torch_row_norm
 from .peft_methods import merge
 
-LIKE_PEFT = ("linear", "cat", "ties", "magnitude_prune", "svd")
+LIKE_PEFT = ("linear", "cat", "ties", "magnitude_prune", "svd", "ties_svd")
 _FMT = {"BF16": "bfloat16", "F16": "float16"}
+_SAME_RANK = ("linear", "ties", "magnitude_prune", "dare_linear", "dare_ties")
 
 
 def check_like_peft(method: str) -> None:
@@ -44,49 +67,160 @@ def check_like_peft(method: str) -> None:
                            "own dare_* take --seed" if method.startswith("dare") else None)
 
 
+def config_rank(ad: Adapter) -> int:
+    """The rank PEFT allocates for ``ad``: ``r``, or the largest of ``r`` and the
+    ``rank_pattern`` values (an mlx-lm adapter: its largest module rank, as converted)."""
+    cfg = ad.config or {}
+    if "r" in cfg and "peft_type" in cfg:
+        return max([int(cfg["r"]), *(int(v) for v in (cfg.get("rank_pattern") or {}).values())])
+    return max((t.rank for t in ad.targets), default=0)
+
+
+def peft_plan(ads: Sequence[Adapter], method: str, rank: Optional[int]) -> Tuple[int, float]:
+    """(new rank, new scaling) of PEFT's ``add_weighted_adapter`` new adapter; PEFT's
+    refusal of unequal ranks for the factor methods as a :class:`LorakitError`."""
+    ranks = [config_rank(a) for a in ads]
+    if method in _SAME_RANK:
+        if len(set(ranks)) != 1:
+            raise AdapterError(f"PEFT's {method} needs adapters of one rank (PEFT raises "
+                               "ValueError: All adapters must have the same r value)",
+                               file=ads[[r != ranks[0] for r in ranks].index(True)].path,
+                               tensor="r", expected=f"r = {ranks[0]} (the first adapter's)",
+                               found=f"ranks {ranks}", hint="use method cat or svd")
+        new = ranks[0]
+    elif method == "cat":
+        new = sum(ranks)
+    else:
+        new = rank or max(ranks)
+    rs = bool((ads[0].config or {}).get("use_rslora", False))
+    return new, (new / math.sqrt(new) if rs and new else 1.0)
+
+
 def _in_model_dtype(x: np.ndarray, base_code: str) -> np.ndarray:
     if base_code not in _FMT:
         return x.astype(np.float32)
     return to_float32(round_to_format(x.astype(np.float32), _FMT[base_code]), _FMT[base_code])
 
 
-def like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget]],
-                     w: Sequence[float], density: Optional[float], base_code: str,
-                     rank: Optional[int] = None) -> LoraTarget:
-    """The target PEFT's ``add_weighted_adapter(..., combination_type=method)`` makes."""
+def torch_quantile(x32: np.ndarray, q: float) -> np.float32:
+    """``torch.quantile(x, q)`` (linear interpolation, float32 steps) of a 1-D array."""
+    s = np.sort(x32.astype(np.float32))
+    pos = np.float32(q) * np.float32(s.size - 1)
+    lo, hi = int(np.floor(pos)), int(np.ceil(pos))
+    wt = np.float32(pos - np.float32(lo))
+    a, b = s[lo], s[hi]
+    if abs(wt) < 0.5:
+        return np.float32(a + wt * np.float32(b - a))
+    return np.float32(b - np.float32(b - a) * np.float32(1 - wt))
+
+
+def _svd_target(module: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[float],
+                rank: int, scale: float, clamp: Optional[float], ties: Optional[dict] = None
+                ) -> LoraTarget:
     t0 = parts[0][1]
-    emb = t0.kind == "embedding"
+    ds = [peft_delta(t.B.astype(np.float32), t.A.astype(np.float32), np.float32(t.scale))
+          for _, t in parts]
+    if ties is not None:  # ties_svd: PEFT's ties over the full deltas
+        total = merge("ties", ds, [w[i] for i, _ in parts], exact=False, **ties)
+    else:  # task_arithmetic: stacked, times the f32 weights, summed in order
+        total = None
+        for (i, _), d in zip(parts, ds):
+            d = (d * np.float32(w[i])).astype(np.float32)
+            total = d if total is None else (total + d).astype(np.float32)
+    assert total is not None
+    U, S, Vh = np.linalg.svd(total.astype(np.float64), full_matrices=False)
+    R = min(rank, S.shape[-1])
+    B = (U[:, :R].astype(np.float32) * S[:R].astype(np.float32)).astype(np.float32)
+    A = Vh[:R].astype(np.float32)
+    if clamp is not None:
+        hi = torch_quantile(np.concatenate([B.reshape(-1), A.reshape(-1)]), clamp)
+        B, A = np.clip(B, -hi, hi), np.clip(A, -hi, hi)
+    return LoraTarget(module, t0.kind, A, B, scale, None, t0.names)
+
+
+def like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget]],
+                     *args, **kw) -> LoraTarget:
+    """The target PEFT's ``add_weighted_adapter(..., combination_type=method)`` makes,
+    with the base weight a PEFT adapter saved (an embedding's, ``save_embedding_layers``):
+    PEFT loads each into the model, so the last adapter's copy is the one merged into."""
+    t = _like_peft_target(method, module, parts, *args, **kw)
+    saved = [p.base_weight for _, p in parts if p.base_weight is not None]
+    return dataclasses.replace(t, base_weight=saved[-1]) if saved else t
+
+
+def _like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget]],
+                     w: Sequence[float], density: Optional[float], base_code: str,
+                     rank: Optional[int] = None, *, scale: float = 1.0,
+                     majority_sign_method: str = "total",
+                     svd_clamp: Optional[float] = None, fan_in_fan_out: bool = False
+                     ) -> LoraTarget:
+    """(``rank``, ``scale``: the new adapter's, from :func:`peft_plan`)."""
+    t0 = parts[0][1]
+    # PEFT's lora_A is lorakit's B.T for an embedding and a fan_in_fan_out (Conv1D) layer
+    swap = t0.kind == "embedding" or fan_in_fan_out
     ws = [float(w[i]) * float(t.scale) for i, t in parts]
     if method == "cat":
         As, Bs = [], []
         for (i, t) in parts:
-            # PEFT's lora_A (lorakit's A; for an embedding lora_embedding_A = lorakit's B.T)
-            a = t.B if emb else t.A
+            a = t.B if swap else t.A
             a = (a.astype(np.float32) * np.float32(w[i])).astype(np.float32)
             a = (a * np.float32(t.scale)).astype(np.float32)
-            (Bs if emb else As).append(a)
-            (As if emb else Bs).append(t.A if emb else t.B)
+            (Bs if swap else As).append(a)
+            (As if swap else Bs).append(t.A if swap else t.B)
         A = _in_model_dtype(np.concatenate(As, axis=-2), base_code)
         B = _in_model_dtype(np.concatenate(Bs, axis=-1), base_code)
-        return LoraTarget(module, t0.kind, A, B, 1.0, None, t0.names,
+        return LoraTarget(module, t0.kind, A, B, scale, None, t0.names,
                           round_delta=base_code in _FMT)
-    if method == "svd":
-        total = None
-        for (i, t), x in zip(parts, ws):
-            d = peft_delta(t.B.astype(np.float32), t.A.astype(np.float32), np.float32(t.scale))
-            d = (d * np.float32(w[i])).astype(np.float32)
-            total = d if total is None else (total + d).astype(np.float32)
-        U, S, Vh = np.linalg.svd(total.astype(np.float64), full_matrices=False)
-        R = min(rank or max(t.rank for _, t in parts), S.shape[-1])
-        B = (U[:, :R].astype(np.float32) * S[:R].astype(np.float32)).astype(np.float32)
-        return LoraTarget(module, t0.kind, Vh[:R].astype(np.float32), B, 1.0, None, t0.names)
+    if method in ("svd", "ties_svd"):
+        return _svd_target(module, parts, w, rank or max(t.rank for _, t in parts), scale,
+                           svd_clamp, None if method == "svd" else dict(
+                               density=density, sign_method=majority_sign_method))
+    ranks = sorted({t.rank for _, t in parts})
+    if len(ranks) > 1:  # torch.stack of factors of different shapes (rank_pattern)
+        raise AdapterError(f"PEFT's {method} stacks the factors, which differ in rank here "
+                           "(PEFT raises RuntimeError: stack expects each tensor to be "
+                           "equal size)", tensor=module, expected="one rank per module",
+                           found=f"ranks {ranks}", hint="use method cat or svd")
     wa = [float(np.sqrt(abs(x))) * (1 if x >= 0 else -1) for x in ws]
     wb = [float(np.sqrt(abs(x))) for x in ws]
-    As, Bs = [t.A for _, t in parts], [t.B for _, t in parts]
-    if emb:
-        A = merge(method, As, wb, density=density, exact=False)
-        B = merge(method, Bs, wa, density=density, exact=False)
-    else:
-        A = merge(method, As, wa, density=density, exact=False)
-        B = merge(method, Bs, wb, density=density, exact=False)
-    return LoraTarget(module, t0.kind, A, B, 1.0, None, t0.names)
+
+    def peft(x: np.ndarray) -> np.ndarray:  # lorakit's orientation <-> PEFT's, both ways
+        return np.ascontiguousarray(np.swapaxes(x, -1, -2)) if swap else x
+
+    kw = dict(density=density, exact=False, sign_method=majority_sign_method)
+    # merged in PEFT's orientation: the flattening order decides ties in pruning
+    pa = merge(method, [peft(t.B if swap else t.A) for _, t in parts], wa, **kw)
+    pb = merge(method, [peft(t.A if swap else t.B) for _, t in parts], wb, **kw)
+    A, B = (peft(pb), peft(pa)) if swap else (pa, pb)
+    return LoraTarget(module, t0.kind, A, B, scale, None, t0.names)
+
+
+def peft_dora_magnitudes(targets: List[LoraTarget], ads: Sequence[Adapter], base,
+                         base_code: str) -> List[LoraTarget]:
+    """The targets with the magnitude PEFT gives a new DoRA adapter: the row norms of
+    the base weight (torch's f32 row norm, rounded to the model's dtype)."""
+    if base is None:
+        raise LorakitError("PEFT's combination of DoRA adapters is a DoRA adapter whose "
+                           "magnitude is the base weight's row norms", tensor="base",
+                           expected="base=CHECKPOINT (lorakit combine --base, or fuse's "
+                           "--model)", found="none")
+    if any(t.round_delta for t in targets):
+        raise AdapterError("--like peft does not reproduce cat of DoRA adapters on a "
+                           f"{base_code} model", file=ads[0].path, tensor="method",
+                           expected="linear, ties, magnitude_prune or svd (or an F32 model)",
+                           found="cat", hint="PEFT's DoRA merge of bf16/fp16 cat factors "
+                           "runs in the model's dtype")
+    src = open_source(base)
+    where = {b.target.module: b for b in bind(
+        Adapter(ads[0].path, "mlx-lm", list(targets), {}, ads[0].weights_file), src)}
+    out = []
+    for t in targets:
+        b = where[t.module]
+        if t.kind != "linear" or len(b.shape) != 2:
+            raise AdapterError("--like peft reproduces DoRA combinations of linear layers "
+                               "only", tensor=t.module, expected="a linear weight",
+                               found=f"{t.kind} {list(b.shape)}")
+        W = weight_f64(src, b.tensor).astype(np.float32)
+        out.append(dataclasses.replace(t, magnitude=_in_model_dtype(torch_row_norm(W),
+                                                                    base_code)))
+    return out
