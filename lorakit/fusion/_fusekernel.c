@@ -21,7 +21,7 @@
  *            the terms may have cancelled (see core._fuse_nearest).
  *   g        gamma_n = n u / (1 - n u), the relative error bound of the f64 sum.
  *   out      writable rows x cols elements of fmt_out.
- *   flagged  bytes of int64 flat indices to redo exactly, ascending.
+ *   flagged  bytes of int64 flat indices to redo exactly (each once, in no order).
  *   special  1 when some f64 sum is inf or NaN (a non-finite weight or adapter):
  *            the caller redoes the tensor on the numpy path, whose NaN rules it
  *            defines (``out`` is then partly written); 0 otherwise.
@@ -29,7 +29,8 @@
  * The flags are those of core._near_ties: within 2**-20 ulp of a rounding tie (by
  * the bits for normal results, by the exact scaled fraction for subnormal ones); or
  * |x| below the cancellation bound and its distance to the nearest tie within
- * 2 g (|W| + sum_k |Bs[i,k] A[k,j]|).
+ * e = 2 g (|W| + sum_k |Bs[i,k] A[k,j]|); or a result that rounds to zero with
+ * 0 < e and |x| <= e (the zero's sign is the exact value's).
  *
  * Work goes in tiles of TILE columns (A's tile stays in the L1/L2 cache) across all
  * rows: one vectorised pass accumulates a row's tile in f64, a second rounds it and
@@ -210,12 +211,16 @@ static ALWAYS_INLINE int tile_slow(Job *jb, size_t i, size_t j0, size_t m, const
         } else {
             near = ((ab & f->dropmask) - f->half + f->tol) <= 2 * f->tol;
         }
-        if (!near && rc * jb->col_max[j] > ax) { /* cancelled: its own error bound */
+        /* rounds to zero: the sign is the exact value's, certain where |x| > error */
+        int zero = ab < f->minn && ax * ldexp(1.0, f->p - 1 - f->emin) <= 0.5;
+        if (!near && (zero || rc * jb->col_max[j] > ax)) { /* its own error bound */
             double s = 0;
             const double *b = jb->bs + i * jb->rank;
             for (size_t k = 0; k < jb->rank; k++) s += fabs(b[k]) * fabs(jb->a[k * jb->cols + j]);
             double wa = fabs(load_w(jb->w, i * jb->cols + j, fin));
-            near = tie_distance(ax, f) <= 2 * jb->g * (wa + s);
+            double err = 2 * jb->g * (wa + s);
+            if (rc * jb->col_max[j] > ax) near = tie_distance(ax, f) <= err;
+            if (zero && ax <= err && err > 0) near = 1;
         }
         if (near && flags_push(&jb->fl, (int64_t)(i * jb->cols + j)) < 0) {
             jb->nomem = 1;
@@ -255,6 +260,8 @@ static ALWAYS_INLINE void run(Job *jb, const int fin, const int fout) {
             const double *cm = jb->col_max + j0;
             uint64_t any = 0;
             for (size_t t = 0; t < m; t++) {
+                /* + 0.0: an exact zero is +0, as numpy's sum (products from +0, then W) */
+                x[t] += 0.0;
                 uint64_t a = d_bits(x[t]);
                 uint64_t ab = a & 0x7FFFFFFFFFFFFFFFull;
                 uint64_t d = ab - minn;
@@ -375,7 +382,7 @@ static PyObject *fuse_nearest(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *flagged = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(8 * total));
     if (!flagged) goto done;
     char *p = PyBytes_AS_STRING(flagged);
-    for (int t = 0; t < nj; t++) { /* jobs hold ascending rows: ascending overall */
+    for (int t = 0; t < nj; t++) {
         if (jobs[t].fl.n) memcpy(p, jobs[t].fl.v, 8 * jobs[t].fl.n);
         p += 8 * jobs[t].fl.n;
     }

@@ -82,7 +82,9 @@ def _near_ties(x: np.ndarray, fmt_out,
     among the elements below it (their terms cancelled),
     those whose distance to the nearest tie is within their own error bound
     (``error(flat indices)``). Without cancellation the f64 sum is within ~2**-44
-    ulp, so everything else is already correct.
+    ulp, so everything else is already correct. Given ``error``, also the results
+    that round to zero whose |x| is within its error bound (the sign of the zero is
+    the exact value's; an exact zero is +0, as the f64 sum gives it).
     """
     drop = 53 - fmt_out.precision  # f64 fraction bits below the output's last bit
     half = _U64(1 << (drop - 1))
@@ -99,6 +101,11 @@ def _near_ties(x: np.ndarray, fmt_out,
         y = ax[idx] * 2.0 ** (fmt_out.precision - 1 - fmt_out.emin)  # exact scaling
         frac = y - np.floor(y)
         near[idx] = np.abs(frac - 0.5) < 2.0 ** -20
+        if error is not None:  # a result that rounds to zero has the exact value's
+            z = idx[y <= 0.5]  # sign: certain only where |x| exceeds its error bound
+            if z.size:
+                e = error(z)
+                near[z[(ax[z] <= e) & (e > 0)]] = True
     if cancel is not None:  # the f64 error may be a sizeable part of an ulp here
         rc, cm = cancel
         # every element under its own bound is under the largest bound (a product of
