@@ -25,8 +25,10 @@ except ImportError:  # pragma: no cover - depends on the install
 
 #: set to False (or LORAKIT_FUSE_KERNEL=0 in the environment) to use the numpy path
 USE_KERNEL = os.environ.get("LORAKIT_FUSE_KERNEL", "1") != "0"
-#: threads the kernel splits rows over (LORAKIT_FUSE_THREADS; at most 2)
-THREADS = int(os.environ.get("LORAKIT_FUSE_THREADS", "0") or 0) or min(2, os.cpu_count() or 1)
+#: threads the kernel splits a weight's rows over (LORAKIT_FUSE_THREADS=2; at most 2).
+#: One by default: the streaming fuse already computes two tensors at a time, and a
+#: second thread per tensor measured slower there (BENCHMARKS.md, "fuse steps")
+THREADS = int(os.environ.get("LORAKIT_FUSE_THREADS", "1") or 1)
 #: formats the C kernel takes, by its format number
 _KERNEL_FMT = {"bfloat16": 0, "float16": 1, "float32": 2}
 
