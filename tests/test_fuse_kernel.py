@@ -299,7 +299,7 @@ def test_flags_never_miss_and_rarely_false_alarm(case, threads) -> None:
     rows, cols, r = 300, 700, 8
     w, A, B = pieces(11, rows, cols, r, "BF16")
     if case == "near-ties":  # every element a hair (~2**-60, below f64's ulp) off a tie
-        rows = 8
+        rows = 4
         wv = rng.uniform(1, 2, (rows, cols))
         w = to_code(wv, "BF16")
         A = np.stack([np.full(cols, 2.0 ** -8)] + [rng.standard_normal(cols) * 2.0 ** -55
@@ -321,11 +321,12 @@ def test_flags_never_miss_and_rarely_false_alarm(case, threads) -> None:
     wrong = np.flatnonzero(raw.reshape(-1) != good.reshape(-1))
     assert np.isin(wrong, flags).all(), f"missed {np.setdiff1d(wrong, flags)[:5]}"
     if case == "near-ties":
-        assert wrong.size > 500  # the test has teeth: one f64 pass gets many wrong
+        assert wrong.size > 250  # the test has teeth: one f64 pass gets many wrong
     else:
         assert flags.size <= 1e-4 * rows * cols
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2), st.integers(0, 2), st.integers(1, 40), st.integers(1, 90),
        st.sampled_from([1, 2, 8]), st.integers(-30, 10), st.integers(0, 2 ** 32 - 1))
