@@ -5,7 +5,7 @@
  * LoRA (DoRA keeps the numpy path). Both give the same bits: the numpy path and this
  * kernel each compute x = W + sum_k Bs[i,k] A[k,j] in float64, round it once to the
  * output format, and flag the elements whose f64 value might round the wrong way;
- * Python redoes those in exact rationals (core._exact_fix). After that fix every
+ * Python redoes those in exact rationals (nearest._redo_exact). After that fix every
  * element is the correctly rounded exact value, which is unique: the summation order
  * here (FMA or not) may differ from numpy's, as the error bound covers any order
  * (tests/test_fuse_kernel.py compares the two bit for bit).
