@@ -36,11 +36,28 @@ PY = sys.executable
 
 
 def export(commit: str, where: Path) -> Path:
+    """The commit's tree (git holds the C extensions' sources only: see
+    :func:`build_extensions`)."""
     where.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
     return where
+
+
+def build_extensions(tree: Path) -> List[str]:
+    """Build the tree's C extensions (``lorakit/**/_*kernel.c``) in place, as pip does
+    where a compiler is found; their module names. Run from an empty folder: setuptools then ignores pyproject.toml."""
+    built = []
+    for src in sorted(tree.glob("lorakit/**/_*kernel.c")):
+        mod = ".".join(src.relative_to(tree).with_suffix("").parts)
+        code = ("from setuptools import setup, Extension; setup(script_args=['build_ext', "
+                f"'--build-lib', {str(tree)!r}], ext_modules=[Extension({mod!r}, "
+                f"[{str(src)!r}], extra_compile_args=['-O3'])])")
+        with tempfile.TemporaryDirectory(prefix="lorakit-build-") as cwd:
+            subprocess.run([PY, "-c", code], cwd=cwd, check=True, capture_output=True)
+        built.append(mod)
+    return built
 
 
 def run_one(cmd: List[str], env: Dict[str, str]) -> Tuple[float, float, float]:
@@ -75,6 +92,8 @@ def main() -> int:
         for step in args.step:
             name, commit = step.split("=", 1)
             tree = export(commit, Path(tmp) / name)
+            print(f"{name} ({commit}): built {', '.join(build_extensions(tree)) or 'no C kernel'}",
+                  flush=True)
             env = dict(os.environ, PYTHONPATH=str(tree))
             for r in roundings:
                 cmds[f"{name} ({commit}), {r}"] = (

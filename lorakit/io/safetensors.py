@@ -282,15 +282,24 @@ def read_raw(info: TensorInfo, rows: Optional[slice] = None) -> np.ndarray:
     if begin + want > info.end:
         raise FormatError("read past the tensor's data", file=info.file, tensor=info.name,
                           expected=f"<= {info.nbytes} bytes", found=f"{want} bytes")
-    with open(info.file, "rb") as f:
+    # straight into the array (no bytes object to allocate, fault in and wrap)
+    buf = np.empty(count, dt)
+    view = memoryview(buf).cast("B")
+    got = 0
+    with open(info.file, "rb", buffering=0) as f:
         f.seek(begin)
-        buf = f.read(want)
-    if len(buf) != want:
+        while got < want:
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    if got != want:
         raise FormatError("file ended before the tensor's data", file=info.file,
                           tensor=info.name, expected=f"{want} bytes",
-                          found=f"{len(buf)} bytes")
+                          found=f"{got} bytes")
+    buf.flags.writeable = False  # as before: a tensor read is the file's, not to edit
     try:
-        return np.frombuffer(buf, dtype=dt).reshape(shape)
+        return buf.reshape(shape)
     except ValueError:  # a dimension past numpy's index type (2**63), with zero elements
         raise FormatError("numpy cannot hold this tensor's shape", file=info.file,
                           tensor=info.name, expected="dimensions below 2**63",

@@ -1,0 +1,220 @@
+"""The ``nearest`` rounding: W + scale * (B @ A) correctly rounded (see core.py).
+
+The sum in float64, one rounding to the output format, then the few elements whose
+f64 value might round the wrong way (near a tie, or cancelled terms) redone in exact
+rationals. A plain LoRA goes through the optional C kernel (``_fusekernel.c``: the
+same sum, rounding and flags in one pass) where it is built; DoRA, a build without
+it, or ``LORAKIT_FUSE_KERNEL=0`` take the numpy path. Both give the same bits
+(tests/test_fuse_kernel.py).
+"""
+from __future__ import annotations
+
+import os
+from fractions import Fraction
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from .. import numerics as nm
+from .delta import dora_factor
+
+try:  # the optional C accelerator (pyproject: built where a C compiler is found)
+    from . import _fusekernel as _kernel
+except ImportError:  # pragma: no cover - depends on the install
+    _kernel = None
+
+#: set to False (or LORAKIT_FUSE_KERNEL=0 in the environment) to use the numpy path
+USE_KERNEL = os.environ.get("LORAKIT_FUSE_KERNEL", "1") != "0"
+#: threads the kernel splits a weight's rows over (LORAKIT_FUSE_THREADS=2; at most 2).
+#: One by default: the streaming fuse already computes two tensors at a time, and a
+#: second thread per tensor measured slower there (BENCHMARKS.md, "fuse steps")
+THREADS = int(os.environ.get("LORAKIT_FUSE_THREADS", "1") or 1)
+#: formats the C kernel takes, by its format number
+_KERNEL_FMT = {"bfloat16": 0, "float16": 1, "float32": 2}
+
+
+def kernel_available() -> bool:
+    """Whether the C fuse kernel is built (and not switched off)."""
+    return _kernel is not None and USE_KERNEL
+
+
+def use_kernel() -> bool:
+    return USE_KERNEL and _kernel is not None
+
+
+def _cancel_bound(A64: np.ndarray, Bs: np.ndarray, fmt_out):
+    """(g, row_c, col_max) of the cancellation test (see :func:`_fuse_nearest`)."""
+    n = A64.shape[0] + 3
+    g = n * 2.0 ** -53 / (1 - n * 2.0 ** -53)
+    k = 2.0 ** (21 + fmt_out.precision)
+    row_c = np.abs(Bs).sum(axis=1) * ((2 + g) * g * k / (1 - g * k))
+    col_max = np.abs(A64).max(axis=0) if A64.size else np.zeros(A64.shape[1])
+    return g, row_c, col_max
+
+
+def _fuse_kernel(w: np.ndarray, fmt_in, A64: np.ndarray, B64: np.ndarray, Bs: np.ndarray,
+                 scale, fmt_out, out: np.ndarray) -> bool:
+    """The C kernel's pass into ``out``, then the exact redo of what it flagged. False
+    when a sum is inf or NaN (a non-finite weight): the numpy path decides those."""
+    g, row_c, col_max = _cancel_bound(A64, Bs, fmt_out)
+    wc = np.ascontiguousarray(w).view(fmt_in.storage)
+    flagged, special = _kernel.fuse_nearest(
+        wc, _KERNEL_FMT[fmt_in.name], w.shape[1], np.ascontiguousarray(Bs),
+        np.ascontiguousarray(A64), np.ascontiguousarray(row_c, np.float64),
+        np.ascontiguousarray(col_max, np.float64), g, _KERNEL_FMT[fmt_out.name], out,
+        THREADS)
+    if special:
+        return False
+    _redo_exact(np.frombuffer(flagged, np.int64), wc, fmt_in, B64, A64, scale, out, fmt_out)
+    return True
+
+
+_PIECE = 1 << 16  # elements per piece: the f64 working set stays in the L2 cache
+_U64 = np.uint64
+
+
+def _near_ties(x: np.ndarray, fmt_out,
+               cancel: Optional[Tuple[np.ndarray, np.ndarray]] = None,
+               error: Optional[Any] = None) -> np.ndarray:
+    """Flat indices of f64 values that may round the wrong way in ``fmt_out``.
+
+    Those within 2**-20 ulp of a rounding tie. And, given ``cancel`` = (per row,
+    per column) factors whose product is, per element, a magnitude that ``|x|`` must
+    exceed for the f64 error to stay under 2**-21 ulp (see :func:`_fuse_nearest`):
+    among the elements below it (their terms cancelled),
+    those whose distance to the nearest tie is within their own error bound
+    (``error(flat indices)``). Without cancellation the f64 sum is within ~2**-44
+    ulp, so everything else is already correct. Given ``error``, also the results
+    that round to zero whose |x| is within its error bound (the sign of the zero is
+    the exact value's; an exact zero is +0, as the f64 sum gives it).
+    """
+    drop = 53 - fmt_out.precision  # f64 fraction bits below the output's last bit
+    half = _U64(1 << (drop - 1))
+    tol = _U64(1 << (drop - 20))
+    bits = x.reshape(-1).view(np.uint64)
+    t = bits & _U64((1 << drop) - 1)
+    t -= half
+    t += tol  # unsigned wrap: values below the tie land near 2**64, above it near 0
+    near = t <= _U64(2) * tol
+    ax = np.abs(x.reshape(-1))
+    small = ax < 2.0 ** fmt_out.emin  # subnormal outputs: fixed spacing, check directly
+    if small.any():
+        idx = np.flatnonzero(small)
+        y = ax[idx] * 2.0 ** (fmt_out.precision - 1 - fmt_out.emin)  # exact scaling
+        frac = y - np.floor(y)
+        near[idx] = np.abs(frac - 0.5) < 2.0 ** -20
+        if error is not None:  # a result that rounds to zero has the exact value's
+            z = idx[y <= 0.5]  # sign: certain only where |x| exceeds its error bound
+            if z.size:
+                e = error(z)
+                near[z[(ax[z] <= e) & (e > 0)]] = True
+    if cancel is not None:  # the f64 error may be a sizeable part of an ulp here
+        rc, cm = cancel
+        # every element under its own bound is under the largest bound (a product of
+        # non-negative factors rounds monotonically): one compare with a scalar over
+        # the piece, then the exact per-element bound on the few below it
+        top = rc.max(initial=0.0) * cm.max(initial=0.0)
+        pre = np.flatnonzero(ax < top)
+        i, j = np.divmod(pre, x.shape[1])
+        cand = pre[rc[i] * cm[j] > ax[pre]]
+        if cand.size:
+            if error is None:
+                near[cand] = True
+            else:
+                near[cand[_tie_distance(ax[cand], fmt_out) <= error(cand)]] = True
+    return np.flatnonzero(near)
+
+
+def _tie_distance(ax: np.ndarray, fmt_out) -> np.ndarray:
+    """A lower bound of the distance from each |x| (f64) to the nearest rounding tie
+    of ``fmt_out``: min(|r - ulp/2|, r + ulp/4) with r = |x| mod ulp (the second term
+    covers the tie just below the binade, whose spacing is half as large). r is exact
+    (scaling by powers of two, floor, one subtraction); the last subtraction may
+    round, so the result is shrunk by 2**-50 to stay a lower bound."""
+    _, e = np.frexp(ax)  # ax = m * 2**e, 0.5 <= m < 1 (and e = 0 for 0: use the
+    e[ax == 0] = fmt_out.emin + 1  # subnormal spacing there, the finest of the format)
+    ulp = np.ldexp(1.0, np.maximum(e - 1, fmt_out.emin) - (fmt_out.precision - 1))
+    r = ax - np.floor(ax / ulp) * ulp
+    return np.minimum(np.abs(r - 0.5 * ulp), r + 0.25 * ulp) * (1 - 2.0 ** -50)
+
+
+def _exact_fix(x64: np.ndarray, w_rows: np.ndarray, fmt_in, Bs: np.ndarray, A: np.ndarray,
+               scale: float, out_bits: np.ndarray, fmt_out,
+               cancel: Optional[Tuple[np.ndarray, np.ndarray]] = None, error: Optional[Any] = None) -> None:
+    """Redo, in exact rationals, the elements whose f64 sum lies within rounding noise
+    of a tie of the output format, or whose terms cancel (in place). Rare: a handful
+    per million, often none."""
+    _redo_exact(_near_ties(x64, fmt_out, cancel, error), w_rows, fmt_in, Bs, A, scale,
+                out_bits, fmt_out)
+
+
+def _redo_exact(idx: np.ndarray, w_rows: np.ndarray, fmt_in, Bs: np.ndarray, A: np.ndarray,
+                scale: float, out_bits: np.ndarray, fmt_out) -> None:
+    """Round W + sum_k scale_k Bs[i,k] A[k,j] exactly (rationals) at the flat indices
+    ``idx`` of ``out_bits`` (in place); ``Bs`` is B itself, unscaled."""
+    if idx.size == 0:
+        return
+    cols = out_bits.shape[1]
+    # a combination of adapters has one scale per rank column (fusion/algebra.py)
+    sk = [Fraction(float(c)) for c in np.broadcast_to(np.asarray(scale, np.float64),
+                                                        (A.shape[0],))]
+    flat_out = out_bits.reshape(-1)
+    for f in idx:
+        i, j = divmod(int(f), cols)
+        w = float(nm.to_float64(w_rows[i:i + 1, j:j + 1], fmt_in)[0, 0])
+        exact = Fraction(w) + sum(
+            sk[k] * Fraction(float(Bs[i, k])) * Fraction(float(A[k, j]))
+            for k in range(A.shape[0]))
+        x = float(exact)  # correctly rounded to f64
+        if Fraction(x) != exact:
+            # x may sit exactly on a tie that the exact value does not: step off it
+            # towards the exact value so the one rounding below goes the right way
+            x = float(np.nextafter(x, np.inf if exact > x else -np.inf))
+        flat_out[f] = nm.round_to_format(np.array([x]), fmt_out)[0]
+
+
+def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: float,
+                  magnitude: Optional[np.ndarray], fmt_out) -> np.ndarray:
+    rows, cols = w.shape
+    out = np.empty((rows, cols), dtype=fmt_out.storage)
+    A64 = A.astype(np.float64)
+    B64 = B.astype(np.float64)
+    Bs = B64 * scale
+    if magnitude is None and w.size and use_kernel():
+        if _fuse_kernel(w, fmt_in, A64, B64, Bs, scale, fmt_out, out):
+            return out
+    # pieces of whole rows (DoRA normalises rows); larger for DoRA, whose row norm
+    # pass is cheap next to the per-piece overhead
+    step = max(1, (_PIECE * (16 if magnitude is not None else 1)) // max(cols, 1))
+    buf = np.empty((min(step, rows), cols), np.float64)
+    # Cancellation. The f64 result x of W + sum_k Bs[i,k] A[k,j] (any summation order,
+    # FMA or not, Bs itself rounded) is within e = g (|W| + S) of the exact value
+    # (Higham: g = gamma_n = n u / (1 - n u), n = rank + 3, u = 2**-53), where
+    # S = sum_k |Bs[i,k]| |A[k,j]| <= (row L1 norm of Bs) * (column max of |A|).
+    # As |W| <= |x| + (1 + g) S, e stays below 2**-21 ulp (K = 2**(21 + precision),
+    # ulp >= |x| / 2**precision) wherever S * (2 + g) g K / (1 - g K) < |x|; the
+    # other elements are redone exactly (_exact_fix).
+    g, row_c, col_max = _cancel_bound(A64, Bs, fmt_out)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        x = buf[: r1 - r0]
+        np.matmul(Bs[r0:r1], A64, out=x)
+        x += nm.to_float64(w[r0:r1], fmt_in)
+        if magnitude is not None:
+            norm = np.sqrt(np.einsum("ij,ij->i", x, x))
+            x *= dora_factor(magnitude[r0:r1], norm, slice(r0, r1))[:, None]
+        nm.round_to_format(x, fmt_out, out=out[r0:r1])
+        if magnitude is None:
+            cancel = (row_c[r0:r1], col_max)
+
+            def error(flat: np.ndarray, r0: int = r0, r1: int = r1) -> np.ndarray:
+                """The f64 error bound g (|W| + sum_k |Bs[i,k] A[k,j]|) of these
+                elements, doubled (its own f64 evaluation rounds too)."""
+                i, j = np.divmod(flat, cols)
+                s = np.einsum("mk,km->m", np.abs(Bs[r0:r1][i]), np.abs(A64[:, j]))
+                wa = np.abs(nm.to_float64(w[r0:r1][i, j], fmt_in))
+                return 2 * g * (wa + s)
+
+            _exact_fix(x, w[r0:r1], fmt_in, B64[r0:r1], A64, scale, out[r0:r1], fmt_out,
+                       cancel, error)
+    return out
