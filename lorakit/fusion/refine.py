@@ -78,7 +78,8 @@ def rounding_box(T: np.ndarray, code: str, margin: float = 0.5
     below and above each value of ``T`` (float64, values of format ``code``), and the
     ulp of ``T``. With ``margin = 0.5`` they are the boundaries themselves (a value on
     one rounds to the neighbour with the even significand). The spacing towards zero
-    halves at a power of two above the smallest normal.
+    halves at a power of two above the smallest normal; a zero's box is one-sided (its
+    sign).
 
     >>> T = np.array([1.0, -1.0, 1.5])
     >>> lo, hi, u = rounding_box(T, "BF16")
@@ -93,6 +94,10 @@ def rounding_box(T: np.ndarray, code: str, margin: float = 0.5
     pos = T > 0
     up = np.where(pos, u, toward)
     down = np.where(pos, toward, u)
+    # a signed zero: only its own side rounds to it (values just below +0 give -0)
+    zero = T == 0
+    up[zero & np.signbit(T)] = 0.0
+    down[zero & ~np.signbit(T)] = 0.0
     return T - margin * down, T + margin * up, u
 
 
