@@ -183,7 +183,7 @@ def test_modules_filter_and_untouched(fused):
 def test_embedding_changes_are_saved_in_full(tmp_path):
     fused = tmp_path / "fused-embed"
     lorakit.fuse(BASE, DATA / "adapters" / "lora-embed", fused, progress=False)
-    rep = extract(BASE, fused, rank=8, progress=False)
+    rep = extract(BASE, fused, rank=8, refine=False, progress=False)  # the refit: above
     full = [r for r in rep.rows if r["method"] == "full"]
     assert full and all("embed_tokens" in r["module"] for r in full)
     assert [x.name for x in rep.adapter.replacements] == [r["module"] for r in full]
