@@ -283,8 +283,14 @@ def test_cli_extract_and_resize(fused, tmp_path, capsys):
     import json
 
     out = json.loads(capsys.readouterr().out)
-    assert out["summary"]["low-rank modules"] == 4
+    assert out["summary"]["low-rank modules"] == 4 and out["summary"]["refit"].startswith("on")
     assert len(lorakit.load_adapter(tmp_path / "e").targets) == 4
+    assert main(["extract", "--base", str(BASE), "--tuned", str(fused), "--rank", "8",
+                 "--modules", "q_proj", "--no-refine", "--save-path", str(tmp_path / "n"),
+                 "-q", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["summary"]["refit"] == "off"
+    assert all(r["iters"] == 0 and r["outside"] == r["outside_svd"] > 0 for r in out["rows"])
     assert main(["resize", str(LORA), "--energy", "0.9", "--save-path", str(tmp_path / "r")]) == 0
     assert "resize: lora" in capsys.readouterr().out
     assert main(["resize", str(LORA), "--rank", "2", "--save-path", str(tmp_path / "r")]) == 2
