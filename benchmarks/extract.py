@@ -144,6 +144,7 @@ def main() -> int:
     from lorakit.synth import synth_adapter, synth_checkpoint
 
     results = {"command": "python benchmarks/extract.py" +
+               (" --skip-large" if args.skip_large else "") +
                (f" --json {args.json}" if args.json else ""), "cases": {}}
     with tempfile.TemporaryDirectory(prefix="lorakit-extract-") as tmp:
         tiny = Path(tmp) / "tiny"
