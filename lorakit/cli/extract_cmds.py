@@ -37,7 +37,8 @@ def _extract(args: argparse.Namespace) -> int:
 
     rep = extract(args.base, args.tuned, rank=args.rank, energy=args.energy,
                   modules=args.modules, save_path=args.save_path, format=args.format,
-                  force=args.force, progress=not args.quiet)
+                  force=args.force, refine=False if args.no_refine else None,
+                  progress=not args.quiet)
     _print(args, rep)
     return 0
 
@@ -55,13 +56,18 @@ def add(sub) -> None:
     p = sub.add_parser("extract", help="a LoRA adapter from two checkpoints (tuned - base)",
                        description="Extract a LoRA from a fused or fine-tuned checkpoint and "
                        "its base by truncated SVD (exact f64 where small, randomized where "
-                       "large), one tensor at a time; other changed tensors (embeddings, "
+                       "large), one tensor at a time, refitted at a fixed rank so that "
+                       "fusing it again reproduces the tuned checkpoint; other changed tensors (embeddings, "
                        "norms) are saved in full as modules_to_save.")
     p.add_argument("--base", required=True, help="base checkpoint directory")
     p.add_argument("--tuned", required=True, help="fused or fine-tuned checkpoint directory")
     _rank_or_energy(p)
     p.add_argument("--modules", nargs="+", default=None, metavar="NAME",
                    help="only these modules (q_proj, self_attn.o_proj, model.layers.1*)")
+    p.add_argument("--no-refine", action="store_true",
+                   help="save the plain truncated SVD: no refit of the factors towards "
+                   "reproducing the tuned checkpoint when fused again (the refit is on "
+                   "by default with --rank)")
     _save_flags(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_extract)

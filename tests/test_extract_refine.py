@@ -1,0 +1,93 @@
+"""The refit of extracted factors (lorakit.fusion.refine) on its own: the rounding boxes
+against the correctly rounded ``round_to_format``, and the refit on small synthetic
+fuses (the embedded model's figures are in test_extract.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lorakit import numerics as nm
+from lorakit.fusion.refine import outside_count, refine_factors, rounding_box
+
+
+def _values(code: str) -> np.ndarray:
+    """Every kind of value of a format: random normals, powers of two (the binade
+    edge), the smallest normal, subnormals, zeros, both signs."""
+    fmt = nm.float_format(code)
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=400) * 10.0 ** rng.integers(-6, 3, size=400)
+    pow2 = 2.0 ** np.arange(fmt.emin, 8)
+    sub = fmt.min_subnormal * np.array([1, 2, 3, 7, 64])
+    v = np.concatenate([x, pow2, sub, [fmt.min_normal, 0.0]])
+    v = np.concatenate([v, -v[v != 0]])
+    T = nm.to_float64(nm.round_to_format(v, fmt), fmt)
+    return T[~((T == 0) & np.signbit(T))]  # no -0: W + B A is -0 only if both terms are
+
+
+@pytest.mark.parametrize("code", ["BF16", "F16"])
+def test_rounding_box_edges_are_the_exact_rounding_boundaries(code):
+    T = _values(code)
+    bits = nm.round_to_format(T, code)
+    lo, hi, u = rounding_box(T, code)
+    inward_hi, inward_lo = np.nextafter(hi, -np.inf), np.nextafter(lo, np.inf)
+    outward_hi, outward_lo = np.nextafter(hi, np.inf), np.nextafter(lo, -np.inf)
+    assert np.array_equal(nm.round_to_format(inward_hi, code), bits)
+    assert np.array_equal(nm.round_to_format(inward_lo, code), bits)
+    assert not np.any(nm.round_to_format(outward_hi, code) == bits)
+    assert not np.any(nm.round_to_format(outward_lo, code) == bits)
+    # on a boundary itself: ties to even (the significand's last bit of T)
+    even = (bits & 1) == 0
+    assert np.array_equal(nm.round_to_format(hi, code) == bits, even)
+    assert np.array_equal(nm.round_to_format(lo, code) == bits, even)
+    # the spacing towards zero halves at a power of two (above the smallest normal)
+    edge = (np.abs(T) > nm.float_format(code).min_normal) & \
+        (np.frexp(np.abs(T))[0] == 0.5)
+    assert edge.sum() > 10
+    below = np.where(T > 0, T - lo, hi - T)
+    assert np.array_equal(below[edge], 0.25 * u[edge])
+    assert np.array_equal(below[~edge], 0.5 * u[~edge])
+
+
+def _fused(n: int, m: int, r: int, seed: int):
+    """A bf16 base, a rank-r float32 adapter and its correctly rounded fuse, like
+    lorakit.synth's (delta RMS about a twentieth of the weights')."""
+    rng = np.random.default_rng(seed)
+    W = nm.to_float64(nm.round_to_format(rng.normal(size=(n, m)) * 0.02, "BF16"), "BF16")
+    B0 = (rng.normal(size=(n, r)) * 0.01).astype(np.float32)
+    A0 = (rng.normal(size=(r, m)) * 0.035).astype(np.float32)
+    delta = B0.astype(np.float64) @ A0.astype(np.float64)
+    return W, delta, nm.round_to_format(W + delta, "BF16")
+
+
+def _svd_factors(W, Tb, r):
+    U, S, Vt = np.linalg.svd(nm.to_float64(Tb, "BF16") - W, full_matrices=False)
+    root = np.sqrt(S[:r])
+    return (root[:, None] * Vt[:r]).astype(np.float32), (U[:, :r] * root).astype(np.float32)
+
+
+def test_refit_reproduces_a_rank_r_fuse_and_approaches_the_true_delta():
+    W, delta, Tb = _fused(96, 160, 4, seed=0)
+    A, B = _svd_factors(W, Tb, 4)
+    res = refine_factors(W, Tb, "BF16", A, B)
+    assert res.A.dtype == res.B.dtype == np.float32 and res.A.shape == A.shape
+    assert res.outside_before == outside_count(W, Tb, "BF16", A, B) > 0.03 * W.size
+    assert res.outside_after == outside_count(W, Tb, "BF16", res.A, res.B)
+    assert res.outside_after <= 0.002 * W.size, res  # measured: a handful of elements
+    assert res.history[0] == res.outside_before and 0 < res.iterations <= 50
+    e = (nm.to_float64(Tb, "BF16") - W) - delta
+    err = np.linalg.norm(res.B.astype(np.float64) @ res.A.astype(np.float64) - delta)
+    svd_err = np.linalg.norm(B.astype(np.float64) @ A.astype(np.float64) - delta)
+    assert err < 0.5 * svd_err and err <= 2 * np.linalg.norm(e)
+
+
+def test_refit_never_returns_worse_factors_than_it_was_given():
+    """A tuned matrix that is no rank-r fuse (a random full-rank change): no rank-4
+    factors reproduce it; the refit returns the best it saw, never more outside."""
+    rng = np.random.default_rng(1)
+    W, _, _ = _fused(48, 64, 4, seed=1)
+    Tb = nm.round_to_format(W + rng.normal(size=W.shape) * 0.01, "BF16")
+    A, B = _svd_factors(W, Tb, 4)
+    res = refine_factors(W, Tb, "BF16", A, B, max_iters=8)
+    assert res.outside_after <= res.outside_before
+    assert res.outside_after == outside_count(W, Tb, "BF16", res.A, res.B)
+    assert res.outside_after > 0.5 * W.size  # nothing of rank 4 comes close
