@@ -1,0 +1,48 @@
+"""The fuse-speed tables in BENCHMARKS.md (rounds F and G) are their committed JSONs,
+and the runs say what the text claims (issue 17)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _table(text: str, heading: str):
+    part = text[text.index(heading):]
+    part = part[part.index("| command |"):]
+    rows = {}
+    for line in part.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells
+    return rows
+
+
+@pytest.mark.parametrize("heading,name", [("**Round G", "fuse_quiet.json"),
+                                          ("**Round F", "fuse.json")])
+def test_fuse_table_is_the_json(heading: str, name: str) -> None:
+    d = json.loads((RESULTS / name).read_text())
+    rows = _table((ROOT / "BENCHMARKS.md").read_text(), heading)
+    assert set(rows) == {r["command"] for r in d["rows"]}
+    for r in d["rows"]:
+        c = rows[r["command"]]
+        assert c[1] == f"{r['median_wall_s']:.1f}"
+        assert c[2] == ", ".join(f"{x:.1f}" for x in r["wall_s"])
+        assert c[3] == f"{r['wall_vs_mlx_lm']:.2f}x" and c[4] == f"{r['wall_vs_cp']:.2f}x"
+        assert c[5] == f"{r['median_rss_bytes'] / 1e9:.2f}" and c[6] == f"{r['rss_vs_mlx_lm']:.2f}x"
+        assert c[7] == f"{r['median_cpu_s']:.1f}" and c[8] == f"{r['cpu_vs_mlx_lm']:.2f}x"
+
+
+def test_quiet_run_meets_the_targets_it_claims() -> None:
+    d = json.loads((RESULTS / "fuse_quiet.json").read_text())
+    by = {r["command"]: r for r in d["rows"]}
+    nearest = by["lorakit fuse (nearest)"]
+    assert nearest["wall_vs_mlx_lm"] <= 0.25 and nearest["rss_vs_mlx_lm"] <= 0.25
+    assert by["lorakit fuse --rounding mlx-lm"]["rss_vs_mlx_lm"] <= 0.25
+    # the moonshot is said not to be met: the best fuse round over the best copy
+    assert min(nearest["wall_s"]) / min(by["cp -r"]["wall_s"]) > 2
