@@ -282,3 +282,15 @@ def test_verdict_words_and_threshold():
     assert not flag and "base against itself 0.50-2.00" in words
     assert bytes_verdict(1.0, 0) == (False, "")
     assert bytes_verdict(1.82, 9_440_000) == (True, "1.82x weight bytes (f32 9.44 MB)")
+
+
+def test_too_few_rounds_never_flag_speed():
+    """False alarms from two rounds: both can be slow by chance, and the interval over
+    two rounds then lies below 1; a speed flag needs MIN_ROUNDS rounds."""
+    from lorakit.timing.stats import MIN_ROUNDS, speed_verdict
+
+    assert MIN_ROUNDS == 3
+    for rounds in (1, 2):
+        flag, words = speed_verdict(0.80, (0.75, 0.85), rounds=rounds, noise=(0.95, 1.05))
+        assert flag is False and "too few rounds" in words
+    assert speed_verdict(0.80, (0.75, 0.85), rounds=3, noise=(0.95, 1.05))[0] is True

@@ -11,7 +11,8 @@ what the machine did between processes:
   variant (a slow phase that hit both cancels), then runs with replacement inside
   each drawn round, and takes the ratio of the pooled medians;
 - with a single round there is nothing to draw but runs: the interval then sees only
-  the noise inside one process, and :func:`speed_verdict` says so.
+  the noise inside one process, and :func:`speed_verdict` says so; below
+  :data:`MIN_ROUNDS` rounds it flags nothing as slower.
 
 A variant is called slower only when the interval lies wholly below 1 *and* the
 ratio is below ``1 - threshold`` *and* below the :func:`noise_band` of the base
@@ -38,6 +39,9 @@ CONFIDENCE = 0.95
 RESAMPLES = 2000
 SPEED_THRESHOLD = 0.10  # a decode ratio below 0.90 (and outside its interval) is flagged
 BYTES_THRESHOLD = 0.02  # weight bytes above 1.02x base are flagged (exact, from headers)
+#: interleaved rounds a speed flag needs: the interval resamples rounds, and from two
+#: rounds it has at most three distinct draws (both slow by chance half the time)
+MIN_ROUNDS = 3
 
 
 def by_round(values: Sequence[float], rounds: Optional[Sequence[int]],
@@ -119,7 +123,9 @@ def noise_band(base_runs: Sequence[float], base_rounds: Optional[Sequence[int]],
 def speed_verdict(ratio: float, interval: Tuple[float, float], *, rounds: int,
                   threshold: float = SPEED_THRESHOLD,
                   noise: Optional[Tuple[float, float]] = None) -> Tuple[bool, str]:
-    """(flagged, words) for a decode ratio to base and its interval. With ``noise``
+    """(flagged, words) for a decode ratio to base and its interval. Fewer than
+    :data:`MIN_ROUNDS` interleaved ``rounds`` never flag (one or two processes per
+    variant cannot tell a slower variant from a slow moment). With ``noise``
     (:func:`noise_band`), a ratio inside the base-against-itself band is never
     flagged either: the machine moves the base that much on its own."""
     lo, hi = interval
@@ -128,6 +134,9 @@ def speed_verdict(ratio: float, interval: Tuple[float, float], *, rounds: int,
                        if not math.isnan(ratio) else "no interval")
     span = f"{ratio:.2f}x, {CONFIDENCE:.0%} interval {lo:.2f}-{hi:.2f}"
     if hi < 1 and ratio < 1 - threshold:
+        if rounds < MIN_ROUNDS:
+            return False, (f"too few rounds to call it slower ({rounds} < {MIN_ROUNDS}: "
+                           f"{span})")
         if noise is not None and not math.isnan(noise[0]) and ratio >= noise[0]:
             return False, (f"same speed within noise ({span}; base against itself "
                            f"{noise[0]:.2f}-{noise[1]:.2f})")
