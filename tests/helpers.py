@@ -225,3 +225,18 @@ def cli_env() -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "LORAKIT_DEBUG"}
     env.update(HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
     return env
+
+
+def md_table(text: str, heading: str, header: str) -> Dict[str, List[str]]:
+    """The first markdown table after ``heading`` whose header row starts with
+    ``header``: its body rows keyed by their first cell (backticks stripped), each the
+    list of stripped cells."""
+    part = text[text.index(heading):]
+    part = part[part.index(header):]
+    rows: Dict[str, List[str]] = {}
+    for line in part.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells
+    return rows

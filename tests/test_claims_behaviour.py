@@ -6,22 +6,20 @@ import json
 import re
 from pathlib import Path
 
+from helpers import md_table
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def _row(text: str, label: str):
-    line = next(ln for ln in text.splitlines() if ln.startswith(f"| {label} |"))
-    return [c.strip() for c in line.strip("|").split("|")]
 
 
 def test_fused_vs_unfused_table_is_the_json() -> None:
     runs = json.loads((RESULTS / "kl_fused_vs_unfused_cpu.json").read_text())
     text = (ROOT / "BENCHMARKS.md").read_text()
     text = text[text.index("Fused vs unfused on the embedded model"):]
+    table = md_table(text, "Fused vs unfused", "| test vs unfused adapter |")
     for label, key in (("lorakit fuse (bf16, nearest)", "fused"), ("base (no adapter)", "base")):
         r = runs[key]["result"]
-        cells = _row(text, label)
+        cells = table[label]
         assert int(cells[1]) == r["tokens"]
         for cell, k in zip(cells[2:5], ("mean_kl", "p999_kl", "max_kl")):
             assert float(cell) == float(f"{r[k]:.3e}"), (label, k)

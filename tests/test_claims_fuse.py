@@ -6,28 +6,17 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import md_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def _table(text: str, heading: str):
-    part = text[text.index(heading):]
-    part = part[part.index("| command |"):]
-    rows = {}
-    for line in part.splitlines()[2:]:
-        if not line.startswith("|"):
-            break
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        rows[cells[0].strip("`")] = cells
-    return rows
 
 
 @pytest.mark.parametrize("heading,name", [("**Round G", "fuse_quiet.json"),
                                           ("**Round F", "fuse.json")])
 def test_fuse_table_is_the_json(heading: str, name: str) -> None:
     d = json.loads((RESULTS / name).read_text())
-    rows = _table((ROOT / "BENCHMARKS.md").read_text(), heading)
+    rows = md_table((ROOT / "BENCHMARKS.md").read_text(), heading, "| command |")
     assert set(rows) == {r["command"] for r in d["rows"]}
     for r in d["rows"]:
         c = rows[r["command"]]

@@ -145,6 +145,12 @@ class _Problem:
         self.top = int(self.logu.max(initial=0))
         self.floor = self.top + int(np.log2(_WEIGHT_SPAN))
 
+    def fused(self, rows: slice, B: np.ndarray, A: np.ndarray) -> np.ndarray:
+        """``W + B @ A`` on ``rows`` (``B`` holds just those rows), float64."""
+        X = B @ A
+        X += self.W[rows]
+        return X
+
     def chunks(self):
         return nm.chunks(self.W.shape[0], self.W.shape[1], _CHUNK)
 
@@ -224,8 +230,7 @@ def _step_B(prob: _Problem, A: np.ndarray, B: np.ndarray, p: float, mu: np.ndarr
     At = np.ascontiguousarray(A.T)
     pairs_a = _pairs(At)
     for rows in prob.chunks():
-        X = B[rows] @ A
-        X += prob.W[rows]
+        X = prob.fused(rows, B[rows], A)
         flat, r, w = prob.violations(rows, X, p)
         if flat.size == 0:
             continue
@@ -235,8 +240,7 @@ def _step_B(prob: _Problem, A: np.ndarray, B: np.ndarray, p: float, mu: np.ndarr
         sub = slice(rows.start + act[0], rows.start + act[-1] + 1)  # the active rows' span
         Bn = B[sub].copy()
         Bn[act - act[0]] = _f32(B[rows.start + act] - _solve(G[act], g[act], mu[rows.start + act]))
-        Xn = Bn @ A
-        Xn += prob.W[sub]
+        Xn = prob.fused(sub, Bn, A)
         f1, r1, w1 = prob.violations(sub, Xn, p)
         loss1 = np.bincount(f1 // Xn.shape[1], w1 * r1 * r1, minlength=Xn.shape[0])
         ok = loss1[act - act[0]] < loss0[act]
@@ -252,8 +256,7 @@ def _step_A(prob: _Problem, A: np.ndarray, B: np.ndarray, p: float, mu: np.ndarr
     G, g, loss0 = np.zeros((m, k * (k + 1) // 2)), np.zeros((m, k)), np.zeros(m)
     pairs_b = _pairs(B)
     for rows in prob.chunks():
-        X = B[rows] @ A
-        X += prob.W[rows]
+        X = prob.fused(rows, B[rows], A)
         flat, r, w = prob.violations(rows, X, p)
         if flat.size == 0:
             continue
@@ -268,8 +271,7 @@ def _step_A(prob: _Problem, A: np.ndarray, B: np.ndarray, p: float, mu: np.ndarr
     An[:, act] = _f32(A[:, act] - _solve(G[act], g[act], mu[act]).T)
     loss1 = np.zeros(m)
     for rows in prob.chunks():
-        X = B[rows] @ An
-        X += prob.W[rows]
+        X = prob.fused(rows, B[rows], An)
         flat, r, w = prob.violations(rows, X, p)
         loss1 += np.bincount(flat % m, w * r * r, minlength=m)
     ok = loss1[act] < loss0[act]
