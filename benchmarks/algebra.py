@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 from make_peft_fixtures import read_safetensors  # noqa: E402
 
 import lorakit  # noqa: E402
-from lorakit.fusion.algebra import combine  # noqa: E402
-from lorakit.io.adapter import load_adapter  # noqa: E402
+from lorakit.algebra.combine import combine  # noqa: E402
+from lorakit.io.adapters.load import load_adapter  # noqa: E402
 
 DATA = ROOT / "data"
 PATHS = [DATA / "adapters" / "lora", DATA / "adapters" / "lora-embed", DATA / "adapters" / "lora"]

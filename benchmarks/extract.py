@@ -13,7 +13,7 @@ in a temporary directory that is removed at the end. For each case:
   fused element, the bound on ``||e||_F``); the bound proven is ratio <= 2;
 * the extracted adapter fused again (``lorakit.fuse``, nearest rounding) against the
   fused checkpoint: elements that differ, and by how many ulps of the value. The
-  extract refits the SVD factors by default (``lorakit.fusion.refine``); the report's
+  extract refits the SVD factors by default (``lorakit.algebra.refine``); the report's
   ``outside_svd`` column counts the elements a re-fuse of the plain SVD factors would
   change (before the refit), ``outside`` those of the saved ones (checked here against
   the real re-fuse).
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import lorakit  # noqa: E402
 from lorakit import numerics as nm  # noqa: E402
-from lorakit.io.adapter import Adapter, LoraTarget  # noqa: E402
+from lorakit.io.adapters.load import Adapter, LoraTarget  # noqa: E402
 from lorakit.io.checkpoint import Checkpoint  # noqa: E402
 
 CHILD = """

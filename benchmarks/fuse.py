@@ -280,7 +280,7 @@ def main() -> int:
 
 def _count_elements(a_dir: Path, b_dir: Path, base_dir: Path, adapter: Path) -> Dict[str, float]:
     """How many fused elements two roundings disagree on, and how many the fuse changed."""
-    from lorakit.io.adapter import load_adapter
+    from lorakit.io.adapters.load import load_adapter
     from lorakit.io.naming import bind
 
     a, b, base = Checkpoint(a_dir), Checkpoint(b_dir), Checkpoint(base_dir)

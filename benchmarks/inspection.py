@@ -39,11 +39,11 @@ from typing import Dict, List, Tuple  # noqa: E402
 
 _CHILD = r"""
 import sys, time, json
-from lorakit.inspect.parity import parity
+from lorakit.inspect.diff import parity
 t = time.perf_counter()
 rep = parity(sys.argv[1], sys.argv[2], threads=int(sys.argv[3]) or None)
 dt = time.perf_counter() - t
-from lorakit.inspect.ulp_accumulate import kernel_available
+from lorakit.inspect.ulp_count import kernel_available
 print(json.dumps({"seconds": dt, "identical": rep.identical, "kernel": kernel_available(),
                   "elements": rep.summary["elements compared"],
                   "differing": rep.summary["elements differing"],
@@ -117,7 +117,7 @@ def prepare(out: Path) -> Dict[str, Path]:
 def bench_tensor_pairs(out: Path, pairs, tensor: str, repeat: int = 10) -> List[dict]:
     """One adapted tensor per pair, copied to its own small files: small enough to stay
     in the page cache, so the ratio to ``cat`` shows compute cost, not disk luck."""
-    from lorakit.inspect.parity import parity
+    from lorakit.inspect.diff import parity
     from lorakit.io.checkpoint import Checkpoint
     from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
@@ -183,7 +183,7 @@ def main() -> None:
     pairs = [("identical copy", p["base"], p["copy"]),
              ("base vs fused", p["base"], p["fused"]),
              ("lorakit vs mlx-lm fuse", p["fused"], p["fused_mlx"])]
-    from lorakit.inspect.ulp_accumulate import _kernel
+    from lorakit.inspect.ulp_count import _kernel
 
     paths = [x for x in args.paths.split(",") if x]
     if "kernel" in paths and _kernel is None:

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import lorakit  # noqa: E402
-from lorakit.inspect.merge_check import merge_check  # noqa: E402
+from lorakit.inspect.check import merge_check  # noqa: E402
 from lorakit.io.checkpoint import Checkpoint  # noqa: E402
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter  # noqa: E402
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import lorakit  # noqa: E402
 from lorakit import numerics as nm  # noqa: E402
 from lorakit.fusion.quant import dequantize_raw, intended_change  # noqa: E402
-from lorakit.io.adapter import load_adapter  # noqa: E402
+from lorakit.io.adapters.load import load_adapter  # noqa: E402
 from lorakit.io.checkpoint import open_checkpoint  # noqa: E402
 from lorakit.io.naming import bind, bindings_by_tensor  # noqa: E402
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from lorakit import numerics as nm
 from lorakit.fusion.core import ROUNDINGS, fuse_weight
-from lorakit.inspect.ulp_report import ulp_tensors
+from lorakit.inspect.diff import ulp_tensors
 
 BF16 = nm.float_format("BF16")
 
@@ -50,7 +50,7 @@ def main() -> None:
                 out, _ = fuse_weight(w, "BF16", A, B, scale, rounding=mode)
                 times.append(time.perf_counter() - t)
             err = nm.ulp_error_vs_reference(out, ref, BF16)
-            # the same difference at the weight's scale (lorakit.inspect.ulp_scale)
+            # the same difference at the weight's scale (lorakit.inspect.ulp_count)
             vs = ulp_tensors(correct, out, "bf16").diffs[0]
             results.append({
                 "delta_ulps": delta_ulps, "mode": mode,

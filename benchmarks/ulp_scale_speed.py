@@ -1,5 +1,5 @@
 """What the scale figures of a diff cost (relative error, near zero, max ulp at typical
-magnitudes: lorakit/inspect/ulp_scale.py, the C kernel's ``scale``).
+magnitudes: lorakit/inspect/ulp_count.py, the C kernel's ``scale``).
 
 Two bf16 safetensors files of 8 tensors of 2048 x 4096 (128 MiB each, values ~N(0,
 0.05)): identical, or 6 tensors with 25% of elements one ulp apart. ``compare_sources``
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lorakit.inspect import ulp_accumulate, ulp_scale
-from lorakit.inspect.ulp_stream import compare_sources
+from lorakit.inspect import ulp_count as ulp_accumulate, ulp_scale
+from lorakit.inspect.diff import compare_sources
 
 
 def _write(path: Path, tensors: dict) -> None:

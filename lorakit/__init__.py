@@ -41,35 +41,35 @@ __version__ = "0.1.0"
 
 # name -> (module, attribute)
 _EXPORTS = {
-    "fuse": ("lorakit.fusion.api", "fuse"),
+    "fuse": ("lorakit.fusion.fuse", "fuse"),
     "open": ("lorakit.io.source", "open"),
-    "load_adapter": ("lorakit.io.adapter", "load_adapter"),
-    "combine": ("lorakit.fusion.algebra", "combine"),
-    "convert": ("lorakit.fusion.algebra", "convert"),
+    "load_adapter": ("lorakit.io.adapters.load", "load_adapter"),
+    "combine": ("lorakit.algebra.combine", "combine"),
+    "convert": ("lorakit.algebra.combine", "convert"),
     "attach_adapter": ("lorakit.fusion.model", "attach_adapter"),
     "dtype_map": ("lorakit.inspect.dtype_map", "dtype_map"),
     "delta_norms": ("lorakit.inspect.deltas", "delta_norms"),
     "compare_adapters": ("lorakit.inspect.adapters", "compare_adapters"),
-    "compare": ("lorakit.inspect.parity", "parity"),
-    "check": ("lorakit.inspect.merge_check", "merge_check"),
+    "compare": ("lorakit.inspect.diff", "parity"),
+    "check": ("lorakit.inspect.check", "merge_check"),
     "compare_generations": ("lorakit.inspect.generation", "compare_generations"),
     "compare_outputs": ("lorakit.inspect.behaviour", "compare_outputs"),
     "time_decode": ("lorakit.timing.decode", "time_decode"),
-    "extract": ("lorakit.inspect.extract", "extract"),
-    "resize": ("lorakit.inspect.resize", "resize"),
+    "extract": ("lorakit.algebra.extract", "extract"),
+    "resize": ("lorakit.algebra.resize", "resize"),
     "LorakitError": ("lorakit.errors", "LorakitError"),
 }
 
 # old name -> (module, attribute, what to use instead); they work for one more release
 _DEPRECATED = {
-    "FuseResult": ("lorakit.fusion.stream", "FuseResult", "lorakit.fusion.stream.FuseResult"),
+    "FuseResult": ("lorakit.fusion.fuse", "FuseResult", "lorakit.fusion.fuse.FuseResult"),
     "fuse_model": ("lorakit.fusion.model", "fuse_model", "lorakit.fuse(model, adapter)"),
-    "Adapter": ("lorakit.io.adapter", "Adapter", "lorakit.load_adapter(path)"),
+    "Adapter": ("lorakit.io.adapters.load", "Adapter", "lorakit.load_adapter(path)"),
     "Checkpoint": ("lorakit.io.checkpoint", "Checkpoint", "lorakit.open(path)"),
     "open_checkpoint": ("lorakit.io.checkpoint", "open_checkpoint", "lorakit.open(path)"),
-    "ulp_compare": ("lorakit.inspect.parity", "ulp_compare", "lorakit.compare(a, b)"),
-    "parity": ("lorakit.inspect.parity", "parity", "lorakit.compare(a, b)"),
-    "merge_check": ("lorakit.inspect.merge_check", "merge_check", "lorakit.check(...)"),
+    "ulp_compare": ("lorakit.inspect.diff", "ulp_compare", "lorakit.compare(a, b)"),
+    "parity": ("lorakit.inspect.diff", "parity", "lorakit.compare(a, b)"),
+    "merge_check": ("lorakit.inspect.check", "merge_check", "lorakit.check(...)"),
     "synth_checkpoint": ("lorakit.synth", "synth_checkpoint", "lorakit.synth.synth_checkpoint"),
     "synth_adapter": ("lorakit.synth", "synth_adapter", "lorakit.synth.synth_adapter"),
 }

@@ -23,8 +23,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from lorakit.errors import AdapterError, FormatError
-from lorakit.io.adapter import check_runtime_scope, load_adapter
-from lorakit.io.adapter_peft import PeftSettings
+from lorakit.io.adapters.load import check_runtime_scope, load_adapter
+from lorakit.io.adapters.peft import PeftSettings
 from lorakit.io.checkpoint import Checkpoint
 from model_factory import make_adapter, make_model
 
@@ -94,7 +94,7 @@ def test_adapter_modules_are_split_by_format_and_short() -> None:
     for name in ("adapter.py", "adapter_base.py", "adapter_mlx.py", "adapter_peft.py"):
         n = len((io / name).read_text().splitlines())
         assert n < 450, f"{name}: {n} lines"
-    import lorakit.io.adapter as ad
+    import lorakit.io.adapters.load as ad
 
     for name in ("Adapter", "LoraTarget", "Replacement", "load_adapter", "MLX_WEIGHTS",
                  "PEFT_WEIGHTS", "CONFIG"):

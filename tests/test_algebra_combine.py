@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from lorakit.errors import LorakitError
-from lorakit.fusion.algebra import combine, convert
-from lorakit.io.adapter import load_adapter
+from lorakit.algebra.combine import combine, convert
+from lorakit.io.adapters.load import load_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"
@@ -161,7 +161,7 @@ def test_linear_is_peft_definition_with_cross_terms():
 
 
 def test_magnitude_prune_and_ties_by_hand():
-    from lorakit.fusion.peft_methods import merge
+    from lorakit.algebra.peft_like import merge
 
     x = [np.array([3.0, -1.0, 0.5, -4.0], np.float32), np.array([-2.0, 2.0, 1.0, 1.0], np.float32)]
     # density 0.5: keep the 2 largest |x| of each: [3, 0, 0, -4] and [-2, 2, 0, 0]

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from lorakit.errors import LorakitError
-from lorakit.fusion.algebra import combine
-from lorakit.io.adapter import Adapter, load_adapter
+from lorakit.algebra.combine import combine
+from lorakit.io.adapters.load import Adapter, load_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"

@@ -8,7 +8,7 @@ import pytest
 
 import lorakit
 from helpers import run_mlx_lm_fuse
-from lorakit.fusion.algebra import combine, convert
+from lorakit.algebra.combine import combine, convert
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"

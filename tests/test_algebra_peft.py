@@ -16,8 +16,8 @@ import pytest
 
 import lorakit
 from lorakit.errors import LorakitError
-from lorakit.fusion.algebra import combine, convert
-from lorakit.io.adapter import load_adapter
+from lorakit.algebra.combine import combine, convert
+from lorakit.io.adapters.load import load_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures" / "algebra"

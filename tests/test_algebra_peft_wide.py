@@ -27,7 +27,7 @@ import pytest
 
 import lorakit
 from lorakit.errors import LorakitError
-from lorakit.fusion.peft_methods import magnitude_mask
+from lorakit.algebra.peft_like import magnitude_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures" / "algebra_wide"

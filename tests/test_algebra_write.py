@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from lorakit.errors import AdapterError, LorakitError
-from lorakit.io.adapter import load_adapter
-from lorakit.io.adapter_base import Adapter, LoraTarget
-from lorakit.io.adapter_layout import alpha_for
-from lorakit.io.adapter_write import save_adapter
+from lorakit.io.adapters.load import load_adapter
+from lorakit.io.adapters.base import Adapter, LoraTarget
+from lorakit.io.adapters.layout import alpha_for
+from lorakit.io.adapters.write import save_adapter
 from lorakit.io.safetensors import read_header
 
 ROOT = Path(__file__).resolve().parents[1]

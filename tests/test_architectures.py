@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 import lorakit
-from lorakit.inspect.parity import parity
+from lorakit.inspect.diff import parity
 from lorakit.io.checkpoint import Checkpoint
 
 import model_factory as mf

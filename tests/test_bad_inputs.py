@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 
 from lorakit.errors import (AdapterError, FormatError, FuseError, LorakitError,
                             OutputExistsError, UnsafePathError)
-from lorakit.fusion.stream import fuse
+from lorakit.fusion.fuse import fuse
 
 from helpers import INDEX, S1, S2, Env, make_env, run_cli, temporaries, tree_hash
 

@@ -58,7 +58,7 @@ def test_cli_base_as_fused_is_far_and_exit_status_unchanged(tmp_path) -> None:
 
 def test_behaviour_tokens_rules() -> None:
     from lorakit.errors import LorakitError
-    from lorakit.inspect.merge_behaviour import DEFAULT_TOKENS, behaviour_tokens
+    from lorakit.inspect.check import DEFAULT_TOKENS, behaviour_tokens
 
     assert behaviour_tokens(False) is None and behaviour_tokens(None) is None
     assert behaviour_tokens(True) == DEFAULT_TOKENS and behaviour_tokens(300) == 300

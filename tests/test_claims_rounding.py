@@ -37,7 +37,7 @@ from pathlib import Path  # noqa: E402
 
 import lorakit  # noqa: E402
 from lorakit import numerics as nm  # noqa: E402
-from lorakit.inspect.ulp_accumulate import CHUNK_BYTES  # noqa: E402
+from lorakit.inspect.ulp_count import CHUNK_BYTES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"
@@ -123,7 +123,7 @@ def test_readme_embedded_diff_numbers_are_measured(embedded_fuses):
     assert m.group(4) == f"{s[REL]:.1e}"
     # the max sits at an element that is zero on one side (binade None holds it)
     top = max(rep.diffs, key=lambda d: d.max_ulp or 0)
-    from lorakit.inspect.ulp_scale import binades
+    from lorakit.inspect.ulp_count import binades
 
     ta = lorakit.open(embedded_fuses["nearest"]).read(top.name).view(np.uint16)
     tb = lorakit.open(embedded_fuses["mlx-lm"]).read(top.name).view(np.uint16)

@@ -18,8 +18,8 @@ from lorakit.fusion import delta as dl
 from lorakit.fusion.core import fuse_bindings
 from lorakit.fusion.quant import RequantStat, dequantize_raw, quantize_raw, requant_survival
 from lorakit.inspect.deltas import delta_norms
-from lorakit.inspect.merge_check import intended_pieces
-from lorakit.io.adapter import LoraTarget, load_adapter
+from lorakit.fusion.delta import intended_pieces
+from lorakit.io.adapters.load import LoraTarget, load_adapter
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.naming import bind, bindings_by_tensor
 from lorakit.io.source import open_source

@@ -7,7 +7,7 @@ error ``e = (T - W) - delta`` are computed here without lorakit's SVD code. The 
 checked: the rank-r extraction ``D_r`` satisfies ``||D_r - delta||_F <= 2 ||e||_F``
 (``delta`` is a rank-r candidate, so ``||D - D_r|| <= ||e||``; triangle inequality),
 and ``||e||_F <= noise`` (half an ulp of every fused element). The refit
-(``lorakit.fusion.refine``, on by default at a fixed rank) moves the factors so that
+(``lorakit.algebra.refine``, on by default at a fixed rank) moves the factors so that
 fusing them again gives the fused checkpoint back; its delta must stay inside the same
 bound, and its re-fuse is compared with the fused checkpoint by a real ``lorakit.fuse``.
 """
@@ -22,8 +22,8 @@ import pytest
 import lorakit
 from lorakit import numerics as nm
 from lorakit.errors import LorakitError
-from lorakit.inspect.extract import extract
-from lorakit.inspect.resize import resize
+from lorakit.algebra.extract import extract
+from lorakit.algebra.resize import resize
 from lorakit.io.checkpoint import Checkpoint
 
 from helpers import DATA

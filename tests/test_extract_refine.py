@@ -1,4 +1,4 @@
-"""The refit of extracted factors (lorakit.fusion.refine) on its own: the rounding boxes
+"""The refit of extracted factors (lorakit.algebra.refine) on its own: the rounding boxes
 against the correctly rounded ``round_to_format``, and the refit on small synthetic
 fuses (the embedded model's figures are in test_extract.py)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lorakit import numerics as nm
-from lorakit.fusion.refine import outside_count, refine_factors, rounding_box
+from lorakit.algebra.refine import outside_count, refine_factors, rounding_box
 
 
 def _values(code: str) -> np.ndarray:

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lorakit.fusion import stream
+from lorakit.fusion import fuse as stream
 from lorakit.io import safetensors_write as sw
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors import read_header, read_raw

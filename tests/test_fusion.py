@@ -245,7 +245,7 @@ def test_progress_callback_reaches_total(tmp_path: Path) -> None:
 
 def test_old_mlx_lm_dora_config_with_use_dora(tmp_path: Path) -> None:
     """mlx-lm before fine_tune_type marked DoRA adapters with "use_dora": true."""
-    from lorakit.io.adapter import load_adapter
+    from lorakit.io.adapters.load import load_adapter
 
     base = mf.make_model(tmp_path / "base", "qwen3")
     new = mf.make_adapter(base, tmp_path / "new", dora=True)

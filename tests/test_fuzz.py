@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from lorakit.errors import LorakitError
-from lorakit.io.adapter import load_adapter
+from lorakit.io.adapters.load import load_adapter
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.naming import bind
 from lorakit.io.safetensors import ITEMSIZE, read_header, read_raw
@@ -391,7 +391,7 @@ def test_atheris_harness(tmp_path: Path) -> None:
 def _atheris_main() -> None:  # pragma: no cover - runs in its own process
     import atheris
 
-    import lorakit.io.adapter as adapter_mod
+    import lorakit.io.adapters.load as adapter_mod
     import lorakit.io.checkpoint as checkpoint_mod
     import lorakit.io.naming as naming_mod
     import lorakit.io.safetensors as safetensors_mod

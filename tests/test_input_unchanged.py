@@ -15,7 +15,7 @@ from typing import Dict
 
 import pytest
 
-from lorakit.fusion.stream import fuse
+from lorakit.fusion.fuse import fuse
 from helpers import make_env, run_cli, temporaries, tree_hash
 
 COMBOS = [  # (base, adapter, options)

@@ -78,7 +78,7 @@ def test_same_directions(adapters: dict) -> None:
 
 
 def test_different_adapters(adapters: dict) -> None:
-    from lorakit.io.adapter import load_adapter
+    from lorakit.io.adapters.load import load_adapter
 
     rep = compare_adapters(adapters["a"], adapters["b"])
     st = {r["module"]: r["status"] for r in rep.rows}

@@ -101,7 +101,7 @@ def test_switch_targets_per_expert(tmp_path: Path) -> None:
     base = mf.make_model(tmp_path / "moe", "qwen3_moe")
     ad = mf.make_adapter(base, tmp_path / "ad", keys=("mlp.switch_mlp.gate_proj",))
     rep = delta_norms(ad, base)
-    from lorakit.io.adapter import load_adapter
+    from lorakit.io.adapters.load import load_adapter
 
     t = load_adapter(ad).targets[0]
     experts = [r for r in rep.rows if r["module"] == t.module]

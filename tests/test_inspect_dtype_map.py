@@ -128,8 +128,8 @@ def test_plot_and_html(models: dict) -> None:
 
 def test_importing_does_not_import_matplotlib() -> None:
     code = ("import sys, lorakit, lorakit.inspect.dtype_map, lorakit.inspect.deltas, "
-            "lorakit.inspect.ulp_stream, lorakit.inspect.ulp_report, lorakit.inspect.ulp_reference, "
-            "lorakit.inspect.parity, lorakit.inspect.merge_check, "
+            "lorakit.inspect.diff, lorakit.inspect.diff, lorakit.inspect.diff, "
+            "lorakit.inspect.diff, lorakit.inspect.check, "
             "lorakit.inspect.generation, lorakit.inspect.adapters, lorakit.inspect.plots, "
             "lorakit.cli.inspect_cmds; "
             "bad = [m for m in ('matplotlib', 'mlx_lm', 'ipywidgets') if m in sys.modules]; "

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import lorakit
-from lorakit.inspect.merge_check import merge_check
+from lorakit.inspect.check import merge_check
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from lorakit import numerics as nm
-from lorakit.inspect.parity import parity, ulp_compare
-from lorakit.inspect.ulp_accumulate import Accumulator as _Acc, TensorDiff
-from lorakit.inspect.ulp_reference import error_histogram, ulp_vs_reference
-from lorakit.inspect.ulp_report import ulp_tensors
-from lorakit.inspect.ulp_stream import compare_sources
+from lorakit.inspect.diff import parity, ulp_compare
+from lorakit.inspect.ulp_count import Accumulator as _Acc, TensorDiff
+from lorakit.inspect.diff import error_histogram, ulp_vs_reference
+from lorakit.inspect.diff import ulp_tensors
+from lorakit.inspect.diff import compare_sources
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
@@ -89,7 +89,7 @@ def test_fast_16bit_path_matches_numerics_on_every_pattern(code: str) -> None:
 def test_error_histogram_bins() -> None:
     err = np.array([0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 3.0, 5000.0, np.nan, np.inf])
     c = error_histogram(err)
-    from lorakit.inspect.ulp_reference import error_labels
+    from lorakit.inspect.diff import error_labels
 
     h = dict(zip(error_labels(), c.tolist()))
     assert h["0"] == 1 and h["(0,0.5]"] == 2 and h["(0.5,1]"] == 2 and h["(1,2]"] == 1

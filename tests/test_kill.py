@@ -17,7 +17,7 @@ from typing import Dict, Tuple
 import mlx.core as mx
 import pytest
 
-from lorakit.fusion.stream import fuse
+from lorakit.fusion.fuse import fuse
 from lorakit.io.checkpoint import Checkpoint
 from helpers import REPO, build_kill_inputs, cli, cli_env as _env, temporaries, tree_hash
 

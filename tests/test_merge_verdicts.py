@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 
 import lorakit
 from lorakit import numerics as nm
-from lorakit.inspect.merge_check import merge_check
+from lorakit.inspect.check import merge_check
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 

@@ -13,7 +13,7 @@ import pytest
 import lorakit
 from lorakit.errors import FuseError
 from lorakit.fusion.core import fuse_weight
-from lorakit.inspect.ulp_accumulate import bits_dtype
+from lorakit.inspect.ulp_count import bits_dtype
 
 W64 = np.linspace(-1, 1, 6).reshape(2, 3)
 A = np.ones((1, 3), np.float32)

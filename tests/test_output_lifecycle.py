@@ -16,7 +16,7 @@ from typing import Dict
 import pytest
 
 from lorakit.errors import OutputExistsError
-from lorakit.fusion.stream import fuse
+from lorakit.fusion.fuse import fuse
 from lorakit.io.output import (PROVENANCE, Interrupted, OutputDirectory, OutputWarning,
                                check_output_path, clean_stale_temporaries, live_temporaries,
                                stale_temporaries, temp_owner)

@@ -9,8 +9,8 @@ import pytest
 
 import lorakit
 from lorakit.errors import FuseError
-from lorakit.fusion.quant_learned import calibration_tokens, parse_method
-from lorakit.fusion.quant_policy import parse_policy
+from lorakit.fusion.quant import calibration_tokens, parse_method
+from lorakit.fusion.quant import parse_policy
 from lorakit.io.checkpoint import open_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

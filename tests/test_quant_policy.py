@@ -10,7 +10,7 @@ import pytest
 import lorakit
 from lorakit.errors import FuseError
 from lorakit.fusion.quant import unpack_codes
-from lorakit.fusion.quant_policy import pack_codes, parse_policy
+from lorakit.fusion.quant import pack_codes, parse_policy
 from lorakit.io.checkpoint import open_checkpoint
 
 

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from lorakit import numerics as nm
 from lorakit.cli.main import main
 from lorakit.errors import AdapterError, FormatError, OutputExistsError
-from lorakit.io.adapter import load_adapter
+from lorakit.io.adapters.load import load_adapter
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.naming import bind
 from lorakit.io.safetensors import read_header

@@ -95,19 +95,19 @@ def _in(fn: Callable[[], Any]) -> Callable[[Path], Any]:
 
 
 def _builders() -> Dict[str, Callable[[Path], Any]]:
-    from lorakit.fusion.algebra import combine
+    from lorakit.algebra.combine import combine
     from lorakit.inspect.adapters import compare_adapters
     from lorakit.inspect.deltas import delta_norms
     from lorakit.inspect.dtype_map import dtype_map
-    from lorakit.inspect.extract import extract
-    from lorakit.inspect.resize import resize
+    from lorakit.algebra.extract import extract
+    from lorakit.algebra.resize import resize
     from lorakit.inspect.generation import compare_generations
     from lorakit.inspect.behaviour import compare_outputs
-    from lorakit.inspect.merge_check import merge_check
-    from lorakit.inspect.parity import parity
-    from lorakit.inspect.parity import ulp_compare
-    from lorakit.inspect.ulp_reference import ulp_vs_reference
-    from lorakit.inspect.ulp_report import ulp_tensors
+    from lorakit.inspect.check import merge_check
+    from lorakit.inspect.diff import parity
+    from lorakit.inspect.diff import ulp_compare
+    from lorakit.inspect.diff import ulp_vs_reference
+    from lorakit.inspect.diff import ulp_tensors
     import numpy as np
 
     return {

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from lorakit import numerics as nm
-from lorakit.inspect import ulp_accumulate as ulp
-from lorakit.inspect.ulp_accumulate import Accumulator as _Acc, TensorDiff
+from lorakit.inspect import ulp_count as ulp
+from lorakit.inspect.ulp_count import Accumulator as _Acc, TensorDiff
 
 pytestmark = pytest.mark.skipif(ulp._kernel is None, reason="C ulp kernel not built here")
 

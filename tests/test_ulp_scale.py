@@ -1,6 +1,6 @@
 """Ulp reports that explain themselves (issue 13): the figures at the tensor's scale.
 
-Every figure of :mod:`lorakit.inspect.ulp_scale` is recomputed here by brute force
+Every figure of :mod:`lorakit.inspect.ulp_count` is recomputed here by brute force
 from decoded float64 values and :func:`lorakit.numerics.ulp_distance`, through both
 paths (C kernel and numpy) and through the streaming comparison of two files (small
 pieces, so that memcmp-equal pieces need the rms pass afterwards). Then the
@@ -19,12 +19,12 @@ import pytest
 
 from lorakit import numerics as nm
 from lorakit.cli.main import main
-from lorakit.inspect import ulp_accumulate as ua
-from lorakit.inspect.parity import parity
-from lorakit.inspect.ulp_accumulate import Accumulator, TensorDiff
-from lorakit.inspect.ulp_report import ulp_tensors
-from lorakit.inspect.ulp_scale import TensorScale, binades
-from lorakit.inspect.ulp_stream import compare_sources
+from lorakit.inspect import ulp_count as ua
+from lorakit.inspect.diff import parity
+from lorakit.inspect.ulp_count import Accumulator, TensorDiff
+from lorakit.inspect.diff import ulp_tensors
+from lorakit.inspect.ulp_count import TensorScale, binades
+from lorakit.inspect.diff import compare_sources
 
 
 def write_safetensors_raw(path: Path, tensors: dict) -> None:
@@ -168,9 +168,9 @@ def qwen3_paths(qwen3, qwen3_fused):
 
 
 def test_reference_error_leads_with_relative_error(qwen3_paths):
-    from lorakit.inspect.merge_check import intended_pieces
-    from lorakit.inspect.ulp_reference import ulp_vs_reference
-    from lorakit.io.adapter import load_adapter
+    from lorakit.fusion.delta import intended_pieces
+    from lorakit.inspect.diff import ulp_vs_reference
+    from lorakit.io.adapters.load import load_adapter
     from lorakit.io.naming import bind, bindings_by_tensor
     from lorakit.io.source import open_source
 

@@ -23,8 +23,8 @@ pytest.importorskip("matplotlib")
 from matplotlib.figure import Figure  # noqa: E402
 
 import lorakit  # noqa: E402
-from lorakit.inspect.ulp_reference import RefUlpReport  # noqa: E402
-from lorakit.inspect.ulp_report import UlpReport  # noqa: E402
+from lorakit.inspect.diff import RefUlpReport  # noqa: E402
+from lorakit.inspect.diff import UlpReport  # noqa: E402
 from lorakit.widgets import (AdapterCompare, DecodeRace, DtypeMapView, FusePanel,  # noqa: E402
                              GenerationCompare, UlpExplorer, find_data)
 from lorakit.widgets import _assets  # noqa: E402

@@ -1,5 +1,5 @@
 """``lorakit combine`` and ``lorakit convert``, and the combination flags of ``lorakit fuse``
-(thin callers of :mod:`lorakit.fusion.algebra`)."""
+(thin callers of :mod:`lorakit.algebra.combine`)."""
 from __future__ import annotations
 
 import argparse
@@ -54,7 +54,7 @@ def add_combination_flags(p: argparse.ArgumentParser, method_flag: str) -> None:
 
 def combination_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
     """The combined adapter (a Combination) the flags ask for."""
-    from ..fusion.algebra import combine
+    from ..algebra.combine import combine
 
     return combine(args.adapter_path, _weights(args.weights), method=args.method,
                    rank=args.rank, density=args.density, seed=args.seed, like=args.like,
@@ -92,7 +92,7 @@ def fuse_adapter(args: argparse.Namespace) -> Any:
 
 
 def _combine(args: argparse.Namespace) -> int:
-    from ..fusion.algebra import combine
+    from ..algebra.combine import combine
 
     rep = combine(args.adapter_path, _weights(args.weights), method=args.method,
                   rank=args.rank, density=args.density, seed=args.seed, like=args.like,
@@ -104,7 +104,7 @@ def _combine(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from ..fusion.algebra import convert
+    from ..algebra.combine import convert
 
     out = convert(args.adapter, args.save_path, to=args.to, force=args.force,
                   num_layers=args.num_layers)

@@ -1,5 +1,5 @@
 """``lorakit extract`` and ``lorakit resize``: thin wrappers over
-:func:`lorakit.inspect.extract.extract` and :func:`lorakit.inspect.resize.resize`.
+:func:`lorakit.algebra.extract.extract` and :func:`lorakit.algebra.resize.resize`.
 Each prints the report's text twin (or its JSON with ``--json``); exit status 0, 2 for
 bad input."""
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _print(args: argparse.Namespace, rep) -> None:
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from ..inspect.extract import extract
+    from ..algebra.extract import extract
 
     rep = extract(args.base, args.tuned, rank=args.rank, energy=args.energy,
                   modules=args.modules, save_path=args.save_path, format=args.format,
@@ -44,7 +44,7 @@ def _extract(args: argparse.Namespace) -> int:
 
 
 def _resize(args: argparse.Namespace) -> int:
-    from ..inspect.resize import resize
+    from ..algebra.resize import resize
 
     rep = resize(args.adapter, rank=args.rank, energy=args.energy, base=args.base,
                  save_path=args.save_path, format=args.format, force=args.force)

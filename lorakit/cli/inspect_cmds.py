@@ -44,7 +44,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from ..inspect.parity import parity
+    from ..inspect.diff import parity
 
     if bool(args.adapter) != bool(args.base):
         raise LorakitError("--adapter-path and --model go together",
@@ -52,7 +52,7 @@ def _diff(args: argparse.Namespace) -> int:
     rep = parity(args.a, args.b)
     reports: Dict[str, Any] = {"parity": rep}
     if args.adapter:
-        from ..inspect.ulp_reference import ulp_vs_reference
+        from ..inspect.diff import ulp_vs_reference
 
         reports["reference_a"] = ulp_vs_reference(args.a, args.base, args.adapter)
         reports["reference_b"] = ulp_vs_reference(args.b, args.base, args.adapter)
@@ -63,7 +63,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from ..inspect.merge_check import merge_check
+    from ..inspect.check import merge_check
 
     rep = merge_check(args.fused, args.base, args.adapter,
                       check_untouched=not args.skip_untouched,

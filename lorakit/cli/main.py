@@ -39,7 +39,7 @@ def _keep_freed_memory() -> None:
 
 
 def _fuse(args: argparse.Namespace) -> int:
-    from ..fusion.api import fuse
+    from ..fusion.fuse import fuse
 
     _keep_freed_memory()
 
@@ -64,7 +64,7 @@ def _fuse(args: argparse.Namespace) -> int:
 
 
 def _add_fuse(sub) -> None:
-    from ..fusion.modes import DTYPE_POLICIES, ROUNDINGS
+    from ..fusion.options import DTYPE_POLICIES, ROUNDINGS
 
     p = sub.add_parser("fuse", help="fuse an adapter into a base checkpoint",
                        description="Fuse a LoRA/DoRA adapter (mlx-lm or PEFT format) into a "

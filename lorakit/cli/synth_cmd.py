@@ -8,7 +8,6 @@ from typing import Any, Dict, List, Optional
 
 from ..errors import FormatError
 
-
 _FORCE_HELP = ("replace an existing output, but only an empty directory or a previous lorakit "
                "output (listed in its lorakit.json); anything else is refused and kept")
 
@@ -70,7 +69,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
 
 
 def _adapter(args: argparse.Namespace) -> int:
-    from ..io.adapter import load_adapter
+    from ..io.adapters.load import load_adapter
     from ..synth import synth_adapter
 
     t0 = time.perf_counter()

@@ -43,14 +43,12 @@ from .. import numerics as nm
 from ..errors import FuseError
 from ..io.dtypes import code_of, mx_dtype
 from ..io.naming import Binding
-from ..io.safetensors import NUMPY_STORAGE
+from ..io.safetensors import NUMPY_STORAGE, mx_to_raw, raw_to_mx
 from .delta import check_dora_norm, dora_factor, tensor_pieces
 from .finite import cast_raw, check_result
-from .modes import DTYPE_POLICIES, ROUNDINGS
-from .sum_fuse import fuse_sum
-from ..io.safetensors import mx_to_raw, raw_to_mx
 from .nearest import _exact_fix, _fuse_nearest, _tie_distance  # noqa: F401 (read elsewhere)
-
+from .options import DTYPE_POLICIES, ROUNDINGS
+from .sum_fuse import fuse_sum
 
 
 def check_rounding(rounding: str) -> str:

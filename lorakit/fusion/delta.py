@@ -1,6 +1,6 @@
 """The intended change, in one place: what an adapter asks a weight to become.
 
-Every adapter target (:class:`~lorakit.io.adapter.LoraTarget`), whatever its format,
+Every adapter target (:class:`~lorakit.io.adapters.load.LoraTarget`), whatever its format,
 layer type or scale convention (mlx-lm's ``scale``, PEFT's ``alpha / r``, rsLoRA's
 ``alpha / sqrt(r)``, rank and alpha patterns: all resolved when the adapter is read),
 comes down to :class:`Piece` s: one low-rank change ``scale * B @ A`` on one 2-D
@@ -17,7 +17,7 @@ fuse, delta norms, adapter comparisons and the survival of a re-quantized delta 
 their pieces and targets from here.
 
 >>> import numpy as np
->>> from lorakit.io.adapter import LoraTarget
+>>> from lorakit.io.adapters.load import LoraTarget
 >>> t = LoraTarget("m.q_proj", "linear", np.ones((1, 3), np.float32),
 ...                np.full((2, 1), 2, np.float32), 0.5)
 >>> (p,) = target_pieces(t)
@@ -28,15 +28,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import numerics as nm
 from ..errors import FuseError
-from ..io.adapter import LoraTarget
+from ..io.adapters.load import LoraTarget
 from ..io.naming import Binding
+from ..io.source import TensorSource
+from ..io.weights import weight_f64
 
-__all__ = ["Piece", "SumTarget", "target_pieces", "tensor_pieces", "lowrank", "intended"]
+__all__ = ["Piece", "SumTarget", "target_pieces", "tensor_pieces", "lowrank", "intended",
+           "intended_pieces", "intended_blocks"]
 
 
 @dataclass(repr=False)
@@ -179,3 +183,63 @@ def check_dora_norm(norm: np.ndarray, rows: Optional[slice] = None) -> None:
                         found=f"zero norm in row {first}",
                         hint="the adapter cancels the weight exactly; DoRA cannot be "
                              "applied there (nor run unfused)")
+
+
+# ---------------------------------------------------------------------------
+# The intended result of a weight read from its sources, block by block
+
+
+class _Weights:
+    """Reads one weight of a source in pieces, as float64 or raw bits (``transposed``:
+    a 2-D weight stored as (in, out), read back as (out, in))."""
+
+    def __init__(self, src: TensorSource, tensor: str, transposed: bool = False) -> None:
+        self.src, self.tensor, self.transposed = src, tensor, transposed
+        self.q = src.quant_params(tensor[: -len(".weight")])
+        self._full: Optional[np.ndarray] = None
+
+    def f64(self, expert: Optional[int], rows: slice) -> np.ndarray:
+        if self.q is not None or self.transposed:  # dequantize / transpose once
+            if self._full is None:
+                self._full = weight_f64(self.src, self.tensor)
+                if self.transposed:
+                    self._full = np.ascontiguousarray(self._full.T)
+            x = self._full if expert is None else self._full[expert]
+            return x[rows]
+        if expert is not None:
+            return weight_f64(self.src, self.tensor, slice(expert, expert + 1))[0][rows]
+        return weight_f64(self.src, self.tensor, rows)
+
+    def raw(self, expert: Optional[int], rows: slice) -> np.ndarray:
+        if expert is not None:
+            return self.src.read(self.tensor, slice(expert, expert + 1))[0][rows]
+        return self.src.read(self.tensor, rows)
+
+
+def intended_blocks(fused: TensorSource, base: TensorSource, tensor: str, binds: list, *,
+            raw: bool = True, transposed: bool = False
+            ) -> Iterator[Tuple[np.ndarray, np.ndarray, np.ndarray, Piece, Optional[slice]]]:
+    """(fused piece F, base piece W, exact target T, its Piece, its rows) over the
+    changed blocks of a weight: :func:`intended_pieces` with the piece and rows, for the
+    merge check's per-element bounds."""
+    wb, wf = _Weights(base, tensor), _Weights(fused, tensor, transposed)
+    for p in tensor_pieces(binds):
+        plan = [slice(None)] if p.slot is not None else list(nm.chunks(*p.shape))
+        for rows in plan:
+            W = wb.f64(p.slot, rows)
+            T = intended(W, p, rows)
+            F = wf.raw(p.slot, rows) if raw else wf.f64(p.slot, rows)
+            yield F, W, T, p, (None if p.slot is not None else rows)
+
+
+def intended_pieces(fused: TensorSource, base: TensorSource, tensor: str, binds: list, *,
+                    raw: bool = True) -> Iterator[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(fused piece, base piece W, exact target T) over the changed blocks of a weight.
+
+    The fused piece is raw bits (``raw=True``) or float64 (dequantized if packed); W
+    and T are float64. T is ``W + scale * B @ A``, or DoRA's
+    ``m * (W + scale * B @ A) / ||W + scale * B @ A||_row``. Pieces are row chunks
+    of about a million elements (one expert at a time for stacked experts).
+    """
+    for F, W, T, _, _ in intended_blocks(fused, base, tensor, binds, raw=raw):
+        yield F, W, T

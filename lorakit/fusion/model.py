@@ -4,7 +4,7 @@ Two ways in, one core (:func:`lorakit.fusion.core.fuse_bindings`):
 
 * a model loaded with its adapter (``mlx_lm.load(path, adapter_path=...)``): its
   LoRA / DoRA layers are read back into targets and replaced by plain layers;
-* a plain model plus an adapter (directory or :class:`~lorakit.io.adapter.Adapter`,
+* a plain model plus an adapter (directory or :class:`~lorakit.io.adapters.load.Adapter`,
   mlx-lm or PEFT format): the adapter's targets are bound to the model's
   parameters by name, as for a checkpoint on disk.
 
@@ -22,7 +22,13 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from ..errors import AdapterError
-from ..io.adapter import MLX_WEIGHTS, PEFT_WEIGHTS, Adapter, LoraTarget, load_adapter
+from ..io.adapters.load import (
+    MLX_WEIGHTS,
+    PEFT_WEIGHTS,
+    Adapter,
+    LoraTarget,
+    load_adapter,
+)
 from ..io.checkpoint import QuantParams
 from ..io.naming import bind, bind_replacements, bindings_by_tensor
 from ..io.safetensors import mx_to_raw, raw_to_mx
@@ -165,7 +171,11 @@ def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
     'LoRALinear'
     """
     from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear  # lazy: mlx-lm is heavy
-    from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear  # lazy: mlx-lm is heavy
+    from mlx_lm.tuner.lora import (  # lazy: mlx-lm is heavy
+        LoRAEmbedding,
+        LoRALinear,
+        LoRASwitchLinear,
+    )
 
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
     src = ModelSource(model)

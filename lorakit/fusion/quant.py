@@ -5,17 +5,53 @@ mlx-lm stores a quantized weight as ``.weight`` (packed uint32), ``.scales`` and
 scales' dtype, and re-quantizes with ``mx.quantize`` using the same bits, group size
 and mode, exactly as ``mlx_lm fuse`` does, then measures how much of the intended
 delta the new codes still carry: at 4 bits a small adapter can vanish entirely.
+
+Quantization policies for a fuse into a quantized base (``quant_policy=``).
+
+Per adapted module, one :class:`Choice`:
+
+- ``requant``: dequantize, fuse, re-quantize with ``mx.quantize`` (as ``mlx_lm fuse``);
+- ``same-grid``: keep each group's scale and bias, re-round only the codes
+  (``code' = clip(round(code + (W' - W) / scale))``: unchanged wherever the adapter
+  adds nothing);
+- ``bits:N``: re-quantize the fused weight at N bits (affine, the base's group size),
+  recorded as mlx-lm's per-layer ``config["quantization"][module]``;
+- ``float``: keep the fused weight in the scales' float dtype
+  (``config["quantization"][module] = false``);
+- ``learned`` (``learned:gptq``): fuse, then mlx-lm's GPTQ picks the codes at the
+  base's bits on calibration text (:mod:`lorakit.fusion.quant`; AWQ and DWQ are
+  refused with the reason there);
+- ``auto``: per module the cheapest choice that keeps the adapter, under a byte budget
+  (the rule in :func:`resolve_auto`).
+
+``--quant-policy learned``: re-quantize the fused weights with mlx-lm's own GPTQ.
+
+``learned`` (alias ``learned:gptq``): every adapted module is fused by lorakit in the
+dequantized base (:func:`lorakit.fusion.core.fuse_bindings`, correctly rounded), then
+quantized back at the base's bits and group size by ``mlx_lm.quant.gptq.gptq_quantize``
+(mlx-lm's code, not a rewrite): the quantized base is loaded with ``mlx_lm.load``, the
+adapted modules are swapped for float ``nn.Linear`` layers holding the fused weights,
+and GPTQ collects each one's input Hessian on calibration text (by default the embedded
+*training* text ``data/corpora/fortunes/train.jsonl``, so the validation text KL is
+scored on stays held out) and picks codes that minimise the layer's output error.
+Modules that are not adapted stay quantized as in the base (GPTQ skips them, their
+bytes are copied). The result has the base's layout, so ``mlx_lm.load`` reads it.
+
+``learned:awq`` and ``learned:dwq`` are refused with the reason (:data:`REFUSED`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .. import numerics as nm
 from ..errors import FuseError
-from ..io.checkpoint import Checkpoint, QuantParams
+from ..io.checkpoint import Checkpoint, QuantParams, open_checkpoint
+from ..io.corpus import CALIBRATION_CORPUS, encode_text, read_corpus
 from ..io.dtypes import mx_dtype, storage_code
 from ..io.naming import Binding
 from ..io.safetensors import mx_to_raw, raw_to_mx
@@ -166,3 +202,393 @@ def survival_text(stats: List[RequantStat], indent: str = "") -> List[str]:
     per = [("tensor", "codes changed", "delta survived")] + survival_rows(stats)
     w0, w1 = (max(len(r[i]) for r in per) for i in (0, 1))
     return [f"{indent}{a:<{w0}}  {b:>{w1}}  {c:>14}" for a, b, c in per]
+
+
+# ---------------------------------------------------------------------------
+# Quantization policies for a fuse into a quantized base (``quant_policy=``).
+
+
+POLICIES = ("requant", "same-grid", "bits:N", "float", "learned[:gptq]", "auto")
+KEEP = 0.9  # auto: a module "keeps the adapter" when >= 90% of its intended delta survives
+AUTO_LADDER = ("bits:5", "bits:6", "bits:8", "float")  # auto's upgrades, cheapest first
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one adapted module becomes."""
+
+    kind: str  # requant | same-grid | bits | float | learned
+    bits: int = 0
+    parts: Any = field(default=None, compare=False, hash=False, repr=False)  # learned's
+
+    @property
+    def label(self) -> str:
+        return f"bits:{self.bits}" if self.kind == "bits" else self.kind
+
+
+REQUANT = Choice("requant")
+
+
+def parse_policy(policy: str) -> Choice:
+    """``"bits:8"`` -> Choice("bits", 8); ``auto`` and ``learned`` parse to their kind."""
+    p = str(policy).strip().lower()
+    if p.startswith("bits:"):
+        try:
+            n = int(p[5:])
+        except ValueError:
+            n = -1
+        if n not in (2, 3, 4, 5, 6, 8):
+            raise FuseError("unsupported bits in quant policy", expected="bits:2..6 or bits:8",
+                            found=repr(policy))
+        return Choice("bits", n)
+    if p in ("requant", "same-grid", "float", "auto"):
+        return Choice(p)
+    if p == "learned" or p.startswith("learned:"):
+        parse_method(p)
+        return Choice("learned")
+    raise FuseError("unknown quant policy", expected=" | ".join(POLICIES), found=repr(policy))
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """One integer code per element -> mlx's packed uint32 words (inverse of unpack_codes)."""
+    rows, n = codes.shape
+    bitsarr = ((codes[..., None].astype(np.uint32) >> np.arange(bits, dtype=np.uint32)) & 1)
+    stream = bitsarr.astype(np.uint8).reshape(rows, n * bits)
+    return np.packbits(stream, axis=-1, bitorder="little").view("<u4").astype(np.uint32)
+
+
+def _float32(raw: np.ndarray, code: str) -> np.ndarray:
+    return nm.to_float32(raw, nm.float_format(code))
+
+
+def _from_float32(x: np.ndarray, code: str) -> np.ndarray:
+    """float32 values -> raw storage of ``code`` (round to nearest, through MLX)."""
+    import mlx.core as mx  # lazy: MLX only when computing
+
+    return mx_to_raw(mx.array(x.astype(np.float32)).astype(mx_dtype(code)))[0]
+
+
+def _check_affine(ck: Checkpoint, module: str, q: QuantParams, what: str) -> None:
+    if q.mode != "affine":
+        raise FuseError(f"quant policy {what} needs affine quantization", file=ck.path,
+                        tensor=f"{module}.weight", expected="mode affine", found=q.mode)
+
+
+def module_parts(ck: Checkpoint, module: str, binds: List[Binding], rounding: str,
+                 dtype_policy: str, choice: Choice) -> Tuple[Dict[str, np.ndarray], RequantStat]:
+    """The tensors (weight[, scales, biases]) one adapted quantized module is written as."""
+    q = ck.quant_params(module)
+    assert q is not None
+    code = ck.tensors[f"{module}.scales"].dtype
+    name = f"{module}.weight"
+    base = dequantize_raw(ck, module, None)
+    fused, fcode = fuse_bindings(base, code, binds, rounding, dtype_policy, name)
+    base_codes = ck.read(name)
+    if choice.kind == "requant":
+        parts = quantize_raw(fused, fcode, q)
+        stat = requant_survival(base, code, parts, fcode, q, binds, name, base_codes)
+    elif choice.kind == "float":
+        parts = {"weight": fused}
+        stat = survival_of(_float32(base, code), _float32(fused, fcode), binds, name)
+    elif choice.kind == "bits":
+        _check_affine(ck, module, q, choice.label)
+        qn = QuantParams(q.group_size, choice.bits, q.mode)
+        parts = quantize_raw(fused, fcode, qn)
+        stat = requant_survival(base, code, parts, fcode, qn, binds, name)
+    elif choice.kind == "learned":
+        parts = choice.parts
+        stat = requant_survival(base, code, parts, fcode, q, binds, name, base_codes)
+    elif choice.kind == "same-grid":
+        _check_affine(ck, module, q, choice.label)
+        parts, stat = _same_grid(ck, module, q, base, code, fused, fcode, binds, base_codes)
+    else:
+        raise FuseError("quant policy is not a per-module choice", tensor=name,
+                        found=choice.label)
+    stat.policy = choice.label
+    return parts, stat
+
+
+def _same_grid(ck: Checkpoint, module: str, q: QuantParams, base: np.ndarray, code: str,
+               fused: np.ndarray, fcode: str, binds: List[Binding], base_codes: np.ndarray):
+    s = ck.read(f"{module}.scales")
+    sf = _float32(s, code).astype(np.float64)
+    old = _float32(base, code).astype(np.float64)
+    step = np.repeat(sf, q.group_size, axis=-1)
+    change = _float32(fused, fcode).astype(np.float64) - old
+    codes = unpack_codes(base_codes, q.bits).reshape(old.shape).astype(np.int64)
+    new = np.clip(np.rint(codes + change / step), 0, (1 << q.bits) - 1)
+    new = np.where(change == 0, codes, new)  # nothing asked, nothing moves
+    packed = pack_codes(new.reshape(-1, old.shape[-1]), q.bits).reshape(base_codes.shape)
+    parts = {"weight": packed, "scales": s}
+    if f"{module}.biases" in ck.tensors:
+        parts["biases"] = ck.read(f"{module}.biases")
+    if fcode != code:  # an explicit dtype policy casts scales and biases too
+        parts.update({k: _from_float32(_float32(v, code), fcode)
+                      for k, v in parts.items() if k != "weight"})
+    stat = requant_survival(base, code, parts, fcode, q, binds, f"{module}.weight", base_codes)
+    return parts, stat
+
+
+def module_bytes(ck: Checkpoint, module: str, choice: Choice) -> int:
+    """Bytes one module takes on disk under ``choice``."""
+    q = ck.quant_params(module)
+    s = ck.tensors[f"{module}.scales"]
+    w = ck.tensors[f"{module}.weight"]
+    n_in = w.shape[-1] * 32 // q.bits
+    rows = int(np.prod(w.shape[:-1]))
+    fbytes = nm.float_format(s.dtype).bits // 8
+    if choice.kind == "float":
+        return rows * n_in * fbytes
+    bits = choice.bits if choice.kind == "bits" else q.bits
+    nparts = 2 if f"{module}.biases" in ck.tensors else 1
+    return rows * n_in * bits // 8 + nparts * rows * (n_in // q.group_size) * fbytes
+
+
+def config_entry(choice: Choice, q: QuantParams):
+    """mlx-lm's per-layer quantization entry for ``choice`` (None: the top level holds)."""
+    if choice.kind == "float":
+        return False
+    if choice.kind == "bits" and choice.bits != q.bits:
+        return {"group_size": q.group_size, "bits": choice.bits, "mode": q.mode}
+    return None
+
+
+def resolve(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], policy: str, rounding: str,
+            dtype_policy: str, budget: Optional[float] = None,
+            dequantize: bool = False, progress: Any = False) -> Dict[str, Choice]:
+    """Module -> Choice for every adapted quantized module ({} for ``requant``)."""
+    c = parse_policy(policy)
+    if c.kind == "requant":
+        return {}
+    if not ck.quantization or dequantize:
+        raise FuseError("a quant policy applies to a quantized base, re-quantized",
+                        file=ck.path, expected="a quantized base without --dequantize",
+                        found="float base" if not ck.quantization else "--dequantize")
+    mods = [n[: -len(".weight")] for n in by_tensor
+            if n.endswith(".weight") and ck.quant_params(n[: -len(".weight")]) is not None]
+    if c.kind == "learned":
+        parts = learned_parts(ck, by_tensor, mods, rounding, dtype_policy, policy,
+                              progress=progress)
+        return {m: Choice("learned", parts=parts[m]) for m in mods}
+    if c.kind != "auto":
+        return {m: c for m in mods}
+    return resolve_auto(ck, by_tensor, mods, rounding, dtype_policy,
+                        1.15 if budget is None else budget)
+
+
+def resolve_auto(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], mods: List[str],
+                 rounding: str, dtype_policy: str, budget: float) -> Dict[str, Choice]:
+    """The auto rule. Each module starts at the base's bits, as whichever of
+    ``same-grid`` / ``requant`` keeps more of its delta (same bytes). Modules that keep
+    less than :data:`KEEP` are upgraded, worst survival first, to the cheapest step of
+    :data:`AUTO_LADDER` that reaches KEEP (else the best step), while the checkpoint's
+    total bytes stay within ``budget`` x the quantized base's; a module that does not
+    fit keeps its base-bits choice."""
+    limit = budget * ck.nbytes
+    total = float(ck.nbytes)
+    out: Dict[str, Choice] = {}
+    surv: Dict[str, float] = {}
+    for m in mods:
+        binds = by_tensor[f"{m}.weight"]
+        best = None
+        for c in (Choice("same-grid"), Choice("requant")):
+            try:
+                _, st = module_parts(ck, m, binds, rounding, dtype_policy, c)
+            except FuseError:
+                continue
+            if best is None or st.survived > best[1]:
+                best = (c, st.survived)
+        out[m], surv[m] = best
+    for m in sorted(mods, key=lambda k: surv[k]):
+        if surv[m] >= KEEP:
+            continue
+        binds = by_tensor[f"{m}.weight"]
+        here = module_bytes(ck, m, out[m])
+        pick = None
+        for label in AUTO_LADDER:
+            c = parse_policy(label)
+            extra = module_bytes(ck, m, c) - here
+            if total + extra > limit:
+                break
+            _, st = module_parts(ck, m, binds, rounding, dtype_policy, c)
+            if pick is None or st.survived > pick[2]:
+                pick = (c, extra, st.survived)
+            if st.survived >= KEEP:
+                break
+        if pick is not None and pick[2] > surv[m]:
+            out[m] = pick[0]
+            total += pick[1]
+    return out
+
+
+def plan_leaf(ck: Checkpoint, module: str, name: str, choice: Optional[Choice], out_code: str,
+              info, by_tensor) -> Optional[List[Tuple[str, Tuple[int, ...]]]]:
+    """The (dtype, shape) one stored tensor of an adapted module is written with under a
+    float or bits:N choice ([]: dropped); None where the usual requant plan holds."""
+    if choice is None or choice.kind not in ("float", "bits") or \
+            f"{module}.weight" not in by_tensor:
+        return None
+    q = ck.quant_params(module)
+    leaf, shape = name.rsplit(".", 1)[1], tuple(info.shape)
+    n_in = ck.tensors[f"{module}.weight"].shape[-1] * 32 // q.bits
+    lead = shape[:-1]
+    if choice.kind == "float":
+        return [(out_code, lead + (n_in,))] if leaf == "weight" else []
+    if leaf == "weight":
+        return [("U32", lead + (n_in * choice.bits // 32,))]
+    return [(out_code if info.dtype in ("BF16", "F16", "F32") else info.dtype, shape)]
+
+
+def policy_summary(policy: str, stats: List[RequantStat]) -> List[Tuple[str, str]]:
+    """FuseResult's row ``quant policy  auto: bits:5 9, requant 19`` (none for requant)."""
+    if policy == "requant":
+        return []
+    counts: Dict[str, int] = {}
+    for st in stats:
+        counts[st.policy] = counts.get(st.policy, 0) + 1
+    return [("quant policy",
+             f"{policy}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))]
+
+
+def per_layer_config(config: dict, ck: Checkpoint, choices: Optional[Dict[str, Choice]]) -> dict:
+    """Record each choice in mlx-lm's per-layer ``quantization`` (and its HF twin)."""
+    for m, ch in (choices or {}).items():
+        entry = config_entry(ch, ck.quant_params(m))
+        for key in ("quantization", "quantization_config"):
+            if entry is not None and isinstance(config.get(key), dict):
+                config[key][m] = entry
+    return config
+
+
+def check_float_base(quantized: Any, float_base: Any) -> Any:
+    """``--float-base``: the float original of a quantized base, checked to be one (the
+    same config but for quantization, the same module names) -> the path to fuse into."""
+    q, f = open_checkpoint(quantized), open_checkpoint(float_base)
+    if not q.quantization:
+        raise FuseError("--float-base is for a quantized base", file=q.path,
+                        expected="a quantized model", found="float weights")
+    if f.quantization:
+        raise FuseError("--float-base must be a float checkpoint", file=f.path,
+                        expected="float weights", found="a quantized model")
+    drop = ("quantization", "quantization_config", "torch_dtype")
+    qc = {k: v for k, v in q.config.items() if k not in drop}
+    fc = {k: v for k, v in f.config.items() if k not in drop}
+    want = sorted(n for n in q.tensors if not n.endswith((".scales", ".biases")))
+    if qc != fc or sorted(f.tensors) != want:
+        diff = sorted(k for k in set(qc) | set(fc) if qc.get(k) != fc.get(k))
+        raise FuseError("--float-base is not the float original of the quantized base",
+                        file=f.path, expected=f"config and tensor names of {q.path.name}",
+                        found=f"differs in {diff[:4] or 'tensor names'}")
+    return f.path
+
+
+# ---------------------------------------------------------------------------
+# ``--quant-policy learned``: re-quantize the fused weights with mlx-lm's own GPTQ.
+
+
+METHODS = ("gptq",)
+SEQUENCE_LENGTH = 256
+SAMPLES = 16
+REFUSED = {
+    "awq": "mlx_lm.quant.awq.awq_quantize (it has a qwen3 config) folds per-channel scales "
+           "into the preceding norms and projections, so it rewrites untouched layers too "
+           "and needs the whole float model; not wired to a fuse nor measured in this "
+           "version. Use learned (GPTQ).",
+    "dwq": "mlx_lm.quant.dwq.dwq_quantize trains every quantized layer's scales and biases "
+           "by backprop against a teacher; tried here with the unfused adapter as teacher on "
+           "the GPTQ fuse of data/tiny-qwen3-4bit: one training step of 4 x 128 tokens took "
+           "~38 s and one validation batch ~28 s on this 2-core CPU, and DWQ needs hundreds "
+           "of steps (it also retunes the untouched layers). Use learned (GPTQ).",
+}
+
+
+def parse_method(policy: str) -> str:
+    """``learned`` / ``learned:gptq`` -> ``"gptq"``; AWQ / DWQ refused with the reason."""
+    p = str(policy).strip().lower()
+    method = p.split(":", 1)[1] if ":" in p else "gptq"
+    if method in REFUSED:
+        raise FuseError(f"quant policy 'learned:{method}' is not available here",
+                        expected="learned | learned:gptq", found=REFUSED[method])
+    if method not in METHODS:
+        raise FuseError("unknown learned quantization method", expected="learned:gptq",
+                        found=repr(policy))
+    return method
+
+
+def calibration_tokens(tokenizer, corpus: Optional[Path] = None,
+                       sequence_length: int = SEQUENCE_LENGTH, samples: int = SAMPLES):
+    """The first ``samples`` consecutive windows of ``sequence_length`` tokens of the
+    calibration text (UTF-8; ``.jsonl``: each line's ``text`` joined with newlines)."""
+    import mlx.core as mx  # lazy: MLX only when computing
+
+    path = Path(corpus) if corpus is not None else CALIBRATION_CORPUS
+    ids = np.asarray(encode_text(tokenizer, read_corpus(path)[0]), dtype=np.int32)
+    n = min(samples, len(ids) // sequence_length)
+    if n == 0:
+        raise FuseError("the calibration text is shorter than one window", file=path,
+                        expected=f"at least {sequence_length} tokens", found=f"{len(ids)}")
+    return mx.array(ids[: n * sequence_length].reshape(n, sequence_length))
+
+
+def learned_parts(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], mods: List[str],
+                  rounding: str, dtype_policy: str, policy: str = "learned",
+                  corpus: Optional[Path] = None, progress: Any = True
+                  ) -> Dict[str, Dict[str, np.ndarray]]:
+    """Module -> raw ``weight`` / ``scales`` / ``biases`` chosen by mlx-lm's GPTQ for
+    the fused weight of every adapted module in ``mods`` (the base's bits/group size).
+    ``progress=True`` shows mlx-lm's own tqdm bars (Hessians, quantizing); otherwise
+    they are silenced."""
+    import mlx.core as mx  # lazy: MLX only when computing
+    import mlx.nn as nn  # lazy: MLX only when computing
+    from mlx.utils import tree_unflatten  # lazy: MLX only when computing
+    from mlx_lm import load  # lazy: mlx-lm only for the learned policy
+    from mlx_lm.quant import gptq  # lazy: mlx-lm only for the learned policy
+
+    parse_method(policy)
+    q = {ck.quant_params(m) for m in mods}
+    if len(q) != 1 or next(iter(q)).mode != "affine" or next(iter(q)).bits not in (2, 4, 8):
+        raise FuseError("quant policy learned (GPTQ) needs one affine grid of 2, 4 or 8 bits",
+                        file=ck.path, expected="affine, bits 2/4/8, one group size",
+                        found=str(sorted(map(str, q))))
+    qp = next(iter(q))
+    model, tokenizer = load(str(ck.path))
+    mods_now = dict(model.named_modules())
+    swapped = []
+    for m in mods:
+        name = f"{m}.weight"
+        code = ck.tensors[f"{m}.scales"].dtype
+        fused, fcode = fuse_bindings(dequantize_raw(ck, m, None), code, by_tensor[name],
+                                     rounding, dtype_policy, name)
+        old = mods_now.get(m)
+        if not isinstance(old, nn.QuantizedLinear):
+            raise FuseError("quant policy learned handles quantized linear layers only",
+                            file=ck.path, tensor=name, expected="QuantizedLinear",
+                            found=type(old).__name__)
+        w = raw_to_mx(fused.reshape(-1, fused.shape[-1]), fcode)
+        lin = nn.Linear(w.shape[1], w.shape[0], bias="bias" in old)
+        lin.weight = w
+        if "bias" in old:
+            lin.bias = old.bias
+        swapped.append((m, lin))
+    model.update_modules(tree_unflatten(swapped))
+    data = calibration_tokens(tokenizer, corpus)
+    mx.random.seed(0)
+    bars = gptq.tqdm
+    if progress is not True:  # mlx-lm's bars follow lorakit's progress= (on, or off)
+        gptq.tqdm = partial(bars, disable=True)
+    try:
+        model, _ = gptq.gptq_quantize(model, data, qp.bits, qp.group_size, qp.bits,
+                                      qp.group_size)
+    finally:
+        gptq.tqdm = bars
+    done = dict(model.named_modules())
+    out = {}
+    for m in mods:
+        layer = done[m]
+        shape = ck.tensors[f"{m}.weight"].shape
+        parts = {"weight": mx_to_raw(layer.weight)[0].reshape(shape)}
+        for leaf in ("scales", "biases"):  # in the fused weight's dtype, as requant
+            parts[leaf] = mx_to_raw(getattr(layer, leaf))[0].reshape(
+                ck.tensors[f"{m}.{leaf}"].shape)
+        out[m] = parts
+    return out

@@ -284,7 +284,7 @@ static void run32(const uint32_t *a, const uint32_t *b, size_t n, uint32_t cap, 
     }
 }
 
-/* ---- scale statistics (lorakit.inspect.ulp_scale.ScaleStats: the same numbers) ----
+/* ---- scale statistics (lorakit.inspect.ulp_count.ScaleStats: the same numbers) ----
  *
  * sumsq(a, fmt) -> sum of a*a over the piece (float64 over blocks; float32 lanes within
  *     a block of 256, exact squares for the 16-bit formats).
@@ -574,7 +574,7 @@ static PyMethodDef methods[] = {
     {"scale", scale, METH_VARARGS,
      "scale(a, b, fmt, near_bits, typ_bits)\n"
      "    -> (sumsq_d, sign_changes, to_zero, near_zero, max_ulp_typical)\n\n"
-     "Scale statistics of two pieces' differing elements (lorakit.inspect.ulp_scale)."},
+     "Scale statistics of two pieces' differing elements (lorakit.inspect.ulp_count)."},
     {"sumsq", sumsq, METH_VARARGS, "sumsq(a, fmt) -> sum of squares of a piece's values"},
     {NULL, NULL, 0, NULL}};
 

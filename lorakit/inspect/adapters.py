@@ -25,14 +25,20 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..io.adapter import Adapter, LoraTarget, load_adapter
-from ..io.naming import strip_prefix
 from ..fusion.delta import target_pieces
-from .deltas import _weight_norm, layer_kind_grid, lowrank_svd, numerical_rank, weight_slots
+from ..io.adapters.load import Adapter, LoraTarget, load_adapter
+from ..io.naming import strip_prefix
 from ..io.source import open_source
-from .layers import split_name
-from .report import Report
+from ..report import Report
 from . import plots
+from .deltas import (
+    _weight_norm,
+    layer_kind_grid,
+    lowrank_svd,
+    numerical_rank,
+    weight_slots,
+)
+from .layers import split_name
 
 __all__ = ["AdapterComparison", "compare_adapters", "delta_inner", "principal_angles"]
 

@@ -22,13 +22,13 @@ import numpy as np
 
 from .. import numerics as nm
 from ..fusion.delta import target_pieces
-from ..io.adapter import Adapter, load_adapter
+from ..io.adapters.load import Adapter, load_adapter
 from ..io.naming import bind
 from ..io.source import TensorSource, open_source
 from ..io.weights import weight_f64
-from .layers import layer_kind_cells, split_name
-from .report import Report
+from ..report import Report
 from . import plots
+from .layers import layer_kind_cells, split_name
 
 __all__ = ["lowrank_svd", "effective_rank", "numerical_rank", "DeltaNorms",
            "delta_norms", "layer_kind_grid"]
@@ -183,7 +183,7 @@ def delta_norms(adapter: Any, checkpoint: Any = None, *, rtol: Optional[float] =
     """Norms, spectra and ranks of every delta ``dW = scale * B @ A`` of an adapter.
 
     Args:
-        adapter: adapter directory or a loaded :class:`~lorakit.io.adapter.Adapter`.
+        adapter: adapter directory or a loaded :class:`~lorakit.io.adapters.load.Adapter`.
         checkpoint: optional base (directory, Checkpoint or in-memory mlx-lm model):
             adds ``||W||_F`` and the relative size ``||dW||_F / ||W||_F``.
         rtol: relative tolerance of the numerical rank (see :func:`numerical_rank`).

@@ -21,8 +21,8 @@ from ..errors import FormatError
 from ..io.dtypes import QUANT_SUFFIXES, config_dtype
 from ..io.safetensors import FLOAT_CODES
 from ..io.source import open_source
+from ..report import Report
 from .layers import _LORA_PARTS, layer_kind_cells, split_name
-from .report import Report
 from .plots import dtype_heatmap
 
 __all__ = ["DtypeMap", "dtype_map"]

@@ -24,10 +24,11 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import LorakitError
-from .report import Report
 from ..fusion.model import load_unfused
+from ..report import Report
 from . import plots
-from .moe_cpu import NOTE as MOE_NOTE, moe_float32_on_cpu
+from .moe_cpu import NOTE as MOE_NOTE
+from .moe_cpu import moe_float32_on_cpu
 
 __all__ = ["Divergence", "Generation", "GenerationReport", "compare_generations"]
 

@@ -20,7 +20,6 @@ NOTE = ("MoE expert layers ({n}) ran in float32 on CPU: MLX's CPU GatherMM suppo
 
 def _needs_f32(block: Any) -> bool:
     import mlx.core as mx  # lazy: MLX only when a model is loaded
-
     from mlx.utils import tree_flatten  # lazy: MLX only when a model is loaded
 
     if type(block).__name__ not in MOE_BLOCKS:

@@ -77,8 +77,13 @@ def dtype_heatmap(dm, ax=None, part: str = "weight"):
     import numpy as np  # lazy: the dtype map's header path starts without numpy
 
     # lazy: matplotlib only when a figure is drawn
-    from matplotlib.colors import ListedColormap  # lazy: matplotlib only when a figure is drawn
-    from matplotlib.patches import Patch, Rectangle  # lazy: matplotlib only when a figure is drawn
+    from matplotlib.colors import (
+        ListedColormap,  # lazy: matplotlib only when a figure is drawn
+    )
+    from matplotlib.patches import (  # lazy: matplotlib only when a figure is drawn
+        Patch,
+        Rectangle,
+    )
 
     labels, kinds, cells = dm.grid(part)
     flags = dm.flag_grid(part)
@@ -111,8 +116,9 @@ def value_heatmap(labels: Sequence[str], kinds: Sequence[str], values: np.ndarra
                   vmin: Optional[float] = None, vmax: Optional[float] = None):
     """A layer x kind heatmap of numbers (NaN cells left blank)."""
     import numpy as np  # lazy: the dtype map's header path starts without numpy
-
-    from matplotlib.colors import LogNorm  # lazy: matplotlib only when a figure is drawn
+    from matplotlib.colors import (
+        LogNorm,  # lazy: matplotlib only when a figure is drawn
+    )
 
     fig, ax = _new(ax, _fit(len(labels), len(kinds)))
     v = np.ma.masked_invalid(np.asarray(values, dtype=float))

@@ -44,7 +44,10 @@ def write_model_card(directory: Path, base_card: Optional[Path], hub_id: Optiona
             the same fuse writes the same bytes wherever it goes).
         settings: the fuse's provenance (what ``lorakit.json`` records).
     """
-    from huggingface_hub import ModelCard, ModelCardData  # lazy: only a fuse writes a card
+    from huggingface_hub import (  # lazy: only a fuse writes a card
+        ModelCard,
+        ModelCardData,
+    )
 
     card = None
     if base_card is not None:

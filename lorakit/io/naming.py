@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..errors import AdapterError
-from .adapter import Adapter, LoraTarget, Replacement, check_runtime_scope
+from .adapters.load import Adapter, LoraTarget, Replacement, check_runtime_scope
 from .checkpoint import QuantParams
 from .source import TensorSource
 
@@ -142,7 +142,7 @@ def bind(adapter: Adapter, ck: TensorSource) -> List[Binding]:
     every target that lands nowhere or whose shape disagrees.
 
     Once every target lands, the adapter's own runtime rules are checked against
-    ``ck`` (:func:`~lorakit.io.adapter.check_runtime_scope`: mlx-lm's ``num_layers``
+    ``ck`` (:func:`~lorakit.io.adapters.load.check_runtime_scope`: mlx-lm's ``num_layers``
     and ``keys`` scope, PEFT's ``target_modules`` that must match something), so a
     fuse never makes a model the adapter could not have run on unfused."""
     out: List[Binding] = []

@@ -17,26 +17,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import (TYPE_CHECKING, Any, Dict, Mapping, Optional, Protocol, Tuple, Union,
-                    runtime_checkable)
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Dict,
+    Mapping,
+    Optional,
+    Protocol,
+    Tuple,
+    Union,
+    runtime_checkable,
+)
 
 if TYPE_CHECKING:
     import numpy as np
 
 from ..errors import FormatError
 from .checkpoint import Checkpoint, QuantParams
-from .paths import load_json, resolve_model_path
 from .dtypes import majority_dtype
-from .safetensors import TensorInfo, nbytes_of, read_header, read_raw
-from .safetensors import mx_to_raw
-from .safetensors import MX_CODES
+from .paths import load_json, resolve_model_path
+from .safetensors import (
+    MX_CODES,
+    TensorInfo,
+    mx_to_raw,
+    nbytes_of,
+    read_header,
+    read_raw,
+)
 
 __all__ = ["TensorMeta", "TensorSource", "FileSource", "ModelSource", "open_source",
            "majority_dtype"]
 
 PathLike = Union[str, Path]
 
-# adapter directories hold one of these (see lorakit.io.adapter)
+# adapter directories hold one of these (see lorakit.io.adapters.load)
 _ADAPTER_CONFIG = "adapter_config.json"
 _ADAPTER_WEIGHTS = ("adapters.safetensors", "adapter_model.safetensors")
 

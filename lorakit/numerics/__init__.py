@@ -24,9 +24,16 @@ from __future__ import annotations
 import numpy as np  # noqa: F401  (the doctest examples above use np)
 
 from .formats import FORMATS, NAN_MISMATCH, FloatFormat, chunks, float_format
-from .values import (fma_f32, from_storage, isnan_bits, round_to_format, to_float32, to_float64,
-                     to_storage)
 from .ulps import nan_mismatch, ulp, ulp_distance, ulp_error_vs_reference, ulp_histogram
+from .values import (
+    fma_f32,
+    from_storage,
+    isnan_bits,
+    round_to_format,
+    to_float32,
+    to_float64,
+    to_storage,
+)
 
 __all__ = [
     "FloatFormat",

@@ -9,7 +9,6 @@ from ..errors import FormatError
 from .formats import _F64_EXP, _PIECE, _U64, NAN_MISMATCH, FloatFormat, float_format
 from .values import _as_bits, isnan_bits, round_to_format, to_float64  # noqa: F401  (doctests)
 
-
 # ---------------------------------------------------------------------------
 # ulps
 

@@ -8,9 +8,16 @@ from typing import Any, Optional
 import numpy as np
 
 from ..errors import FormatError
-from .formats import (_F64_ABS, _F64_INF, _F64_MANT, _PIECE, _U64, FloatFormat, _is_native,
-                      float_format)
-
+from .formats import (
+    _F64_ABS,
+    _F64_INF,
+    _F64_MANT,
+    _PIECE,
+    _U64,
+    FloatFormat,
+    _is_native,
+    float_format,
+)
 
 # ---------------------------------------------------------------------------
 # bits <-> values

@@ -9,12 +9,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..errors import AdapterError
+from ..io.adapters.base import Adapter, LoraTarget
+from ..io.adapters.write import save_adapter
 from ..io.checkpoint import Checkpoint
-from ..io.adapter_base import Adapter, LoraTarget
-from ..io.adapter_write import save_adapter
 from ..io.output import SYNTH_MARK, check_output_path
 from .presets import DEFAULT_KEYS
-from .sites import _Site, _find_sites, _layer_prefix, _row_norms
+from .sites import _find_sites, _layer_prefix, _row_norms, _Site
 
 PathLike = Union[str, Path]
 

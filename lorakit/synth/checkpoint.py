@@ -11,10 +11,10 @@ from .. import numerics as nm
 from ..errors import FormatError
 from ..io.output import SYNTH_MARK, OutputDirectory, check_output_path
 from ..io.safetensors_write import PlannedTensor, SafetensorsWriter
+from ..progress import progress_bar
 from .planning import parse_size, plan_checkpoint, resolve_config
-from .sampler import _Sampler, _fill_kind
+from .sampler import _fill_kind, _Sampler
 from .tokenizer import write_tokenizer
-from .._progress import progress_bar
 
 PathLike = Union[str, Path]
 

@@ -86,7 +86,13 @@ def write_tokenizer(path: Path, config: Dict[str, Any]) -> None:
 
     Updates ``config``'s bos/eos ids if the family's special tokens had to move
     (a vocabulary smaller than the real one)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers  # lazy: only when a tokenizer is written
+    from tokenizers import (  # lazy: only when a tokenizer is written
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+    )
 
     vocab_size = int(config.get("vocab_size", 0))
     fam = _family(str(config.get("model_type", "")))

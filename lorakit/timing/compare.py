@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Dict, List, Union
 
 from ..errors import LorakitError
-from ..inspect.report import Report
+from ..report import Report
 from .table import VARIANTS, DecodeTiming
 
 # the committed benchmark results of this source tree

@@ -2,7 +2,7 @@
 
 ``time_decode`` answers "what does fusing cost or save at generation time?" for a
 user's own model and adapter. Each variant runs in a fresh process
-(``lorakit.timing._worker``), so its peak memory is its own; decoding is greedy
+(``lorakit.timing.worker``), so its peak memory is its own; decoding is greedy
 through ``mlx_lm.generate.stream_generate``, so the tok/s figures are those
 ``mlx_lm generate`` prints. Variants:
 
@@ -36,14 +36,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Union
 
-from .._progress import progress_bar
 from ..errors import LorakitError
+from ..fusion.fuse import fuse
 from ..io.checkpoint import Checkpoint
 from ..io.safetensors import read_header
-from ..fusion.stream import fuse
-from ._protocol import MARK, TOKENIZER_FILES
+from ..progress import progress_bar
 from .kl_column import kl_tokens, kl_vs_unfused
 from .table import ADAPTER_FILES, FUSED_VARIANTS, VARIANTS, DecodeTiming, VariantTiming
+from .worker import MARK, TOKENIZER_FILES
 
 PathLike = Union[str, Path]
 # -- running ---------------------------------------------------------------------------
@@ -120,7 +120,7 @@ def _prepare(variant: str, model: Path, adapter: Path, work: Path, python: str) 
 def _run_worker(spec: Dict[str, Any], python: str, on_run: Callable[[Dict[str, Any]], None],
                 cancel: Any, timeout: Optional[float]) -> Dict[str, Any]:
     with tempfile.TemporaryFile(mode="w+") as err:
-        proc = subprocess.Popen([python, "-m", "lorakit.timing._worker", json.dumps(spec)],
+        proc = subprocess.Popen([python, "-m", "lorakit.timing.worker", json.dumps(spec)],
                                 stdout=subprocess.PIPE, stderr=err, text=True,
                                 env=_child_env())
         result: Optional[Dict[str, Any]] = None

@@ -13,9 +13,17 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from ..inspect.moe_cpu import NOTE as MOE_NOTE
-from ..inspect.report import Report
-from .stats import (BYTES_THRESHOLD, CONFIDENCE, SPEED_THRESHOLD, bytes_verdict, human_bytes,
-                    noise_band, ratio_interval, speed_verdict)
+from ..report import Report
+from .stats import (
+    BYTES_THRESHOLD,
+    CONFIDENCE,
+    SPEED_THRESHOLD,
+    bytes_verdict,
+    human_bytes,
+    noise_band,
+    ratio_interval,
+    speed_verdict,
+)
 
 PathLike = Union[str, Path]
 
@@ -396,7 +404,9 @@ class DecodeTiming(Report):
         Returns the matplotlib Figure (made without pyplot, so it shows once in a
         notebook and is safe to draw from a background thread).
         """
-        from matplotlib.figure import Figure  # lazy: matplotlib only when a figure is drawn
+        from matplotlib.figure import (
+            Figure,  # lazy: matplotlib only when a figure is drawn
+        )
 
         ok = [v for v in self.variants if v.ok]
         names = [v.variant for v in ok]

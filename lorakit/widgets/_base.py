@@ -14,8 +14,7 @@ from typing import Any, Dict, Optional
 
 import ipywidgets as W
 
-from .._html import FLAGGED, LEFT, escape, facts_table, head_cells, table
-from ..inspect.report import Report, _fmt
+from ..report import FLAGGED, LEFT, Report, _fmt, escape, facts_table, head_cells, table
 
 #: Prefix of the CSS classes that tests select on (``widget.add_class("t-...")``).
 HOOK = "t-"

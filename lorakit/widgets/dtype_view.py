@@ -14,10 +14,10 @@ from typing import Any, List, Optional, Tuple
 
 import ipywidgets as W
 
-from .._html import escape
 from ..inspect.dtype_map import DtypeMap, dtype_map
 from ..inspect.layers import kind_label
 from ..inspect.plots import _DTYPE_COLORS, _OTHER_COLOR, _QUANT_COLOR
+from ..report import escape
 from ._base import ErrorBox, FigureView, hook, rows_html, summary_html
 
 DETAIL_COLUMNS = ["tensor", "dtype", "shape", "bytes", "flag"]

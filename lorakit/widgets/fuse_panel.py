@@ -1,7 +1,7 @@
 """FusePanel: pick a base and an adapter, choose how to fuse, run, see the result.
 
 Every choice maps onto one argument of :func:`lorakit.fuse`; the result is the
-:class:`~lorakit.fusion.stream.FuseResult` summary and the fused checkpoint's
+:class:`~lorakit.fusion.fuse.FuseResult` summary and the fused checkpoint's
 dtype map (:class:`DtypeMapView`). Outputs go to a temporary directory (or
 ``out_dir``), never into the base or adapter folders.
 
@@ -17,9 +17,9 @@ from typing import Any, Optional, Union
 
 import ipywidgets as W
 
-from ..fusion.modes import DTYPE_POLICIES, ROUNDINGS
+from ..fusion.fuse import FuseResult, fuse
+from ..fusion.options import DTYPE_POLICIES, ROUNDINGS
 from ..fusion.quant import survival_overall
-from ..fusion.stream import FuseResult, fuse
 from ..io.checkpoint import Checkpoint
 from . import _assets
 from ._base import ErrorBox, hook

@@ -19,8 +19,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import ipywidgets as W
 
-from .._html import LEFT, Cell, Markup, escape, table
 from ..inspect.generation import GenerationReport, _load, compare_generations
+from ..report import LEFT, Cell, Markup, escape, table
 from ._base import ErrorBox, FigureView, hook, summary_html
 
 MARK_STYLE = "background:#ffd54f;font-weight:bold;border-radius:2px"

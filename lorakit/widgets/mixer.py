@@ -3,9 +3,9 @@
 Live (on every slider move, from the factors only): the norm of the mixed delta
 ``sum_i w_i delta_i`` per module and in total, and against each parent its distance
 ``||mix - delta_i||`` and cosine, all from the per-module Gram matrix of the deltas
-(:func:`lorakit.fusion.lowrank.delta_gram`: ``||sum w_i delta_i||^2 = w^T G w``).
+(:func:`lorakit.algebra.lowrank.delta_gram`: ``||sum w_i delta_i||^2 = w^T G w``).
 On request: greedy text of the base, the mix (its exact sum as one adapter,
-:func:`lorakit.fusion.lowrank.weighted_sum`, attached unfused) and each parent
+:func:`lorakit.algebra.lowrank.weighted_sum`, attached unfused) and each parent
 (:func:`lorakit.compare_generations`), and a button that writes the combination
 (``lorakit.combine`` with method ``exact`` where this install has it).
 
@@ -26,10 +26,10 @@ import numpy as np
 
 import lorakit
 
-from ..fusion.lowrank import delta_gram, weighted_sum
+from ..algebra.lowrank import delta_gram, weighted_sum
 from ..fusion.model import attach_adapter
 from ..inspect.generation import GenerationReport, compare_generations
-from ..io.adapter import Adapter, load_adapter
+from ..io.adapters.load import Adapter, load_adapter
 from ._base import ErrorBox, facts_html, hook, rows_html
 
 PathLike = Union[str, Path]

@@ -2,7 +2,7 @@
 
 Pick A and B among checkpoints (for example the outputs of several fuses), or the
 exact float64 fuse as B; the widget calls :func:`lorakit.compare` (or
-:func:`lorakit.inspect.ulp_reference.ulp_vs_reference` for the exact fuse) and shows the
+:func:`lorakit.inspect.diff.ulp_vs_reference` for the exact fuse) and shows the
 report's histograms: overall, layers x bins, one layer, or one tensor, with the
 numbers behind them (relative error, max ulp at typical magnitudes and overall,
 elements near zero, differing elements, and for a tensor its differing elements by
@@ -21,14 +21,11 @@ from typing import Any, List, Mapping, Optional, Union
 
 import ipywidgets as W
 
+from ..inspect.diff import UlpReport, ulp_compare, ulp_vs_reference
 from ..inspect.plots import histogram_bars
-from ..inspect.report import Report
-from ..inspect.parity import ulp_compare
-from ..inspect.ulp_reference import ulp_vs_reference
-from ..inspect.ulp_accumulate import bits_dtype
-from ..inspect.ulp_report import UlpReport
-from ..inspect.ulp_scale import binades
+from ..inspect.ulp_count import binades, bits_dtype
 from ..io.source import open_source
+from ..report import Report
 from ._base import ErrorBox, FigureView, facts_html, hook, rows_html, summary_html
 
 PathLike = Union[str, Path]

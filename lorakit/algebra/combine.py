@@ -25,7 +25,7 @@ Methods:
   truncation error ``||D - B A||_F / ||D||_F`` per module.
 * ``linear``, ``ties``, ``magnitude_prune``, ``dare_linear``, ``dare_ties``: PEFT's
   ``add_weighted_adapter`` definitions: the A factors and the B factors are merged
-  separately (:mod:`lorakit.fusion.peft_methods`) with weights
+  separately (:mod:`lorakit.algebra.peft_like`) with weights
   ``sign(w s) sqrt(|w s|)`` on A and ``sqrt(|w s|)`` on B, so the product carries
   cross terms ``B_i A_j`` between adapters (PEFT issue 3004); needs equal ranks.
   lorakit evaluates each merge in float64 and rounds once to float32.
@@ -43,7 +43,7 @@ with the truncation error in the report.
 ``modules_to_save`` copies are refused too (PEFT refuses two of them on one module).
 
 :func:`convert` reads an adapter and writes it in the other format
-(:func:`lorakit.io.adapter_write.save_adapter`).
+(:func:`lorakit.io.adapters.write.save_adapter`).
 """
 from __future__ import annotations
 
@@ -54,16 +54,22 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..errors import AdapterError, LorakitError
-from ..inspect.report import Report
-from ..io.adapter import Adapter, LoraTarget, load_adapter
-from ..io.adapter_layout import expert_modules
-from ..io.adapter_write import save_adapter
+from ..fusion.delta import SumTarget, intended, tensor_pieces
+from ..io.adapters.layout import expert_modules
+from ..io.adapters.load import Adapter, LoraTarget, load_adapter
+from ..io.adapters.write import save_adapter
 from ..io.naming import bind
 from ..io.source import open_source
 from ..io.weights import weight_f64
-from .delta import SumTarget, intended, tensor_pieces
-from .peft_like import check_like_peft, like_peft_target, peft_dora_magnitudes, peft_plan
-from .peft_methods import RANDOM, merge
+from ..report import Report
+from .peft_like import (
+    RANDOM,
+    check_like_peft,
+    like_peft_target,
+    merge,
+    peft_dora_magnitudes,
+    peft_plan,
+)
 
 PathLike = Union[str, Path]
 METHODS = ("exact", "cat", "linear", "svd", "ties", "ties_svd", "magnitude_prune",
@@ -256,7 +262,7 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
         density: the kept fraction for ``ties``, ``magnitude_prune``, ``dare_*``.
         seed: the random seed of ``dare_*`` (required there).
         like: ``"peft"``: the adapter PEFT's ``add_weighted_adapter`` builds, bit for bit
-            (:mod:`lorakit.fusion.peft_like`; fuse it with ``rounding="round-once"``).
+            (:mod:`lorakit.algebra.peft_like`; fuse it with ``rounding="round-once"``).
         base_dtype: the model's dtype PEFT would build ``cat`` factors in (``like``).
         base: the checkpoint (path or source) ``svd`` evaluates DoRA parts on.
         majority_sign_method: ``ties``' sign election, PEFT's ``"total"`` (default) or
@@ -412,7 +418,7 @@ def _svd_dora(targets: List[LoraTarget], rows: List[Dict[str, Any]], ads: List[A
 def convert(adapter: Union[PathLike, Adapter], save_path: PathLike, *, to: str = "peft",
             force: bool = False, num_layers: Optional[int] = None) -> Path:
     """Write ``adapter`` in format ``to`` (``"peft"`` or ``"mlx-lm"``), its factors in
-    their own dtype, bit for bit (see :func:`lorakit.io.adapter_write.save_adapter`).
+    their own dtype, bit for bit (see :func:`lorakit.io.adapters.write.save_adapter`).
 
     >>> import tempfile, os
     >>> out = convert("data/adapters/lora", os.path.join(tempfile.mkdtemp(), "p"), to="peft")

@@ -1,7 +1,7 @@
 """``lorakit.resize``: an adapter at a lower rank, from its factors alone.
 
 Each module's delta ``scale * B @ A`` (B (out, r), A (r, in)) is factored by QR of
-``B`` and ``A^T`` and the SVD of the r x r core (:func:`lorakit.fusion.lowrank.factor_svd`);
+``B`` and ``A^T`` and the SVD of the r x r core (:func:`lorakit.algebra.lowrank.factor_svd`);
 the full delta is never formed. Its best rank-k approximation keeps the k largest
 singular values, and the error is exact from the discarded ones:
 ``||delta - delta_k||_F = sqrt(sum_{i>k} s_i^2)`` (Eckart-Young). Stacked MoE
@@ -27,13 +27,13 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..fusion.delta import intended, target_pieces
-from ..fusion.lowrank import check_target, choose_rank, factor_svd, split_factors
-from ..io.adapter import Adapter, LoraTarget, load_adapter
+from ..io.adapters.load import Adapter, LoraTarget, load_adapter
 from ..io.naming import bind
 from ..io.source import open_source
 from ..io.weights import weight_f64
+from ..report import Report
 from .extract import save_result
-from .report import Report
+from .lowrank import check_target, choose_rank, factor_svd, split_factors
 
 __all__ = ["ResizeReport", "resize"]
 
@@ -42,7 +42,7 @@ __all__ = ["ResizeReport", "resize"]
 class ResizeReport(Report):
     """Rows: module, expert count, rank_before, rank, fro (``||delta||_F``), error
     (``||delta - delta_k||_F``, exact), rel_error, energy kept, dora_error (DoRA with a
-    base). ``adapter``: the resized :class:`~lorakit.io.adapter_base.Adapter`;
+    base). ``adapter``: the resized :class:`~lorakit.io.adapters.base.Adapter`;
     ``singular_values[module]``: each module's spectrum (per expert for MoE)."""
     column_help = {
         "module": "the adapted module",

@@ -1,6 +1,6 @@
 """Why a merge is wrong: the fused weight tested against the weights other mistakes make.
 
-A tensor that fails the rounding bound (:mod:`lorakit.inspect.merge_bounds`) is read
+A tensor that fails the rounding bound (:mod:`lorakit.inspect.check`) is read
 again and compared with the exact result of each named mistake, in units of the same
 bound: the base itself (``not applied``), the adapter applied twice, the delta at
 another scale (a factor of 2 or 1/2; ``alpha`` where ``alpha / r`` was meant, or the
@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..fusion.delta import Piece, intended, lowrank
+from ..fusion.delta import Piece, intended
 
 __all__ = ["Candidate", "candidates", "CauseStats", "diagnose", "scaled"]
 

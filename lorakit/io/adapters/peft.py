@@ -26,10 +26,21 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..errors import AdapterError
-from ..numerics import to_float64
-from .adapter_base import (CONFIG, PEFT_PREFIX, PEFT_WEIGHTS, Adapter, AdapterTensors,
-                           LoraTarget, Replacement, check_magnitude, number, problems, whole)
+from ...errors import AdapterError
+from ...numerics import to_float64
+from .base import (
+    CONFIG,
+    PEFT_PREFIX,
+    PEFT_WEIGHTS,
+    Adapter,
+    AdapterTensors,
+    LoraTarget,
+    Replacement,
+    check_magnitude,
+    number,
+    problems,
+    whole,
+)
 
 _LEAVES = {
     "lora_A.weight": "A", "lora_B.weight": "B",

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import LorakitError
-from ..io.adapter_base import Adapter, LoraTarget
+from ..io.adapters.base import Adapter, LoraTarget
 
 __all__ = ["EXACT_MAX", "OVERSAMPLE", "POWER_ITERS", "choose_rank", "matrix_svd",
            "factor_svd", "split_factors", "weighted_sum", "delta_gram"]

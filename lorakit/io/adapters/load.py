@@ -1,11 +1,11 @@
 """LoRA / DoRA adapters in the mlx-lm and PEFT formats, as one description.
 
 :func:`load_adapter` tells the format from the files present and returns an
-:class:`Adapter` of :class:`LoraTarget` (see :mod:`lorakit.io.adapter_base` for the
+:class:`Adapter` of :class:`LoraTarget` (see :mod:`lorakit.io.adapters.base` for the
 orientation ``delta = scale * (B @ A)``). Each format's reader refuses what its
 own runtime would refuse, so that a fuse never applies a tensor the unfused
-adapter does not: :mod:`lorakit.io.adapter_mlx` (``num_layers``,
-``lora_parameters.keys``, rank) and :mod:`lorakit.io.adapter_peft`
+adapter does not: :mod:`lorakit.io.adapters.mlx` (``num_layers``,
+``lora_parameters.keys``, rank) and :mod:`lorakit.io.adapters.peft`
 (``target_modules``, ``layers_to_transform``, ``exclude_modules``, rank and alpha
 patterns). :func:`check_runtime_scope` finishes the checks that need the base
 model (its layer count, its module names).
@@ -16,11 +16,19 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Tuple
 
-from ..errors import AdapterError
-from .adapter_base import (CONFIG, MLX_WEIGHTS, PEFT_WEIGHTS, Adapter, LoraTarget, PathLike, Replacement)
-from .adapter_mlx import check_layer_scope, load_mlx
-from .adapter_peft import check_targets_exist, load_peft
-from .paths import load_json, safe_member, user_path
+from ...errors import AdapterError
+from ..paths import load_json, safe_member, user_path
+from .base import (
+    CONFIG,
+    MLX_WEIGHTS,
+    PEFT_WEIGHTS,
+    Adapter,
+    LoraTarget,
+    PathLike,
+    Replacement,
+)
+from .mlx import check_layer_scope, load_mlx
+from .peft import check_targets_exist, load_peft
 
 __all__ = ["Adapter", "LoraTarget", "Replacement", "load_adapter", "check_runtime_scope",
            "MLX_WEIGHTS", "PEFT_WEIGHTS", "CONFIG"]

@@ -1,7 +1,7 @@
 """What an adapter is to lorakit, whatever its format: the shared types and helpers.
 
-The two formats are read by :mod:`lorakit.io.adapter_mlx` and
-:mod:`lorakit.io.adapter_peft`; :func:`lorakit.io.adapter.load_adapter` picks one.
+The two formats are read by :mod:`lorakit.io.adapters.mlx` and
+:mod:`lorakit.io.adapters.peft`; :func:`lorakit.io.adapters.load.load_adapter` picks one.
 
 Whatever the format, an adapter becomes a list of :class:`LoraTarget`, one per
 adapted module, each holding ``A`` (…, r, in), ``B`` (…, out, r), a float
@@ -36,9 +36,9 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 
-from ..errors import AdapterError
-from ..numerics import float_format, to_float32
-from .safetensors import TensorInfo, read_header, read_raw
+from ...errors import AdapterError
+from ...numerics import float_format, to_float32
+from ..safetensors import TensorInfo, read_header, read_raw
 
 PathLike = Union[str, Path]
 

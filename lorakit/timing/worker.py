@@ -1,6 +1,6 @@
 """One variant's decode timing, run in a process of its own.
 
-``time_decode`` starts ``python -m lorakit.timing._worker SPEC_JSON`` once per
+``time_decode`` starts ``python -m lorakit.timing.worker SPEC_JSON`` once per
 variant, so each variant's peak memory starts from an empty process. The worker
 loads the checkpoint the way ``mlx_lm.load`` does (``load_model``, then
 ``load_adapters`` for the unfused variant; lorakit's ``attach_adapter`` for a PEFT
@@ -11,6 +11,10 @@ adapter, which mlx-lm cannot load), decodes greedily through
 - ``{"event": "loaded", ...}`` once the weights are in memory,
 - ``{"event": "run", "warmup": bool, ...}`` after each generation,
 - ``{"event": "result", ...}`` at the end, or ``{"event": "error", ...}``.
+
+What :func:`~lorakit.timing.decode.time_decode` and its worker process share, with
+nothing heavy imported: the mark that prefixes the worker's JSON lines on stdout (so
+that what a library prints cannot be taken for one) and the files that make a tokenizer.
 """
 from __future__ import annotations
 
@@ -28,9 +32,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from lorakit.fusion.model import load_unfused
-from lorakit.inspect.moe_cpu import moe_float32_on_cpu
-from lorakit.timing._protocol import MARK, TOKENIZER_FILES
+from ..fusion.model import load_unfused
+from ..inspect.moe_cpu import moe_float32_on_cpu
 
 # mlx_lm's modules are imported inside the functions that use them: mlx_lm.generate
 # creates its generation stream on the default device when imported, and the device
@@ -122,7 +125,9 @@ def load_tokenizer(model_path: Path, config: Dict[str, Any]):
     from mlx_lm.tokenizer_utils import TokenizerWrapper  # lazy: after select_device
 
     if any((model_path / f).exists() for f in TOKENIZER_FILES):
-        from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer  # lazy: after select_device
+        from mlx_lm.utils import (
+            load_tokenizer as mlx_load_tokenizer,  # lazy: after select_device
+        )
 
         tok = mlx_load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
         tok.eos_token_ids = []
@@ -224,3 +229,11 @@ if __name__ == "__main__":
         emit("error", type=type(e).__name__, message=str(e),
              traceback=traceback.format_exc(limit=8))
         raise SystemExit(1)
+
+
+# ---------------------------------------------------------------------------
+# What :func:`~lorakit.timing.decode.time_decode` and its worker process share, with
+
+
+MARK = "@@lorakit-timing "
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -1,6 +1,6 @@
 """How one in-memory adapter is laid out in each format: names, scales as alpha, scopes.
 
-The pure helpers behind :mod:`lorakit.io.adapter_write` (no files touched here):
+The pure helpers behind :mod:`lorakit.io.adapters.write` (no files touched here):
 
 * :func:`alpha_for` finds a PEFT ``lora_alpha`` with ``alpha / r == scale`` exactly
   in float64 (PEFT computes ``scaling = lora_alpha / r``), or says there is none;
@@ -22,7 +22,7 @@ import math
 import re
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from ..errors import AdapterError
+from ...errors import AdapterError
 
 #: Mixtral names its experts' projections w1/w2/w3 (mlx-lm: gate/down/up_proj).
 MIXTRAL = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}

@@ -1,4 +1,4 @@
-"""Writing an :class:`~lorakit.io.adapter_base.Adapter` as mlx-lm or PEFT saves one.
+"""Writing an :class:`~lorakit.io.adapters.base.Adapter` as mlx-lm or PEFT saves one.
 
 :func:`save_adapter` is the one adapter writer: convert, combine, extract, resize
 and ``synth_adapter`` all save through it. The output is built in a hidden sibling
@@ -40,14 +40,21 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import AdapterError
-from ..numerics import round_to_format, to_float32
-from .adapter_base import (CONFIG, MLX_WEIGHTS, PEFT_PREFIX, PEFT_WEIGHTS, Adapter, LoraTarget,
-                           PathLike)
-from .adapter_layout import alpha_for, expert_modules, layer_gaps, mlx_scope, restack
-from .output import TMP_MARK, OutputDirectory, check_output_path
-from .safetensors import read_header
-from .safetensors_write import PlannedTensor, SafetensorsWriter
+from ...errors import AdapterError
+from ...numerics import round_to_format, to_float32
+from ..output import TMP_MARK, OutputDirectory, check_output_path
+from ..safetensors import read_header
+from ..safetensors_write import PlannedTensor, SafetensorsWriter
+from .base import (
+    CONFIG,
+    MLX_WEIGHTS,
+    PEFT_PREFIX,
+    PEFT_WEIGHTS,
+    Adapter,
+    LoraTarget,
+    PathLike,
+)
+from .layout import alpha_for, expert_modules, layer_gaps, mlx_scope, restack
 
 __all__ = ["save_adapter", "peft_config", "FORMATS"]
 

@@ -1,4 +1,17 @@
-"""Fuse an adapter into a checkpoint on disk, one tensor in memory at a time.
+"""``lorakit.fuse``: one verb for a checkpoint on disk and a model in memory.
+
+A path (or hub repo id) goes through the streaming fuse
+(:func:`lorakit.fusion.fuse.fuse`: a new checkpoint written beside, the base never
+touched); an mlx-lm model in memory is fused in place
+(:func:`lorakit.fusion.model.fuse_model`). Both round through the same core.
+
+>>> import lorakit, tempfile, os
+>>> out = os.path.join(tempfile.mkdtemp(), "fused")
+>>> r = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", out, progress=False)
+>>> r.rounding, r.dtype_policy
+('nearest', 'preserve')
+
+Fuse an adapter into a checkpoint on disk, one tensor in memory at a time.
 
 The output directory has the input's shard layout and the same tensor names, so
 ``mlx_lm.load`` opens it and ``mlx_lm generate`` runs it. Untouched tensors are
@@ -10,6 +23,8 @@ Safety: the output is built in a hidden temporary sibling of the output path and
 renamed into place at the end, so an interrupted fuse leaves nothing at the
 output path (``lorakit.io.output``). The base and adapter directories are only
 ever read.
+
+What a fuse did: :class:`FuseResult`, a report with an HTML view and a text twin.
 """
 from __future__ import annotations
 
@@ -20,29 +35,106 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from .._progress import progress_bar
+from .. import __version__
 from ..errors import FuseError, LorakitError
-from ..io.adapter import Adapter, load_adapter
+from ..io.adapters.load import Adapter, Replacement, load_adapter
 from ..io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
-from ..io.adapter import Replacement
-from ..io.naming import Binding, bind, bind_replacements, bindings_by_tensor
-from ..io.export import check_gguf_export, export_gguf as write_gguf
+from ..io.export import check_gguf_export
+from ..io.export import export_gguf as write_gguf
 from ..io.model_card import CARD_NAME, write_model_card
+from ..io.naming import Binding, bind, bind_replacements, bindings_by_tensor
 from ..io.output import OutputDirectory, check_output_path
 from ..io.safetensors import FLOAT_CODES, TensorInfo
 from ..io.safetensors_write import PlannedTensor, SafetensorsWriter
+from ..progress import progress_bar
+from ..report import escape, facts_table, table
+from .core import check_rounding, output_code
+from .core import fuse_bindings as _fuse_float
 from .finite import cast_raw as _cast
-from .core import check_rounding, fuse_bindings as _fuse_float, output_code
-from .quant import RequantStat, dequantize_raw
-from .quant_policy import REQUANT, module_parts, per_layer_config, plan_leaf, resolve
-from .result import FuseResult
-from .. import __version__
+from .model import fuse_model
+from .quant import (
+    REQUANT,
+    Choice,
+    RequantStat,
+    check_float_base,
+    dequantize_raw,
+    module_parts,
+    per_layer_config,
+    plan_leaf,
+    policy_summary,
+    resolve,
+    survival_overall,
+    survival_rows,
+    survival_text,
+)
+
+__all__ = ['fuse', 'FuseResult']
+
+
+PathLike = Union[str, Path]
+
+
+
+def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
+         save_path: Optional[PathLike] = None, *, rounding: str = "nearest",
+         dtype: str = "preserve", dequantize: bool = False, force: bool = False,
+         export_gguf: Optional[str] = None,
+         progress: Union[bool, Callable[[int, int], None]] = True,
+         quant_policy: str = "requant", quant_budget: Optional[float] = None,
+         float_base: Optional[PathLike] = None) -> Any:
+    """Fuse an adapter: ``W' = W + scale * B @ A`` for every adapted weight, rounded as
+    ``rounding`` says and written in the weight's own dtype unless ``dtype`` says otherwise.
+
+    Args:
+        model: base checkpoint directory or hub repo id, written to ``save_path``; or an
+            mlx-lm model in memory, fused in place (with its LoRA layers when
+            ``adapter_path`` is None).
+        adapter_path: adapter directory (mlx-lm or PEFT format) or a loaded adapter.
+        save_path: output directory (checkpoints only).
+        rounding: ``nearest`` (default), ``round-once`` (PEFT), ``mlx-lm`` (bit-identical to
+            ``mlx_lm fuse``) or ``scale-after``.
+        dtype: ``preserve`` (default), ``promote``, ``bfloat16``, ``float16``, ``float32``.
+        dequantize: for quantized bases, write float weights instead of re-quantizing.
+        force / export_gguf / progress: as :func:`lorakit.fusion.fuse.fuse`
+            (checkpoints only).
+        quant_policy: for a quantized base, how adapted modules are stored: ``requant``
+            (default, as ``mlx_lm fuse``), ``same-grid``, ``bits:N``, ``float``, ``auto``
+            (:mod:`lorakit.fusion.quant`); ``quant_budget`` caps auto's bytes
+            relative to the quantized base (default 1.15).
+        float_base: fuse a QLoRA adapter trained on the quantized ``model`` into this
+            float original of it instead (float weights written).
+
+    Returns:
+        A :class:`~lorakit.fusion.fuse.FuseResult` for a checkpoint; the model itself
+        for a model in memory.
+    """
+    if hasattr(model, "parameters") and hasattr(model, "named_modules"):
+        if save_path is not None:
+            raise TypeError("a model in memory is fused in place; save it with "
+                            "mlx_lm's save functions, or pass a checkpoint path to write one")
+        return fuse_model(model, adapter_path, rounding=rounding, dtype=dtype,
+                          dequantize=dequantize)
+    if adapter_path is None or save_path is None:
+        raise TypeError("fuse(model_path, adapter_path, save_path): a checkpoint fuse needs "
+                        "an adapter and an output directory")
+    if float_base is not None:
+        model = check_float_base(model, float_base)
+    result: FuseResult = fuse_checkpoint(model, adapter_path, save_path, rounding=rounding,
+                                         dtype=dtype, dequantize=dequantize, force=force,
+                                         export_gguf=export_gguf, progress=progress,
+                                         quant_policy=quant_policy, quant_budget=quant_budget)
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Fuse an adapter into a checkpoint on disk, one tensor in memory at a time.
+
 
 PathLike = Union[str, Path]
 
@@ -116,7 +208,7 @@ def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, Li
 
 
 # -- the fuse --------------------------------------------------------------------------------
-def fuse(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: PathLike, *,
+def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: PathLike, *,
          rounding: str = "nearest", dtype: str = "preserve", dequantize: bool = False,
          force: bool = False, export_gguf: Optional[str] = None,
          progress: Union[bool, Callable[[int, int], None]] = True,
@@ -397,3 +489,79 @@ def _write_sidecars(ck: Checkpoint, tmp: Path, weight_map: Dict[str, str], total
                  "weight_map": dict(sorted(weight_map.items()))}
         with open(tmp / INDEX_NAME, "w") as f:
             json.dump(index, f, indent=4)
+
+
+# ---------------------------------------------------------------------------
+# What a fuse did: :class:`FuseResult`, a report with an HTML view and a text twin.
+
+
+@dataclass
+class FuseResult:
+    """What a fuse did. Renders as a table in notebooks; ``str()`` is the text twin."""
+
+    output: Path
+    base: Path
+    adapter: Path
+    rounding: str
+    dtype_policy: str
+    tensors_fused: int
+    tensors_total: int
+    dtypes_written: Dict[str, int]
+    bytes_written: int
+    seconds: float
+    dequantized: bool = False
+    requant: List[RequantStat] = field(default_factory=list)
+    fused_names: List[str] = field(default_factory=list)
+    #: tensors written from the adapter's own copies (PEFT modules_to_save)
+    replaced_names: List[str] = field(default_factory=list)
+    quant_policy: str = "requant"
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
+        d["requant"] = [r.__dict__ for r in self.requant]
+        d["survival"] = survival_overall(self.requant) if self.requant else None
+        return d
+
+    def _rows(self) -> List[Tuple[str, str]]:
+        rows = [("output", str(self.output)), ("base", str(self.base)),
+                ("adapter", str(self.adapter)), ("rounding", self.rounding),
+                ("dtype policy", self.dtype_policy),
+                ("tensors fused", f"{self.tensors_fused} of {self.tensors_total}"),
+                ("dtypes written", ", ".join(f"{k}: {v}" for k, v in
+                                             sorted(self.dtypes_written.items()))),
+                ("bytes written", f"{self.bytes_written / 1e9:.3f} GB"),
+                ("time", f"{self.seconds:.2f} s")]
+        if self.requant:
+            o = survival_overall(self.requant)
+            rows += [("codes changed", f"{o['codes_changed']:.1%} of {o['codes']:,} codes "
+                      f"({o['tensors']} re-quantized tensors)"),
+                     ("delta survived", f"{o['survived']:.1%} of the intended delta "
+                      "(projection on it, all tensors)")]
+            rows += policy_summary(self.quant_policy, self.requant)
+        if self.replaced_names:
+            rows.append(("replaced (modules_to_save)", ", ".join(self.replaced_names)))
+        if self.dequantized:
+            rows.append(("quantization", "dequantized (float weights written)"))
+        return rows
+
+    def __str__(self) -> str:
+        rows = self._rows()
+        w = max(len(k) for k, _ in rows)
+        lines = [f"Fused {self.adapter.name} into {self.base.name}"] + \
+            [f"  {k:<{w}}  {v}" for k, v in rows]
+        if self.requant:
+            lines += ["  re-quantized tensors:"] + survival_text(self.requant, "    ")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        per = ""
+        if self.requant:
+            per = ("<details><summary>survival per re-quantized tensor</summary>" +
+                   table(survival_rows(self.requant),
+                         head=["tensor", "codes changed", "delta survived"]) + "</details>")
+        return (f"<div><b>lorakit fuse</b>: {escape(self.adapter.name)} &rarr; "
+                f"{escape(self.output.name)}{facts_table(self._rows())}{per}</div>")
+
+    def __repr__(self) -> str:
+        return (f"FuseResult({str(self.output)!r}, {self.tensors_fused} fused, "
+                f"{self.rounding}, {self.dtype_policy})")

@@ -4,11 +4,11 @@ For every tensor the two checkpoints hold, streamed one at a time:
 
 * bit-identical tensors are untouched (compared as raw bytes, a slice at a time);
 * a changed 2-D linear weight gives ``D = T - W`` in float64 and its truncated SVD
-  (:mod:`lorakit.fusion.lowrank`: exact when ``min(out, in) <= 512``, else randomized
+  (:mod:`lorakit.algebra.lowrank`: exact when ``min(out, in) <= 512``, else randomized
   with 16 oversampling columns and 2 power iterations), kept at ``rank`` or at the
   fewest singular values holding ``energy`` of ``||D||_F^2`` (per-module ranks);
 * any other changed tensor (embeddings, the head, norms, biases) is saved in full, as
-  PEFT's ``modules_to_save`` (lorakit's :class:`~lorakit.io.adapter_base.Replacement`).
+  PEFT's ``modules_to_save`` (lorakit's :class:`~lorakit.io.adapters.base.Replacement`).
 
 Each low-rank row reports ``residual = ||D - scale B A||_F`` of the stored float32
 factors and ``noise``, the Frobenius norm of half an ulp of every element of the tuned
@@ -21,7 +21,7 @@ a rank-r candidate), and the extracted delta is within ``2 ||e||_F`` of the adap
 Fusing that truncation again does not give ``T`` back everywhere: the SVD keeps the
 part of ``e`` in the delta's row and column spaces. With ``refine`` (default for a
 fixed rank on a bf16/fp16 tuned checkpoint) each module whose residual is within the
-noise is refitted (:mod:`lorakit.fusion.refine`) so that ``round(W + B A)`` of the
+noise is refitted (:mod:`lorakit.algebra.refine`) so that ``round(W + B A)`` of the
 stored float32 factors equals ``T`` on as many elements as it can; ``outside_svd`` and
 ``outside`` count the elements a re-fuse (``nearest``) would change, before and after.
 
@@ -41,16 +41,23 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from .. import numerics as nm
-from .._progress import Progress, progress_bar
-from ..errors import FormatError, LorakitError
-from ..fusion.lowrank import (EXACT_MAX, OVERSAMPLE, POWER_ITERS, check_target, choose_rank,
-                              matrix_svd, split_factors)
-from ..fusion.refine import MARGIN, outside_count, refine_factors
-from ..io.adapter_base import EMBEDDING_HINTS, Adapter, LoraTarget, Replacement
-from ..io.adapter_write import save_adapter
+from ..errors import FormatError
+from ..io.adapters.base import EMBEDDING_HINTS, Adapter, LoraTarget, Replacement
+from ..io.adapters.write import save_adapter
 from ..io.source import TensorSource, open_source
 from ..io.weights import weight_f64
-from .report import Report
+from ..progress import Progress, progress_bar
+from ..report import Report
+from .lowrank import (
+    EXACT_MAX,
+    OVERSAMPLE,
+    POWER_ITERS,
+    check_target,
+    choose_rank,
+    matrix_svd,
+    split_factors,
+)
+from .refine import MARGIN, outside_count, refine_factors
 
 __all__ = ["ExtractReport", "extract", "svd_note"]
 
@@ -68,7 +75,7 @@ class ExtractReport(Report):
     """Rows: module, shape, rank, method, fro (``||D||_F``), residual, rel_error,
     noise, within (``residual <= noise``), outside_svd / outside (elements a re-fuse
     changes, before / after the refit), iters (of the refit), note. ``adapter``: the extracted
-    :class:`~lorakit.io.adapter_base.Adapter` (fuse it, compare it, save it);
+    :class:`~lorakit.io.adapters.base.Adapter` (fuse it, compare it, save it);
     ``singular_values[module]``: the spectrum each rank was chosen from;
     ``refit_seconds``: time spent in the refit (all modules)."""
     column_help = {
@@ -228,7 +235,7 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
             ``||T - W||_F^2`` (per-module ranks).
         modules: only modules matching these names or patterns (``q_proj``,
             ``self_attn.o_proj``, ``model.layers.1*``); default all.
-        save_path: also write the adapter there (``lorakit.io.adapter_write``, float32
+        save_path: also write the adapter there (``lorakit.io.adapters.write``, float32
             factors, scale 1).
         format: ``"peft"`` (default: per-module ranks and full copies fit) or ``"mlx-lm"``.
         force: replace a previous lorakit output at ``save_path``.
@@ -236,7 +243,7 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
         seed: seed of the randomized SVD's sketch.
         refine: refit each low-rank module so that fusing the saved adapter again
             (``nearest``) reproduces the tuned checkpoint on as many elements as it
-            can (:mod:`lorakit.fusion.refine`); default: on with ``rank``, off with
+            can (:mod:`lorakit.algebra.refine`); default: on with ``rank``, off with
             ``energy``. Only for bf16/fp16 tuned weights whose residual is within
             the rounding noise (a rank-r fuse); kept only where it lowers the count
             and the residual stays within the noise.

@@ -71,7 +71,9 @@ def progress_bar(progress: Progress, total: int, desc: str, unit: str = "B",
         return ProgressBar(total, callback=progress)
     if not progress:
         return ProgressBar(total)
-    from tqdm.auto import tqdm  # lazy: imports ipywidgets in a notebook; only with a bar
+    from tqdm.auto import (
+        tqdm,  # lazy: imports ipywidgets in a notebook; only with a bar
+    )
 
     # disable=None: no bar when stderr is not a terminal (logs, pipes, CI), so an
     # error there reads as one message; notebooks still show theirs

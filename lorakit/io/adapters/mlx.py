@@ -27,9 +27,19 @@ from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
-from ..errors import AdapterError
-from .adapter_base import (CONFIG, EMBEDDING_HINTS, MLX_WEIGHTS, Adapter, AdapterTensors,
-                           LoraTarget, check_magnitude, number, problems, whole)
+from ...errors import AdapterError
+from .base import (
+    CONFIG,
+    EMBEDDING_HINTS,
+    MLX_WEIGHTS,
+    Adapter,
+    AdapterTensors,
+    LoraTarget,
+    check_magnitude,
+    number,
+    problems,
+    whole,
+)
 
 #: ``<prefix>.<layer index>.<path inside the block>``: the first numbered segment is
 #: the block index in ``model.layers`` (``model.layers.3.mlp.switch_mlp.up_proj``).

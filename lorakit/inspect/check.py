@@ -4,7 +4,7 @@ For each adapted weight, ``T`` is the exact intended result in float64
 (``W + scale * B @ A``, DoRA-normalised when the adapter has magnitudes:
 :func:`lorakit.fusion.delta.intended`, the one definition). The check measures,
 element by element, ``|F - T|`` against what rounding to the stored dtype can
-explain (:mod:`lorakit.inspect.merge_bounds`: half an ulp for a correctly rounded
+explain (:mod:`lorakit.inspect.check`: half an ulp for a correctly rounded
 fuse, the double rounding of the mlx-lm and PEFT orders, the quantization step of each
 group for a re-quantized weight). ``distance`` is the largest ratio: at most 1 for a
 correct merge made in any of those orders, whatever the tool.
@@ -20,7 +20,7 @@ Status per tensor and overall:
     numerically right but stored in a wider dtype than the base without the fuse being
     asked to convert (the f32 promotion of a missing cast: bytes doubled).
 ``wrong``
-    with the cause where it can be named (:mod:`lorakit.inspect.merge_causes`):
+    with the cause where it can be named (:mod:`lorakit.inspect.check_causes`):
     ``not applied``, ``applied twice``, ``wrong scale`` (the factor and what it looks
     like), ``another adapter``, ``transposed``, ``DoRA magnitude missing``,
     ``different base``, ``changed otherwise``, ``dtype changed``, ``missing``,
@@ -35,31 +35,89 @@ promoted (2 stays bad input).
 >>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")
 >>> merge_check("fused", "data/tiny-qwen3", "data/adapters/lora").status
 'ok'
+
+What rounding can explain: per element, how far a correct fuse may land from the
+exact intended weight.
+
+``T`` is the exact intended result in float64 (:func:`lorakit.fusion.delta.intended`).
+A correct fuse stores ``F`` with ``|F - T| <= bound``, element by element, where the
+bound covers every order a correct tool fuses in (``lorakit.fusion.core``'s four
+modes, ``mlx_lm fuse``, PEFT's ``merge_and_unload``):
+
+``nearest``
+    ``F = round_out(T)``: ``|F - T| <= ulp_out(T) / 2``.
+``round-once`` (PEFT)
+    ``F = round_out(fl32(W + d32))``: the f32 delta's own error ``e32`` plus one f32
+    addition, then one rounding.
+``mlx-lm`` / ``scale-after`` (and PEFT's embedding order)
+    ``F = round_w(W + round_w(d32))``: the f32 delta rounded to the weight's format
+    ``w`` first, then the sum rounded again.
+
+so for LoRA, with ``D = T - W`` and ``u(x) = ulp_w(x) / 2`` the half-spacing of the
+working format (the base weight's dtype)::
+
+    bound = u(D) + u(T) + e32 + 2**-24 |T|        (+ ulp_out(T) / 2 if out != w)
+    e32   = (r + 2) 2**-24 |scale| (|B| @ |A|)    (an f32 dot product of length r)
+
+The magnitudes are taken one bound above ``|T|`` and ``|D|`` (a value may round up
+into the next binade). DoRA rescales rows by ``s = m / ||X||`` with ``X = W + D``
+(mlx-lm normalises the already rounded ``X``, and its norm comes back in ``X``'s dtype),
+so the element term is scaled by ``s`` and the row norm's own error adds
+``|T| ((||e||_row + ulp_w(||X||_row) / 2) / ||X||_row + (n + 16) 2**-24)``.
+
+A re-quantized (affine) weight adds the quantization of each group: one step
+``|scale_g|`` (``mx.quantize`` fits the scale so that the group's larger edge is a code
+and clips at the other end, which costs up to a whole step, not half; 5% slack for a
+group whose range moved by the fuse's rounding), the storage rounding of the scale
+(``2**bits`` codes times its half-ulp) and of the bias, and the rounding of the
+dequantized value. Other quantization modes use twice the
+largest error a correct re-quantization of the same group shows.
+
+A wrong merge whose distance stays inside this bound everywhere cannot be told from a
+correct one: that is the detection limit (measured in ``tests/test_merge_verdicts.py``).
+
+The rest of a merge check: tensors the adapter does not touch, whole-tensor
+replacements (PEFT ``modules_to_save``), tensors only one side has, and which dtype
+conversion the fuse was asked for.
+
+Untouched tensors must come through bit for bit, or, when the fuse converted every
+float tensor to another dtype (``lorakit fuse --dtype float16``), be exactly the base
+converted with one correct rounding (verdict ``converted``).
+
+The behaviour line of a merge check: the fused model against the base with the
+adapter attached unfused, on the default corpus (a thin caller of
+:func:`lorakit.compare_outputs`; the KL math lives there once).
+
+It adds to a :class:`~lorakit.inspect.check.MergeCheck` one summary line,
+``fused vs unfused: mean KL 3.8e-05, top-1 99.1% (1020 tokens)``, and the numbers
+under ``behaviour`` (in ``to_dict()`` / ``--json``). It never changes the verdict or
+the exit code: behaviour is evidence, the per-tensor check is the verdict.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
 from .. import numerics as nm
-from ..fusion.delta import Piece, intended, tensor_pieces
-from ..io.adapter import Adapter, load_adapter
+from ..errors import LorakitError
+from ..fusion.core import cast_raw
+from ..fusion.delta import Piece, intended, intended_blocks, tensor_pieces
+from ..io.adapters.load import Adapter, load_adapter
 from ..io.naming import bind, bind_replacements, bindings_by_tensor
 from ..io.safetensors import raw_to_mx
 from ..io.source import TensorSource, open_source
-from ..io.weights import weight_f64
+from ..report import Report
 from . import plots
-from .merge_bounds import float_bound, quant_bound
-from .merge_behaviour import add_behaviour, behaviour_tokens
-from .merge_causes import CauseStats, candidates, diagnose, scaled
-from .merge_untouched import (extra_rows, replacement_row, requested_conversion, row,
-                              untouched_rows, wider)
-from .report import Report
+from .behaviour import compare_outputs
+from .check_causes import CauseStats, candidates, diagnose, scaled
+from .diff import compare_sources
+from .layers import split_name
 
-__all__ = ["MergeCheck", "merge_check", "intended_pieces", "VERDICTS_OK", "EXIT_CODES"]
+__all__ = ['MergeCheck', 'merge_check', 'VERDICTS_OK', 'EXIT_CODES', 'float_bound', 'quant_bound', 'row', 'requested_conversion', 'untouched_rows', 'extra_rows', 'replacement_row', 'FLOAT_CODES', 'DEFAULT_TOKENS', 'behaviour_tokens', 'fused_vs_unfused', 'behaviour_line']
+
 
 #: verdicts of a right merge
 VERDICTS_OK = ("ok", "rounding-limited", "partially lost to quantization", "lost to quantization",
@@ -67,59 +125,6 @@ VERDICTS_OK = ("ok", "rounding-limited", "partially lost to quantization", "lost
 #: overall status -> CLI exit code
 EXIT_CODES = {"ok": 0, "wrong": 1, "promoted": 3}
 _LIMITED = 0.8  # a correct fuse keeping less than this of the delta is "limited"
-
-
-class _Weights:
-    """Reads one weight of a source in pieces, as float64 or raw bits (``transposed``:
-    a 2-D weight stored as (in, out), read back as (out, in))."""
-
-    def __init__(self, src: TensorSource, tensor: str, transposed: bool = False) -> None:
-        self.src, self.tensor, self.transposed = src, tensor, transposed
-        self.q = src.quant_params(tensor[: -len(".weight")])
-        self._full: Optional[np.ndarray] = None
-
-    def f64(self, expert: Optional[int], rows: slice) -> np.ndarray:
-        if self.q is not None or self.transposed:  # dequantize / transpose once
-            if self._full is None:
-                self._full = weight_f64(self.src, self.tensor)
-                if self.transposed:
-                    self._full = np.ascontiguousarray(self._full.T)
-            x = self._full if expert is None else self._full[expert]
-            return x[rows]
-        if expert is not None:
-            return weight_f64(self.src, self.tensor, slice(expert, expert + 1))[0][rows]
-        return weight_f64(self.src, self.tensor, rows)
-
-    def raw(self, expert: Optional[int], rows: slice) -> np.ndarray:
-        if expert is not None:
-            return self.src.read(self.tensor, slice(expert, expert + 1))[0][rows]
-        return self.src.read(self.tensor, rows)
-
-
-def _pieces(fused: TensorSource, base: TensorSource, tensor: str, binds: list, *,
-            raw: bool = True, transposed: bool = False
-            ) -> Iterator[Tuple[np.ndarray, np.ndarray, np.ndarray, Piece, Optional[slice]]]:
-    wb, wf = _Weights(base, tensor), _Weights(fused, tensor, transposed)
-    for p in tensor_pieces(binds):
-        plan = [slice(None)] if p.slot is not None else list(nm.chunks(*p.shape))
-        for rows in plan:
-            W = wb.f64(p.slot, rows)
-            T = intended(W, p, rows)
-            F = wf.raw(p.slot, rows) if raw else wf.f64(p.slot, rows)
-            yield F, W, T, p, (None if p.slot is not None else rows)
-
-
-def intended_pieces(fused: TensorSource, base: TensorSource, tensor: str, binds: list, *,
-                    raw: bool = True) -> Iterator[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(fused piece, base piece W, exact target T) over the changed blocks of a weight.
-
-    The fused piece is raw bits (``raw=True``) or float64 (dequantized if packed); W
-    and T are float64. T is ``W + scale * B @ A``, or DoRA's
-    ``m * (W + scale * B @ A) / ||W + scale * B @ A||_row``. Pieces are row chunks
-    of about a million elements (one expert at a time for stacked experts).
-    """
-    for F, W, T, _, _ in _pieces(fused, base, tensor, binds, raw=raw):
-        yield F, W, T
 
 
 class _Bound:
@@ -229,7 +234,7 @@ def _measure(sf, sb, tensor, binds, bound: _Bound, transposed: bool) -> Dict[str
     """One pass over an adapted tensor: distance, ulps, survival, correlation."""
     s = dict(dist=0.0, beyond=0, n=0, ulp=0.0, RD=0.0, RR=0.0, DD=0.0, QD=0.0, changed=0,
              uu=0.0)
-    for F, W, T, p, rows in _pieces(sf, sb, tensor, binds, raw=False, transposed=transposed):
+    for F, W, T, p, rows in intended_blocks(sf, sb, tensor, binds, raw=False, transposed=transposed):
         ref = bound.reference(T)
         tol = bound(F, W, T, p, rows, ref)
         err = np.abs(F - T)
@@ -269,7 +274,7 @@ def _cause(sf, sb, tensor, binds, bound: _Bound, transposed: bool) -> Tuple[str,
 
     dora = any(p.magnitude is not None for p in tensor_pieces(binds))
     fg = gg = 0.0  # DoRA: <F - T, G>, <G, G> with G the derivative of T in the scale
-    for F, W, T, p, rows in _pieces(sf, sb, tensor, binds, raw=False, transposed=transposed):
+    for F, W, T, p, rows in intended_blocks(sf, sb, tensor, binds, raw=False, transposed=transposed):
         if dora:
             G = (intended(W, scaled(p, 1 + 1e-3), rows) - T) / 1e-3
             fg += float(np.vdot(F - T, G))
@@ -288,7 +293,7 @@ def _cause(sf, sb, tensor, binds, bound: _Bound, transposed: bool) -> Tuple[str,
         distance (bound units) at the k found."""
         for _ in range(4):
             sq, n, fg, gg = 0.0, 0, 0.0, 0.0
-            for F, W, T, p, rows in _pieces(sf, sb, tensor, binds, raw=False,
+            for F, W, T, p, rows in intended_blocks(sf, sb, tensor, binds, raw=False,
                                             transposed=transposed):
                 q = scaled(p, k)
                 Tk = intended(W, q, rows)
@@ -431,4 +436,286 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
         rep.summary["untouched tensors changed"] = untouched_changed
     if n_kl is not None:
         add_behaviour(rep, sf, sb, ad, n_kl, progress=True if progress is True else None)
+    return rep
+
+
+# ---------------------------------------------------------------------------
+# What rounding can explain: per element, how far a correct fuse may land from the
+
+
+_U32 = 2.0 ** -24
+
+
+def _half_ulp(mag: np.ndarray, fmt: Any) -> np.ndarray:
+    return 0.5 * nm.ulp(mag, fmt)
+
+
+def _up(mag: np.ndarray, fmt: Any) -> np.ndarray:
+    """A magnitude one spacing above ``mag`` (a value near it may round up a binade)."""
+    return mag + nm.ulp(mag, fmt)
+
+
+_LAST: list = []  # (A, B, rows, |B| @ |A|, B @ A): the pieces of one chunk, reused by the
+# candidates of a failing tensor, which differ from the piece only by their scale
+
+
+def _products(p: Piece, rows: Optional[slice]):
+    """``(|B| @ |A|, B @ A)`` of the piece's rows, with a scale per rank column (an
+    exact combination, fusion/algebra.py) folded into B's columns; then the caller's
+    scale is 1."""
+    key = (rows.start, rows.stop) if rows is not None else None
+    per_column = np.ndim(p.scale) > 0
+    if not per_column and _LAST and _LAST[0] is p.A and _LAST[1] is p.B and _LAST[2] == key:
+        return _LAST[3], _LAST[4]
+    B = (p.B if rows is None else p.B[rows]).astype(np.float64)
+    if per_column:
+        B = B * np.asarray(p.scale, np.float64)[None, :]
+    A = p.A.astype(np.float64)
+    out = (np.abs(B) @ np.abs(A), B @ A)
+    if not per_column:
+        _LAST[:] = [p.A, p.B, key, *out]
+    return out
+
+
+def float_bound(T: np.ndarray, W: np.ndarray, p: Piece, rows: Optional[slice],
+                fmt_work: Any, fmt_out: Any) -> np.ndarray:
+    """Per element, the largest ``|F - T|`` a correct fuse of piece ``p`` can leave
+    (see the module docstring). ``T`` and ``W`` are the float64 target and base rows."""
+    S1, BA = _products(p, rows)
+    scale = p.scale if np.ndim(p.scale) == 0 else 1.0  # else folded into the products
+    S = abs(scale) * S1
+    e32 = (p.A.shape[0] + 2) * _U32 * S
+    D = scale * BA
+    X = W + D  # before DoRA's normalisation (T itself for LoRA)
+    aX, aD = np.abs(X), np.abs(D)
+    e = (_half_ulp(_up(aD + e32, fmt_work), fmt_work) + _half_ulp(_up(aX + e32, fmt_work), fmt_work)
+         + e32 + _U32 * aX)
+    aT = np.abs(T)
+    same = fmt_out.safetensors == fmt_work.safetensors
+    if p.magnitude is None:
+        out = e if same else e + _half_ulp(_up(aT + e, fmt_out), fmt_out)
+        return out
+    norm = np.sqrt(np.einsum("ij,ij->i", X, X))
+    m = np.abs((p.magnitude if rows is None else p.magnitude[rows]).astype(np.float64))
+    s = np.divide(m, norm, out=np.zeros_like(m), where=norm > 0)
+    e_row = np.sqrt(np.einsum("ij,ij->i", e, e))
+    # mlx-lm takes the norm of the rounded X in X's own dtype: one more rounding of it
+    e_row = e_row * 1.01 + _half_ulp(_up(norm + e_row * 1.01, fmt_work), fmt_work)
+    rel = np.divide(e_row, norm, out=np.zeros_like(e_row), where=norm > 0) \
+        + (X.shape[1] + 16) * _U32
+    y = s[:, None] * e + aT * rel[:, None]
+    return y + _half_ulp(_up(aT + y, fmt_out), fmt_out)
+
+
+def quant_bound(T: np.ndarray, F: np.ndarray, Q: np.ndarray, pre: np.ndarray, q: Any,
+                scales: np.ndarray, biases: Optional[np.ndarray], fmt_scales: Any) -> np.ndarray:
+    """Per element, the largest ``|F - T|`` a correct re-quantized fuse can leave.
+
+    ``pre`` is the float bound of the value before quantization (:func:`float_bound`),
+    ``Q`` a correct re-quantization of ``T`` (dequantized, float64), ``scales`` /
+    ``biases`` its groups' parameters as float64 (rows, in / group_size).
+    """
+    g = q.group_size
+    rows, cols = T.shape
+    grp = np.abs(Q - T).reshape(rows, cols // g, g).max(axis=2)  # a correct fuse's worst
+    if q.mode == "affine":
+        step = np.abs(scales)
+        h = 0.5 * nm.ulp(step, fmt_scales)  # storage rounding of the scale (and bias)
+        if biases is not None:
+            h = h + 0.5 * nm.ulp(np.abs(biases), fmt_scales) / 2 ** q.bits
+        err = 1.05 * step + (2 ** q.bits) * h
+    else:  # no closed form here: twice what a correct re-quantization shows per group
+        err = 2 * grp
+    err = np.repeat(err, g, axis=1)[:, :cols]
+    err += _half_ulp(_up(np.abs(F), fmt_scales), fmt_scales)  # the dequantized value
+    return pre + err
+
+
+# ---------------------------------------------------------------------------
+# The rest of a merge check: tensors the adapter does not touch, whole-tensor
+
+
+FLOAT_CODES = ("BF16", "F16", "F32")
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
+
+
+def row(tensor: str, dtype: str, status: str, verdict: str, **values: Any) -> Dict[str, Any]:
+    """A table row with every column, the numbers None unless given."""
+    layer, kind, _, _ = split_name(tensor)
+    r: Dict[str, Any] = {"tensor": tensor, "layer": layer, "kind": kind, "dtype": dtype,
+                         "distance": None, "max_ulp": None, "beyond": None, "survived": None,
+                         "expected": None, "fit": None, "corr": None, "changed": None,
+                         "delta_ulps": None, "status": status, "verdict": verdict, "detail": ""}
+    r.update(values)
+    return r
+
+
+def wider(code_out: str, code_in: str) -> bool:
+    return _ITEMSIZE.get(code_out, 0) > _ITEMSIZE.get(code_in, 0)
+
+
+def _skipped(sb: TensorSource, sf: TensorSource, name: str) -> bool:
+    module = name.rsplit(".", 1)[0]
+    return sb.quant_params(module) is not None and sf.quant_params(module) is None
+
+
+def requested_conversion(sf: TensorSource, sb: TensorSource, adapted: set) -> Optional[str]:
+    """The dtype every untouched float tensor of ``sf`` has, when all of them moved from
+    the base's dtype to that one (a fuse asked for another dtype); else None. Headers only."""
+    codes = set()
+    for n, meta in sb.tensors.items():
+        module = n.rsplit(".", 1)[0]
+        if module in adapted or meta.dtype not in FLOAT_CODES or n not in sf.tensors or \
+                sb.quant_params(module) is not None or _skipped(sb, sf, n):
+            continue
+        codes.add((meta.dtype == sf.tensors[n].dtype, sf.tensors[n].dtype))
+    if len(codes) == 1:
+        same, code = next(iter(codes))
+        return None if same else code
+    return None
+
+
+def untouched_rows(sf: TensorSource, sb: TensorSource, names: List[str],
+                   progress: Any) -> Tuple[List[Dict[str, Any]], int]:
+    """Rows for the untouched tensors that are not bit for bit the base (or exactly its
+    conversion), and how many of them there are. Converted ones get a ``converted`` row."""
+    same, converted = [], []
+    for n in names:
+        f = sf.tensors.get(n)
+        if f is not None and f.dtype != sb.tensors[n].dtype and f.dtype in FLOAT_CODES and \
+                sb.tensors[n].dtype in FLOAT_CODES:
+            converted.append(n)
+        else:
+            same.append(n)
+    rows: List[Dict[str, Any]] = []
+    changed = 0
+    for d in compare_sources(sb, sf, names=same, progress=progress):
+        if d.status != "equal":
+            changed += 1
+            dt = d.dtype_a if d.dtype_a == d.dtype_b else f"{d.dtype_a}->{d.dtype_b}"
+            verdict = "missing" if d.status == "only in A" else "changed without adapter"
+            rows.append(row(d.name, dt, "wrong", verdict,
+                            changed=d.differing / max(1, d.elements) if d.elements else None,
+                            detail="" if verdict == "missing" else
+                            "a tensor the adapter does not touch differs from the base"))
+    for n in converted:
+        a, b = sb.tensors[n].dtype, sf.tensors[n].dtype
+        want = cast_raw(np.asarray(sb.read(n)), a, b)
+        got = np.asarray(sf.read(n))
+        if tuple(got.shape) == tuple(want.shape) and np.array_equal(
+                got.reshape(-1).view(np.uint8), np.ascontiguousarray(want).reshape(-1).view(np.uint8)):
+            continue
+        changed += 1
+        rows.append(row(n, f"{a}->{b}", "wrong", "changed without adapter",
+                        detail=f"not the base converted to {b} with one rounding"))
+    return rows, changed
+
+
+def extra_rows(sf: TensorSource, sb: TensorSource) -> List[Dict[str, Any]]:
+    """Tensors the fused checkpoint has and the base does not (adapter factors saved
+    into the model, another architecture's names)."""
+    out = []
+    for n, meta in sf.tensors.items():
+        if n in sb.tensors:
+            continue
+        module = n.rsplit(".", 1)[0]
+        if n.endswith((".scales", ".biases")) and sf.quant_params(module) is not None and \
+                f"{module}.weight" in sb.tensors:
+            continue  # a quantized fuse of a float base: packing parts are expected
+        out.append(row(n, meta.dtype, "wrong", "extra tensor",
+                       detail="in the fused checkpoint, not in the base"))
+    return out
+
+
+def replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) -> Dict[str, Any]:
+    """A PEFT modules_to_save copy: the fused tensor must be the copy, rounded once to
+    the fused tensor's dtype (verdict ``replaced``), bit for bit."""
+
+    base_code = sb.tensors[tensor].dtype
+    out = row(tensor, base_code, "ok", "replaced")
+    meta = sf.tensors.get(tensor)
+    module = tensor.rsplit(".", 1)[0]
+    if meta is None:
+        out.update(status="wrong", verdict="missing")
+        return out
+    if meta.dtype != base_code:
+        out["dtype"] = f"{base_code}->{meta.dtype}"
+    if sf.quant_params(module) is not None or meta.dtype not in ("BF16", "F16", "F32") or \
+            tuple(meta.shape) != tuple(r.raw.shape):
+        out.update(status="wrong", verdict="replacement not written")
+        return out
+    want = cast_raw(r.raw, r.code, meta.dtype).reshape(-1)
+    got = np.asarray(sf.read(tensor)).reshape(-1).view(want.dtype)
+    base = np.asarray(sb.read(tensor)).reshape(-1)
+    out["changed"] = float(np.count_nonzero(got != base.view(got.dtype))) / max(1, got.size) \
+        if base.dtype.itemsize == got.dtype.itemsize else None
+    if not np.array_equal(got, want):
+        out.update(status="wrong", verdict="replacement differs")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The behaviour line of a merge check: the fused model against the base with the
+
+
+#: corpus tokens scored when ``behaviour=True`` / ``--kl`` has no ``--tokens``
+DEFAULT_TOKENS = 1024
+#: window length (shorter when fewer tokens are asked for)
+CONTEXT = 256
+#: the numbers kept from the behaviour report
+KEYS = ("mean_kl", "median_kl", "p99_kl", "max_kl", "top1_agreement",
+        "top1_agreement_strict", "ppl_ref", "ppl_test", "tokens")
+
+
+def behaviour_tokens(behaviour: Union[bool, int, None]) -> Optional[int]:
+    """``False``/``None``/0: no behaviour line; ``True``: :data:`DEFAULT_TOKENS`; an int:
+    that many corpus tokens."""
+    if behaviour is None or behaviour is False:
+        return None
+    if behaviour is True:
+        return DEFAULT_TOKENS
+    n = int(behaviour)
+    if n < 2:
+        raise LorakitError("behaviour needs at least two corpus tokens",
+                           expected="True or a token count >= 2", found=repr(behaviour))
+    return n
+
+
+def _path(src: Any, role: str) -> str:
+    path = getattr(src, "path", None)
+    if path is None:
+        raise LorakitError(f"the behaviour line needs the {role} on disk",
+                           expected="a checkpoint directory", found=str(getattr(src, "label", src)),
+                           hint="call compare_outputs with loaded models instead")
+    return str(path)
+
+
+def fused_vs_unfused(fused: Any, base: Any, adapter: Any, tokens: int, *,
+                     corpus: Any = None, progress: Any = None) -> Dict[str, Any]:
+    """Mean KL, top-1 agreement... of ``fused`` against ``base`` + ``adapter`` (unfused),
+    as a dict of :data:`KEYS`. ``fused`` / ``base``: tensor sources or paths;
+    ``adapter``: a path or a loaded Adapter (with its ``path``)."""
+    ad = str(getattr(adapter, "path", adapter))
+    rep = compare_outputs((_path(base, "base") if not isinstance(base, str) else base, ad),
+                          _path(fused, "fused checkpoint") if not isinstance(fused, str) else fused,
+                          corpus, tokens=tokens, context=min(CONTEXT, tokens),
+                          detail=0, progress=progress)
+    return {k: rep.stats[k] for k in KEYS}
+
+
+def behaviour_line(stats: Dict[str, Any]) -> str:
+    """``mean KL 3.8e-05, top-1 100% (argmax alone 99.12%; 1020 tokens)``: the second
+    figure only where exact logit ties make the two rules differ."""
+    top, strict = stats["top1_agreement"], stats.get("top1_agreement_strict", stats["top1_agreement"])
+    alone = f"argmax alone {100 * strict:.4g}%; " if strict != top else ""
+    return (f"mean KL {stats['mean_kl']:.2g}, top-1 {100 * top:.4g}% "
+            f"({alone}{stats['tokens']} tokens)")
+
+
+def add_behaviour(rep: Any, fused: Any, base: Any, adapter: Any, tokens: int, *,
+                  progress: Any = None) -> Any:
+    """Add the behaviour line and numbers to a merge check report (in place)."""
+    stats = fused_vs_unfused(fused, base, adapter, tokens, progress=progress)
+    rep.summary["fused vs unfused"] = behaviour_line(stats)
+    rep.behaviour = stats
     return rep

@@ -1,0 +1,904 @@
+"""Parity of two checkpoints: are they the same, and where and by how much not?
+
+The question after a fuse is usually "does lorakit's output equal ``mlx_lm
+fuse``'s (or PEFT's, or yesterday's)?". :func:`parity` answers with one table:
+first what matters for behaviour, the relative error ``rms(A - B) / rms(A)`` and the
+largest ulp distance at typical magnitudes, then elements compared and differing,
+those near zero (where ulp distances are huge and mean little: see
+:mod:`lorakit.inspect.ulp_count`), the largest ulp and absolute difference, per
+tensor and in total, plus every dtype or shape mismatch and every tensor present
+on one side only. It streams both checkpoints (see
+:func:`lorakit.inspect.diff.compare_sources`): memory stays bounded and
+identical bytes are skipped at ``memcmp`` speed.
+
+:func:`ulp_compare` is the same comparison seen as ulp histograms: it runs
+:func:`parity` and returns :meth:`ParityReport.ulp_report`.
+
+``lorakit diff A B [--json]`` prints the same report.
+
+>>> parity("data/tiny-qwen3", "data/tiny-qwen3").identical
+True
+
+Two tensor sources compared tensor by tensor, streaming, one TensorDiff each.
+
+:func:`compare_sources` reads two checkpoints (or adapters, files, in-memory models)
+in fixed-size pieces (a few MB each, whatever the tensor's size): each piece is
+first compared as raw bytes (``memcmp`` speed) and only a piece whose bytes differ
+is decoded, by an :class:`~lorakit.inspect.ulp_count.Accumulator`. Pieces are
+compared on a few threads (numpy and the C kernel release the GIL) while the kernel
+reads ahead, so memory stays bounded whatever the checkpoints' size.
+:func:`lorakit.parity` and :func:`lorakit.ulp_compare` turn the diffs into reports.
+
+>>> sorted({d.status for d in compare_sources("data/tiny-qwen3", "data/tiny-qwen3")})
+['equal']
+
+Ulp histograms as a report: per tensor, per layer and overall.
+
+:class:`UlpReport` is what :func:`lorakit.ulp_compare` (two checkpoints, see
+:mod:`lorakit.inspect.diff`) and :func:`ulp_tensors` (two arrays) return: a row
+per tensor with its histogram in a few words, the histograms themselves
+(``counts``, ``per_layer``, ``overall``) and plots of them.
+
+>>> bits_a = np.array([0x3F80, 0x0000, 0x8001], np.uint16)  # bf16 1.0, +0, -min_subnormal
+>>> bits_b = np.array([0x3F81, 0x8000, 0x0001], np.uint16)  # next float up, -0, +min_sub.
+>>> ulp_tensors(bits_a, bits_b, "bf16").rows[0]["max_ulp"]
+2
+
+A fused checkpoint against the exact fuse, in (fractional) ulps of its format.
+
+:func:`ulp_vs_reference` measures each fused weight against ``W + scale * B @ A``
+computed in float64 (the intended change of :func:`~lorakit.fusion.delta.intended_pieces`),
+in ulps of the fused tensor's own format: a correctly rounded fuse is never above
+0.5. :class:`RefUlpReport` holds the rows and the error histograms.
+
+>>> error_histogram(np.array([0.0, 0.25, 0.5, 0.75, 3.0, np.nan]))[:6].tolist()
+[1, 2, 1, 0, 1, 0]
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .. import numerics as nm
+from ..errors import FormatError
+from ..fusion.delta import intended_pieces
+from ..io.adapters.load import Adapter, load_adapter
+from ..io.naming import bind, bindings_by_tensor
+from ..io.safetensors import FLOAT_CODES, TensorInfo, mx_to_raw
+from ..io.source import TensorSource, open_source
+from ..io.weights import weight_f64
+from ..progress import Progress, progress_bar
+from ..report import Report
+from . import plots
+from .layers import split_name
+from .ulp_count import (
+    CHUNK_BYTES,
+    DEFAULT_MAX_BIN,
+    NEAR_ZERO_LOG2,
+    Accumulator,
+    Scratch,
+    TensorDiff,
+    TensorScale,
+    bin_labels,
+    bits_dtype,
+    hist_text,
+    pieces_in_memory,
+    scale_kernel,
+    sumsq,
+)
+
+__all__ = ['ParityReport', 'parity', 'ulp_compare', 'compare_sources', 'UlpReport', 'ulp_report', 'ulp_tensors', 'scale_row', 'scale_summary', 'RefUlpReport', 'ulp_vs_reference', 'error_histogram', 'error_labels']
+
+
+@dataclass(repr=False)
+class ParityReport(Report):
+    """Rows: tensor, status, dtype, shape, elements, differing, frac, max_ulp, max_abs.
+
+    ``identical`` is True when every tensor matches bit for bit and both sides hold
+    the same names. ``labels`` / ``overall``: the ulp histogram over all tensors
+    compared as same-dtype floats; ``diffs``: the per-tensor :class:`TensorDiff`;
+    ``sources``: the labels of A and B.
+    """
+
+    column_help = {
+        "tensor": "the tensor's name",
+        "status": "equal (bit for bit), differs, or a mismatch of name, dtype or shape",
+        "dtype": "stored dtype (A/B when they differ)",
+        "shape": "the tensor's shape",
+        "elements": "number of elements compared",
+        "differing": "elements whose bits differ",
+        "frac": "differing / elements",
+        "max_ulp": "largest distance in units in the last place (ulp) of the dtype",
+        "max_abs": "largest absolute difference |A - B|",
+        "rel_err": "rms(A - B) / rms(A): the error at the tensor's own scale (what behaviour feels)",
+        "max_ulp_typ": "largest ulp distance among elements of typical magnitude (>= the tensor's rms, "
+                       "rounded down to a power of two)",
+        "near_zero": "differing elements below 2^-10 of the tensor's scale: their ulps are tiny, "
+                     "so large ulp distances there mean little",
+    }
+
+    identical: bool = False
+    labels: List[str] = field(default_factory=list)
+    overall: Optional[np.ndarray] = None
+    diffs: List[TensorDiff] = field(default_factory=list)
+    sources: Tuple[str, str] = ("A", "B")
+
+    def differing(self) -> List[str]:
+        """Names of the tensors that are not bit-identical (or one-sided)."""
+        return [r["tensor"] for r in self.rows if r["status"] != "equal"]
+
+    def ulp_report(self) -> UlpReport:
+        """The same comparison as ulp histograms per tensor, per layer and overall."""
+        return ulp_report(f"ulp distances {self.sources[0]} vs {self.sources[1]}", self.diffs,
+                          self.labels, {"A": self.summary["A"], "B": self.summary["B"]})
+
+    def plot(self, ax=None, kind: str = "tensors"):
+        """``tensors``: fraction of differing elements per non-identical tensor;
+        ``histogram``: the overall ulp histogram."""
+        if kind == "histogram":
+            return plots.histogram_bars(self.labels, {"all tensors": self.overall},
+                                        title=self.title, ax=ax)
+        rows = [r for r in self.rows if r["status"] == "differs"]
+        return plots.grouped_bars([r["tensor"] for r in rows],
+                                  {"differing fraction": [r["frac"] for r in rows]},
+                                  title=self.title, ylabel="elements differing", ax=ax,
+                                  log=True)
+
+    figure = plot
+
+
+def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
+           names: Optional[Sequence[str]] = None, threads: Optional[int] = None,
+           progress: Progress = True) -> ParityReport:
+    """Compare two checkpoints (or adapters, files, in-memory models) tensor by tensor.
+
+    Args:
+        a, b: anything :func:`~lorakit.io.source.open_source` accepts.
+        max_bin: top ulp histogram bin.
+        names: restrict to these tensors.
+        threads: pieces compared in parallel (default ``min(4, cpu_count)``).
+        progress: a progress bar (tqdm.auto; none when stderr is not a terminal), or a
+            callable ``progress(done_bytes, total_bytes)``; False for neither.
+
+    Returns:
+        A :class:`ParityReport`; ``.identical`` says whether A and B are bit-identical.
+        Float tensors of the same dtype get exact ulp distances; tensors whose dtypes
+        differ (a float32 "fused" weight against a bfloat16 one) are compared by value
+        and listed as ``dtype mismatch``; integer tensors (packed quantized weights)
+        by equality.
+    """
+    sa, sb = open_source(a), open_source(b)
+    diffs = compare_sources(sa, sb, max_bin=max_bin, names=names, threads=threads,
+                            progress=progress)
+    labels = bin_labels(max_bin)
+    overall = np.zeros(len(labels), np.int64)
+    rows: List[Dict[str, Any]] = []
+    flagged: List[int] = []
+    for i, d in enumerate(diffs):
+        if d.counts is not None:
+            overall += d.counts
+        shape = d.shape_a if d.shape_a is not None else d.shape_b
+        if d.shape_a is not None and d.shape_b is not None and d.shape_a != d.shape_b:
+            shape_s = f"{list(d.shape_a)} vs {list(d.shape_b)}"
+        else:
+            shape_s = str(list(shape)) if shape is not None else ""
+        rows.append({
+            "tensor": d.name, "status": d.status,
+            "dtype": d.dtype_a if d.dtype_a == d.dtype_b else f"{d.dtype_a} vs {d.dtype_b}",
+            "shape": shape_s, "elements": d.elements, "differing": d.differing,
+            "frac": d.differing / d.elements if d.elements else None,
+            **scale_row(d), "max_ulp": d.max_ulp, "max_abs": d.max_abs,
+            "nan_mismatch": d.nan_mismatch,
+        })
+        if d.status != "equal":
+            flagged.append(i)
+    by_status: Dict[str, List[str]] = {}
+    for d in diffs:
+        by_status.setdefault(d.status, []).append(d.name)
+    ulps = [d.max_ulp for d in diffs if d.max_ulp is not None]
+    abss = [d.max_abs for d in diffs if d.max_abs is not None]
+    elements = int(sum(d.elements for d in diffs))
+    differing = int(sum(d.differing for d in diffs))
+    identical = not flagged
+    summary: Dict[str, Any] = {
+        "A": str(sa.path or sa.label), "B": str(sb.path or sb.label),
+        "identical": identical,
+        **scale_summary(diffs),
+        "tensors": len(diffs),
+        "tensors differing": len(by_status.get("differs", [])),
+        "elements compared": elements,
+        "elements differing": differing,
+        "fraction differing": differing / elements if elements else 0.0,
+        "max ulp": max(ulps) if ulps else None,
+        "max abs": max(abss) if abss else None,
+    }
+    for status, key in (("dtype mismatch", "dtype mismatches"), ("shape mismatch",
+                        "shape mismatches"), ("only in A", "only in A"),
+                        ("only in B", "only in B")):
+        if by_status.get(status):
+            summary[key] = len(by_status[status])
+    nan = sum(d.nan_mismatch for d in diffs)
+    if nan:
+        summary["NaN mismatches"] = nan
+    verdict = "identical" if identical else f"{len(flagged)} of {len(diffs)} tensors differ"
+    rel = summary.get("relative error, rms(A - B) / rms(A)")
+    if rel is not None:  # the figure that matters for behaviour leads the one-line verdict
+        verdict += (f", relative error {rel:.2g}, at most "
+                    f"{summary['max ulp at typical magnitudes (|a|, |b| >= rms(A))']} ulp at "
+                    "typical magnitudes")
+    return ParityReport(title=f"parity {sa.label} vs {sb.label}: {verdict}", rows=rows,
+                        columns=["tensor", "status", "dtype", "shape", "elements", "differing",
+                                 "frac", "rel_err", "max_ulp_typ", "near_zero", "max_ulp",
+                                 "max_abs"],
+                        summary=summary, flagged=flagged, identical=identical, labels=labels,
+                        overall=overall, diffs=diffs, sources=(sa.label, sb.label))
+
+
+def ulp_compare(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
+                names: Optional[Sequence[str]] = None, threads: Optional[int] = None,
+                progress: Progress = True) -> UlpReport:
+    """Ulp histograms between two checkpoints (or adapters, files, in-memory models).
+
+    The comparison of :func:`parity` (same arguments), reported as histograms:
+    ``parity(a, b).ulp_report()``. Streams tensor by tensor in pieces of about a MB,
+    so memory stays bounded whatever the checkpoints' size. Tensors of different
+    dtypes or shapes are listed with that status (see :func:`parity` for a verdict).
+
+    >>> # ulp_compare("fused-lorakit", "fused-mlx-lm").plot()
+    """
+    return parity(a, b, max_bin=max_bin, names=names, threads=threads,
+                  progress=progress).ulp_report()
+
+
+# ---------------------------------------------------------------------------
+# Two tensor sources compared tensor by tensor, streaming, one TensorDiff each.
+
+
+_PREADV = hasattr(os, "preadv")
+
+
+class _Reader:
+    """Reads byte ranges of files into one reusable buffer (no per-piece allocation)."""
+
+    def __init__(self, size: int) -> None:
+        self.buf = bytearray(size)
+        self.view = memoryview(self.buf)
+        self.fds: Dict[str, int] = {}
+
+    def _fd(self, info: TensorInfo) -> int:
+        key = str(info.file)
+        fd = self.fds.get(key)
+        if fd is None:
+            fd = self.fds[key] = os.open(key, os.O_RDONLY)
+            if hasattr(os, "posix_fadvise"):  # larger kernel readahead for a cold file
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return fd
+
+    def read(self, info: TensorInfo, offset: int, n: int) -> None:
+        fd = self._fd(info)
+        got = 0
+        while got < n:
+            pos = info.begin + offset + got
+            if _PREADV:
+                k = os.preadv(fd, [self.view[got:n]], pos)
+            else:  # macOS builds without preadv: this reader's fd is its own, seek is safe
+                os.lseek(fd, pos, os.SEEK_SET)
+                k = os.readv(fd, [self.view[got:n]])
+            if k <= 0:
+                raise FormatError("file ended before the tensor's data", file=info.file,
+                                  tensor=info.name)
+            got += k
+
+    def prefetch(self, info: TensorInfo) -> None:
+        """Ask the kernel to start reading a tensor's bytes now (overlaps disk and compute)."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd(info), info.begin, info.nbytes, os.POSIX_FADV_WILLNEED)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+class _Local(threading.local):
+    """Per-thread buffers: two readers and the numpy scratch arrays."""
+
+    def __init__(self, size: int, registry: List["_Reader"]) -> None:
+        self.ra, self.rb = _Reader(size), _Reader(size)
+        self.work = Scratch(size // 2)
+        registry += [self.ra, self.rb]
+
+
+def _file_piece(local: _Local, ia: TensorInfo, ib: TensorInfo, off: int, n: int, code: str,
+                max_bin: int, scale: Optional[TensorScale] = None) -> Union[int, Accumulator]:
+    """Compare bytes [off, off + n) of two tensors: the element count when the bytes are
+    equal (memcmp), else a partial :class:`Accumulator` of the piece."""
+    ra, rb = local.ra, local.rb
+    ra.read(ia, off, n)
+    rb.read(ib, off, n)
+    if n < len(ra.buf):  # equal tails make whole-buffer memcmp valid for a short piece
+        ra.buf[n:] = rb.buf[n:]
+    storage = bits_dtype(code)
+    k = n // storage.itemsize
+    if ra.buf == rb.buf:
+        return k
+    acc = Accumulator(code, max_bin, local.work, scale)
+    acc.add(np.frombuffer(ra.buf, storage, count=k), np.frombuffer(rb.buf, storage, count=k))
+    acc.work = None  # the scratch arrays stay with the thread
+    return acc
+
+
+
+
+def _compare_mixed(sa: TensorSource, sb: TensorSource, name_a: str, name_b: str,
+                   td: TensorDiff) -> TensorDiff:
+    """Two float tensors of different dtypes: compare values (float64), no ulps."""
+    shape = td.shape_a or ()
+    td.status = "dtype mismatch"
+    n_rows = shape[0] if shape else 1
+    row = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    max_abs = 0.0
+    for rows in (nm.chunks(n_rows, row, 1 << 20) if shape else [None]):
+        va = weight_f64(sa, name_a, rows).reshape(-1)
+        vb = weight_f64(sb, name_b, rows).reshape(-1)
+        with np.errstate(invalid="ignore"):
+            same = (va == vb) | (np.isnan(va) & np.isnan(vb))
+            d = np.abs(va - vb)
+        td.elements += va.size
+        td.differing += int(va.size - np.count_nonzero(same))
+        td.nan_mismatch += int(np.count_nonzero(np.isnan(va) ^ np.isnan(vb)))
+        if d.size:
+            m = float(np.fmax.reduce(d))
+            if not math.isnan(m):
+                max_abs = max(max_abs, m)
+    td.max_abs = max_abs
+    return td
+
+
+def _file_scale(info: TensorInfo, code: str, chunk: int, threads: int) -> TensorScale:
+    """rms(A) of a tensor on disk, read on first use (its first differing piece) by
+    ``threads`` readers of its own (the stream's threads wait for it; the pieces'
+    sums are added in order, so the result does not depend on the threads)."""
+    storage = bits_dtype(code)
+    local = threading.local()
+
+    def piece(off: int) -> float:
+        r = getattr(local, "r", None)
+        if r is None:
+            r = local.r = _Reader(chunk)
+            readers.append(r)
+        n = min(chunk, info.nbytes - off)
+        r.read(info, off, n)
+        return sumsq(np.frombuffer(r.buf, storage, count=n // storage.itemsize), code,
+                     scale_kernel())
+
+    readers: List[_Reader] = []
+
+    def total() -> float:
+        offs = range(0, info.nbytes, chunk)
+        try:
+            if threads > 1 and len(offs) > 1:
+                with ThreadPoolExecutor(threads) as pool:
+                    return math.fsum(pool.map(piece, offs))
+            return math.fsum(piece(off) for off in offs)
+        finally:
+            for r in readers:
+                r.close()
+
+    return TensorScale(code, info.nbytes // storage.itemsize, total)
+
+
+def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
+                    names: Optional[Sequence[str]] = None,
+                    chunk_bytes: int = CHUNK_BYTES, threads: Optional[int] = None,
+                    progress: Progress = False
+                    ) -> List[TensorDiff]:
+    """Compare every tensor of two sources, streaming; one :class:`TensorDiff` each.
+
+    Args:
+        a, b: checkpoint/adapter directories, .safetensors files, Checkpoints or
+            in-memory mlx-lm models (anything :func:`~lorakit.io.source.open_source`
+            takes).
+        max_bin: top of the last power-of-two histogram bin.
+        names: compare only these tensor names.
+        chunk_bytes: bytes read per piece and side.
+        threads: pieces compared at once (numpy releases the GIL); default
+            ``min(4, cpu_count)``. Memory stays about ``threads * 12 * chunk_bytes``.
+        progress: a progress bar over A's bytes (tqdm.auto: a widget in notebooks, a
+            bar in terminals, nothing when stderr is not a terminal), or a callable
+            ``progress(done_bytes, total_bytes)``.
+
+    Rows come in A's order, then tensors only in B.
+    """
+    if max_bin < 3 or (max_bin + 1) & max_bin:
+        raise ValueError(f"max_bin must be 2**k - 1 with k >= 2, got {max_bin}")
+    sa, sb = open_source(a), open_source(b)
+    chunk = max(64, chunk_bytes // 64 * 64)
+    threads = max(1, threads if threads is not None else min(4, os.cpu_count() or 1))
+    wanted = None if names is None else set(names)
+    order = [n for n in sa.tensors if wanted is None or n in wanted]
+    if all(sa.file_info(n) is not None for n in order):  # read A's files front to back
+        order.sort(key=lambda n: (str(sa.tensors[n].file), sa.tensors[n].begin))
+    readers: List[_Reader] = []
+    local = _Local(chunk, readers)
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    pending: Deque[Tuple[Accumulator, Any, int]] = deque()
+    window = 4 * threads  # pieces in flight: bounds memory, keeps every thread busy
+    out: List[TensorDiff] = []
+    finish: List[Tuple[Accumulator, TensorDiff]] = []
+    streamed = [n for n in order if n in sb.tensors and sb.tensors[n].dtype == sa.tensors[n].dtype
+                and tuple(sb.tensors[n].shape) == tuple(sa.tensors[n].shape)]
+    bar = progress_bar(progress, sum(sa.tensors[n].nbytes for n in streamed),
+                       "lorakit diff")
+
+    def drain(limit: int) -> None:
+        while len(pending) > limit:
+            acc, fut, nbytes = pending.popleft()
+            acc.merge(fut.result() if pool is not None else fut)
+            bar.update(nbytes)
+
+    prefetched: set = set()
+    try:
+        for i, name in enumerate(order):
+            ma = sa.tensors[name]
+            mb = sb.tensors.get(name)
+            td = TensorDiff(name, "", ma.dtype, mb.dtype if mb is not None else None,
+                            tuple(ma.shape), tuple(mb.shape) if mb is not None else None)
+            out.append(td)
+            if mb is None:
+                td.status = "only in A"
+            elif tuple(ma.shape) != tuple(mb.shape):
+                td.status = "shape mismatch"
+            elif ma.dtype != mb.dtype:
+                if ma.dtype in FLOAT_CODES and mb.dtype in FLOAT_CODES:
+                    _compare_mixed(sa, sb, name, name, td)
+                else:
+                    td.status = "dtype mismatch"
+            else:
+                ia, ib = sa.file_info(name), sb.file_info(name)
+                if ia is None or ib is None:  # in memory already: compare in place
+                    storage = bits_dtype(ma.dtype)
+                    xa = sa.read(name).view(storage)
+                    acc = Accumulator(ma.dtype, max_bin, local.work,
+                                      TensorScale.of(xa, ma.dtype, scale_kernel()))
+                    finish.append((acc, td))
+                    for x, y, _ in pieces_in_memory(xa, sb.read(name).view(storage),
+                                                  max(1, chunk // storage.itemsize)):
+                        acc.add(x, y)
+                        bar.update(x.nbytes)
+                    acc.work = None
+                    continue
+                scale = _file_scale(ia, ma.dtype, chunk, threads)
+                acc = Accumulator(ma.dtype, max_bin, None, scale)
+                finish.append((acc, td))
+                for nxt in order[i:i + 2]:  # this tensor and the next: disk runs ahead
+                    if nxt not in prefetched and nxt in sb.tensors:
+                        prefetched.add(nxt)
+                        fa_, fb_ = sa.file_info(nxt), sb.file_info(nxt)
+                        if fa_ is not None and fb_ is not None:
+                            local.ra.prefetch(fa_)
+                            local.rb.prefetch(fb_)
+                for off in range(0, ia.nbytes, chunk):
+                    n = min(chunk, ia.nbytes - off)
+                    if pool is None:
+                        pending.append((acc, _file_piece(local, ia, ib, off, n, ma.dtype,
+                                                         max_bin, scale), n))
+                    else:
+                        pending.append((acc, pool.submit(_file_piece, local, ia, ib, off, n,
+                                                         ma.dtype, max_bin, scale), n))
+                    drain(window)
+        drain(0)
+        for acc, td in finish:
+            acc.result(td)
+        for name, mb in sb.tensors.items():
+            if name not in sa.tensors and (wanted is None or name in wanted):
+                out.append(TensorDiff(name, "only in B", None, mb.dtype, None, tuple(mb.shape)))
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        for r in readers:
+            r.close()
+        bar.close()
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Ulp histograms as a report: per tensor, per layer and overall.
+
+
+def scale_row(d: TensorDiff) -> Dict[str, Any]:
+    """A diff's figures at the tensor's scale, for a report row (0 for an equal tensor):
+    ``rel_err`` = rms(a - b) / rms(A), ``max_ulp_typ`` = the largest ulp distance among
+    elements whose magnitudes are at least ``2**floor(log2 rms(A))``, ``near_zero`` =
+    differing elements below ``2**-10`` of that (zeros and subnormals included)."""
+    eq = d.status == "equal"
+    return {"rel_err": 0.0 if eq else d.rel_rms,
+            "max_ulp_typ": 0 if eq else d.max_ulp_typical,
+            "near_zero": 0 if eq else d.near_zero,
+            "sign_changes": 0 if eq else d.sign_changes,
+            "zero_one_side": 0 if eq else d.to_zero,
+            "max_ulp_at_rms": 0.0 if eq else d.max_ulp_at_rms,
+            "rms_a": d.rms_a}
+
+
+def scale_summary(diffs: Sequence[TensorDiff]) -> Dict[str, Any]:
+    """Summary lines that put the ulp distances at the tensors' scale (first: the
+    figure that matters for behaviour, the relative error), over the tensors that
+    differ with ulps measured. Empty when none does."""
+    ds = [d for d in diffs if d.differing and d.rel_rms is not None]
+    if not ds:
+        return {}
+    a2 = sum(d.rms_a ** 2 * d.elements for d in ds)
+    d2 = sum((d.rel_rms * d.rms_a) ** 2 * d.elements for d in ds)
+    typ = max(d.max_ulp_typical for d in ds)
+    at_rms = max((d.max_ulp_at_rms for d in ds if d.max_ulp_at_rms is not None), default=None)
+    near = sum(d.near_zero for d in ds)
+    signs, zeros = sum(d.sign_changes for d in ds), sum(d.to_zero for d in ds)
+    top = max(d.max_ulp for d in ds)
+    out: Dict[str, Any] = {
+        "relative error, rms(A - B) / rms(A)": (d2 / a2) ** 0.5,
+        "max |a - b| in ulps at rms(A)": at_rms,
+        "max ulp at typical magnitudes (|a|, |b| >= rms(A))": typ,
+        "differing near zero (< 2**-10 rms(A))": near,
+        "zero on one side": zeros,
+        "sign changes": signs,
+    }
+    if top > typ:
+        out["why max ulp is large"] = (
+            f"the {top} ulp are at small values, where the format's steps are tiny; at "
+            f"typical magnitudes (>= rms(A)) the largest distance is {typ} ulp")
+    return out
+
+
+@dataclass(repr=False)
+class UlpReport(Report):
+    """Ulp histograms of two sources, per tensor, per layer and overall.
+
+    ``rows``: tensor, layer, kind, dtype, elements, differing, max_ulp, mean_ulp,
+    hist. ``labels``: histogram bins. ``counts``: one histogram per row
+    (``counts[i]``, zeros for rows without ulps). ``overall`` / ``per_layer``: sums.
+    """
+
+    column_help = {
+        "tensor": "the tensor's name",
+        "layer": "transformer block number (None: outside the blocks)",
+        "kind": "what the tensor is (q/k/v/o projection, mlp part, norm, ...)",
+        "dtype": "stored dtype (A/B when they differ)",
+        "status": "equal (bit for bit), differs, or why it was not compared",
+        "elements": "number of elements compared",
+        "differing": "elements whose bits differ",
+        "max_ulp": "largest distance in units in the last place (ulp) of the dtype",
+        "mean_ulp": "mean distance in ulp over all elements",
+        "hist": "share of elements per ulp distance (largest bins)",
+        "rel_err": "rms(A - B) / rms(A): the error at the tensor's own scale (what behaviour feels)",
+        "max_ulp_typ": "largest ulp distance among elements of typical magnitude (>= the tensor's rms, "
+                       "rounded down to a power of two)",
+        "near_zero": "differing elements below 2^-10 of the tensor's scale: their ulps are tiny, "
+                     "so large ulp distances there mean little",
+    }
+
+    labels: List[str] = field(default_factory=list)
+    counts: Optional[np.ndarray] = None
+    overall: Optional[np.ndarray] = None
+    per_layer: Dict[str, np.ndarray] = field(default_factory=dict)
+    diffs: List[TensorDiff] = field(default_factory=list)
+
+    def histogram(self, tensor: Optional[str] = None, layer: Optional[str] = None
+                  ) -> Dict[str, int]:
+        """Bin label -> count for one tensor, one layer (``"3"``, ``"-"``), or overall."""
+        if tensor is not None:
+            i = [r["tensor"] for r in self.rows].index(tensor)
+            c = self.counts[i]
+        elif layer is not None:
+            c = self.per_layer[str(layer)]
+        else:
+            c = self.overall
+        return dict(zip(self.labels, (int(v) for v in c)))
+
+    def plot(self, level: str = "overall", tensor: Optional[str] = None, ax=None):
+        """``overall``: histogram bars; ``layers``: layer x bin heatmap (fraction of
+        elements, log colour); ``tensor=name``: that tensor's histogram."""
+        if tensor is not None:
+            series = {tensor: list(self.histogram(tensor).values())}
+            return plots.histogram_bars(self.labels, series,
+                                        title=f"ulp distances: {tensor}", ax=ax)
+        if level == "layers":
+            keys = sorted(self.per_layer, key=lambda k: (k != "-", int(k) if k != "-" else 0))
+            m = np.array([self.per_layer[k] / max(1, self.per_layer[k].sum()) for k in keys])
+            return plots.value_heatmap(keys, self.labels, m, title=self.title,
+                                       cbar="fraction of elements", ax=ax, log=True)
+        return plots.histogram_bars(self.labels, {"all tensors": self.overall},
+                                    title=self.title, ax=ax)
+
+    figure = plot
+
+
+def ulp_report(title: str, diffs: Sequence[TensorDiff], labels: Sequence[str],
+               summary: Dict[str, Any]) -> UlpReport:
+    """The :class:`UlpReport` of a list of diffs (``labels``: their histogram bins)."""
+    labels = list(labels)
+    rows: List[Dict[str, Any]] = []
+    counts = np.zeros((len(diffs), len(labels)), np.int64)
+    per_layer: Dict[str, np.ndarray] = {}
+    flagged = []
+    for i, d in enumerate(diffs):
+        layer, kind, _, _ = split_name(d.name)
+        if d.counts is not None:
+            counts[i] = d.counts
+            key = "-" if layer is None else str(layer)
+            per_layer[key] = per_layer.get(key, 0) + d.counts
+        rows.append({"tensor": d.name, "layer": layer, "kind": kind,
+                     "dtype": d.dtype_a if d.dtype_a == d.dtype_b else
+                     f"{d.dtype_a}/{d.dtype_b}", "status": d.status, "elements": d.elements,
+                     "differing": d.differing, **scale_row(d), "max_ulp": d.max_ulp,
+                     "mean_ulp": d.mean_ulp, "nan_mismatch": d.nan_mismatch,
+                     "hist": hist_text(labels, d.counts)})
+        if d.status != "equal":
+            flagged.append(i)
+    overall = counts.sum(axis=0)
+    ulps = [d.max_ulp for d in diffs if d.max_ulp is not None]
+    summary = dict(summary)
+    summary.update(scale_summary(diffs))
+    summary.update({
+        "tensors": len(diffs),
+        "elements": int(sum(d.elements for d in diffs)),
+        "differing": int(sum(d.differing for d in diffs)),
+        "max ulp": max(ulps) if ulps else None,
+        "histogram": hist_text(labels, overall, top=6),
+    })
+    return UlpReport(title=title, rows=rows, summary=summary, flagged=flagged,
+                     columns=["tensor", "dtype", "status", "elements", "differing", "rel_err",
+                              "max_ulp_typ", "near_zero", "max_ulp", "mean_ulp", "hist"],
+                     labels=labels, counts=counts, overall=overall, per_layer=per_layer,
+                     diffs=list(diffs))
+
+
+def _as_bits(x: Any, fmt: Optional[str]) -> Tuple[np.ndarray, str]:
+    """Storage bits and safetensors code of an array (numpy, mx, or bits with fmt)."""
+    if type(x).__module__.startswith("mlx"):
+        raw, code = mx_to_raw(x)
+        return np.asarray(raw), code
+    arr = np.asarray(x)
+    if fmt is not None:
+        f = nm.float_format(fmt)
+        return nm.to_storage(arr, f) if arr.dtype.kind == "f" else arr.view(f.storage), \
+            f.safetensors
+    if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16":
+        f = nm.float_format(arr.dtype)
+        return arr.view(f.storage), f.safetensors
+    raise FormatError("cannot tell the float format of an integer array", found=str(arr.dtype),
+                      hint="pass fmt='bf16' (or f16, f32) for storage bits")
+
+
+def ulp_tensors(a: Any, b: Any, fmt: Optional[str] = None, *, name: str = "tensor",
+                max_bin: int = DEFAULT_MAX_BIN) -> UlpReport:
+    """Ulp distance histogram between two tensors of one format.
+
+    Args:
+        a, b: numpy float arrays (float16/float32), mlx arrays, or storage bits
+            (uint16/uint32) together with ``fmt``.
+        fmt: the format (``"bf16"``, ``"f16"``, ``"f32"``) when passing bits.
+    """
+    xa, ca = _as_bits(a, fmt)
+    xb, cb = _as_bits(b, fmt)
+    if ca != cb or xa.shape != xb.shape:
+        raise FormatError("tensors differ in format or shape", tensor=name,
+                          expected=f"{ca}{list(xa.shape)}", found=f"{cb}{list(xb.shape)}")
+    st = bits_dtype(ca)
+    acc = Accumulator(ca, max_bin, scale=TensorScale.of(xa.view(st), ca, scale_kernel()))
+    for x, y, _ in pieces_in_memory(xa.view(st), xb.view(st), CHUNK_BYTES // 2):
+        acc.add(x, y)
+    td = acc.result(TensorDiff(name, "", ca, cb, xa.shape, xb.shape))
+    return ulp_report(f"ulp distances ({ca})", [td], bin_labels(max_bin), {})
+
+
+# ---------------------------------------------------------------------------
+# A fused checkpoint against the exact fuse, in (fractional) ulps of its format.
+
+
+_ERR_EDGES = np.array([0.5] + [2.0 ** k for k in range(0, 11)])
+
+
+def error_labels() -> List[str]:
+    """Bin labels of :func:`error_histogram`: ``0``, ``(0,0.5]``, ..., ``>1024``, ``nan``."""
+    labs = ["0", "(0,0.5]"]
+    prev = 0.5
+    for e in _ERR_EDGES[1:]:
+        labs.append(f"({prev:g},{e:g}]")
+        prev = e
+    return labs + [f">{prev:g}", "nan"]
+
+
+def error_histogram(err: np.ndarray) -> np.ndarray:
+    """Counts of fractional ulp errors in bins 0, (0,0.5], (0.5,1], (1,2], ..., >1024, nan."""
+    e = np.asarray(err, np.float64).reshape(-1)
+    nan = np.isnan(e)
+    zero = e == 0
+    idx = np.searchsorted(_ERR_EDGES, e[~nan & ~zero], side="left") + 1
+    c = np.bincount(idx, minlength=len(_ERR_EDGES) + 2)
+    c[0] = int(zero.sum())
+    return np.concatenate([c, [int(nan.sum())]]).astype(np.int64)
+
+
+@dataclass(repr=False)
+class RefUlpReport(Report):
+    """Ulp error of a fused checkpoint against the float64 fuse, per adapted tensor.
+
+    ``rows``: tensor, dtype, elements, max_err, mean_err, not_nearest (elements more
+    than 0.5 ulp off: not the correctly rounded value), hist. ``labels`` /
+    ``counts`` / ``overall``: histograms of the error.
+    """
+
+    column_help = {
+        "tensor": "the adapted tensor's name",
+        "dtype": "stored dtype of the fused tensor",
+        "status": "measured, or why not (missing in fused, quantized)",
+        "elements": "number of elements measured",
+        "max_err": "largest error in ulp against the exact (float64) fuse",
+        "mean_err": "mean error in ulp against the exact fuse",
+        "not_nearest": "elements more than 0.5 ulp off: not the correctly rounded value",
+        "hist": "share of elements per error range in ulp (largest bins)",
+        "rel_err": "rms(fused - exact) / rms(exact): the error at the tensor's own scale",
+        "max_err_typ": "largest error in ulp among elements of typical magnitude",
+    }
+
+    labels: List[str] = field(default_factory=list)
+    counts: Optional[np.ndarray] = None
+    overall: Optional[np.ndarray] = None
+
+    def plot(self, tensor: Optional[str] = None, ax=None):
+        if tensor is not None:
+            i = [r["tensor"] for r in self.rows].index(tensor)
+            series = {tensor: self.counts[i]}
+        else:
+            series = {"all adapted tensors": self.overall}
+        return plots.histogram_bars(self.labels, series, title=self.title, ax=ax,
+                                    xlabel="|fused - exact| in ulps")
+
+    figure = plot
+
+
+class _RefScale:
+    """The error at the tensor's scale: rms(F - T) / rms(T), and per binade of |T|
+    the largest ulp error and the elements not correctly rounded, so that the error at
+    typical magnitudes (|T| >= 2**floor(log2 rms(T))) and near zero can be told apart
+    once rms(T) is known (see :mod:`lorakit.inspect.ulp_count`)."""
+
+    _LO = -200  # binade index offset: exponents of float64 |T| clipped to [-200, 200)
+
+    def __init__(self) -> None:
+        self.t2 = self.d2 = 0.0
+        self.emax = np.zeros(400)
+        self.bad = np.zeros(400, np.int64)
+
+    def add(self, f: np.ndarray, t: np.ndarray, err: np.ndarray) -> None:
+        ok = np.isfinite(f) & np.isfinite(t) & ~np.isnan(err)
+        f, t, err = f[ok], t[ok], err[ok]
+        self.t2 += float(np.dot(t, t))
+        d = f - t
+        self.d2 += float(np.dot(d, d))
+        e = np.clip(np.frexp(np.abs(t))[1] - 1, self._LO, -self._LO - 1) - self._LO
+        np.maximum.at(self.emax, e, err)
+        self.bad += np.bincount(e[err > 0.5], minlength=self.emax.size)
+
+    def finish(self) -> Dict[str, Any]:
+        """Raw sums for the row (:func:`_finish_scale` turns them into figures)."""
+        if not self.t2 > 0:
+            return {}
+        return {"_t2": self.t2, "_d2": self.d2, "_emax": self.emax, "_bad": self.bad}
+
+
+def _finish_scale(row: Dict[str, Any]) -> None:
+    """Turn a row's raw scale sums into its figures (rms(T) needs the element count)."""
+    if "_t2" not in row:
+        row.setdefault("rel_err", None)
+        row.setdefault("max_err_typ", None)
+        row.setdefault("not_nearest_near_zero", None)
+        return
+    t2, d2, emax, bad = (row.pop(k) for k in ("_t2", "_d2", "_emax", "_bad"))
+    rms = math.sqrt(t2 / max(1, row["elements"]))
+    ta = math.frexp(rms)[1] - 1 - _RefScale._LO
+    tn = max(ta + NEAR_ZERO_LOG2, 0)
+    row.update(rel_err=math.sqrt(d2 / t2), max_err_typ=float(emax[max(ta, 0):].max()),
+               not_nearest_near_zero=int(bad[:tn].sum()), rms_t=rms, _t2=t2, _d2=d2)
+
+
+def _scale_summary(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
+    rows = [r for r in measured if r.get("_t2")]
+    if not rows:
+        return {}
+    t2, d2 = sum(r.pop("_t2") for r in rows), sum(r.pop("_d2") for r in rows)
+    typ = max(r["max_err_typ"] for r in rows)
+    top = max(r["max_err"] for r in rows)
+    out: Dict[str, Any] = {
+        "relative error, rms(F - T) / rms(T)": math.sqrt(d2 / t2),
+        "max error at typical magnitudes (ulp, |T| >= rms(T))": typ,
+        "not correctly rounded near zero (|T| < 2**-10 rms(T))":
+            sum(r["not_nearest_near_zero"] for r in rows),
+    }
+    if top > max(1.0, 2 * typ):  # the max is not what typical elements see
+        out["why max error is large"] = (
+            f"the {top:.4g} ulp are at small values of the exact result, where ulps are "
+            f"tiny; at typical magnitudes the largest error is {typ:.4g} ulp")
+    return out
+
+
+def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
+    """Ulp error of each fused weight against the exact ``W + scale * B @ A`` (float64).
+
+    The error is measured with :func:`numerics.ulp_error_vs_reference` in ulps of
+    the fused tensor's own format: <= 0.5 everywhere means correctly rounded.
+    Quantized fused weights are listed but not measured (see :func:`merge_check`).
+
+    >>> import lorakit
+    >>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")
+    >>> rep = ulp_vs_reference("fused", "data/tiny-qwen3", "data/adapters/lora")
+    >>> round(rep.summary["max error (ulp)"], 6), rep.summary["not correctly rounded"]
+    (0.5, 0)
+    """
+    sf, sb = open_source(fused), open_source(base)
+    ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
+    by_tensor = bindings_by_tensor(bind(ad, sb))
+    labels = error_labels()
+    rows: List[Dict[str, Any]] = []
+    all_counts: List[np.ndarray] = []
+    flagged: List[int] = []
+    for tensor, binds in by_tensor.items():
+        meta = sf.tensors.get(tensor)
+        row: Dict[str, Any] = {"tensor": tensor, "dtype": meta.dtype if meta else None,
+                               "elements": 0, "max_err": None, "mean_err": None,
+                               "not_nearest": None, "hist": "", "status": "measured"}
+        counts = np.zeros(len(labels), np.int64)
+        module = tensor[: -len(".weight")]
+        if meta is None:
+            row["status"] = "missing in fused"
+        elif meta.dtype not in ("BF16", "F16", "F32") or sf.quant_params(module) is not None:
+            row["status"] = "quantized (not measured)"
+        else:
+            fmt = nm.float_format(meta.dtype)
+            total, mx_err, bad = 0.0, 0.0, 0
+            sc = _RefScale()
+            for raw_f, _, target in intended_pieces(sf, sb, tensor, binds):
+                err = nm.ulp_error_vs_reference(raw_f, target, fmt)
+                counts += error_histogram(err)
+                finite = err[~np.isnan(err)]
+                if finite.size:
+                    mx_err = max(mx_err, float(finite.max()))
+                    total += float(finite.sum())
+                bad += int((err > 0.5).sum())
+                row["elements"] += err.size
+                sc.add(nm.to_float64(raw_f, fmt).reshape(-1), target.reshape(-1),
+                       err.reshape(-1))
+            row.update(max_err=mx_err, mean_err=total / max(1, row["elements"]),
+                       not_nearest=bad, hist=hist_text(labels, counts), **sc.finish())
+        _finish_scale(row)
+        if row["status"] != "measured" or (row["not_nearest"] or 0) > 0:
+            flagged.append(len(rows))
+        rows.append(row)
+        all_counts.append(counts)
+    counts_arr = np.array(all_counts) if all_counts else np.zeros((0, len(labels)), np.int64)
+    overall = counts_arr.sum(axis=0)
+    measured = [r for r in rows if r["status"] == "measured"]
+    n = sum(r["elements"] for r in measured)
+    summary = {
+        "fused": str(sf.path or sf.label), "base": str(sb.path or sb.label),
+        "adapter": str(ad.path), "tensors": len(rows), "elements": n,
+        **_scale_summary(measured),
+        "max error (ulp)": max((r["max_err"] for r in measured), default=None),
+        "mean error (ulp)": (sum(r["mean_err"] * r["elements"] for r in measured) / n)
+        if n else None,
+        "not correctly rounded": sum(r["not_nearest"] for r in measured),
+        "histogram": hist_text(labels, overall, top=6),
+    }
+    return RefUlpReport(title=f"ulp error of {sf.label} vs exact fuse", rows=rows,
+                        columns=["tensor", "dtype", "status", "elements", "rel_err", "max_err_typ",
+                                 "max_err", "mean_err", "not_nearest", "hist"],
+                        summary=summary, flagged=flagged, labels=labels, counts=counts_arr,
+                        overall=overall)
