@@ -53,7 +53,7 @@ def assets(shape: str, cache: Path, overrides: Optional[Dict[str, Any]] = None
     if not (adapter / "adapter_config.json").exists():
         # rank 8 on the last 16 layers x q, k, v, o, gate, up, down (f32, scale 20)
         synth_adapter(adapter, model, rank=8, layers=16, force=True)
-    return model, adapter, (f"lorakit.synth_checkpoint({shape!r}"
+    return model, adapter, (f"lorakit.synth.synth_checkpoint({shape!r}"
                             + (f", overrides={overrides}" if overrides else "")
                             + ") + synth_adapter(rank=8, layers=16)")
 

@@ -5,7 +5,7 @@ Writes a random checkpoint with Qwen3-1.7B's tensor names and shapes (bf16,
 checkpoints to compare it with; then times
 
 * ``dtype_map`` (headers only; target < 50 ms);
-* ``parity(A, B)`` against ``cat A/*.safetensors B/*.safetensors > /dev/null``
+* ``diff(A, B)`` against ``cat A/*.safetensors B/*.safetensors > /dev/null``
   (target < 3x), with the diff's peak RSS (target < 1 GB), for three pairs:
   an identical copy, base vs fused (112 of 311 tensors differ on most elements),
   and lorakit's fuse vs mlx-lm's order (the same tensors differ on a few percent).
@@ -39,9 +39,9 @@ from typing import Dict, List, Tuple  # noqa: E402
 
 _CHILD = r"""
 import sys, time, json
-from lorakit.inspect.diff import parity
+from lorakit.inspect.diff import diff
 t = time.perf_counter()
-rep = parity(sys.argv[1], sys.argv[2], threads=int(sys.argv[3]) or None)
+rep = diff(sys.argv[1], sys.argv[2], threads=int(sys.argv[3]) or None)
 dt = time.perf_counter() - t
 from lorakit.inspect.ulp_count import kernel_available
 print(json.dumps({"seconds": dt, "identical": rep.identical, "kernel": kernel_available(),
@@ -117,7 +117,7 @@ def prepare(out: Path) -> Dict[str, Path]:
 def bench_tensor_pairs(out: Path, pairs, tensor: str, repeat: int = 10) -> List[dict]:
     """One adapted tensor per pair, copied to its own small files: small enough to stay
     in the page cache, so the ratio to ``cat`` shows compute cost, not disk luck."""
-    from lorakit.inspect.diff import parity
+    from lorakit.inspect.diff import diff
     from lorakit.io.checkpoint import Checkpoint
     from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
@@ -141,7 +141,7 @@ def bench_tensor_pairs(out: Path, pairs, tensor: str, repeat: int = 10) -> List[
             times = []
             for _ in range(repeat):
                 t = time.perf_counter()
-                rep = parity(files[0], files[1], threads=threads)
+                rep = diff(files[0], files[1], threads=threads)
                 times.append(time.perf_counter() - t)
             key = "parity_1t_s" if threads == 1 else "parity_s"
             row[key] = min(times)
@@ -152,7 +152,7 @@ def bench_tensor_pairs(out: Path, pairs, tensor: str, repeat: int = 10) -> List[
 
 
 def bench_dtype_map(path: Path, repeat: int = 30) -> dict:
-    from lorakit.inspect.dtype_map import dtype_map
+    from lorakit.inspect.dtypes import dtype_map
 
     times = []
     for _ in range(repeat):

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import lorakit  # noqa: E402
-from lorakit.inspect.check import merge_check  # noqa: E402
+from lorakit.inspect.check import check  # noqa: E402
 from lorakit.io.checkpoint import Checkpoint  # noqa: E402
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter  # noqa: E402
 
@@ -64,7 +64,7 @@ def variant(src: Path, dst: Path, scale: float = 1.0, corr: float = 1.0) -> Path
 
 
 def flagged(fused: Path, base: Path, adapter: Path) -> dict:
-    rep = merge_check(fused, base, adapter, check_untouched=False, progress=False)
+    rep = check(fused, base, adapter, check_untouched=False, progress=False)
     wrong = [r for r in rep.rows if r["status"] != "ok"]
     return {"status": rep.status, "tensors flagged": len(wrong), "tensors": len(rep.rows),
             "largest distance": rep.summary["largest distance"],
@@ -116,7 +116,7 @@ def main() -> None:
                 res["another adapter"][f"corr {c:g}"] = flagged(f, base, ad)
             if "4-bit" not in name:
                 good = lorakit.fuse(base, ad, root / f"{i}-good", progress=False).output
-                rep = merge_check(good, base, ad, check_untouched=False, progress=False)
+                rep = check(good, base, ad, check_untouched=False, progress=False)
                 adapted = {r["tensor"] for r in rep.rows}
                 for s in ULP_SHARES:
                     f = ulp_flips(good, root / f"{i}-ulp-{s}", s, adapted)

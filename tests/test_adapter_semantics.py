@@ -88,19 +88,17 @@ def _mlx_verdict(base: Path, ad: Path) -> Optional[str]:
     return None
 
 
-# -- 1. the split ------------------------------------------------------------------------------
-def test_adapter_modules_are_split_by_format_and_short() -> None:
-    io = REPO / "lorakit" / "io"
-    for name in ("adapter.py", "adapter_base.py", "adapter_mlx.py", "adapter_peft.py"):
-        n = len((io / name).read_text().splitlines())
-        assert n < 450, f"{name}: {n} lines"
+# -- 1. one module per format ------------------------------------------------------------------
+def test_each_adapter_format_has_its_module() -> None:
+    import lorakit.io.adapters.base as base
     import lorakit.io.adapters.load as ad
+    import lorakit.io.adapters.mlx as mlx_fmt
+    import lorakit.io.adapters.peft as peft_fmt
 
-    for name in ("Adapter", "LoraTarget", "Replacement", "load_adapter", "MLX_WEIGHTS",
-                 "PEFT_WEIGHTS", "CONFIG"):
-        assert hasattr(ad, name), name
-    src = (io / "adapter_peft.py").read_text()
-    assert "def load_peft" in src and "def load_mlx" in (io / "adapter_mlx.py").read_text()
+    assert callable(ad.load_adapter)
+    for name in ("Adapter", "LoraTarget", "Replacement", "MLX_WEIGHTS", "PEFT_WEIGHTS", "CONFIG"):
+        assert hasattr(base, name), name
+    assert callable(mlx_fmt.load_mlx) and callable(peft_fmt.load_peft)
 
 
 # -- 2. mlx-lm semantics, checked against mlx-lm -------------------------------------------------

@@ -300,5 +300,5 @@ def test_attach_refuses_per_column_scales_and_takes_cat():
 
     model, _ = load(str(DATA / "tiny-qwen3"))
     with pytest.raises(LorakitError, match="one per rank column"):
-        lorakit.attach_adapter(model, combine([LORA, EMB], [0.7, 0.3]).adapter)
-    lorakit.attach_adapter(model, combine([LORA, EMB], [0.5, -2.0], method="cat").adapter)
+        lorakit.fusion.attach_adapter(model, combine([LORA, EMB], [0.7, 0.3]).adapter)
+    lorakit.fusion.attach_adapter(model, combine([LORA, EMB], [0.5, -2.0], method="cat").adapter)

@@ -1,4 +1,5 @@
-"""The public API: a small set of verbs, old names deprecated, nothing heavy on import."""
+"""The public API: nine verbs and the error type, the rest in their packages, nothing heavy
+on import."""
 from __future__ import annotations
 
 import re
@@ -12,9 +13,17 @@ import pytest
 import lorakit
 
 ROOT = Path(__file__).resolve().parents[1]
-VERBS = ["fuse", "open", "load_adapter", "attach_adapter", "dtype_map", "delta_norms",
-         "compare_adapters", "compare", "check", "compare_generations", "compare_outputs",
-         "time_decode", "extract", "resize", "combine", "convert"]
+VERBS = ["fuse", "check", "diff", "open", "load_adapter", "combine", "extract", "time_decode",
+         "compare_outputs"]
+#: package -> the verbs it exports besides the top-level ones
+PACKAGE_VERBS = {"inspect": ["dtype_map", "delta_norms", "compare_adapters", "compare_generations",
+                             "ulp_vs_reference"],
+                 "algebra": ["convert", "resize"],
+                 "fusion": ["attach_adapter", "FuseOptions", "FuseResult"]}
+#: names that are gone: synonyms and deprecated spellings of the verbs above
+GONE = ["compare", "parity", "ulp_compare", "merge_check", "fuse_model", "Checkpoint",
+        "open_checkpoint", "Adapter", "FuseResult", "synth_checkpoint", "synth_adapter",
+        "dtype_map", "convert", "resize", "attach_adapter"]
 
 
 def test_top_level_is_the_verbs_and_the_error_type():
@@ -30,19 +39,30 @@ def test_readme_lists_every_verb():
     assert sorted(listed) == sorted(VERBS + ["LorakitError"])
 
 
-@pytest.mark.parametrize("old,new", [("parity", "compare"), ("merge_check", "check"),
-                                     ("ulp_compare", None), ("fuse_model", None),
-                                     ("Checkpoint", None), ("open_checkpoint", None),
-                                     ("Adapter", None), ("FuseResult", None),
-                                     ("synth_checkpoint", None), ("synth_adapter", None)])
-def test_old_names_work_and_warn(old, new):
-    with pytest.warns(DeprecationWarning, match=f"lorakit.{old} is deprecated"):
-        obj = getattr(lorakit, old)
-    assert obj is not None
-    if new is not None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert getattr(lorakit, new) is obj
+@pytest.mark.parametrize("old", GONE)
+def test_old_names_are_gone(old):
+    with pytest.raises(AttributeError, match=f"no attribute '{old}'"):
+        getattr(lorakit, old)
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGE_VERBS))
+def test_package_verbs(package):
+    import importlib
+
+    pkg = importlib.import_module(f"lorakit.{package}")
+    assert sorted(pkg.__all__) == sorted(PACKAGE_VERBS[package])
+    for name in PACKAGE_VERBS[package]:
+        assert callable(getattr(pkg, name)), name
+    assert getattr(lorakit, package) is pkg  # reachable as lorakit.<package>
+
+
+def test_one_function_behind_each_verb():
+    """A verb is one function: no second spelling of it in its module."""
+    from lorakit.inspect import check, diff
+
+    assert lorakit.check is check.check and lorakit.diff is diff.diff
+    assert not hasattr(diff, "parity") and not hasattr(diff, "ulp_compare")
+    assert not hasattr(check, "merge_check")
 
 
 def test_unknown_name_is_an_attribute_error():

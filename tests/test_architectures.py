@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 import lorakit
-from lorakit.inspect.diff import parity
+from lorakit.inspect.diff import diff
 from lorakit.io.checkpoint import Checkpoint
 
 import model_factory as mf
@@ -30,7 +30,7 @@ def test_fuse_matches_mlx_lm_on_architecture(family: str, tmp_path: Path) -> Non
     ours = lorakit.fuse(base, adapter, tmp_path / "lorakit", rounding="mlx-lm", progress=False)
     assert ours.tensors_fused >= 4 * 2  # several projections in each of the 2 layers
     run_mlx_lm_fuse(base, adapter, tmp_path / "mlx")
-    rep = parity(tmp_path / "lorakit", tmp_path / "mlx")
+    rep = diff(tmp_path / "lorakit", tmp_path / "mlx")
     assert rep.identical, str(rep)
 
     lorakit.fuse(base, adapter, tmp_path / "nearest", progress=False)

@@ -51,8 +51,8 @@ def test_cli_base_as_fused_is_far_and_exit_status_unchanged(tmp_path) -> None:
     plain = subprocess.run(cmd, capture_output=True, text=True)
     kl = subprocess.run(cmd + ["--kl", "--tokens", "512"], capture_output=True, text=True)
     assert plain.returncode == kl.returncode == 1, kl.stderr[-2000:]
-    assert "behaviour" not in json.loads(plain.stdout)["merge_check"]
-    b = json.loads(kl.stdout)["merge_check"]["behaviour"]
+    assert "behaviour" not in json.loads(plain.stdout)["check"]
+    b = json.loads(kl.stdout)["check"]["behaviour"]
     assert b["mean_kl"] > 0.1 and b["top1_agreement"] < 0.9 and b["tokens"] == 2 * 255, b
 
 

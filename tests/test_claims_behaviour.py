@@ -37,5 +37,5 @@ def test_fused_vs_unfused_table_is_the_json() -> None:
 
 def test_check_kl_line_is_the_json() -> None:
     d = json.loads((RESULTS / "check_kl.json").read_text())
-    line = d["merge_check"]["summary"]["fused vs unfused"]
+    line = d["check"]["summary"]["fused vs unfused"]
     assert f"`fused vs unfused: {line}`" in (ROOT / "README.md").read_text()

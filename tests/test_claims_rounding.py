@@ -112,7 +112,7 @@ def embedded_fuses(tmp_path_factory):
 
 
 def test_readme_embedded_diff_numbers_are_measured(embedded_fuses):
-    rep = lorakit.compare(embedded_fuses["nearest"], embedded_fuses["mlx-lm"], progress=False)
+    rep = lorakit.diff(embedded_fuses["nearest"], embedded_fuses["mlx-lm"], progress=False)
     s = rep.summary
     m = _find(README, r"finds ([\d.]+) % of elements differing and a max of ([\d,]+) ulps "
                       r"\(an element that is zero in one fuse\), yet at most (\d+) ulps at "

@@ -23,7 +23,7 @@ import lorakit
 from lorakit import numerics as nm
 from lorakit.errors import LorakitError
 from lorakit.algebra.extract import extract
-from lorakit.algebra.resize import resize
+from lorakit.algebra.extract import resize
 from lorakit.io.checkpoint import Checkpoint
 
 from helpers import DATA
@@ -238,11 +238,11 @@ def test_resize_dora_keeps_magnitudes_and_reports_the_normalised_error():
 
 
 def test_compare_adapters_reads_the_results(rank8_svd):
-    c = lorakit.compare_adapters(rank8_svd.adapter, LORA)
+    c = lorakit.inspect.compare_adapters(rank8_svd.adapter, LORA)
     assert c.summary["modules in both"] == 28
     assert min(r["cosine"] for r in c.rows) > 0.9999
     small = resize(LORA, rank=2).adapter
-    c2 = lorakit.compare_adapters(small, LORA)
+    c2 = lorakit.inspect.compare_adapters(small, LORA)
     assert 0.5 < min(r["cosine"] for r in c2.rows) < 0.9999
 
 

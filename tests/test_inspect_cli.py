@@ -46,13 +46,13 @@ def test_diff_exit_codes_and_json(paths: dict, capsys) -> None:
     assert len(table) == 6 and all("differs" in ln for ln in table)  # equal rows hidden
     code, out, _ = run(capsys, "diff", paths["near"], paths["f32"], "--json")
     data = json.loads(out)
-    assert code == 1 and data["parity"]["summary"]["dtype mismatches"] == 6
+    assert code == 1 and data["diff"]["summary"]["dtype mismatches"] == 6
     code, out, _ = run(capsys, "diff", paths["near"], paths["mlx"], "--adapter", paths["ad"],
                        "--base", paths["base"], "--json")
     data = json.loads(out)
     assert data["reference_a"]["summary"]["not correctly rounded"] == 0
     assert data["reference_b"]["summary"]["not correctly rounded"] == \
-        data["parity"]["summary"]["elements differing"]
+        data["diff"]["summary"]["elements differing"]
 
 
 def test_check(paths: dict, capsys) -> None:
@@ -62,7 +62,7 @@ def test_check(paths: dict, capsys) -> None:
     code, out, _ = run(capsys, "check", "--base", paths["base"], "--adapter", paths["ad"],
                        "--fused", paths["base"], "--json")
     assert code == 1
-    rows = json.loads(out)["merge_check"]["rows"]
+    rows = json.loads(out)["check"]["rows"]
     assert {r["verdict"] for r in rows} == {"not applied"}
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lorakit import numerics as nm
-from lorakit.inspect.dtype_map import dtype_map
+from lorakit.inspect.dtypes import dtype_map
 from lorakit.inspect.layers import split_name
 from lorakit.io.source import open_source
 from lorakit.io.checkpoint import Checkpoint
@@ -127,7 +127,7 @@ def test_plot_and_html(models: dict) -> None:
 
 
 def test_importing_does_not_import_matplotlib() -> None:
-    code = ("import sys, lorakit, lorakit.inspect.dtype_map, lorakit.inspect.deltas, "
+    code = ("import sys, lorakit, lorakit.inspect.dtypes, lorakit.inspect.deltas, "
             "lorakit.inspect.diff, lorakit.inspect.diff, lorakit.inspect.diff, "
             "lorakit.inspect.diff, lorakit.inspect.check, "
             "lorakit.inspect.generation, lorakit.inspect.adapters, lorakit.inspect.plots, "

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import lorakit
-from lorakit.inspect.check import merge_check
+from lorakit.inspect.check import check
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
@@ -36,7 +36,7 @@ def verdicts(rep) -> set:
 
 
 def test_correct_fuse_is_ok(case: dict) -> None:
-    rep = merge_check(case["fused"], case["base"], case["ad"])
+    rep = check(case["fused"], case["base"], case["ad"])
     assert rep.ok and verdicts(rep) == {"ok"} and rep.flagged == []
     for r in rep.rows:
         assert r["survived"] == pytest.approx(r["expected"])
@@ -49,18 +49,18 @@ def test_mlx_lm_rounding_is_ok_and_promoted_is_its_own_class(case: dict) -> None
     root = case["root"]
     mlx = lorakit.fuse(case["base"], case["ad"], root / "mlx", rounding="mlx-lm",
                        progress=False).output
-    rep = merge_check(mlx, case["base"], case["ad"], check_untouched=False)
+    rep = check(mlx, case["base"], case["ad"], check_untouched=False)
     assert verdicts(rep) == {"ok"}
     f32 = lorakit.fuse(case["base"], case["ad"], root / "f32", dtype="promote",
                        progress=False).output
-    rep = merge_check(f32, case["base"], case["ad"], check_untouched=False)
+    rep = check(f32, case["base"], case["ad"], check_untouched=False)
     assert verdicts(rep) == {"promoted"} and rep.status == "promoted" and rep.exit_code() == 3
     assert {r["dtype"] for r in rep.rows} == {"BF16->F32"}
     assert len(rep.flagged) == 6  # drift flagged
 
 
 def test_base_itself_is_not_applied(case: dict) -> None:
-    rep = merge_check(case["base"], case["base"], case["ad"])
+    rep = check(case["base"], case["base"], case["ad"])
     assert verdicts(rep) == {"not applied"} and not rep.ok
     assert all(r["survived"] == 0 and r["changed"] == 0 for r in rep.rows)
     assert rep.exit_code() == 1
@@ -69,7 +69,7 @@ def test_base_itself_is_not_applied(case: dict) -> None:
 def test_applied_twice(case: dict) -> None:
     twice = lorakit.fuse(case["fused"], case["ad"], case["root"] / "twice",
                          progress=False).output
-    rep = merge_check(twice, case["base"], case["ad"], check_untouched=False)
+    rep = check(twice, case["base"], case["ad"], check_untouched=False)
     assert verdicts(rep) == {"applied twice"}
     assert all(r["fit"] == pytest.approx(2.0, abs=0.01) for r in rep.rows)
 
@@ -77,21 +77,21 @@ def test_applied_twice(case: dict) -> None:
 def test_half_scale_is_wrong_scale(case: dict) -> None:
     half = scaled_adapter(case["ad"], case["root"] / "half-ad", 0.5)
     fused = lorakit.fuse(case["base"], half, case["root"] / "half", progress=False).output
-    rep = merge_check(fused, case["base"], case["ad"], check_untouched=False)
+    rep = check(fused, case["base"], case["ad"], check_untouched=False)
     assert verdicts(rep) == {"wrong scale"} and {r["detail"] for r in rep.rows} == {"x0.5"}
-    assert merge_check(fused, case["base"], half, check_untouched=False).ok
+    assert check(fused, case["base"], half, check_untouched=False).ok
 
 
 def test_delta_below_rounding(case: dict) -> None:
     tiny = mf.make_adapter(case["base"], case["root"] / "tiny", b_std=1e-6)
     fused = lorakit.fuse(case["base"], tiny, case["root"] / "tiny-fused", progress=False).output
-    rep = merge_check(fused, case["base"], tiny, check_untouched=False)
+    rep = check(fused, case["base"], tiny, check_untouched=False)
     assert verdicts(rep) == {"rounding-limited"} and rep.ok
     assert all(r["delta_ulps"] < 0.05 for r in rep.rows)
     # the base itself is still caught: a correct fuse changes the elements whose own
     # spacing is finer than the delta (those near zero)
     assert all(r["changed"] > 0 for r in rep.rows)
-    assert verdicts(merge_check(case["base"], case["base"], tiny, check_untouched=False)) == \
+    assert verdicts(check(case["base"], case["base"], tiny, check_untouched=False)) == \
         {"not applied"}
 
 
@@ -111,7 +111,7 @@ def test_untouched_tensor_changed(case: dict) -> None:
                 raw = raw.copy()
                 raw[0, 0] ^= np.uint16(1)
             w.write(p.name, raw)
-    rep = merge_check(dst, case["base"], case["ad"])
+    rep = check(dst, case["base"], case["ad"])
     bad = {r["tensor"]: r["verdict"] for r in rep.rows if r["verdict"] != "ok"}
     assert bad == {victim: "changed without adapter"} and not rep.ok
 
@@ -120,13 +120,13 @@ def test_quantized(tmp_path: Path) -> None:
     q = mf.make_model(tmp_path / "q4", "qwen3", quantize=dict(group_size=32, bits=4))
     ad = mf.make_adapter(q, tmp_path / "ad")
     fused = lorakit.fuse(q, ad, tmp_path / "fused", progress=False).output
-    rep = merge_check(fused, q, ad)
+    rep = check(fused, q, ad)
     assert rep.ok and all(r["distance"] <= 1 for r in rep.rows)
     assert all(0.5 < r["survived"] <= 1.05 for r in rep.rows)
-    assert verdicts(merge_check(q, q, ad, check_untouched=False)) == {"not applied"}
+    assert verdicts(check(q, q, ad, check_untouched=False)) == {"not applied"}
     small = mf.make_adapter(q, tmp_path / "small", b_std=2e-3)
     fs = lorakit.fuse(q, small, tmp_path / "fs", progress=False).output
-    rep = merge_check(fs, q, small, check_untouched=False)
+    rep = check(fs, q, small, check_untouched=False)
     assert rep.ok
     assert verdicts(rep) <= {"partially lost to quantization", "lost to quantization"}
     from matplotlib.figure import Figure

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lorakit import numerics as nm
-from lorakit.inspect.diff import parity, ulp_compare
+from lorakit.inspect.diff import diff
 from lorakit.inspect.ulp_count import Accumulator as _Acc, TensorDiff
 from lorakit.inspect.diff import error_histogram, ulp_vs_reference
 from lorakit.inspect.diff import ulp_tensors
@@ -124,7 +124,7 @@ def test_compare_files_in_small_pieces(tmp_path: Path) -> None:
         norm_d = diffs["model.norm.weight"]
         assert norm_d.status == "dtype mismatch" and norm_d.differing == 0  # same values
         assert diffs["only_a"].status == "only in A" and diffs["only_b"].status == "only in B"
-    rep = ulp_compare(a, b)
+    rep = diff(a, b).ulp_report()
     assert rep.histogram(layer="0")["4-7"] == 4 and rep.histogram(layer="1")["0"] == w.size
     assert rep.histogram()["8-15"] == 1
     assert "model.layers.0.mlp.up_proj.weight" in str(rep)
@@ -139,9 +139,9 @@ def fused(qwen3, qwen3_fused) -> dict:
 
 
 def test_parity_identical_and_rounding_difference(fused: dict, tmp_path: Path) -> None:
-    same = parity(fused["nearest"], fused["nearest"])
+    same = diff(fused["nearest"], fused["nearest"])
     assert same.identical and same.summary["elements differing"] == 0
-    rep = parity(fused["nearest"], fused["mlx"])
+    rep = diff(fused["nearest"], fused["mlx"])
     assert not rep.identical
     a, b = Checkpoint(fused["nearest"]), Checkpoint(fused["mlx"])
     want = sum(int((a.read(n) != b.read(n)).sum()) for n in a.tensors)
@@ -156,7 +156,7 @@ def test_parity_identical_and_rounding_difference(fused: dict, tmp_path: Path) -
 
 
 def test_parity_dtype_and_missing(fused: dict, tmp_path: Path) -> None:
-    rep = parity(fused["nearest"], fused["f32"])
+    rep = diff(fused["nearest"], fused["f32"])
     assert rep.summary["dtype mismatches"] == 6
     row = next(r for r in rep.rows if r["status"] == "dtype mismatch")
     assert row["dtype"] == "BF16 vs F32" and row["max_ulp"] is None and row["max_abs"] > 0
@@ -172,7 +172,7 @@ def test_parity_dtype_and_missing(fused: dict, tmp_path: Path) -> None:
     for f in other.glob("*.safetensors*"):
         f.unlink()
     write_file(other / "model.safetensors", tensors)
-    rep = parity(fused["nearest"], other)
+    rep = diff(fused["nearest"], other)
     st = {r["tensor"]: r["status"] for r in rep.rows}
     assert st[drop] == "only in A" and st[reshape] == "shape mismatch"
     assert rep.summary["only in A"] == 1 and rep.summary["shape mismatches"] == 1
@@ -185,7 +185,7 @@ def test_ulp_vs_reference(fused: dict) -> None:
     mlx = ulp_vs_reference(fused["mlx"], fused["base"], fused["ad"])
     # exactly the elements where mlx-lm's double rounding left the nearest value
     assert mlx.summary["not correctly rounded"] == \
-        parity(fused["nearest"], fused["mlx"]).summary["elements differing"]
+        diff(fused["nearest"], fused["mlx"]).summary["elements differing"]
     assert mlx.summary["max error (ulp)"] > 0.5
     f32 = ulp_vs_reference(fused["f32"], fused["base"], fused["ad"])
     assert {r["dtype"] for r in f32.rows} == {"F32"}
@@ -194,11 +194,11 @@ def test_ulp_vs_reference(fused: dict) -> None:
 def test_plots_smoke(fused: dict) -> None:
     from matplotlib.figure import Figure
 
-    rep = ulp_compare(fused["nearest"], fused["mlx"])
+    rep = diff(fused["nearest"], fused["mlx"]).ulp_report()
     assert isinstance(rep.plot(), Figure)
     assert isinstance(rep.plot("layers"), Figure)
     assert isinstance(rep.plot(tensor=rep.rows[0]["tensor"]), Figure)
-    p = parity(fused["nearest"], fused["mlx"])
+    p = diff(fused["nearest"], fused["mlx"])
     assert isinstance(p.plot(), Figure) and isinstance(p.plot(kind="histogram"), Figure)
     assert isinstance(ulp_vs_reference(fused["mlx"], fused["base"], fused["ad"]).plot(), Figure)
     assert "<table>" in p._repr_html_()
@@ -211,15 +211,15 @@ def test_progress_callable_sees_every_byte(fused: dict, tmp_path: Path) -> None:
 
     a, b = fused["nearest"], fused["mlx"]
     calls = []
-    parity(a, b, progress=lambda done, total: calls.append((done, total)))
+    diff(a, b, progress=lambda done, total: calls.append((done, total)))
     total = sum(Ck(a).info(n).nbytes for n in Ck(a).tensors)
     assert calls and calls[-1] == (total, total)
     assert all(x[0] <= y[0] for x, y in zip(calls, calls[1:]))
     assert all(t == total for _, t in calls)
     # tensors compared by value (dtype mismatch) are not streamed: the bar still ends full
     calls.clear()
-    parity(a, fused["f32"], progress=lambda done, total: calls.append((done, total)))
+    diff(a, fused["f32"], progress=lambda done, total: calls.append((done, total)))
     assert calls and calls[-1][0] == calls[-1][1] and calls[-1][1] < total
     calls.clear()
-    parity(a, b, progress=False)
+    diff(a, b, progress=False)
     assert calls == []

@@ -21,7 +21,6 @@ from safetensors.numpy import load_file, save_file
 
 import lorakit
 from lorakit import numerics as nm
-from lorakit.inspect.check import merge_check
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
@@ -97,7 +96,7 @@ def fuse(base: Path, adapter: Path, out: Path, **kw) -> Path:
 
 
 def check(fused: Path, base: Path, adapter: Path, **kw):
-    return merge_check(fused, base, adapter, progress=False, **kw)
+    return lorakit.check(fused, base, adapter, progress=False, **kw)
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
@@ -395,7 +394,7 @@ def test_cli_exit_codes(work: Path, good) -> None:
     assert bad.returncode == 1 and "not applied" in bad.stdout
     prom = fuse(BASE, LORA, work / "cli-promoted", dtype="promote")
     p = run_cli("check", "--fused", prom, "--base", BASE, "--adapter", LORA, "--json")
-    assert p.returncode == 3 and json.loads(p.stdout)["merge_check"]["summary"]["exit code"] == 3
+    assert p.returncode == 3 and json.loads(p.stdout)["check"]["summary"]["exit code"] == 3
     missing = run_cli("check", "--fused", work / "nope", "--base", BASE, "--adapter", LORA)
     assert missing.returncode == 2
     h = run_cli("check", "--help")

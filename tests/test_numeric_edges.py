@@ -46,8 +46,8 @@ def test_packed_codes_compare_byte_by_byte(tmp_path: Path) -> None:
     a = _f4_file(tmp_path / "a.safetensors", bytes(range(16)))
     b = _f4_file(tmp_path / "b.safetensors", bytes(range(16)))
     c = _f4_file(tmp_path / "c.safetensors", bytes(range(15)) + b"\xff")
-    assert lorakit.compare(a, b, progress=False).identical
-    rep = lorakit.compare(a, c, progress=False)
+    assert lorakit.diff(a, b, progress=False).identical
+    rep = lorakit.diff(a, c, progress=False)
     assert not rep.identical and rep.rows[0]["differing"] == 1
 
 

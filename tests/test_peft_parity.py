@@ -57,10 +57,10 @@ def test_nearest_differs_from_peft_only_at_double_rounding(name: str, tmp_path: 
 def test_modules_to_save_copies_replace_the_base(tmp_path: Path) -> None:
     """PEFT modules_to_save: merge_and_unload puts the trained copies (here lm_head and
     every RMSNorm) in place. lorakit writes them as they are in every rounding mode,
-    rounds them once under a dtype policy, merge_check calls them ``replaced``, and the
+    rounds them once under a dtype policy, check calls them ``replaced``, and the
     in-memory fuse does the same."""
     from lorakit.io.adapters.load import load_adapter
-    from lorakit.inspect.check import merge_check
+    from lorakit.inspect.check import check
 
     fx = ROOT / "llama_modules_to_save_bf16"
     ad = load_adapter(fx / "adapter")
@@ -75,7 +75,7 @@ def test_modules_to_save_copies_replace_the_base(tmp_path: Path) -> None:
     ours = Checkpoint(res.output)
     for n in saved:
         assert np.array_equal(ours.read(n), peft.read(n)), n
-    mc = merge_check(res.output, fx / "base", ad)
+    mc = check(res.output, fx / "base", ad)
     assert mc.ok, str(mc)
     assert sum(r["verdict"] == "replaced" for r in mc.rows) == len(saved)
     assert mc.summary["untouched tensors changed"] == 0 and mc.summary["replaced tensors"] == 6
@@ -85,7 +85,7 @@ def test_modules_to_save_copies_replace_the_base(tmp_path: Path) -> None:
     import shutil
 
     shutil.copy(fx / "base" / "model.safetensors", wrong.output / "model.safetensors")
-    bad = merge_check(wrong.output, fx / "base", ad)
+    bad = check(wrong.output, fx / "base", ad)
     assert not bad.ok and "replacement differs" in bad.verdicts().values()
 
     f32 = lorakit.fuse(fx / "base", ad, tmp_path / "f32", dtype="float32", progress=False)

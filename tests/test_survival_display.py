@@ -2,7 +2,7 @@
 
 The numbers in FuseResult's text, HTML, the CLI fuse summary and the fuse panel are
 recomputed here from the files: codes unpacked with plain shifts (not
-``unpack_codes``), survival from the merge check's own pass (``inspect/merge_check``).
+``unpack_codes``), survival from the merge check's own pass (``inspect/check``).
 """
 from __future__ import annotations
 

@@ -98,14 +98,13 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
     from lorakit.algebra.combine import combine
     from lorakit.inspect.adapters import compare_adapters
     from lorakit.inspect.deltas import delta_norms
-    from lorakit.inspect.dtype_map import dtype_map
+    from lorakit.inspect.dtypes import dtype_map
     from lorakit.algebra.extract import extract
-    from lorakit.algebra.resize import resize
+    from lorakit.algebra.extract import resize
     from lorakit.inspect.generation import compare_generations
     from lorakit.inspect.behaviour import compare_outputs
-    from lorakit.inspect.check import merge_check
-    from lorakit.inspect.diff import parity
-    from lorakit.inspect.diff import ulp_compare
+    from lorakit.inspect.check import check
+    from lorakit.inspect.diff import diff
     from lorakit.inspect.diff import ulp_vs_reference
     from lorakit.inspect.diff import ulp_tensors
     import numpy as np
@@ -114,13 +113,13 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
         "FuseResult": _fuse_result,
         "DecodeTiming": _decode_timing,
         "DtypeMap": _in(lambda: dtype_map("fused-f32")),  # flags the f32 projections
-        "ParityReport": _in(lambda: parity("fused", "fused-mlx")),
-        "UlpReport": _in(lambda: ulp_compare("fused", "fused-mlx")),
+        "DiffReport": _in(lambda: diff("fused", "fused-mlx")),
+        "UlpReport": _in(lambda: diff("fused", "fused-mlx").ulp_report()),
         "UlpReport-tensors": lambda w: ulp_tensors(
             np.array([0x3F80, 0x0000, 0x8001, 0x3F80], np.uint16),
             np.array([0x3F81, 0x8000, 0x0001, 0x3F90], np.uint16), "bf16"),
         "RefUlpReport": _in(lambda: ulp_vs_reference("fused-mlx", BASE, LORA)),
-        "MergeCheck": _in(lambda: merge_check("fused", BASE, LORA)),
+        "CheckReport": _in(lambda: check("fused", BASE, LORA)),
         "DeltaNorms": _in(lambda: delta_norms(DORA, BASE)),
         "AdapterComparison": _in(lambda: compare_adapters(LORA, DORA, BASE)),
         "ExtractReport": _in(lambda: extract(BASE, "fused", rank=8,
@@ -136,8 +135,8 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
     }
 
 
-NAMES = ["FuseResult", "DecodeTiming", "DtypeMap", "ParityReport", "UlpReport",
-         "UlpReport-tensors", "RefUlpReport", "MergeCheck", "DeltaNorms", "AdapterComparison",
+NAMES = ["FuseResult", "DecodeTiming", "DtypeMap", "DiffReport", "UlpReport",
+         "UlpReport-tensors", "RefUlpReport", "CheckReport", "DeltaNorms", "AdapterComparison",
          "GenerationReport", "ExtractReport", "ResizeReport", "Combination", "BehaviourReport"]
 
 

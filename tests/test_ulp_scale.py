@@ -20,7 +20,7 @@ import pytest
 from lorakit import numerics as nm
 from lorakit.cli.main import main
 from lorakit.inspect import ulp_count as ua
-from lorakit.inspect.diff import parity
+from lorakit.inspect.diff import diff
 from lorakit.inspect.ulp_count import Accumulator, TensorDiff
 from lorakit.inspect.diff import ulp_tensors
 from lorakit.inspect.ulp_count import TensorScale, binades
@@ -145,7 +145,7 @@ def two_orders(qwen3_fused):
 
 def test_cli_diff_text_and_json_lead_with_the_relative_error(two_orders, capsys):
     a, b = two_orders
-    rep = parity(a, b, progress=False)
+    rep = diff(a, b, progress=False)
     assert main(["diff", str(a), str(b)]) == 1
     out = capsys.readouterr().out
     summary = [ln.strip() for ln in out.splitlines()[1:] if ln.startswith("  ")]
@@ -153,7 +153,7 @@ def test_cli_diff_text_and_json_lead_with_the_relative_error(two_orders, capsys)
     assert keys.index("relative error, rms(A - B) / rms(A)") < keys.index("max ulp")
     assert "why max ulp is large" in out and "rel_err" in out and "near_zero" in out
     assert main(["diff", str(a), str(b), "--json"]) == 1
-    data = json.loads(capsys.readouterr().out)["parity"]
+    data = json.loads(capsys.readouterr().out)["diff"]
     s = data["summary"]
     assert s["relative error, rms(A - B) / rms(A)"] == pytest.approx(
         rep.summary["relative error, rms(A - B) / rms(A)"])

@@ -72,7 +72,7 @@ def fused(data, tmp_path_factory) -> dict:
 
 # -- import hygiene and asset discovery -----------------------------------------------------
 def test_importing_lorakit_imports_no_notebook_stack():
-    code = ("import sys, lorakit; lorakit.fuse; lorakit.dtype_map; lorakit.ulp_compare; "
+    code = ("import sys, lorakit; lorakit.fuse; lorakit.inspect.dtype_map; lorakit.diff; "
             "lorakit.time_decode; bad = [m for m in ('ipywidgets', 'matplotlib', 'IPython', "
             "'jupyter_client', 'ipykernel') if m in sys.modules]; print(bad); "
             "sys.exit(1 if bad else 0)")
@@ -175,7 +175,7 @@ def test_fuse_panel_promote_then_fix(data, tmp_path):
     assert p.runs == 2 and set(p.result.dtypes_written) == {"BF16"}
     assert not p.view.report.flagged
     assert p.summary.value != promoted_summary and p.view.figure.value != promoted_png
-    assert p.result.bytes_written < lorakit.dtype_map(
+    assert p.result.bytes_written < lorakit.inspect.dtype_map(
         tmp_path / "tiny-qwen3+lora-nearest-promote").summary["bytes"]
     assert _tree_hash(data) == before  # inputs untouched
 

@@ -1,0 +1,18 @@
+"""Adapter algebra: adapters made from adapters and from weights.
+
+``lorakit.combine`` (``combine.py``; PEFT's methods step for step in ``peft_like.py``)
+and ``lorakit.extract`` (``extract.py``) live here, and so do these:
+
+``convert``  an adapter written in the other format (mlx-lm <-> PEFT), exactly
+``resize``   an adapter at a lower rank, from its factors alone
+"""
+from __future__ import annotations
+
+from ..lazy import lazy_exports
+
+__all__ = ["convert", "resize"]
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "convert": ("lorakit.algebra.combine", "convert"),
+    "resize": ("lorakit.algebra.extract", "resize"),
+})

@@ -1,5 +1,5 @@
 """``lorakit extract`` and ``lorakit resize``: thin wrappers over
-:func:`lorakit.algebra.extract.extract` and :func:`lorakit.algebra.resize.resize`.
+:func:`lorakit.algebra.extract.extract` and :func:`lorakit.algebra.extract.resize`.
 Each prints the report's text twin (or its JSON with ``--json``); exit status 0, 2 for
 bad input."""
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _extract(args: argparse.Namespace) -> int:
 
 
 def _resize(args: argparse.Namespace) -> int:
-    from ..algebra.resize import resize
+    from ..algebra.extract import resize
 
     rep = resize(args.adapter, rank=args.rank, energy=args.energy, base=args.base,
                  save_path=args.save_path, format=args.format, force=args.force)

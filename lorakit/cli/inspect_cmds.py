@@ -29,7 +29,7 @@ def _emit(args: argparse.Namespace, reports: Dict[str, Any]) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from ..inspect.dtype_map import dtype_map
+    from ..inspect.dtypes import dtype_map
 
     path = Path(args.path)
     reports: Dict[str, Any] = {"dtype_map": dtype_map(path)}
@@ -44,13 +44,13 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from ..inspect.diff import parity
+    from ..inspect.diff import diff
 
     if bool(args.adapter) != bool(args.base):
         raise LorakitError("--adapter-path and --model go together",
                            hint="give both to measure each side against the exact fuse")
-    rep = parity(args.a, args.b)
-    reports: Dict[str, Any] = {"parity": rep}
+    rep = diff(args.a, args.b)
+    reports: Dict[str, Any] = {"diff": rep}
     if args.adapter:
         from ..inspect.diff import ulp_vs_reference
 
@@ -63,13 +63,13 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from ..inspect.check import merge_check
+    from ..inspect.check import check
 
-    rep = merge_check(args.fused, args.base, args.adapter,
+    rep = check(args.fused, args.base, args.adapter,
                       check_untouched=not args.skip_untouched,
                       behaviour=(args.tokens or True) if args.kl else False)
     rep.max_rows = args.max_rows
-    _emit(args, {"merge_check": rep})
+    _emit(args, {"check": rep})
     return rep.exit_code()
 
 

@@ -272,7 +272,7 @@ def compare_outputs(reference: Any, test: Any, corpus: Optional[PathLike] = None
     ``reference`` / ``test``: a checkpoint path or hub id, a ``(path, adapter or
     None)`` pair, or an already loaded ``(model, tokenizer)``; ``ref_adapter`` /
     ``test_adapter`` attach an adapter unfused (mlx-lm or PEFT format, through
-    :func:`lorakit.attach_adapter`). ``corpus``: a text or ``.jsonl`` file (default: the
+    :func:`lorakit.fusion.attach_adapter`). ``corpus``: a text or ``.jsonl`` file (default: the
     embedded validation text). ``tokens``: use only the first N tokens. ``context``:
     window length. ``top_k`` / ``detail``: both models' top candidates kept for the
     first ``detail`` scored tokens. Returns a

@@ -28,12 +28,12 @@ Status per tensor and overall:
     is not bit for bit the base, or its documented conversion), ``replacement
     differs``.
 
-:meth:`MergeCheck.exit_code` is the CLI's status: 0 ok, 1 a wrong merge, 3 right but
+:meth:`CheckReport.exit_code` is the CLI's status: 0 ok, 1 a wrong merge, 3 right but
 promoted (2 stays bad input).
 
 >>> import lorakit
 >>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")
->>> merge_check("fused", "data/tiny-qwen3", "data/adapters/lora").status
+>>> check("fused", "data/tiny-qwen3", "data/adapters/lora").status
 'ok'
 
 What rounding can explain: per element, how far a correct fuse may land from the
@@ -88,7 +88,7 @@ The behaviour line of a merge check: the fused model against the base with the
 adapter attached unfused, on the default corpus (a thin caller of
 :func:`lorakit.compare_outputs`; the KL math lives there once).
 
-It adds to a :class:`~lorakit.inspect.check.MergeCheck` one summary line,
+It adds to a :class:`~lorakit.inspect.check.CheckReport` one summary line,
 ``fused vs unfused: mean KL 3.8e-05, top-1 99.1% (1020 tokens)``, and the numbers
 under ``behaviour`` (in ``to_dict()`` / ``--json``). It never changes the verdict or
 the exit code: behaviour is evidence, the per-tensor check is the verdict.
@@ -116,7 +116,7 @@ from .check_causes import CauseStats, candidates, diagnose, scaled
 from .diff import compare_sources
 from .layers import split_name
 
-__all__ = ['MergeCheck', 'merge_check', 'VERDICTS_OK', 'EXIT_CODES', 'float_bound', 'quant_bound', 'row', 'requested_conversion', 'untouched_rows', 'extra_rows', 'replacement_row', 'FLOAT_CODES', 'DEFAULT_TOKENS', 'behaviour_tokens', 'fused_vs_unfused', 'behaviour_line']
+__all__ = ['CheckReport', 'check', 'VERDICTS_OK', 'EXIT_CODES', 'float_bound', 'quant_bound', 'row', 'requested_conversion', 'untouched_rows', 'extra_rows', 'replacement_row', 'FLOAT_CODES', 'DEFAULT_TOKENS', 'behaviour_tokens', 'fused_vs_unfused', 'behaviour_line']
 
 
 #: verdicts of a right merge
@@ -167,7 +167,7 @@ class _Bound:
 
 
 @dataclass(repr=False)
-class MergeCheck(Report):
+class CheckReport(Report):
     """Per adapted tensor: distance (largest |F - T| over the rounding bound; <= 1 is
     right), max_ulp, beyond (share of elements past the bound), survived, expected, fit,
     corr, changed, delta_ulps, status, verdict and detail (the cause).
@@ -360,8 +360,8 @@ def _adapted_row(sf, sb, tensor, binds, conversion: Optional[str]) -> Dict[str, 
     return r
 
 
-def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
-                progress: Any = True, behaviour: Any = False) -> MergeCheck:
+def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
+                progress: Any = True, behaviour: Any = False) -> CheckReport:
     """Check that a fused checkpoint is its base with its adapter merged, tensor by tensor.
 
     Args:
@@ -377,7 +377,7 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
             top-1 agreement: ``.behaviour`` and a summary line); never changes the verdict.
 
     Returns:
-        A :class:`MergeCheck` (``.status``, ``.ok``, ``.exit_code()``, ``.verdicts()``,
+        A :class:`CheckReport` (``.status``, ``.ok``, ``.exit_code()``, ``.verdicts()``,
         ``.causes()``, rows with the numbers).
     """
     n_kl = behaviour_tokens(behaviour)
@@ -410,7 +410,7 @@ def merge_check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = 
     for r in rows:
         r.pop("base_like", None)
     rows += extra_rows(sf, sb)
-    rep = MergeCheck(title=f"merge check of {sf.label}", rows=rows,
+    rep = CheckReport(title=f"merge check of {sf.label}", rows=rows,
                      columns=["tensor", "dtype", "distance", "max_ulp", "beyond", "survived",
                               "expected", "fit", "corr", "status", "verdict", "detail"],
                      flagged=[i for i, r in enumerate(rows) if r["status"] != "ok"])

@@ -188,7 +188,7 @@ def diagnose(st: CauseStats,
     if low:
         return "another adapter", (f"a low-rank change sharing {k:.2f} of the intended delta "
                                    f"(correlation {corr:.2f})"), nums
-    if abs(k - 1) < 0.25:  # "different base" when most tensors look so (merge_check)
+    if abs(k - 1) < 0.25:  # "different base" when most tensors look so (check)
         nums["base_like"] = 1.0
         return "changed otherwise", (f"the intended delta is there (x{k:.2f}) on top of a "
                                      "full-rank change"), nums

@@ -12,11 +12,11 @@ on one side only. It streams both checkpoints (see
 identical bytes are skipped at ``memcmp`` speed.
 
 :func:`ulp_compare` is the same comparison seen as ulp histograms: it runs
-:func:`parity` and returns :meth:`ParityReport.ulp_report`.
+:func:`parity` and returns :meth:`DiffReport.ulp_report`.
 
 ``lorakit diff A B [--json]`` prints the same report.
 
->>> parity("data/tiny-qwen3", "data/tiny-qwen3").identical
+>>> diff("data/tiny-qwen3", "data/tiny-qwen3").identical
 True
 
 Two tensor sources compared tensor by tensor, streaming, one TensorDiff each.
@@ -27,15 +27,14 @@ first compared as raw bytes (``memcmp`` speed) and only a piece whose bytes diff
 is decoded, by an :class:`~lorakit.inspect.ulp_count.Accumulator`. Pieces are
 compared on a few threads (numpy and the C kernel release the GIL) while the kernel
 reads ahead, so memory stays bounded whatever the checkpoints' size.
-:func:`lorakit.parity` and :func:`lorakit.ulp_compare` turn the diffs into reports.
+:func:`lorakit.diff` turns the diffs into a report.
 
 >>> sorted({d.status for d in compare_sources("data/tiny-qwen3", "data/tiny-qwen3")})
 ['equal']
 
 Ulp histograms as a report: per tensor, per layer and overall.
 
-:class:`UlpReport` is what :func:`lorakit.ulp_compare` (two checkpoints, see
-:mod:`lorakit.inspect.diff`) and :func:`ulp_tensors` (two arrays) return: a row
+:class:`UlpReport` is what :meth:`DiffReport.ulp_report` (two checkpoints) and :func:`ulp_tensors` (two arrays) return: a row
 per tensor with its histogram in a few words, the histograms themselves
 (``counts``, ``per_layer``, ``overall``) and plots of them.
 
@@ -94,11 +93,11 @@ from .ulp_count import (
     sumsq,
 )
 
-__all__ = ['ParityReport', 'parity', 'ulp_compare', 'compare_sources', 'UlpReport', 'ulp_report', 'ulp_tensors', 'scale_row', 'scale_summary', 'RefUlpReport', 'ulp_vs_reference', 'error_histogram', 'error_labels']
+__all__ = ['DiffReport', 'diff', 'compare_sources', 'UlpReport', 'ulp_report', 'ulp_tensors', 'scale_row', 'scale_summary', 'RefUlpReport', 'ulp_vs_reference', 'error_histogram', 'error_labels']
 
 
 @dataclass(repr=False)
-class ParityReport(Report):
+class DiffReport(Report):
     """Rows: tensor, status, dtype, shape, elements, differing, frac, max_ulp, max_abs.
 
     ``identical`` is True when every tensor matches bit for bit and both sides hold
@@ -154,9 +153,9 @@ class ParityReport(Report):
     figure = plot
 
 
-def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
+def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
            names: Optional[Sequence[str]] = None, threads: Optional[int] = None,
-           progress: Progress = True) -> ParityReport:
+           progress: Progress = True) -> DiffReport:
     """Compare two checkpoints (or adapters, files, in-memory models) tensor by tensor.
 
     Args:
@@ -168,7 +167,7 @@ def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
             callable ``progress(done_bytes, total_bytes)``; False for neither.
 
     Returns:
-        A :class:`ParityReport`; ``.identical`` says whether A and B are bit-identical.
+        A :class:`DiffReport`; ``.identical`` says whether A and B are bit-identical.
         Float tensors of the same dtype get exact ulp distances; tensors whose dtypes
         differ (a float32 "fused" weight against a bfloat16 one) are compared by value
         and listed as ``dtype mismatch``; integer tensors (packed quantized weights)
@@ -233,28 +232,12 @@ def parity(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
         verdict += (f", relative error {rel:.2g}, at most "
                     f"{summary['max ulp at typical magnitudes (|a|, |b| >= rms(A))']} ulp at "
                     "typical magnitudes")
-    return ParityReport(title=f"parity {sa.label} vs {sb.label}: {verdict}", rows=rows,
+    return DiffReport(title=f"diff {sa.label} vs {sb.label}: {verdict}", rows=rows,
                         columns=["tensor", "status", "dtype", "shape", "elements", "differing",
                                  "frac", "rel_err", "max_ulp_typ", "near_zero", "max_ulp",
                                  "max_abs"],
                         summary=summary, flagged=flagged, identical=identical, labels=labels,
                         overall=overall, diffs=diffs, sources=(sa.label, sb.label))
-
-
-def ulp_compare(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
-                names: Optional[Sequence[str]] = None, threads: Optional[int] = None,
-                progress: Progress = True) -> UlpReport:
-    """Ulp histograms between two checkpoints (or adapters, files, in-memory models).
-
-    The comparison of :func:`parity` (same arguments), reported as histograms:
-    ``parity(a, b).ulp_report()``. Streams tensor by tensor in pieces of about a MB,
-    so memory stays bounded whatever the checkpoints' size. Tensors of different
-    dtypes or shapes are listed with that status (see :func:`parity` for a verdict).
-
-    >>> # ulp_compare("fused-lorakit", "fused-mlx-lm").plot()
-    """
-    return parity(a, b, max_bin=max_bin, names=names, threads=threads,
-                  progress=progress).ulp_report()
 
 
 # ---------------------------------------------------------------------------
@@ -835,7 +818,7 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
 
     The error is measured with :func:`numerics.ulp_error_vs_reference` in ulps of
     the fused tensor's own format: <= 0.5 everywhere means correctly rounded.
-    Quantized fused weights are listed but not measured (see :func:`merge_check`).
+    Quantized fused weights are listed but not measured (see :func:`check`).
 
     >>> import lorakit
     >>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")

@@ -6,11 +6,11 @@ figure it returns, so every number a widget shows can be had without it.
 
 - :class:`FusePanel`: :func:`lorakit.fuse` with its options, a progress bar, the
   result and the fused checkpoint's dtype map.
-- :class:`DtypeMapView`: :func:`lorakit.dtype_map` as a grid with hover and click.
-- :class:`UlpExplorer`: :func:`lorakit.compare` / the exact-fuse reference.
+- :class:`DtypeMapView`: :func:`lorakit.inspect.dtype_map` as a grid with hover and click.
+- :class:`UlpExplorer`: :func:`lorakit.diff` / the exact-fuse reference.
 - :class:`DecodeRace`: :func:`lorakit.time_decode` live, in a background thread.
-- :class:`GenerationCompare`: :func:`lorakit.compare_generations` side by side.
-- :class:`AdapterCompare`: :func:`lorakit.compare_adapters`.
+- :class:`GenerationCompare`: :func:`lorakit.inspect.compare_generations` side by side.
+- :class:`AdapterCompare`: :func:`lorakit.inspect.compare_adapters`.
 - :class:`AdapterMixer`: two or three adapters mixed by weight sliders, live norms.
 - :class:`KLTextView`: a :func:`lorakit.compare_outputs` report's text shaded by KL.
 

@@ -1,6 +1,6 @@
 """AdapterCompare: two adapters of one base, side by side.
 
-Calls :func:`lorakit.compare_adapters` and shows its figures: delta norms per
+Calls :func:`lorakit.inspect.compare_adapters` and shows its figures: delta norms per
 target (relative to the base weight when a base is given), and layer x kind maps
 of the deltas' cosine similarity and of the overlap of their column and row
 subspaces (principal angles), with the per-module table.

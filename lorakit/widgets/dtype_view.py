@@ -1,6 +1,6 @@
 """DtypeMapView: a checkpoint's per-layer dtype map, with hover and click detail.
 
-The map is :func:`lorakit.dtype_map`'s report. The widget shows its summary, a grid
+The map is :func:`lorakit.inspect.dtype_map`'s report. The widget shows its summary, a grid
 of cells (layers x tensor kinds, coloured by dtype like the report's heatmap; hover
 a cell for its tensors, click it for a table of them), and the report's own
 heatmap figure.
@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 
 import ipywidgets as W
 
-from ..inspect.dtype_map import DtypeMap, dtype_map
+from ..inspect.dtypes import DtypeMap, dtype_map
 from ..inspect.layers import kind_label
 from ..inspect.plots import _DTYPE_COLORS, _OTHER_COLOR, _QUANT_COLOR
 from ..report import escape
@@ -34,12 +34,12 @@ class DtypeMapView(W.VBox):
     """Per-layer dtype/bytes map of a checkpoint, adapter or in-memory model.
 
     Args:
-        source: anything :func:`lorakit.dtype_map` accepts, or a ready ``DtypeMap``.
+        source: anything :func:`lorakit.inspect.dtype_map` accepts, or a ready ``DtypeMap``.
         part: which tensor part the grid shows (``"weight"``; ``"scales"`` for the
             scales of a quantized model).
 
     Attributes:
-        report: the :class:`~lorakit.inspect.dtype_map.DtypeMap` shown.
+        report: the :class:`~lorakit.inspect.dtypes.DtypeMap` shown.
         selected: ``(layer label, kind)`` of the clicked cell, or None.
         cells: ``{(layer label, kind): Button}`` of the grid.
     """

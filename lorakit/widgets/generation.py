@@ -1,7 +1,7 @@
 """GenerationCompare: the same prompts through several models, text side by side.
 
 Models are loaded once (``mlx_lm.load``) and kept, so new prompts run quickly. The
-widget calls :func:`lorakit.compare_generations` (greedy, reproducible) and shows
+widget calls :func:`lorakit.inspect.compare_generations` (greedy, reproducible) and shows
 each model's continuation in a column, the first token where it parts from the
 reference model (the first one) highlighted, and the report's per-step logit
 margins for one prompt.

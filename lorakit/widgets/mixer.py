@@ -6,7 +6,7 @@ Live (on every slider move, from the factors only): the norm of the mixed delta
 (:func:`lorakit.algebra.lowrank.delta_gram`: ``||sum w_i delta_i||^2 = w^T G w``).
 On request: greedy text of the base, the mix (its exact sum as one adapter,
 :func:`lorakit.algebra.lowrank.weighted_sum`, attached unfused) and each parent
-(:func:`lorakit.compare_generations`), and a button that writes the combination
+(:func:`lorakit.inspect.compare_generations`), and a button that writes the combination
 (``lorakit.combine`` with method ``exact`` where this install has it).
 
 >>> from lorakit.widgets import AdapterMixer

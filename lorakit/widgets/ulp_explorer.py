@@ -1,7 +1,7 @@
 """UlpExplorer: how far apart are two checkpoints, overall, per layer, per tensor?
 
 Pick A and B among checkpoints (for example the outputs of several fuses), or the
-exact float64 fuse as B; the widget calls :func:`lorakit.compare` (or
+exact float64 fuse as B; the widget calls :func:`lorakit.diff` (or
 :func:`lorakit.inspect.diff.ulp_vs_reference` for the exact fuse) and shows the
 report's histograms: overall, layers x bins, one layer, or one tensor, with the
 numbers behind them (relative error, max ulp at typical magnitudes and overall,
@@ -21,7 +21,7 @@ from typing import Any, List, Mapping, Optional, Union
 
 import ipywidgets as W
 
-from ..inspect.diff import UlpReport, ulp_compare, ulp_vs_reference
+from ..inspect.diff import UlpReport, diff, ulp_vs_reference
 from ..inspect.plots import histogram_bars
 from ..inspect.ulp_count import binades, bits_dtype
 from ..io.source import open_source
@@ -106,7 +106,7 @@ class UlpExplorer(W.VBox):
             if self.b.value == REFERENCE:
                 rep: Report = ulp_vs_reference(a, self.base, self.adapter)
             else:
-                rep = ulp_compare(a, self.checkpoints[self.b.value])
+                rep = diff(a, self.checkpoints[self.b.value]).ulp_report()
         except Exception as e:  # shown in the widget; the user picks other inputs
             self.status.value = "failed"
             self.error.show(e)

@@ -1,0 +1,43 @@
+"""Lazy exports: a package names its verbs without importing the modules behind them.
+
+``import lorakit`` (or ``lorakit.inspect``) must not load numpy or MLX: each package
+maps a public name to the module that defines it, and the module is imported on first
+use of the name.
+
+>>> import types, sys
+>>> pkg = types.ModuleType("demo_pkg"); sys.modules["demo_pkg"] = pkg
+>>> pkg.__getattr__, pkg.__dir__ = lazy_exports("demo_pkg", {"dumps": ("json", "dumps")})
+>>> pkg.dumps([1])
+'[1]'
+"""
+from __future__ import annotations
+
+import sys
+from importlib import import_module
+from typing import Any, Callable, Dict, Iterable, Tuple
+
+__all__ = ["lazy_exports"]
+
+
+def lazy_exports(package: str, names: Dict[str, Tuple[str, str]],
+                 subpackages: Iterable[str] = ()) -> Tuple[Callable[[str], Any],
+                                                           Callable[[], list]]:
+    """``__getattr__`` and ``__dir__`` for ``package``: ``names`` maps a public name to
+    (module, attribute); ``subpackages`` are imported when first named."""
+    subs = tuple(subpackages)
+
+    def __getattr__(name: str) -> Any:
+        if name in names:
+            mod, attr = names[name]
+            value = getattr(import_module(mod), attr)
+        elif name in subs:
+            value = import_module(f"{package}.{name}")
+        else:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__() -> list:
+        return sorted(names)
+
+    return __getattr__, __dir__
