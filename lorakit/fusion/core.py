@@ -51,12 +51,6 @@ from .options import DTYPE_POLICIES, ROUNDINGS
 from .sum_fuse import fuse_sum
 
 
-def check_rounding(rounding: str) -> str:
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}; got {rounding!r}")
-    return rounding
-
-
 def output_code(base_code: str, dtype_policy: str) -> str:
     """The safetensors dtype code a fused weight is written in.
 
@@ -222,7 +216,6 @@ def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale
     >>> fuse_weight(w, "F32", A, B, 0.5)[0].tolist()
     [[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]
     """
-    check_rounding(rounding)
     code_out = output_code(code_in, dtype_policy)
     if w.ndim != 2 or A.ndim != 2 or B.ndim != 2 or B.shape[1] != A.shape[0] \
             or w.shape != (B.shape[0], A.shape[1]):
@@ -246,9 +239,12 @@ def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale
                             promote=dtype_policy == "promote")
         elif rounding == "nearest":
             out = _fuse_nearest(w, fmt_in, A, B, scale, magnitude, nm.float_format(code_out))
-        else:
+        elif rounding == "round-once":
             out = _fuse_round_once(w, fmt_in, A, B, scale, magnitude,
                                    nm.float_format(code_out), kind)
+        else:  # FuseOptions refuses it first; a direct caller gets the same message
+            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}; "
+                             f"got {rounding!r}")
     except FuseError as e:  # e.g. DoRA's zero-norm row: name the weight
         raise e.where(tensor=name or None) from None
     # the same storage convention as lorakit.io.safetensors.read_raw: float16/float32

@@ -53,14 +53,13 @@ from ..io.output import OutputDirectory, check_output_path
 from ..io.safetensors import FLOAT_CODES, TensorInfo
 from ..io.safetensors_write import PlannedTensor, SafetensorsWriter
 from ..progress import progress_bar
-from ..report import escape, facts_table, table
-from .core import check_rounding, output_code
+from ..report import Report, escape, facts_table, table
 from .core import fuse_bindings as _fuse_float
+from .core import output_code
 from .finite import cast_raw as _cast
 from .model import fuse_model
+from .options import REQUANT, Choice, FuseOptions
 from .quant import (
-    REQUANT,
-    Choice,
     RequantStat,
     check_float_base,
     dequantize_raw,
@@ -114,22 +113,20 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
         A :class:`~lorakit.fusion.fuse.FuseResult` for a checkpoint; the model itself
         for a model in memory.
     """
+    options = FuseOptions(rounding=rounding, dtype=dtype, dequantize=dequantize,
+                          quant_policy=quant_policy, quant_budget=quant_budget)
     if hasattr(model, "parameters") and hasattr(model, "named_modules"):
         if save_path is not None:
             raise TypeError("a model in memory is fused in place; save it with "
                             "mlx_lm's save functions, or pass a checkpoint path to write one")
-        return fuse_model(model, adapter_path, rounding=rounding, dtype=dtype,
-                          dequantize=dequantize)
+        return fuse_model(model, adapter_path, options)
     if adapter_path is None or save_path is None:
         raise TypeError("fuse(model_path, adapter_path, save_path): a checkpoint fuse needs "
                         "an adapter and an output directory")
     if float_base is not None:
         model = check_float_base(model, float_base)
-    result: FuseResult = fuse_checkpoint(model, adapter_path, save_path, rounding=rounding,
-                                         dtype=dtype, dequantize=dequantize, force=force,
-                                         export_gguf=export_gguf, progress=progress,
-                                         quant_policy=quant_policy, quant_budget=quant_budget)
-    return result
+    return fuse_checkpoint(model, adapter_path, save_path, options, force=force,
+                           export_gguf=export_gguf, progress=progress)
 
 
 # ---------------------------------------------------------------------------
@@ -155,8 +152,9 @@ def _module_of(name: str) -> str:
 
 
 def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, List[Binding]],
-                dtype_policy: str, dequantize: bool,
-                replaced: Optional[Dict[str, Replacement]] = None, choices=None) -> List[_Item]:
+                opts: FuseOptions, replaced: Optional[Dict[str, Replacement]] = None,
+                choices: Optional[Dict[str, Choice]] = None) -> List[_Item]:
+    dtype_policy, dequantize = opts.dtype, opts.dequantize
     items: List[_Item] = []
     explicit = dtype_policy not in ("preserve", "promote")
     replaced = replaced or {}
@@ -208,11 +206,10 @@ def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, Li
 
 
 # -- the fuse --------------------------------------------------------------------------------
-def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter], save_path: PathLike, *,
-         rounding: str = "nearest", dtype: str = "preserve", dequantize: bool = False,
-         force: bool = False, export_gguf: Optional[str] = None,
-         progress: Union[bool, Callable[[int, int], None]] = True,
-         quant_policy: str = "requant", quant_budget: Optional[float] = None) -> FuseResult:
+def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
+                    save_path: PathLike, options: Optional[FuseOptions] = None, *,
+                    force: bool = False, export_gguf: Optional[str] = None,
+                    progress: Union[bool, Callable[[int, int], None]] = True) -> FuseResult:
     """Fuse an adapter into a checkpoint and write a new checkpoint.
 
     Args:
@@ -220,12 +217,8 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter], sav
         adapter_path: adapter directory (mlx-lm or PEFT format), or a loaded Adapter.
         save_path: output directory; must not exist (unless ``force``) and must not
             lie inside the base or adapter directory.
-        rounding: ``nearest`` (correctly rounded, default), ``round-once`` (PEFT),
-            ``mlx-lm`` (bit-identical to ``mlx_lm fuse``) or ``scale-after``.
-        dtype: ``preserve`` (default), ``promote`` (float32, as a fuse that forgets
-            the cast writes), or ``bfloat16`` / ``float16`` / ``float32`` for every
-            float tensor.
-        dequantize: for quantized bases, write float weights instead of re-quantizing.
+        options: how to round and store (:class:`~lorakit.fusion.options.FuseOptions`;
+            default: correctly rounded, dtypes kept).
         force: replace an existing empty directory or previous lorakit output
             (recognised by its ``lorakit.json``); anything else is refused.
         export_gguf: also write this GGUF file (a plain name) into the output with
@@ -238,12 +231,13 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter], sav
     Returns:
         A :class:`FuseResult`.
 
-    >>> fuse("data/tiny-qwen3", "data/adapters/lora", "fused", progress=False).tensors_fused
+    >>> fuse_checkpoint("data/tiny-qwen3", "data/adapters/lora", "fused",
+    ...                 progress=False).tensors_fused
     28
     """
     t0 = time.perf_counter()
-    check_rounding(rounding)
-    output_code("BF16", dtype)  # validates the policy before anything is read
+    opts = options if options is not None else FuseOptions()
+    dtype, dequantize = opts.dtype, opts.dequantize
     hub_id = None if isinstance(model, Path) or os.path.exists(model) else str(model)
     ck = open_checkpoint(model)
     adapter = adapter_path if isinstance(adapter_path, Adapter) else load_adapter(adapter_path)
@@ -257,16 +251,14 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter], sav
     bindings = bind(adapter, ck)
     by_tensor = bindings_by_tensor(bindings)
     replaced = bind_replacements(adapter, ck, dequantize)
-    choices = resolve(ck, by_tensor, quant_policy, rounding, dtype, quant_budget, dequantize,
-                      progress)
+    choices = resolve(ck, by_tensor, opts, progress)
     try:
         with OutputDirectory(out, force=force) as od:
-            result = _write(ck, adapter, by_tensor, od.tmp, out, rounding, dtype, dequantize,
-                            progress, t0, replaced, choices)
+            result = _write(ck, adapter, by_tensor, od.tmp, out, opts, progress, t0, replaced,
+                            choices)
             settings = {"adapter_sha256": adapter.sha256, "adapter_format": adapter.format,
-                        "rounding": rounding, "dtype_policy": dtype,
-                        "dequantize": bool(dequantize)}
-            settings.update({"quant_policy": quant_policy} if choices else {})
+                        **opts.settings()}
+            settings.update({"quant_policy": opts.quant_policy} if choices else {})
             card = ck.path / CARD_NAME
             write_model_card(od.tmp, card if card.is_file() else None, hub_id,
                              f"{ck.path.name} + {adapter.path.name}", settings)
@@ -277,14 +269,15 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter], sav
         raise FuseError(f"I/O error while fusing: {e.strerror or e}",
                         file=e.filename or out, expected="readable inputs and room to write",
                         found=f"{type(e).__name__} (errno {e.errno})") from e
-    result.seconds, result.quant_policy = time.perf_counter() - t0, quant_policy
+    result.seconds = time.perf_counter() - t0
+    result.summary = dict(result._rows())
     return result
 
 
 def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]], tmp: Path,
-           out: Path, rounding: str, dtype_policy: str, dequantize: bool, progress: Any,
-           t0: float, replaced: Optional[Dict[str, Replacement]] = None,
-           choices=None) -> FuseResult:
+           out: Path, opts: FuseOptions, progress: Any, t0: float,
+           replaced: Optional[Dict[str, Replacement]] = None,
+           choices: Optional[Dict[str, Choice]] = None) -> FuseResult:
 
     dtypes: Counter = Counter()
     requant: List[RequantStat] = []
@@ -296,19 +289,19 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
         "lorakit.version": __version__,
         "lorakit.adapter_sha256": adapter.sha256,
         "lorakit.adapter_format": adapter.format,
-        "lorakit.rounding": rounding,
-        "lorakit.dtype_policy": dtype_policy,
-        "lorakit.dequantize": str(bool(dequantize)).lower(),
+        "lorakit.rounding": opts.rounding,
+        "lorakit.dtype_policy": opts.dtype,
+        "lorakit.dequantize": str(opts.dequantize).lower(),
     }
     bar = progress_bar(progress, ck.nbytes, "lorakit fuse")
     it: Optional[_Item] = None
     try:
         for shard, infos in ck.by_shard():
-            items = _plan_shard(ck, infos, by_tensor, dtype_policy, dequantize, replaced, choices)
+            items = _plan_shard(ck, infos, by_tensor, opts, replaced, choices)
             meta = dict(ck.headers[shard].metadata)
             meta.setdefault("format", "mlx")
             meta.update(meta_extra)
-            jobs = _Jobs(ck, items, by_tensor, rounding, dtype_policy, choices)
+            jobs = _Jobs(ck, items, by_tensor, opts, choices)
             # re-quantized parts of the module being written, until all three are out
             pending: Dict[str, Dict[str, np.ndarray]] = {}
             with SafetensorsWriter(tmp / shard, [i.plan for i in items], meta) as w, jobs:
@@ -344,16 +337,19 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
         raise e.where(it.source.file if it.source else ck.path, it.name) from None
     finally:
         bar.close()
-    _write_sidecars(ck, tmp, weight_map, total_bytes, dequantize, dtype_policy, choices)
-    return FuseResult(out, ck.path, adapter.path, rounding, dtype_policy, len(fused_names),
-                      len(weight_map), dict(dtypes), total_bytes, time.perf_counter() - t0,
-                      dequantize and ck.quantization is not None, requant, fused_names,
-                      replaced_names)
+    _write_sidecars(ck, tmp, weight_map, total_bytes, opts, choices)
+    return FuseResult(output=out, base=ck.path, adapter=adapter.path, options=opts,
+                      tensors_fused=len(fused_names), tensors_total=len(weight_map),
+                      dtypes_written=dict(dtypes), bytes_written=total_bytes,
+                      seconds=time.perf_counter() - t0,
+                      dequantized=opts.dequantize and ck.quantization is not None,
+                      requant=requant, fused_names=fused_names, replaced_names=replaced_names)
 
 
-def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], rounding: str,
-             dtype_policy: str, choices: Optional[Dict[str, Choice]] = None) -> Any:
+def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], opts: FuseOptions,
+             choices: Optional[Dict[str, Choice]] = None) -> Any:
     """The work behind one planned tensor that is not a plain copy."""
+    rounding, dtype_policy = opts.rounding, opts.dtype
     src = it.source
     if it.action == "cast":
         return _cast(ck.read(it.name), src.dtype, it.plan.dtype, it.name)
@@ -415,10 +411,9 @@ class _Jobs:
     """
 
     def __init__(self, ck: Checkpoint, items: List[_Item], by_tensor: Dict[str, List[Binding]],
-                 rounding: str, dtype_policy: str, choices=None) -> None:
+                 opts: FuseOptions, choices: Optional[Dict[str, Choice]] = None) -> None:
         self.ck, self.items, self.by_tensor = ck, items, by_tensor
-        self.choices = choices
-        self.rounding, self.dtype_policy = rounding, dtype_policy
+        self.opts, self.choices = opts, choices
         seen = set()
         self.order: List[int] = []
         self.key: Dict[int, int] = {}  # item index -> index of the job computing it
@@ -439,8 +434,7 @@ class _Jobs:
         import mlx.core as mx  # lazy: MLX only when computing
 
         with mx.stream(_thread_stream()):
-            return _compute(self.ck, self.items[k], self.by_tensor, self.rounding,
-                            self.dtype_policy, self.choices)
+            return _compute(self.ck, self.items[k], self.by_tensor, self.opts, self.choices)
 
     def pump(self, k: int) -> None:
         if not self.order:
@@ -471,9 +465,10 @@ _WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
 def _write_sidecars(ck: Checkpoint, tmp: Path, weight_map: Dict[str, str], total_bytes: int,
-                    dequantize: bool, dtype_policy: str, choices=None) -> None:
+                    opts: FuseOptions, choices: Optional[Dict[str, Choice]] = None) -> None:
+    dtype_policy = opts.dtype
     config = per_layer_config(json.loads(json.dumps(ck.config)), ck, choices)
-    if dequantize:
+    if opts.dequantize:
         config.pop("quantization", None)
         config.pop("quantization_config", None)
     if dtype_policy in ("bfloat16", "float16", "float32"):
@@ -495,30 +490,60 @@ def _write_sidecars(ck: Checkpoint, tmp: Path, weight_map: Dict[str, str], total
 # What a fuse did: :class:`FuseResult`, a report with an HTML view and a text twin.
 
 
-@dataclass
-class FuseResult:
-    """What a fuse did. Renders as a table in notebooks; ``str()`` is the text twin."""
+@dataclass(repr=False)
+class FuseResult(Report):
+    """What a fuse did: a :class:`~lorakit.report.Report` (a table in notebooks, ``str()``
+    its text twin, ``to_dict()``); ``summary`` holds the facts, ``rows`` one row per
+    re-quantized tensor of a quantized base."""
 
-    output: Path
-    base: Path
-    adapter: Path
-    rounding: str
-    dtype_policy: str
-    tensors_fused: int
-    tensors_total: int
-    dtypes_written: Dict[str, int]
-    bytes_written: int
-    seconds: float
+    column_help = {"tensor": "the re-quantized weight",
+                   "codes_changed": "fraction of its integer codes the fuse changed",
+                   "survived": "fraction of the intended delta kept (projection on it)"}
+
+    title: str = "lorakit fuse"
+    output: Path = Path()
+    base: Path = Path()
+    adapter: Path = Path()
+    options: FuseOptions = field(default_factory=FuseOptions)
+    tensors_fused: int = 0
+    tensors_total: int = 0
+    dtypes_written: Dict[str, int] = field(default_factory=dict)
+    bytes_written: int = 0
+    seconds: float = 0.0
     dequantized: bool = False
     requant: List[RequantStat] = field(default_factory=list)
     fused_names: List[str] = field(default_factory=list)
     #: tensors written from the adapter's own copies (PEFT modules_to_save)
     replaced_names: List[str] = field(default_factory=list)
-    quant_policy: str = "requant"
+
+    def __post_init__(self) -> None:
+        self.title = f"Fused {self.adapter.name} into {self.base.name}"
+        self.rows = [{"tensor": r.tensor, "codes_changed": r.codes_changed,
+                      "survived": r.survived} for r in self.requant]
+        self.summary = dict(self._rows())
+
+    @property
+    def rounding(self) -> str:
+        return self.options.rounding
+
+    @property
+    def dtype_policy(self) -> str:
+        return self.options.dtype
+
+    @property
+    def quant_policy(self) -> str:
+        return self.options.quant_policy
 
     def to_dict(self) -> Dict[str, Any]:
-        d = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
+        d: Dict[str, Any] = {"output": str(self.output), "base": str(self.base),
+                             "adapter": str(self.adapter), "rounding": self.rounding,
+                             "dtype_policy": self.dtype_policy}
+        for k in ("tensors_fused", "tensors_total", "dtypes_written", "bytes_written",
+                  "seconds", "dequantized"):
+            d[k] = getattr(self, k)
         d["requant"] = [r.__dict__ for r in self.requant]
+        d["fused_names"], d["replaced_names"] = self.fused_names, self.replaced_names
+        d["quant_policy"] = self.quant_policy
         d["survival"] = survival_overall(self.requant) if self.requant else None
         return d
 

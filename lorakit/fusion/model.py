@@ -14,7 +14,7 @@ group size and mode (or left in float with ``dequantize=True``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, List, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,8 +33,9 @@ from ..io.checkpoint import QuantParams
 from ..io.naming import bind, bind_replacements, bindings_by_tensor
 from ..io.safetensors import mx_to_raw, raw_to_mx
 from ..io.source import ModelSource
-from .core import check_rounding, fuse_bindings, output_code
+from .core import fuse_bindings, output_code
 from .finite import cast_raw
+from .options import FuseOptions
 
 PathLike = Union[str, Path]
 
@@ -68,16 +69,15 @@ def _f32():
     return mx.float32
 
 
-def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None, *,
-               rounding: str = "nearest", dtype: str = "preserve",
-               dequantize: bool = False) -> Any:
+def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None,
+               options: Optional[FuseOptions] = None) -> Any:
     """Fuse an adapter into an in-memory mlx-lm model, in place; returns the model.
 
     Args:
         model: an mlx-lm model, with LoRA layers attached (``adapter`` None) or plain.
         adapter: adapter directory or :class:`Adapter` for a plain model.
-        rounding / dtype: as for :func:`lorakit.fuse`.
-        dequantize: leave fused quantized layers in float.
+        options: rounding, dtype and ``dequantize`` (leave fused quantized layers in
+            float), as for :func:`lorakit.fuse` (default: correctly rounded, dtypes kept).
 
     >>> import mlx_lm
     >>> model, tok = mlx_lm.load("data/tiny-qwen3", adapter_path="data/adapters/lora")
@@ -86,8 +86,8 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None, *,
     ('Linear', mlx.core.bfloat16)
     """
 
-    check_rounding(rounding)
-    output_code("BF16", dtype)
+    opts = options if options is not None else FuseOptions()
+    rounding, dtype, dequantize = opts.rounding, opts.dtype, opts.dequantize
     if adapter is None:
         targets, plain = _lora_targets(model)
         if not targets:

@@ -1,13 +1,141 @@
-"""The names of a fuse's choices, with no numerical imports (the CLI builds its flags
-from them before any array library loads).
+"""A fuse's settings, validated once, with no numerical imports (the CLI builds its
+flags from these names before any array library loads).
+
+:class:`FuseOptions` is what :func:`lorakit.fuse` turns its keywords into and what every
+step of a fuse reads (the stream, the quantized path, the in-memory fuse, the result, the
+timing variants). A wrong value is refused here, before any file is opened.
 
 >>> ROUNDINGS[0], DTYPE_POLICIES[0]
 ('nearest', 'preserve')
+>>> FuseOptions(quant_policy="bits:8").choice
+Choice(kind='bits', bits=8)
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..errors import FuseError
+
+__all__ = ["ROUNDINGS", "DTYPE_POLICIES", "POLICIES", "FuseOptions", "Choice", "REQUANT",
+           "parse_policy", "parse_method", "METHODS", "REFUSED"]
 
 #: rounding orders: correctly rounded (default), PEFT's merge_and_unload, mlx-lm's
 #: fuse, and mlx-lm's order with the scale applied after the product
 ROUNDINGS = ("nearest", "round-once", "mlx-lm", "scale-after")
 #: what dtype the fused tensors are written in
 DTYPE_POLICIES = ("preserve", "promote", "bfloat16", "float16", "float32")
+#: how adapted modules of a quantized base are stored (``quant_policy=``)
+POLICIES = ("requant", "same-grid", "bits:N", "float", "learned[:gptq]", "auto")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one adapted module becomes."""
+
+    kind: str  # requant | same-grid | bits | float | learned
+    bits: int = 0
+    parts: Any = field(default=None, compare=False, hash=False, repr=False)  # learned's
+
+    @property
+    def label(self) -> str:
+        return f"bits:{self.bits}" if self.kind == "bits" else self.kind
+
+
+REQUANT = Choice("requant")
+
+
+def parse_policy(policy: str) -> Choice:
+    """``"bits:8"`` -> Choice("bits", 8); ``auto`` and ``learned`` parse to their kind."""
+    p = str(policy).strip().lower()
+    if p.startswith("bits:"):
+        try:
+            n = int(p[5:])
+        except ValueError:
+            n = -1
+        if n not in (2, 3, 4, 5, 6, 8):
+            raise FuseError("unsupported bits in quant policy", expected="bits:2..6 or bits:8",
+                            found=repr(policy))
+        return Choice("bits", n)
+    if p in ("requant", "same-grid", "float", "auto"):
+        return Choice(p)
+    if p == "learned" or p.startswith("learned:"):
+        parse_method(p)
+        return Choice("learned")
+    raise FuseError("unknown quant policy", expected=" | ".join(POLICIES), found=repr(policy))
+
+
+METHODS = ("gptq",)
+REFUSED = {
+    "awq": "mlx_lm.quant.awq.awq_quantize (it has a qwen3 config) folds per-channel scales "
+           "into the preceding norms and projections, so it rewrites untouched layers too "
+           "and needs the whole float model; not wired to a fuse nor measured in this "
+           "version. Use learned (GPTQ).",
+    "dwq": "mlx_lm.quant.dwq.dwq_quantize trains every quantized layer's scales and biases "
+           "by backprop against a teacher; tried here with the unfused adapter as teacher on "
+           "the GPTQ fuse of data/tiny-qwen3-4bit: one training step of 4 x 128 tokens took "
+           "~38 s and one validation batch ~28 s on this 2-core CPU, and DWQ needs hundreds "
+           "of steps (it also retunes the untouched layers). Use learned (GPTQ).",
+}
+
+
+def parse_method(policy: str) -> str:
+    """``learned`` / ``learned:gptq`` -> ``"gptq"``; AWQ / DWQ refused with the reason."""
+    p = str(policy).strip().lower()
+    method = p.split(":", 1)[1] if ":" in p else "gptq"
+    if method in REFUSED:
+        raise FuseError(f"quant policy 'learned:{method}' is not available here",
+                        expected="learned | learned:gptq", found=REFUSED[method])
+    if method not in METHODS:
+        raise FuseError("unknown learned quantization method", expected="learned:gptq",
+                        found=repr(policy))
+    return method
+
+
+@dataclass(frozen=True)
+class FuseOptions:
+    """How a fuse rounds and stores: one value, checked once.
+
+    Attributes:
+        rounding: one of :data:`ROUNDINGS` (``nearest``: correctly rounded, the default).
+        dtype: one of :data:`DTYPE_POLICIES` (``preserve``: each weight's own dtype).
+        dequantize: a quantized base is written as float weights.
+        quant_policy: a quantized base's adapted modules: ``requant`` (as ``mlx_lm fuse``),
+            ``same-grid``, ``bits:N``, ``float``, ``auto``, ``learned``.
+        quant_budget: ``auto``'s byte cap, relative to the quantized base (default 1.15).
+    """
+
+    rounding: str = "nearest"
+    dtype: str = "preserve"
+    dequantize: bool = False
+    quant_policy: str = "requant"
+    quant_budget: Optional[float] = None
+    choice: Choice = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}; "
+                             f"got {self.rounding!r}")
+        if self.dtype not in DTYPE_POLICIES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_POLICIES)}; "
+                             f"got {self.dtype!r}")
+        object.__setattr__(self, "dequantize", bool(self.dequantize))
+        object.__setattr__(self, "choice", parse_policy(self.quant_policy))
+        b = self.quant_budget
+        if b is not None and not (isinstance(b, (int, float)) and b > 0 and b == b):
+            raise FuseError("quant budget must be a positive number", expected="e.g. 1.15",
+                            found=repr(b))
+
+    def settings(self) -> dict:
+        """The settings a fused checkpoint records (``lorakit.json``, the model card)."""
+        return {"rounding": self.rounding, "dtype_policy": self.dtype,
+                "dequantize": self.dequantize}
+
+    @classmethod
+    def of(cls, value: Any = None, **kw: Any) -> "FuseOptions":
+        """``value`` if it is already FuseOptions (``kw`` must then be empty), else new ones."""
+        if isinstance(value, FuseOptions):
+            if kw:
+                raise TypeError("pass either FuseOptions or keyword settings, not both")
+            return value
+        return cls(**kw)

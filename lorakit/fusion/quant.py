@@ -37,11 +37,11 @@ scored on stays held out) and picks codes that minimise the layer's output error
 Modules that are not adapted stay quantized as in the base (GPTQ skips them, their
 bytes are copied). The result has the base's layout, so ``mlx_lm.load`` reads it.
 
-``learned:awq`` and ``learned:dwq`` are refused with the reason (:data:`REFUSED`).
+``learned:awq`` and ``learned:dwq`` are refused with the reason (:data:`lorakit.fusion.options.REFUSED`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -57,6 +57,7 @@ from ..io.naming import Binding
 from ..io.safetensors import mx_to_raw, raw_to_mx
 from .core import fuse_bindings
 from .delta import intended, lowrank, tensor_pieces
+from .options import Choice, FuseOptions, parse_method, parse_policy
 
 SUPPORTED_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 
@@ -208,45 +209,8 @@ def survival_text(stats: List[RequantStat], indent: str = "") -> List[str]:
 # Quantization policies for a fuse into a quantized base (``quant_policy=``).
 
 
-POLICIES = ("requant", "same-grid", "bits:N", "float", "learned[:gptq]", "auto")
 KEEP = 0.9  # auto: a module "keeps the adapter" when >= 90% of its intended delta survives
 AUTO_LADDER = ("bits:5", "bits:6", "bits:8", "float")  # auto's upgrades, cheapest first
-
-
-@dataclass(frozen=True)
-class Choice:
-    """What one adapted module becomes."""
-
-    kind: str  # requant | same-grid | bits | float | learned
-    bits: int = 0
-    parts: Any = field(default=None, compare=False, hash=False, repr=False)  # learned's
-
-    @property
-    def label(self) -> str:
-        return f"bits:{self.bits}" if self.kind == "bits" else self.kind
-
-
-REQUANT = Choice("requant")
-
-
-def parse_policy(policy: str) -> Choice:
-    """``"bits:8"`` -> Choice("bits", 8); ``auto`` and ``learned`` parse to their kind."""
-    p = str(policy).strip().lower()
-    if p.startswith("bits:"):
-        try:
-            n = int(p[5:])
-        except ValueError:
-            n = -1
-        if n not in (2, 3, 4, 5, 6, 8):
-            raise FuseError("unsupported bits in quant policy", expected="bits:2..6 or bits:8",
-                            found=repr(policy))
-        return Choice("bits", n)
-    if p in ("requant", "same-grid", "float", "auto"):
-        return Choice(p)
-    if p == "learned" or p.startswith("learned:"):
-        parse_method(p)
-        return Choice("learned")
-    raise FuseError("unknown quant policy", expected=" | ".join(POLICIES), found=repr(policy))
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -353,14 +317,14 @@ def config_entry(choice: Choice, q: QuantParams):
     return None
 
 
-def resolve(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], policy: str, rounding: str,
-            dtype_policy: str, budget: Optional[float] = None,
-            dequantize: bool = False, progress: Any = False) -> Dict[str, Choice]:
+def resolve(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], opts: FuseOptions,
+            progress: Any = False) -> Dict[str, Choice]:
     """Module -> Choice for every adapted quantized module ({} for ``requant``)."""
-    c = parse_policy(policy)
+    c, policy, budget = opts.choice, opts.quant_policy, opts.quant_budget
+    rounding, dtype_policy = opts.rounding, opts.dtype
     if c.kind == "requant":
         return {}
-    if not ck.quantization or dequantize:
+    if not ck.quantization or opts.dequantize:
         raise FuseError("a quant policy applies to a quantized base, re-quantized",
                         file=ck.path, expected="a quantized base without --dequantize",
                         found="float base" if not ck.quantization else "--dequantize")
@@ -486,33 +450,8 @@ def check_float_base(quantized: Any, float_base: Any) -> Any:
 # ``--quant-policy learned``: re-quantize the fused weights with mlx-lm's own GPTQ.
 
 
-METHODS = ("gptq",)
 SEQUENCE_LENGTH = 256
 SAMPLES = 16
-REFUSED = {
-    "awq": "mlx_lm.quant.awq.awq_quantize (it has a qwen3 config) folds per-channel scales "
-           "into the preceding norms and projections, so it rewrites untouched layers too "
-           "and needs the whole float model; not wired to a fuse nor measured in this "
-           "version. Use learned (GPTQ).",
-    "dwq": "mlx_lm.quant.dwq.dwq_quantize trains every quantized layer's scales and biases "
-           "by backprop against a teacher; tried here with the unfused adapter as teacher on "
-           "the GPTQ fuse of data/tiny-qwen3-4bit: one training step of 4 x 128 tokens took "
-           "~38 s and one validation batch ~28 s on this 2-core CPU, and DWQ needs hundreds "
-           "of steps (it also retunes the untouched layers). Use learned (GPTQ).",
-}
-
-
-def parse_method(policy: str) -> str:
-    """``learned`` / ``learned:gptq`` -> ``"gptq"``; AWQ / DWQ refused with the reason."""
-    p = str(policy).strip().lower()
-    method = p.split(":", 1)[1] if ":" in p else "gptq"
-    if method in REFUSED:
-        raise FuseError(f"quant policy 'learned:{method}' is not available here",
-                        expected="learned | learned:gptq", found=REFUSED[method])
-    if method not in METHODS:
-        raise FuseError("unknown learned quantization method", expected="learned:gptq",
-                        found=repr(policy))
-    return method
 
 
 def calibration_tokens(tokenizer, corpus: Optional[Path] = None,
