@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Run ``lorakit bench`` several times in a row and record what each run flagged.
+"""Run ``lorakit time-decode`` several times in a row and record what each run flagged.
 
 The question (issue 13): on the embedded 5.7 MB model on CPU, does the decode-timing
 table ever flag ``fused`` or ``mlx-lm-fused`` (same bytes as base), and does it show
@@ -9,7 +9,7 @@ table ever flag ``fused`` or ``mlx-lm-fused`` (same bytes as base), and does it 
     python benchmarks/bench_repeat.py --runs 5 --out benchmarks/results/cpu-tiny-bench-5x.json \\
         -- --prompt-tokens 32 --tokens 32
 
-Arguments after ``--`` go to ``lorakit bench`` unchanged.
+Arguments after ``--`` go to ``lorakit time-decode`` unchanged.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def bench_once(model: str, adapter: str, extra: list) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "lorakit.cli.main", "bench", "--model", model,
+    cmd = [sys.executable, "-m", "lorakit.cli.main", "time-decode", "--model", model,
            "--adapter-path", adapter, "--device", "cpu", "--json", "-q", *extra]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)

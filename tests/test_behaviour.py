@@ -1,4 +1,4 @@
-"""Behaviour on a corpus (``lorakit.compare_outputs``, ``lorakit kl``): per-token KL,
+"""Behaviour on a corpus (``lorakit.compare_outputs``, ``lorakit compare-outputs``): per-token KL,
 top-1 agreement, perplexity.
 
 Checked against an independent straightforward computation (mlx-lm's model, full
@@ -232,7 +232,7 @@ def test_scored_positions_are_next_tokens(models) -> None:
 @pytest.mark.slow
 def test_cli_json(models) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-m", "lorakit", "kl", BASE,
+    out = subprocess.run([sys.executable, "-m", "lorakit", "compare-outputs", BASE,
                           str(models["fused_path"]), "--ref-adapter", LORA, "--tokens",
                           "1024", "--context", "256", "--json"],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
@@ -244,7 +244,7 @@ def test_cli_json(models) -> None:
 
     rep = compare_outputs(models["unfused"], models["fused"], tokens=1024, context=256)
     assert d["mean_kl"] == pytest.approx(rep.mean_kl, rel=1e-5)
-    text = subprocess.run([sys.executable, "-m", "lorakit", "kl", BASE, BASE, "--tokens",
+    text = subprocess.run([sys.executable, "-m", "lorakit", "compare-outputs", BASE, BASE, "--tokens",
                            "256", "--context", "128"], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=300)
     assert text.returncode == 0 and "mean_kl: 0" in text.stdout, text.stderr

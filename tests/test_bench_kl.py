@@ -1,4 +1,4 @@
-"""``lorakit bench --kl`` / ``time_decode(behaviour=...)``: the "KL vs unfused" column
+"""``lorakit time-decode --kl`` / ``time_decode(behaviour=...)``: the "KL vs unfused" column
 (each variant's mean KL against the unfused adapter), shown only when asked for."""
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_column_only_when_asked_and_round_trips() -> None:
 @pytest.mark.skipif(not (LORA / "adapters.safetensors").exists(),
                     reason="embedded assets not built")
 def test_bench_kl_adds_the_column() -> None:
-    cmd = [sys.executable, "-m", "lorakit", "bench", "--model", str(BASE), "--adapter-path",
+    cmd = [sys.executable, "-m", "lorakit", "time-decode", "--model", str(BASE), "--adapter-path",
            str(LORA), "--variants", "base,unfused,fused", "--tokens", "2", "--repeats", "1",
            "--warmup", "0", "--rounds", "1", "--kl", "--kl-tokens", "256", "--json", "-q"]
     p = subprocess.run(cmd, capture_output=True, text=True)

@@ -31,7 +31,7 @@ def test_inspect_checkpoint_and_adapter(paths: dict, capsys) -> None:
     code, out, _ = run(capsys, "inspect", paths["f32"], "--json")
     data = json.loads(out)
     assert len(data["dtype_map"]["flagged"]) == 6
-    code, out, _ = run(capsys, "inspect", paths["ad"], "--base", paths["base"], "--json")
+    code, out, _ = run(capsys, "inspect", paths["ad"], "--model", paths["base"], "--json")
     data = json.loads(out)
     assert set(data) == {"dtype_map", "delta_norms"}
     assert len(data["delta_norms"]["rows"]) == 6 and data["delta_norms"]["rows"][0]["rel"] > 0
@@ -47,8 +47,8 @@ def test_diff_exit_codes_and_json(paths: dict, capsys) -> None:
     code, out, _ = run(capsys, "diff", paths["near"], paths["f32"], "--json")
     data = json.loads(out)
     assert code == 1 and data["diff"]["summary"]["dtype mismatches"] == 6
-    code, out, _ = run(capsys, "diff", paths["near"], paths["mlx"], "--adapter", paths["ad"],
-                       "--base", paths["base"], "--json")
+    code, out, _ = run(capsys, "diff", paths["near"], paths["mlx"], "--adapter-path", paths["ad"],
+                       "--model", paths["base"], "--json")
     data = json.loads(out)
     assert data["reference_a"]["summary"]["not correctly rounded"] == 0
     assert data["reference_b"]["summary"]["not correctly rounded"] == \
@@ -56,11 +56,11 @@ def test_diff_exit_codes_and_json(paths: dict, capsys) -> None:
 
 
 def test_check(paths: dict, capsys) -> None:
-    code, out, _ = run(capsys, "check", "--base", paths["base"], "--adapter", paths["ad"],
-                       "--fused", paths["near"])
+    code, out, _ = run(capsys, "check", "--model", paths["base"], "--adapter-path", paths["ad"],
+                       "--save-path", paths["near"])
     assert code == 0 and "status: ok" in out and "exit code: 0" in out
-    code, out, _ = run(capsys, "check", "--base", paths["base"], "--adapter", paths["ad"],
-                       "--fused", paths["base"], "--json")
+    code, out, _ = run(capsys, "check", "--model", paths["base"], "--adapter-path", paths["ad"],
+                       "--save-path", paths["base"], "--json")
     assert code == 1
     rows = json.loads(out)["check"]["rows"]
     assert {r["verdict"] for r in rows} == {"not applied"}
@@ -84,16 +84,20 @@ def test_errors_are_one_message(paths: dict, tmp_path: Path) -> None:
 
 
 def test_inspect_and_diff_take_fuse_s_flag_names(paths: dict, capsys) -> None:
-    """One vocabulary across subcommands: inspect and diff read --model / --adapter-path
-    as fuse does, with the same results as their old spellings (kept as aliases)."""
+    """One vocabulary across subcommands: inspect, diff and check read --model /
+    --adapter-path / --save-path as fuse does; the old spellings are gone."""
     new = run(capsys, "inspect", paths["ad"], "--model", paths["base"], "--json")
-    old = run(capsys, "inspect", paths["ad"], "--base", paths["base"], "--json")
-    assert new[0] == 0 and new[1] == old[1] and "delta_norms" in json.loads(new[1])
+    assert new[0] == 0 and "delta_norms" in json.loads(new[1])
     new = run(capsys, "diff", paths["near"], paths["mlx"], "--adapter-path", paths["ad"],
               "--model", paths["base"], "--json")
-    old = run(capsys, "diff", paths["near"], paths["mlx"], "--adapter", paths["ad"],
-              "--base", paths["base"], "--json")
-    assert new[0] == old[0] == 1 and new[1] == old[1] and "reference_a" in json.loads(new[1])
+    assert new[0] == 1 and "reference_a" in json.loads(new[1])
+    for argv in (("inspect", paths["ad"], "--base", paths["base"]),
+                 ("diff", paths["near"], paths["mlx"], "--adapter", paths["ad"]),
+                 ("check", "--fused", paths["near"], "--model", paths["base"],
+                  "--adapter-path", paths["ad"])):
+        with pytest.raises(SystemExit) as e:
+            run(capsys, *argv)
+        assert e.value.code == 2  # argparse: unrecognized arguments
     # one without the other is refused, in the new names
     code, _, err = run(capsys, "diff", paths["near"], paths["mlx"], "--model", paths["base"])
     assert code == 2 and "--adapter-path and --model go together" in err

@@ -388,14 +388,14 @@ def test_mlx_lm_fuse_passes(tmp_path: Path, which: str) -> None:
 # -- the CLI's exit codes --------------------------------------------------------------------
 @pytest.mark.slow
 def test_cli_exit_codes(work: Path, good) -> None:
-    ok = run_cli("check", "--fused", good["lora"], "--base", BASE, "--adapter", LORA)
+    ok = run_cli("check", "--save-path", good["lora"], "--model", BASE, "--adapter-path", LORA)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    bad = run_cli("check", "--fused", BASE, "--base", BASE, "--adapter", LORA)
+    bad = run_cli("check", "--save-path", BASE, "--model", BASE, "--adapter-path", LORA)
     assert bad.returncode == 1 and "not applied" in bad.stdout
     prom = fuse(BASE, LORA, work / "cli-promoted", dtype="promote")
-    p = run_cli("check", "--fused", prom, "--base", BASE, "--adapter", LORA, "--json")
+    p = run_cli("check", "--save-path", prom, "--model", BASE, "--adapter-path", LORA, "--json")
     assert p.returncode == 3 and json.loads(p.stdout)["check"]["summary"]["exit code"] == 3
-    missing = run_cli("check", "--fused", work / "nope", "--base", BASE, "--adapter", LORA)
+    missing = run_cli("check", "--save-path", work / "nope", "--model", BASE, "--adapter-path", LORA)
     assert missing.returncode == 2
     h = run_cli("check", "--help")
     assert all(s in h.stdout for s in ("0 ", "1 ", "3 ", "2 "))

@@ -184,7 +184,7 @@ def test_cli_bench_json(assets, capsys):
     from lorakit.cli.main import main
 
     model, _, _ = assets
-    rc = main(["bench", "--model", str(model), "--variants", "base", "--prompt-tokens", "4",
+    rc = main(["time-decode", "--model", str(model), "--variants", "base", "--prompt-tokens", "4",
                "--tokens", "4", "--repeats", "1", "--rounds", "1", "--device", "cpu", "--json",
                "-q"])
     assert rc == 0

@@ -81,14 +81,13 @@ def add(sub) -> None:
                        "(tensors whose dtype differs from the majority are marked with !). "
                        "For an adapter directory, also each delta's norms and ranks.")
     p.add_argument("path", help="checkpoint directory, adapter directory or .safetensors file")
-    p.add_argument("--model", "--base", dest="base",
-                   help="adapter only: base model, for ||dW|| / ||W|| (as fuse's --model; "
-                   "alias --base)")
+    p.add_argument("--model", dest="base",
+                   help="adapter only: base model, for ||dW|| / ||W|| (as fuse's --model)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--max-rows", type=int, default=60, help="table rows shown (text)")
     p.set_defaults(run=_inspect, all=True)
 
-    p = sub.add_parser("diff", help="parity of two checkpoints (exit 1 if they differ)",
+    p = sub.add_parser("diff", help="two checkpoints tensor by tensor, to the ulp (exit 1 if they differ)",
                        description="Compare two checkpoints tensor by tensor: first the "
                        "relative error rms(A - B) / rms(A) and the largest ulp distance at "
                        "typical magnitudes, then elements differing, near zero (where ulp "
@@ -98,11 +97,11 @@ def add(sub) -> None:
                        "side's ulp error against the exact float64 fuse.")
     p.add_argument("a", help="first checkpoint (directory or .safetensors file)")
     p.add_argument("b", help="second checkpoint")
-    # fuse's vocabulary, as check's: the first spellings stay as aliases
-    p.add_argument("--adapter-path", "--adapter", dest="adapter",
-                   help="adapter both were fused with (as fuse's; alias --adapter)")
-    p.add_argument("--model", "--base", dest="base",
-                   help="base both were fused from (as fuse's --model; alias --base)")
+    # fuse's vocabulary, as check's
+    p.add_argument("--adapter-path", dest="adapter",
+                   help="adapter both were fused with (as fuse's --adapter-path)")
+    p.add_argument("--model", dest="base",
+                   help="base both were fused from (as fuse's --model)")
     p.add_argument("--all", action="store_true", help="list identical tensors too")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--max-rows", type=int, default=60, help="table rows shown (text)")
@@ -127,14 +126,13 @@ def add(sub) -> None:
                        "  3  right but promoted: numerically the intended merge, stored "
                        "in a wider dtype\n"
                        "     than the base (bytes doubled)")
-    # fuse's vocabulary: --model (the base), --adapter-path, --save-path (the fused
-    # output); check's first spellings stay as aliases
-    p.add_argument("--save-path", "--fused", dest="fused", required=True,
-                   help="the fused checkpoint (as fuse's --save-path; alias --fused)")
-    p.add_argument("--model", "--base", dest="base", required=True,
-                   help="the base checkpoint (as fuse's --model; alias --base)")
-    p.add_argument("--adapter-path", "--adapter", dest="adapter", required=True,
-                   help="the adapter directory (as fuse's --adapter-path; alias --adapter)")
+    # fuse's vocabulary: --model (the base), --adapter-path, --save-path (the fused output)
+    p.add_argument("--save-path", dest="fused", required=True,
+                   help="the fused checkpoint (as fuse's --save-path)")
+    p.add_argument("--model", dest="base", required=True,
+                   help="the base checkpoint (as fuse's --model)")
+    p.add_argument("--adapter-path", dest="adapter", required=True,
+                   help="the adapter directory (as fuse's --adapter-path)")
     p.add_argument("--skip-untouched", action="store_true",
                    help="do not verify that unadapted tensors are bit-identical")
     p.add_argument("--kl", action="store_true",

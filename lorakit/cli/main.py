@@ -118,9 +118,9 @@ def _add_fuse(sub) -> None:
 
 def _registered_adders() -> List[Callable]:
     adders: List[Callable] = [_add_fuse]
-    for mod in ("lorakit.cli.inspect_cmds", "lorakit.cli.bench_cmd", "lorakit.cli.synth_cmd",
+    for mod in ("lorakit.cli.inspect_cmds", "lorakit.cli.timing_cmd", "lorakit.cli.synth_cmd",
                 "lorakit.cli.extract_cmds",
-                "lorakit.cli.algebra_cmds", "lorakit.cli.kl_cmd"):
+                "lorakit.cli.algebra_cmds", "lorakit.cli.behaviour_cmd"):
         try:
             m = __import__(mod, fromlist=["add"])
         except ModuleNotFoundError as e:
@@ -141,7 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for add in _registered_adders():
         add(sub)
+    _no_abbreviations(parser)
     return parser
+
+
+def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """A flag is spelled one way: argparse's prefix matching (``--adapter`` for
+    ``--adapter-path``) is turned off in every subcommand."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for p in action.choices.values():
+                _no_abbreviations(p)
 
 
 #: exit status when the reader of stdout goes away (``lorakit inspect ... | head``):

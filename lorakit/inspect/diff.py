@@ -1,7 +1,7 @@
-"""Parity of two checkpoints: are they the same, and where and by how much not?
+"""``lorakit.diff``: are two checkpoints the same, and where and by how much not?
 
 The question after a fuse is usually "does lorakit's output equal ``mlx_lm
-fuse``'s (or PEFT's, or yesterday's)?". :func:`parity` answers with one table:
+fuse``'s (or PEFT's, or yesterday's)?". :func:`diff` answers with one table:
 first what matters for behaviour, the relative error ``rms(A - B) / rms(A)`` and the
 largest ulp distance at typical magnitudes, then elements compared and differing,
 those near zero (where ulp distances are huge and mean little: see
@@ -11,8 +11,7 @@ on one side only. It streams both checkpoints (see
 :func:`lorakit.inspect.diff.compare_sources`): memory stays bounded and
 identical bytes are skipped at ``memcmp`` speed.
 
-:func:`ulp_compare` is the same comparison seen as ulp histograms: it runs
-:func:`parity` and returns :meth:`DiffReport.ulp_report`.
+:meth:`DiffReport.ulp_report` is the same comparison seen as ulp histograms.
 
 ``lorakit diff A B [--json]`` prints the same report.
 

@@ -1,4 +1,4 @@
-"""``lorakit bench``: the decode timing table (base, unfused, promoted, fused,
+"""``lorakit time-decode``: the decode timing table (base, unfused, promoted, fused,
 mlx-lm-fused) for a model and an adapter. A thin caller of
 :func:`lorakit.timing.decode.time_decode`."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ def _variants(text: str) -> List[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _time_decode(args: argparse.Namespace) -> int:
     from ..timing.decode import time_decode
 
     if args.adapter_path is None and args.variants is None:
@@ -43,7 +43,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def add(sub) -> None:
     p = sub.add_parser(
-        "bench", help="time greedy decoding: base vs unfused adapter vs fused checkpoints",
+        "time-decode", help="time greedy decoding: base vs unfused adapter vs fused checkpoints",
         description="Time greedy decoding (mlx-lm's generation path) of a checkpoint, the "
         "checkpoint with the adapter attached, and fused checkpoints (f32-promoted, dtype "
         "kept, mlx_lm fuse). Each variant runs in its own process; reports prefill and "
@@ -79,4 +79,4 @@ def add(sub) -> None:
     p.add_argument("--plot", default=None, metavar="PNG", help="also save the bar chart")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(run=_bench)
+    p.set_defaults(run=_time_decode)

@@ -1,4 +1,4 @@
-"""``lorakit kl REF TEST``: behaviour on a corpus (per-token KL, top-1 agreement,
+"""``lorakit compare-outputs REF TEST``: behaviour on a corpus (per-token KL, top-1 agreement,
 perplexity), a thin caller of :func:`lorakit.compare_outputs`."""
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add(sub) -> None:
-    """Add ``lorakit kl``."""
-    p = sub.add_parser("kl", help="KL divergence, top-1 agreement and perplexity of two "
+    """Add ``lorakit compare-outputs``."""
+    p = sub.add_parser("compare-outputs", help="KL divergence, top-1 agreement and perplexity of two "
                        "models on a corpus",
                        description="Per-token KL(P_ref || P_test) of two models' next-token "
                        "distributions over a corpus (as llama-perplexity --kl-divergence): "
