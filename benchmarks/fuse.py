@@ -40,7 +40,6 @@ from typing import Dict, List, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
 
 from lorakit.io.checkpoint import Checkpoint  # noqa: E402
 from lorakit.synth import synth_adapter, synth_checkpoint  # noqa: E402

@@ -24,15 +24,13 @@ Reported: best times, and the median over repeats of each diff's time over the
 """
 from __future__ import annotations
 
-import os
-import sys
-
-
 import argparse  # noqa: E402
 import json  # noqa: E402
+import os
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
+import sys
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Dict, List, Tuple  # noqa: E402

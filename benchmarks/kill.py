@@ -29,9 +29,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from lorakit.fusion.fuse import fuse  # noqa: E402
-from test_kill import build_kill_inputs, kill_once, timed_run  # noqa: E402
 from test_bad_inputs import tree_hash  # noqa: E402
+from test_kill import build_kill_inputs, kill_once, timed_run  # noqa: E402
+
+from lorakit.fusion.fuse import fuse  # noqa: E402
 
 
 def main() -> int:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lorakit.inspect import ulp_count as ulp_accumulate, ulp_scale
+from lorakit.inspect import ulp_count as ulp_accumulate
+from lorakit.inspect import ulp_scale
 from lorakit.inspect.diff import compare_sources
 
 

@@ -37,7 +37,7 @@ from typing import (
     Union,
 )
 
-from .inspect.layers import model_order
+from .layers import model_order
 
 __all__ = ['Markup', 'Cell', 'escape', 'table', 'facts_table', 'head_cells', 'collapsible', 'LEFT', 'FLAGGED', 'COLLAPSE_ROWS']
 
@@ -48,7 +48,7 @@ def _numpy() -> Any:
     return sys.modules.get("numpy")
 
 
-def _fmt(v: Any) -> str:
+def format_value(v: Any) -> str:
     np = _numpy()
     if isinstance(v, float) or np is not None and isinstance(v, np.floating):
         v = float(v)
@@ -60,11 +60,11 @@ def _fmt(v: Any) -> str:
             return f"{v:.3e}"
         return f"{v:.4g}"
     if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+        return "[" + ", ".join(format_value(x) for x in v) + "]"
     return str(v)
 
 
-def _jsonable(v: Any) -> Any:
+def jsonable(v: Any) -> Any:
     np = _numpy()
     if np is not None and isinstance(v, np.ndarray):
         return v.tolist()
@@ -76,9 +76,9 @@ def _jsonable(v: Any) -> Any:
     if np is not None and isinstance(v, np.integer):
         return int(v)
     if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        return {str(k): jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
+        return [jsonable(x) for x in v]
     if hasattr(v, "__fspath__"):
         return str(v)
     return v
@@ -120,7 +120,7 @@ class Report:
         return [r.get(key) for r in self.rows]
 
     def to_dict(self) -> Dict[str, Any]:
-        return _jsonable({"title": self.title, "summary": self.summary, "rows": self.rows,
+        return jsonable({"title": self.title, "summary": self.summary, "rows": self.rows,
                           "flagged": self.flagged})
 
     def to_json(self, **kw: Any) -> str:
@@ -159,12 +159,12 @@ class Report:
     def __str__(self) -> str:
         lines = [self.title]
         for k, v in self.summary.items():
-            lines.append(f"  {k}: {_fmt(v)}")
+            lines.append(f"  {k}: {format_value(v)}")
         cols = self.cols()
         if cols and self.rows:
             shown = self._shown()
             n = len(self.rows)
-            table = [[c for c in cols]] + [[_fmt(self.rows[i].get(c, "")) for c in cols]
+            table = [[c for c in cols]] + [[format_value(self.rows[i].get(c, "")) for c in cols]
                                            for _, i in shown]
             widths = [max(len(r[j]) for r in table) for j in range(len(cols))]
             flag = set(self.flagged)
@@ -198,7 +198,7 @@ class Report:
     def _repr_html_(self) -> str:
         parts = [f"<div class='lorakit-report'><b>{escape(self.title)}</b>"]
         if self.summary:
-            parts.append(facts_table((k, _fmt(v)) for k, v in self.summary.items()))
+            parts.append(facts_table((k, format_value(v)) for k, v in self.summary.items()))
         cols = self.cols()
         if cols and self.rows:
             flag = set(self.flagged)
@@ -213,7 +213,7 @@ class Report:
                                       colspan=len(cols))])
                 if i in flag:
                     styles[len(body)] = FLAGGED
-                body.append([_fmt(self.rows[i].get(c, "")) for c in cols])
+                body.append([format_value(self.rows[i].get(c, "")) for c in cols])
                 prev = pos
             if prev != n - 1:
                 body.append([Cell(Markup(f"&hellip; {n - 1 - prev} more rows (raise "

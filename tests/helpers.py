@@ -20,10 +20,10 @@ from typing import Any, Dict, List, Tuple
 
 import mlx.core as mx
 import numpy as np
+from model_factory import make_adapter, make_model
 from safetensors.numpy import load_file, save_file
 
 from lorakit.io.output import TMP_MARK
-from model_factory import make_adapter, make_model
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data"

@@ -20,13 +20,13 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import pytest
+from model_factory import make_adapter, make_model
 from safetensors.numpy import load_file, save_file
 
 from lorakit.errors import AdapterError, FormatError
 from lorakit.io.adapters.load import check_runtime_scope, load_adapter
 from lorakit.io.adapters.peft import PeftSettings
 from lorakit.io.checkpoint import Checkpoint
-from model_factory import make_adapter, make_model
 
 REPO = Path(__file__).resolve().parents[1]
 Q = "model.layers.{}.self_attn.q_proj"

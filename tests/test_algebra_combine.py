@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lorakit.errors import LorakitError
 from lorakit.algebra.combine import combine, convert
+from lorakit.errors import LorakitError
 from lorakit.io.adapters.load import load_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,7 +225,6 @@ def test_cli_convert_and_combine(tmp_path, capsys):
     assert main(["combine", "--adapter-path", str(LORA), "--adapter-path", str(tmp_path / "p"),
                  "--weights", "0.5,0.5", "--method", "svd", "--rank", "8", "--format", "peft",
                  "--save-path", str(tmp_path / "c"), "--json"]) == 0
-    rep = json.loads(capsys.readouterr().out.split("\n", 2)[-1] or "{}") if False else None
     c = load_adapter(tmp_path / "c")
     assert c.format == "peft" and {t.rank for t in c.targets} == {8}
     d = convert(tmp_path / "c", tmp_path / "cm", to="mlx-lm")
@@ -295,8 +294,9 @@ def test_exact_combination_refuses_other_rounding_orders(tmp_path):
 
 @pytest.mark.slow  # loads the model with mlx-lm
 def test_attach_refuses_per_column_scales_and_takes_cat():
-    import lorakit
     from mlx_lm import load
+
+    import lorakit
 
     model, _ = load(str(DATA / "tiny-qwen3"))
     with pytest.raises(LorakitError, match="one per rank column"):

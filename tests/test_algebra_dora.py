@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lorakit.errors import LorakitError
 from lorakit.algebra.combine import combine
+from lorakit.errors import LorakitError
 from lorakit.io.adapters.load import Adapter, load_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,10 +191,10 @@ def test_svd_of_dora_combination_truncates_the_w_dependent_sum(tmp_path):
 
 @pytest.mark.slow  # loads the model with mlx-lm
 def test_in_memory_fuse_of_dora_combination_equals_checkpoint_fuse(tmp_path):
-    import lorakit
     from mlx.utils import tree_flatten
     from mlx_lm import load
 
+    import lorakit
     from lorakit.io.safetensors import mx_to_raw
 
     rep = combine([DORA, LORA], [0.6, -0.4])

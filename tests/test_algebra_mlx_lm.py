@@ -5,9 +5,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_mlx_lm_fuse
 
 import lorakit
-from helpers import run_mlx_lm_fuse
 from lorakit.algebra.combine import combine, convert
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import lorakit
-from lorakit.errors import LorakitError
 from lorakit.algebra.combine import combine, convert
+from lorakit.errors import LorakitError
 from lorakit.io.adapters.load import load_adapter
 
 ROOT = Path(__file__).resolve().parents[1]

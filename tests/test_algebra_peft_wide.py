@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 import lorakit
-from lorakit.errors import LorakitError
 from lorakit.algebra.peft_like import magnitude_mask
+from lorakit.errors import LorakitError
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures" / "algebra_wide"

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from lorakit.errors import AdapterError, LorakitError
-from lorakit.io.adapters.load import load_adapter
 from lorakit.io.adapters.base import Adapter, LoraTarget
 from lorakit.io.adapters.layout import alpha_for
+from lorakit.io.adapters.load import load_adapter
 from lorakit.io.adapters.write import save_adapter
 from lorakit.io.safetensors import read_header
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import model_factory as mf
 import pytest
+from helpers import run_mlx_lm_fuse
 
 import lorakit
 from lorakit.inspect.diff import diff
 from lorakit.io.checkpoint import Checkpoint
-
-import model_factory as mf
-from helpers import run_mlx_lm_fuse
 
 pytestmark = pytest.mark.slow  # ten mlx-lm architectures, each fused twice and run
 

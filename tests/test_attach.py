@@ -7,13 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import model_factory as mf
 import numpy as np
 import pytest
 
 import lorakit
 from lorakit.fusion.model import attach_adapter, load_unfused
-
-import model_factory as mf
 
 PEFT = Path(__file__).parent / "fixtures" / "peft"
 TOKENS = mx.array([[1, 5, 9, 3, 7, 2, 11, 4]])

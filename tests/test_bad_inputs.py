@@ -19,13 +19,18 @@ from typing import Callable, Dict, List, Optional, Tuple, Type
 
 import numpy as np
 import pytest
+from helpers import INDEX, S1, S2, Env, make_env, run_cli, temporaries, tree_hash
 from safetensors.numpy import load_file, save_file
 
-from lorakit.errors import (AdapterError, FormatError, FuseError, LorakitError,
-                            OutputExistsError, UnsafePathError)
+from lorakit.errors import (
+    AdapterError,
+    FormatError,
+    FuseError,
+    LorakitError,
+    OutputExistsError,
+    UnsafePathError,
+)
 from lorakit.fusion.fuse import fuse
-
-from helpers import INDEX, S1, S2, Env, make_env, run_cli, temporaries, tree_hash
 
 Q_PROJ = "model.layers.1.self_attn.q_proj.weight"  # adapted, in S2
 
@@ -789,7 +794,7 @@ assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
 
 
 # -- running a case ---------------------------------------------------------------------------------
-def _fmt(s: Optional[str], facts: Dict[str, str]) -> Optional[str]:
+def format_value(s: Optional[str], facts: Dict[str, str]) -> Optional[str]:
     return s.format(**facts) if s is not None and facts else s
 
 
@@ -820,11 +825,11 @@ def _api_case(c: Case, tmp_path: Path, pristine: Dict[str, Path]):
     err = info.value
     assert type(err) is c.error, f"{type(err).__name__}: {err}"
     msg = str(err)
-    assert err.file is not None and _fmt(c.file, facts) in err.file, msg
+    assert err.file is not None and format_value(c.file, facts) in err.file, msg
     for s in c.says:
-        assert _fmt(s, facts) in msg, f"{_fmt(s, facts)!r} not in:\n{msg}"
+        assert format_value(s, facts) in msg, f"{format_value(s, facts)!r} not in:\n{msg}"
     if c.tensor is not None:
-        assert _fmt(c.tensor, facts) in msg, msg
+        assert format_value(c.tensor, facts) in msg, msg
     assert ("expected" in msg or err.expected) and ("found" in msg or err.found), msg
     _check_nothing_written(e, before)
     return e, err, msg, before

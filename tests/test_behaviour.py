@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import DATA
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,6 +121,7 @@ def test_a_small_perturbation_is_seen(models) -> None:
     """No miss: one projection of the base scaled by 1% moves KL off zero."""
     import mlx.core as mx
     import mlx_lm
+
     from lorakit import compare_outputs
 
     model, tok = mlx_lm.load(BASE)[:2]

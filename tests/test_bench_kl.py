@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import DATA
+
 from lorakit.timing.table import DecodeTiming
 
 BASE = DATA / "tiny-qwen3"

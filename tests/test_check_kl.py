@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import DATA
 
 BASE = DATA / "tiny-qwen3"

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from helpers import LazyModule, missing_modules
 
 mx = pytest.importorskip("mlx.core")

@@ -16,9 +16,9 @@ import pytest
 from lorakit import numerics as nm
 from lorakit.fusion import delta as dl
 from lorakit.fusion.core import fuse_bindings
+from lorakit.fusion.delta import intended_pieces
 from lorakit.fusion.quant import RequantStat, dequantize_raw, quantize_raw, requant_survival
 from lorakit.inspect.deltas import delta_norms
-from lorakit.fusion.delta import intended_pieces
 from lorakit.io.adapters.load import LoraTarget, load_adapter
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.naming import bind, bindings_by_tensor

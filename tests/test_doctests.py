@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import doctest
 import importlib
-import os
 from pathlib import Path
 
 import pytest
-
 from helpers import DATA, REPO
 
 PKG = REPO / "lorakit"

@@ -18,15 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import DATA
 
 import lorakit
 from lorakit import numerics as nm
+from lorakit.algebra.extract import extract, resize
 from lorakit.errors import LorakitError
-from lorakit.algebra.extract import extract
-from lorakit.algebra.extract import resize
 from lorakit.io.checkpoint import Checkpoint
-
-from helpers import DATA
 
 BASE, LORA = DATA / "tiny-qwen3", DATA / "adapters" / "lora"
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lorakit import numerics as nm
 from lorakit.errors import FuseError

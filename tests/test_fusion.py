@@ -7,17 +7,16 @@ from fractions import Fraction
 from pathlib import Path
 
 import mlx.core as mx
+import model_factory as mf
 import numpy as np
 import pytest
+from helpers import run_mlx_lm_fuse
 
 import lorakit
 from lorakit import numerics as nm
 from lorakit.fusion.core import fuse_weight
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors import NUMPY_STORAGE
-
-import model_factory as mf
-from helpers import run_mlx_lm_fuse
 
 BF16 = nm.float_format("BF16")
 
@@ -211,8 +210,8 @@ def test_quantized_fuse_reports_surviving_delta(tmp_path: Path) -> None:
     ("qwen3_moe", ("mlp.switch_mlp.gate_proj",), None),
 ])
 def test_in_memory_fuse_matches_disk_fuse(family, keys, quant, tmp_path: Path) -> None:
-    from mlx_lm import load
     from mlx.utils import tree_flatten
+    from mlx_lm import load
 
     base = mf.make_model(tmp_path / "base", family, quantize=quant)
     adapter = mf.make_adapter(base, tmp_path / "adapter", keys=keys)

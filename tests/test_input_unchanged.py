@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Dict
 
 import pytest
+from helpers import make_env, run_cli, temporaries, tree_hash
 
 from lorakit.fusion.fuse import fuse
-from helpers import make_env, run_cli, temporaries, tree_hash
 
 COMBOS = [  # (base, adapter, options)
     ("base", "ad", dict(rounding="nearest")),

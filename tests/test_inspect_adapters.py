@@ -5,13 +5,12 @@ import json
 import shutil
 from pathlib import Path
 
+import model_factory as mf
 import numpy as np
 import pytest
 
 from lorakit.inspect.adapters import compare_adapters, delta_inner, principal_angles
 from lorakit.inspect.deltas import lowrank_svd
-
-import model_factory as mf
 
 
 def test_delta_inner_matches_explicit() -> None:

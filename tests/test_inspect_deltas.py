@@ -5,14 +5,13 @@ import json
 import math
 from pathlib import Path
 
+import model_factory as mf
 import numpy as np
 import pytest
 
 from lorakit import numerics as nm
 from lorakit.inspect.deltas import delta_norms, effective_rank, lowrank_svd, numerical_rank
 from lorakit.io.checkpoint import Checkpoint
-
-import model_factory as mf
 
 
 def orthonormal(rng, n: int, k: int) -> np.ndarray:

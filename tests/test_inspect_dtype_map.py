@@ -12,10 +12,10 @@ import pytest
 
 from lorakit import numerics as nm
 from lorakit.inspect.dtypes import dtype_map
-from lorakit.inspect.layers import split_name
-from lorakit.io.source import open_source
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
+from lorakit.io.source import open_source
+from lorakit.layers import split_name
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +155,9 @@ def test_header_only_speed(models: dict) -> None:
 def test_promoted_fuse_flags_the_f32_projections_even_as_majority(tmp_path) -> None:
     """After a careless fuse the f32 projections can outweigh everything else; the
     config's declared dtype still says what the model should be."""
-    import lorakit
     import model_factory as mf
+
+    import lorakit
 
     base = mf.make_model(tmp_path / "base", "llama", tie_word_embeddings=True)
     adapter = mf.make_adapter(base, tmp_path / "ad", keys=(

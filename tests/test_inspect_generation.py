@@ -2,16 +2,13 @@
 and the recorded logit gaps are what the models compute."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import mlx.core as mx
+import model_factory as mf
 import numpy as np
 import pytest
 
 import lorakit
 from lorakit.inspect.generation import compare_generations
-
-import model_factory as mf
 
 PROMPTS = ["w1 w2 w3", "w40 w7"]
 

@@ -5,6 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
+import model_factory as mf
 import numpy as np
 import pytest
 
@@ -12,8 +13,6 @@ import lorakit
 from lorakit.inspect.check import check
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
-
-import model_factory as mf
 
 
 def scaled_adapter(src: Path, dst: Path, factor: float) -> Path:

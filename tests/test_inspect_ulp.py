@@ -8,14 +8,17 @@ import numpy as np
 import pytest
 
 from lorakit import numerics as nm
-from lorakit.inspect.diff import diff
-from lorakit.inspect.ulp_count import Accumulator as _Acc, TensorDiff
-from lorakit.inspect.diff import error_histogram, ulp_vs_reference
-from lorakit.inspect.diff import ulp_tensors
-from lorakit.inspect.diff import compare_sources
+from lorakit.inspect.diff import (
+    compare_sources,
+    diff,
+    error_histogram,
+    ulp_tensors,
+    ulp_vs_reference,
+)
+from lorakit.inspect.ulp_count import Accumulator as _Acc
+from lorakit.inspect.ulp_count import TensorDiff
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
-
 
 BF16 = nm.float_format("bf16")
 

@@ -16,10 +16,11 @@ from typing import Dict, Tuple
 
 import mlx.core as mx
 import pytest
+from helpers import REPO, build_kill_inputs, cli, temporaries, tree_hash
+from helpers import cli_env as _env
 
 from lorakit.fusion.fuse import fuse
 from lorakit.io.checkpoint import Checkpoint
-from helpers import REPO, build_kill_inputs, cli, cli_env as _env, temporaries, tree_hash
 
 pytestmark = pytest.mark.slow  # fuse processes killed at timed points
 

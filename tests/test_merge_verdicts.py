@@ -17,14 +17,13 @@ from typing import Callable, Dict, Optional
 
 import numpy as np
 import pytest
+from helpers import DATA, REPO, missing_modules, run_cli, run_mlx_lm_fuse
 from safetensors.numpy import load_file, save_file
 
 import lorakit
 from lorakit import numerics as nm
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
-
-from helpers import DATA, REPO, missing_modules, run_cli, run_mlx_lm_fuse
 
 BASE, BASE_MOE, BASE_Q4 = DATA / "tiny-qwen3", DATA / "tiny-qwen3-moe", DATA / "tiny-qwen3-4bit"
 LORA, DORA, EMBED = DATA / "adapters" / "lora", DATA / "adapters" / "dora", \

@@ -6,11 +6,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import REPO as ROOT
 
 import lorakit
 from lorakit.io.provenance import foreign_entries
-
-from helpers import REPO as ROOT
 
 BASE = ROOT / "data" / "tiny-qwen3"
 ADAPTER = ROOT / "data" / "adapters" / "lora"
@@ -66,9 +65,8 @@ def test_a_base_readme_that_is_no_card_gets_the_template(tmp_path: Path, junk: s
 def test_export_gguf_is_mlx_lm_s_file_byte_for_byte(tmp_path: Path) -> None:
     """`--rounding mlx-lm --export-gguf` writes the GGUF mlx_lm fuse writes, bit for bit,
     and lorakit.json vouches for it."""
-    from model_factory import make_adapter, make_model
-
     from helpers import run_mlx_lm_fuse
+    from model_factory import make_adapter, make_model
 
     base = make_model(tmp_path / "base", "llama")
     adapter = make_adapter(base, tmp_path / "ad")

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import model_factory as mf
 import numpy as np
 import pytest
 
@@ -14,8 +15,6 @@ from lorakit.errors import AdapterError
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.naming import bind
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
-
-import model_factory as mf
 
 
 def rewrite(src: Path, dst: Path, rename) -> Path:

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
-
 from helpers import LazyModule, missing_modules
 
 # imported on first use: nbformat's schema validator alone takes seconds to import

@@ -14,14 +14,22 @@ from pathlib import Path
 from typing import Dict
 
 import pytest
+from helpers import REPO, build_kill_inputs, cli, cli_env, temporaries, tree_hash
+from model_factory import make_adapter, make_model
 
 from lorakit.errors import OutputExistsError
 from lorakit.fusion.fuse import fuse
-from lorakit.io.output import (PROVENANCE, Interrupted, OutputDirectory, OutputWarning,
-                               check_output_path, clean_stale_temporaries, live_temporaries,
-                               stale_temporaries, temp_owner)
-from model_factory import make_adapter, make_model
-from helpers import REPO, build_kill_inputs, cli, cli_env, temporaries, tree_hash
+from lorakit.io.output import (
+    PROVENANCE,
+    Interrupted,
+    OutputDirectory,
+    OutputWarning,
+    check_output_path,
+    clean_stale_temporaries,
+    live_temporaries,
+    stale_temporaries,
+    temp_owner,
+)
 
 DEAD_PID = 999_999_999  # above any pid_max: no such process
 

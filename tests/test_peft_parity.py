@@ -59,8 +59,8 @@ def test_modules_to_save_copies_replace_the_base(tmp_path: Path) -> None:
     every RMSNorm) in place. lorakit writes them as they are in every rounding mode,
     rounds them once under a dtype policy, check calls them ``replaced``, and the
     in-memory fuse does the same."""
-    from lorakit.io.adapters.load import load_adapter
     from lorakit.inspect.check import check
+    from lorakit.io.adapters.load import load_adapter
 
     fx = ROOT / "llama_modules_to_save_bf16"
     ad = load_adapter(fx / "adapter")

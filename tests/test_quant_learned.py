@@ -9,8 +9,7 @@ import pytest
 
 import lorakit
 from lorakit.errors import FuseError
-from lorakit.fusion.quant import calibration_tokens, parse_method
-from lorakit.fusion.quant import parse_policy
+from lorakit.fusion.quant import calibration_tokens, parse_method, parse_policy
 from lorakit.io.checkpoint import open_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

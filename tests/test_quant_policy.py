@@ -9,8 +9,7 @@ import pytest
 
 import lorakit
 from lorakit.errors import FuseError
-from lorakit.fusion.quant import unpack_codes
-from lorakit.fusion.quant import pack_codes, parse_policy
+from lorakit.fusion.quant import pack_codes, parse_policy, unpack_codes
 from lorakit.io.checkpoint import open_checkpoint
 
 

@@ -25,7 +25,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 
 safetensors = pytest.importorskip("safetensors")
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from lorakit.errors import FormatError, LorakitError  # noqa: E402
 from lorakit.io.safetensors import read_header, read_raw  # noqa: E402

@@ -11,9 +11,8 @@ from __future__ import annotations
 import html
 import re
 
-from lorakit.report import COLLAPSE_ROWS
-from lorakit.inspect.layers import model_order
-from lorakit.report import Report
+from lorakit.layers import model_order
+from lorakit.report import COLLAPSE_ROWS, Report
 
 # file order as a checkpoint may hold it: layers 10, 2, 0, 1 mixed, embed and head inside
 FILE_ORDER = [

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Callable, Dict
 
 import pytest
-
 from helpers import DATA
 
 TWINS = Path(__file__).resolve().parent / "text_twins"
@@ -95,19 +94,17 @@ def _in(fn: Callable[[], Any]) -> Callable[[Path], Any]:
 
 
 def _builders() -> Dict[str, Callable[[Path], Any]]:
+    import numpy as np
+
     from lorakit.algebra.combine import combine
+    from lorakit.algebra.extract import extract, resize
     from lorakit.inspect.adapters import compare_adapters
-    from lorakit.inspect.deltas import delta_norms
-    from lorakit.inspect.dtypes import dtype_map
-    from lorakit.algebra.extract import extract
-    from lorakit.algebra.extract import resize
-    from lorakit.inspect.generation import compare_generations
     from lorakit.inspect.behaviour import compare_outputs
     from lorakit.inspect.check import check
-    from lorakit.inspect.diff import diff
-    from lorakit.inspect.diff import ulp_vs_reference
-    from lorakit.inspect.diff import ulp_tensors
-    import numpy as np
+    from lorakit.inspect.deltas import delta_norms
+    from lorakit.inspect.diff import diff, ulp_tensors, ulp_vs_reference
+    from lorakit.inspect.dtypes import dtype_map
+    from lorakit.inspect.generation import compare_generations
 
     return {
         "FuseResult": _fuse_result,

@@ -8,12 +8,12 @@ import threading
 from pathlib import Path
 
 import pytest
+from model_factory import make_adapter, make_model
 
 from lorakit.errors import LorakitError
 from lorakit.io.safetensors import read_header
 from lorakit.timing.decode import time_decode
 from lorakit.timing.table import VARIANTS, DecodeTiming, VariantTiming
-from model_factory import make_adapter, make_model
 
 KEYS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

@@ -11,7 +11,8 @@ import pytest
 
 from lorakit import numerics as nm
 from lorakit.inspect import ulp_count as ulp
-from lorakit.inspect.ulp_count import Accumulator as _Acc, TensorDiff
+from lorakit.inspect.ulp_count import Accumulator as _Acc
+from lorakit.inspect.ulp_count import TensorDiff
 
 pytestmark = pytest.mark.skipif(ulp._kernel is None, reason="C ulp kernel not built here")
 

@@ -20,11 +20,8 @@ import pytest
 from lorakit import numerics as nm
 from lorakit.cli.main import main
 from lorakit.inspect import ulp_count as ua
-from lorakit.inspect.diff import diff
-from lorakit.inspect.ulp_count import Accumulator, TensorDiff
-from lorakit.inspect.diff import ulp_tensors
-from lorakit.inspect.ulp_count import TensorScale, binades
-from lorakit.inspect.diff import compare_sources
+from lorakit.inspect.diff import compare_sources, diff, ulp_tensors
+from lorakit.inspect.ulp_count import Accumulator, TensorDiff, TensorScale, binades
 
 
 def write_safetensors_raw(path: Path, tensors: dict) -> None:

@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("ipywidgets")
 
+from helpers import DATA  # noqa: E402
+
 import lorakit  # noqa: E402
 from lorakit.widgets import AdapterMixer  # noqa: E402
-
-from helpers import DATA  # noqa: E402
 
 ADS = {"lora": DATA / "adapters" / "lora", "embed": DATA / "adapters" / "lora-embed",
        "peft": DATA / "adapters" / "peft-lora"}

@@ -7,9 +7,8 @@ notebooks (tests/test_notebooks.py) cover the embedded assets in data/.
 """
 from __future__ import annotations
 
-import re
-
 import hashlib
+import re
 import subprocess
 import sys
 import time
@@ -21,15 +20,24 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("matplotlib")
 
 from matplotlib.figure import Figure  # noqa: E402
+from model_factory import make_adapter, make_model  # noqa: E402
 
 import lorakit  # noqa: E402
-from lorakit.inspect.diff import RefUlpReport  # noqa: E402
-from lorakit.inspect.diff import UlpReport  # noqa: E402
-from lorakit.widgets import (AdapterCompare, DecodeRace, DtypeMapView, FusePanel,  # noqa: E402
-                             GenerationCompare, UlpExplorer, find_data)
-from lorakit.widgets import _assets  # noqa: E402
+from lorakit.inspect.diff import (
+    RefUlpReport,  # noqa: E402
+    UlpReport,  # noqa: E402
+)
+from lorakit.widgets import (  # noqa: E402
+    AdapterCompare,
+    DecodeRace,
+    DtypeMapView,
+    FusePanel,
+    GenerationCompare,
+    UlpExplorer,
+    _assets,  # noqa: E402
+    find_data,
+)
 from lorakit.widgets.ulp_explorer import REFERENCE  # noqa: E402
-from model_factory import make_adapter, make_model  # noqa: E402
 
 KEYS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -118,7 +126,7 @@ def test_dtype_view_headers_are_readable(fused):
     as the code spells them ("norm_attn", which the narrow column cut to "norm_at")."""
     import re
 
-    from lorakit.inspect.layers import KIND_ORDER, kind_label
+    from lorakit.layers import KIND_ORDER, kind_label
 
     v = DtypeMapView(fused["promoted"])
     _, kinds, _ = v.report.grid()

@@ -1,8 +1,10 @@
 """Architecture facts of the lorakit package, from its source alone (no imports run).
 
-    python tools/archcheck.py          # summary: cycles, function-level imports, sizes
+    python tools/archcheck.py          # summary: layers, cycles, private names, lazy imports
 
-Used by tests/test_architecture.py, which holds the rules.
+The layer order is read from ARCHITECTURE.md (its "Layers" block, top layer first: a
+package may import itself and the layers listed below it). Used by
+tests/test_architecture.py, which holds the rules.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Dict, List, Set, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "lorakit"
+DOC = ROOT / "ARCHITECTURE.md"
 
 
 def module_name(path: Path) -> str:
@@ -50,12 +53,13 @@ def imports(path: Path, mod: str) -> List[Tuple[str, int, bool, str]]:
     def visit(node: ast.AST, in_func: bool) -> None:
         for child in ast.iter_child_nodes(node):
             f = in_func or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-            if isinstance(child, ast.Import):
-                for a in child.names:
-                    out.append((a.name, child.lineno, in_func, lines[child.lineno - 1]))
-            elif isinstance(child, ast.ImportFrom):
-                for t in _resolve(mod, is_pkg, child):
-                    out.append((t, child.lineno, in_func, lines[child.lineno - 1]))
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                text = " ".join(ln.strip() for ln in
+                                lines[child.lineno - 1: child.end_lineno])  # the whole statement
+                targets = [a.name for a in child.names] if isinstance(child, ast.Import) \
+                    else _resolve(mod, is_pkg, child)
+                for t in targets:
+                    out.append((t, child.lineno, in_func, text))
             elif isinstance(child, ast.If) and _is_type_checking(child):
                 continue
             visit(child, f)
@@ -139,12 +143,98 @@ def function_level_imports() -> List[Tuple[str, int, str, str]]:
     return rows
 
 
+def layers(doc: Path = None) -> List[List[str]]:
+    """The layer order of ARCHITECTURE.md, top first: each layer a list of units (a package
+    folder ``fusion`` or a top-level module ``report.py``)."""
+    text = (doc or DOC).read_text()
+    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    out = []
+    for line in block.splitlines()[1:]:
+        units = []
+        for word in line.split():
+            if word.endswith("/"):
+                units.append(word[:-1])
+            elif word.endswith(".py"):
+                units.append(word)
+            else:
+                break
+        if units:
+            out.append(units)
+    return out
+
+
+def unit(mod: str) -> str:
+    """The layer unit of a lorakit module: its package folder, or ``name.py`` for a
+    top-level module; "" for the root ``lorakit/__init__`` (the lazy verb table)."""
+    parts = mod.split(".")
+    if len(parts) == 1:
+        return ""
+    if (PKG / parts[1]).is_dir():
+        return parts[1]
+    return parts[1] + ".py"
+
+
+def layer_violations(doc: Path = None) -> List[str]:
+    """Every import (module or function level) of a unit listed above the importer's."""
+    order = layers(doc)
+    rank = {u: len(order) - i for i, us in enumerate(order) for u in us}
+    mods = modules()
+    bad = []
+    for m, p in mods.items():
+        um = unit(m)
+        if um not in rank:
+            if um:
+                bad.append(f"{m}: its unit {um!r} is not in ARCHITECTURE.md's layers")
+            continue
+        for target, line, _, text in imports(p, m):
+            if target not in mods or target == "lorakit":
+                continue
+            ut = unit(target)
+            if ut not in rank:
+                continue  # reported for the target module itself
+            if rank[ut] > rank[um]:
+                bad.append(f"{m}:{line}: {um} imports {ut} (a layer above it): {text.strip()}")
+    return sorted(set(bad))
+
+
+def private_imports() -> List[str]:
+    """``from X import _name`` (or a ``_module`` of X) where X is in another unit."""
+    mods = modules()
+    bad = []
+    for m, p in mods.items():
+        tree = ast.parse(p.read_text())
+        is_pkg = p.name == "__init__.py"
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            target = _resolve(m, is_pkg, node)[0]
+            if not target.startswith("lorakit"):
+                continue
+            for a in node.names:
+                full = f"{target}.{a.name}"
+                owner = full if full in mods else target
+                private = a.name.startswith("_") and not a.name.startswith("__") or any(
+                    part.startswith("_") and not part.startswith("__")
+                    for part in target.split(".")[1:])
+                if private and unit(owner) != unit(m):
+                    bad.append(f"{m}:{node.lineno}: {a.name} from {target}")
+    return sorted(bad)
+
+
 def sizes() -> List[Tuple[int, str]]:
     return sorted(((len(p.read_text().splitlines()), m) for m, p in modules().items()),
                   reverse=True)
 
 
 if __name__ == "__main__":
+    lv = layer_violations()
+    print(f"layer violations: {len(lv)}")
+    for v in lv:
+        print("  ", v)
+    pv = private_imports()
+    print(f"private names imported across packages: {len(pv)}")
+    for v in pv:
+        print("  ", v)
     cs = cycles(graph())
     print(f"import cycles: {len(cs)}")
     for c in cs:

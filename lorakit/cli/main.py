@@ -64,7 +64,7 @@ def _fuse(args: argparse.Namespace) -> int:
 
 
 def _add_fuse(sub) -> None:
-    from ..fusion.options import DTYPE_POLICIES, ROUNDINGS
+    from ..fusion.options import DTYPE_POLICIES, ROUNDING_HELP, ROUNDINGS
 
     p = sub.add_parser("fuse", help="fuse an adapter into a base checkpoint",
                        description="Fuse a LoRA/DoRA adapter (mlx-lm or PEFT format) into a "
@@ -78,8 +78,8 @@ def _add_fuse(sub) -> None:
     p.add_argument("--save-path", default="fused_model",
                    help="output directory, must not exist (default: fused_model)")
     p.add_argument("--rounding", choices=ROUNDINGS, default="nearest",
-                   help="nearest: correctly rounded (default); round-once: PEFT; "
-                   "mlx-lm: bit-identical to mlx_lm fuse; scale-after")
+                   help="; ".join(f"{k}: {v}" for k, v in ROUNDING_HELP.items()) +
+                   " (default: nearest)")
     p.add_argument("--dtype", choices=DTYPE_POLICIES, default="preserve",
                    help="dtype of fused weights (promote = float32, as a fuse that forgets "
                    "the cast writes)")

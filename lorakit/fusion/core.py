@@ -47,7 +47,7 @@ from ..io.safetensors import NUMPY_STORAGE, mx_to_raw, raw_to_mx
 from .delta import check_dora_norm, dora_factor, tensor_pieces
 from .finite import cast_raw, check_result
 from .nearest import _exact_fix, _fuse_nearest, _tie_distance  # noqa: F401 (read elsewhere)
-from .options import DTYPE_POLICIES, ROUNDINGS
+from .options import DTYPE_POLICIES, MLX_ROUNDINGS, ROUNDINGS
 from .sum_fuse import fuse_sum
 
 
@@ -234,7 +234,7 @@ def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale
                         "another order")
     fmt_in = nm.float_format(code_in)
     try:
-        if rounding in ("mlx-lm", "scale-after"):
+        if rounding in MLX_ROUNDINGS:
             out = _fuse_mlx(w, code_in, A, B, scale, magnitude, code_out, rounding,
                             promote=dtype_policy == "promote")
         elif rounding == "nearest":

@@ -58,7 +58,7 @@ from .core import fuse_bindings as _fuse_float
 from .core import output_code
 from .finite import cast_raw as _cast
 from .model import fuse_model
-from .options import REQUANT, Choice, FuseOptions
+from .options import MLX_ROUNDINGS, REQUANT, ROUNDING_HELP, Choice, FuseOptions
 from .quant import (
     RequantStat,
     check_float_base,
@@ -261,7 +261,8 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
             settings.update({"quant_policy": opts.quant_policy} if choices else {})
             card = ck.path / CARD_NAME
             write_model_card(od.tmp, card if card.is_file() else None, hub_id,
-                             f"{ck.path.name} + {adapter.path.name}", settings)
+                             f"{ck.path.name} + {adapter.path.name}", settings,
+                             ROUNDING_HELP[opts.rounding])
             if export_gguf is not None:
                 write_gguf(od.tmp, export_gguf)
             od.commit("fuse", settings)
@@ -381,7 +382,7 @@ def _read_weight(ck: Checkpoint, it: _Item, rounding: str) -> Any:
     """The base weight: raw numpy storage, or for MLX's orders a lazy ``mx.load``ed
     array (MLX reads the file into its own memory: no numpy buffer, no copy)."""
     src = it.source
-    if rounding in ("mlx-lm", "scale-after") and src.dtype in FLOAT_CODES[:3] \
+    if rounding in MLX_ROUNDINGS and src.dtype in FLOAT_CODES[:3] \
             and len(src.shape) == 2:
         import mlx.core as mx  # lazy: MLX only when computing
 

@@ -17,12 +17,21 @@ from typing import Any, Optional
 
 from ..errors import FuseError
 
-__all__ = ["ROUNDINGS", "DTYPE_POLICIES", "POLICIES", "FuseOptions", "Choice", "REQUANT",
+__all__ = ["ROUNDINGS", "ROUNDING_HELP", "MLX_ROUNDINGS", "DTYPE_POLICIES", "POLICIES", "FuseOptions", "Choice", "REQUANT",
            "parse_policy", "parse_method", "METHODS", "REFUSED"]
 
 #: rounding orders: correctly rounded (default), PEFT's merge_and_unload, mlx-lm's
 #: fuse, and mlx-lm's order with the scale applied after the product
 ROUNDINGS = ("nearest", "round-once", "mlx-lm", "scale-after")
+#: each rounding order in words (the model card a fuse writes, the CLI's help)
+ROUNDING_HELP = {
+    "nearest": "correctly rounded: W + scale * B @ A computed exactly, rounded once",
+    "round-once": "PEFT merge_and_unload's order (float32 product, one rounding)",
+    "mlx-lm": "bit-identical to `mlx_lm fuse`",
+    "scale-after": "mlx-lm's order with the scale applied after the product",
+}
+#: the orders computed in MLX itself (their base weights are read with ``mx.load``)
+MLX_ROUNDINGS = ("mlx-lm", "scale-after")
 #: what dtype the fused tensors are written in
 DTYPE_POLICIES = ("preserve", "promote", "bfloat16", "float16", "float32")
 #: how adapted modules of a quantized base are stored (``quant_policy=``)

@@ -29,6 +29,7 @@ from ..fusion.delta import target_pieces
 from ..io.adapters.load import Adapter, LoraTarget, load_adapter
 from ..io.naming import strip_prefix
 from ..io.source import open_source
+from ..layers import split_name
 from ..report import Report
 from . import plots
 from .deltas import (
@@ -38,7 +39,6 @@ from .deltas import (
     numerical_rank,
     weight_slots,
 )
-from .layers import split_name
 
 __all__ = ["AdapterComparison", "compare_adapters", "delta_inner", "principal_angles"]
 

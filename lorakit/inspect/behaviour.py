@@ -52,7 +52,7 @@ from ..errors import LorakitError
 from ..fusion.model import attach_adapter
 from ..io.corpus import DEFAULT_CORPUS, encode_text, read_corpus
 from ..progress import Progress, progress_bar
-from ..report import Report, _jsonable
+from ..report import Report, jsonable
 from . import plots
 
 __all__ = ['DEFAULT_CORPUS', 'Side', 'read_corpus', 'windows', 'score_windows', 'compare_outputs', 'BehaviourReport', 'STAT_KEYS']
@@ -396,7 +396,7 @@ class BehaviourReport(Report):
         d["rows"] = self.rows
         if per_token:
             d["per_token"] = {k: v for k, v in self.arrays.items()}
-        return _jsonable(d)
+        return jsonable(d)
 
     def plot(self, ax=None):
         """KL distribution (histogram, log scale) and KL along the text."""

@@ -109,12 +109,12 @@ from ..io.adapters.load import Adapter, load_adapter
 from ..io.naming import bind, bind_replacements, bindings_by_tensor
 from ..io.safetensors import raw_to_mx
 from ..io.source import TensorSource, open_source
+from ..layers import split_name
 from ..report import Report
 from . import plots
 from .behaviour import compare_outputs
 from .check_causes import CauseStats, candidates, diagnose, scaled
 from .diff import compare_sources
-from .layers import split_name
 
 __all__ = ['CheckReport', 'check', 'VERDICTS_OK', 'EXIT_CODES', 'float_bound', 'quant_bound', 'row', 'requested_conversion', 'untouched_rows', 'extra_rows', 'replacement_row', 'FLOAT_CODES', 'DEFAULT_TOKENS', 'behaviour_tokens', 'fused_vs_unfused', 'behaviour_line']
 

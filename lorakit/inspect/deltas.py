@@ -26,9 +26,9 @@ from ..io.adapters.load import Adapter, load_adapter
 from ..io.naming import bind
 from ..io.source import TensorSource, open_source
 from ..io.weights import weight_f64
+from ..layers import layer_kind_cells, split_name
 from ..report import Report
 from . import plots
-from .layers import layer_kind_cells, split_name
 
 __all__ = ["lowrank_svd", "effective_rank", "numerical_rank", "DeltaNorms",
            "delta_norms", "layer_kind_grid"]

@@ -72,10 +72,10 @@ from ..io.naming import bind, bindings_by_tensor
 from ..io.safetensors import FLOAT_CODES, TensorInfo, mx_to_raw
 from ..io.source import TensorSource, open_source
 from ..io.weights import weight_f64
+from ..layers import split_name
 from ..progress import Progress, progress_bar
 from ..report import Report
 from . import plots
-from .layers import split_name
 from .ulp_count import (
     CHUNK_BYTES,
     DEFAULT_MAX_BIN,

@@ -21,8 +21,8 @@ from ..errors import FormatError
 from ..io.dtypes import QUANT_SUFFIXES, config_dtype
 from ..io.safetensors import FLOAT_CODES
 from ..io.source import open_source
+from ..layers import LORA_PARTS, layer_kind_cells, split_name
 from ..report import Report
-from .layers import _LORA_PARTS, layer_kind_cells, split_name
 from .plots import dtype_heatmap
 
 __all__ = ["DtypeMap", "dtype_map"]
@@ -142,7 +142,7 @@ def dtype_map(source: Any) -> DtypeMap:
             elif scale_dtype is not None and t.dtype != scale_dtype:
                 flag = f"{t.dtype} scales, others {scale_dtype}"
         elif t.dtype in FLOAT_CODES and t.dtype != majority and (
-                src.kind == "adapter" or part not in _LORA_PARTS):
+                src.kind == "adapter" or part not in LORA_PARTS):
             # LoRA factors attached to a loaded model are float32 by design: no flag
             flag = f"{t.dtype}, majority {majority}"
         row = {"tensor": t.name, "layer": layer, "kind": kind, "expert": expert, "part": part,

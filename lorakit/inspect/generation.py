@@ -112,7 +112,7 @@ class GenerationReport(Report):
     figure = plot
 
 
-def _load(label: str, spec: Any) -> Tuple[Any, Any]:
+def load_pair(label: str, spec: Any) -> Tuple[Any, Any]:
     """(model, tokenizer) from a loaded pair, a path, or (path, adapter path or None)."""
     if isinstance(spec, (str, Path)):
         spec = (spec, None)
@@ -231,7 +231,7 @@ def compare_generations(models: Mapping[str, Any], prompts: Sequence[str] | str,
                            found=f"{len(models)}")
     if isinstance(prompts, str):
         prompts = [prompts]
-    loaded = {label: _load(label, spec) for label, spec in models.items()}
+    loaded = {label: load_pair(label, spec) for label, spec in models.items()}
     # MoE experts on CPU: float32 (MLX's CPU GatherMM has no bf16), said in the summary
     moe = {label: len(moe_float32_on_cpu(m)) for label, (m, _) in loaded.items()}
     labels = list(loaded)

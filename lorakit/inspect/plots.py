@@ -18,12 +18,12 @@ __all__ = ["dtype_heatmap", "value_heatmap", "histogram_bars", "spectra", "group
            "margin_lines", "kl_figure"]
 
 # One fixed colour per dtype, so maps of different checkpoints read the same.
-_DTYPE_COLORS = {
+DTYPE_COLORS = {
     "BF16": "#4c72b0", "F16": "#55a868", "F32": "#c44e52", "F64": "#8172b2",
     "mixed": "#dd8452", "": "#ffffff",
 }
-_QUANT_COLOR = "#937860"
-_OTHER_COLOR = "#8c8c8c"
+QUANT_COLOR = "#937860"
+OTHER_COLOR = "#8c8c8c"
 
 
 def _new(ax, size: Tuple[float, float]):
@@ -88,9 +88,9 @@ def dtype_heatmap(dm, ax=None, part: str = "weight"):
     labels, kinds, cells = dm.grid(part)
     flags = dm.flag_grid(part)
     names = sorted({c for row in cells for c in row if c},
-                   key=lambda c: (c not in _DTYPE_COLORS, c))
-    colors = ["#ffffff"] + [_DTYPE_COLORS.get(c, _QUANT_COLOR if c.startswith("Q")
-                                              else _OTHER_COLOR) for c in names]
+                   key=lambda c: (c not in DTYPE_COLORS, c))
+    colors = ["#ffffff"] + [DTYPE_COLORS.get(c, QUANT_COLOR if c.startswith("Q")
+                                              else OTHER_COLOR) for c in names]
     index = {c: i + 1 for i, c in enumerate(names)}
     grid = np.array([[index.get(c, 0) for c in row] for row in cells], dtype=float)
     fig, ax = _new(ax, _fit(len(labels), len(kinds)))

@@ -23,16 +23,8 @@ from .. import __version__
 #: the file name mlx-lm and the hub use for a model card
 CARD_NAME = "README.md"
 
-_ROUNDING_WORDS = {
-    "nearest": "correctly rounded: W + scale * B @ A computed exactly, rounded once",
-    "round-once": "PEFT merge_and_unload's order (float32 product, one rounding)",
-    "mlx-lm": "bit-identical to `mlx_lm fuse`",
-    "scale-after": "mlx-lm's order with the scale applied after the product",
-}
-
-
 def write_model_card(directory: Path, base_card: Optional[Path], hub_id: Optional[str],
-                     title: str, settings: Mapping[str, Any]) -> Path:
+                     title: str, settings: Mapping[str, Any], rounding_words: str = "") -> Path:
     """Write ``directory/README.md`` for a fused checkpoint.
 
     Args:
@@ -43,6 +35,8 @@ def write_model_card(directory: Path, base_card: Optional[Path], hub_id: Optiona
         title: the card's heading (base and adapter names: never the output path, so
             the same fuse writes the same bytes wherever it goes).
         settings: the fuse's provenance (what ``lorakit.json`` records).
+        rounding_words: what the rounding order is, in words (from
+            :data:`lorakit.fusion.options.ROUNDING_HELP`).
     """
     from huggingface_hub import (  # lazy: only a fuse writes a card
         ModelCard,
@@ -66,20 +60,20 @@ def write_model_card(directory: Path, base_card: Optional[Path], hub_id: Optiona
     card.data.tags = tags
     if hub_id is not None:
         card.data.base_model = hub_id
-    card.text = _text(title, hub_id, settings)
+    card.text = _text(title, hub_id, settings, rounding_words)
     out = directory / CARD_NAME
     card.save(out)
     return out
 
 
-def _text(title: str, hub_id: Optional[str], s: Mapping[str, Any]) -> str:
+def _text(title: str, hub_id: Optional[str], s: Mapping[str, Any], words: str) -> str:
     rounding = str(s.get("rounding", ""))
     lines = [
         f"# {title}", "",
         f"Fused with lorakit {__version__}"
         + (f" from [{hub_id}](https://huggingface.co/{hub_id})" if hub_id else "") + ".", "",
         f"- adapter: {s.get('adapter_format', '?')} format, sha256 `{s.get('adapter_sha256', '?')}`",
-        f"- rounding: `{rounding}` ({_ROUNDING_WORDS.get(rounding, rounding)})",
+        f"- rounding: `{rounding}` ({words or rounding})",
         f"- dtype policy: `{s.get('dtype_policy', '?')}`"
         + (" (quantized weights written dequantized)" if s.get("dequantize") else ""),
         "- every file written is listed with its size and sha256 in `lorakit.json`", "",

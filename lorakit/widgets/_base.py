@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 
 import ipywidgets as W
 
-from ..report import FLAGGED, LEFT, Report, _fmt, escape, facts_table, head_cells, table
+from ..report import FLAGGED, LEFT, Report, escape, facts_table, format_value, head_cells, table
 
 #: Prefix of the CSS classes that tests select on (``widget.add_class("t-...")``).
 HOOK = "t-"
@@ -64,7 +64,7 @@ def rows_html(rows: list, columns: list, flagged: Optional[set] = None,
               help: Optional[Dict[str, str]] = None) -> str:
     """Rows (dicts) as an HTML table with the given columns; flagged rows shaded;
     ``help``: the report's column explanations (header hover text)."""
-    return table([[_fmt(r.get(c, "")) for c in columns] for r in rows],
+    return table([[format_value(r.get(c, "")) for c in columns] for r in rows],
                  head=head_cells(columns, help or {}),
                  row_styles={i: FLAGGED for i in flagged or ()})
 
@@ -77,7 +77,7 @@ def error_html(exc: BaseException) -> str:
 
 def facts_html(facts: Dict[str, Any]) -> str:
     """Key/value facts (values formatted like report cells) as a two-column table."""
-    return facts_table(((k, _fmt(v)) for k, v in facts.items()), key_style=KEY_STYLE)
+    return facts_table(((k, format_value(v)) for k, v in facts.items()), key_style=KEY_STYLE)
 
 
 class ErrorBox(W.HTML):

@@ -15,8 +15,8 @@ from typing import Any, List, Optional, Tuple
 import ipywidgets as W
 
 from ..inspect.dtypes import DtypeMap, dtype_map
-from ..inspect.layers import kind_label
-from ..inspect.plots import _DTYPE_COLORS, _OTHER_COLOR, _QUANT_COLOR
+from ..inspect.plots import DTYPE_COLORS, OTHER_COLOR, QUANT_COLOR
+from ..layers import kind_label
 from ..report import escape
 from ._base import ErrorBox, FigureView, hook, rows_html, summary_html
 
@@ -25,9 +25,9 @@ DETAIL_COLUMNS = ["tensor", "dtype", "shape", "bytes", "flag"]
 
 def _color(code: str) -> str:
     # the same colours as the report's heatmap, so the grid and the figure agree
-    if code in _DTYPE_COLORS:
-        return _DTYPE_COLORS[code]
-    return _QUANT_COLOR if code.startswith("Q") else _OTHER_COLOR
+    if code in DTYPE_COLORS:
+        return DTYPE_COLORS[code]
+    return QUANT_COLOR if code.startswith("Q") else OTHER_COLOR
 
 
 class DtypeMapView(W.VBox):

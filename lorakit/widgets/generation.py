@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import ipywidgets as W
 
-from ..inspect.generation import GenerationReport, _load, compare_generations
+from ..inspect.generation import GenerationReport, compare_generations, load_pair
 from ..report import LEFT, Cell, Markup, escape, table
 from ._base import ErrorBox, FigureView, hook, summary_html
 
@@ -86,7 +86,7 @@ class GenerationCompare(W.VBox):
             for label, spec in self.models.items():
                 if label not in self.loaded:
                     self.status.value = f"loading {escape(label)}..."
-                    self.loaded[label] = _load(label, spec)
+                    self.loaded[label] = load_pair(label, spec)
             self.status.value = "generating..."
             rep = compare_generations(self.loaded, prompts, max_tokens=self.max_tokens.value)
         except Exception as e:  # shown in the widget

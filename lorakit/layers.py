@@ -47,7 +47,7 @@ KIND_LABELS = {
 }
 _LEAVES = ("weight", "bias", "scales", "biases", "lora_a", "lora_b", "m", "lora_A", "lora_B",
            "lora_magnitude_vector")
-_LORA_PARTS = ("lora_a", "lora_b", "m", "lora_A", "lora_B", "lora_magnitude_vector")
+LORA_PARTS = ("lora_a", "lora_b", "m", "lora_A", "lora_B", "lora_magnitude_vector")
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
