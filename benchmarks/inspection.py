@@ -117,7 +117,8 @@ def bench_tensor_pairs(out: Path, pairs, tensor: str, repeat: int = 10) -> List[
     in the page cache, so the ratio to ``cat`` shows compute cost, not disk luck."""
     from lorakit.inspect.diff import diff
     from lorakit.io.checkpoint import Checkpoint
-    from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
+    from lorakit.io.safetensors import TensorSpec
+    from lorakit.io.safetensors_write import SafetensorsWriter
 
     rows = []
     for label, a, b in pairs:
@@ -128,7 +129,7 @@ def bench_tensor_pairs(out: Path, pairs, tensor: str, repeat: int = 10) -> List[
             d = out / "tensor-pairs" / label.replace(" ", "-") / side
             d.mkdir(parents=True, exist_ok=True)
             with SafetensorsWriter(d / "model.safetensors",
-                                   [PlannedTensor(tensor, info.dtype, info.shape)]) as w:
+                                   [TensorSpec(tensor, info.dtype, info.shape)]) as w:
                 w.copy(tensor, info)
             (d / "config.json").write_text("{}")
             files.append(d)

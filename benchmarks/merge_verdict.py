@@ -35,7 +35,8 @@ sys.path.insert(0, str(REPO))
 import lorakit  # noqa: E402
 from lorakit.inspect.check import check  # noqa: E402
 from lorakit.io.checkpoint import Checkpoint  # noqa: E402
-from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter  # noqa: E402
+from lorakit.io.safetensors import TensorSpec
+from lorakit.io.safetensors_write import SafetensorsWriter  # noqa: E402
 
 DATA = REPO / "data"
 CASES = {"lora (bf16)": (DATA / "tiny-qwen3", DATA / "adapters" / "lora"),
@@ -77,7 +78,7 @@ def ulp_flips(good: Path, dst: Path, share: float, adapted: set) -> Path:
         f.unlink()
     ck = Checkpoint(good)
     rng = np.random.default_rng(11)
-    plan = [PlannedTensor(n, m.dtype, tuple(m.shape)) for n, m in ck.tensors.items()]
+    plan = [TensorSpec(n, m.dtype, tuple(m.shape)) for n, m in ck.tensors.items()]
     with SafetensorsWriter(dst / "model.safetensors", plan) as w:
         for p in plan:
             raw = np.asarray(ck.read(p.name))

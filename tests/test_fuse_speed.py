@@ -10,8 +10,8 @@ import pytest
 from lorakit.fusion import fuse as stream
 from lorakit.io import safetensors_write as sw
 from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.safetensors import read_header, read_raw
-from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
+from lorakit.io.safetensors import TensorSpec, read_header, read_raw
+from lorakit.io.safetensors_write import SafetensorsWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "data" / "tiny-qwen3"
@@ -21,7 +21,7 @@ def _write(path: Path, src: Path) -> bytes:
     """A file of written tensors and kernel-copied ones, mixed."""
     h = read_header(src)
     infos = list(h.tensors.values())[:6]
-    with SafetensorsWriter(path, [PlannedTensor(t.name, t.dtype, tuple(t.shape))
+    with SafetensorsWriter(path, [TensorSpec(t.name, t.dtype, tuple(t.shape))
                                   for t in infos], {"k": "v"}) as w:
         for i, t in enumerate(infos):
             if i % 2:
@@ -52,7 +52,7 @@ def test_mlx_orders_read_the_weight_through_mlx(tmp_path):
     mx = pytest.importorskip("mlx.core")
     ck = Checkpoint(TINY)
     name = "model.layers.0.self_attn.q_proj.weight"
-    it = stream._Item(name, PlannedTensor(name, "BF16", tuple(ck.tensors[name].shape)),
+    it = stream._Item(name, TensorSpec(name, "BF16", tuple(ck.tensors[name].shape)),
                       ck.tensors[name], "fuse")
     lazy = stream._read_weight(ck, it, "mlx-lm")
     raw = stream._read_weight(ck, it, "nearest")

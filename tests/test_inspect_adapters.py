@@ -9,8 +9,8 @@ import model_factory as mf
 import numpy as np
 import pytest
 
+from lorakit.algebra.lowrank import factor_svd
 from lorakit.inspect.adapters import compare_adapters, delta_inner, principal_angles
-from lorakit.inspect.deltas import lowrank_svd
 
 
 def test_delta_inner_matches_explicit() -> None:
@@ -106,8 +106,8 @@ def test_different_adapters(adapters: dict) -> None:
     assert isinstance(rep.plot(), Figure) and isinstance(rep.plot("cosine"), Figure)
 
 
-def test_lowrank_svd_subspace_is_exact() -> None:
+def test_factor_svd_subspace_is_exact() -> None:
     rng = np.random.default_rng(5)
     A, B = rng.normal(size=(3, 12)), rng.normal(size=(9, 3))
-    U, S, Vt = lowrank_svd(A, B, 2.0)
+    U, S, Vt = factor_svd(A, B, 2.0)
     assert np.allclose(U.T @ U, np.eye(3)) and np.allclose(Vt @ Vt.T, np.eye(3))

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from lorakit import numerics as nm
-from lorakit.inspect.deltas import delta_norms, effective_rank, lowrank_svd, numerical_rank
+from lorakit.algebra.lowrank import factor_svd
+from lorakit.inspect.deltas import delta_norms, effective_rank, numerical_rank
 from lorakit.io.checkpoint import Checkpoint
 
 
@@ -20,13 +21,13 @@ def orthonormal(rng, n: int, k: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_lowrank_svd_matches_explicit(seed: int) -> None:
+def test_factor_svd_matches_explicit(seed: int) -> None:
     rng = np.random.default_rng(seed)
     out, inn, r = rng.integers(5, 60, size=2).tolist() + [int(rng.integers(1, 9))]
     A = rng.normal(size=(r, inn)).astype(np.float32)
     B = rng.normal(size=(out, r)).astype(np.float32)
     scale = float(rng.uniform(0.1, 4))
-    U, S, Vt = lowrank_svd(A, B, scale)
+    U, S, Vt = factor_svd(A, B, scale)
     dW = scale * B.astype(np.float64) @ A.astype(np.float64)
     S_ref = np.linalg.svd(dW, compute_uv=False)
     k = S.size
@@ -42,7 +43,7 @@ def test_planted_rank_and_singular_values() -> None:
     U, V = orthonormal(rng, 40, 4), orthonormal(rng, 30, 4)
     B = U * s  # (out, r)
     A = V.T  # (r, in)
-    _, S, _ = lowrank_svd(A, B, 1.0)
+    _, S, _ = factor_svd(A, B, 1.0)
     assert np.allclose(S, s, atol=1e-12)
     assert numerical_rank(S, (40, 30)) == 2
     assert effective_rank(S) == pytest.approx(2.0)

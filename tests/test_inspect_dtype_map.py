@@ -13,7 +13,8 @@ import pytest
 from lorakit import numerics as nm
 from lorakit.inspect.dtypes import dtype_map
 from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
+from lorakit.io.safetensors import TensorSpec
+from lorakit.io.safetensors_write import SafetensorsWriter
 from lorakit.io.source import open_source
 from lorakit.layers import split_name
 
@@ -38,7 +39,7 @@ def planted_f32(base: Path, dst: Path, name: str) -> Path:
             raw, code = nm.to_float32(raw, "bf16"), "F32"
         else:
             code = info.dtype
-        plan.append(PlannedTensor(n, code, info.shape))
+        plan.append(TensorSpec(n, code, info.shape))
         data[n] = raw
     with SafetensorsWriter(dst / "model.safetensors", plan) as w:
         for p in plan:
@@ -141,7 +142,7 @@ def test_header_only_speed(models: dict) -> None:
     """No tensor data is read: a dtype map of a 1000-tensor header is quick."""
     import time
 
-    plan = [PlannedTensor(f"model.layers.{i // 10}.mlp.up_proj{i % 10}.weight", "BF16",
+    plan = [TensorSpec(f"model.layers.{i // 10}.mlp.up_proj{i % 10}.weight", "BF16",
                           (4, 4)) for i in range(1000)]
     path = models["root"] / "many.safetensors"
     with SafetensorsWriter(path, plan) as w:

@@ -12,7 +12,8 @@ import pytest
 import lorakit
 from lorakit.inspect.check import check
 from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
+from lorakit.io.safetensors import TensorSpec
+from lorakit.io.safetensors_write import SafetensorsWriter
 
 
 def scaled_adapter(src: Path, dst: Path, factor: float) -> Path:
@@ -102,7 +103,7 @@ def test_untouched_tensor_changed(case: dict) -> None:
     victim = "model.layers.0.mlp.gate_proj.weight"
     for f in dst.glob("model*.safetensors*"):
         f.unlink()
-    plan = [PlannedTensor(n, i.dtype, i.shape) for n, i in ck.tensors.items()]
+    plan = [TensorSpec(n, i.dtype, i.shape) for n, i in ck.tensors.items()]
     with SafetensorsWriter(dst / "model.safetensors", plan) as w:
         for p in plan:
             raw = ck.read(p.name)

@@ -18,7 +18,8 @@ from lorakit.inspect.diff import (
 from lorakit.inspect.ulp_count import Accumulator as _Acc
 from lorakit.inspect.ulp_count import TensorDiff
 from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
+from lorakit.io.safetensors import TensorSpec
+from lorakit.io.safetensors_write import SafetensorsWriter
 
 BF16 = nm.float_format("bf16")
 
@@ -29,7 +30,7 @@ def bf(values) -> np.ndarray:
 
 def write_file(path: Path, tensors: dict) -> Path:
     """tensors: name -> (code, raw array)."""
-    plan = [PlannedTensor(n, c, tuple(a.shape)) for n, (c, a) in tensors.items()]
+    plan = [TensorSpec(n, c, tuple(a.shape)) for n, (c, a) in tensors.items()]
     with SafetensorsWriter(path, plan) as w:
         for n, (c, a) in tensors.items():
             w.write(n, a)

@@ -23,7 +23,8 @@ from safetensors.numpy import load_file, save_file
 import lorakit
 from lorakit import numerics as nm
 from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
+from lorakit.io.safetensors import TensorSpec
+from lorakit.io.safetensors_write import SafetensorsWriter
 
 BASE, BASE_MOE, BASE_Q4 = DATA / "tiny-qwen3", DATA / "tiny-qwen3-moe", DATA / "tiny-qwen3-4bit"
 LORA, DORA, EMBED = DATA / "adapters" / "lora", DATA / "adapters" / "dora", \
@@ -52,7 +53,7 @@ def rewrite(src: Path, dst: Path, change: Dict[str, Optional[Callable]] = None,
         out[n] = (change[n](raw) if n in change else raw, dtype.get(n, meta.dtype))
     for n, raw in add.items():
         out[n] = (raw, "F32")
-    plan = [PlannedTensor(n, c, tuple(r.shape)) for n, (r, c) in out.items()]
+    plan = [TensorSpec(n, c, tuple(r.shape)) for n, (r, c) in out.items()]
     with SafetensorsWriter(dst / "model.safetensors", plan) as w:
         for p in plan:
             w.write(p.name, out[p.name][0])

@@ -14,7 +14,8 @@ import lorakit
 from lorakit.errors import AdapterError
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.naming import bind
-from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
+from lorakit.io.safetensors import TensorSpec
+from lorakit.io.safetensors_write import SafetensorsWriter
 
 
 def rewrite(src: Path, dst: Path, rename) -> Path:
@@ -26,7 +27,7 @@ def rewrite(src: Path, dst: Path, rename) -> Path:
     for name, info in ck.tensors.items():
         for n, raw in rename(name, ck.read(name)):
             out.append((n, info.dtype, raw))
-    plan = [PlannedTensor(n, d, tuple(r.shape)) for n, d, r in out]
+    plan = [TensorSpec(n, d, tuple(r.shape)) for n, d, r in out]
     with SafetensorsWriter(dst / "model.safetensors", plan, {"format": "pt"}) as w:
         for n, _, r in out:
             w.write(n, r)
@@ -93,7 +94,7 @@ def test_per_expert_peft_targets_on_stacked_checkpoint(tmp_path: Path) -> None:
         p = f"base_model.model.model.layers.0.mlp.experts.{e}.gate_proj"
         tensors[f"{p}.lora_A.weight"] = rng.normal(0, 0.1, (2, in_dim)).astype(np.float32)
         tensors[f"{p}.lora_B.weight"] = rng.normal(0, 0.1, (out_dim, 2)).astype(np.float32)
-    plan = [PlannedTensor(n, "F32", v.shape) for n, v in tensors.items()]
+    plan = [TensorSpec(n, "F32", v.shape) for n, v in tensors.items()]
     with SafetensorsWriter(ad / "adapter_model.safetensors", plan) as w:
         for n, v in tensors.items():
             w.write(n, v)

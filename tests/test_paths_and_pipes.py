@@ -146,12 +146,13 @@ def _tiny_checkpoint(d: Path) -> Path:
 
     import numpy as np
 
-    from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
+    from lorakit.io.safetensors import TensorSpec
+    from lorakit.io.safetensors_write import SafetensorsWriter
 
     d.mkdir()
     names = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(40)]
     with SafetensorsWriter(d / "model.safetensors",
-                           [PlannedTensor(n, "F16", (2, 2)) for n in names]) as w:
+                           [TensorSpec(n, "F16", (2, 2)) for n in names]) as w:
         for n in names:
             w.write(n, np.zeros((2, 2), np.float16))
     (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -188,7 +189,8 @@ def test_cli_os_errors_on_other_paths_are_one_message(here: Path) -> None:
 
     import numpy as np
 
-    from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
+    from lorakit.io.safetensors import TensorSpec
+    from lorakit.io.safetensors_write import SafetensorsWriter
 
     ck = _tiny_checkpoint(here / "tiny")
     ad = here / "ad"  # a rank-1 mlx-lm LoRA on the last layer's up_proj
@@ -196,7 +198,7 @@ def test_cli_os_errors_on_other_paths_are_one_message(here: Path) -> None:
     leaves = {"model.layers.39.mlp.up_proj.lora_a": (2, 1),
               "model.layers.39.mlp.up_proj.lora_b": (1, 2)}
     with SafetensorsWriter(ad / "adapters.safetensors",
-                           [PlannedTensor(n, "F32", s) for n, s in leaves.items()]) as w:
+                           [TensorSpec(n, "F32", s) for n, s in leaves.items()]) as w:
         for n, s in leaves.items():
             w.write(n, np.full(s, 0.5, np.float32))
     (ad / "adapter_config.json").write_text(json.dumps(

@@ -67,7 +67,7 @@ def test_one_parent_alone_is_that_parent(mixer):
     assert mixer.stats["cosine"]["lora"] < 1.0 - 1e-3  # a different adapter is not
 
 
-def test_the_mix_is_the_exact_weighted_sum(mixer):
+def test_the_mix_is_the_weighted_sum(mixer):
     mixer.set_weights([0.7, 0.3, -0.2])
     got = {t.module: t.scale * (t.B.astype(np.float64) @ t.A.astype(np.float64))
            for t in mixer.mix().targets}
@@ -77,10 +77,10 @@ def test_the_mix_is_the_exact_weighted_sum(mixer):
         assert np.abs(got[m] - want[m]).max() <= 1e-6 * np.abs(want[m]).max()
 
 
-def test_write_without_combine_or_path_shows_an_error(mixer, tmp_path):
+def test_write_without_a_path_shows_an_error(mixer, tmp_path):
     mixer.save_path.value = ""
     mixer.write_button.click()
-    assert "RuntimeError" in mixer.error.value or "ValueError" in mixer.error.value
+    assert "ValueError" in mixer.error.value and "output directory" in mixer.error.value
     assert list(tmp_path.iterdir()) == []
 
 

@@ -62,6 +62,7 @@ from ..io.naming import bind
 from ..io.source import open_source
 from ..io.weights import weight_f64
 from ..report import Report
+from .lowrank import factor_svd
 from .peft_like import (
     RANDOM,
     check_like_peft,
@@ -212,10 +213,7 @@ def _svd(D: np.ndarray, rank: int, factors: Optional[Tuple[np.ndarray, np.ndarra
         U, S, Vh = np.linalg.svd(D, full_matrices=False)
     else:
         Bs, A64 = factors
-        Qb, Rb = np.linalg.qr(Bs)
-        Qa, Ra = np.linalg.qr(np.swapaxes(A64, -1, -2))
-        u, S, vh = np.linalg.svd(Rb @ np.swapaxes(Ra, -1, -2))
-        U, Vh = Qb @ u, vh @ np.swapaxes(Qa, -1, -2)
+        U, S, Vh = factor_svd(A64, Bs)
     R = min(rank, S.shape[-1])
     B = (U[..., :, :R] * S[..., None, :R]).astype(np.float32)
     A = Vh[..., :R, :].astype(np.float32)

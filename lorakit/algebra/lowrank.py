@@ -25,7 +25,6 @@ holding a fraction of ``||D||_F^2``).
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -35,7 +34,7 @@ from ..errors import LorakitError
 from ..io.adapters.base import Adapter, LoraTarget
 
 __all__ = ["EXACT_MAX", "OVERSAMPLE", "POWER_ITERS", "choose_rank", "matrix_svd",
-           "factor_svd", "split_factors", "weighted_sum", "delta_gram"]
+           "factor_svd", "split_factors", "delta_gram"]
 
 #: largest min(out, in) for which the exact SVD is used
 EXACT_MAX = 512
@@ -123,6 +122,11 @@ def factor_svd(A: np.ndarray, B: np.ndarray, scale: float = 1.0
                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Thin SVD of ``scale * B @ A`` (B (out, r), A (r, in)) from QR of ``B`` and
     ``A^T`` and the SVD of the r x r core, in float64, never forming the product.
+    Stacked factors ((experts, out, r), (experts, r, in)) give one SVD per expert.
+
+    Returns:
+        (U (..., out, k), S (..., k), Vt (..., k, in)) with k = min(r, out, in), S
+        descending.
 
     >>> rng = np.random.default_rng(1)
     >>> A, B = rng.normal(size=(4, 30)), rng.normal(size=(20, 4))
@@ -131,9 +135,14 @@ def factor_svd(A: np.ndarray, B: np.ndarray, scale: float = 1.0
     True
     """
     Qb, Rb = np.linalg.qr(np.asarray(B, np.float64))
-    Qa, Ra = np.linalg.qr(np.asarray(A, np.float64).T)
-    Uc, S, Vct = np.linalg.svd(float(scale) * (Rb @ Ra.T))
-    return Qb @ Uc, S, Vct @ Qa.T
+    Qa, Ra = np.linalg.qr(_t(np.asarray(A, np.float64)))
+    Uc, S, Vct = np.linalg.svd(float(scale) * (Rb @ _t(Ra)))
+    return Qb @ Uc, S, Vct @ _t(Qa)
+
+
+def _t(x: np.ndarray) -> np.ndarray:
+    """The last two axes swapped (``.T`` of a matrix, per expert of a stack)."""
+    return np.swapaxes(x, -1, -2)
 
 
 def split_factors(U: np.ndarray, S: np.ndarray, Vt: np.ndarray, k: int, scale: float = 1.0
@@ -147,46 +156,6 @@ def split_factors(U: np.ndarray, S: np.ndarray, Vt: np.ndarray, k: int, scale: f
     B = (U[:, :k] * root) / float(scale)
     A = root[:, None] * Vt[:k]
     return A.astype(np.float32), B.astype(np.float32)
-
-
-def weighted_sum(adapters: Sequence[Adapter], weights: Sequence[float]) -> Adapter:
-    """The exact weighted sum of LoRA adapters' deltas, ``sum_i w_i s_i B_i A_i`` per
-    module, as one adapter with concatenated factors (rank = sum of the ranks of the
-    adapters touching the module, scale 1): nothing is truncated, no cross terms.
-
-    DoRA adapters and whole-tensor copies (``modules_to_save``) are refused: their
-    effect is not a sum of deltas.
-    """
-    if len(adapters) != len(weights) or not adapters:
-        raise LorakitError("one weight per adapter", expected=f"{len(adapters)} weights",
-                           found=f"{len(weights)}")
-    for ad in adapters:
-        if ad.is_dora or ad.replacements:
-            raise LorakitError("only LoRA deltas can be summed", file=ad.path,
-                               found="DoRA magnitudes" if ad.is_dora else "modules_to_save",
-                               expected="a LoRA adapter")
-    parts: Dict[str, List[LoraTarget]] = {}
-    scaled: Dict[str, List[np.ndarray]] = {}
-    for ad, w in zip(adapters, weights):
-        for t in ad.targets:
-            parts.setdefault(t.module, []).append(t)
-            scaled.setdefault(t.module, []).append(
-                (float(w) * t.scale * t.B.astype(np.float64)).astype(np.float32))
-    targets = []
-    for module, ts in parts.items():
-        kinds = {t.kind for t in ts}
-        if len(kinds) != 1:
-            raise LorakitError("a module is adapted as different layer kinds", tensor=module,
-                               found="/".join(sorted(kinds)), expected="one kind")
-        A = np.concatenate([t.A for t in ts], axis=-2)
-        B = np.concatenate(scaled[module], axis=-1)
-        targets.append(LoraTarget(module, ts[0].kind, A, B, 1.0,
-                                  names=tuple(n for t in ts for n in t.names)))
-    h = hashlib.sha256(repr([(a.sha256, float(w)) for a, w in zip(adapters, weights)]).encode())
-    first = adapters[0]
-    return Adapter(first.path, first.format, targets,
-                   {"weighted_sum": {str(a.path): float(w) for a, w in zip(adapters, weights)}},
-                   first.weights_file, "lora", _sha256=h.hexdigest())
 
 
 def delta_gram(adapters: Sequence[Adapter]) -> Dict[str, np.ndarray]:

@@ -50,8 +50,8 @@ from ..io.export import export_gguf as write_gguf
 from ..io.model_card import CARD_NAME, write_model_card
 from ..io.naming import Binding, bind, bind_replacements, bindings_by_tensor
 from ..io.output import OutputDirectory, check_output_path
-from ..io.safetensors import FLOAT_CODES, TensorInfo
-from ..io.safetensors_write import PlannedTensor, SafetensorsWriter
+from ..io.safetensors import FLOAT_CODES, TensorInfo, TensorSpec
+from ..io.safetensors_write import SafetensorsWriter
 from ..progress import progress_bar
 from ..report import Report, escape, facts_table, table
 from .core import fuse_bindings as _fuse_float
@@ -140,7 +140,7 @@ PathLike = Union[str, Path]
 @dataclass
 class _Item:
     name: str
-    plan: PlannedTensor
+    plan: TensorSpec
     source: Optional[TensorInfo]  # copy unchanged when set and action == "copy"
     action: str  # copy | cast | fuse | fuse-q | dequant | replace
     module: str = ""
@@ -170,38 +170,38 @@ def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, Li
                     shape = tuple(info.shape[:-1]) + (info.shape[-1] * 32 // q.bits,)
                     act = "replace" if name in replaced else \
                         "fuse" if name in by_tensor else "dequant"
-                    items.append(_Item(name, PlannedTensor(name, fdt, shape), info, act, module,
+                    items.append(_Item(name, TensorSpec(name, fdt, shape), info, act, module,
                                        replaced.get(name)))
                 continue  # scales / biases disappear with the dequantized weight
             pl = plan_leaf(ck, module, name, (choices or {}).get(module), fdt, info, by_tensor)
             if pl is not None:  # a quant policy's new shapes (float, other bits)
-                items += [_Item(name, PlannedTensor(name, *p), info, "fuse-q", module) for p in pl]
+                items += [_Item(name, TensorSpec(name, *p), info, "fuse-q", module) for p in pl]
                 continue
             if name in by_tensor:
-                items.append(_Item(name, PlannedTensor(name, info.dtype, info.shape), info,
+                items.append(_Item(name, TensorSpec(name, info.dtype, info.shape), info,
                                    "fuse-q", module))
             elif name.endswith((".scales", ".biases")) and f"{module}.weight" in by_tensor:
                 code = info.dtype if dtype_policy == "preserve" or info.dtype not in \
                     ("BF16", "F16", "F32") else output_code(info.dtype, dtype_policy)
-                items.append(_Item(name, PlannedTensor(name, code, info.shape), info,
+                items.append(_Item(name, TensorSpec(name, code, info.shape), info,
                                    "fuse-q", module))
             else:
-                items.append(_Item(name, PlannedTensor(name, info.dtype, info.shape), info, "copy"))
+                items.append(_Item(name, TensorSpec(name, info.dtype, info.shape), info, "copy"))
             continue
         if name in replaced:  # the adapter's trained copy, in the dtype the policy gives
             code = output_code(info.dtype, dtype_policy) if info.dtype in \
                 ("BF16", "F16", "F32") else replaced[name].code
-            items.append(_Item(name, PlannedTensor(name, code, info.shape), info, "replace",
+            items.append(_Item(name, TensorSpec(name, code, info.shape), info, "replace",
                                module, replaced[name]))
         elif name in by_tensor:
             code = output_code(info.dtype, dtype_policy)
-            items.append(_Item(name, PlannedTensor(name, code, info.shape), info, "fuse", module))
+            items.append(_Item(name, TensorSpec(name, code, info.shape), info, "fuse", module))
         elif explicit and info.dtype in ("BF16", "F16", "F32"):
             code = output_code(info.dtype, dtype_policy)
             act = "copy" if code == info.dtype else "cast"
-            items.append(_Item(name, PlannedTensor(name, code, info.shape), info, act))
+            items.append(_Item(name, TensorSpec(name, code, info.shape), info, act))
         else:
-            items.append(_Item(name, PlannedTensor(name, info.dtype, info.shape), info, "copy"))
+            items.append(_Item(name, TensorSpec(name, info.dtype, info.shape), info, "copy"))
     return items
 
 

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..algebra.lowrank import factor_svd
 from ..fusion.delta import target_pieces
 from ..io.adapters.load import Adapter, LoraTarget, load_adapter
 from ..io.naming import strip_prefix
@@ -35,7 +36,6 @@ from . import plots
 from .deltas import (
     _weight_norm,
     layer_kind_grid,
-    lowrank_svd,
     numerical_rank,
     weight_slots,
 )
@@ -177,7 +177,7 @@ def compare_adapters(a: Any, b: Any, checkpoint: Any = None, *,
         for side, parts in (("a", pa), ("b", pb)):
             if key in parts:
                 t, A, B = parts[key]
-                U, S, Vt = lowrank_svd(A, B, t.scale)
+                U, S, Vt = factor_svd(A, B, t.scale)
                 k = numerical_rank(S, (B.shape[0], A.shape[1]), rtol)
                 svds[side] = (t, A, B, U[:, :k], Vt[:k].T)
                 row[f"fro_{side}"] = float(math.sqrt(float((S * S).sum())))

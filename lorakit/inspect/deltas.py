@@ -8,7 +8,7 @@ dW are those of the r x r core. The out x in matrix is never formed, so a
 
 >>> rng = np.random.default_rng(0)
 >>> A, B = rng.normal(size=(4, 50)), rng.normal(size=(30, 4))
->>> _, s, _ = lowrank_svd(A, B, 2.0)
+>>> _, s, _ = factor_svd(A, B, 2.0)
 >>> bool(np.allclose(s, np.linalg.svd(2.0 * B @ A, compute_uv=False)[:4]))
 True
 """
@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import numerics as nm
+from ..algebra.lowrank import factor_svd
 from ..fusion.delta import target_pieces
 from ..io.adapters.load import Adapter, load_adapter
 from ..io.naming import bind
@@ -30,24 +31,10 @@ from ..layers import layer_kind_cells, split_name
 from ..report import Report
 from . import plots
 
-__all__ = ["lowrank_svd", "effective_rank", "numerical_rank", "DeltaNorms",
+__all__ = ["effective_rank", "numerical_rank", "DeltaNorms",
            "delta_norms", "layer_kind_grid"]
 
 _EPS32 = float(np.finfo(np.float32).eps)
-
-
-def lowrank_svd(A: np.ndarray, B: np.ndarray, scale: float = 1.0
-                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Thin SVD of ``scale * B @ A`` without forming it, in float64.
-
-    Returns:
-        (U (out, k), S (k,), Vt (k, in)) with k = min(r, out, in), S descending.
-    """
-    Qb, Rb = np.linalg.qr(np.asarray(B, np.float64))
-    Qa, Ra = np.linalg.qr(np.asarray(A, np.float64).T)
-    core = float(scale) * (Rb @ Ra.T)
-    Uc, S, Vct = np.linalg.svd(core)
-    return Qb @ Uc, S, Vct @ Qa.T
 
 
 def effective_rank(S: np.ndarray) -> float:
@@ -204,7 +191,7 @@ def delta_norms(adapter: Any, checkpoint: Any = None, *, rtol: Optional[float] =
     for t in ad.targets:
         for p in target_pieces(t):
             expert, A, B, mag = p.expert, p.A, p.B, p.magnitude
-            _, S, _ = lowrank_svd(A, B, t.scale)
+            _, S, _ = factor_svd(A, B, t.scale)
             layer, kind, _, _ = split_name(t.module)
             shape = (int(B.shape[0]), int(A.shape[1]))
             fro = float(math.sqrt(float((S * S).sum())))

@@ -331,26 +331,37 @@ FLOAT_CODES = ("BF16", "F16", "F32", "F64")
 
 
 @dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives: file, dtype code, shape and absolute byte range."""
+class TensorSpec:
+    """One tensor's name, safetensors dtype code and shape: what a header says of it,
+    what a writer is told to expect, what an in-memory source reports."""
 
     name: str
     dtype: str
     shape: Tuple[int, ...]
-    file: Path
-    begin: int  # absolute offset in the file
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
 
     @property
     def numel(self) -> int:
         n = 1
         for d in self.shape:
-            n *= d
+            n *= int(d)
         return n
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes_of(self.dtype, self.shape)
+
+
+@dataclass(frozen=True)
+class TensorInfo(TensorSpec):
+    """Where one tensor of a file lives: its spec and absolute byte range."""
+
+    file: Path = Path()
+    begin: int = 0  # absolute offset in the file
+    end: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
 
     @property
     def packed(self) -> bool:

@@ -1,6 +1,6 @@
 """Safetensors written as a stream: tensor by tensor in a declared order.
 
-The header is written first from a plan (:class:`PlannedTensor`), so no tensor waits
+The header is written first from a plan (:class:`TensorSpec`), so no tensor waits
 in memory for the others and a checkpoint larger than RAM can be written;
 :func:`copy_range` copies an untouched tensor's bytes inside the kernel where it can.
 The files are plain safetensors that ``mx.load``, ``safetensors`` and ``mlx_lm.load``
@@ -13,27 +13,13 @@ import json
 import os
 import struct
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ..errors import FormatError
-from .safetensors import PathLike, TensorInfo, nbytes_of
-
-
-@dataclass(frozen=True)
-class PlannedTensor:
-    """One tensor the writer will receive: its name, dtype code and shape."""
-
-    name: str
-    dtype: str
-    shape: Tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return nbytes_of(self.dtype, self.shape)
+from .safetensors import PathLike, TensorInfo, TensorSpec
 
 
 class SafetensorsWriter:
@@ -42,14 +28,14 @@ class SafetensorsWriter:
     The header is written first from the plan, so no tensor has to wait in memory
     for the others. Each :meth:`write` checks the tensor against its plan.
 
-    >>> with SafetensorsWriter("w.safetensors", [PlannedTensor("w", "BF16", (2, 2))]) as w:
+    >>> with SafetensorsWriter("w.safetensors", [TensorSpec("w", "BF16", (2, 2))]) as w:
     ...     w.write("w", np.zeros((2, 2), np.uint16))
     >>> from lorakit.io.safetensors import read_header
     >>> read_header("w.safetensors").tensors["w"].dtype
     'BF16'
     """
 
-    def __init__(self, path: PathLike, plan: Sequence[PlannedTensor],
+    def __init__(self, path: PathLike, plan: Sequence[TensorSpec],
                  metadata: Optional[Mapping[str, str]] = None) -> None:
         self.path = Path(path)
         self.plan = list(plan)
@@ -72,7 +58,7 @@ class SafetensorsWriter:
         self.bytes_written = 0
         self._pos = self._synced = 8 + len(blob)
 
-    def _expect(self, name: str) -> PlannedTensor:
+    def _expect(self, name: str) -> TensorSpec:
         if self._next >= len(self.plan) or self.plan[self._next].name != name:
             want = self.plan[self._next].name if self._next < len(self.plan) else "nothing"
             raise RuntimeError(f"writer expected {want}, got {name}")

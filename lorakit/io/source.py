@@ -15,7 +15,6 @@ whatever the user passed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import (
     TYPE_CHECKING,
@@ -24,7 +23,6 @@ from typing import (
     Mapping,
     Optional,
     Protocol,
-    Tuple,
     Union,
     runtime_checkable,
 )
@@ -39,13 +37,13 @@ from .paths import load_json, resolve_model_path
 from .safetensors import (
     MX_CODES,
     TensorInfo,
+    TensorSpec,
     mx_to_raw,
-    nbytes_of,
     read_header,
     read_raw,
 )
 
-__all__ = ["TensorMeta", "TensorSource", "FileSource", "ModelSource", "open_source",
+__all__ = ["TensorSource", "FileSource", "ModelSource", "open_source",
            "majority_dtype"]
 
 PathLike = Union[str, Path]
@@ -53,27 +51,6 @@ PathLike = Union[str, Path]
 # adapter directories hold one of these (see lorakit.io.adapters.load)
 _ADAPTER_CONFIG = "adapter_config.json"
 _ADAPTER_WEIGHTS = ("adapters.safetensors", "adapter_model.safetensors")
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Name, safetensors dtype code and shape of one tensor held in memory
-    (the in-memory twin of :class:`~lorakit.io.safetensors.TensorInfo`)."""
-
-    name: str
-    dtype: str
-    shape: Tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= int(d)
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return nbytes_of(self.dtype, self.shape)
 
 
 @runtime_checkable
@@ -184,8 +161,8 @@ class ModelSource(_SourceBase):
         self.label = label
         self.path = Path("<in-memory model>")
         self.arrays: Dict[str, Any] = dict(tree_flatten(model.parameters()))
-        self.tensors: Dict[str, TensorMeta] = {
-            n: TensorMeta(n, MX_CODES[a.dtype], tuple(a.shape)) for n, a in self.arrays.items()}
+        self.tensors: Dict[str, TensorSpec] = {
+            n: TensorSpec(n, MX_CODES[a.dtype], tuple(a.shape)) for n, a in self.arrays.items()}
         args = getattr(model, "args", None)
         cfg = dict(config) if config else (
             dict(vars(args)) if args is not None and hasattr(args, "__dict__") else {})

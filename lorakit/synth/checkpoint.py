@@ -10,7 +10,8 @@ import numpy as np
 from .. import numerics as nm
 from ..errors import FormatError
 from ..io.output import SYNTH_MARK, OutputDirectory, check_output_path
-from ..io.safetensors_write import PlannedTensor, SafetensorsWriter
+from ..io.safetensors import TensorSpec
+from ..io.safetensors_write import SafetensorsWriter
 from ..progress import progress_bar
 from .planning import parse_size, plan_checkpoint, resolve_config
 from .sampler import _fill_kind, _Sampler
@@ -68,8 +69,8 @@ def synth_checkpoint(path: PathLike, preset_or_config: Union[str, PathLike, Mapp
     return out
 
 
-def _shards(plan: Sequence[PlannedTensor], limit: int) -> List[List[PlannedTensor]]:
-    shards: List[List[PlannedTensor]] = []
+def _shards(plan: Sequence[TensorSpec], limit: int) -> List[List[TensorSpec]]:
+    shards: List[List[TensorSpec]] = []
     size = 0
     for p in plan:
         if not shards or size + p.nbytes > limit:
@@ -82,7 +83,7 @@ def _shards(plan: Sequence[PlannedTensor], limit: int) -> List[List[PlannedTenso
 
 def _write_checkpoint(tmp: Path, plan: List[Tuple[str, Tuple[int, ...]]], code: str, limit: int,
                       seed: int, std: float, layout: str, progress: bool, name: str) -> None:
-    planned = [PlannedTensor(n, code, s) for n, s in plan]
+    planned = [TensorSpec(n, code, s) for n, s in plan]
     shards = _shards(planned, limit)
     files = ([f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
              if len(shards) > 1 else ["model.safetensors"])

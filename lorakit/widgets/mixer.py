@@ -5,9 +5,9 @@ Live (on every slider move, from the factors only): the norm of the mixed delta
 ``||mix - delta_i||`` and cosine, all from the per-module Gram matrix of the deltas
 (:func:`lorakit.algebra.lowrank.delta_gram`: ``||sum w_i delta_i||^2 = w^T G w``).
 On request: greedy text of the base, the mix (its exact sum as one adapter,
-:func:`lorakit.algebra.lowrank.weighted_sum`, attached unfused) and each parent
+:func:`lorakit.combine` with ``method="cat"``, attached unfused) and each parent
 (:func:`lorakit.inspect.compare_generations`), and a button that writes the combination
-(``lorakit.combine`` with method ``exact`` where this install has it).
+(``lorakit.combine`` with method ``exact``).
 
 >>> from lorakit.widgets import AdapterMixer
 >>> w = AdapterMixer({"lora": "data/adapters/lora", "peft": "data/adapters/peft-lora"},
@@ -24,9 +24,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 import ipywidgets as W
 import numpy as np
 
-import lorakit
-
-from ..algebra.lowrank import delta_gram, weighted_sum
+from ..algebra.combine import combine
+from ..algebra.lowrank import delta_gram
 from ..fusion.model import attach_adapter
 from ..inspect.generation import GenerationReport, compare_generations
 from ..io.adapters.load import Adapter, load_adapter
@@ -147,8 +146,9 @@ class AdapterMixer(W.VBox):
         return self.stats
 
     def mix(self) -> Adapter:
-        """The exact weighted sum as one adapter (concatenated factors)."""
-        return weighted_sum(self.adapters, self.weights)
+        """The weighted sum as one adapter: ``lorakit.combine``'s ``cat`` (concatenated
+        factors, each adapter's weight and scale folded into its B columns)."""
+        return combine(self.adapters, self.weights, method="cat").adapter
 
     def generate(self) -> Optional[GenerationReport]:
         """Greedy text of the base, the mix and each parent (what the button does)."""
@@ -171,13 +171,9 @@ class AdapterMixer(W.VBox):
 
     def write(self) -> Any:
         """Write the combination to the save path with ``lorakit.combine`` (what the
-        button does); an error in the widget when this install has no ``combine``."""
+        button does)."""
         self.error.show(None)
         try:
-            combine = getattr(lorakit, "combine", None)
-            if combine is None:
-                raise RuntimeError("lorakit.combine is not in this install; the mix is "
-                                   "available in memory as AdapterMixer.mix()")
             if not self.save_path.value.strip():
                 raise ValueError("give an output directory in 'save to'")
             specs = [self.specs[lab] for lab in self.labels]

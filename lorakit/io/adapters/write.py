@@ -43,8 +43,8 @@ import numpy as np
 from ...errors import AdapterError
 from ...numerics import round_to_format, to_float32
 from ..output import TMP_MARK, OutputDirectory, check_output_path
-from ..safetensors import read_header
-from ..safetensors_write import PlannedTensor, SafetensorsWriter
+from ..safetensors import TensorSpec, read_header
+from ..safetensors_write import SafetensorsWriter
 from .base import (
     CONFIG,
     MLX_WEIGHTS,
@@ -163,7 +163,7 @@ def _inexact(name: str, code: str) -> AdapterError:
 def _write(file: Path, tensors: List[Tuple[str, np.ndarray, str]],
            meta: Optional[Dict[str, str]]) -> None:
     tensors = sorted(tensors, key=lambda t: t[0])  # both reference writers sort by name
-    plan = [PlannedTensor(n, code, tuple(a.shape)) for n, a, code in tensors]
+    plan = [TensorSpec(n, code, tuple(a.shape)) for n, a, code in tensors]
     with SafetensorsWriter(file, plan, meta) as w:
         for n, a, _ in tensors:
             w.write(n, np.ascontiguousarray(a))
