@@ -8,6 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Union
 
+__all__ = ["PathLike", "LorakitError", "FormatError", "UnsafePathError", "AdapterError",
+           "FuseError", "OutputExistsError"]
+
 PathLike = Union[str, Path]
 
 

@@ -78,6 +78,9 @@ from ..io.source import open_source
 from ..io.weights import weight_f64
 from ..numerics import round_to_format, to_float32
 
+__all__ = ["check_like_peft", "peft_plan", "like_peft_target", "peft_dora_magnitudes", "RANDOM",
+           "magnitude_mask", "merge"]
+
 LIKE_PEFT = ("linear", "cat", "ties", "magnitude_prune", "svd", "ties_svd")
 _FMT = {"BF16": "bfloat16", "F16": "float16"}
 _SAME_RANK = ("linear", "ties", "magnitude_prune", "dare_linear", "dare_ties")

@@ -1,1 +1,3 @@
 """The ``lorakit`` command line: a thin argparse layer over the library."""
+
+__all__ = []

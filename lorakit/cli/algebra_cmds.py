@@ -8,6 +8,8 @@ from typing import Any, List, Optional
 
 from ..errors import LorakitError
 
+__all__ = ["add_combination_flags", "fuse_adapter", "add"]
+
 _METHODS = ("exact", "cat", "linear", "svd", "ties", "ties_svd", "magnitude_prune",
             "dare_linear", "dare_ties")
 _FORCE_HELP = ("replace an existing output, but only an empty directory or a previous lorakit "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+__all__ = ["add"]
+
 
 def _run(args: argparse.Namespace) -> int:
     from ..inspect.behaviour import compare_outputs

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 
+__all__ = ["add"]
+
 
 def _rank_or_energy(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group(required=True)

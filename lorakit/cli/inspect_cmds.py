@@ -14,6 +14,8 @@ from typing import Any, Dict, List
 
 from ..errors import LorakitError
 
+__all__ = ["add"]
+
 
 def _emit(args: argparse.Namespace, reports: Dict[str, Any]) -> None:
     if args.json:

@@ -13,6 +13,8 @@ from typing import Callable, Dict, List, Optional
 
 from ..errors import LorakitError
 
+__all__ = ["Command", "build_parser", "main"]
+
 Command = Callable[[argparse.Namespace], int]
 _COMMANDS: Dict[str, Command] = {}
 

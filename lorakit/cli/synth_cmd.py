@@ -8,6 +8,8 @@ from typing import Any, Dict, List, Optional
 
 from ..errors import FormatError
 
+__all__ = ["add"]
+
 _FORCE_HELP = ("replace an existing output, but only an empty directory or a previous lorakit "
                "output (listed in its lorakit.json); anything else is refused and kept")
 

@@ -8,6 +8,8 @@ from typing import List
 
 from ..errors import LorakitError
 
+__all__ = ["add"]
+
 DEFAULT_VARIANTS = "base,unfused,promoted,fused,mlx-lm-fused"
 
 

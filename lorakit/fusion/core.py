@@ -50,6 +50,8 @@ from .nearest import _exact_fix, _fuse_nearest, _tie_distance  # noqa: F401 (rea
 from .options import DTYPE_POLICIES, MLX_ROUNDINGS, ROUNDINGS
 from .sum_fuse import fuse_sum
 
+__all__ = ["output_code", "peft_delta", "torch_row_norm", "fuse_weight", "fuse_bindings"]
+
 
 def output_code(base_code: str, dtype_policy: str) -> str:
     """The safetensors dtype code a fused weight is written in.

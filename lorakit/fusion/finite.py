@@ -19,6 +19,8 @@ from .. import numerics as nm
 from ..errors import FuseError
 from ..io.safetensors import NUMPY_STORAGE, mx_to_raw
 
+__all__ = ["check_result", "cast_raw"]
+
 _PIECE = 1 << 18  # elements scanned per step of the any-non-finite check
 
 _EXP_MASK = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00),

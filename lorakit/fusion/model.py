@@ -37,6 +37,8 @@ from .core import fuse_bindings, output_code
 from .finite import cast_raw
 from .options import FuseOptions
 
+__all__ = ["PathLike", "fuse_model", "attach_adapter", "load_unfused"]
+
 PathLike = Union[str, Path]
 
 

@@ -18,6 +18,8 @@ import numpy as np
 from .. import numerics as nm
 from .delta import dora_factor
 
+__all__ = ["USE_KERNEL", "THREADS", "kernel_available"]
+
 try:  # the optional C accelerator (pyproject: built where a C compiler is found)
     from . import _fusekernel as _kernel
 except ImportError:  # pragma: no cover - depends on the install

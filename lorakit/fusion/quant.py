@@ -59,6 +59,11 @@ from .core import fuse_bindings
 from .delta import intended, lowrank, tensor_pieces
 from .options import Choice, FuseOptions, parse_method, parse_policy
 
+__all__ = ["RequantStat", "dequantize_raw", "quantize_raw", "unpack_codes", "requant_survival",
+           "intended_change", "survival_overall", "survival_rows", "survival_text", "pack_codes",
+           "module_parts", "resolve", "plan_leaf", "policy_summary", "per_layer_config",
+           "check_float_base", "calibration_tokens"]
+
 SUPPORTED_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 
 

@@ -24,6 +24,8 @@ from ..io.safetensors import NUMPY_STORAGE
 from .delta import Piece, intended
 from .finite import check_result
 
+__all__ = ["fuse_sum"]
+
 _ROWS_ELEMENTS = 1 << 20  # float64 elements per block of rows
 
 

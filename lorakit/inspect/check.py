@@ -107,7 +107,7 @@ from ..fusion.core import cast_raw
 from ..fusion.delta import Piece, intended, intended_blocks, tensor_pieces
 from ..io.adapters.load import Adapter, load_adapter
 from ..io.naming import bind, bind_replacements, bindings_by_tensor
-from ..io.safetensors import raw_to_mx
+from ..io.safetensors import ITEMSIZE, raw_to_mx
 from ..io.source import TensorSource, open_source
 from ..layers import split_name
 from ..report import Report
@@ -536,7 +536,6 @@ def quant_bound(T: np.ndarray, F: np.ndarray, Q: np.ndarray, pre: np.ndarray, q:
 
 
 FLOAT_CODES = ("BF16", "F16", "F32")
-_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
 
 
 def row(tensor: str, dtype: str, status: str, verdict: str, **values: Any) -> Dict[str, Any]:
@@ -551,7 +550,7 @@ def row(tensor: str, dtype: str, status: str, verdict: str, **values: Any) -> Di
 
 
 def wider(code_out: str, code_in: str) -> bool:
-    return _ITEMSIZE.get(code_out, 0) > _ITEMSIZE.get(code_in, 0)
+    return ITEMSIZE.get(code_out, 0) > ITEMSIZE.get(code_in, 0)
 
 
 def _skipped(sb: TensorSource, sf: TensorSource, name: str) -> bool:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, List
 
+__all__ = ["NOTE", "moe_float32_on_cpu"]
+
 MOE_BLOCKS = ("SwitchGLU", "SwitchMLP")
 NOTE = ("MoE expert layers ({n}) ran in float32 on CPU: MLX's CPU GatherMM supports "
         "float32 only; the rest of the model kept its dtypes")

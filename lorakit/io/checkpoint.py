@@ -38,6 +38,8 @@ from .safetensors import (
     read_raw,
 )
 
+__all__ = ["PathLike", "INDEX_NAME", "QuantParams", "Checkpoint", "open_checkpoint"]
+
 PathLike = Union[str, Path]
 
 INDEX_NAME = "model.safetensors.index.json"

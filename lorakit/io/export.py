@@ -18,6 +18,8 @@ from typing import Any, Mapping
 
 from ..errors import FormatError, LorakitError
 
+__all__ = ["check_gguf_export", "export_gguf", "check_upload", "upload"]
+
 #: architectures mlx-lm's GGUF writer converts (mlx_lm/fuse.py)
 GGUF_MODEL_TYPES = ("llama", "mixtral", "mistral")
 #: mlx_lm fuse's default GGUF file name

@@ -20,6 +20,8 @@ from typing import Any, Mapping, Optional
 
 from .. import __version__
 
+__all__ = ["CARD_NAME", "write_model_card"]
+
 #: the file name mlx-lm and the hub use for a model card
 CARD_NAME = "README.md"
 

@@ -26,6 +26,9 @@ from .adapters.load import Adapter, LoraTarget, Replacement, check_runtime_scope
 from .checkpoint import QuantParams
 from .source import TensorSource
 
+__all__ = ["Binding", "strip_prefix", "logical_shape", "bind", "bindings_by_tensor",
+           "bind_replacements"]
+
 #: wrappers a module path may carry in one layout and not in another (longest first)
 MODULE_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 _MIXTRAL = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}

@@ -20,6 +20,9 @@ from typing import Any, Optional, Union
 from ..errors import FormatError, UnsafePathError
 from .safetensors import _file_kind
 
+__all__ = ["PathLike", "load_json", "is_hub_blob", "safe_member", "user_path", "check_model_dir",
+           "resolve_model_path"]
+
 PathLike = Union[str, Path]
 
 

@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from .. import __version__
 
+__all__ = ["PROVENANCE", "IGNORABLE", "foreign_entries", "write_provenance"]
+
 #: the provenance file lorakit writes into every output it makes
 PROVENANCE = "lorakit.json"
 _FORMAT = "lorakit-output/1"

@@ -55,6 +55,10 @@ from typing import (
 
 from ..errors import FormatError
 
+__all__ = ["HeaderJSONError", "Bad", "JSONObject", "PathLike", "ITEMSIZE", "NUMPY_STORAGE",
+           "FLOAT_CODES", "TensorSpec", "TensorInfo", "SafetensorsHeader", "read_header",
+           "read_raw", "raw_to_mx", "mx_to_raw", "MX_CODES"]
+
 #: bits per element of every dtype the reference (safetensors 0.8) knows.
 DTYPE_BITS: Dict[str, int] = {
     "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8,

@@ -21,6 +21,8 @@ import numpy as np
 from ..errors import FormatError
 from .safetensors import PathLike, TensorInfo, TensorSpec
 
+__all__ = ["SafetensorsWriter", "WRITEBACK_BYTES", "start_writeback"]
+
 
 class SafetensorsWriter:
     """Write a safetensors file tensor by tensor, in a declared order.

@@ -8,6 +8,8 @@ import numpy as np
 
 from ..errors import FormatError
 
+__all__ = ["NAN_MISMATCH", "FloatFormat", "FORMATS", "float_format", "chunks"]
+
 # Elements per internal piece: a few 512 KiB scratch buffers stay in L2/L3,
 # which makes the dozen elementwise passes below ~3x faster than whole-array ops.
 _PIECE = 1 << 16

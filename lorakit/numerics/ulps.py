@@ -9,6 +9,8 @@ from ..errors import FormatError
 from .formats import _F64_EXP, _PIECE, _U64, NAN_MISMATCH, FloatFormat, float_format
 from .values import _as_bits, isnan_bits, round_to_format, to_float64  # noqa: F401  (doctests)
 
+__all__ = ["ulp", "ulp_error_vs_reference", "ulp_distance", "nan_mismatch", "ulp_histogram"]
+
 # ---------------------------------------------------------------------------
 # ulps
 

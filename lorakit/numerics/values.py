@@ -19,6 +19,9 @@ from .formats import (
     float_format,
 )
 
+__all__ = ["to_float32", "to_float64", "from_storage", "isnan_bits", "round_to_format", "fma_f32",
+           "to_storage"]
+
 # ---------------------------------------------------------------------------
 # bits <-> values
 

@@ -16,6 +16,8 @@ from ..io.output import SYNTH_MARK, check_output_path
 from .presets import DEFAULT_KEYS
 from .sites import _find_sites, _layer_prefix, _row_norms, _Site
 
+__all__ = ["PathLike", "synth_adapter"]
+
 PathLike = Union[str, Path]
 
 

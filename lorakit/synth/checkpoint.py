@@ -17,6 +17,8 @@ from .planning import parse_size, plan_checkpoint, resolve_config
 from .sampler import _fill_kind, _Sampler
 from .tokenizer import write_tokenizer
 
+__all__ = ["PathLike", "synth_checkpoint"]
+
 PathLike = Union[str, Path]
 
 _DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}

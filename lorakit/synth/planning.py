@@ -9,6 +9,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 from ..errors import FormatError
 from .presets import _MIXTRAL, PRESETS
 
+__all__ = ["PathLike", "parse_size", "resolve_config", "plan_checkpoint"]
+
 PathLike = Union[str, Path]
 
 

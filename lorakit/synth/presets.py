@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
+__all__ = ["PRESETS", "DEFAULT_KEYS", "presets"]
+
 _LLAMA3_ROPE = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                 "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 

@@ -8,6 +8,8 @@ import numpy as np
 
 from .. import numerics as nm
 
+__all__ = []
+
 _PIECE = 1 << 16  # elements per generated piece: the table lookups stay in cache
 _WRITE_CHUNK = 1 << 22  # elements handed to the writer at a time (8 MB of bf16)
 

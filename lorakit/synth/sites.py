@@ -13,6 +13,8 @@ from ..fusion.quant import dequantize_raw
 from ..io.naming import logical_shape
 from .presets import _KEY_ALIASES, _MIXTRAL
 
+__all__ = []
+
 
 @dataclass
 class _Site:

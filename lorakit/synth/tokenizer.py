@@ -7,6 +7,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import FormatError
 
+__all__ = ["write_tokenizer"]
+
 # Special tokens per family, at their real ids: (id, text) in order; the first
 # named "eos" in the config ends generation.
 _SPECIALS = {

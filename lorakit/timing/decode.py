@@ -45,6 +45,8 @@ from .kl_column import kl_tokens, kl_vs_unfused
 from .table import ADAPTER_FILES, FUSED_VARIANTS, VARIANTS, DecodeTiming, VariantTiming
 from .worker import MARK, TOKENIZER_FILES
 
+__all__ = ["PathLike", "weight_bytes", "auto_rounds", "time_decode"]
+
 PathLike = Union[str, Path]
 # -- running ---------------------------------------------------------------------------
 

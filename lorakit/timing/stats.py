@@ -35,6 +35,9 @@ import random
 import statistics
 from typing import Dict, List, Optional, Sequence, Tuple
 
+__all__ = ["CONFIDENCE", "SPEED_THRESHOLD", "BYTES_THRESHOLD", "MIN_ROUNDS", "ratio_interval",
+           "noise_band", "speed_verdict", "bytes_verdict", "human_bytes"]
+
 CONFIDENCE = 0.95
 RESAMPLES = 2000
 SPEED_THRESHOLD = 0.10  # a decode ratio below 0.90 (and outside its interval) is flagged

@@ -25,6 +25,9 @@ from .stats import (
     speed_verdict,
 )
 
+__all__ = ["PathLike", "VARIANTS", "FUSED_VARIANTS", "ADAPTER_FILES", "VariantTiming",
+           "DecodeTiming"]
+
 PathLike = Union[str, Path]
 
 VARIANTS = ("base", "unfused", "promoted", "fused", "mlx-lm-fused")
@@ -32,8 +35,6 @@ FUSED_VARIANTS = ("promoted", "fused", "mlx-lm-fused")
 # a variant is flagged when its decode ratio to base is below 1 - SPEED_THRESHOLD *and*
 # its whole bootstrap interval is below 1, or its weight bytes exceed base's by more
 # than BYTES_THRESHOLD (exact, from the headers); see lorakit/timing/stats.py
-DECODE_TOLERANCE = 1 - SPEED_THRESHOLD
-PEAK_TOLERANCE = 1 + BYTES_THRESHOLD
 CPU_NOTE = ("on CPU: bf16 matmuls are not faster than f32 here, so decode speed cannot "
             "show what promoted f32 weights cost on a GPU; the weight bytes (exact) can, "
             "and speed is flagged only beyond the threshold and outside the interval")

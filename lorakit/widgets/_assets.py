@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Dict, Optional, Union
 
+__all__ = ["PathLike", "ENV", "find_data", "checkpoints", "adapters"]
+
 PathLike = Union[str, Path]
 ENV = "LORAKIT_DATA"
 _MARKER = "tiny-qwen3"

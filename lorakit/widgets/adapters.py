@@ -19,6 +19,8 @@ import ipywidgets as W
 from ..inspect.adapters import AdapterComparison, compare_adapters
 from ._base import ErrorBox, FigureView, hook, summary_html
 
+__all__ = ["PathLike", "VIEWS", "AdapterCompare"]
+
 PathLike = Union[str, Path]
 VIEWS = (("delta norms", "norms"), ("cosine", "cosine"), ("column overlap", "col_overlap"),
          ("row overlap", "row_overlap"))

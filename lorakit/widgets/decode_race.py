@@ -26,6 +26,8 @@ from ..timing.decode import auto_rounds, time_decode, weight_bytes
 from ..timing.table import VARIANTS, DecodeTiming, VariantTiming
 from ._base import ErrorBox, FigureView, hook
 
+__all__ = ["PathLike", "DecodeRace"]
+
 PathLike = Union[str, Path]
 
 

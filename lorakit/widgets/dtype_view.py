@@ -20,6 +20,8 @@ from ..layers import kind_label
 from ..report import escape
 from ._base import ErrorBox, FigureView, hook, rows_html, summary_html
 
+__all__ = ["DtypeMapView"]
+
 DETAIL_COLUMNS = ["tensor", "dtype", "shape", "bytes", "flag"]
 
 

@@ -25,6 +25,8 @@ from . import _assets
 from ._base import ErrorBox, hook
 from .dtype_view import DtypeMapView
 
+__all__ = ["PathLike", "FusePanel"]
+
 PathLike = Union[str, Path]
 QUANT_CHOICES = (("re-quantize", False), ("dequantize", True))
 

@@ -23,6 +23,8 @@ from ..inspect.generation import GenerationReport, compare_generations, load_pai
 from ..report import LEFT, Cell, Markup, escape, table
 from ._base import ErrorBox, FigureView, hook, summary_html
 
+__all__ = ["GenerationCompare"]
+
 MARK_STYLE = "background:#ffd54f;font-weight:bold;border-radius:2px"
 REF_MARK_STYLE = "background:#e0e0e0;border-radius:2px"
 #: style of a model's text cell

@@ -31,6 +31,8 @@ from ..inspect.generation import GenerationReport, compare_generations
 from ..io.adapters.load import Adapter, load_adapter
 from ._base import ErrorBox, facts_html, hook, rows_html
 
+__all__ = ["PathLike", "AdapterMixer"]
+
 PathLike = Union[str, Path]
 
 

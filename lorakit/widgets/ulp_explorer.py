@@ -28,6 +28,8 @@ from ..io.source import open_source
 from ..report import Report
 from ._base import ErrorBox, FigureView, facts_html, hook, rows_html, summary_html
 
+__all__ = ["PathLike", "REFERENCE", "VIEWS", "UlpExplorer"]
+
 PathLike = Union[str, Path]
 #: the B choice meaning "the exact fuse of base + adapter, in float64"
 REFERENCE = "exact fuse (float64)"

@@ -40,6 +40,10 @@ from ...errors import AdapterError
 from ...numerics import float_format, to_float32
 from ..safetensors import TensorInfo, read_header, read_raw
 
+__all__ = ["PathLike", "MLX_WEIGHTS", "PEFT_WEIGHTS", "CONFIG", "PEFT_PREFIX", "EMBEDDING_HINTS",
+           "LoraTarget", "Replacement", "Adapter", "AdapterTensors", "number", "whole",
+           "check_magnitude", "problems"]
+
 PathLike = Union[str, Path]
 
 MLX_WEIGHTS = "adapters.safetensors"

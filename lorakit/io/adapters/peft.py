@@ -42,6 +42,8 @@ from .base import (
     whole,
 )
 
+__all__ = ["Names", "PeftSettings", "load_peft", "check_targets_exist"]
+
 _LEAVES = {
     "lora_A.weight": "A", "lora_B.weight": "B",
     "lora_embedding_A": "EA", "lora_embedding_B": "EB",
