@@ -200,6 +200,23 @@ def test_fuse_panel_rounding_and_quantized(data, tmp_path):
     out = p.run().output
     assert out.name.endswith("-mlx-lm-preserve-deq") and p.result.dequantized
     assert not any(n.endswith(".scales") for n in lorakit.open(out).tensors)
+    assert p.quant_policy.disabled  # float weights written: no quant policy applies
+
+
+def test_fuse_panel_quant_policy(data, tmp_path):
+    """The panel offers lorakit.fuse's quant policies on a quantized base, and only there."""
+    p = FusePanel(data=data, out_dir=tmp_path, base="tiny-qwen3-4bit", adapter="lora-4bit")
+    assert not p.quant_policy.disabled and p.quant_policy.value == "requant"
+    p.quant_policy.value = "bits:8"
+    out = p.run().output
+    assert p.error.value == "" and out.name.endswith("-nearest-preserve-bits_8")
+    assert p.result.quant_policy == "bits:8"
+    assert lorakit.open(out).config["quantization"]  # still a quantized checkpoint
+    want = lorakit.fuse(data / "tiny-qwen3-4bit", data / "adapters" / "lora-4bit",
+                        tmp_path / "direct", quant_policy="bits:8", progress=False)
+    assert lorakit.diff(out, want.output, progress=False).identical  # the verb, nothing else
+    f = FusePanel(data=data, out_dir=tmp_path / "f", base="tiny-qwen3", adapter="lora")
+    assert f.quant_policy.disabled and f._policy() == "requant"
 
 
 def test_fuse_panel_shows_errors_and_recovers(data, tmp_path):

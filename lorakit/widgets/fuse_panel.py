@@ -29,6 +29,9 @@ __all__ = ["PathLike", "FusePanel"]
 
 PathLike = Union[str, Path]
 QUANT_CHOICES = (("re-quantize", False), ("dequantize", True))
+#: how a re-quantized base stores its adapted modules (``lorakit.fuse(quant_policy=)``)
+QUANT_POLICIES = ("requant", "same-grid", "bits:5", "bits:6", "bits:8", "float", "auto",
+                  "learned")
 
 
 def _choices(found: dict) -> list:
@@ -80,6 +83,10 @@ class FusePanel(W.VBox):
                                           tooltips=["dequantize, fuse, re-quantize with the "
                                                     "same bits and group size",
                                                     "write float weights"]), "fuse-quant")
+        self.quant_policy = hook(W.Dropdown(options=list(QUANT_POLICIES), value="requant",
+                                            description="quant policy", style=style),
+                                 "fuse-quant-policy")
+        self.quant.observe(self._on_quant, names="value")
         self.button = hook(W.Button(description="Fuse", button_style="primary",
                                     icon="compress"), "fuse-run")
         self.progress = hook(W.FloatProgress(value=0.0, min=0.0, max=1.0, description="",
@@ -97,7 +104,7 @@ class FusePanel(W.VBox):
         self.button.on_click(lambda _b: self.run())
         super().__init__([
             W.HBox([self.base, self.base_path]), W.HBox([self.adapter, self.adapter_path]),
-            self.rounding, self.dtype, self.quant,
+            self.rounding, self.dtype, self.quant, self.quant_policy,
             W.HBox([self.button, self.progress, self.status]),
             self.error, self.summary, self.view])
         hook(self, "fuse-panel")
@@ -128,6 +135,8 @@ class FusePanel(W.VBox):
         b, a = self.base_dir(), self.adapter_dir()
         name = f"{b.name if b else 'base'}+{a.name if a else 'adapter'}-" \
                f"{self.rounding.value}-{self.dtype.value}" + ("-deq" if self.quant.value else "")
+        if self._policy() != "requant":
+            name += f"-{self._policy()}"
         return self.out_dir / re.sub(r"[^A-Za-z0-9_.+-]", "_", name)
 
     def _on_base(self, _change: Any = None) -> None:
@@ -139,6 +148,14 @@ class FusePanel(W.VBox):
         except Exception:
             pass  # an unreadable path is reported when the user runs the fuse
         self.quant.disabled = not quantized
+        self._on_quant()
+
+    def _on_quant(self, _change: Any = None) -> None:
+        # a quant policy says how re-quantized modules are stored: not for float output
+        self.quant_policy.disabled = self.quant.disabled or bool(self.quant.value)
+
+    def _policy(self) -> str:
+        return "requant" if self.quant_policy.disabled else self.quant_policy.value
 
     # -- running ----------------------------------------------------------------------
     def _on_progress(self, done: int, total: int) -> None:
@@ -159,7 +176,7 @@ class FusePanel(W.VBox):
             result = fuse(base, adapter, self.output_dir(), rounding=self.rounding.value,
                           dtype=self.dtype.value,
                           dequantize=bool(self.quant.value) and not self.quant.disabled,
-                          force=True, progress=self._on_progress)
+                          quant_policy=self._policy(), force=True, progress=self._on_progress)
             self.progress.value = 0.8
             self.status.value = "inspecting..."
             self.view.show(result.output)
