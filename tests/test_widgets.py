@@ -30,14 +30,14 @@ from lorakit.inspect.diff import (
 from lorakit.widgets import (  # noqa: E402
     AdapterCompare,
     DecodeRace,
+    DiffExplorer,
     DtypeMapView,
     FusePanel,
     GenerationCompare,
-    UlpExplorer,
     _assets,  # noqa: E402
     find_data,
 )
-from lorakit.widgets.ulp_explorer import REFERENCE  # noqa: E402
+from lorakit.widgets.diff_explorer import REFERENCE  # noqa: E402
 
 KEYS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -231,9 +231,9 @@ def test_fuse_panel_shows_errors_and_recovers(data, tmp_path):
     assert p.runs == 1 and p.error.value == ""
 
 
-# -- UlpExplorer ------------------------------------------------------------------------------
+# -- DiffExplorer ------------------------------------------------------------------------------
 def test_ulp_explorer_views(fused, data):
-    u = UlpExplorer({k: fused[k] for k in ("nearest", "mlx-lm", "round-once")},
+    u = DiffExplorer({k: fused[k] for k in ("nearest", "mlx-lm", "round-once")},
                     base=data / "tiny-qwen3", adapter=data / "adapters" / "lora")
     rep = u.report
     assert isinstance(rep, UlpReport) and u.compared == 1
@@ -261,7 +261,7 @@ def test_ulp_explorer_views(fused, data):
 
 
 def test_ulp_explorer_reference_and_identity(fused, data):
-    u = UlpExplorer({k: fused[k] for k in ("nearest", "mlx-lm")}, b=REFERENCE,
+    u = DiffExplorer({k: fused[k] for k in ("nearest", "mlx-lm")}, b=REFERENCE,
                     base=data / "tiny-qwen3", adapter=data / "adapters" / "lora")
     assert isinstance(u.report, RefUlpReport)
     assert list(u.view.options) == ["overall", "tensor"]
@@ -277,7 +277,7 @@ def test_ulp_explorer_reference_and_identity(fused, data):
 
 
 def test_ulp_explorer_shows_errors(fused, tmp_path):
-    u = UlpExplorer({"a": fused["nearest"], "gone": tmp_path / "gone"}, compare=False)
+    u = DiffExplorer({"a": fused["nearest"], "gone": tmp_path / "gone"}, compare=False)
     assert u.report is None
     u.button.click()
     assert u.report is None and u.error.value and u.status.value == "failed"

@@ -294,7 +294,7 @@ static void run32(const uint32_t *a, const uint32_t *b, size_t n, uint32_t cap, 
  *     (a - b)**2 (inf left out too), opposite signs with both non-zero, zero on one
  *     side only, min(|a|, |b|) below near_bits (magnitude bits), and the largest ulp
  *     distance where min(|a|, |b|) >= typ_bits. The thresholds come from the tensor's
- *     rms, known before its first differing piece is compared (ulp_scale.TensorScale).
+ *     rms, known before its first differing piece is compared (ulp_count.TensorScale).
  * Each block of 256 elements: a memcmp, a check for inf / NaN, then one branch-free
  * pass in sixteen lanes that the compiler vectorises (no scatter); a block holding an
  * inf or NaN goes element by element. */

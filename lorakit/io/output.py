@@ -52,7 +52,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Typ
 from ..errors import OutputExistsError
 from .provenance import IGNORABLE, PROVENANCE, foreign_entries, write_provenance
 
-__all__ = ['check_output_path', 'OutputDirectory', 'Interrupted', 'OutputWarning', 'PROVENANCE', 'TMP_MARK', 'SYNTH_MARK', 'foreign_entries', 'write_provenance', 'stale_temporaries', 'live_temporaries', 'clean_stale_temporaries', 'temp_owner', '_alive', '_inside', '_publish', '_fsync_path', '_fsync_dir']
+__all__ = ["check_output_path", "OutputDirectory", "Interrupted", "OutputWarning", "PROVENANCE",
+           "TMP_MARK", "SYNTH_MARK", "foreign_entries", "write_provenance", "stale_temporaries",
+           "live_temporaries", "clean_stale_temporaries", "temp_owner"]
 
 
 TMP_MARK = ".lorakit-tmp-"

@@ -7,7 +7,7 @@ figure it returns, so every number a widget shows can be had without it.
 - :class:`FusePanel`: :func:`lorakit.fuse` with its options, a progress bar, the
   result and the fused checkpoint's dtype map.
 - :class:`DtypeMapView`: :func:`lorakit.inspect.dtype_map` as a grid with hover and click.
-- :class:`UlpExplorer`: :func:`lorakit.diff` / the exact-fuse reference.
+- :class:`DiffExplorer`: :func:`lorakit.diff` / the exact-fuse reference.
 - :class:`DecodeRace`: :func:`lorakit.time_decode` live, in a background thread.
 - :class:`GenerationCompare`: :func:`lorakit.inspect.compare_generations` side by side.
 - :class:`AdapterCompare`: :func:`lorakit.inspect.compare_adapters`.
@@ -22,12 +22,12 @@ from __future__ import annotations
 from ._assets import find_data
 from .adapters import AdapterCompare
 from .decode_race import DecodeRace
+from .diff_explorer import DiffExplorer
 from .dtype_view import DtypeMapView
 from .fuse_panel import FusePanel
 from .generation import GenerationCompare
 from .kl_view import KLTextView
 from .mixer import AdapterMixer
-from .ulp_explorer import UlpExplorer
 
 __all__ = ["AdapterCompare", "AdapterMixer", "DecodeRace", "DtypeMapView", "FusePanel",
-           "GenerationCompare", "KLTextView", "UlpExplorer", "find_data"]
+           "GenerationCompare", "KLTextView", "DiffExplorer", "find_data"]

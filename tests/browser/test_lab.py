@@ -98,8 +98,8 @@ def test_fuse_panel_and_ulp_explorer(notebook, page):
     wait_changed(figure, "src", promoted_src)
     shot(panel, "fuse-panel-preserve")
 
-    # -- UlpExplorer: against the exact fuse, then one tensor --------------------------
-    ulp = page.locator(".t-ulp-explorer")
+    # -- DiffExplorer: against the exact fuse, then one tensor --------------------------
+    ulp = page.locator(".t-diff-explorer")
     ulp.scroll_into_view_if_needed()
     ulp_summary = ulp.locator(".t-ulp-summary")
     ulp_figure = ulp.locator("img.t-ulp-figure")

@@ -1,4 +1,4 @@
-"""UlpExplorer: how far apart are two checkpoints, overall, per layer, per tensor?
+"""DiffExplorer: how far apart are two checkpoints, overall, per layer, per tensor?
 
 Pick A and B among checkpoints (for example the outputs of several fuses), or the
 exact float64 fuse as B; the widget calls :func:`lorakit.diff` (or
@@ -9,10 +9,10 @@ elements near zero, differing elements, and for a tensor its differing elements 
 magnitude: the large ulp distances sit near zero).
 
 >>> import lorakit
->>> from lorakit.widgets import UlpExplorer
+>>> from lorakit.widgets import DiffExplorer
 >>> fused = {r: lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", f"out/{r}",
 ...                          rounding=r, progress=False).output for r in ("nearest", "mlx-lm")}
->>> w = UlpExplorer(fused, base="data/tiny-qwen3", adapter="data/adapters/lora")
+>>> w = DiffExplorer(fused, base="data/tiny-qwen3", adapter="data/adapters/lora")
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from ..io.source import open_source
 from ..report import Report
 from ._base import ErrorBox, FigureView, facts_html, hook, rows_html, summary_html
 
-__all__ = ["PathLike", "REFERENCE", "VIEWS", "UlpExplorer"]
+__all__ = ["PathLike", "REFERENCE", "VIEWS", "DiffExplorer"]
 
 PathLike = Union[str, Path]
 #: the B choice meaning "the exact fuse of base + adapter, in float64"
@@ -40,7 +40,7 @@ TENSOR_FACTS = ("status", "dtype", "elements", "differing", "rel_err", "max_ulp_
                 "not_nearest", "not_nearest_near_zero", "hist")
 
 
-class UlpExplorer(W.VBox):
+class DiffExplorer(W.VBox):
     """Ulp histograms of checkpoint A against checkpoint B (or the exact fuse).
 
     Args:
@@ -64,7 +64,7 @@ class UlpExplorer(W.VBox):
         labels = list(self.checkpoints)
         b_labels = labels + ([REFERENCE] if self.base and self.adapter else [])
         if not labels:
-            raise ValueError("UlpExplorer needs at least one checkpoint")
+            raise ValueError("DiffExplorer needs at least one checkpoint")
         self.report: Optional[Report] = None
         self.compared = 0
         self._quiet = False
@@ -94,7 +94,7 @@ class UlpExplorer(W.VBox):
         super().__init__([
             W.HBox([self.a, self.b, self.button, self.status]), self.error, self.summary,
             self.view, W.HBox([self.layer, self.tensor]), self.facts, self.figure])
-        hook(self, "ulp-explorer")
+        hook(self, "diff-explorer")
         if compare:
             self.compare()
 
