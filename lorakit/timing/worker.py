@@ -43,6 +43,12 @@ __all__ = ["emit", "rss_peak_bytes", "load_tokenizer", "vocab_size", "param_byte
 # must be chosen first (select_device)
 
 
+#: what :func:`~lorakit.timing.decode.time_decode` and its worker process share: the
+#: line prefix of the worker's events on stdout, and the tokenizer files a variant needs
+MARK = "@@lorakit-timing "
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 
 def emit(event: str, **data: Any) -> None:
     sys.stdout.write(MARK + json.dumps(dict(event=event, **data)) + "\n")
@@ -232,11 +238,3 @@ if __name__ == "__main__":
         emit("error", type=type(e).__name__, message=str(e),
              traceback=traceback.format_exc(limit=8))
         raise SystemExit(1)
-
-
-# ---------------------------------------------------------------------------
-# What :func:`~lorakit.timing.decode.time_decode` and its worker process share, with
-
-
-MARK = "@@lorakit-timing "
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
