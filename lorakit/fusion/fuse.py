@@ -1,9 +1,10 @@
 """``lorakit.fuse``: one verb for a checkpoint on disk and a model in memory.
 
-A path (or hub repo id) goes through the streaming fuse
-(:func:`lorakit.fusion.fuse.fuse`: a new checkpoint written beside, the base never
-touched); an mlx-lm model in memory is fused in place
-(:func:`lorakit.fusion.model.fuse_model`). Both round through the same core.
+The keywords become one :class:`~lorakit.fusion.options.FuseOptions`, checked before
+anything is read. A path (or hub repo id) goes through the streaming fuse
+(:func:`fuse_checkpoint`: a new checkpoint written beside, the base never touched); an
+mlx-lm model in memory is fused in place (:func:`lorakit.fusion.model.fuse_model`).
+Both round through the same core.
 
 >>> import lorakit, tempfile, os
 >>> out = os.path.join(tempfile.mkdtemp(), "fused")
@@ -96,12 +97,11 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
             ``adapter_path`` is None).
         adapter_path: adapter directory (mlx-lm or PEFT format) or a loaded adapter.
         save_path: output directory (checkpoints only).
-        rounding: ``nearest`` (default), ``round-once`` (PEFT), ``mlx-lm`` (bit-identical to
-            ``mlx_lm fuse``) or ``scale-after``.
+        rounding: one of :data:`~lorakit.fusion.options.ROUNDINGS` (``nearest``, correctly
+            rounded, by default; each described in ``ROUNDING_HELP``).
         dtype: ``preserve`` (default), ``promote``, ``bfloat16``, ``float16``, ``float32``.
         dequantize: for quantized bases, write float weights instead of re-quantizing.
-        force / export_gguf / progress: as :func:`lorakit.fusion.fuse.fuse`
-            (checkpoints only).
+        force / export_gguf / progress: as :func:`fuse_checkpoint` (checkpoints only).
         quant_policy: for a quantized base, how adapted modules are stored: ``requant``
             (default, as ``mlx_lm fuse``), ``same-grid``, ``bits:N``, ``float``, ``auto``
             (:mod:`lorakit.fusion.quant`); ``quant_budget`` caps auto's bytes
