@@ -127,8 +127,9 @@ def test_benchmarks_md_decode_section_numbers_come_from_json():
 
 
 def test_readme_thresholds_are_the_code_s():
-    from lorakit.timing.stats import CONFIDENCE
+    from lorakit.timing.stats import CONFIDENCE, MIN_ROUNDS
 
     text = (ROOT / "docs" / "timing.md").read_text()
     para = text[text.index("The decode-timing table flags"):][:600]
     assert f"below {1 - SPEED_THRESHOLD:.2f}" in para and f"{CONFIDENCE:.0%} bootstrap" in para
+    assert f"from at least {MIN_ROUNDS} rounds" in " ".join(para.split())

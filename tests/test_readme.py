@@ -193,6 +193,8 @@ def test_readme_setup_times_are_the_committed_measurement() -> None:
     assert d["walkthrough_until_url"]["url"].endswith("/lab/tree/notebooks/"
                                                       "01_why_dtype_matters.ipynb")
     assert d["command"] in text
+    setup_doc = " ".join((ROOT / "docs" / "setup.md").read_text().split())
+    assert f"(`{install}`)" in setup_doc  # the example line there is the measured one
 
 
 def test_cli_doc_lists_every_subcommand() -> None:
