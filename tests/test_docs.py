@@ -115,6 +115,34 @@ def test_cli_reference_names_every_subcommand_and_flag() -> None:
             f"not in the parser {sorted(set(documented) - _arguments(parser))}")
 
 
+def test_cli_reference_is_what_tools_cli_doc_writes() -> None:
+    """The sections' text is the parser's own --help text (tools/cli_doc.py writes them;
+    run it after a change to the CLI)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cli_doc", ROOT / "tools" / "cli_doc.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    current = (DOCS / "cli.md").read_text()
+    assert mod.render(current) == current, "docs/cli.md is stale: run python tools/cli_doc.py"
+
+
+def test_where_things_live_names_existing_files() -> None:
+    """Each page's "Where things live" names files that exist: a bare ``name.py`` is in
+    the folder named before it."""
+    for page in PAGES:
+        text = page.read_text()
+        if "## Where things live" not in text:
+            continue
+        folder = None
+        for tok in re.findall(r"`([^`]+)`", text.split("## Where things live", 1)[1]):
+            if re.fullmatch(r"(lorakit|notebooks|tests|benchmarks|data)/[\w/.-]*", tok):
+                assert (ROOT / tok).exists(), f"{page.name}: no {tok}"
+                folder = tok if tok.endswith("/") else str(Path(tok).parent) + "/"
+            elif re.fullmatch(r"[\w.]+\.(py|c)", tok):
+                assert folder and (ROOT / folder / tok).exists(), f"{page.name}: no {folder}{tok}"
+
+
 # -- one name per verb, and the project only --------------------------------------------
 #: spellings that are gone: synonyms of the verbs, old top-level names, the CLI's old
 #: subcommands and flag aliases
