@@ -143,6 +143,20 @@ def test_where_things_live_names_existing_files() -> None:
                 assert folder and (ROOT / folder / tok).exists(), f"{page.name}: no {folder}{tok}"
 
 
+def test_synth_example_size_is_the_preset_s() -> None:
+    """docs/timing.md's `synth checkpoint` line states the size it writes."""
+    import math
+
+    pytest.importorskip("mlx.core")
+    from lorakit.synth import PRESETS, plan_checkpoint
+
+    text = (DOCS / "timing.md").read_text()
+    m = re.search(r"lorakit synth checkpoint --preset (\S+) .*# ([\d.]+) GB of random bf16", text)
+    assert m, "docs/timing.md: the synth checkpoint example"
+    elements = sum(math.prod(shape) for _, shape in plan_checkpoint(PRESETS[m.group(1)]))
+    assert f"{2 * elements / 1e9:.1f}" == m.group(2)
+
+
 # -- one name per verb, and the project only --------------------------------------------
 #: spellings that are gone: synonyms of the verbs, old top-level names, the CLI's old
 #: subcommands and flag aliases
