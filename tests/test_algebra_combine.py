@@ -245,8 +245,8 @@ def test_readme_algebra_commands_run(tmp_path, monkeypatch, capsys):
 
     from lorakit.cli.main import main
 
-    text = (ROOT / "README.md").read_text()
-    block = re.search(r"## Adapter algebra\n\n```bash\n(.*?)```", text, re.S).group(1)
+    text = (ROOT / "docs" / "algebra.md").read_text()
+    block = re.search(r"```bash\n(lorakit convert .*?)```", text, re.S).group(1)
     (tmp_path / "data").symlink_to(DATA, target_is_directory=True)
     monkeypatch.chdir(tmp_path)
     lines = [ln.split("#")[0].split() for ln in block.strip().splitlines()]

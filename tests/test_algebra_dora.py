@@ -91,7 +91,7 @@ def test_dora_plus_lora_fuse_is_within_half_ulp(tmp_path):
     assert rep.summary["dora_modules"] == 28
     lorakit.fuse(BASE, rep.adapter, tmp_path / "f", progress=False)
     bad, checked, worst = _check(tmp_path / "f", parts)
-    assert checked == 2_359_296 and bad == 0, (bad, checked)  # README states these
+    assert checked == 2_359_296 and bad == 0, (bad, checked)  # docs/algebra.md states these
     assert worst <= 0.5, worst
     # the check can fail: the same sum with DoRA's row rescale dropped (the DoRA
     # adapter read as plain LoRA, what a LoRA-only combination would fuse) misses

@@ -28,7 +28,7 @@ def test_one_changed_code_counts_once_not_as_a_word():
     assert (a != c).mean() == pytest.approx(1 / 8)  # the old per-word count
 
 
-# -- README and notebook claims about rounding, ulps, survival and bytes -----------------------
+# -- README, docs/ and notebook claims about rounding, ulps, survival and bytes ---------------
 # Each number is parsed out of the text and recomputed (on the embedded data) or read from
 # the committed benchmark JSON that produced it: a changed text without changed data fails.
 import json  # noqa: E402
@@ -50,6 +50,9 @@ def _flat(text: str) -> str:
 
 
 README = _flat((ROOT / "README.md").read_text())
+FUSING = _flat((ROOT / "docs/fusing.md").read_text())  # rounding orders, the embedded diff
+QUANTIZED = _flat((ROOT / "docs/quantized.md").read_text())  # survival on a 4-bit base
+DIFF = _flat((ROOT / "docs/diff.md").read_text())  # how diff streams
 
 
 def _markdown(nb: str) -> str:
@@ -79,26 +82,26 @@ def rounding_json():
 
 def test_readme_rounding_numbers_come_from_the_committed_benchmark(rounding_json):
     data, by = rounding_json
-    assert _flat(data["command"]).replace("python ", "") in README.replace("python ", "")
-    m = _find(README, r"`round-once` differs from the correctly rounded result on "
+    assert _flat(data["command"]).replace("python ", "") in FUSING.replace("python ", "")
+    m = _find(FUSING, r"`round-once` differs from the correctly rounded result on "
                       r"(\d+(?:\.\d+)?(?:e[+-]\d+)?) to (\d+(?:\.\d+)?(?:e[+-]\d+)?) of elements")
     ro = [r["differ_from_correct"] for r in by["round-once"]]
     assert (m.group(1), m.group(2)) == (f"{min(ro):.1e}", f"{max(ro):.1e}")
-    m = _find(README, r"`mlx-lm` on ([\d.]+)-([\d.]+) % of elements depending on the "
+    m = _find(FUSING, r"`mlx-lm` on ([\d.]+)-([\d.]+) % of elements depending on the "
                       r"delta's size, by up to (\d+) ulps of the exact value")
     ml = by["mlx-lm"]
     fr = [r["differ_from_correct"] for r in ml]
     assert (m.group(1), m.group(2)) == (f"{100 * min(fr):.2f}", f"{100 * max(fr):.2f}")
     assert _num(m.group(3)) == round(max(r["max_ulp_error"] for r in ml))
-    m = _find(README, r"that is up to ([\d,]+) ulps, at values near zero")
+    m = _find(FUSING, r"that is up to ([\d,]+) ulps, at values near zero")
     assert _num(m.group(1)) == max(r["vs_correct"]["max_ulp"] for r in ml)
-    m = _find(README, r"\(\|w\| >= its rms\) the two are at most (\d+) ulp apart, and "
+    m = _find(FUSING, r"\(\|w\| >= its rms\) the two are at most (\d+) ulp apart, and "
                       r"rms\(difference\) / rms\(weight\) is (\d+(?:\.\d+)?(?:e[+-]\d+)?) to (\d+(?:\.\d+)?(?:e[+-]\d+)?)")
     assert _num(m.group(1)) == max(r["vs_correct"]["max_ulp_typical"] for r in ml)
     rel = [r["vs_correct"]["rel_err"] for r in ml]
     assert (m.group(2), m.group(3)) == (f"{min(rel):.1e}", f"{max(rel):.1e}")
     # "never more than 0.5 ulp off": the benchmark's nearest rows
-    _find(README, r"never more than 0\.5 ulp off")
+    _find(FUSING, r"never more than 0\.5 ulp off")
     assert max(r["max_ulp_error"] for r in by["nearest"]) <= 0.5
     assert all(r["differ_from_correct"] == 0 for r in by["nearest"])
 
@@ -114,7 +117,7 @@ def embedded_fuses(tmp_path_factory):
 def test_readme_embedded_diff_numbers_are_measured(embedded_fuses):
     rep = lorakit.diff(embedded_fuses["nearest"], embedded_fuses["mlx-lm"], progress=False)
     s = rep.summary
-    m = _find(README, r"finds ([\d.]+) % of elements differing and a max of ([\d,]+) ulps "
+    m = _find(FUSING, r"finds ([\d.]+) % of elements differing and a max of ([\d,]+) ulps "
                       r"\(an element that is zero in one fuse\), yet at most (\d+) ulps at "
                       r"typical magnitudes and a relative error of (\d+(?:\.\d+)?(?:e[+-]\d+)?)\.")
     assert m.group(1) == f"{100 * s['fraction differing']:.1f}"
@@ -147,7 +150,7 @@ def test_readme_survival_numbers_are_measured(tmp_path):
     from lorakit.fusion.quant import survival_overall
 
     o = survival_overall(res.requant)
-    m = _find(README, r"on the embedded `lora-4bit` adapter .*? ([\d.]+) % of codes changed "
+    m = _find(QUANTIZED, r"on the embedded `lora-4bit` adapter .*? ([\d.]+) % of codes changed "
                       r"and ([\d.]+) % of the delta survived")
     assert (m.group(1), m.group(2)) == (f"{100 * o['codes_changed']:.1f}",
                                         f"{100 * o['survived']:.1f}")
@@ -196,7 +199,7 @@ def test_notebook_ulp_and_quantization_claims():
 
 
 def test_diff_streams_in_1_mb_pieces():
-    m = _find(README, r"streams both in (\d+) MB pieces")
+    m = _find(DIFF, r"streams both in (\d+) MB pieces")
     assert CHUNK_BYTES == int(m.group(1)) << 20
 
 

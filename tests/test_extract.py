@@ -295,13 +295,13 @@ def test_cli_extract_and_resize(fused, tmp_path, capsys):
     assert "exists" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # runs the README's adapter-algebra lines, twice (--force replaces)
+@pytest.mark.slow  # runs docs/algebra.md's extract and resize lines, twice (--force replaces)
 def test_readme_extract_and_resize_lines_run(tmp_path, monkeypatch):
     import re
 
     from lorakit.cli.main import main
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "algebra.md").read_text()
     block = re.search(r"```bash\n(lorakit extract .*?)```", text, re.S).group(1)
     lines = [ln.split() for ln in block.splitlines() if ln.startswith("lorakit ")]
     assert [ln[1] for ln in lines] == ["extract", "resize"]

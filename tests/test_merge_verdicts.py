@@ -401,12 +401,12 @@ def test_cli_exit_codes(work: Path, good) -> None:
     assert all(s in h.stdout for s in ("0 ", "1 ", "3 ", "2 "))
 
 
-# -- the README's detection-limit claims, against the committed benchmark JSON ---------------
+# -- docs/check.md's detection-limit claims, against the committed benchmark JSON -----------
 def test_readme_claims_match_benchmark_json() -> None:
-    """README's check section quotes benchmarks/results/merge_verdict.json
+    """docs/check.md quotes benchmarks/results/merge_verdict.json
     (``python benchmarks/merge_verdict.py --json benchmarks/results/merge_verdict.json``)."""
     res = json.loads((REPO / "benchmarks" / "results" / "merge_verdict.json").read_text())
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "check.md").read_text()
     assert "python benchmarks/merge_verdict.py --json benchmarks/results/merge_verdict.json" \
         in readme
     cases = res["cases"]

@@ -203,7 +203,7 @@ def test_readme_and_benchmarks_numbers_come_from_the_json():
     spec.loader.exec_module(mod)
     res = json.loads((ROOT / "benchmarks/results/quant_policies.json").read_text())
     table = mod.markdown_table(res)
-    for doc in ("README.md", "BENCHMARKS.md"):
+    for doc in ("docs/quantized.md", "BENCHMARKS.md"):
         text = (ROOT / doc).read_text()
         assert table in text, f"{doc}: the quant-policy table differs from the JSON"
         assert res["command"] in text

@@ -1,4 +1,6 @@
-"""The README's Python example runs as written (from the repository root)."""
+"""The README's Python example and the CLI reference's commands run as written (from the
+repository root); the README's set-up times are measured; the CLI reference names every
+subcommand."""
 from __future__ import annotations
 
 import json
@@ -84,18 +86,20 @@ def test_walkthrough_url_opens_the_notebook_itself() -> None:
     assert served is not None and served["type"] == "notebook", served
 
 
-@pytest.mark.slow  # runs the README's commands in fresh processes
+@pytest.mark.slow  # runs the README's and docs/cli.md's commands in fresh processes
 def test_readme_examples_run_in_either_order(tmp_path: Path) -> None:
-    """The shell example's complete `lorakit` lines, then the Python example, then the
-    shell lines again: each finds the other's outputs in scratch/ and replaces them."""
+    """docs/cli.md's shell example's complete `lorakit` lines, then the README's Python
+    example, then the shell lines again: each finds the other's outputs in scratch/ and
+    replaces them."""
     import subprocess
     import sys
 
     text = (ROOT / "README.md").read_text()
-    shell = re.search(r"```bash\nlorakit fuse (.*?)```", text, re.S).group(0)
+    cli_doc = (ROOT / "docs" / "cli.md").read_text()
+    shell = re.search(r"```bash\nlorakit fuse (.*?)```", cli_doc, re.S).group(0)
     lines = [ln.split("#")[0].strip() for ln in shell.splitlines()[1:-1]]
     lines = [ln for ln in lines if ln.startswith("lorakit ") and "..." not in ln
-             and not ln.startswith(("lorakit bench", "lorakit synth checkpoint",
+             and not ln.startswith(("lorakit time-decode", "lorakit synth checkpoint",
                                     "lorakit synth adapter"))]  # minutes, gigabytes
     assert any(ln.startswith("lorakit fuse") for ln in lines), lines
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
@@ -189,14 +193,18 @@ def test_readme_setup_times_are_the_committed_measurement() -> None:
     assert d["walkthrough_until_url"]["url"].endswith("/lab/tree/notebooks/"
                                                       "01_why_dtype_matters.ipynb")
     assert d["command"] in text
+    setup_doc = " ".join((ROOT / "docs" / "setup.md").read_text().split())
+    assert f"(`{install}`)" in setup_doc  # the example line there is the measured one
 
 
-def test_readme_lists_every_subcommand() -> None:
-    """The README's CLI table names every subcommand the CLI registers, and no other."""
+def test_cli_doc_lists_every_subcommand() -> None:
+    """docs/cli.md's subcommand table names every subcommand the CLI registers, and no
+    other."""
     import argparse
 
     from lorakit.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    listed = re.findall(r"^\| `lorakit (\w+)` \| \S", (ROOT / "README.md").read_text(), re.M)
+    listed = re.findall(r"^\| `lorakit ([\w-]+)` \| \S", (ROOT / "docs" / "cli.md").read_text(),
+                        re.M)
     assert sorted(listed) == sorted(sub.choices), listed
