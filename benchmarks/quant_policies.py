@@ -160,7 +160,7 @@ def merge(res: dict, new_rows: List[dict], command: str) -> dict:
 
 
 def markdown_table(res: dict) -> str:
-    """The table README.md and BENCHMARKS.md carry, from the JSON (a test checks it)."""
+    """The table docs/quantized.md and BENCHMARKS.md carry, from the JSON (a test checks it)."""
     lines = ["| policy | bytes / 4-bit base | delta survived (median, min) | mean KL vs unfused "
              "| KL / requant's | top-1 agreement |", "| --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
