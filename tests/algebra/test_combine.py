@@ -12,7 +12,7 @@ from lorakit.algebra.combine import combine, convert
 from lorakit.errors import LorakitError
 from lorakit.io.adapters.load import load_adapter
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data"
 LORA, EMB, DORA = DATA / "adapters" / "lora", DATA / "adapters" / "lora-embed", \
     DATA / "adapters" / "dora"
@@ -182,7 +182,7 @@ def test_dare_needs_a_seed_and_repeats_with_it():
 
 
 def test_refusals():
-    with pytest.raises(LorakitError, match="DoRA"):  # exact: fused only (test_algebra_dora)
+    with pytest.raises(LorakitError, match="DoRA"):  # exact: fused only (test_combine_dora)
         combine([LORA, DORA], [1, 1], method="cat")
     with pytest.raises(LorakitError, match="one weight per adapter"):
         combine([LORA, EMB], [1.0])

@@ -18,13 +18,13 @@ from lorakit.algebra.combine import combine
 from lorakit.errors import LorakitError
 from lorakit.io.adapters.load import Adapter, load_adapter
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data"
 BASE = DATA / "tiny-qwen3"
 LORA, DORA = DATA / "adapters" / "lora", DATA / "adapters" / "dora"
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 from make_peft_fixtures import read_safetensors  # noqa: E402  (numpy-only reader)
-from test_algebra_combine import _bf16, _checkpoint  # noqa: E402  (the same readers)
+from test_combine import _bf16, _checkpoint  # noqa: E402  (the same readers)
 
 
 def _raw_adapter(path):

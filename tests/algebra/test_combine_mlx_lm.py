@@ -10,7 +10,7 @@ from helpers import run_mlx_lm_fuse
 import lorakit
 from lorakit.algebra.combine import combine, convert
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data"
 sys_fixtures = ROOT / "tests" / "fixtures"
 

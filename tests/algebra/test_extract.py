@@ -301,7 +301,7 @@ def test_readme_extract_and_resize_lines_run(tmp_path, monkeypatch):
 
     from lorakit.cli.main import main
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = re.search(r"```bash\n(lorakit extract .*?)```", text, re.S).group(1)
     lines = [ln.split() for ln in block.splitlines() if ln.startswith("lorakit ")]
     assert [ln[1] for ln in lines] == ["extract", "resize"]

@@ -19,7 +19,7 @@ from lorakit.algebra.combine import combine, convert
 from lorakit.errors import LorakitError
 from lorakit.io.adapters.load import load_adapter
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "fixtures" / "algebra"
 BASE = ROOT / "tests" / "fixtures" / "peft" / "llama_lora_bf16" / "base"
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))

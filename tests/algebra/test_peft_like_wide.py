@@ -29,7 +29,7 @@ import lorakit
 from lorakit.algebra.peft_like import magnitude_mask
 from lorakit.errors import LorakitError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "fixtures" / "algebra_wide"
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 from make_algebra_fixtures_wide import cast_base, compare, sha256, topk_input  # noqa: E402

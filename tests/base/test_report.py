@@ -4,7 +4,7 @@ text, every column explained (hover in HTML, a legend in text).
 
 Built on :class:`Report` itself with made-up rows (no files), so each rule is seen
 failing on the order, count or text it guards. That every real report explains every
-column it shows is checked in test_text_twins.py, on the reports themselves.
+column it shows is checked in tests/project/test_text_twins.py, on the reports themselves.
 """
 from __future__ import annotations
 

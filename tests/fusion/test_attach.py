@@ -14,7 +14,7 @@ import pytest
 import lorakit
 from lorakit.fusion.model import attach_adapter, load_unfused
 
-PEFT = Path(__file__).parent / "fixtures" / "peft"
+PEFT = Path(__file__).resolve().parents[1] / "fixtures" / "peft"
 TOKENS = mx.array([[1, 5, 9, 3, 7, 2, 11, 4]])
 
 

@@ -25,7 +25,7 @@ from lorakit.io.naming import bind, bindings_by_tensor
 from lorakit.io.source import open_source
 from lorakit.io.weights import weight_f64
 
-DATA = Path(__file__).resolve().parent.parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 CASES = [("tiny-qwen3", "lora"), ("tiny-qwen3", "dora"), ("tiny-qwen3", "lora-embed"),
          ("tiny-qwen3", "peft-lora"), ("tiny-qwen3-moe", "moe-lora")]
 

@@ -13,7 +13,7 @@ from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors import read_header, read_raw
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "data" / "tiny-qwen3"
 
 

@@ -382,7 +382,7 @@ def test_kernel_is_built_where_required() -> None:
 
 @pytest.mark.slow
 def test_environment_switch_turns_it_off() -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     code = "from lorakit.fusion import nearest as n; print(n.USE_KERNEL, n.kernel_available())"
     env = dict(os.environ, PYTHONPATH=str(root), LORAKIT_FUSE_KERNEL="0")
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -12,7 +12,7 @@ import pytest
 import lorakit
 from lorakit.io.checkpoint import Checkpoint
 
-ROOT = Path(__file__).parent / "fixtures" / "peft"
+ROOT = Path(__file__).resolve().parents[1] / "fixtures" / "peft"
 FIXTURES = sorted(p.name for p in ROOT.iterdir() if (p / "merged").is_dir())
 
 

@@ -18,7 +18,7 @@ def load_file(path):
     ck = open_checkpoint(Path(path).parent)
     return {n: ck.read(n) for n in ck.tensors}
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "data/tiny-qwen3-4bit"
 WEAK = ROOT / "data/adapters/lora-4bit-weak"
 

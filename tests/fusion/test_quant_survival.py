@@ -19,7 +19,7 @@ import lorakit
 from lorakit.cli.main import main
 from lorakit.io.checkpoint import open_checkpoint
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 BASE = DATA / "tiny-qwen3-4bit"
 
 

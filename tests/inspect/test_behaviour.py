@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from helpers import DATA
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE, LORA = str(DATA / "tiny-qwen3"), str(DATA / "adapters" / "lora")
 CORPUS = DATA / "corpora" / "fortunes" / "valid.jsonl"
 

@@ -17,7 +17,7 @@ import pytest
 import lorakit
 from lorakit.inspect.generation import compare_generations
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 BASE = DATA / "tiny-qwen3"
 LORA = DATA / "adapters" / "lora"
 

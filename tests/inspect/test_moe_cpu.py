@@ -8,7 +8,7 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 MOE, ADAPTER = DATA / "tiny-qwen3-moe", DATA / "adapters" / "moe-lora"
 pytestmark = [pytest.mark.skipif(not (MOE / "config.json").exists(), reason="no MoE data"),
               pytest.mark.slow]  # loads mlx-lm models (~8 s of imports on this machine)

@@ -15,7 +15,7 @@ from lorakit.io.adapters.load import load_adapter
 from lorakit.io.adapters.write import save_adapter
 from lorakit.io.safetensors import read_header
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data" / "adapters"
 FIX = ROOT / "tests" / "fixtures" / "peft"
 

@@ -28,7 +28,7 @@ from lorakit.io.adapters.load import check_runtime_scope, load_adapter
 from lorakit.io.adapters.peft import PeftSettings
 from lorakit.io.checkpoint import Checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 Q = "model.layers.{}.self_attn.q_proj"
 
 

@@ -7,7 +7,7 @@ lorakit allocate more than the file holds. When a parse succeeds, what it return
 must be true of the file (ranges inside it, no overlaps, sizes that add up).
 
 Bounded for CI: ~200 examples per target. The same targets run under atheris
-(coverage-guided) when it is installed: ``python tests/test_fuzz.py -runs=100000``.
+(coverage-guided) when it is installed: ``python tests/io/test_fuzz.py -runs=100000``.
 """
 from __future__ import annotations
 
@@ -380,7 +380,7 @@ def test_atheris_harness(tmp_path: Path) -> None:
         r = subprocess.run([sys.executable, __file__, "-runs=5000", "-max_total_time=10",
                             f"-artifact_prefix={tmp_path}/"], capture_output=True, text=True,
                            timeout=180, cwd=tmp_path,
-                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]),
+                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
                                 "LORAKIT_FUZZ_DIR": str(work)})
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -15,7 +15,7 @@ from lorakit.errors import FormatError
 from lorakit.io.checkpoint import Checkpoint, open_checkpoint
 from lorakit.io.paths import resolve_model_path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

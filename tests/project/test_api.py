@@ -11,7 +11,7 @@ import pytest
 
 import lorakit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VERBS = ["fuse", "check", "diff", "open", "load_adapter", "combine", "extract", "time_decode",
          "compare_outputs"]
 #: package -> the verbs it exports besides the top-level ones

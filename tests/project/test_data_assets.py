@@ -22,7 +22,7 @@ nn = pytest.importorskip("mlx.nn")
 pytestmark = pytest.mark.skipif(bool(missing_modules("mlx_lm")), reason="mlx_lm not installed")
 mlx_lm = LazyModule("mlx_lm")
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 BASE = DATA / "tiny-qwen3"
 BASE_4BIT = DATA / "tiny-qwen3-4bit"
 MOE = DATA / "tiny-qwen3-moe"

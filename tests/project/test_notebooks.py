@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"not installed: {_MISSIN
 nbformat = LazyModule("nbformat")
 nbclient = LazyModule("nbclient")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NB_DIR = REPO / "notebooks"
 NOTEBOOKS = sorted(NB_DIR.glob("[0-9][0-9]_*.ipynb"))
 DATA = Path(os.environ.get("LORAKIT_DATA") or REPO / "data").resolve()

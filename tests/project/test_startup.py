@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("numpy", "mlx", "matplotlib", "ipywidgets", "tqdm")
 
 _PROBE = ("import json, sys; from lorakit.cli.main import main\n"

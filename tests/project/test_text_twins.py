@@ -6,7 +6,7 @@ the short relative one), or, where the report holds timings, constructed from fi
 numbers (``DecodeTiming.from_dict``; a real ``FuseResult`` with its seconds fixed).
 The expected texts are the files in ``tests/text_twins/``; a change to any report's
 text is a visible diff there. After an intended change, rewrite them with
-``LORAKIT_BLESS_TWINS=1 pytest tests/test_text_twins.py`` and review the diff.
+``LORAKIT_BLESS_TWINS=1 pytest tests/project/test_text_twins.py`` and review the diff.
 
 The HTML twin (``_repr_html_``) is checked as a smoke test only.
 """
@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict
 import pytest
 from helpers import DATA
 
-TWINS = Path(__file__).resolve().parent / "text_twins"
+TWINS = Path(__file__).resolve().parents[1] / "text_twins"
 BLESS = os.environ.get("LORAKIT_BLESS_TWINS") == "1"
 BASE, LORA, DORA = "data/tiny-qwen3", "data/adapters/lora", "data/adapters/dora"
 
@@ -200,7 +200,7 @@ def test_every_report_class_has_a_twin() -> None:
     """A new Report subclass needs a twin here."""
     import re
 
-    pkg = Path(__file__).resolve().parents[1] / "lorakit"
+    pkg = Path(__file__).resolve().parents[2] / "lorakit"
     classes = set()
     for f in pkg.rglob("*.py"):
         classes |= set(re.findall(r"^class (\w+)\((?:\w+\.)?Report\)", f.read_text(), re.M))

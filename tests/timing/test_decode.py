@@ -20,7 +20,7 @@ KEYS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o
 PROMPT, TOKENS, REPEATS = 12, 16, 2
 
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 @pytest.fixture(scope="module")

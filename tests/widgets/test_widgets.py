@@ -3,7 +3,7 @@
 Handlers run synchronously outside a kernel, so a click is ``button.click()`` and
 its effect is in the widgets' values and in the matplotlib Figures they hold. The
 models are tiny ones made by mlx-lm's own classes (``model_factory``); the
-notebooks (tests/test_notebooks.py) cover the embedded assets in data/.
+notebooks (tests/project/test_notebooks.py) cover the embedded assets in data/.
 """
 from __future__ import annotations
 
