@@ -1,4 +1,5 @@
-"""Did the merge take: planted fused outputs get the verdict they deserve."""
+"""Did the merge take: planted fused outputs get the verdict they deserve, a fuse of an
+exact combination of adapters (one scale per rank column) among them."""
 from __future__ import annotations
 
 import json
@@ -131,3 +132,22 @@ def test_quantized(tmp_path: Path) -> None:
     from matplotlib.figure import Figure
 
     assert isinstance(rep.plot(), Figure)
+
+
+# -- an exact combination of adapters ----------------------------------------------------
+DATA = Path(__file__).resolve().parents[2] / "data"
+TINY = DATA / "tiny-qwen3"
+COMBINED = [DATA / "adapters" / "lora", DATA / "adapters" / "lora-embed"]
+
+
+def test_check_of_an_exact_combination(tmp_path: Path) -> None:
+    combo = lorakit.combine(COMBINED, [0.7, -0.3]).adapter
+    assert any(getattr(t.scale, "ndim", 0) for t in combo.targets)  # per-column scales
+    lorakit.fuse(TINY, combo, tmp_path / "ok", progress=False)
+    assert lorakit.check(tmp_path / "ok", TINY, combo, progress=False).status == "ok"
+
+    other = lorakit.combine(COMBINED, [0.7, -0.35]).adapter
+    lorakit.fuse(TINY, other, tmp_path / "other", progress=False)
+    r = lorakit.check(tmp_path / "other", TINY, combo, progress=False)
+    assert r.status == "wrong" and r.exit_code() == 1
+    assert len(r.causes()) == len(combo.targets)  # every adapted tensor is named
