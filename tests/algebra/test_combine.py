@@ -1,7 +1,6 @@
 """Combining adapters: every method against an independent float64 computation here."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 

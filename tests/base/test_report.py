@@ -1,6 +1,7 @@
 """Report tables as a newcomer reads them: rows in model order (layer numerically, then
 kind), long tables collapsed behind a summary line in HTML and cut with a count in
-text, every column explained (hover in HTML, a legend in text).
+text, every column explained (hover in HTML, a legend in text); the HTML table builder escapes
+every value once.
 
 Built on :class:`Report` itself with made-up rows (no files), so each rule is seen
 failing on the order, count or text it guards. That every real report explains every
@@ -12,7 +13,7 @@ import html
 import re
 
 from lorakit.layers import model_order
-from lorakit.report import COLLAPSE_ROWS, Report
+from lorakit.report import COLLAPSE_ROWS, FLAGGED, Cell, Markup, Report, facts_table, table
 
 # file order as a checkpoint may hold it: layers 10, 2, 0, 1 mixed, embed and head inside
 FILE_ORDER = [
@@ -138,3 +139,13 @@ def test_every_column_is_explained_on_hover_and_in_a_legend():
     # a column without an explanation gets no empty title and no legend line
     bare = Report(title="t", rows=[{"tensor": "a.weight"}])
     assert "title=" not in bare._repr_html_() and "columns:" not in str(bare)
+
+
+def test_html_table_escapes_once() -> None:
+    t = table([["<a>", Cell(Markup("<b>ok</b>"), style="x")]], head=["k&", "v"],
+              row_styles={0: FLAGGED})
+    assert t == ("<table><thead><tr><th>k&amp;</th><th>v</th></tr></thead><tbody>"
+                 "<tr style='background:#fdd'><td>&lt;a&gt;</td><td style='x'><b>ok</b></td>"
+                 "</tr></tbody></table>")
+    assert facts_table([("a", "<1>")], key_style="s") == \
+        "<table><tr><th style='s'>a</th><td style='text-align:left'>&lt;1&gt;</td></tr></table>"

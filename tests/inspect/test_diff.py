@@ -1,4 +1,5 @@
-"""Ulp distances, streaming checkpoint comparison, parity, and error vs the exact fuse."""
+"""Ulp distances, streaming checkpoint comparison, the diff and its ulp-histogram view, and
+error vs the exact fuse."""
 from __future__ import annotations
 
 import shutil
@@ -9,14 +10,16 @@ import pytest
 
 from lorakit import numerics as nm
 from lorakit.inspect.diff import (
+    UlpReport,
     compare_sources,
     diff,
     error_histogram,
+    ulp_report,
     ulp_tensors,
     ulp_vs_reference,
 )
 from lorakit.inspect.ulp_count import Accumulator as _Acc
-from lorakit.inspect.ulp_count import TensorDiff
+from lorakit.inspect.ulp_count import TensorDiff, bin_labels
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors_write import PlannedTensor, SafetensorsWriter
 
@@ -131,6 +134,29 @@ def test_compare_files_in_small_pieces(tmp_path: Path) -> None:
     assert rep.histogram(layer="0")["4-7"] == 4 and rep.histogram(layer="1")["0"] == w.size
     assert rep.histogram()["8-15"] == 1
     assert "model.layers.0.mlp.up_proj.weight" in str(rep)
+
+
+def test_ulp_report_is_the_diff_seen_as_histograms(tmp_path: Path) -> None:
+    """``diff(a, b).ulp_report()`` is the same comparison (``compare_sources``) seen as ulp
+    histograms per tensor, per layer and overall, and its overall histogram is the diff's."""
+    rng = np.random.default_rng(0)
+    w = {f"model.layers.{i}.mlp.up_proj.weight": rng.normal(0, 0.02, (64, 48)) for i in range(3)}
+    ta = {n: ("BF16", bf(v)) for n, v in w.items()}
+    tb = {n: ("BF16", bf(v * (1 + 0.01 * k))) for k, (n, v) in enumerate(w.items())}
+    tb["only.in.b"] = ("BF16", ta["model.layers.0.mlp.up_proj.weight"][1][:2])
+    a = write_file(tmp_path / "a.safetensors", ta)
+    b = write_file(tmp_path / "b.safetensors", tb)
+    d = diff(a, b, progress=False)
+    rep = d.ulp_report()
+    direct = ulp_report("ulp distances a.safetensors vs b.safetensors", compare_sources(a, b),
+                        bin_labels(), {"A": str(a), "B": str(b)})
+    assert isinstance(rep, UlpReport)
+    assert str(rep) == str(direct)
+    assert rep.counts.tolist() == direct.counts.tolist()
+    assert {k: v.tolist() for k, v in rep.per_layer.items()} == \
+        {k: v.tolist() for k, v in direct.per_layer.items()}
+    assert [r["status"] for r in rep.rows] == ["equal", "differs", "differs", "only in B"]
+    assert d.overall.tolist() == rep.overall.tolist()
 
 
 # -- checkpoints made by real fuses -------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Synthetic checkpoints and adapters: real shapes, real files, loadable by mlx-lm and lorakit."""
+"""Synthetic checkpoints and adapters: real shapes, real files, loadable by mlx-lm and lorakit,
+written through the one output lifecycle (provenance, a safe ``force``)."""
 from __future__ import annotations
 
 import json
@@ -8,14 +9,18 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import tree_hash
 from mlx.utils import tree_flatten
 
+import lorakit
+import lorakit.synth as synth
 from lorakit import numerics as nm
 from lorakit.cli.main import main
 from lorakit.errors import AdapterError, FormatError, OutputExistsError
 from lorakit.io.adapters.load import load_adapter
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.naming import bind
+from lorakit.io.output import PROVENANCE
 from lorakit.io.safetensors import read_header
 from lorakit.synth import PRESETS, parse_size, plan_checkpoint, synth_adapter, synth_checkpoint
 
@@ -356,6 +361,55 @@ def test_synth_pair_fuses_with_lorakit(tmp_path, qwen):
     name = "model.layers.2.self_attn.q_proj.weight"
     changed = (base.read(name) != fused.read(name)).mean()
     assert changed > 0.5  # delta_std 1e-3 moves most bf16 elements of a 0.02-scale weight
+
+
+# -- public names, provenance, force -------------------------------------------------------
+def test_public_names() -> None:
+    for name in ("synth_checkpoint", "synth_adapter", "presets", "parse_size", "resolve_config",
+                 "plan_checkpoint", "write_tokenizer", "PRESETS", "DEFAULT_KEYS"):
+        assert hasattr(synth, name), name
+    assert synth.presets() == list(synth.PRESETS)
+
+
+@pytest.fixture(scope="module")
+def ck(tmp_path_factory) -> Path:
+    """A checkpoint of this section's own (the tests below list its files)."""
+    return synth_checkpoint(tmp_path_factory.mktemp("pkg") / "ck", "qwen3-1.7b",
+                            overrides=TINY, progress=False)
+
+
+def test_outputs_carry_provenance(ck: Path, tmp_path: Path) -> None:
+    doc = json.loads((ck / PROVENANCE).read_text())
+    assert doc["kind"] == "synth-checkpoint" and doc["settings"]["model"] == "qwen3-1.7b"
+    assert sorted(doc["files"]) == sorted(p.name for p in ck.iterdir() if p.name != PROVENANCE)
+    for fmt in ("mlx-lm", "peft"):
+        a = synth_adapter(tmp_path / fmt, ck, rank=2, layers=1, format=fmt)
+        doc = json.loads((a / PROVENANCE).read_text())
+        assert doc["kind"] == "synth-adapter" and doc["settings"]["format"] == fmt
+        lorakit.load_adapter(a)  # the provenance file does not confuse the loader
+
+
+def test_force_replaces_only_lorakit_outputs(ck: Path, tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "adapter_config.json").write_text("{}")
+    (mine / "notes.txt").write_text("precious")
+    before = tree_hash(mine)
+    with pytest.raises(OutputExistsError, match="refusing to replace") as e:
+        synth_adapter(mine, ck, rank=2, layers=1, force=True)
+    assert "notes.txt" in str(e.value) and tree_hash(mine) == before
+    with pytest.raises(OutputExistsError, match="refusing to replace"):
+        synth_checkpoint(mine, "qwen3-1.7b", overrides=TINY, progress=False, force=True)
+    assert tree_hash(mine) == before
+    # an empty directory needs no force; a previous output needs it
+    (tmp_path / "empty").mkdir()
+    a = synth_adapter(tmp_path / "empty", ck, rank=2, layers=1)
+    with pytest.raises(OutputExistsError, match="already exists"):
+        synth_adapter(a, ck, rank=2, layers=1)
+    first = tree_hash(a)
+    synth_adapter(a, ck, rank=2, layers=1, seed=1, force=True)
+    assert tree_hash(a) != first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "mine"]  # no temporaries
 
 
 # -- CLI ----------------------------------------------------------------------------------------
