@@ -14,9 +14,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "algebra"))
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 
-import test_algebra_peft_wide as T  # noqa: E402
+import test_peft_like_wide as T  # noqa: E402
 
 from lorakit.errors import LorakitError  # noqa: E402
 

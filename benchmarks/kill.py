@@ -12,7 +12,7 @@ appears), and the rest during ``--force`` runs replacing an earlier output.
 
     python benchmarks/kill.py --points 100 [--seed 0] [--json kill.json]
 
-The CI runs the same checks at a few points (tests/test_kill.py).
+The CI runs the same checks at a few points (tests/io/test_kill.py).
 """
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "io"))
 
-from test_bad_inputs import tree_hash  # noqa: E402
+from helpers import tree_hash  # noqa: E402
 from test_kill import build_kill_inputs, kill_once, timed_run  # noqa: E402
 
 from lorakit.fusion.fuse import fuse  # noqa: E402

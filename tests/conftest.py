@@ -1,8 +1,16 @@
 """Shared test setup and fixtures.
 
-Tests import their helpers (``model_factory``, ``helpers``) from this folder;
-matplotlib draws off-screen (through ``MPLBACKEND``, so nothing heavy is imported
-while collecting). Fixtures shared by several modules live here, built once per
+Layout: one folder per package of lorakit (``numerics/``, ``io/``, ``fusion/``,
+``algebra/``, ``inspect/``, ``timing/``, ``synth/``, ``widgets/``, ``cli/``; ``base/`` for
+the modules every package shares), ``project/`` for whole-repository checks,
+``browser/`` for the real-browser JupyterLab suite; the README and claims tests stay
+here. Each file is ``test_<module or idea>.py`` after what it tests. The folders have no
+``__init__.py`` (pytest's default ``prepend`` import mode), so every test file's name is
+unique across the suite.
+
+Tests import their helpers (``model_factory``, ``helpers``) from this folder, which is
+put on ``sys.path`` below; matplotlib draws off-screen (through ``MPLBACKEND``, so
+nothing heavy is imported while collecting). Fixtures shared by several modules live here, built once per
 session; tests must treat what they return as read-only and write elsewhere
 (their own ``tmp_path``).
 

@@ -4,7 +4,7 @@
 
 The layer order is read from ARCHITECTURE.md (its "Layers" block, top layer first: a
 package may import itself and the layers listed below it). Used by
-tests/test_architecture.py, which holds the rules.
+tests/project/test_architecture.py, which holds the rules.
 """
 from __future__ import annotations
 
