@@ -8,7 +8,7 @@ is written by hand and kept. Below it, one section per command (nested ones incl
 its description, then a table of its arguments with their ``--help`` text. Where the
 parser gives no text (an argument without ``help=``, a subcommand without a
 description), the text already on the page is kept, so it can be written by hand.
-tests/test_docs.py runs ``--check``.
+tests/docs/test_docs.py runs ``--check``.
 """
 from __future__ import annotations
 

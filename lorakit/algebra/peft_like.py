@@ -18,7 +18,7 @@ factors) on a model whose weights are ``base_code`` (BF16, F16 or F32):
   (``svd_rank``; ``svd_clamp``: U S and V^T clipped at the clamp quantile of their
   values); lorakit takes the SVD of the same float32 sum in float64, so its factors
   differ from PEFT's by float32 rounding noise (measured in BENCHMARKS.md, "Adapter
-  algebra", and tests/test_algebra_peft_wide.py).
+  algebra", and tests/algebra/test_peft_like_wide.py).
 * ``ties_svd``: PEFT's ``ties`` over the full float32 deltas (as ``ties``, float32
   steps), then as ``svd``.
 * ``dare_*`` draw torch's random masks: refused (lorakit's own ``dare_*`` take a seed).

@@ -8,7 +8,7 @@
  * Python redoes those in exact rationals (nearest._redo_exact). After that fix every
  * element is the correctly rounded exact value, which is unique: the summation order
  * here (FMA or not) may differ from numpy's, as the error bound covers any order
- * (tests/test_fuse_kernel.py compares the two bit for bit).
+ * (tests/fusion/test_nearest.py compares the two bit for bit).
  *
  * fuse_nearest(w, fmt_in, cols, bs, a, row_c, col_max, g, fmt_out, out, threads)
  *     -> (flagged, special)

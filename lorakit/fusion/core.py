@@ -25,7 +25,7 @@ Rounding modes (how the f32 adapter lands in a bf16/fp16 weight):
     ``(B @ A)`` in f32, then ``* scale``, then as ``mlx-lm``.
 
 Why ``nearest`` is the default: measured against an f64 reference (see
-``tests/test_fusion_core.py`` and BENCHMARKS.md) it is the only mode that is never
+``tests/fusion/test_fuse.py`` and BENCHMARKS.md) it is the only mode that is never
 more than 0.5 ulp off; ``round-once`` is off by one ulp at double-rounding ties,
 ``mlx-lm`` / ``scale-after`` on a few percent of elements.
 

@@ -5,7 +5,7 @@ f64 value might round the wrong way (near a tie, or cancelled terms) redone in e
 rationals. A plain LoRA goes through the optional C kernel (``_fusekernel.c``: the
 same sum, rounding and flags in one pass) where it is built; DoRA, a build without
 it, or ``LORAKIT_FUSE_KERNEL=0`` take the numpy path. Both give the same bits
-(tests/test_fuse_kernel.py).
+(tests/fusion/test_nearest.py).
 """
 from __future__ import annotations
 

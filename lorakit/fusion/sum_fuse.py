@@ -8,7 +8,7 @@ is not low rank and has no cheap exact-rational fallback like
 :func:`lorakit.fusion.core._exact_fix` (the row norm is a square root): the float64
 value is rounded once, within 0.5 ulp of it. Its own float64 error is a few f64 ulps
 of the terms, far below the output's ulp unless large weights cancel
-(``tests/test_algebra_dora.py``: DoRA 0.6 + LoRA -0.4 on tiny-qwen3, every element
+(``tests/algebra/test_combine_dora.py``: DoRA 0.6 + LoRA -0.4 on tiny-qwen3, every element
 within 0.5 ulp of an independent float64 computation).
 Only ``rounding='nearest'`` applies: the other orders are one adapter's runtime.
 """

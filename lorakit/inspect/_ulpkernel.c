@@ -3,7 +3,7 @@
  *
  * An optional accelerator for lorakit.inspect.ulp (pure numpy there, used when this
  * module is not built). Both compute the same numbers, bit for bit; the tests run
- * both on the same inputs (tests/test_ulp_kernel.py).
+ * both on the same inputs (tests/inspect/test_ulp_count.py).
  *
  * accumulate(a, b, fmt, hist) -> (differing, nan_mismatch, max_ulp, ulp_sum, max_abs)
  *

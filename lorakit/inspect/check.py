@@ -74,7 +74,7 @@ dequantized value. Other quantization modes use twice the
 largest error a correct re-quantization of the same group shows.
 
 A wrong merge whose distance stays inside this bound everywhere cannot be told from a
-correct one: that is the detection limit (measured in ``tests/test_merge_verdicts.py``).
+correct one: that is the detection limit (measured in ``tests/inspect/test_check_verdicts.py``).
 
 The rest of a merge check: tensors the adapter does not touch, whole-tensor
 replacements (PEFT ``modules_to_save``), tensors only one side has, and which dtype

@@ -14,7 +14,7 @@ vectorised pass per block of 256 elements, built at install where a C compiler i
 found) or, without it, in numpy: for 16-bit formats a few integer passes over the
 bits (:func:`_positions16`), where few elements differ only those; pieces holding a
 NaN, and float32 tensors, go through ``numerics.ulp_distance`` itself. Both paths
-give the same numbers, bit for bit (tests/test_ulp_kernel.py).
+give the same numbers, bit for bit (tests/inspect/test_ulp_count.py).
 
 >>> acc = Accumulator("BF16", DEFAULT_MAX_BIN)
 >>> acc.add(np.array([0x3F80, 0x0000], np.uint16), np.array([0x3F81, 0x8000], np.uint16))

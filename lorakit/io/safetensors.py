@@ -19,8 +19,8 @@ The reference is the ``safetensors`` package (Rust crate ``safetensors``, 0.8):
 ``Metadata::validate`` checks the layout. A file it refuses, lorakit refuses, and
 the other way round, with one deliberate exception: a tensor name given twice in
 one header (the reference keeps the last entry; other readers keep the first, so
-the same file would load different weights) is refused. ``tests/
-test_safetensors_reference.py`` feeds the same bytes to both and compares verdicts.
+the same file would load different weights) is refused.
+``tests/io/test_safetensors.py`` feeds the same bytes to both and compares verdicts.
 
 What ``serde_json`` does differently from Python's ``json`` and is repeated here:
 no ``NaN``/``Infinity``, numbers beyond the float range refused (even where the

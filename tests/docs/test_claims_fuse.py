@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers import md_table
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 

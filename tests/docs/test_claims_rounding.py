@@ -39,7 +39,7 @@ import lorakit  # noqa: E402
 from lorakit import numerics as nm  # noqa: E402
 from lorakit.inspect.ulp_count import CHUNK_BYTES  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data"
 REL = "relative error, rms(A - B) / rms(A)"
 TYP = "max ulp at typical magnitudes (|a|, |b| >= rms(A))"

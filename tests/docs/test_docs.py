@@ -2,7 +2,7 @@
 page, links and anchors resolve, the CLI reference names every subcommand and flag of the
 real parser (and no other), the docs use one name per verb, and they speak of the
 project only. The numbers the pages state are checked where they are measured (the
-claims tests, test_readme.py, test_merge_verdicts.py, test_quant_policy.py)."""
+claims tests beside it, test_readme.py, inspect/test_check_verdicts.py, fusion/test_quant.py)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,7 @@ from typing import Dict, Iterator, List, Set, Tuple
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 #: what a newcomer reads (ARCHITECTURE.md is linked from here too)
@@ -188,3 +188,16 @@ def test_docs_speak_of_the_project_only(path: Path) -> None:
                     r"(?i)(?<!mlx-lm )(?<!PEFT )\bissue \d+", r"\b[Rr]ound [A-G]\b"):
         found = re.search(pattern, text)
         assert not found, f"{_rel(path)}: {text[max(0, found.start() - 40):found.end() + 40]!r}"
+
+
+def test_named_test_files_exist() -> None:
+    """Every ``tests/...py`` a page, a docstring or a C comment names is a real file: test
+    files move with the package's layout, and the prose follows them."""
+    texts = [ROOT / n for n in ("README.md", "BENCHMARKS.md", "ARCHITECTURE.md", "SECURITY.md")]
+    texts += PAGES + sorted((ROOT / "lorakit").rglob("*.py")) + sorted((ROOT / "lorakit").rglob("*.c"))
+    missing = []
+    for path in texts:
+        for ref in re.findall(r"tests/[\w/]*test_\w+\.py", path.read_text()):
+            if not (ROOT / ref).is_file():
+                missing.append(f"{path.relative_to(ROOT)}: {ref}")
+    assert missing == []

@@ -13,7 +13,7 @@ from lorakit.timing.compare import RESULTS, load_benchmark, load_seed, side_by_s
 from lorakit.timing.stats import BYTES_THRESHOLD, SPEED_THRESHOLD
 from lorakit.timing.table import DecodeTiming
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEED = json.loads((RESULTS / "seed-report.json").read_text())
 FIVE = RESULTS / "cpu-tiny-bench-5x.json"
 
