@@ -102,7 +102,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from .. import numerics as nm
-from ..errors import LorakitError
+from ..errors import FormatError, LorakitError
 from ..fusion.core import cast_raw
 from ..fusion.delta import Piece, intended, intended_blocks, tensor_pieces
 from ..io.adapters.load import Adapter, load_adapter
@@ -332,6 +332,12 @@ def _adapted_row(sf, sb, tensor, binds, conversion: Optional[str]) -> Dict[str, 
         else:
             return row(tensor, dtype, "wrong", "shape mismatch",
                        detail=f"expected {list(want)}, found {list(have)}")
+    for code, src in ((base_code, sb), (fused_code, sf)):
+        if code not in ("BF16", "F16", "F32"):  # a merge is checked in a fuse's formats
+            raise FormatError("cannot check a merge of this dtype", file=src.path,
+                              tensor=tensor, expected="a BF16, F16 or F32 weight",
+                              found=code, hint="lorakit fuse and mlx_lm fuse write "
+                              "these three; store float64 weights as float32 first")
     bound = _Bound(sf, tensor, base_code, fused_code)
     m = _measure(sf, sb, tensor, binds, bound, transposed)
     r = row(tensor, dtype, "ok", "ok", **m)

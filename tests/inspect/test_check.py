@@ -152,3 +152,28 @@ def test_check_of_an_exact_combination(tmp_path: Path) -> None:
     r = lorakit.check(tmp_path / "other", TINY, combo, progress=False)
     assert r.status == "wrong" and r.exit_code() == 1
     assert len(r.causes()) == len(combo.targets)  # every adapted tensor is named
+
+
+def test_a_float64_checkpoint_is_one_clear_error(tmp_path) -> None:
+    """A float64 weight (no fuse writes one) is refused naming the file, the tensor, what
+    check takes and what it found; nothing is written."""
+
+    import mlx.core as mx
+    from safetensors.numpy import save_file
+
+    from lorakit.errors import FormatError
+
+    root = Path(__file__).resolve().parents[2] / "data"
+    base = tmp_path / "f64"
+    shutil.copytree(root / "tiny-qwen3", base)
+    shard = next(base.glob("*.safetensors"))
+    w = mx.load(str(shard))
+    save_file({k: np.array(v.astype(mx.float32)).astype(np.float64) for k, v in w.items()},
+              str(shard), metadata={"format": "mlx"})
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(FormatError) as e:
+        lorakit.check(base, base, root / "adapters" / "lora", progress=False)
+    msg = str(e.value)
+    assert "cannot check a merge of this dtype" in msg and "found: F64" in msg
+    assert e.value.tensor and e.value.tensor.endswith(".weight") and str(base) in msg
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
