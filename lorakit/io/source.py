@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 from ..errors import FormatError
 from .checkpoint import Checkpoint, QuantParams
 from .dtypes import majority_dtype
-from .paths import load_json, resolve_model_path
+from .paths import load_json, resolve_model_path, safe_member
 from .safetensors import (
     MX_CODES,
     TensorInfo,
@@ -197,9 +197,12 @@ class ModelSource(_SourceBase):
 
 def _adapter_source(p: Path) -> FileSource:
     for name in _ADAPTER_WEIGHTS:
-        if (p / name).exists():
-            cfg = load_json(p / _ADAPTER_CONFIG, "adapter config")
-            return FileSource(p / name, "adapter", p.name, cfg if isinstance(cfg, dict) else {})
+        if (p / name).exists() or (p / name).is_symlink():
+            # the files fuse reads, checked as fuse checks them: no link out of the folder
+            weights = safe_member(p, name, source=p, what="adapter weights")
+            cfg_path = safe_member(p, _ADAPTER_CONFIG, source=p, what="adapter config")
+            cfg = load_json(cfg_path, "adapter config")
+            return FileSource(weights, "adapter", p.name, cfg if isinstance(cfg, dict) else {})
     raise FormatError("no adapter weights found", file=p,
                       expected=" or ".join(_ADAPTER_WEIGHTS))
 

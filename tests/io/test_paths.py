@@ -211,3 +211,28 @@ def test_cli_os_errors_on_other_paths_are_one_message(here: Path) -> None:
     assert p.returncode == 2 and "Traceback" not in err, err
     assert err.startswith("lorakit fuse: error: ") and len(err) < 600, err
     assert "too long" in err, err
+
+
+@pytest.mark.parametrize("link", ["adapters.safetensors", "adapter_config.json"])
+def test_every_verb_refuses_a_link_out_of_an_adapter_folder(tmp_path: Path, link: str) -> None:
+    """diff, inspect and fuse read an adapter folder by the same rule: a file linked to
+    a place outside the folder is refused before it is parsed (the outside file here is
+    not even a safetensors file: parsing it first would give another error)."""
+
+    ad = tmp_path / "ad"
+    shutil.copytree(REPO / "data" / "adapters" / "lora", ad)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"\xff" * 64)
+    (ad / link).unlink()
+    (ad / link).symlink_to(outside)
+    for argv in (["diff", str(ad), str(REPO / "data" / "adapters" / "lora")],
+                 ["inspect", str(ad)],
+                 ["fuse", "--model", str(REPO / "data" / "tiny-qwen3"), "--adapter-path", str(ad),
+                  "--save-path", str(tmp_path / "out"), "-q"]):
+        proc = subprocess.run([sys.executable, "-m", "lorakit", *argv], capture_output=True,
+                              text=True, cwd=REPO)
+        assert proc.returncode == 2, (argv, proc.stdout, proc.stderr)
+        assert "link out of the directory" in proc.stderr and str(outside) in proc.stderr, \
+            (argv[0], proc.stderr)
+        assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
