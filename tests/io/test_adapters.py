@@ -269,7 +269,7 @@ def test_peft_target_modules_matching_no_module_of_the_model(peft_ad: Path, base
 
 # -- 4. config numbers ---------------------------------------------------------------------------
 @pytest.mark.parametrize("key, value, says", [
-    ("lp_rank", 8, "rank 4 in the tensors but 8 in the config"),
+    ("lp_rank", 8, "rank 4 in the tensors but 8 in adapter_config.json"),
     ("lp_rank", "4", "lora_parameters.rank missing or not a positive integer"),
     ("lp_rank", 4.0, "lora_parameters.rank missing or not a positive integer"),
     ("lp_scale", "2.0", "lora_parameters.scale missing or not a number"),
@@ -287,7 +287,7 @@ def test_mlx_config_numbers(ad_last2: Path, tmp_path: Path, key: str, value, say
 
 
 @pytest.mark.parametrize("key, value, says", [
-    ("r", 8, "rank 4 in the tensors but 8 in the config"),
+    ("r", 8, "rank 4 in the tensors but 8 in adapter_config.json"),
     ("r", 4.5, "r must be a whole number"),
     ("r", "4", "needs a positive r"),
     ("lora_alpha", "eight", "needs a positive lora_alpha"),

@@ -703,7 +703,7 @@ def _(e):
 
 
 @case("peft-rank-disagrees-with-config", AdapterError, "adapter_model.safetensors",
-      "rank 4 in the tensors but 8 in the config", tensor="model.layers.0.self_attn.q_proj")
+      "rank 4 in the tensors but 8 in adapter_config.json", tensor="model.layers.0.self_attn.q_proj")
 def _(e):
     edit_json(peft(e) / "adapter_config.json", lambda c: c.update(r=8))
 
@@ -998,7 +998,7 @@ def _(e):
 
 
 @runtime_case("adapter-config-rank-disagrees", AdapterError, "adapters.safetensors",
-              "rank 4 in the tensors but 8 in the config", "expected rank 8, found 4",
+              "rank 4 in the tensors but 8 in adapter_config.json", "expected rank 8, found 4",
               tensor="model.layers.0.self_attn.q_proj")
 def _(e):
     edit_json(e.adapter / "adapter_config.json", lambda c: c["lora_parameters"].update(rank=8))

@@ -75,7 +75,7 @@ class MlxScope:
 
         >>> MlxScope(2, frozenset({"self_attn.q_proj"})).refusal(
         ...     "model.layers.1.self_attn.q_proj", 8)
-        'layer 1 is not among the last 2 layers (num_layers=2; adapted: layers 6..7)'
+        'layer 1 is not among the last 2 layers (num_layers=2 in adapter_config.json; adapted: layers 6..7)'
         """
         if self.keys is not None and module in self.keys:
             return None  # a whole path in keys: mlx-lm adapts it wherever it is
@@ -91,7 +91,7 @@ class MlxScope:
             return f"{m.group(3)!r} is not in lora_parameters.keys"
         if n_layers is not None and int(m.group(2)) < self.first_layer(n_layers):
             return (f"layer {m.group(2)} is not among the last {self.num_layers} layers "
-                    f"(num_layers={self.num_layers}; adapted: layers "
+                    f"(num_layers={self.num_layers} in adapter_config.json; adapted: layers "
                     f"{self.first_layer(n_layers)}..{n_layers - 1})")
         return None
 
@@ -221,8 +221,8 @@ def _plan(module: str, leaves: Dict[str, str], ts: AdapterTensors, ftype: str,
         return None, (f"  {module}: rank mismatch between lora_a and lora_b: "
                       f"expected {want}, found {found}")
     if r != rank:
-        return None, (f"  {module}: rank {r} in the tensors but {rank} in the config "
-                      f"(lora_parameters.rank): expected rank {rank}, found {r}")
+        return None, (f"  {module}: rank {r} in the tensors but {rank} in "
+                      f"adapter_config.json (lora_parameters.rank): expected rank {rank}, found {r}")
     m = leaves.get("m")
     if m is not None and ftype != "dora":
         return None, (f"  {m}: DoRA magnitude in an adapter whose fine_tune_type is {ftype!r} "
@@ -277,7 +277,8 @@ def load_mlx(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None) -> Ad
     if errors:
         raise problems(file, errors, "<module>.lora_a (in, r) and .lora_b (r, out) per module"
                        + (", and .m (out,)" if ftype == "dora" else "")
-                       + " for the modules mlx-lm adapts (num_layers, lora_parameters.keys)",
+                       + " for the modules mlx-lm adapts (num_layers, lora_parameters.keys of "
+                       "adapter_config.json)",
                        hint="mlx-lm's load_adapters refuses this file too (\"contains "
                        "incompatible tensors\")" if any("adapter parameter" in e
                                                         for e in errors) else None)
@@ -299,6 +300,7 @@ def check_layer_scope(adapter: Adapter, n_layers: int) -> None:
     if errors:
         raise problems(adapter.weights_file, errors,
                        f"tensors only for the last {scope.num_layers} of the model's "
-                       f"{n_layers} layers (num_layers)", "tensor(s) mlx-lm would refuse",
+                       f"{n_layers} layers (num_layers in adapter_config.json; the model's layers "
+                       "from its config.json)", "tensor(s) mlx-lm would refuse",
                        hint="mlx-lm's load_adapters refuses this adapter on this model "
                        "(\"contains incompatible tensors\"); was it trained on another model?")

@@ -322,8 +322,8 @@ def _plan(module: str, g: Dict[str, str], ts: AdapterTensors, s: PeftSettings
                       f"(out, r), found {list(a)} and {list(b)}")
     want_r, alpha = s.rank_alpha(module)
     if a[0] != want_r:
-        return None, (f"  {module}: rank {a[0]} in the tensors but {want_r} in the config "
-                      f"(r / rank_pattern): expected rank {want_r}, found {a[0]}")
+        return None, (f"  {module}: rank {a[0]} in the tensors but {want_r} in "
+                      f"adapter_config.json (r / rank_pattern): expected rank {want_r}, found {a[0]}")
     m = g.get("M")
     if m is not None:
         ts.check_float(m)
