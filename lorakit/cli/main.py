@@ -157,6 +157,24 @@ def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
                 _no_abbreviations(p)
 
 
+def _one_line_warnings(command: str) -> None:
+    """lorakit's own warnings as one line on stderr, as its errors are ("lorakit fuse:
+    warning: ..."), not Python's "file:line: Category" form with a source line."""
+    import warnings
+
+    from ..io.output import OutputWarning
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, OutputWarning):
+            print(f"{command}: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 #: exit status when the reader of stdout goes away (``lorakit inspect ... | head``):
 #: 128 + SIGPIPE, what a shell reports for a Unix tool that SIGPIPE ended.
 EXIT_BROKEN_PIPE = 141
@@ -189,6 +207,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             sys.stdout.flush()
             raise
         command = f"lorakit {args.command}"
+        _one_line_warnings(command)
         try:
             code = int(args.run(args) or 0)
             sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit

@@ -149,9 +149,13 @@ def clean_stale_temporaries(out: Path) -> List[Path]:
         shutil.rmtree(p, ignore_errors=True)
     live = live_temporaries(out)
     if live:
-        warnings.warn(f"{len(live)} temporary director{'y' if len(live) == 1 else 'ies'} of "
-                      f"a running lorakit process beside {out} left in place: "
-                      + ", ".join(p.name for p in live), OutputWarning, stacklevel=3)
+        pids = sorted({pid for p, pid in _temporaries(out) if p in live})
+        warnings.warn(f"another running lorakit process (pid {', '.join(map(str, pids))}) is "
+                      f"writing {out} right now; its temporary "
+                      + ", ".join(p.name for p in live) + " is left alone. This one goes on: "
+                      "whichever finishes second refuses to replace the other's output "
+                      "(nothing is lost; pass --force to replace it)", OutputWarning,
+                      stacklevel=3)
     return live
 
 
@@ -244,7 +248,10 @@ def _check_replaceable(out: Path, st: os.stat_result, *, force: bool, allow_empt
                                 expected="a new path" + (" (or an empty directory)"
                                                          if allow_empty else ""),
                                 found="an existing " + ("directory" if is_dir else "file"),
-                                hint="pass --force (force=True) to replace it")
+                                hint="another process wrote it while this one ran; it is "
+                                "complete and was left as it is, and nothing of this run "
+                                "remains. Pass --force (force=True) to replace it"
+                                if appeared else "pass --force (force=True) to replace it")
     if not is_dir:
         raise OutputExistsError("output path is a file, not a directory", file=out,
                                 expected="a directory", found="a file",

@@ -319,3 +319,42 @@ def test_long_output_name_gets_a_temporary_that_fits(inputs, tmp_path: Path) -> 
     assert stale_temporaries(out) == []  # another name's stem: not ours
     with pytest.raises(OutputExistsError, match="cannot use the output path"):
         _fuse(inputs, tmp_path / ("n" * 300))
+
+
+def test_a_racing_fuse_is_one_line_saying_what_is_safe(tmp_path: Path) -> None:
+    """Another process writing the same output: the CLI says so in one line (who, what
+    is left alone, what happens next), not Python's warning format; the other's
+    temporary is untouched and this fuse still completes."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = _temp(tmp_path, "fused", sleeper.pid)
+        out = tmp_path / "fused"
+        proc = subprocess.run(cli(REPO / "data" / "tiny-qwen3", REPO / "data" / "adapters" / "lora",
+                                  out), capture_output=True, text=True, env=cli_env(), cwd=REPO)
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("lorakit fuse: warning: another running "
+                                                       f"lorakit process (pid {sleeper.pid})")
+        assert live.name in lines[0] and "left alone" in lines[0] and "--force" in lines[0]
+        assert "OutputWarning" not in proc.stderr
+        assert live.exists() and (live / "partial.safetensors").exists() and out.is_dir()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_an_output_that_appears_while_writing_is_kept_and_explained(tmp_path: Path) -> None:
+    from lorakit.errors import OutputExistsError
+
+    out = check_output_path(tmp_path / "o", protected=[], force=False)
+    with pytest.raises(OutputExistsError) as e:
+        with OutputDirectory(out, force=False) as od:
+            (od.tmp / "config.json").write_text("{}")
+            out.mkdir()  # another process published its output meanwhile
+            (out / "theirs.txt").write_text("kept")
+            od.commit("example", {})
+    msg = str(e.value)
+    assert "appeared while writing" in msg and "another process wrote it" in msg
+    assert "left as it is" in msg and "--force" in msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]  # this run left nothing
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"]
