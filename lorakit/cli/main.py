@@ -195,6 +195,12 @@ def _quiet_broken_pipe() -> int:
     return EXIT_BROKEN_PIPE
 
 
+def _flush() -> None:
+    """Flush stdout; a process started with stdout closed (``>&-``) has none to flush."""
+    if sys.stdout is not None:
+        sys.stdout.flush()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run one command. Exit status: 0 success, 2 a lorakit error (one message on
     stderr), 130 interrupted, 141 stdout closed early (``| head``); commands that
@@ -204,13 +210,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             args = build_parser().parse_args(argv)
         except SystemExit:  # --help, --version, usage errors: their text is out now
-            sys.stdout.flush()
+            _flush()
             raise
         command = f"lorakit {args.command}"
         _one_line_warnings(command)
         try:
             code = int(args.run(args) or 0)
-            sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+            _flush()  # a closed pipe shows here, not at interpreter exit
             return code
         except LorakitError as e:
             if os.environ.get("LORAKIT_DEBUG"):

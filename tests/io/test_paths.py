@@ -236,3 +236,16 @@ def test_every_verb_refuses_a_link_out_of_an_adapter_folder(tmp_path: Path, link
             (argv[0], proc.stderr)
         assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_fuse_started_with_stdout_closed_completes(tmp_path: Path) -> None:
+    """``lorakit fuse ... >&-``: no stdout at all. The fuse completes (status 0, output
+    whole), its summary has nowhere to go, and nothing is printed as a traceback."""
+    out = tmp_path / "o"
+    proc = subprocess.run([sys.executable, "-m", "lorakit", "fuse", "--model",
+                           str(REPO / "data" / "tiny-qwen3"), "--adapter-path",
+                           str(REPO / "data" / "adapters" / "lora"), "--save-path", str(out),
+                           "-q"], stderr=subprocess.PIPE, text=True, cwd=REPO,
+                          preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert (out / "lorakit.json").is_file()
