@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from typing import Callable, Dict, List, Optional
 
 from ..errors import LorakitError
@@ -160,8 +161,6 @@ def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
 def _one_line_warnings(command: str) -> None:
     """lorakit's own warnings as one line on stderr, as its errors are ("lorakit fuse:
     warning: ..."), not Python's "file:line: Category" form with a source line."""
-    import warnings
-
     from ..io.output import OutputWarning
 
     shown = warnings.showwarning
