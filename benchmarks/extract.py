@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import lorakit  # noqa: E402
 from lorakit import numerics as nm  # noqa: E402
-from lorakit.io.adapters.load import Adapter, LoraTarget  # noqa: E402
+from lorakit.io.adapters.base import Adapter, LoraTarget  # noqa: E402
 from lorakit.io.checkpoint import Checkpoint  # noqa: E402
 
 CHILD = """

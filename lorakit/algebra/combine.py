@@ -55,8 +55,9 @@ import numpy as np
 
 from ..errors import AdapterError, LorakitError
 from ..fusion.delta import SumTarget, intended, tensor_pieces
+from ..io.adapters.base import Adapter, LoraTarget
 from ..io.adapters.layout import expert_modules
-from ..io.adapters.load import Adapter, LoraTarget, load_adapter
+from ..io.adapters.load import load_adapter
 from ..io.adapters.write import save_adapter
 from ..io.naming import bind
 from ..io.source import open_source

@@ -72,7 +72,7 @@ import numpy as np
 
 from ..errors import AdapterError, LorakitError
 from ..fusion.core import peft_delta, torch_row_norm
-from ..io.adapters.load import Adapter, LoraTarget
+from ..io.adapters.base import Adapter, LoraTarget
 from ..io.naming import bind
 from ..io.source import open_source
 from ..io.weights import weight_f64

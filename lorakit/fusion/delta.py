@@ -17,7 +17,7 @@ fuse, delta norms, adapter comparisons and the survival of a re-quantized delta 
 their pieces and targets from here.
 
 >>> import numpy as np
->>> from lorakit.io.adapters.load import LoraTarget
+>>> from lorakit.io.adapters.base import LoraTarget
 >>> t = LoraTarget("m.q_proj", "linear", np.ones((1, 3), np.float32),
 ...                np.full((2, 1), 2, np.float32), 0.5)
 >>> (p,) = target_pieces(t)
@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import numerics as nm
 from ..errors import FuseError
-from ..io.adapters.load import LoraTarget
+from ..io.adapters.base import LoraTarget
 from ..io.naming import Binding
 from ..io.source import TensorSource
 from ..io.weights import weight_f64

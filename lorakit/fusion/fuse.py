@@ -44,7 +44,8 @@ import numpy as np
 
 from .. import __version__
 from ..errors import FuseError, LorakitError
-from ..io.adapters.load import Adapter, Replacement, load_adapter
+from ..io.adapters.base import Adapter, Replacement
+from ..io.adapters.load import load_adapter
 from ..io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from ..io.export import check_gguf_export
 from ..io.export import export_gguf as write_gguf
@@ -133,7 +134,6 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
 # Fuse an adapter into a checkpoint on disk, one tensor in memory at a time.
 
 
-PathLike = Union[str, Path]
 
 
 # -- planning ----------------------------------------------------------------------------

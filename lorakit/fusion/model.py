@@ -22,13 +22,8 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from ..errors import AdapterError
-from ..io.adapters.load import (
-    MLX_WEIGHTS,
-    PEFT_WEIGHTS,
-    Adapter,
-    LoraTarget,
-    load_adapter,
-)
+from ..io.adapters.base import MLX_WEIGHTS, PEFT_WEIGHTS, Adapter, LoraTarget
+from ..io.adapters.load import load_adapter
 from ..io.checkpoint import QuantParams
 from ..io.naming import bind, bind_replacements, bindings_by_tensor
 from ..io.safetensors import mx_to_raw, raw_to_mx

@@ -139,12 +139,3 @@ class FuseOptions:
         """The settings a fused checkpoint records (``lorakit.json``, the model card)."""
         return {"rounding": self.rounding, "dtype_policy": self.dtype,
                 "dequantize": self.dequantize}
-
-    @classmethod
-    def of(cls, value: Any = None, **kw: Any) -> "FuseOptions":
-        """``value`` if it is already FuseOptions (``kw`` must then be empty), else new ones."""
-        if isinstance(value, FuseOptions):
-            if kw:
-                raise TypeError("pass either FuseOptions or keyword settings, not both")
-            return value
-        return cls(**kw)

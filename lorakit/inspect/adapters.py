@@ -27,7 +27,8 @@ import numpy as np
 
 from ..algebra.lowrank import factor_svd
 from ..fusion.delta import target_pieces
-from ..io.adapters.load import Adapter, LoraTarget, load_adapter
+from ..io.adapters.base import Adapter, LoraTarget
+from ..io.adapters.load import load_adapter
 from ..io.naming import strip_prefix
 from ..io.source import open_source
 from ..layers import split_name

@@ -105,7 +105,8 @@ from .. import numerics as nm
 from ..errors import FormatError, LorakitError
 from ..fusion.core import cast_raw
 from ..fusion.delta import Piece, intended, intended_blocks, tensor_pieces
-from ..io.adapters.load import Adapter, load_adapter
+from ..io.adapters.base import Adapter
+from ..io.adapters.load import load_adapter
 from ..io.naming import bind, bind_replacements, bindings_by_tensor
 from ..io.safetensors import ITEMSIZE, raw_to_mx
 from ..io.source import TensorSource, open_source

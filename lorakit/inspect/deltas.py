@@ -23,7 +23,8 @@ import numpy as np
 from .. import numerics as nm
 from ..algebra.lowrank import factor_svd
 from ..fusion.delta import target_pieces
-from ..io.adapters.load import Adapter, load_adapter
+from ..io.adapters.base import Adapter
+from ..io.adapters.load import load_adapter
 from ..io.naming import bind
 from ..io.source import TensorSource, open_source
 from ..io.weights import weight_f64

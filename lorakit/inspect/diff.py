@@ -67,7 +67,8 @@ import numpy as np
 from .. import numerics as nm
 from ..errors import FormatError
 from ..fusion.delta import intended_pieces
-from ..io.adapters.load import Adapter, load_adapter
+from ..io.adapters.base import Adapter
+from ..io.adapters.load import load_adapter
 from ..io.naming import bind, bindings_by_tensor
 from ..io.safetensors import FLOAT_CODES, TensorInfo, mx_to_raw
 from ..io.source import TensorSource, open_source

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..errors import AdapterError
-from .adapters.load import Adapter, LoraTarget, Replacement, check_runtime_scope
+from .adapters.base import Adapter, LoraTarget, Replacement
+from .adapters.load import check_runtime_scope
 from .checkpoint import QuantParams
 from .source import TensorSource
 

@@ -28,7 +28,8 @@ from ..algebra.combine import combine
 from ..algebra.lowrank import delta_gram
 from ..fusion.model import attach_adapter
 from ..inspect.generation import GenerationReport, compare_generations
-from ..io.adapters.load import Adapter, load_adapter
+from ..io.adapters.base import Adapter
+from ..io.adapters.load import load_adapter
 from ._base import ErrorBox, facts_html, hook, rows_html
 
 __all__ = ["PathLike", "AdapterMixer"]

@@ -16,7 +16,8 @@ import pytest
 
 from lorakit.algebra.combine import combine
 from lorakit.errors import LorakitError
-from lorakit.io.adapters.load import Adapter, load_adapter
+from lorakit.io.adapters.base import Adapter
+from lorakit.io.adapters.load import load_adapter
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data"

@@ -19,7 +19,8 @@ from lorakit.fusion.core import fuse_bindings
 from lorakit.fusion.delta import intended_pieces
 from lorakit.fusion.quant import RequantStat, dequantize_raw, quantize_raw, requant_survival
 from lorakit.inspect.deltas import delta_norms
-from lorakit.io.adapters.load import LoraTarget, load_adapter
+from lorakit.io.adapters.base import LoraTarget
+from lorakit.io.adapters.load import load_adapter
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.naming import bind, bindings_by_tensor
 from lorakit.io.source import open_source

@@ -10,13 +10,8 @@ import pytest
 
 import lorakit
 from lorakit.errors import FuseError
-from lorakit.fusion.quant import (
-    calibration_tokens,
-    pack_codes,
-    parse_method,
-    parse_policy,
-    unpack_codes,
-)
+from lorakit.fusion.options import parse_method, parse_policy
+from lorakit.fusion.quant import calibration_tokens, pack_codes, unpack_codes
 from lorakit.io.checkpoint import open_checkpoint
 
 

@@ -23,15 +23,12 @@ from .base import (
     MLX_WEIGHTS,
     PEFT_WEIGHTS,
     Adapter,
-    LoraTarget,
     PathLike,
-    Replacement,
 )
 from .mlx import check_layer_scope, load_mlx
 from .peft import check_targets_exist, load_peft
 
-__all__ = ["Adapter", "LoraTarget", "Replacement", "load_adapter", "check_runtime_scope",
-           "MLX_WEIGHTS", "PEFT_WEIGHTS", "CONFIG"]
+__all__ = ["load_adapter", "check_runtime_scope", "model_layer_count"]
 
 
 def _weights_of(path: Path, cfg: Dict[str, Any]) -> Tuple[str, Path]:
