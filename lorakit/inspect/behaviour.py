@@ -54,6 +54,7 @@ from ..io.corpus import DEFAULT_CORPUS, encode_text, read_corpus
 from ..progress import Progress, progress_bar
 from ..report import Report, jsonable
 from . import plots
+from .moe_cpu import float32_if_refused
 
 __all__ = ['DEFAULT_CORPUS', 'Side', 'read_corpus', 'windows', 'score_windows', 'compare_outputs', 'BehaviourReport', 'STAT_KEYS']
 
@@ -284,11 +285,25 @@ def compare_outputs(reference: Any, test: Any, corpus: Optional[PathLike] = None
     text, name, sha = read_corpus(corpus)
     ids = encode_text(ref.tokenizer, text)
     wins = windows(ids, context, tokens)
+    # a model whose dtype MLX's CPU refuses for some op (bf16 GatherMM...): float32
+    notes = {side: float32_if_refused(s.model) for side, s in (("reference", ref), ("test", tst))}
     arrays = score_windows(ref.model, tst.model, wins, top_k=top_k, detail=detail,
                            progress=progress)
-    return BehaviourReport.build(arrays, reference=ref.label, test=tst.label, corpus=name,
-                                 corpus_sha256=sha, context=context,
-                                 corpus_tokens=len(ids), tokenizer=ref.tokenizer)
+    rep = BehaviourReport.build(arrays, reference=ref.label, test=tst.label, corpus=name,
+                                corpus_sha256=sha, context=context,
+                                corpus_tokens=len(ids), tokenizer=ref.tokenizer)
+    return with_float32_note(rep, notes)
+
+
+def with_float32_note(rep: Any, notes: Dict[str, str]) -> Any:
+    """Say which models ran in float32 and why: ``rep.float32`` (the sides that did,
+    also in ``to_dict()``) and the summary's ``note`` (the line the text and HTML views
+    show)."""
+    f32 = [side for side, n in notes.items() if n]
+    rep.float32 = f32
+    if f32:
+        rep.summary["note"] = f"{' and '.join(f32)} {notes[f32[0]]}"
+    return rep
 
 
 # ---------------------------------------------------------------------------
@@ -321,7 +336,9 @@ class BehaviourReport(Report):
     top tokens), ``target``; and both models' top candidates for the first scored
     tokens: ``ref_top_ids`` / ``ref_top_logp`` / ``test_top_ids`` / ``test_top_logp``),
     ``pieces`` (the decoded target token of each detailed position), ``ref_top_pieces``
-    / ``test_top_pieces`` (decoded top candidates), ``context``.
+    / ``test_top_pieces`` (decoded top candidates), ``context``, ``float32`` (the sides,
+    ``reference`` / ``test``, computed in float32 because MLX's CPU refused their dtype;
+    the summary's ``note`` says so).
     """
 
     column_help = {
@@ -340,6 +357,7 @@ class BehaviourReport(Report):
     ref_top_pieces: List[List[str]] = field(default_factory=list)
     test_top_pieces: List[List[str]] = field(default_factory=list)
     context: int = 0
+    float32: List[str] = field(default_factory=list)  # sides run in float32 (MLX's CPU)
 
     def __getattr__(self, name: str) -> Any:  # rep.mean_kl, rep.top1_agreement, ...
         stats = self.__dict__.get("stats") or {}
@@ -394,6 +412,7 @@ class BehaviourReport(Report):
         d["models"] = {"reference": self.summary["reference"], "test": self.summary["test"]}
         d["title"] = self.title
         d["rows"] = self.rows
+        d["float32"] = list(self.float32)
         if per_token:
             d["per_token"] = {k: v for k, v in self.arrays.items()}
         return jsonable(d)

@@ -8,16 +8,74 @@ of a loaded model so that on CPU it computes in float32 (its weights cast once) 
 hands its output back in the input's dtype; everything else keeps its dtype.
 Generation (``compare_generations``) and decode timing call it and say so in their
 reports. On a GPU, or for quantized experts (``gather_qmm``), it changes nothing.
+
+Other ops of other models (hybrid / SSM layers, a future kernel) may be refused the same
+way. :func:`float32_if_refused` finds those by trying: one short forward pass; if MLX
+refuses it with its "only supports float32" error, the model's float parameters are cast
+to float32 (in place) and the caller's report says so (:data:`F32_NOTE`). No list of
+model names is kept.
 """
 from __future__ import annotations
 
 from typing import Any, List
 
-__all__ = ["NOTE", "moe_float32_on_cpu"]
+__all__ = ["NOTE", "F32_NOTE", "moe_float32_on_cpu", "float32_if_refused", "run_or_float32",
+           "refuses_dtype"]
 
 MOE_BLOCKS = ("SwitchGLU", "SwitchMLP")
 NOTE = ("MoE expert layers ({n}) ran in float32 on CPU: MLX's CPU GatherMM supports "
         "float32 only; the rest of the model kept its dtypes")
+
+
+#: the words of MLX's error for a CPU kernel that has no bf16 / f16 version
+REFUSED_WORDS = "only supports float32"
+F32_NOTE = ("computed in float32 on CPU: MLX's CPU backend refused this model's {dtype} "
+            "forward pass ({error}); its weights were cast to float32 for this measurement")
+
+
+def refuses_dtype(err: BaseException) -> bool:
+    """Whether ``err`` is MLX's "this CPU kernel only supports float32" error."""
+    return isinstance(err, (RuntimeError, ValueError)) and REFUSED_WORDS in str(err)
+
+
+def _float_dtype(model: Any) -> str:
+    import mlx.core as mx  # lazy: MLX only when a model is loaded
+    from mlx.utils import tree_flatten  # lazy: MLX only when a model is loaded
+
+    kinds = {str(v.dtype).replace("mlx.core.", "") for _, v in tree_flatten(model.parameters())
+             if mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx.float32}
+    return "/".join(sorted(kinds)) or "float32"
+
+
+def run_or_float32(model: Any, fn: Any) -> Any:
+    """``fn()`` evaluated; if MLX's CPU refuses an op's dtype, cast ``model``'s float
+    parameters to float32 (in place) and run it again. Returns ``(result, note)``:
+    ``note`` is "" when nothing changed, else :data:`F32_NOTE` filled in."""
+    import mlx.core as mx  # lazy: MLX only when a model is loaded
+
+    try:
+        out = fn()
+        mx.eval(out)
+        return out, ""
+    except (RuntimeError, ValueError) as e:
+        if not refuses_dtype(e):
+            raise
+        note = F32_NOTE.format(dtype=_float_dtype(model), error=str(e).strip().splitlines()[0])
+    model.set_dtype(mx.float32)
+    out = fn()
+    mx.eval(out)
+    return out, note
+
+
+def float32_if_refused(model: Any, vocab: int = 2) -> str:
+    """One short forward pass of ``model`` (token ids 0 and 1, ``vocab`` ignored
+    otherwise); where MLX's CPU refuses an op in the model's dtype, the model's float
+    parameters are cast to float32 in place. Returns the note for the report ("" when
+    the model ran as it is)."""
+    import mlx.core as mx  # lazy: MLX only when a model is loaded
+
+    x = mx.array([[0, min(1, max(vocab - 1, 0))]])
+    return run_or_float32(model, lambda: model(x))[1]
 
 
 def _needs_f32(block: Any) -> bool:

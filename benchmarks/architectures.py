@@ -1,0 +1,502 @@
+"""Every mlx-lm architecture: a tiny random bf16 model of each module in ``mlx_lm.models``
+that defines ``Model`` and ``ModelArgs``, LoRA and DoRA adapters made by mlx-lm's own
+``linear_to_lora_layers`` (random non-zero ``lora_b``), fused by lorakit and by mlx-lm's
+fuse code, then compared.
+
+Per architecture, in a child process with a timeout (one crash does not stop the sweep):
+
+* ``build``: the model from its tiny config, random bf16 weights, saved with mlx-lm's
+  ``save_model`` / ``save_config`` and loaded back with ``mlx_lm.utils.load_model``;
+* ``lora`` / ``dora``: the adapter (mlx-lm's ``linear_to_lora_layers``, every linear of
+  every block, rank 4), saved as ``mlx_lm lora`` does;
+* ``mlx_fuse``: ``mlx_lm.fuse.main`` in-process (LoRA and DoRA);
+* ``bits``: lorakit ``fuse(rounding="mlx-lm")`` against mlx-lm's output, tensor by
+  tensor: LoRA bit-identical (names, dtypes, bytes); DoRA the same values (mlx-lm writes
+  DoRA weights float32, lorakit keeps the checkpoint's dtype) and, with
+  ``dtype="promote"`` (fused weights float32, the rest kept), mlx-lm's exact bytes;
+* ``dtypes``: lorakit's default fuse keeps every tensor's dtype;
+* ``check``: ``lorakit.check`` of that fuse: 0 wrong;
+* ``forward``: the fused model loaded by mlx-lm runs one forward pass (finite logits);
+  where MLX's CPU lacks a bf16 op (GatherMM) the run is repeated in float32 and says so;
+* ``kl``: ``compare_outputs`` fused vs base + adapter unfused (64 tokens).
+
+A step that fails records the error text and whose it is: ``mlx-lm`` when mlx-lm's own
+code fails without lorakit (its build, load, adapter, fuse or forward of the unfused
+model), ``lorakit`` otherwise.
+
+Tiny configs come from mlx-lm's own ``tests/test_models.py`` (``--mlx-lm-tests``, a copy
+of that file; its ``ModelArgs(...)`` calls with literal arguments); the others are built
+from each ``ModelArgs``'s fields. The configs used are recorded in the JSON, and a run
+without ``--mlx-lm-tests`` reuses them.
+
+  python benchmarks/architectures.py --mlx-lm-tests /path/to/mlx-lm/tests/test_models.py \\
+      --out benchmarks/results/architectures.json
+  python benchmarks/architectures.py --only llama,qwen3       # a few, printed
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "architectures.json"
+STEPS = ("build", "lora", "dora", "mlx_fuse", "bits_lora", "bits_dora", "dtypes", "check",
+         "forward", "kl")
+
+# small values for the fields a tiny model sets (a config without a test in mlx-lm)
+SMALL: Dict[str, Any] = dict(
+    hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=128, head_dim=16, rms_norm_eps=1e-5,
+    layer_norm_eps=1e-5, norm_eps=1e-5, max_position_embeddings=256, rope_theta=10000.0,
+    num_experts=4, num_experts_per_tok=2, n_routed_experts=4, moe_intermediate_size=32,
+    n_shared_experts=1, shared_expert_intermediate_size=64, num_local_experts=4,
+    n_layer=2, n_head=4, n_embd=64, n_positions=256, d_model=64, n_heads=4, n_layers=2,
+    num_layers=2, dim=64, hidden_dim=128, ffn_dim=128, kv_lora_rank=16, q_lora_rank=16,
+    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
+    sliding_window=64, tie_word_embeddings=False, kv_channels=16, seq_length=256,
+    n_group=1, topk_group=1, num_key_value_groups=2,
+)
+TYPE_DEFAULTS = {"int": 2, "float": 1e-5, "bool": False, "str": "", "dict": None}
+
+
+def model_modules() -> List[str]:
+    """Every module of ``mlx_lm.models`` (the package's files, not imported yet)."""
+    import pkgutil
+
+    import mlx_lm.models as pkg
+
+    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.ispkg)
+
+
+def configs_from_tests(path: Path) -> Dict[str, Dict[str, Any]]:
+    """``{module: config}`` from the ``<module>.ModelArgs(...)`` and
+    ``<module>.ModelArgs.from_dict({...})`` calls of mlx-lm's tests/test_models.py whose
+    arguments are all literals (the first such call per module)."""
+    tree = ast.parse(path.read_text())
+    out: Dict[str, Dict[str, Any]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        f = node.func
+        cfg = None
+        if f.attr == "ModelArgs" and isinstance(f.value, ast.Name):
+            mod = f.value.id
+            try:
+                cfg = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg}
+                if any(k.arg is None for k in node.keywords) or node.args:
+                    cfg = None
+            except ValueError:
+                cfg = None
+        elif f.attr == "from_dict" and isinstance(f.value, ast.Attribute) \
+                and f.value.attr == "ModelArgs" and isinstance(f.value.value, ast.Name) \
+                and len(node.args) == 1:
+            mod = f.value.value.id
+            try:
+                cfg = ast.literal_eval(node.args[0])
+            except ValueError:
+                cfg = None
+        if cfg and mod not in out:
+            out[mod] = cfg
+    return out
+
+
+def generic_config(module: str) -> Dict[str, Any]:
+    """A tiny config from ``ModelArgs``'s own fields: known size fields made small,
+    required fields given a small value of their type."""
+    import importlib
+
+    m = importlib.import_module(f"mlx_lm.models.{module}")
+    cfg: Dict[str, Any] = {}
+    for fld in dataclasses.fields(m.ModelArgs):
+        if fld.name in SMALL:
+            cfg[fld.name] = SMALL[fld.name]
+        elif fld.default is dataclasses.MISSING and fld.default_factory is dataclasses.MISSING:
+            t = str(fld.type)
+            cfg[fld.name] = next((v for k, v in TYPE_DEFAULTS.items() if k in t), None)
+    cfg["model_type"] = cfg.get("model_type") or module
+    return cfg
+
+
+def byte_vocab(cfg: Dict[str, Any], least: int = 384) -> Dict[str, Any]:
+    """The config with ``vocab_size`` raised to ``least`` where smaller (lorakit.synth's
+    byte-level tokenizer needs 256 ids and the specials); nested ``text_config`` too."""
+    cfg = json.loads(json.dumps(cfg))
+    for c in (cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}):
+        if isinstance(c.get("vocab_size"), int) and c["vocab_size"] < least:
+            c["vocab_size"] = least
+    return cfg
+
+
+# -- one architecture (in a child process) -------------------------------------------------
+class Step(Exception):
+    def __init__(self, step: str, owner: str, err: BaseException):
+        super().__init__(f"{type(err).__name__}: {err}")
+        self.step, self.owner = step, owner
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
+
+
+def _save_adapter(model_path: Path, out: Path, dora: bool) -> Path:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(model_path)
+    model.freeze()
+    n = len(model.layers)
+    lora = {"rank": 4, "scale": 2.0, "dropout": 0.0}
+    mx.random.seed(1)
+    linear_to_lora_layers(model, n, lora, use_dora=dora)
+    new = {}
+    for k, v in tree_flatten(model.trainable_parameters()):
+        if k.endswith("lora_b"):
+            v = mx.random.normal(v.shape) * 0.02
+        elif k.endswith(".m"):
+            v = v * (1 + 0.05 * mx.random.normal(v.shape))
+        new[k] = v.astype(mx.float32)
+    if not new:
+        raise ValueError("linear_to_lora_layers adapted no layer")
+    out.mkdir(parents=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), new)
+    cfg = {"fine_tune_type": "dora" if dora else "lora", "num_layers": n,
+           "lora_parameters": lora, "model": str(model_path)}
+    (out / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def _build(module: str, cfg: Dict[str, Any], path: Path) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes, load_model, save_config, save_model
+
+    from lorakit.synth.tokenizer import write_tokenizer
+
+    cfg = dict(cfg)
+    model_cls, args_cls = _get_classes(cfg)
+    if model_cls.__module__ != f"mlx_lm.models.{module}":
+        raise ValueError(f"model_type {cfg['model_type']!r} loads {model_cls.__module__}")
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(cfg))
+    params = [(k, (mx.random.normal(v.shape) * 0.05).astype(mx.bfloat16)
+               if mx.issubdtype(v.dtype, mx.floating) else v)
+              for k, v in tree_flatten(model.parameters())]
+    model.load_weights(params)
+    mx.eval(model.parameters())
+    path.mkdir(parents=True)
+    save_model(path, model)
+    save_config(cfg, path / "config.json")
+    write_tokenizer(path, cfg)
+    load_model(path)  # mlx-lm reads what it wrote
+
+
+def _tensors(path: Path) -> Dict[str, Any]:
+    import mlx.core as mx
+
+    out: Dict[str, Any] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(mx.load(str(f)))
+    return out
+
+
+def _bits(a: Any, b: Any) -> bool:
+    import numpy as np
+
+    return a.dtype == b.dtype and a.shape == b.shape and \
+        np.array_equal(np.array(a.view(_uint(a))), np.array(b.view(_uint(b))))
+
+
+def _uint(a: Any):
+    import mlx.core as mx
+
+    return {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.dtype.size]
+
+
+def _compare(ours: Path, theirs: Path, *, values: bool = False) -> Dict[str, Any]:
+    """Per tensor: same names, dtypes and bytes (``values``: theirs cast to our dtype
+    equals ours bit for bit, i.e. the same values written in another dtype)."""
+    a, b = _tensors(ours), _tensors(theirs)
+    differ, dtypes = [], []
+    for n in sorted(set(a) | set(b)):
+        if n not in a or n not in b:
+            differ.append(n)
+            continue
+        if a[n].dtype != b[n].dtype:
+            dtypes.append(f"{n}: {a[n].dtype} vs {b[n].dtype}")
+        y = b[n].astype(a[n].dtype) if values else b[n]
+        if not _bits(a[n], y):
+            differ.append(n)
+    return {"tensors": len(set(a) | set(b)), "differ": len(differ),
+            "first_differ": differ[:3], "dtype_differ": len(dtypes),
+            "first_dtype_differ": dtypes[:3]}
+
+
+def _forward(path: Path, adapter: Optional[Path] = None) -> Dict[str, Any]:
+    """One forward pass of the model at ``path`` (adapter attached unfused), in its own
+    dtypes, or in float32 where MLX's CPU lacks the bf16 op (what lorakit's reports do)."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    from lorakit.fusion.model import attach_adapter
+    from lorakit.inspect.moe_cpu import run_or_float32
+
+    model, _ = load_model(path)
+    if adapter is not None:
+        model = attach_adapter(model, adapter)
+    x = mx.array([[1, 2, 3, 4]])
+    logits, f32 = run_or_float32(model, lambda: model(x))
+    return {"finite": bool(mx.all(mx.isfinite(logits.astype(mx.float32)))),
+            "float32": bool(f32), "shape": list(logits.shape)}
+
+
+def run_one(module: str, cfg: Dict[str, Any], work: Path) -> Dict[str, Any]:
+    """All steps for one architecture; a failing step ends the row with its error."""
+    import lorakit
+    from lorakit.io.checkpoint import Checkpoint
+
+    row: Dict[str, Any] = {"module": module, "steps": {}, "config": cfg}
+    st = row["steps"]
+    base, lora_ad, dora_ad = work / "base", work / "lora", work / "dora"
+
+    def step(name: str, owner: str, fn):
+        t0 = time.perf_counter()
+        try:
+            res = fn()
+        except Exception as e:  # recorded: the row says which step and whose
+            st[name] = {"ok": False, "owner": owner, "error": _err(e),
+                        "trace": traceback.format_exc().splitlines()[-4:]}
+            raise Step(name, owner, e) from None
+        st[name] = {"ok": True, "s": round(time.perf_counter() - t0, 2)}
+        if isinstance(res, dict):
+            st[name].update(res)
+        return res
+
+    try:
+        step("build", "mlx-lm", lambda: _build(module, cfg, base))
+        step("lora", "mlx-lm", lambda: _save_adapter(base, lora_ad, False))
+        try:
+            step("dora", "mlx-lm", lambda: _save_adapter(base, dora_ad, True))
+        except Step:
+            dora_ad = None
+        step("mlx_fuse", "mlx-lm", lambda: _mlx_fuse(base, lora_ad, dora_ad, work))
+        if "dora" in st.get("mlx_fuse", {}).get("failed", ""):
+            dora_ad = None
+
+        def bits_lora():
+            lorakit.fuse(base, lora_ad, work / "k-lora", rounding="mlx-lm", progress=False)
+            r = _compare(work / "k-lora", work / "m-lora")
+            if r["differ"] or r["dtype_differ"]:
+                raise AssertionError(f"LoRA differs from mlx_lm fuse: {r}")
+            return r
+
+        step("bits_lora", "lorakit", bits_lora)
+        if dora_ad is not None:
+            def bits_dora():
+                lorakit.fuse(base, dora_ad, work / "k-dora", rounding="mlx-lm", progress=False)
+                lorakit.fuse(base, dora_ad, work / "k-dora32", rounding="mlx-lm",
+                             dtype="promote", progress=False)
+                vals = _compare(work / "k-dora", work / "m-dora", values=True)
+                exact = _compare(work / "k-dora32", work / "m-dora")
+                if vals["differ"] or exact["differ"] or exact["dtype_differ"]:
+                    raise AssertionError(f"DoRA differs: values {vals}, float32 {exact}")
+                return {"values": vals, "promote_exact": exact}
+
+            try:
+                step("bits_dora", "lorakit", bits_dora)
+            except Step:
+                pass
+
+        def dtypes():
+            lorakit.fuse(base, lora_ad, work / "nearest", progress=False)
+            b, a = Checkpoint(base), Checkpoint(work / "nearest")
+            bad = [n for n in b.tensors if a.info(n).dtype != b.info(n).dtype]
+            if bad or set(a.tensors) != set(b.tensors):
+                raise AssertionError(f"dtypes changed: {bad[:3]}")
+            return {"tensors": len(b.tensors)}
+
+        step("dtypes", "lorakit", dtypes)
+
+        def check():
+            rep = lorakit.check(work / "nearest", base, lora_ad, progress=False)
+            wrong = sum(r["status"] == "wrong" for r in rep.rows)
+            if wrong:
+                raise AssertionError(f"check: {wrong} wrong: {rep}")
+            return {"rows": len(rep.rows), "wrong": wrong, "status": rep.status}
+
+        step("check", "lorakit", check)
+        try:  # the unfused model first: a failure there is mlx-lm's own
+            step("forward_unfused", "mlx-lm", lambda: _forward(base, lora_ad))
+        except Step:
+            pass
+        owner = "mlx-lm" if not st["forward_unfused"]["ok"] else "lorakit"
+        step("forward", owner, lambda: _forward(work / "nearest"))
+
+        def kl():
+            rep = lorakit.compare_outputs(str(work / "nearest"), (str(base), str(lora_ad)),
+                                          tokens=64, context=32)
+            return {"mean_kl": float(rep.mean_kl), "top1": float(rep.top1_agreement),
+                    "float32": list(rep.float32)}
+
+        step("kl", owner, kl)
+    except Step:
+        pass
+    return row
+
+
+def _mlx_fuse(base: Path, lora_ad: Path, dora_ad: Optional[Path], work: Path) -> Dict[str, Any]:
+    from mlx_lm import fuse as mlx_fuse
+
+    def one(ad: Path, out: Path) -> None:
+        argv = sys.argv
+        sys.argv = ["mlx_lm.fuse", "--model", str(base), "--adapter-path", str(ad),
+                    "--save-path", str(out)]
+        try:
+            mlx_fuse.main()
+        finally:
+            sys.argv = argv
+
+    one(lora_ad, work / "m-lora")
+    res: Dict[str, Any] = {}
+    if dora_ad is not None:
+        try:
+            one(dora_ad, work / "m-dora")
+        except Exception as e:  # mlx-lm cannot fuse its own DoRA adapter here
+            res["failed"] = f"dora: {_err(e)}"
+    return res
+
+
+def child(module: str, cfg_json: str) -> int:
+    import mlx.core as mx
+
+    mx.set_default_device(mx.cpu)
+    with tempfile.TemporaryDirectory(prefix=f"arch-{module}-") as d:
+        row = run_one(module, json.loads(cfg_json), Path(d))
+    sys.stdout.write("\nROW " + json.dumps(row) + "\n")
+    return 0
+
+
+# -- the sweep ------------------------------------------------------------------------------
+def classify(module: str) -> Dict[str, Any]:
+    import importlib
+
+    try:
+        m = importlib.import_module(f"mlx_lm.models.{module}")
+    except Exception as e:  # an optional dependency of mlx-lm's missing
+        return {"module": module, "import_error": _err(e)}
+    return {"module": module, "model": hasattr(m, "Model") and hasattr(m, "ModelArgs")}
+
+
+def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    def ok(r, s):
+        return r.get("steps", {}).get(s, {}).get("ok", False)
+
+    fails = [(r["module"], s, v) for r in rows for s, v in r.get("steps", {}).items()
+             if not v["ok"]]
+    return {
+        "tried": len(rows),
+        "built": sum(ok(r, "build") for r in rows),
+        "lora_made": sum(ok(r, "lora") for r in rows),
+        "dora_made": sum(ok(r, "dora") for r in rows),
+        "mlx_fused": sum(ok(r, "mlx_fuse") for r in rows),
+        "lora_bit_identical": sum(ok(r, "bits_lora") for r in rows),
+        "dora_same_values": sum(ok(r, "bits_dora") for r in rows),
+        "dtypes_kept": sum(ok(r, "dtypes") for r in rows),
+        "check_0_wrong": sum(ok(r, "check") for r in rows),
+        "forward_runs": sum(ok(r, "forward") for r in rows),
+        "forward_float32": sum(r.get("steps", {}).get("forward", {}).get("float32", False)
+                               for r in rows),
+        "kl_runs": sum(ok(r, "kl") for r in rows),
+        "failures_lorakit": sum(o == "lorakit" for _, _, v in fails for o in [v["owner"]]),
+        "failures_mlx_lm": sum(v["owner"] == "mlx-lm" for _, _, v in fails),
+        "timeouts": sum(bool(r.get("timeout")) for r in rows),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mlx-lm-tests", type=Path, help="mlx-lm's tests/test_models.py")
+    p.add_argument("--only", help="comma-separated module names")
+    p.add_argument("--timeout", type=int, default=240)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        return child(*a.child)
+
+    import mlx_lm
+
+    old: Dict[str, Any] = {}
+    if DEFAULT_OUT.exists():
+        old = {r["module"]: r.get("config") for r in json.loads(DEFAULT_OUT.read_text())["rows"]}
+    from_tests = configs_from_tests(a.mlx_lm_tests) if a.mlx_lm_tests else {}
+    mods = model_modules()
+    if a.only:
+        mods = [m for m in mods if m in a.only.split(",")]
+    rows, skipped = [], []
+    t_all = time.perf_counter()
+    for mod in mods:
+        c = classify(mod)
+        if "import_error" in c:
+            rows.append({"module": mod, "steps": {"build": {
+                "ok": False, "owner": "mlx-lm", "error": "import: " + c["import_error"]}}})
+            continue
+        if not c["model"]:
+            skipped.append(mod)
+            continue
+        if mod in from_tests:
+            cfg, src = from_tests[mod], "mlx-lm tests/test_models.py"
+        elif old.get(mod):
+            cfg, src = old[mod], "recorded"
+        else:
+            cfg, src = generic_config(mod), "from ModelArgs fields"
+        cfg.setdefault("model_type", mod)
+        cfg = byte_vocab(cfg)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--child", mod, json.dumps(cfg)],
+                                  capture_output=True, text=True, timeout=a.timeout)
+            line = [x for x in proc.stdout.splitlines() if x.startswith("ROW ")]
+            row = json.loads(line[-1][4:]) if line else {
+                "module": mod, "config": cfg, "steps": {"build": {
+                    "ok": False, "owner": "lorakit",
+                    "error": f"child exited {proc.returncode}: {proc.stderr[-300:]}"}}}
+        except subprocess.TimeoutExpired:
+            row = {"module": mod, "config": cfg, "timeout": True, "steps": {"build": {
+                "ok": False, "owner": "lorakit", "error": f"timeout after {a.timeout} s"}}}
+        row["config_source"] = src
+        row["s"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        print(_line(row), flush=True)
+    summary = summarize(rows)
+    print(json.dumps(summary, indent=1))
+    if a.out:
+        doc = {"what": "benchmarks/architectures.py: every mlx-lm model module, tiny bf16 "
+                       "model, LoRA + DoRA, lorakit fuse vs mlx_lm fuse",
+               "mlx_lm": mlx_lm.__version__, "platform": platform.platform(),
+               "not_models": skipped, "summary": summary,
+               "seconds": round(time.perf_counter() - t_all, 1), "rows": rows}
+        a.out.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+def _line(row: Dict[str, Any]) -> str:
+    st = row.get("steps", {})
+    marks = " ".join(f"{s}:{'ok' if st[s]['ok'] else 'FAIL'}" for s in STEPS if s in st)
+    bad = next((f"  [{s} {v['owner']}] {v['error']}" for s, v in st.items() if not v["ok"]), "")
+    return f"{row['module']:<24} {marks}{bad}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
