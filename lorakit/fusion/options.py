@@ -17,17 +17,20 @@ from typing import Any, Optional
 
 from ..errors import FuseError
 
-__all__ = ["ROUNDINGS", "ROUNDING_HELP", "MLX_ROUNDINGS", "DTYPE_POLICIES", "POLICIES", "FuseOptions", "Choice", "REQUANT",
+__all__ = ["ROUNDINGS", "ROUNDING_HELP", "DORA_PARITY", "MLX_ROUNDINGS", "DTYPE_POLICIES", "POLICIES", "FuseOptions", "Choice", "REQUANT",
            "parse_policy", "parse_method", "METHODS", "REFUSED"]
 
 #: rounding orders: correctly rounded (default), PEFT's merge_and_unload, mlx-lm's
 #: fuse, and mlx-lm's order with the scale applied after the product
 ROUNDINGS = ("nearest", "round-once", "mlx-lm", "scale-after")
+#: what ``--rounding mlx-lm`` gives for a DoRA adapter (the help, docs and model card)
+DORA_PARITY = ("same values as mlx_lm fuse; dtype kept (mlx_lm fuse writes DoRA weights "
+               "float32; --dtype promote writes its exact bytes)")
 #: each rounding order in words (the model card a fuse writes, the CLI's help)
 ROUNDING_HELP = {
     "nearest": "correctly rounded: W + scale * B @ A computed exactly, rounded once",
     "round-once": "PEFT merge_and_unload's order (float32 product, one rounding)",
-    "mlx-lm": "bit-identical to `mlx_lm fuse`",
+    "mlx-lm": "mlx_lm fuse's order: LoRA bit-identical to `mlx_lm fuse`; DoRA: " + DORA_PARITY,
     "scale-after": "mlx-lm's order with the scale applied after the product",
 }
 #: the orders computed in MLX itself (their base weights are read with ``mx.load``)
