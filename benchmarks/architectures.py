@@ -168,7 +168,10 @@ def _save_adapter(model_path: Path, out: Path, dora: bool) -> Path:
             v = v * (1 + 0.05 * mx.random.normal(v.shape))
         new[k] = v.astype(mx.float32)
     if not new:
-        raise ValueError("linear_to_lora_layers adapted no layer")
+        kinds = sorted({type(m).__name__ for _, m in model.layers[0].named_modules()
+                        if "Linear" in type(m).__name__})
+        raise ValueError("mlx-lm's linear_to_lora_layers adapted no layer (this model's "
+                         f"linear layers: {', '.join(kinds) or 'none'})")
     out.mkdir(parents=True)
     mx.save_safetensors(str(out / "adapters.safetensors"), new)
     cfg = {"fine_tune_type": "dora" if dora else "lora", "num_layers": n,
@@ -177,7 +180,7 @@ def _save_adapter(model_path: Path, out: Path, dora: bool) -> Path:
     return out
 
 
-def _build(module: str, cfg: Dict[str, Any], path: Path) -> None:
+def _build(module: str, cfg: Dict[str, Any], path: Path) -> Dict[str, Any]:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes, load_model, save_config, save_model
@@ -190,6 +193,12 @@ def _build(module: str, cfg: Dict[str, Any], path: Path) -> None:
         raise ValueError(f"model_type {cfg['model_type']!r} loads {model_cls.__module__}")
     mx.random.seed(0)
     model = model_cls(args_cls.from_dict(cfg))
+    shrunk = False
+    if _count(model) > MAX_PARAMS:  # a test config at the defaults (cohere: 8192 wide)
+        cfg, shrunk = _shrink(cfg, args_cls), True
+        model = model_cls(args_cls.from_dict(cfg))
+        if _count(model) > MAX_PARAMS:
+            raise ValueError(f"no tiny config: {_count(model)} parameters after shrinking")
     params = [(k, (mx.random.normal(v.shape) * 0.05).astype(mx.bfloat16)
                if mx.issubdtype(v.dtype, mx.floating) else v)
               for k, v in tree_flatten(model.parameters())]
@@ -200,6 +209,32 @@ def _build(module: str, cfg: Dict[str, Any], path: Path) -> None:
     save_config(cfg, path / "config.json")
     write_tokenizer(path, cfg)
     load_model(path)  # mlx-lm reads what it wrote
+    return {"params": _count(model), "shrunk": shrunk, **({"config": cfg} if shrunk else {})}
+
+
+#: a tiny model's parameter cap (the sweep runs on a laptop CPU)
+MAX_PARAMS = 3_000_000
+
+
+def _count(model: Any) -> int:
+    from mlx.utils import tree_flatten
+
+    n = 0
+    for _, v in tree_flatten(model.parameters()):
+        n += v.size
+    return n
+
+
+def _shrink(cfg: Dict[str, Any], args_cls: Any) -> Dict[str, Any]:
+    """``cfg`` with :data:`SMALL`'s value for each size field ``ModelArgs`` has (and in a
+    nested ``text_config``)."""
+    names = {f.name for f in dataclasses.fields(args_cls)}
+    out = dict(cfg)
+    out.update({k: v for k, v in SMALL.items() if k in names})
+    if isinstance(out.get("text_config"), dict):
+        out["text_config"] = {**out["text_config"],
+                              **{k: v for k, v in SMALL.items() if k in out["text_config"]}}
+    return byte_vocab(out)
 
 
 def _tensors(path: Path) -> Dict[str, Any]:
@@ -284,7 +319,9 @@ def run_one(module: str, cfg: Dict[str, Any], work: Path) -> Dict[str, Any]:
         return res
 
     try:
-        step("build", "mlx-lm", lambda: _build(module, cfg, base))
+        built = step("build", "mlx-lm", lambda: _build(module, cfg, base))
+        if built.get("shrunk"):
+            row["config"] = st["build"].pop("config")
         step("lora", "mlx-lm", lambda: _save_adapter(base, lora_ad, False))
         try:
             step("dora", "mlx-lm", lambda: _save_adapter(base, dora_ad, True))
@@ -420,6 +457,7 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         "kl_runs": sum(ok(r, "kl") for r in rows),
         "failures_lorakit": sum(o == "lorakit" for _, _, v in fails for o in [v["owner"]]),
         "failures_mlx_lm": sum(v["owner"] == "mlx-lm" for _, _, v in fails),
+        "failures_unclassified": sum(v["owner"] == "unclassified" for _, _, v in fails),
         "timeouts": sum(bool(r.get("timeout")) for r in rows),
     }
 
@@ -470,11 +508,12 @@ def main(argv=None) -> int:
             line = [x for x in proc.stdout.splitlines() if x.startswith("ROW ")]
             row = json.loads(line[-1][4:]) if line else {
                 "module": mod, "config": cfg, "steps": {"build": {
-                    "ok": False, "owner": "lorakit",
+                    "ok": False, "owner": "unclassified",
                     "error": f"child exited {proc.returncode}: {proc.stderr[-300:]}"}}}
         except subprocess.TimeoutExpired:
             row = {"module": mod, "config": cfg, "timeout": True, "steps": {"build": {
-                "ok": False, "owner": "lorakit", "error": f"timeout after {a.timeout} s"}}}
+                "ok": False, "owner": "unclassified",
+                "error": f"timeout after {a.timeout} s"}}}
         row["config_source"] = src
         row["s"] = round(time.perf_counter() - t0, 1)
         rows.append(row)

@@ -706,7 +706,8 @@ def fused_vs_unfused(fused: Any, base: Any, adapter: Any, tokens: int, *,
                           _path(fused, "fused checkpoint") if not isinstance(fused, str) else fused,
                           corpus, tokens=tokens, context=min(CONTEXT, tokens),
                           detail=0, progress=progress)
-    return {k: rep.stats[k] for k in KEYS}
+    return {**{k: rep.stats[k] for k in KEYS}, "float32": list(rep.float32),
+            **({"note": rep.summary["note"]} if rep.float32 else {})}
 
 
 def behaviour_line(stats: Dict[str, Any]) -> str:
@@ -714,8 +715,10 @@ def behaviour_line(stats: Dict[str, Any]) -> str:
     figure only where exact logit ties make the two rules differ."""
     top, strict = stats["top1_agreement"], stats.get("top1_agreement_strict", stats["top1_agreement"])
     alone = f"argmax alone {100 * strict:.4g}%; " if strict != top else ""
+    f32 = "; computed in float32 (MLX's CPU refused the model's dtype)" \
+        if stats.get("float32") else ""
     return (f"mean KL {stats['mean_kl']:.2g}, top-1 {100 * top:.4g}% "
-            f"({alone}{stats['tokens']} tokens)")
+            f"({alone}{stats['tokens']} tokens{f32})")
 
 
 def add_behaviour(rep: Any, fused: Any, base: Any, adapter: Any, tokens: int, *,

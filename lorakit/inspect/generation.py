@@ -28,7 +28,7 @@ from ..fusion.model import load_unfused
 from ..report import Report
 from . import plots
 from .moe_cpu import NOTE as MOE_NOTE
-from .moe_cpu import moe_float32_on_cpu
+from .moe_cpu import float32_if_refused, moe_float32_on_cpu
 
 __all__ = ["Divergence", "Generation", "GenerationReport", "compare_generations"]
 
@@ -234,6 +234,8 @@ def compare_generations(models: Mapping[str, Any], prompts: Sequence[str] | str,
     loaded = {label: load_pair(label, spec) for label, spec in models.items()}
     # MoE experts on CPU: float32 (MLX's CPU GatherMM has no bf16), said in the summary
     moe = {label: len(moe_float32_on_cpu(m)) for label, (m, _) in loaded.items()}
+    # any other op MLX's CPU refuses in the model's dtype: found by trying, whole model f32
+    f32 = {label: float32_if_refused(m) for label, (m, _) in loaded.items()}
     labels = list(loaded)
     ref = labels[0]
     rows: List[Dict[str, Any]] = []
@@ -265,6 +267,9 @@ def compare_generations(models: Mapping[str, Any], prompts: Sequence[str] | str,
     if any(moe.values()):
         summary["note"] = MOE_NOTE.format(n=", ".join(f"{k}: {n} blocks"
                                                       for k, n in moe.items() if n))
+    if any(f32.values()):
+        summary["float32"] = ", ".join(k for k, n in f32.items() if n) + ": " + \
+            next(n for n in f32.values() if n)
     return GenerationReport(title=f"greedy outputs of {len(labels)} models",
                             rows=rows, summary=summary, flagged=flagged,
                             columns=["prompt", "model", "tokens", "diverges_at", "margin",

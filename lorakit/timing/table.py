@@ -60,6 +60,9 @@ class VariantTiming:
         device: which device ran, backend flags and versions.
         note: how the variant's checkpoint was made.
         error: why the variant could not run (then the numbers are empty).
+        moe_f32_blocks: MoE expert blocks run in float32 on CPU (MLX's GatherMM).
+        float32_note: set when MLX's CPU refused another op in the model's dtype and the
+            whole model ran in float32 (found by trying one forward pass).
         kl_vs_unfused: mean KL against the unfused adapter on a short corpus (only
             when asked for: ``time_decode(behaviour=...)``).
     """
@@ -77,6 +80,7 @@ class VariantTiming:
     param_bytes: Dict[str, int] = field(default_factory=dict)
     lora_modules: int = 0
     moe_f32_blocks: int = 0
+    float32_note: str = ""
     generated: int = 0
     tokens: List[int] = field(default_factory=list)
     load_s: float = 0.0
@@ -330,6 +334,10 @@ class DecodeTiming(Report):
         if moe:
             self.summary["note"] = MOE_NOTE.format(n=", ".join(f"{k}: {n} blocks"
                                                               for k, n in moe.items()))
+        f32 = [v.variant for v in self.variants if v.float32_note]
+        if f32:
+            note = next(v.float32_note for v in self.variants if v.float32_note)
+            self.summary["float32"] = f"{', '.join(f32)}: {note}"
         verdicts = self.verdicts()
         ref = next((v.tokens for v in self.variants if v.variant == "unfused" and v.ok), None)
         rows: List[Dict[str, Any]] = []

@@ -33,7 +33,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..fusion.model import load_unfused
-from ..inspect.moe_cpu import moe_float32_on_cpu
+from ..inspect.moe_cpu import float32_if_refused, moe_float32_on_cpu
 
 __all__ = ["emit", "rss_peak_bytes", "load_tokenizer", "vocab_size", "param_bytes", "main",
            "MARK", "TOKENIZER_FILES"]
@@ -196,6 +196,7 @@ def main(spec: Dict[str, Any]) -> Dict[str, Any]:
     if spec.get("adapter_path"):  # mlx-lm's load_adapters, or lorakit's for PEFT adapters
         model = load_unfused(model, spec["adapter_path"])
     moe_f32 = moe_float32_on_cpu(model)  # MLX's CPU GatherMM: float32 only
+    f32_note = float32_if_refused(model)  # any other op MLX's CPU refuses in this dtype
     mx.eval(model.parameters())
     tok, has_tokenizer = load_tokenizer(model_path, config)
     load_s = time.perf_counter() - t0
@@ -227,7 +228,7 @@ def main(spec: Dict[str, Any]) -> Dict[str, Any]:
             "peak_source": "mlx" if on_gpu else "rss",
             "mlx_peak_bytes": mlx_peak, "rss_peak_bytes": rss_peak,
             "param_bytes": param_bytes(model), "lora_modules": lora_modules,
-            "moe_f32_blocks": len(moe_f32),
+            "moe_f32_blocks": len(moe_f32), "float32_note": f32_note,
             "has_tokenizer": has_tokenizer, "load_s": load_s, "device": facts}
 
 
