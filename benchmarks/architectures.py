@@ -66,7 +66,8 @@ SMALL: Dict[str, Any] = dict(
     sliding_window=64, tie_word_embeddings=False, kv_channels=16, seq_length=256,
     n_group=1, topk_group=1, num_key_value_groups=2,
 )
-TYPE_DEFAULTS = {"int": 2, "float": 1e-5, "bool": False, "str": "", "dict": None}
+TYPE_DEFAULTS = {"List": [], "list": [], "Dict": {}, "dict": {}, "int": 2, "float": 1e-5,
+                 "bool": False, "str": ""}
 
 
 def model_modules() -> List[str]:
@@ -296,6 +297,26 @@ def _forward(path: Path, adapter: Optional[Path] = None) -> Dict[str, Any]:
             "float32": bool(f32), "shape": list(logits.shape)}
 
 
+def _forward_mlx_lm(path: Path) -> Dict[str, Any]:
+    """The base model's forward pass with mlx-lm and MLX alone (no lorakit): in its own
+    dtypes, else (MLX's CPU refusing a bf16 op) with ``set_dtype(float32)``."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(path)
+    x = mx.array([[1, 2, 3, 4]])
+    try:
+        out, f32 = model(x), False
+        mx.eval(out)
+    except RuntimeError as e:
+        if "only supports float32" not in str(e):
+            raise
+        model.set_dtype(mx.float32)
+        out, f32 = model(x), True
+        mx.eval(out)
+    return {"float32": f32}
+
+
 def run_one(module: str, cfg: Dict[str, Any], work: Path) -> Dict[str, Any]:
     """All steps for one architecture; a failing step ends the row with its error."""
     import lorakit
@@ -373,11 +394,12 @@ def run_one(module: str, cfg: Dict[str, Any], work: Path) -> Dict[str, Any]:
             return {"rows": len(rep.rows), "wrong": wrong, "status": rep.status}
 
         step("check", "lorakit", check)
-        try:  # the unfused model first: a failure there is mlx-lm's own
-            step("forward_unfused", "mlx-lm", lambda: _forward(base, lora_ad))
+        try:  # the base in mlx-lm alone first: a failure there is mlx-lm's own
+            step("forward_base", "mlx-lm", lambda: _forward_mlx_lm(base))
+            step("forward_unfused", "lorakit", lambda: _forward(base, lora_ad))
         except Step:
             pass
-        owner = "mlx-lm" if not st["forward_unfused"]["ok"] else "lorakit"
+        owner = "mlx-lm" if not st["forward_base"]["ok"] else "lorakit"
         step("forward", owner, lambda: _forward(work / "nearest"))
 
         def kl():
@@ -435,6 +457,16 @@ def classify(module: str) -> Dict[str, Any]:
     return {"module": module, "model": hasattr(m, "Model") and hasattr(m, "ModelArgs")}
 
 
+def classify_build(row: Dict[str, Any]) -> None:
+    """A build that fails on a config this script made up from ``ModelArgs``'s fields is
+    the config's failure (owner ``tiny config``), not mlx-lm's nor lorakit's."""
+    b = row.get("steps", {}).get("build", {})
+    if not b.get("ok", True) and b.get("owner") == "mlx-lm" \
+            and row.get("config_source") == "from ModelArgs fields" \
+            and not b.get("error", "").startswith("import: "):
+        b["owner"] = "tiny config"
+
+
 def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     def ok(r, s):
         return r.get("steps", {}).get(s, {}).get("ok", False)
@@ -455,8 +487,9 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         "forward_float32": sum(r.get("steps", {}).get("forward", {}).get("float32", False)
                                for r in rows),
         "kl_runs": sum(ok(r, "kl") for r in rows),
-        "failures_lorakit": sum(o == "lorakit" for _, _, v in fails for o in [v["owner"]]),
+        "failures_lorakit": sum(v["owner"] == "lorakit" for _, _, v in fails),
         "failures_mlx_lm": sum(v["owner"] == "mlx-lm" for _, _, v in fails),
+        "not_built_tiny_config": sum(v["owner"] == "tiny config" for _, _, v in fails),
         "failures_unclassified": sum(v["owner"] == "unclassified" for _, _, v in fails),
         "timeouts": sum(bool(r.get("timeout")) for r in rows),
     }
@@ -469,15 +502,27 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=240)
     p.add_argument("--out", type=Path)
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--resummarize", action="store_true",
+                   help="recompute --out's summary from its rows (no model is run)")
     a = p.parse_args(argv)
     if a.child:
         return child(*a.child)
+    if a.resummarize:
+        doc = json.loads(a.out.read_text())
+        for r in doc["rows"]:
+            classify_build(r)
+        doc["summary"] = summarize(doc["rows"])
+        a.out.write_text(json.dumps(doc, indent=1) + "\n")
+        print(json.dumps(doc["summary"], indent=1))
+        return 0
 
     import mlx_lm
 
     old: Dict[str, Any] = {}
-    if DEFAULT_OUT.exists():
-        old = {r["module"]: r.get("config") for r in json.loads(DEFAULT_OUT.read_text())["rows"]}
+    src = a.out if a.out and a.out.exists() else DEFAULT_OUT
+    if src.exists():
+        old = {r["module"]: r.get("config") for r in json.loads(src.read_text())["rows"]
+               if r.get("steps", {}).get("build", {}).get("owner") != "tiny config"}
     from_tests = configs_from_tests(a.mlx_lm_tests) if a.mlx_lm_tests else {}
     mods = model_modules()
     if a.only:
@@ -515,9 +560,16 @@ def main(argv=None) -> int:
                 "ok": False, "owner": "unclassified",
                 "error": f"timeout after {a.timeout} s"}}}
         row["config_source"] = src
+        classify_build(row)
         row["s"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
         print(_line(row), flush=True)
+    if a.only and a.out and a.out.exists():  # a partial run: the other rows are kept
+        ran = {r["module"] for r in rows}
+        prev = json.loads(a.out.read_text())
+        rows = sorted([r for r in prev["rows"] if r["module"] not in ran] + rows,
+                      key=lambda r: r["module"])
+        skipped = prev.get("not_models", skipped)
     summary = summarize(rows)
     print(json.dumps(summary, indent=1))
     if a.out:
