@@ -81,34 +81,79 @@ def model_modules() -> List[str]:
 
 def configs_from_tests(path: Path) -> Dict[str, Dict[str, Any]]:
     """``{module: config}`` from the ``<module>.ModelArgs(...)`` and
-    ``<module>.ModelArgs.from_dict({...})`` calls of mlx-lm's tests/test_models.py whose
-    arguments are all literals (the first such call per module)."""
+    ``<module>.ModelArgs.from_dict(...)`` calls of mlx-lm's tests/test_models.py whose
+    arguments are literals, or names (``**name`` too) bound to a literal dict earlier in
+    the same test function (the first such call per module); then the literal config
+    dicts with a ``model_type`` (``test_all_models``' list), keyed by it."""
     tree = ast.parse(path.read_text())
     out: Dict[str, Dict[str, Any]] = {}
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
-        f = node.func
-        cfg = None
-        if f.attr == "ModelArgs" and isinstance(f.value, ast.Name):
-            mod = f.value.id
+        local: Dict[str, Any] = {}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                    and isinstance(node.targets[0], ast.Name):
+                try:
+                    local[node.targets[0].id] = _literal(node.value, local)
+                except ValueError:
+                    pass
+        for node in ast.walk(fn):
+            got = _args_call(node, local)
+            if got is not None and got[0] not in out:
+                out[got[0]] = got[1]
+    for node in ast.walk(tree):  # test_all_models' list of config dicts (outer ones first)
+        if isinstance(node, ast.Dict):
             try:
-                cfg = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg}
-                if any(k.arg is None for k in node.keywords) or node.args:
-                    cfg = None
-            except ValueError:
-                cfg = None
-        elif f.attr == "from_dict" and isinstance(f.value, ast.Attribute) \
+                d = _literal(node, {})
+            except (ValueError, TypeError, SyntaxError):
+                continue
+            mt = d.get("model_type") if isinstance(d, dict) else None
+            if isinstance(mt, str) and mt not in out:
+                out[mt] = d
+    return out
+
+
+def _literal(node: ast.AST, local: Dict[str, Any]) -> Any:
+    """A literal, a name bound to one, ``dict(k=literal, **name)`` or ``{**name, ...}``."""
+    if isinstance(node, ast.Name) and node.id in local:
+        return json.loads(json.dumps(local[node.id]))
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict" \
+            and not node.args:
+        d: Dict[str, Any] = {}
+        for k in node.keywords:
+            v = _literal(k.value, local)
+            d.update(v if k.arg is None else {k.arg: v})
+        return d
+    if isinstance(node, ast.Dict):
+        d = {}
+        for k, v in zip(node.keys, node.values):
+            val = _literal(v, local)
+            d.update(val if k is None else {_literal(k, local): val})
+        return d
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e, local) for e in node.elts]
+    return ast.literal_eval(node)
+
+
+def _args_call(node: ast.AST, local: Dict[str, Any]) -> Optional[tuple]:
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return None
+    f = node.func
+    try:
+        if f.attr == "ModelArgs" and isinstance(f.value, ast.Name) and not node.args:
+            cfg: Dict[str, Any] = {}
+            for k in node.keywords:
+                v = _literal(k.value, local)
+                cfg.update(v if k.arg is None else {k.arg: v})
+            return f.value.id, cfg
+        if f.attr == "from_dict" and isinstance(f.value, ast.Attribute) \
                 and f.value.attr == "ModelArgs" and isinstance(f.value.value, ast.Name) \
                 and len(node.args) == 1:
-            mod = f.value.value.id
-            try:
-                cfg = ast.literal_eval(node.args[0])
-            except ValueError:
-                cfg = None
-        if cfg and mod not in out:
-            out[mod] = cfg
-    return out
+            return f.value.value.id, _literal(node.args[0], local)
+    except (ValueError, TypeError, SyntaxError):
+        return None
+    return None
 
 
 def generic_config(module: str) -> Dict[str, Any]:
@@ -495,6 +540,58 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     }
 
 
+#: the BENCHMARKS.md rows: (summary key, what it counts)
+COUNTS = (
+    ("tried", "architectures tried: every module of `mlx_lm.models` with `Model` and `ModelArgs`"),
+    ("built", "built: a tiny random bf16 model saved and loaded back by mlx-lm"),
+    ("lora_made", "LoRA adapter made by mlx-lm's `linear_to_lora_layers`"),
+    ("mlx_fused", "fused by `mlx_lm fuse` (mlx-lm's own code)"),
+    ("lora_bit_identical", "LoRA, `--rounding mlx-lm`: bit-identical to `mlx_lm fuse`, every tensor"),
+    ("dora_made", "DoRA adapter made by mlx-lm"),
+    ("dora_same_values", "DoRA, `--rounding mlx-lm`: same values, dtype kept; `--dtype promote`: "
+                         "mlx_lm fuse's exact bytes"),
+    ("dtypes_kept", "default fuse keeps every tensor's dtype"),
+    ("check_0_wrong", "`lorakit check`: 0 wrong"),
+    ("forward_runs", "the fused model's forward pass runs (finite logits)"),
+    ("forward_float32", "... of which in float32 (MLX's CPU refuses a bf16 op: GatherMM)"),
+    ("kl_runs", "`compare_outputs` fused vs unfused runs"),
+    ("failures_lorakit", "failures that are lorakit's"),
+    ("failures_mlx_lm", "failures that are mlx-lm's own (its error, below)"),
+    ("not_built_tiny_config", "not built: no tiny config (none in mlx-lm's tests; the one made "
+                              "from `ModelArgs`'s fields does not build)"),
+)
+
+
+def markdown(doc: Dict[str, Any]) -> str:
+    """The BENCHMARKS.md section, from the sweep's JSON (a test compares the two)."""
+    s = doc["summary"]
+    lines = ["## Every mlx-lm architecture", "",
+             f"`python benchmarks/architectures.py --mlx-lm-tests tests/test_models.py --out "
+             f"benchmarks/results/architectures.json` (mlx-lm {doc['mlx_lm']}; its "
+             "`tests/test_models.py` gives the tiny configs; each architecture in its own "
+             "process). A tiny random bf16 model of every model module, LoRA and DoRA "
+             "adapters from mlx-lm's own `linear_to_lora_layers` (rank 4, every linear of "
+             "every block, random non-zero `lora_b`), fused by lorakit and by `mlx_lm fuse`, "
+             "compared tensor by tensor, checked, run, and compared with the unfused adapter "
+             "(KL). Modules without a model (" + ", ".join(f"`{m}`" for m in doc["not_models"])
+             + ") are not counted.", "",
+             "| what | count |", "|---|---|"]
+    lines += [f"| {what} (`{k}`) | {s[k]} |" for k, what in COUNTS]
+    groups: Dict[tuple, List[str]] = {}
+    for r in doc["rows"]:
+        for step, v in r["steps"].items():
+            if not v["ok"]:
+                groups.setdefault((v["owner"], step, v["error"][:90]), []).append(r["module"])
+    lines += ["", "The failures, each with its error (mlx-lm's own: the same error without "
+              "lorakit; `tiny config`: the config this script made up does not build):", "",
+              "| owner | step | error | architectures |", "|---|---|---|---|"]
+    for (owner, step, err), mods in sorted(groups.items(), key=lambda kv: (kv[0][0], -len(kv[1]),
+                                                                           kv[0][1:])):
+        err = err.replace("|", "\\|")
+        lines.append(f"| {owner} | {step} | {err} | {len(mods)}: {', '.join(mods)} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mlx-lm-tests", type=Path, help="mlx-lm's tests/test_models.py")
@@ -502,11 +599,16 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=240)
     p.add_argument("--out", type=Path)
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--markdown", action="store_true",
+                   help="print --out's BENCHMARKS.md section (no model is run)")
     p.add_argument("--resummarize", action="store_true",
                    help="recompute --out's summary from its rows (no model is run)")
     a = p.parse_args(argv)
     if a.child:
         return child(*a.child)
+    if a.markdown:
+        sys.stdout.write(markdown(json.loads(a.out.read_text())))
+        return 0
     if a.resummarize:
         doc = json.loads(a.out.read_text())
         for r in doc["rows"]:

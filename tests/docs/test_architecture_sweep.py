@@ -47,6 +47,12 @@ def test_benchmarks_names_the_command():
     assert "python benchmarks/architectures.py" in _section()
 
 
+def test_benchmarks_section_is_what_the_json_renders():
+    """The whole section, the failures table included: `python
+    benchmarks/architectures.py --out benchmarks/results/architectures.json --markdown`."""
+    assert _section().rstrip() == _sweep().markdown(_doc()).rstrip()
+
+
 def test_summary_is_what_the_rows_say():
     doc = _doc()
     assert _sweep().summarize(doc["rows"]) == doc["summary"]
