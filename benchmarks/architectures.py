@@ -504,8 +504,9 @@ def classify(module: str) -> Dict[str, Any]:
 
     try:
         m = importlib.import_module(f"mlx_lm.models.{module}")
-    except Exception as e:  # an optional dependency of mlx-lm's missing
-        return {"module": module, "import_error": _err(e)}
+    except BaseException as e:  # an optional dependency missing (olmo: sys.exit(1))
+        return {"module": module, "import_error": _err(e) if str(e) not in ("", "1") else
+                f"{type(e).__name__}({e}) on import (an optional dependency missing)"}
     return {"module": module, "model": hasattr(m, "Model") and hasattr(m, "ModelArgs")}
 
 
@@ -629,8 +630,6 @@ def main(argv=None) -> int:
         print(json.dumps(doc["summary"], indent=1))
         return 0
 
-    import mlx_lm
-
     old: Dict[str, Any] = {}
     src = a.out if a.out and a.out.exists() else DEFAULT_OUT
     if src.exists():
@@ -677,22 +676,33 @@ def main(argv=None) -> int:
         row["s"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
         print(_line(row), flush=True)
-    if a.only and a.out and a.out.exists():  # a partial run: the other rows are kept
+        if a.out:  # after every row: an interrupted sweep keeps what it did
+            _write(a, rows, skipped, t_all)
+    print(json.dumps(summarize(rows), indent=1))
+    if a.out:
+        _write(a, rows, skipped, t_all)
+    return 0
+
+
+def _write(a: Any, rows: List[Dict[str, Any]], skipped: List[str], t_all: float) -> None:
+    """The JSON at ``a.out``; a partial run (``--only``) keeps the other rows there."""
+    import mlx_lm
+
+    prev = json.loads(a.out.read_text()) if a.only and a.out.exists() else None
+    if prev is not None:
         ran = {r["module"] for r in rows}
-        prev = json.loads(a.out.read_text())
         rows = sorted([r for r in prev["rows"] if r["module"] not in ran] + rows,
                       key=lambda r: r["module"])
         skipped = prev.get("not_models", skipped)
-    summary = summarize(rows)
-    print(json.dumps(summary, indent=1))
-    if a.out:
-        doc = {"what": "benchmarks/architectures.py: every mlx-lm model module, tiny bf16 "
-                       "model, LoRA + DoRA, lorakit fuse vs mlx_lm fuse",
-               "mlx_lm": mlx_lm.__version__, "platform": platform.platform(),
-               "not_models": skipped, "summary": summary,
-               "seconds": round(time.perf_counter() - t_all, 1), "rows": rows}
-        a.out.write_text(json.dumps(doc, indent=1) + "\n")
-    return 0
+    doc = {"what": "benchmarks/architectures.py: every mlx-lm model module, tiny bf16 "
+                   "model, LoRA + DoRA, lorakit fuse vs mlx_lm fuse",
+           "mlx_lm": mlx_lm.__version__, "platform": platform.platform(),
+           "not_models": skipped, "summary": summarize(rows),
+           "seconds": round(time.perf_counter() - t_all, 1) if prev is None else
+           prev.get("seconds"), "rows": rows}
+    tmp = a.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(a.out)
 
 
 def _line(row: Dict[str, Any]) -> str:
