@@ -328,7 +328,22 @@ def _compare(ours: Path, theirs: Path, *, values: bool = False) -> Dict[str, Any
             differ.append(n)
     return {"tensors": len(set(a) | set(b)), "differ": len(differ),
             "first_differ": differ[:3], "dtype_differ": len(dtypes),
-            "first_dtype_differ": dtypes[:3]}
+            "first_dtype_differ": dtypes[:3], "_differ": differ}
+
+
+def mlx_lm_rewrites(base: Path, names: List[str], ours: Path, theirs: Path) -> List[str]:
+    """Those of ``names`` that mlx-lm itself rewrites when it loads the base, with no
+    adapter and no lorakit (a model's ``sanitize``, e.g. baichuan_m1 renormalising
+    ``lm_head``): mlx-lm's loaded value differs from the base file, ``mlx_lm fuse`` wrote
+    mlx-lm's loaded value, lorakit kept the file's bytes."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    loaded = dict(tree_flatten(load_model(base)[0].parameters()))
+    file, a, b = _tensors(base), _tensors(ours), _tensors(theirs)
+    return [n for n in names if n in loaded and n in file and n in a and n in b
+            and not _bits(loaded[n], file[n]) and _bits(a[n], file[n])
+            and _bits(b[n], loaded[n])]
 
 
 def _forward(path: Path, adapter: Optional[Path] = None) -> Dict[str, Any]:
@@ -407,6 +422,11 @@ def run_one(module: str, cfg: Dict[str, Any], work: Path) -> Dict[str, Any]:
         def bits_lora():
             lorakit.fuse(base, lora_ad, work / "k-lora", rounding="mlx-lm", progress=False)
             r = _compare(work / "k-lora", work / "m-lora")
+            names = r.pop("_differ")
+            rewritten = mlx_lm_rewrites(base, names, work / "k-lora", work / "m-lora")
+            if rewritten:  # mlx-lm's load changes them, adapter or not: not the fuse's
+                r["mlx_lm_rewrites_untouched"] = rewritten
+                r["differ"] -= len(rewritten)
             if r["differ"] or r["dtype_differ"]:
                 raise AssertionError(f"LoRA differs from mlx_lm fuse: {r}")
             return r
@@ -419,6 +439,12 @@ def run_one(module: str, cfg: Dict[str, Any], work: Path) -> Dict[str, Any]:
                              dtype="promote", progress=False)
                 vals = _compare(work / "k-dora", work / "m-dora", values=True)
                 exact = _compare(work / "k-dora32", work / "m-dora")
+                for r, ours in ((vals, "k-dora"), (exact, "k-dora32")):
+                    rewritten = mlx_lm_rewrites(base, r.pop("_differ"), work / ours,
+                                                work / "m-dora")
+                    if rewritten:
+                        r["mlx_lm_rewrites_untouched"] = rewritten
+                        r["differ"] -= len(rewritten)
                 if vals["differ"] or exact["differ"] or exact["dtype_differ"]:
                     raise AssertionError(f"DoRA differs: values {vals}, float32 {exact}")
                 return {"values": vals, "promote_exact": exact}
@@ -538,6 +564,9 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         "mlx_fused": sum(ok(r, "mlx_fuse") for r in rows),
         "lora_bit_identical": sum(ok(r, "bits_lora") for r in rows),
         "dora_same_values": sum(ok(r, "bits_dora") for r in rows),
+        "mlx_lm_rewrites_untouched": sum(bool(r.get("steps", {}).get("bits_lora", {})
+                                              .get("mlx_lm_rewrites_untouched"))
+                                         for r in rows),
         "dtypes_kept": sum(ok(r, "dtypes") for r in rows),
         "check_0_wrong": sum(ok(r, "check") for r in rows),
         "forward_runs": sum(ok(r, "forward") for r in rows),
@@ -559,6 +588,9 @@ COUNTS = (
     ("lora_made", "LoRA adapter made by mlx-lm's `linear_to_lora_layers`"),
     ("mlx_fused", "fused by `mlx_lm fuse` (mlx-lm's own code)"),
     ("lora_bit_identical", "LoRA, `--rounding mlx-lm`: bit-identical to `mlx_lm fuse`, every tensor"),
+    ("mlx_lm_rewrites_untouched", "... of which `mlx_lm fuse` rewrote a tensor the adapter "
+                                  "does not touch (mlx-lm's load does so without an adapter: "
+                                  "the model's `sanitize`); lorakit kept the base's bytes"),
     ("dora_made", "DoRA adapter made by mlx-lm"),
     ("dora_same_values", "DoRA, `--rounding mlx-lm`: same values, dtype kept; `--dtype promote`: "
                          "mlx_lm fuse's exact bytes"),
