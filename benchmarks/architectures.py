@@ -272,15 +272,43 @@ def _count(model: Any) -> int:
 
 
 def _shrink(cfg: Dict[str, Any], args_cls: Any) -> Dict[str, Any]:
-    """``cfg`` with :data:`SMALL`'s value for each size field ``ModelArgs`` has (and in a
-    nested ``text_config``)."""
-    names = {f.name for f in dataclasses.fields(args_cls)}
-    out = dict(cfg)
-    out.update({k: SMALL[k] for k in WIDTHS if k in names})
-    if isinstance(out.get("text_config"), dict):
-        out["text_config"] = {**out["text_config"],
-                              **{k: SMALL[k] for k in WIDTHS if k in out["text_config"]}}
+    """``cfg`` made small the way its own proportions allow: 4 attention heads of the
+    config's own head size (the KV heads in the same ratio, widths scaled with the hidden
+    size), a vocabulary of at most 1024, and 2 layers where no per-layer list fixes the
+    count. Also in a nested ``text_config``."""
+    out = json.loads(json.dumps(cfg))
+    for c in (out, out.get("text_config") if isinstance(out.get("text_config"), dict) else None):
+        if c is not None:
+            _shrink_one(c, {f.name: f.default for f in dataclasses.fields(args_cls)}
+                        if c is out else {})
     return byte_vocab(out)
+
+
+def _pick(c: Dict[str, Any], defaults: Dict[str, Any], names: tuple) -> Optional[str]:
+    return next((n for n in names if isinstance(c.get(n, defaults.get(n)), int)), None)
+
+
+def _shrink_one(c: Dict[str, Any], defaults: Dict[str, Any]) -> None:
+    get = lambda n: c.get(n, defaults.get(n))  # noqa: E731
+    h = _pick(c, defaults, ("hidden_size", "n_embd", "d_model", "dim"))
+    nh = _pick(c, defaults, ("num_attention_heads", "n_head", "n_heads"))
+    kv = _pick(c, defaults, ("num_key_value_heads", "n_kv_heads", "num_kv_heads"))
+    nl = _pick(c, defaults, ("num_hidden_layers", "n_layer", "n_layers", "num_layers"))
+    if h and nh and get(nh) > 4 and get(h) % get(nh) == 0:
+        r = 4 / get(nh)
+        for w in WIDTHS:
+            if w != "vocab_size" and isinstance(get(w), int) and get(w) > 0:
+                c[w] = max(8, int(get(w) * r) // 8 * 8)
+        c[h] = get(h) // get(nh) * 4
+        if kv and get(kv):
+            c[kv] = max(1, get(kv) * 4 // get(nh))
+        c[nh] = 4
+    if isinstance(get("vocab_size"), int) and get("vocab_size") > 1024:
+        c["vocab_size"] = 1024
+    if nl and get(nl) > 2:
+        n = get(nl)
+        if not any(isinstance(v, list) and len(v) == n for v in c.values()):
+            c[nl] = 2
 
 
 #: the fields :func:`_shrink` makes small: widths only (layer counts and per-layer lists,
@@ -364,13 +392,16 @@ def _forward(path: Path, adapter: Optional[Path] = None) -> Dict[str, Any]:
             "float32": bool(f32), "shape": list(logits.shape)}
 
 
-def _forward_mlx_lm(path: Path) -> Dict[str, Any]:
-    """The base model's forward pass with mlx-lm and MLX alone (no lorakit): in its own
-    dtypes, else (MLX's CPU refusing a bf16 op) with ``set_dtype(float32)``."""
+def _forward_mlx_lm(path: Path, adapter: Optional[Path] = None) -> Dict[str, Any]:
+    """The base model's forward pass with mlx-lm and MLX alone (no lorakit; ``adapter``
+    attached by mlx-lm's ``load_adapters``): in its own dtypes, else (MLX's CPU refusing
+    a bf16 op) with ``set_dtype(float32)``."""
     import mlx.core as mx
-    from mlx_lm.utils import load_model
+    from mlx_lm.utils import load_adapters, load_model
 
     model, _ = load_model(path)
+    if adapter is not None:
+        model = load_adapters(model, str(adapter))
     x = mx.array([[1, 2, 3, 4]])
     try:
         out, f32 = model(x), False
@@ -474,11 +505,14 @@ def run_one(module: str, cfg: Dict[str, Any], work: Path) -> Dict[str, Any]:
         step("check", "lorakit", check)
         try:  # the base in mlx-lm alone first: a failure there is mlx-lm's own
             step("forward_base", "mlx-lm", lambda: _forward_mlx_lm(base))
+            step("forward_unfused_mlx_lm", "mlx-lm", lambda: _forward_mlx_lm(base, lora_ad))
             step("forward_unfused", "lorakit", lambda: _forward(base, lora_ad))
         except Step:
             pass
         owner = "mlx-lm" if not st["forward_base"]["ok"] else "lorakit"
         step("forward", owner, lambda: _forward(work / "nearest"))
+        if not st.get("forward_unfused_mlx_lm", {}).get("ok"):
+            owner = "mlx-lm"  # the unfused side of the KL cannot run in mlx-lm itself
 
         def kl():
             rep = lorakit.compare_outputs(str(work / "nearest"), (str(base), str(lora_ad)),
@@ -512,6 +546,22 @@ def _mlx_fuse(base: Path, lora_ad: Path, dora_ad: Optional[Path], work: Path) ->
         except Exception as e:  # mlx-lm cannot fuse its own DoRA adapter here
             res["failed"] = f"dora: {_err(e)}"
     return res
+
+
+def probe(cfg_json: str) -> int:
+    """mlx-lm and MLX alone (no lorakit imported): the model from its config, its random
+    float32 weights, one forward pass, as mlx-lm's own tests/test_models.py runs it."""
+    import mlx.core as mx
+    from mlx_lm.utils import _get_classes
+
+    mx.set_default_device(mx.cpu)
+    cfg = json.loads(cfg_json)
+    model_cls, args_cls = _get_classes(cfg)
+    model = model_cls(args_cls.from_dict(cfg))
+    model.set_dtype(mx.float32)
+    mx.eval(model(mx.array([[0, 1]])))
+    assert "lorakit" not in sys.modules
+    return 0
 
 
 def child(module: str, cfg_json: str) -> int:
@@ -643,6 +693,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=240)
     p.add_argument("--out", type=Path)
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--probe", help=argparse.SUPPRESS)
     p.add_argument("--markdown", action="store_true",
                    help="print --out's BENCHMARKS.md section (no model is run)")
     p.add_argument("--resummarize", action="store_true",
@@ -650,6 +701,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.child:
         return child(*a.child)
+    if a.probe:
+        return probe(a.probe)
     if a.markdown:
         sys.stdout.write(markdown(json.loads(a.out.read_text())))
         return 0
@@ -699,6 +752,16 @@ def main(argv=None) -> int:
                 "module": mod, "config": cfg, "steps": {"build": {
                     "ok": False, "owner": "unclassified",
                     "error": f"child exited {proc.returncode}: {proc.stderr[-300:]}"}}}
+            if not line:  # a crash: does mlx-lm crash the same way without lorakit?
+                for _ in range(3):  # heap corruption shows up only now and then
+                    pr = subprocess.run([sys.executable, __file__, "--probe", json.dumps(cfg)],
+                                        capture_output=True, text=True, timeout=a.timeout)
+                    if pr.returncode != 0:
+                        break
+                if pr.returncode != 0:
+                    row["steps"]["build"].update(
+                        owner="mlx-lm", error=f"mlx-lm alone (no lorakit: its model, one "
+                        f"forward pass) exits {pr.returncode}: {pr.stderr.strip()[-160:]}")
         except subprocess.TimeoutExpired:
             row = {"module": mod, "config": cfg, "timeout": True, "steps": {"build": {
                 "ok": False, "owner": "unclassified",
