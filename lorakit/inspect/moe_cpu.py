@@ -68,12 +68,14 @@ def run_or_float32(model: Any, fn: Any) -> Any:
 
 
 def float32_if_refused(model: Any, vocab: int = 2) -> str:
-    """One short forward pass of ``model`` (token ids 0 and 1, ``vocab`` ignored
-    otherwise); where MLX's CPU refuses an op in the model's dtype, the model's float
+    """On MLX's CPU, one short forward pass of ``model`` (token ids 0 and 1, fewer when
+    ``vocab`` is 1); where MLX refuses an op in the model's dtype, the model's float
     parameters are cast to float32 in place. Returns the note for the report ("" when
-    the model ran as it is)."""
+    the model ran as it is, and always on a GPU)."""
     import mlx.core as mx  # lazy: MLX only when a model is loaded
 
+    if mx.default_device().type != mx.cpu:  # MLX's GPU kernels take every float dtype
+        return ""
     x = mx.array([[0, min(1, max(vocab - 1, 0))]])
     return run_or_float32(model, lambda: model(x))[1]
 
