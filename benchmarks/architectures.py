@@ -259,7 +259,7 @@ def _build(module: str, cfg: Dict[str, Any], path: Path) -> Dict[str, Any]:
 
 
 #: a tiny model's parameter cap (the sweep runs on a laptop CPU)
-MAX_PARAMS = 40_000_000
+MAX_PARAMS = 150_000_000
 
 
 def _count(model: Any) -> int:
@@ -274,8 +274,8 @@ def _count(model: Any) -> int:
 def _shrink(cfg: Dict[str, Any], args_cls: Any) -> Dict[str, Any]:
     """``cfg`` made small the way its own proportions allow: 4 attention heads of the
     config's own head size (the KV heads in the same ratio, widths scaled with the hidden
-    size), a vocabulary of at most 1024, and 2 layers where no per-layer list fixes the
-    count. Also in a nested ``text_config``."""
+    size), a vocabulary of at most 1024, at most 8 experts (2 per token), and 2 layers
+    where no per-layer list fixes the count. Also in a nested ``text_config``."""
     out = json.loads(json.dumps(cfg))
     for c in (out, out.get("text_config") if isinstance(out.get("text_config"), dict) else None):
         if c is not None:
@@ -305,6 +305,12 @@ def _shrink_one(c: Dict[str, Any], defaults: Dict[str, Any]) -> None:
         c[nh] = 4
     if isinstance(get("vocab_size"), int) and get("vocab_size") > 1024:
         c["vocab_size"] = 1024
+    for e in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        if isinstance(get(e), int) and get(e) > 8:
+            c[e] = 8
+    for k in ("num_experts_per_tok", "moe_top_k", "top_k"):
+        if isinstance(get(k), int) and get(k) > 2:
+            c[k] = 2
     if nl and get(nl) > 2:
         n = get(nl)
         if not any(isinstance(v, list) and len(v) == n for v in c.values()):
@@ -591,12 +597,14 @@ def classify_build(row: Dict[str, Any]) -> None:
     ``ModelArgs``'s fields, or a test config made narrower) is the config's failure
     (owner ``tiny config``), not mlx-lm's nor lorakit's: mlx-lm's own would fail on
     mlx-lm's own config."""
+    st = row.get("steps", {})
     made_up = row.get("config_source") == "from ModelArgs fields" or \
-        row.get("steps", {}).get("build", {}).get("shrunk")
-    for name in ("build", "forward_base"):
-        b = row.get("steps", {}).get(name, {})
+        st.get("build", {}).get("shrunk") or \
+        st.get("build", {}).get("error", "").startswith("ValueError: no tiny config")
+    for name in ("build", "forward_base", "forward", "kl"):
+        b = st.get(name, {})
         if made_up and not b.get("ok", True) and b.get("owner") == "mlx-lm" \
-                and not b.get("error", "").startswith("import: "):
+                and not b.get("error", "").startswith(("import: ", "mlx-lm alone")):
             b["owner"] = "tiny config"
 
 
