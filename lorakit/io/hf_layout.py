@@ -30,6 +30,7 @@ from typing import Dict, List, Mapping, Tuple
 
 from ..errors import FuseError
 from .safetensors import TensorSpec, read_header, read_raw
+from .safetensors_write import SafetensorsWriter
 
 __all__ = ["FAMILIES", "Family", "LAYOUT_NOTES", "check_layout", "is_stacked", "layout_note",
            "to_transformers"]
@@ -73,7 +74,6 @@ LAYOUT_NOTES = {
               "load it with the experts missing (use layout='transformers' for it)",
     "transformers": "transformers' per-expert tensors (experts.N): read by transformers "
                     "and by mlx-lm (its sanitize() stacks them on load)",
-    "dense": "no stacked experts: the same tensor names for mlx-lm and transformers",
 }
 
 
@@ -116,9 +116,10 @@ def check_layout(layout: str, config: Mapping, names: List[str], path: Path,
 
 
 def layout_note(layout: str, names: List[str]) -> str:
-    """The fuse report's line: which layout was written and who reads it."""
+    """The fuse report's line: which layout was written and who reads it ("" for a model
+    without experts, whose one layout both read)."""
     if not any(is_stacked(n) or ".experts." in n for n in names):
-        return LAYOUT_NOTES["dense"]
+        return ""
     return LAYOUT_NOTES[layout]
 
 
@@ -131,8 +132,6 @@ def to_transformers(folder: Path, config: Mapping, index_name: str
     holding row ``e``'s bytes; every other tensor is copied as bytes; the index's weight
     map is rewritten. Returns the tensor names written, their dtypes and the bytes.
     """
-    from .safetensors_write import SafetensorsWriter
-
     fam = FAMILIES[_model_type(config)]
     n_experts = config[fam.experts_key]
     names: List[str] = []
