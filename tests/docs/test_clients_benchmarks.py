@@ -9,6 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RES = json.loads((ROOT / "benchmarks" / "results" / "clients.json").read_text())
 BENCH = (ROOT / "BENCHMARKS.md").read_text()
+README = (ROOT / "README.md").read_text()
 FUSING = " ".join((ROOT / "docs" / "fusing.md").read_text().split())
 
 
@@ -67,6 +68,40 @@ def test_fusing_md_layout_numbers():
     moe, st = RES["transformers_moe"]["transformers"], RES["transformers_moe"]["stacked"]
     assert f"{st['n_missing']} missing" in FUSING and st["f32"]["top1"] in FUSING
     assert _e(moe["f32"]["rel"]) in FUSING and "benchmarks/results/clients.json" in FUSING
+
+
+def _read_by() -> dict:
+    """README's verb table: verb -> its "read by" cell."""
+    lines = README.split("\n")
+    head = next(i for i, x in enumerate(lines) if x.startswith("| verb |"))
+    assert "read by" in lines[head].split("|")[4]
+    out = {}
+    for x in lines[head + 2:]:
+        if not x.startswith("| "):
+            break
+        cells = [c.strip() for c in x.split("|")]
+        out[cells[1].strip("`")] = cells[4]
+    return out
+
+
+def test_readme_client_column_is_what_the_run_measured():
+    col = _read_by()
+    claimed = {v: c for v, c in col.items() if c}
+    assert set(claimed) == {"fuse", "combine", "extract"}  # nothing claimed unmeasured
+    assert claimed["fuse"].startswith("transformers (bf16 kept")
+    assert all(r["dtypes_kept"] and r["f32"]["within"] and r["bf16"]["within"]
+               for r in RES["transformers_dense"].values())
+    assert "`--layout transformers`" in claimed["fuse"]
+    assert RES["transformers_moe"]["transformers"]["f32"]["within"]
+    ad = RES["mlx_lm_adapters"]
+    for verb in ("combine", "extract"):
+        assert "mlx-lm" in claimed[verb]
+        runs = [c for k, c in ad.items() if k.startswith(verb)]
+        assert runs and all(c["within"] for c in runs)
+    # convert / resize: "their outputs read by mlx-lm, a PEFT export by PEFT"
+    assert "read by mlx-lm, a PEFT export by PEFT" in " ".join(README.split())
+    assert any(k.startswith("convert") for k in ad) and any(k.startswith("resize") for k in ad)
+    assert RES["peft"]["all_identical"]
 
 
 _START = BENCH.find("## Real clients")
