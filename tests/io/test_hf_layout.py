@@ -190,3 +190,20 @@ def test_layout_option_checked():
         FuseOptions(layout="hf")
     assert FuseOptions(layout="transformers").settings()["layout"] == "transformers"
     assert "layout" not in FuseOptions().settings()
+
+
+def test_quantized_experts_refused_unless_dequantized(tmp_path):
+    from mlx_lm import convert
+
+    q = tmp_path / "moe-4bit"
+    convert(str(MOE), str(q), quantize=True, q_bits=4, q_group_size=64)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(FuseError) as e:
+        lorakit.fuse(q, MOE_LORA, tmp_path / "out", progress=False, layout="transformers")
+    assert "needs float weights" in str(e.value) and "--dequantize" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    r = lorakit.fuse(q, MOE_LORA, tmp_path / "out", progress=False, layout="transformers",
+                     dequantize=True)
+    names = list(_tensors(tmp_path / "out"))
+    assert r.layout == "transformers" and "model.layers.0.mlp.experts.3.up_proj.weight" in names
+    assert not any(n.endswith((".scales", ".biases")) or ".switch_mlp." in n for n in names)
