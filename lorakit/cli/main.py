@@ -56,7 +56,8 @@ def _fuse(args: argparse.Namespace) -> int:
                   dtype=args.dtype, dequantize=args.dequantize, force=args.force,
                   export_gguf=args.gguf_path if args.export_gguf else None,
                   progress=not args.quiet, quant_policy=args.quant_policy,
-                  quant_budget=args.quant_budget, float_base=args.float_base)
+                  quant_budget=args.quant_budget, float_base=args.float_base,
+                  layout=args.layout)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -67,7 +68,7 @@ def _fuse(args: argparse.Namespace) -> int:
 
 
 def _add_fuse(sub) -> None:
-    from ..fusion.options import DTYPE_POLICIES, ROUNDING_HELP, ROUNDINGS
+    from ..fusion.options import DTYPE_POLICIES, LAYOUT_HELP, LAYOUTS, ROUNDING_HELP, ROUNDINGS
 
     p = sub.add_parser("fuse", help="fuse an adapter into a base checkpoint",
                        description="Fuse a LoRA/DoRA adapter (mlx-lm or PEFT format) into a "
@@ -96,6 +97,10 @@ def _add_fuse(sub) -> None:
     p.add_argument("--float-base", default=None, metavar="PATH",
                    help="fuse a QLoRA adapter of the quantized --model into this float "
                    "original of it instead (float weights written)")
+    p.add_argument("--layout", choices=LAYOUTS, default="mlx-lm",
+                   help="a MoE model's experts: " + "; ".join(f"{k}: {v}" for k, v in
+                                                             LAYOUT_HELP.items()) +
+                   " (default: mlx-lm)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing output, but only an empty directory or a previous "
                    "lorakit output (every file listed, unchanged, in its lorakit.json); "

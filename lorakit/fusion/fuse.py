@@ -49,6 +49,7 @@ from ..io.adapters.load import load_adapter
 from ..io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from ..io.export import check_gguf_export
 from ..io.export import export_gguf as write_gguf
+from ..io.hf_layout import check_layout, is_stacked, layout_note, to_transformers
 from ..io.model_card import CARD_NAME, write_model_card
 from ..io.naming import Binding, bind, bind_replacements, bindings_by_tensor
 from ..io.output import OutputDirectory, check_output_path
@@ -88,7 +89,7 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
          export_gguf: Optional[str] = None,
          progress: Union[bool, Callable[[int, int], None]] = True,
          quant_policy: str = "requant", quant_budget: Optional[float] = None,
-         float_base: Optional[PathLike] = None) -> Any:
+         float_base: Optional[PathLike] = None, layout: str = "mlx-lm") -> Any:
     """Fuse an adapter: ``W' = W + scale * B @ A`` for every adapted weight, rounded as
     ``rounding`` says and written in the weight's own dtype unless ``dtype`` says otherwise.
 
@@ -109,13 +110,16 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
             relative to the quantized base (default 1.15).
         float_base: fuse a QLoRA adapter trained on the quantized ``model`` into this
             float original of it instead (float weights written).
+        layout: a MoE checkpoint's experts: ``mlx-lm`` (stacked, default) or
+            ``transformers`` (one tensor per expert; :mod:`lorakit.io.hf_layout`).
 
     Returns:
         A :class:`~lorakit.fusion.fuse.FuseResult` for a checkpoint; the model itself
         for a model in memory.
     """
     options = FuseOptions(rounding=rounding, dtype=dtype, dequantize=dequantize,
-                          quant_policy=quant_policy, quant_budget=quant_budget)
+                          quant_policy=quant_policy, quant_budget=quant_budget,
+                          layout=layout)
     if hasattr(model, "parameters") and hasattr(model, "named_modules"):
         if save_path is not None:
             raise TypeError("a model in memory is fused in place; save it with "
@@ -248,6 +252,8 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
                         found="quantized weights")
     if export_gguf is not None:
         check_gguf_export(ck.config, dequantize, export_gguf)
+    check_layout(opts.layout, ck.config, list(ck.tensors), ck.path,
+                 ck.quantization is not None and not dequantize)
     bindings = bind(adapter, ck)
     by_tensor = bindings_by_tensor(bindings)
     replaced = bind_replacements(adapter, ck, dequantize)
@@ -256,6 +262,7 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
         with OutputDirectory(out, force=force) as od:
             result = _write(ck, adapter, by_tensor, od.tmp, out, opts, progress, t0, replaced,
                             choices)
+            _relayout(result, od.tmp, ck, opts.layout)
             settings = {"adapter_sha256": adapter.sha256, "adapter_format": adapter.format,
                         **opts.settings()}
             settings.update({"quant_policy": opts.quant_policy} if choices else {})
@@ -273,6 +280,16 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
     result.seconds = time.perf_counter() - t0
     result.summary = dict(result._rows())
     return result
+
+
+def _relayout(result: "FuseResult", tmp: Path, ck: Checkpoint, layout: str) -> None:
+    """The transformers layout, if asked for: the written shards' stacked experts split
+    into one tensor per expert (bytes unchanged); the report says which layout it is."""
+    names = list(ck.tensors)
+    if layout == "transformers" and any(is_stacked(n) for n in names):
+        names, dtypes, result.bytes_written = to_transformers(tmp, ck.config, INDEX_NAME)
+        result.tensors_total, result.dtypes_written = len(names), dict(dtypes)
+    result.layout, result.layout_note = layout, layout_note(layout, names)
 
 
 def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]], tmp: Path,
@@ -516,6 +533,9 @@ class FuseResult(Report):
     fused_names: List[str] = field(default_factory=list)
     #: tensors written from the adapter's own copies (PEFT modules_to_save)
     replaced_names: List[str] = field(default_factory=list)
+    #: the experts' layout written (mlx-lm | transformers) and who reads it
+    layout: str = "mlx-lm"
+    layout_note: str = ""
 
     def __post_init__(self) -> None:
         self.title = f"Fused {self.adapter.name} into {self.base.name}"
@@ -545,6 +565,7 @@ class FuseResult(Report):
         d["requant"] = [r.__dict__ for r in self.requant]
         d["fused_names"], d["replaced_names"] = self.fused_names, self.replaced_names
         d["quant_policy"] = self.quant_policy
+        d["layout"], d["layout_note"] = self.layout, self.layout_note
         d["survival"] = survival_overall(self.requant) if self.requant else None
         return d
 
@@ -557,6 +578,8 @@ class FuseResult(Report):
                                              sorted(self.dtypes_written.items()))),
                 ("bytes written", f"{self.bytes_written / 1e9:.3f} GB"),
                 ("time", f"{self.seconds:.2f} s")]
+        if self.layout_note:
+            rows.append(("layout", self.layout_note))
         if self.requant:
             o = survival_overall(self.requant)
             rows += [("codes changed", f"{o['codes_changed']:.1%} of {o['codes']:,} codes "

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from ..errors import FuseError
 
-__all__ = ["ROUNDINGS", "ROUNDING_HELP", "DORA_PARITY", "MLX_ROUNDINGS", "DTYPE_POLICIES", "POLICIES", "FuseOptions", "Choice", "REQUANT",
+__all__ = ["LAYOUTS", "LAYOUT_HELP", "ROUNDINGS", "ROUNDING_HELP", "DORA_PARITY", "MLX_ROUNDINGS", "DTYPE_POLICIES", "POLICIES", "FuseOptions", "Choice", "REQUANT",
            "parse_policy", "parse_method", "METHODS", "REFUSED"]
 
 #: rounding orders: correctly rounded (default), PEFT's merge_and_unload, mlx-lm's
@@ -37,6 +37,14 @@ ROUNDING_HELP = {
 MLX_ROUNDINGS = ("mlx-lm", "scale-after")
 #: what dtype the fused tensors are written in
 DTYPE_POLICIES = ("preserve", "promote", "bfloat16", "float16", "float32")
+#: how a fused MoE checkpoint lays out its experts (``layout=``; lorakit/io/hf_layout.py)
+LAYOUTS = ("mlx-lm", "transformers")
+#: each layout in words (the CLI's help)
+LAYOUT_HELP = {
+    "mlx-lm": "mlx-lm's stacked switch_mlp experts (mlx-lm reads it)",
+    "transformers": "one tensor per expert, as on the hub (transformers and mlx-lm read it; "
+                    "MoE families qwen3_moe, qwen2_moe, olmoe, mixtral, phimoe)",
+}
 #: how adapted modules of a quantized base are stored (``quant_policy=``)
 POLICIES = ("requant", "same-grid", "bits:N", "float", "learned[:gptq]", "auto")
 
@@ -115,6 +123,8 @@ class FuseOptions:
         quant_policy: a quantized base's adapted modules: ``requant`` (as ``mlx_lm fuse``),
             ``same-grid``, ``bits:N``, ``float``, ``auto``, ``learned``.
         quant_budget: ``auto``'s byte cap, relative to the quantized base (default 1.15).
+        layout: one of :data:`LAYOUTS`: a MoE checkpoint's experts stacked as mlx-lm keeps
+            them (default) or one tensor per expert, as transformers reads them.
     """
 
     rounding: str = "nearest"
@@ -122,6 +132,7 @@ class FuseOptions:
     dequantize: bool = False
     quant_policy: str = "requant"
     quant_budget: Optional[float] = None
+    layout: str = "mlx-lm"
     choice: Choice = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -131,6 +142,8 @@ class FuseOptions:
         if self.dtype not in DTYPE_POLICIES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_POLICIES)}; "
                              f"got {self.dtype!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {self.layout!r}")
         object.__setattr__(self, "dequantize", bool(self.dequantize))
         object.__setattr__(self, "choice", parse_policy(self.quant_policy))
         b = self.quant_budget
@@ -141,4 +154,5 @@ class FuseOptions:
     def settings(self) -> dict:
         """The settings a fused checkpoint records (``lorakit.json``, the model card)."""
         return {"rounding": self.rounding, "dtype_policy": self.dtype,
-                "dequantize": self.dequantize}
+                "dequantize": self.dequantize,
+                **({"layout": self.layout} if self.layout != "mlx-lm" else {})}
