@@ -415,9 +415,14 @@ def _svd_dora(targets: List[LoraTarget], rows: List[Dict[str, Any]], ads: List[A
 
 
 def convert(adapter: Union[PathLike, Adapter], save_path: PathLike, *, to: str = "peft",
-            force: bool = False, num_layers: Optional[int] = None) -> Path:
+            force: bool = False, num_layers: Optional[int] = None,
+            base: Optional[PathLike] = None, outtype: str = "f32") -> Path:
     """Write ``adapter`` in format ``to`` (``"peft"`` or ``"mlx-lm"``), its factors in
-    their own dtype, bit for bit (see :func:`lorakit.io.adapters.write.save_adapter`).
+    their own dtype, bit for bit (see :func:`lorakit.io.adapters.write.save_adapter`);
+    or, with ``to="gguf-lora"``, as llama.cpp's LoRA GGUF file ``save_path``
+    (:func:`lorakit.io.gguf.write_lora_gguf`; ``base``: the model directory whose
+    config.json names the architecture, default the adapter's recorded model;
+    ``outtype``: ``f32`` or ``f16``).
 
     >>> import tempfile, os
     >>> out = convert("data/adapters/lora", os.path.join(tempfile.mkdtemp(), "p"), to="peft")
@@ -425,5 +430,29 @@ def convert(adapter: Union[PathLike, Adapter], save_path: PathLike, *, to: str =
     ['adapter_config.json', 'adapter_model.safetensors', 'lorakit.json']
     """
     ad = _load(adapter)
+    if to == "gguf-lora":
+        return _to_gguf_lora(ad, Path(save_path), base, outtype, force)
     return save_adapter(ad, save_path, format=to, force=force, num_layers=num_layers,
                         verb="convert", provenance={"to": to})
+
+
+def _to_gguf_lora(ad: Adapter, out: Path, base: Optional[PathLike], outtype: str,
+                  force: bool) -> Path:
+    import json
+
+    from ..io.gguf import write_lora_gguf
+
+    recorded = ad.config.get("model") or ad.config.get("base_model_name_or_path")
+    where = Path(base) if base is not None else (Path(recorded) if recorded else None)
+    if where is None or not (where / "config.json").is_file():
+        raise LorakitError("GGUF-LoRA export needs the base model's config.json",
+                           file=where / "config.json" if where else ad.path / "adapter_config.json",
+                           expected="a local model directory (--base)",
+                           found="no such file" if where else "no recorded base model",
+                           hint="pass --base MODEL_DIR")
+    config = json.loads((where / "config.json").read_text(encoding="utf-8"))
+    if out.resolve() == ad.path.resolve() or ad.path.resolve() in out.resolve().parents:
+        raise LorakitError("the GGUF-LoRA file would go inside the adapter", file=out,
+                           expected="a path outside the adapter directory",
+                           found=str(ad.path))
+    return write_lora_gguf(ad, config, out, outtype=outtype, force=force)
