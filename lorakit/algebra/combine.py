@@ -48,6 +48,7 @@ with the truncation error in the report.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -59,6 +60,7 @@ from ..io.adapters.base import Adapter, LoraTarget
 from ..io.adapters.layout import expert_modules
 from ..io.adapters.load import load_adapter
 from ..io.adapters.write import save_adapter
+from ..io.gguf import write_lora_gguf
 from ..io.naming import bind
 from ..io.source import open_source
 from ..io.weights import weight_f64
@@ -438,10 +440,6 @@ def convert(adapter: Union[PathLike, Adapter], save_path: PathLike, *, to: str =
 
 def _to_gguf_lora(ad: Adapter, out: Path, base: Optional[PathLike], outtype: str,
                   force: bool) -> Path:
-    import json
-
-    from ..io.gguf import write_lora_gguf
-
     recorded = ad.config.get("model") or ad.config.get("base_model_name_or_path")
     where = Path(base) if base is not None else (Path(recorded) if recorded else None)
     if where is None or not (where / "config.json").is_file():
