@@ -188,10 +188,28 @@ def failures(res: Dict[str, Any]) -> List[str]:
             if v["rel_max_diff"] > REL_BOUND or v["top1_agreement"] < TOP1_BOUND]
 
 
+def markdown(res: Dict[str, Any]) -> str:
+    """The table BENCHMARKS.md shows (tests/docs/test_gguf_benchmarks.py checks it)."""
+    rows = [("fused GGUF vs MLX", res["fused_vs_mlx"]),
+            ("base GGUF + GGUF-LoRA vs fused GGUF", res["lora_vs_fused_gguf"]),
+            ("base GGUF + GGUF-LoRA vs MLX unfused", res["lora_vs_mlx_unfused"])]
+    for fam, r in res["families"].items():
+        rows += [(f"{fam} random model", r["model"]), (f"{fam} + q/k/v/o LoRA", r["lora"])]
+    out = ["| llama.cpp run vs reference | max abs diff | / max abs logit | top-1 agreement |",
+           "| --- | --- | --- | --- |"]
+    out += [f"| {k} | {v['max_abs_diff']:.4f} | {v['rel_max_diff']:.5f} | "
+            f"{100 * v['top1_agreement']:.1f}% |" for k, v in rows]
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out")
+    p.add_argument("--markdown", help="print the BENCHMARKS.md table of this JSON and exit")
     a = p.parse_args(argv)
+    if a.markdown:
+        print(markdown(json.loads(Path(a.markdown).read_text())))
+        return 0
     import llama_cpp
     import mlx.core as mx
 
