@@ -3,7 +3,8 @@
 ``lorakit.combine`` (``combine.py``; PEFT's methods step for step in ``peft_like.py``)
 and ``lorakit.extract`` (``extract.py``) live here, and so do these:
 
-``convert``  an adapter written in the other format (mlx-lm <-> PEFT), exactly
+``convert``  an adapter written in the other format (mlx-lm <-> PEFT), exactly;
+             or as llama.cpp's LoRA GGUF (``to="gguf-lora"``)
 ``resize``   an adapter at a lower rank, from its factors alone
 """
 from __future__ import annotations

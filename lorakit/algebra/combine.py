@@ -48,6 +48,7 @@ with the truncation error in the report.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -59,6 +60,7 @@ from ..io.adapters.base import Adapter, LoraTarget
 from ..io.adapters.layout import expert_modules
 from ..io.adapters.load import load_adapter
 from ..io.adapters.write import save_adapter
+from ..io.gguf import write_lora_gguf
 from ..io.naming import bind
 from ..io.source import open_source
 from ..io.weights import weight_f64
@@ -415,9 +417,14 @@ def _svd_dora(targets: List[LoraTarget], rows: List[Dict[str, Any]], ads: List[A
 
 
 def convert(adapter: Union[PathLike, Adapter], save_path: PathLike, *, to: str = "peft",
-            force: bool = False, num_layers: Optional[int] = None) -> Path:
+            force: bool = False, num_layers: Optional[int] = None,
+            base: Optional[PathLike] = None, outtype: str = "f32") -> Path:
     """Write ``adapter`` in format ``to`` (``"peft"`` or ``"mlx-lm"``), its factors in
-    their own dtype, bit for bit (see :func:`lorakit.io.adapters.write.save_adapter`).
+    their own dtype, bit for bit (see :func:`lorakit.io.adapters.write.save_adapter`);
+    or, with ``to="gguf-lora"``, as llama.cpp's LoRA GGUF file ``save_path``
+    (:func:`lorakit.io.gguf.write_lora_gguf`; ``base``: the model directory whose
+    config.json names the architecture, default the adapter's recorded model;
+    ``outtype``: ``f32`` or ``f16``).
 
     >>> import tempfile, os
     >>> out = convert("data/adapters/lora", os.path.join(tempfile.mkdtemp(), "p"), to="peft")
@@ -425,5 +432,25 @@ def convert(adapter: Union[PathLike, Adapter], save_path: PathLike, *, to: str =
     ['adapter_config.json', 'adapter_model.safetensors', 'lorakit.json']
     """
     ad = _load(adapter)
+    if to == "gguf-lora":
+        return _to_gguf_lora(ad, Path(save_path), base, outtype, force)
     return save_adapter(ad, save_path, format=to, force=force, num_layers=num_layers,
                         verb="convert", provenance={"to": to})
+
+
+def _to_gguf_lora(ad: Adapter, out: Path, base: Optional[PathLike], outtype: str,
+                  force: bool) -> Path:
+    recorded = ad.config.get("model") or ad.config.get("base_model_name_or_path")
+    where = Path(base) if base is not None else (Path(recorded) if recorded else None)
+    if where is None or not (where / "config.json").is_file():
+        raise LorakitError("GGUF-LoRA export needs the base model's config.json",
+                           file=where / "config.json" if where else ad.path / "adapter_config.json",
+                           expected="a local model directory (--base)",
+                           found="no such file" if where else "no recorded base model",
+                           hint="pass --base MODEL_DIR")
+    config = json.loads((where / "config.json").read_text(encoding="utf-8"))
+    if out.resolve() == ad.path.resolve() or ad.path.resolve() in out.resolve().parents:
+        raise LorakitError("the GGUF-LoRA file would go inside the adapter", file=out,
+                           expected="a path outside the adapter directory",
+                           found=str(ad.path))
+    return write_lora_gguf(ad, config, out, outtype=outtype, force=force)

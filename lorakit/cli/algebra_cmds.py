@@ -109,7 +109,7 @@ def _convert(args: argparse.Namespace) -> int:
     from ..algebra.combine import convert
 
     out = convert(args.adapter, args.save_path, to=args.to, force=args.force,
-                  num_layers=args.num_layers)
+                  num_layers=args.num_layers, base=args.base, outtype=args.outtype)
     print(json.dumps({"output": str(out), "format": args.to}) if args.json else
           f"wrote {args.to} adapter {out}")
     return 0
@@ -134,12 +134,21 @@ def add(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_combine)
 
-    c = sub.add_parser("convert", help="convert an adapter between mlx-lm and PEFT",
+    c = sub.add_parser("convert", help="convert an adapter between mlx-lm and PEFT, or to "
+                       "llama.cpp's LoRA GGUF",
                        description="Write an adapter in the other format, bit for bit "
-                       "(LoRA, DoRA magnitudes, embeddings, per-module ranks, scales as alpha).")
+                       "(LoRA, DoRA magnitudes, embeddings, per-module ranks, scales as "
+                       "alpha); or, with --to gguf-lora, as the LoRA GGUF file llama.cpp "
+                       "applies unfused (llama-cli --lora; Linear LoRA targets of llama, "
+                       "mistral, mixtral, qwen2, qwen3, qwen3_moe bases).")
     c.add_argument("adapter", help="adapter directory (mlx-lm or PEFT)")
-    c.add_argument("--to", choices=("peft", "mlx-lm"), required=True)
-    c.add_argument("--save-path", required=True, help="output adapter directory")
+    c.add_argument("--to", choices=("peft", "mlx-lm", "gguf-lora"), required=True)
+    c.add_argument("--save-path", required=True, help="output adapter directory (a .gguf "
+                   "file with --to gguf-lora)")
+    c.add_argument("--base", default=None, help="with --to gguf-lora: the base model "
+                   "directory (its config.json; default: the adapter's recorded model)")
+    c.add_argument("--outtype", choices=("f32", "f16"), default="f32",
+                   help="with --to gguf-lora: the factors' GGUF type (default: f32, exact)")
     c.add_argument("--num-layers", type=int, default=None,
                    help="mlx-lm's num_layers (default: the source's, or lowest to highest "
                    "adapted block)")

@@ -107,8 +107,9 @@ def _add_fuse(sub) -> None:
                    "anything else is refused and kept. The new output is complete before "
                    "the old one is swapped out")
     p.add_argument("--export-gguf", action="store_true",
-                   help="also write a GGUF file into the output with mlx-lm's GGUF writer "
-                   "(llama, mistral, mixtral; float weights)")
+                   help="also write a GGUF file llama.cpp loads into the output (llama, "
+                   "mistral, mixtral, qwen2, qwen3, qwen3_moe; float weights in the "
+                   "checkpoint's dtype, norms F32)")
     p.add_argument("--gguf-path", default="ggml-model-f16.gguf",
                    help="the GGUF file's name inside the output (default: ggml-model-f16.gguf)")
     p.add_argument("--upload-repo", default=None, metavar="OWNER/NAME",

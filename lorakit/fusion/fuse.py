@@ -225,9 +225,9 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
             default: correctly rounded, dtypes kept).
         force: replace an existing empty directory or previous lorakit output
             (recognised by its ``lorakit.json``); anything else is refused.
-        export_gguf: also write this GGUF file (a plain name) into the output with
-            mlx-lm's GGUF writer, as ``mlx_lm fuse --export-gguf`` does (llama, mistral,
-            mixtral; checked before any work).
+        export_gguf: also write this GGUF file (a plain name) into the output, one
+            llama.cpp loads (:mod:`lorakit.io.gguf`: llama, mistral, mixtral, qwen2,
+            qwen3, qwen3_moe; checked before any work).
         progress: show a progress bar (tqdm.auto); or a callable
             ``progress(done_bytes, total_bytes)`` called as tensors are written
             (widgets use it), with no bar.

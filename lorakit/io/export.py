@@ -1,42 +1,36 @@
-"""Where a fused checkpoint goes after lorakit writes it, as ``mlx_lm fuse`` sends it:
-a GGUF file through mlx-lm's own writer (``--export-gguf``), the hub through
-``huggingface_hub`` (``--upload-repo``). Both are checked before the fuse starts, so
-a refusal costs nothing.
+"""Where a fused checkpoint goes after lorakit writes it: a GGUF file llama.cpp loads
+(``--export-gguf``, written by :mod:`lorakit.io.gguf` on llama.cpp's own ``gguf``
+writer), the hub through ``huggingface_hub`` (``--upload-repo``). Both are checked
+before the fuse starts, so a refusal costs nothing.
 
->>> check_gguf_export({"model_type": "qwen3"}, False, "ggml-model-f16.gguf")
+Unlike ``mlx_lm fuse --export-gguf`` (whose writer labels a byte-level BPE vocabulary
+SentencePiece, writes UINT32 token types and F16 norms, and knows llama-arch models
+only), the file follows llama.cpp's ``convert_hf_to_gguf.py``: llama.cpp loads it.
+
+>>> check_gguf_export({"model_type": "gemma"}, False, "ggml-model-f16.gguf")
 Traceback (most recent call last):
-lorakit.errors.FormatError: GGUF export does not support this architecture ...
+lorakit.errors.FormatError: llama.cpp GGUF export does not support this architecture ...
 """
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import FormatError, LorakitError
+from .gguf import GGUF_ARCHS, check_gguf_model, write_model_gguf
 
 __all__ = ["check_gguf_export", "export_gguf", "check_upload", "upload"]
 
-#: architectures mlx-lm's GGUF writer converts (mlx_lm/fuse.py)
-GGUF_MODEL_TYPES = ("llama", "mixtral", "mistral")
+#: architectures the GGUF export converts (config.json model_type)
+GGUF_MODEL_TYPES = tuple(GGUF_ARCHS)
 #: mlx_lm fuse's default GGUF file name
 GGUF_DEFAULT = "ggml-model-f16.gguf"
 
 
 def check_gguf_export(config: Mapping[str, Any], dequantize: bool, gguf_path: str) -> None:
-    """Refuse, before any work, an export mlx-lm's GGUF writer cannot do."""
-    model_type = config.get("model_type")
-    if model_type not in GGUF_MODEL_TYPES:
-        raise FormatError("GGUF export does not support this architecture",
-                          tensor="config.json: model_type",
-                          expected=f"one of {', '.join(GGUF_MODEL_TYPES)} (what mlx-lm's "
-                                   "GGUF writer converts)",
-                          found=repr(model_type),
-                          hint="fuse without --export-gguf, then convert with llama.cpp's "
-                               "convert_hf_to_gguf.py")
+    """Refuse, before any work, an export the GGUF writer cannot do."""
+    check_gguf_model(config)
     if (config.get("quantization") or config.get("quantization_config")) and not dequantize:
         raise FormatError("GGUF export needs float weights", tensor="config.json: quantization",
                           expected="a float base, or --dequantize",
@@ -50,24 +44,9 @@ def check_gguf_export(config: Mapping[str, Any], dequantize: bool, gguf_path: st
 
 def export_gguf(directory: Path, gguf_path: str) -> Path:
     """Write ``directory/gguf_path`` from the fused checkpoint in ``directory`` (complete
-    but for its provenance) with mlx-lm's GGUF writer; returns the file."""
-    from mlx.utils import tree_flatten  # lazy: MLX only for an export
-    from mlx_lm.gguf import convert_to_gguf  # lazy: mlx-lm's writer, only for an export
-    from mlx_lm.utils import load_model  # lazy: as above
-
-    config = json.loads((directory / "config.json").read_text())
-    # the model's own parameter order, as mlx_lm fuse hands them over (same bytes)
-    model, _ = load_model(directory, lazy=True)
-    weights = dict(tree_flatten(model.parameters()))
-    out = directory / gguf_path
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):  # its prints name the temporary
-            convert_to_gguf(directory, weights, config, str(out))
-    except Exception as e:  # mlx-lm's writer raises plain errors; name what failed
-        raise FormatError("GGUF export failed in mlx-lm's writer", file=out,
-                          expected="a checkpoint mlx-lm can convert",
-                          found=f"{type(e).__name__}: {str(e)[:200]}") from None
-    return out
+    but for its provenance) as a GGUF llama.cpp loads, each weight in the checkpoint's
+    dtype, norms F32; returns the file."""
+    return write_model_gguf(Path(directory), Path(directory) / gguf_path)
 
 
 def check_upload(repo: str) -> None:

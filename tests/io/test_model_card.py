@@ -61,37 +61,20 @@ def test_a_base_readme_that_is_no_card_gets_the_template(tmp_path: Path, junk: s
     assert "library_name: mlx" in _front_matter((r.output / "README.md").read_text())
 
 
-# -- mlx_lm fuse's flags: defaults, --export-gguf, --upload-repo, --trust-remote-code ---------
-def test_export_gguf_is_mlx_lm_s_file_byte_for_byte(tmp_path: Path) -> None:
-    """`--rounding mlx-lm --export-gguf` writes the GGUF mlx_lm fuse writes, bit for bit,
-    and lorakit.json vouches for it."""
-    from helpers import run_mlx_lm_fuse
-    from model_factory import make_adapter, make_model
-
-    base = make_model(tmp_path / "base", "llama")
-    adapter = make_adapter(base, tmp_path / "ad")
-    r = lorakit.fuse(base, adapter, tmp_path / "out", rounding="mlx-lm", export_gguf="m.gguf",
-                     progress=False)
-    run_mlx_lm_fuse(base, adapter, tmp_path / "mlx", "--export-gguf", "--gguf-path", "m.gguf")
-    assert (r.output / "m.gguf").read_bytes() == (tmp_path / "mlx" / "m.gguf").read_bytes()
-    assert foreign_entries(r.output) == []
-
-
+# -- mlx_lm fuse's flags: defaults, --export-gguf (tests/io/test_gguf.py), --upload-repo, --trust-remote-code ---------
 @pytest.mark.parametrize("why, kwargs, says", [
     ("architecture", {}, "does not support this architecture"),
     ("path", {"name": "sub/m.gguf"}, "a file name inside the output directory"),
 ])
 def test_export_gguf_refusals_write_nothing(tmp_path: Path, why: str, kwargs: dict,
                                             says: str) -> None:
+    from model_factory import make_adapter, make_model
+
     from lorakit.errors import FormatError
 
-    base = BASE  # qwen3: not one mlx-lm's GGUF writer converts
-    if why == "path":
-        from model_factory import make_adapter, make_model
-        base = make_model(tmp_path / "base", "llama")
-        adapter = make_adapter(base, tmp_path / "ad")
-    else:
-        adapter = ADAPTER
+    # phi3: not an architecture the GGUF writer converts (lorakit.io.gguf.GGUF_ARCHS)
+    base = make_model(tmp_path / "base", "llama" if why == "path" else "phi3")
+    adapter = make_adapter(base, tmp_path / "ad", keys=("self_attn.o_proj",))
     with pytest.raises(FormatError, match=says):
         lorakit.fuse(base, adapter, tmp_path / "out", export_gguf=kwargs.get("name", "m.gguf"),
                      progress=False)

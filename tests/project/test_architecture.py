@@ -19,7 +19,7 @@ import archcheck  # noqa: E402
 #: ipywidgets, IPython, pandas, tokenizers, tqdm's notebook widgets) or optional;
 #: numpy where a header-only path (``lorakit inspect`` of a checkpoint) must not load it
 LAZY_OK = ("numpy", "mlx", "mlx_lm", "matplotlib", "ipywidgets", "IPython", "pandas", "tokenizers",
-           "tqdm", "huggingface_hub", "ctypes")
+           "tqdm", "huggingface_hub", "ctypes", "gguf")
 #: where lorakit's own modules may be imported lazily: the CLI (``lorakit --help`` must
 #: start without numpy) and the packages' lazy attribute exports
 LAZY_INTERNAL_OK = ("lorakit.cli", "lorakit.timing", "lorakit.widgets", "lorakit")

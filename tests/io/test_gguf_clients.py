@@ -1,0 +1,34 @@
+"""llama.cpp itself (llama-cpp-python) loads the GGUF files lorakit writes and computes
+MLX's logits: the fused embedded model, the base plus the GGUF-LoRA, and a random model
+of each supported family (benchmarks/clients_gguf.py, the committed run's check)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import REPO as ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _bench():
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install "
+                        "'lorakit[clients]'); the llama.cpp check needs it")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import clients_gguf
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return clients_gguf
+
+
+def test_llama_cpp_logits_match_mlx(tmp_path: Path) -> None:
+    import mlx.core as mx
+
+    b = _bench()
+    mx.set_default_device(mx.cpu)
+    res = b.run(tmp_path, families=("llama", "mixtral", "qwen2"))
+    assert b.failures(res) == []
+    # the LoRA through llama.cpp is the fused model within bf16 rounding of the fuse
+    assert res["lora_vs_fused_gguf"]["top1_agreement"] >= b.TOP1_BOUND
