@@ -31,6 +31,11 @@
 #define TAB 1024
 
 static inline double dotx(double x, const double *b, const double *a, Py_ssize_t r) {
+    if (r == 8) {  /* the common rank, unrolled (same order of additions) */
+        x += b[0] * a[0]; x += b[1] * a[1]; x += b[2] * a[2]; x += b[3] * a[3];
+        x += b[4] * a[4]; x += b[5] * a[5]; x += b[6] * a[6]; x += b[7] * a[7];
+        return x;
+    }
     for (Py_ssize_t k = 0; k < r; k++) x += b[k] * a[k];
     return x;
 }

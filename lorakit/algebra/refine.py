@@ -17,11 +17,32 @@ an r-variable least-squares problem over its violating elements) and the columns
 (distances in ulps of ``T``: the near-cancelling elements last) over ``RAMP``
 iterations. A step is kept per row (column) only if it lowers that row's (column's)
 loss; the factors are rounded to float32 after every step, so the count is that of
-the stored adapter. The normal equations are built from the violating elements only
-(``bincount`` over them); each iteration streams the matrix in row chunks three
-times. Stops when every element rounds to ``T``, when the count of elements outside
-has not fallen for ``PATIENCE`` iterations after the ramp, or at ``max_iters``; the
-best factors seen are returned (never worse than the input).
+the stored adapter.
+
+The iterations run on an *active set*: a full scan (one pass over the module) keeps
+the elements outside the shrunken box, those whose slack to its nearer edge is below
+``SLACK`` ulps, and every element more than ``DENSE_BINADES`` binades below the median
+ulp (tiny values, whose slack is tiny in absolute terms); the normal equations and the
+step checks are then sums over that gathered set alone. An inactive element has an
+absolute slack of at least ``s = SLACK * 2**(dense - 1)``; since the scan, no element
+moved by more than ``max||dB_i|| max||A_j|| + max||B_i|| max||dA_j|| + max||dB_i||
+max||dA_j||`` (``d``: the change since the scan), so while that bound is below ``s``
+no inactive element can have left the box and the active loss is the full loss. A new
+scan comes when the bound reaches ``s`` or after ``RESCAN`` iterations. Stops when
+every element is inside the shrunken box, when the scans' count has not fallen for
+``PATIENCE`` scans after the ramp, or at ``max_iters``; the final factors and the best
+scanned ones are counted by a full pass (:func:`outside_count`) and the better is
+returned, never worse than the input.
+
+Precision: the products ``B_i . A_j`` and the sums ``W + B A`` are float64 (the box
+edges are a few hundredths of an ulp of a bf16 value apart from the true delta; a
+float32 sum would move elements across them), and so are the normal equations and
+their r x r solves (they square the condition number). The base and the box edges are
+stored as float32, where they are exact (a bf16/fp16 value plus 31/64 of its half
+spacing needs at most 24 significand bits), and the factors are float32 values.
+
+The passes run in the optional C kernel ``_refitkernel`` (one scalar loop per pass,
+the GIL released); its numpy fallback gives the same bits (same order of additions).
 
 >>> rng = np.random.default_rng(0)
 >>> W = nm.to_float64(nm.round_to_format(rng.normal(size=(64, 48)) * 0.02, "BF16"), "BF16")
@@ -69,7 +90,9 @@ _WEIGHT_SPAN = 2.0 ** -30  # ulps below max ulp * this weigh as much as it (cond
 @dataclass
 class RefineResult:
     """Refined float32 factors and what the refit achieved: ``outside_before`` /
-    ``outside_after`` count the elements of ``W + B @ A`` that do not round to ``T``."""
+    ``outside_after`` count the elements of ``W + B @ A`` that do not round to ``T``
+    (full passes); ``history``: the elements outside the shrunken box at each full
+    scan (at least those that do not round to ``T``), then ``outside_after``."""
     A: np.ndarray
     B: np.ndarray
     iterations: int
