@@ -18,6 +18,17 @@ in a temporary directory that is removed at the end. For each case:
   change (before the refit), ``outside`` those of the saved ones (checked here against
   the real re-fuse).
 
+* the plain SVD extraction ``mergekit-extract-lora`` does (its
+  ``_low_rank_decomposition``: ``torch.linalg.svd`` of ``finetuned.float() -
+  base.float()``, ``B = U_r sqrt(S_r)``, ``A = sqrt(S_r) Vh_r``), reproduced in numpy
+  float32 on the same checkpoint: its time, ``||D - B A||_F`` against lorakit's
+  residual, and the elements a re-fuse of its factors changes (``outside_count``, the
+  count the report's ``outside`` column uses and a real re-fuse matches).
+
+``--preset`` picks the synthetic shape (``lorakit.synth``'s presets, e.g. qwen3-8b) and
+``--device`` MLX's default device in the extract's process (cpu or gpu; the refit and
+the SVD run in numpy and the C kernel either way).
+
 Usage::
 
     .venv/bin/python benchmarks/extract.py --json benchmarks/results/extract.json
@@ -45,7 +56,9 @@ from lorakit.io.checkpoint import Checkpoint  # noqa: E402
 
 CHILD = """
 import json, sys, time, numpy as np, lorakit
-base, fused, out = sys.argv[1:4]
+base, fused, out, device = sys.argv[1:5]
+import mlx.core as mx
+mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
 t = time.perf_counter()
 rep = lorakit.extract(base, fused, rank=8, progress=False)
 wall = time.perf_counter() - t
@@ -56,10 +69,11 @@ json.dump({"extract_s": wall, "refit_s": rep.refit_seconds, "summary": rep.to_di
 """
 
 
-def _run_extract(base: Path, fused: Path, out: Path) -> dict:
+def _run_extract(base: Path, fused: Path, out: Path, device: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-c", CHILD, str(base), str(fused), str(out)], env=env)
+    p = subprocess.Popen([sys.executable, "-c", CHILD, str(base), str(fused), str(out),
+                          device], env=env)
     _, status, usage = os.wait4(p.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit("extract failed")
@@ -73,12 +87,38 @@ def _f64(ck: Checkpoint, name: str) -> np.ndarray:
     return nm.to_float64(ck.read(name), ck.tensors[name].dtype)
 
 
-def measure(base: Path, adapter: Path, work: Path) -> dict:
+def plain_svd(b: Checkpoint, f: Checkpoint, names, rank: int, limit=None) -> dict:
+    """mergekit-extract-lora's method on the same checkpoint (numpy float32 SVD)."""
+    from lorakit.algebra.refine import outside_count
+
+    secs = sq = 0.0
+    differ = elements = 0
+    for name in list(names)[:limit]:
+        t = time.perf_counter()
+        D = nm.to_float64(f.read(name), f.tensors[name].dtype).astype(np.float32) - \
+            nm.to_float64(b.read(name), b.tensors[name].dtype).astype(np.float32)
+        U, S, Vh = np.linalg.svd(D, full_matrices=False)
+        root = np.sqrt(S[:rank])
+        B, A = U[:, :rank] * root, root[:, None] * Vh[:rank]
+        secs += time.perf_counter() - t
+        R = D.astype(np.float64) - B.astype(np.float64) @ A.astype(np.float64)
+        sq += float(np.einsum("ij,ij->", R, R))
+        differ += outside_count(_f64(b, name), f.read(name), f.tensors[name].dtype, A, B)
+        elements += D.size
+    return {"method": "mergekit-extract-lora's _low_rank_decomposition (full float32 SVD "
+                      "of finetuned - base, sqrt(S) on each side), in numpy",
+            "modules": len(list(names)[:limit]), "svd_s": secs, "residual": sq ** 0.5,
+            "adapted_elements": elements, "differ": differ,
+            "differ_fraction": differ / elements if elements else 0.0}
+
+
+def measure(base: Path, adapter: Path, work: Path, device: str = "cpu",
+            baseline_modules=None) -> dict:
     fused = work / "fused"
     t = time.perf_counter()
     lorakit.fuse(base, adapter, fused, progress=False)
     fuse_s = time.perf_counter() - t
-    res = _run_extract(base, fused, work / "extracted")
+    res = _run_extract(base, fused, work / "extracted", device)
     npz = np.load(str(work / "extracted") + ".npz")
     modules = [k[2:] for k in npz.files if k.startswith("A:")]
     targets = [LoraTarget(m, "linear", npz[f"A:{m}"], npz[f"B:{m}"], 1.0) for m in modules]
@@ -124,7 +164,13 @@ def measure(base: Path, adapter: Path, work: Path) -> dict:
     counts["differ_svd_fraction"] = counts["differ_svd_factors"] / counts["adapted_elements"]
     counts["differ_fraction"] = counts["differ"] / counts["adapted_elements"]
     counts["differ_gt1ulp_fraction"] = counts["differ_gt1ulp"] / counts["adapted_elements"]
-    return {"fuse_s": fuse_s, "extract": {k: res[k] for k in
+    plain = plain_svd(b, f, [t.module + ".weight" for t in targets], 8, baseline_modules)
+    done = {r["module"] for r in low[:plain["modules"]]}
+    plain["lorakit_residual"] = float(np.sqrt(sum(r["residual"] ** 2 for r in low
+                                                  if r["module"] in done)))
+    if plain["modules"] == len(targets):
+        plain["extract_over_svd"] = res["extract_s"] / plain["svd_s"]
+    return {"fuse_s": fuse_s, "plain_svd": plain, "extract": {k: res[k] for k in
                                           ("extract_s", "refit_s", "process_wall_s", "peak_rss_bytes",
                                            "user_s", "system_s", "summary")},
             "modules": len(targets),
@@ -140,24 +186,33 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--skip-large", action="store_true", help="only the embedded model")
+    ap.add_argument("--preset", default="qwen3-1.7b", help="lorakit.synth preset of the large case")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"],
+                    help="MLX's default device in the extract's process")
+    ap.add_argument("--baseline-modules", type=int, default=None,
+                    help="time the plain SVD on the first N modules only (default all)")
     args = ap.parse_args()
     from lorakit.synth import synth_adapter, synth_checkpoint
 
     results = {"command": "python benchmarks/extract.py" +
                (" --skip-large" if args.skip_large else "") +
+               (f" --preset {args.preset}" if args.preset != "qwen3-1.7b" else "") +
+               (f" --device {args.device}" if args.device != "cpu" else "") +
                (f" --json {args.json}" if args.json else ""), "cases": {}}
     with tempfile.TemporaryDirectory(prefix="lorakit-extract-") as tmp:
         tiny = Path(tmp) / "tiny"
         tiny.mkdir()
         results["cases"]["tiny-qwen3"] = measure(ROOT / "data/tiny-qwen3",
-                                                 ROOT / "data/adapters/lora", tiny)
+                                                 ROOT / "data/adapters/lora", tiny,
+                                                 args.device)
         print(json.dumps(results["cases"]["tiny-qwen3"]["refuse"]), flush=True)
         if not args.skip_large:
             big = Path(tmp) / "big"
             big.mkdir()
-            ck = synth_checkpoint(big / "base", "qwen3-1.7b", progress=False)
+            ck = synth_checkpoint(big / "base", args.preset, progress=False)
             ad = synth_adapter(big / "lora", ck, rank=8)
-            results["cases"]["qwen3-1.7b"] = measure(ck, ad, big)
+            results["cases"][args.preset] = measure(ck, ad, big, args.device,
+                                                    args.baseline_modules)
     text = json.dumps(results, indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")

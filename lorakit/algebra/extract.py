@@ -219,7 +219,7 @@ def _lowrank_row(name: str, W: np.ndarray, T: np.ndarray, t_bits: np.ndarray, co
     before = outside_count(W, t_bits, code, A, B)
     after, iters, secs = before, 0, 0.0
     if refine and code in REFINE_CODES and residual <= noise and before:
-        res = refine_factors(W, t_bits, code, A, B)
+        res = refine_factors(W, t_bits, code, A, B, outside=before)
         iters, secs = res.iterations, res.seconds
         refined = _residual(W, T, res.A, res.B)
         if res.outside_after < before and refined <= noise:

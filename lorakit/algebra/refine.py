@@ -17,11 +17,32 @@ an r-variable least-squares problem over its violating elements) and the columns
 (distances in ulps of ``T``: the near-cancelling elements last) over ``RAMP``
 iterations. A step is kept per row (column) only if it lowers that row's (column's)
 loss; the factors are rounded to float32 after every step, so the count is that of
-the stored adapter. The normal equations are built from the violating elements only
-(``bincount`` over them); each iteration streams the matrix in row chunks three
-times. Stops when every element rounds to ``T``, when the count of elements outside
-has not fallen for ``PATIENCE`` iterations after the ramp, or at ``max_iters``; the
-best factors seen are returned (never worse than the input).
+the stored adapter.
+
+The iterations run on an *active set*: a full scan (one pass over the module) keeps
+the elements outside the shrunken box, those whose slack to its nearer edge is below
+``SLACK`` ulps, and every element more than ``DENSE_BINADES`` binades below the median
+ulp (tiny values, whose slack is tiny in absolute terms); the normal equations and the
+step checks are then sums over that gathered set alone. An inactive element has an
+absolute slack of at least ``s = SLACK * 2**(dense - 1)``; since the scan, no element
+moved by more than ``max||dB_i|| max||A_j|| + max||B_i|| max||dA_j|| + max||dB_i||
+max||dA_j||`` (``d``: the change since the scan), so while that bound is below ``s``
+no inactive element can have left the box and the active loss is the full loss. A new
+scan comes when the bound reaches ``s`` or after ``RESCAN`` iterations. Stops when
+every element is inside the shrunken box, when the scans' count has not fallen for
+``PATIENCE`` scans after the ramp, or at ``max_iters``; the final factors and the best
+scanned ones are counted by a full pass (:func:`outside_count`) and the better is
+returned, never worse than the input.
+
+Precision: the products ``B_i . A_j`` and the sums ``W + B A`` are float64 (the box
+edges are a few hundredths of an ulp of a bf16 value apart from the true delta; a
+float32 sum would move elements across them), and so are the normal equations and
+their r x r solves (they square the condition number). The base and the box edges are
+stored as float32, where they are exact (a bf16/fp16 value plus 31/64 of its half
+spacing needs at most 24 significand bits), and the factors are float32 values.
+
+The passes run in the optional C kernel ``_refitkernel`` (one scalar loop per pass,
+the GIL released); its numpy fallback gives the same bits (same order of additions).
 
 >>> rng = np.random.default_rng(0)
 >>> W = nm.to_float64(nm.round_to_format(rng.normal(size=(64, 48)) * 0.02, "BF16"), "BF16")
@@ -37,13 +58,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
 from .. import numerics as nm
 
-__all__ = ["MARGIN", "RAMP", "MAX_ITERS", "PATIENCE", "RefineResult", "rounding_box",
+__all__ = ["MARGIN", "RAMP", "MAX_ITERS", "PATIENCE", "SLACK", "RESCAN", "DENSE_BINADES", "RefineResult", "rounding_box",
            "outside_count", "refine_factors"]
 
 #: the box the refit aims for, as a share of the half spacings (a dyadic 31/64, so the
@@ -55,6 +76,13 @@ RAMP = 30
 MAX_ITERS = 50
 #: stop when the count has not fallen for this many iterations (after the ramp)
 PATIENCE = 5
+#: an element is in the active set when its slack to the box edge is below this many
+#: ulps (or it is outside)
+SLACK = 0.125
+#: a full pass (and a new active set) at least every this many iterations
+RESCAN = 5
+#: elements more than this many binades below the median ulp are always active
+DENSE_BINADES = 2
 _CHUNK = 1 << 18  # elements per row chunk: temporaries stay a few MiB
 _WEIGHT_SPAN = 2.0 ** -30  # ulps below max ulp * this weigh as much as it (conditioning)
 
@@ -62,7 +90,9 @@ _WEIGHT_SPAN = 2.0 ** -30  # ulps below max ulp * this weigh as much as it (cond
 @dataclass
 class RefineResult:
     """Refined float32 factors and what the refit achieved: ``outside_before`` /
-    ``outside_after`` count the elements of ``W + B @ A`` that do not round to ``T``."""
+    ``outside_after`` count the elements of ``W + B @ A`` that do not round to ``T``
+    (full passes); ``history``: the elements outside the shrunken box at each full
+    scan (at least those that do not round to ``T``), then ``outside_after``."""
     A: np.ndarray
     B: np.ndarray
     iterations: int
@@ -124,17 +154,28 @@ def outside_count(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
     return bad
 
 
-class _Problem:
-    """The fixed data of one refit: base, box edges and ulps (compact dtypes), and
-    the row-chunk passes that compute residuals of ``W + B @ A`` outside the box."""
+try:  # the optional C kernel (lorakit/algebra/_refitkernel.c); numpy otherwise, same bits
+    from . import _refitkernel as _kernel
+except ImportError:  # pragma: no cover - depends on the build
+    _kernel = None
 
-    def __init__(self, W: np.ndarray, T_bits: np.ndarray, code: str, margin: float):
+_OFF, _TAB = 512, 1024  # the kernel's exponent tables: index logu + _OFF
+
+
+class _Problem:
+    """The fixed data of one refit: base and box edges (float32 for bf16/fp16, where
+    they are exact), ulp exponents, and the two passes: :meth:`scan` over every
+    element (the active set) and :meth:`accum` over the gathered active set."""
+
+    def __init__(self, W: np.ndarray, T_bits: np.ndarray, code: str, margin: float,
+                 use_kernel: bool):
         self.fmt = nm.float_format(code)
-        self.T_bits = T_bits
         edge = _edge_dtype(code)
         n, m = W.shape
-        self.W = W.astype(np.float32) if edge is np.float32 and \
-            np.array_equal(W.astype(np.float32), W) else W
+        self.shape = (n, m)
+        w32 = W.astype(np.float32)
+        self.W = w32 if edge is np.float32 and np.array_equal(w32, W) else W
+        del w32
         self.lo, self.hi = np.empty((n, m), edge), np.empty((n, m), edge)
         self.logu = np.empty((n, m), np.int16)
         for rows in nm.chunks(n, m, _CHUNK):
@@ -144,40 +185,88 @@ class _Problem:
             self.logu[rows] = np.frexp(u)[1]
         self.top = int(self.logu.max(initial=0))
         self.floor = self.top + int(np.log2(_WEIGHT_SPAN))
+        self.kernel = _kernel if use_kernel and _kernel is not None and \
+            self.W.dtype == self.lo.dtype == np.float32 else None
 
-    def fused(self, rows: slice, B: np.ndarray, A: np.ndarray) -> np.ndarray:
-        """``W + B @ A`` on ``rows`` (``B`` holds just those rows), float64."""
-        X = B @ A
-        X += self.W[rows]
-        return X
+    def weights(self, p: float) -> np.ndarray:
+        """The weight of an element by its ulp exponent (index ``logu + 512``)."""
+        e = np.maximum(np.arange(_TAB) - _OFF, self.floor) - self.top
+        return np.exp2(-p * e.astype(np.float64))
 
-    def chunks(self):
-        return nm.chunks(self.W.shape[0], self.W.shape[1], _CHUNK)
+    def scan(self, A: np.ndarray, B: np.ndarray, thr: np.ndarray) -> Tuple[np.ndarray, int]:
+        """Flat indices (ascending) of the elements whose slack to the nearer edge
+        of the box is below ``thr[logu + 512]``, and the count outside the box."""
+        n, m = self.shape
+        At = np.ascontiguousarray(A.T)
+        if self.kernel is not None:
+            raw, viol = self.kernel.scan(self.W, self.lo, self.hi, self.logu, m, A.shape[0],
+                                         np.ascontiguousarray(B), At, thr)
+            return np.frombuffer(raw, np.int64), int(viol)
+        parts, viol = [], 0
+        for rows in nm.chunks(n, m, _CHUNK):
+            X = self.W[rows].astype(np.float64)
+            for k in range(A.shape[0]):
+                X += B[rows, k:k + 1] * At[:, k]
+            s = np.minimum(X - self.lo[rows], self.hi[rows] - X)
+            viol += int(np.count_nonzero(s < 0))
+            t = thr[np.clip(self.logu[rows].astype(np.int64) + _OFF, 0, _TAB - 1)]
+            parts.append(np.flatnonzero(s < t) + rows.start * m)
+        return np.concatenate(parts), viol
 
-    def violations(self, rows: slice, X: np.ndarray, p: float
-                   ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Flat indices of the elements of ``X`` (rows of ``W + B A``) outside the
-        box, their signed distances outside it and their weights."""
-        hi, lo = self.hi[rows], self.lo[rows]
-        flat = np.flatnonzero((X > hi) | (X < lo))
-        x = X.reshape(-1)[flat]
-        h = hi.reshape(-1)[flat]
-        r = np.where(x > h, x - h, x - lo.reshape(-1)[flat])
-        e = np.maximum(self.logu[rows].reshape(-1)[flat], self.floor) - self.top
-        return flat, r, np.exp2(-p * e.astype(np.float64))
+    def gather(self, idx: np.ndarray) -> "_Active":
+        flat = (self.W.reshape(-1), self.lo.reshape(-1), self.hi.reshape(-1),
+                self.logu.reshape(-1))
+        return _Active(idx, *(np.ascontiguousarray(a[idx]) for a in flat))
 
-    def count(self, rows: slice, X: np.ndarray, flat: np.ndarray) -> int:
-        """Elements of ``X`` that do not round to ``T`` (all among ``flat``, the
-        elements outside the shrunken box)."""
-        x = X.reshape(-1)[flat]
-        return int(np.count_nonzero(nm.round_to_format(x, self.fmt)
-                                    != self.T_bits[rows].reshape(-1)[flat]))
+    def accum(self, act: "_Active", A: np.ndarray, B: np.ndarray, wtab: np.ndarray,
+              side: int, full: bool) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Per row (side 0) or column (side 1), over the active set's elements outside
+        the box: ``G = sum wt f f^T`` (upper triangle, pairs a <= b), ``g = sum wt rr
+        f``, ``loss = sum wt rr^2``; ``full=False``: the loss alone."""
+        n, m = self.shape
+        r = A.shape[0]
+        size = m if side else n
+        At, Bc = np.ascontiguousarray(A.T), np.ascontiguousarray(B)
+        G = np.zeros((size, r * (r + 1) // 2) if full else 0)
+        g = np.zeros((size, r) if full else 0)
+        loss = np.zeros(size)
+        if self.kernel is not None:
+            viol = self.kernel.accum(act.idx, act.w, act.lo, act.hi, act.logu, m, r, Bc, At,
+                                     wtab, side, G, g, loss)
+            return G, g, loss, int(viol)
+        i, j = np.divmod(act.idx, m)
+        x = act.w.astype(np.float64)
+        for k in range(r):
+            x += Bc[i, k] * At[j, k]
+        hi, lo = act.hi.astype(np.float64), act.lo.astype(np.float64)
+        out = (x > hi) | (x < lo)
+        sel = np.flatnonzero(out)
+        xs = x[sel]
+        rr = np.where(xs > hi[sel], xs - hi[sel], xs - lo[sel])
+        wv = wtab[np.clip(act.logu[sel].astype(np.int64) + _OFF, 0, _TAB - 1)]
+        seg = j[sel] if side else i[sel]
+        F = Bc[i[sel]] if side else At[j[sel]]
+        wr = wv * rr
+        loss = np.bincount(seg, wr * rr, minlength=size)
+        if full:
+            q = 0
+            for a in range(r):
+                g[:, a] = np.bincount(seg, wr * F[:, a], minlength=size)
+                for c in range(a, r):
+                    G[:, q] = np.bincount(seg, (F[:, a] * F[:, c]) * wv, minlength=size)
+                    q += 1
+        return G, g, loss, int(sel.size)
 
 
-def _pairs(F: np.ndarray) -> np.ndarray:
-    """``(len, k(k+1)/2)``: the products ``f_a f_b`` (a <= b) of each row of ``F``."""
-    a, b = np.triu_indices(F.shape[1])
-    return F[:, a] * F[:, b]
+@dataclass
+class _Active:
+    """The gathered active set: flat indices and the base, edges and ulp exponents
+    of those elements (contiguous copies)."""
+    idx: np.ndarray
+    w: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    logu: np.ndarray
 
 
 def _unpair(Gp: np.ndarray, k: int) -> np.ndarray:
@@ -188,30 +277,9 @@ def _unpair(Gp: np.ndarray, k: int) -> np.ndarray:
     return G
 
 
-def _normal_eqs(shape: Tuple[int, int], flat: np.ndarray, w: np.ndarray, r: np.ndarray,
-                F: np.ndarray, pairs: np.ndarray, rows_side: bool
-                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row (``rows_side``) or per column of a chunk: ``G = sum w f f^T``,
-    ``g = sum w r f`` and ``loss = sum w r^2`` (``G`` as its upper triangle) over its violating elements, with
-    ``F`` the other factor's vectors (columns of A as rows, or rows of B) and
-    ``pairs = _pairs(F)``. Scattered into dense (rows, cols) arrays and reduced by
-    BLAS: 64 + 8 multiply-adds per element, cheaper than gathering per violator."""
-    Mw = np.zeros(shape)
-    Mw.reshape(-1)[flat] = w
-    Mr = np.zeros(shape)
-    Mr.reshape(-1)[flat] = w * r
-    if rows_side:
-        Gp, g = Mw @ pairs, Mr @ F
-        seg = flat // shape[1]
-        size = shape[0]
-    else:
-        Gp, g = Mw.T @ pairs, Mr.T @ F
-        seg = flat % shape[1]
-        size = shape[1]
-    return Gp, g, np.bincount(seg, w * r * r, minlength=size)
-
-
 def _solve(Gp: np.ndarray, g: np.ndarray, mu: np.ndarray) -> np.ndarray:
+    """The damped Gauss-Newton steps ``(G + mu tr(G)/r I)^-1 g``, one r x r system per
+    row (column), batched; float64 (the normal equations square the condition)."""
     k = g.shape[-1]
     G = _unpair(Gp, k)
     tr = np.trace(G, axis1=1, axis2=2) / k
@@ -223,65 +291,46 @@ def _adapt(mu: np.ndarray, idx: np.ndarray, ok: np.ndarray) -> None:
     mu[idx] = np.where(ok, np.maximum(mu[idx] * 0.3, 1e-6), np.minimum(mu[idx] * 10, 1e6))
 
 
-def _step_B(prob: _Problem, A: np.ndarray, B: np.ndarray, p: float, mu: np.ndarray) -> int:
-    """Gauss-Newton on each row of ``B`` (in place, per row kept only if its loss
-    falls); returns the count of elements outside the true box before the step."""
-    outside = 0
-    At = np.ascontiguousarray(A.T)
-    pairs_a = _pairs(At)
-    for rows in prob.chunks():
-        X = prob.fused(rows, B[rows], A)
-        flat, r, w = prob.violations(rows, X, p)
-        if flat.size == 0:
-            continue
-        outside += prob.count(rows, X, flat)
-        G, g, loss0 = _normal_eqs(X.shape, flat, w, r, At, pairs_a, True)
-        act = np.flatnonzero(loss0 > 0)
-        sub = slice(rows.start + act[0], rows.start + act[-1] + 1)  # the active rows' span
-        Bn = B[sub].copy()
-        Bn[act - act[0]] = _f32(B[rows.start + act] - _solve(G[act], g[act], mu[rows.start + act]))
-        Xn = prob.fused(sub, Bn, A)
-        f1, r1, w1 = prob.violations(sub, Xn, p)
-        loss1 = np.bincount(f1 // Xn.shape[1], w1 * r1 * r1, minlength=Xn.shape[0])
-        ok = loss1[act - act[0]] < loss0[act]
-        B[rows.start + act[ok]] = Bn[act[ok] - act[0]]
-        _adapt(mu, rows.start + act, ok)
-    return outside
+def _step(prob: _Problem, act: _Active, A: np.ndarray, B: np.ndarray, wtab: np.ndarray,
+          mu: np.ndarray, side: int) -> int:
+    """One Gauss-Newton step on the rows of ``B`` (side 0) or the columns of ``A``
+    (side 1), in place, kept per row (column) only where the loss falls; returns the
+    count outside the box over the active set before the step."""
+    G, g, loss0, viol = prob.accum(act, A, B, wtab, side, True)
+    sel = np.flatnonzero(loss0 > 0)
+    if sel.size == 0:
+        return viol
+    d = _solve(G[sel], g[sel], mu[sel])
+    if side:
+        An = A.copy()
+        An[:, sel] = _f32(A[:, sel] - d.T)
+        loss1 = prob.accum(act, An, B, wtab, side, False)[2]
+        ok = loss1[sel] < loss0[sel]
+        A[:, sel[ok]] = An[:, sel[ok]]
+    else:
+        Bn = B.copy()
+        Bn[sel] = _f32(B[sel] - d)
+        loss1 = prob.accum(act, A, Bn, wtab, side, False)[2]
+        ok = loss1[sel] < loss0[sel]
+        B[sel[ok]] = Bn[sel[ok]]
+    _adapt(mu, sel, ok)
+    return viol
 
 
-def _step_A(prob: _Problem, A: np.ndarray, B: np.ndarray, p: float, mu: np.ndarray) -> None:
-    """Gauss-Newton on each column of ``A`` (in place, per column kept only if its
-    loss falls): one pass to build the normal equations, one to check the step."""
-    m, k = A.shape[1], A.shape[0]
-    G, g, loss0 = np.zeros((m, k * (k + 1) // 2)), np.zeros((m, k)), np.zeros(m)
-    pairs_b = _pairs(B)
-    for rows in prob.chunks():
-        X = prob.fused(rows, B[rows], A)
-        flat, r, w = prob.violations(rows, X, p)
-        if flat.size == 0:
-            continue
-        Gc, gc, lc = _normal_eqs(X.shape, flat, w, r, B[rows], pairs_b[rows], False)
-        G += Gc
-        g += gc
-        loss0 += lc
-    act = np.flatnonzero(loss0 > 0)
-    if act.size == 0:
-        return
-    An = A.copy()
-    An[:, act] = _f32(A[:, act] - _solve(G[act], g[act], mu[act]).T)
-    loss1 = np.zeros(m)
-    for rows in prob.chunks():
-        X = prob.fused(rows, B[rows], An)
-        flat, r, w = prob.violations(rows, X, p)
-        loss1 += np.bincount(flat % m, w * r * r, minlength=m)
-    ok = loss1[act] < loss0[act]
-    A[:, act[ok]] = An[:, act[ok]]
-    _adapt(mu, act, ok)
+def _thresholds(prob: _Problem, slack: float, dense_below: int) -> Tuple[np.ndarray, float]:
+    """The scan's table: active when the slack is below ``slack`` ulps, always for an
+    ulp exponent below ``dense_below`` (tiny values: their slack is tiny in absolute
+    terms); and the smallest slack an inactive element can have (absolute)."""
+    e = np.arange(_TAB) - _OFF
+    thr = np.where(e < dense_below, np.inf, slack * np.exp2(e - 1.0))
+    return thr, slack * 2.0 ** (dense_below - 1)
 
 
 def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
                    B: np.ndarray, *, max_iters: int = MAX_ITERS, margin: float = MARGIN,
-                   ramp: int = RAMP, patience: int = PATIENCE) -> RefineResult:
+                   ramp: int = RAMP, patience: int = PATIENCE, slack: float = SLACK,
+                   rescan: int = RESCAN, outside: Optional[int] = None,
+                   use_kernel: bool = True) -> RefineResult:
     """Refit rank-r factors so that ``round(W + B @ A)`` equals ``T_bits`` on as many
     elements as it can (see the module docstring).
 
@@ -289,34 +338,62 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
         W: the base weight, float64 (out, in).
         T_bits: the tuned weight's storage bits (format ``code``, e.g. ``"BF16"``).
         A, B: starting factors (r, in) and (out, r), e.g. the truncated SVD's.
-        max_iters, margin, ramp, patience: the refit's knobs (module constants).
+        max_iters, margin, ramp, patience, slack, rescan: the refit's knobs (module
+            constants).
+        outside: ``outside_count`` of the starting factors, if the caller has it.
+        use_kernel: use the C kernel where built (False: the numpy path, same bits).
 
     Returns:
         A :class:`RefineResult` with float32 factors, never more elements outside
         than the starting ones.
     """
     t0 = time.perf_counter()
-    prob = _Problem(np.asarray(W, np.float64), np.asarray(T_bits), code, margin)
+    W = np.asarray(W, np.float64)
+    prob = _Problem(W, np.asarray(T_bits), code, margin, use_kernel)
     A = _f32(np.asarray(A, np.float64))
     B = _f32(np.asarray(B, np.float64))
+    A_in, B_in = A.copy(), B.copy()
+    before = outside_count(W, T_bits, code, A, B) if outside is None else int(outside)
     mu_b, mu_a = np.full(B.shape[0], 1e-3), np.full(A.shape[1], 1e-3)
-    best = (outside_count(prob.W, prob.T_bits, code, A, B), A.copy(), B.copy())
-    before, since, it, history = best[0], 0, 0, []
-    while it < max_iters and best[0] > 0:
-        p = min(2.0, 2.0 * it / max(ramp, 1))
-        start = (A.copy(), B.copy())
-        outside = _step_B(prob, A, B, p, mu_b)  # counted at ``start``, before the step
-        history.append(outside)
-        if outside < best[0]:
-            best, since = (outside, *start), 0
+    dense = int(np.median(prob.logu)) - DENSE_BINADES
+    thr, min_slack = _thresholds(prob, slack, dense)
+    best = (np.inf, A.copy(), B.copy())
+    it, since, history, scans = 0, 0, [], 0
+    while it < max_iters and before > 0:
+        idx, viol = prob.scan(A, B, thr)  # a full pass: the count and the active set
+        scans += 1
+        history.append(viol)
+        if viol < best[0]:
+            best, since = (viol, A.copy(), B.copy()), 0
         elif it > ramp:
             since += 1
             if since >= patience:
                 break
-        _step_A(prob, A, B, p, mu_a)
-        it += 1
-    last = outside_count(prob.W, prob.T_bits, code, A, B)
-    if last < best[0]:
-        best = (last, A, B)
-    return RefineResult(best[1].astype(np.float32), best[2].astype(np.float32), it, before,
-                        best[0], time.perf_counter() - t0, tuple(history + [last]))
+        if viol == 0:
+            break
+        act = prob.gather(idx)
+        A0, B0 = A.copy(), B.copy()
+        na0 = float(np.sqrt((A0 * A0).sum(0)).max())
+        nb0 = float(np.sqrt((B0 * B0).sum(1)).max())
+        for _ in range(rescan):
+            if it >= max_iters:
+                break
+            wtab = prob.weights(min(2.0, 2.0 * it / max(ramp, 1)))
+            _step(prob, act, A, B, wtab, mu_b, 0)
+            _step(prob, act, A, B, wtab, mu_a, 1)
+            it += 1
+            db = float(np.sqrt(((B - B0) ** 2).sum(1)).max())
+            da = float(np.sqrt(((A - A0) ** 2).sum(0)).max())
+            # |dB_i.A0_j + B0_i.dA_j + dB_i.dA_j| bounds how far any element moved: an
+            # inactive one may have left the box once it reaches the smallest slack
+            if db * na0 + nb0 * da + db * da >= min_slack:
+                break
+    final = (outside_count(W, T_bits, code, A, B), A, B) if it else (before, A, B)
+    if np.isfinite(best[0]) and it and best[0] < history[-1]:
+        seen = outside_count(W, T_bits, code, best[1], best[2])
+        if seen < final[0]:
+            final = (seen, best[1], best[2])
+    if final[0] > before:  # never worse than the input
+        final = (before, A_in, B_in)
+    return RefineResult(final[1].astype(np.float32), final[2].astype(np.float32), it, before,
+                        final[0], time.perf_counter() - t0, tuple(history + [final[0]]))
