@@ -96,6 +96,9 @@ the exit code: behaviour is evidence, the per-tensor check is the verdict.
 from __future__ import annotations
 
 import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -367,6 +370,30 @@ def _adapted_row(sf, sb, tensor, binds, conversion: Optional[str]) -> Dict[str, 
     return r
 
 
+#: adapted tensors measured at once (numpy releases the GIL in the big array work)
+WORKERS = max(1, min(2, os.cpu_count() or 1))
+
+
+def _adapted_rows(sf, sb, by_tensor, conversion: Optional[str]) -> List[Dict[str, Any]]:
+    """The adapted tensors' rows, in order, up to :data:`WORKERS` tensors in flight (as
+    the fuse does). Each tensor's numbers are computed exactly as one at a time; a
+    quantized weight (MLX's quantize in the reference) is measured in the calling
+    thread."""
+    items = list(by_tensor.items())
+
+    def one(tb):
+        return _adapted_row(sf, sb, tb[0], tb[1], conversion)
+
+    def quantized(t: str) -> bool:
+        module = t[: -len(".weight")]
+        return sb.quant_params(module) is not None or sf.quant_params(module) is not None
+
+    if WORKERS < 2 or len(items) < 2 or any(quantized(t) for t, _ in items):
+        return [one(tb) for tb in items]
+    with ThreadPoolExecutor(WORKERS, thread_name_prefix="lorakit-check") as pool:
+        return list(pool.map(one, items))
+
+
 def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
                 progress: Any = True, behaviour: Any = False) -> CheckReport:
     """Check that a fused checkpoint is its base with its adapter merged, tensor by tensor.
@@ -394,8 +421,7 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
     adapted = {t[: -len(".weight")] for t in by_tensor}
     replaced = bind_replacements(ad, sb, dequantize=True)
     conversion = requested_conversion(sf, sb, adapted | {n.rsplit(".", 1)[0] for n in replaced})
-    rows: List[Dict[str, Any]] = [_adapted_row(sf, sb, t, b, conversion)
-                                  for t, b in by_tensor.items()]
+    rows: List[Dict[str, Any]] = _adapted_rows(sf, sb, by_tensor, conversion)
     rows += [replacement_row(sf, sb, t, r) for t, r in replaced.items()]
     untouched_changed = None
     if check_untouched:
@@ -462,8 +488,9 @@ def _up(mag: np.ndarray, fmt: Any) -> np.ndarray:
     return mag + nm.ulp(mag, fmt)
 
 
-_LAST: list = []  # (A, B, rows, |B| @ |A|, B @ A): the pieces of one chunk, reused by the
-# candidates of a failing tensor, which differ from the piece only by their scale
+_CACHE = threading.local()  # .last: (A, B, rows, |B| @ |A|, B @ A) of one chunk, reused by
+# the candidates of a failing tensor, which differ from the piece only by their scale; one
+# per thread (adapted tensors are measured two at a time)
 
 
 def _products(p: Piece, rows: Optional[slice]):
@@ -472,15 +499,16 @@ def _products(p: Piece, rows: Optional[slice]):
     scale is 1."""
     key = (rows.start, rows.stop) if rows is not None else None
     per_column = np.ndim(p.scale) > 0
-    if not per_column and _LAST and _LAST[0] is p.A and _LAST[1] is p.B and _LAST[2] == key:
-        return _LAST[3], _LAST[4]
+    last = getattr(_CACHE, "last", None)
+    if not per_column and last and last[0] is p.A and last[1] is p.B and last[2] == key:
+        return last[3], last[4]
     B = (p.B if rows is None else p.B[rows]).astype(np.float64)
     if per_column:
         B = B * np.asarray(p.scale, np.float64)[None, :]
     A = p.A.astype(np.float64)
     out = (np.abs(B) @ np.abs(A), B @ A)
     if not per_column:
-        _LAST[:] = [p.A, p.B, key, *out]
+        _CACHE.last = (p.A, p.B, key, *out)
     return out
 
 
