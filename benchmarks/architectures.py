@@ -668,9 +668,9 @@ def markdown(doc: Dict[str, Any]) -> str:
     """The BENCHMARKS.md section, from the sweep's JSON (a test compares the two)."""
     s = doc["summary"]
     lines = ["## Every mlx-lm architecture", "",
-             f"`python benchmarks/architectures.py --mlx-lm-tests tests/test_models.py --out "
-             f"benchmarks/results/architectures.json` (mlx-lm {doc['mlx_lm']}; its "
-             "`tests/test_models.py` gives the tiny configs; each architecture in its own "
+             f"`python benchmarks/architectures.py --mlx-lm-tests mlx-lm/tests/test_models.py --out "
+             f"benchmarks/results/architectures.json` (mlx-lm {doc['mlx_lm']}; "
+             "`mlx-lm/tests/test_models.py` of its repository gives the tiny configs; each architecture in its own "
              "process). A tiny random bf16 model of every model module, LoRA and DoRA "
              "adapters from mlx-lm's own `linear_to_lora_layers` (rank 4, every linear of "
              "every block, random non-zero `lora_b`), fused by lorakit and by `mlx_lm fuse`, "
