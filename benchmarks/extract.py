@@ -56,11 +56,11 @@ from lorakit.io.checkpoint import Checkpoint  # noqa: E402
 
 CHILD = """
 import json, sys, time, numpy as np, lorakit
-base, fused, out, device = sys.argv[1:5]
+base, fused, out, device, threads = sys.argv[1:6]
 import mlx.core as mx
 mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
 t = time.perf_counter()
-rep = lorakit.extract(base, fused, rank=8, progress=False)
+rep = lorakit.extract(base, fused, rank=8, threads=int(threads) or None, progress=False)
 wall = time.perf_counter() - t
 np.savez(out + ".npz", **{f"A:{x.module}": x.A for x in rep.adapter.targets},
          **{f"B:{x.module}": x.B for x in rep.adapter.targets})
@@ -69,11 +69,11 @@ json.dump({"extract_s": wall, "refit_s": rep.refit_seconds, "summary": rep.to_di
 """
 
 
-def _run_extract(base: Path, fused: Path, out: Path, device: str) -> dict:
+def _run_extract(base: Path, fused: Path, out: Path, device: str, threads: int = 0) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(base), str(fused), str(out),
-                          device], env=env)
+                          device, str(threads)], env=env)
     _, status, usage = os.wait4(p.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit("extract failed")
@@ -113,12 +113,13 @@ def plain_svd(b: Checkpoint, f: Checkpoint, names, rank: int, limit=None) -> dic
 
 
 def measure(base: Path, adapter: Path, work: Path, device: str = "cpu",
-            baseline_modules=None) -> dict:
+            baseline_modules=None, threads: int = 0) -> dict:
     fused = work / "fused"
     t = time.perf_counter()
     lorakit.fuse(base, adapter, fused, progress=False)
     fuse_s = time.perf_counter() - t
-    res = _run_extract(base, fused, work / "extracted", device)
+    res = _run_extract(base, fused, work / "extracted", device, threads)
+    res["threads"] = threads or None
     npz = np.load(str(work / "extracted") + ".npz")
     modules = [k[2:] for k in npz.files if k.startswith("A:")]
     targets = [LoraTarget(m, "linear", npz[f"A:{m}"], npz[f"B:{m}"], 1.0) for m in modules]
@@ -171,7 +172,7 @@ def measure(base: Path, adapter: Path, work: Path, device: str = "cpu",
     if plain["modules"] == len(targets):
         plain["extract_over_svd"] = res["extract_s"] / plain["svd_s"]
     return {"fuse_s": fuse_s, "plain_svd": plain, "extract": {k: res[k] for k in
-                                          ("extract_s", "refit_s", "process_wall_s", "peak_rss_bytes",
+                                          ("extract_s", "refit_s", "process_wall_s", "peak_rss_bytes", "threads",
                                            "user_s", "system_s", "summary")},
             "modules": len(targets),
             "recovery": {"bound": "||D_r - delta||_F <= 2 ||e||_F <= 2 noise",
@@ -189,6 +190,8 @@ def main() -> int:
     ap.add_argument("--preset", default="qwen3-1.7b", help="lorakit.synth preset of the large case")
     ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"],
                     help="MLX's default device in the extract's process")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="extract's threads= (modules at once; default extract's own)")
     ap.add_argument("--baseline-modules", type=int, default=None,
                     help="time the plain SVD on the first N modules only (default all)")
     args = ap.parse_args()
@@ -198,13 +201,14 @@ def main() -> int:
                (" --skip-large" if args.skip_large else "") +
                (f" --preset {args.preset}" if args.preset != "qwen3-1.7b" else "") +
                (f" --device {args.device}" if args.device != "cpu" else "") +
+               (f" --threads {args.threads}" if args.threads else "") +
                (f" --json {args.json}" if args.json else ""), "cases": {}}
     with tempfile.TemporaryDirectory(prefix="lorakit-extract-") as tmp:
         tiny = Path(tmp) / "tiny"
         tiny.mkdir()
         results["cases"]["tiny-qwen3"] = measure(ROOT / "data/tiny-qwen3",
                                                  ROOT / "data/adapters/lora", tiny,
-                                                 args.device)
+                                                 args.device, threads=args.threads)
         print(json.dumps(results["cases"]["tiny-qwen3"]["refuse"]), flush=True)
         if not args.skip_large:
             big = Path(tmp) / "big"
@@ -212,7 +216,7 @@ def main() -> int:
             ck = synth_checkpoint(big / "base", args.preset, progress=False)
             ad = synth_adapter(big / "lora", ck, rank=8)
             results["cases"][args.preset] = measure(ck, ad, big, args.device,
-                                                    args.baseline_modules)
+                                                    args.baseline_modules, args.threads)
     text = json.dumps(results, indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")

@@ -52,9 +52,12 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import math
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -247,7 +250,7 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
             energy: Optional[float] = None, modules: Optional[Sequence[str]] = None,
             save_path: Any = None, format: str = "peft", force: bool = False,
             exact_max: int = EXACT_MAX, seed: int = 0, refine: Optional[bool] = None,
-            progress: Progress = True) -> ExtractReport:
+            threads: Optional[int] = None, progress: Progress = True) -> ExtractReport:
     """Extract a LoRA adapter from a tuned checkpoint (fused, or fully fine-tuned) and
     its base.
 
@@ -270,6 +273,11 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
             ``energy``. Only for bf16/fp16 tuned weights whose residual is within
             the rounding noise (a rank-r fuse); kept only where it lowers the count
             and the residual stays within the noise.
+        threads: low-rank modules worked on at once (the SVD and the refit release
+            the GIL); default ``min(2, cpu_count)``. Each module in flight holds its
+            own float64 copies (about 40 bytes per element with the refit), so memory
+            grows with it. The result does not depend on it: every module is computed
+            alone, with its own seed, and the rows keep the checkpoint's order.
         progress: True (a bar), False, or ``progress(done_bytes, total_bytes)``.
 
     Returns:
@@ -286,38 +294,67 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
     untouched = skipped = 0
     refine_s = 0.0
     total = sum(i.nbytes for i in b.tensors.values())
-    with progress_bar(progress, total, "extract") as bar:
+    threads = max(1, threads if threads is not None else min(2, os.cpu_count() or 1))
+
+    def lowrank(name: str):
+        raw_b, raw_t = b.read(name), t.read(name)
+        if np.array_equal(raw_b, raw_t):
+            return None
+        del raw_b
+        W, T = weight_f64(b, name), weight_f64(t, name)
+        return name, _lowrank_row(name, W, T, raw_t, t.tensors[name].dtype, rank, energy,
+                                  exact_max, seed, refine)
+
+    # one slot per tensor in checkpoint order: a low-rank module's slot is its future
+    slots: List[Tuple[str, Any]] = []
+    pending: Deque[Any] = deque()
+    with progress_bar(progress, total, "extract") as bar, \
+            ThreadPoolExecutor(threads, thread_name_prefix="lorakit-extract") as pool:
+        def settle(fut) -> None:
+            fut.result()  # an error surfaces here, in checkpoint order
+            bar.update(fut.nbytes)
+
         for name, info in b.tensors.items():
             module, _, leaf = name.rpartition(".")
             if not _selected(module, modules):
                 skipped += 1
+                bar.update(info.nbytes)
             elif _lowrank_candidate(name, info.shape):
-                raw_b, raw_t = b.read(name), t.read(name)
-                if np.array_equal(raw_b, raw_t):
-                    untouched += 1
-                else:
-                    W, T = weight_f64(b, name), weight_f64(t, name)
-                    row, A, B, S, secs = _lowrank_row(name, W, T, raw_t, t.tensors[name].dtype,
-                                                      rank, energy, exact_max, seed, refine)
-                    refine_s += secs
-                    rows.append(row)
-                    spectra[row["module"]] = S
-                    targets.append(LoraTarget(row["module"], "linear", A, B, 1.0,
-                                              names=(name,)))
-                    del W, T
-                del raw_b, raw_t
+                fut = pool.submit(lowrank, name)
+                fut.nbytes = info.nbytes
+                slots.append(("lowrank", fut))
+                pending.append(fut)
+                while len(pending) > threads:
+                    settle(pending.popleft())
             else:
                 diff = _full_diff(b, t, name)
                 if diff["same"]:
                     untouched += 1
                 else:
-                    replacements.append(Replacement(module, leaf, t.read(name),
-                                                    t.tensors[name].dtype, name))
-                    rows.append({"module": name, "shape": list(info.shape), "rank": "-",
-                                 "method": "full", "fro": diff["fro"], "residual": 0.0,
-                                 "rel_error": 0.0, "noise": "-", "within": "-",
-                                 "outside_svd": "-", "outside": "-", "iters": "-", "note": f"saved in full: {diff['changed']} elements differ"})
-            bar.update(info.nbytes)
+                    slots.append(("full", (name, module, leaf, info, diff)))
+                bar.update(info.nbytes)
+        while pending:
+            settle(pending.popleft())
+    for kind, item in slots:
+        if kind == "lowrank":
+            res = item.result()
+            if res is None:
+                untouched += 1
+                continue
+            name, (row, A, B, S, secs) = res
+            refine_s += secs
+            rows.append(row)
+            spectra[row["module"]] = S
+            targets.append(LoraTarget(row["module"], "linear", A, B, 1.0,
+                                      names=(name,)))
+        else:
+            name, module, leaf, info, diff = item
+            replacements.append(Replacement(module, leaf, t.read(name),
+                                            t.tensors[name].dtype, name))
+            rows.append({"module": name, "shape": list(info.shape), "rank": "-",
+                         "method": "full", "fro": diff["fro"], "residual": 0.0,
+                         "rel_error": 0.0, "noise": "-", "within": "-",
+                         "outside_svd": "-", "outside": "-", "iters": "-", "note": f"saved in full: {diff['changed']} elements differ"})
     h = hashlib.sha256()
     for tg in targets:
         h.update(tg.module.encode() + tg.A.tobytes() + tg.B.tobytes())

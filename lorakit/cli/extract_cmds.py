@@ -40,7 +40,7 @@ def _extract(args: argparse.Namespace) -> int:
     rep = extract(args.base, args.tuned, rank=args.rank, energy=args.energy,
                   modules=args.modules, save_path=args.save_path, format=args.format,
                   force=args.force, refine=False if args.no_refine else None,
-                  progress=not args.quiet)
+                  threads=args.threads, progress=not args.quiet)
     _print(args, rep)
     return 0
 
@@ -70,6 +70,9 @@ def add(sub) -> None:
                    help="save the plain truncated SVD: no refit of the factors towards "
                    "reproducing the tuned checkpoint when fused again (the refit is on "
                    "by default with --rank)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="low-rank modules worked on at once (default min(2, cores)); "
+                   "memory grows with it, the result does not change")
     _save_flags(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_extract)

@@ -177,6 +177,29 @@ def test_modules_filter_and_untouched(fused):
     assert same.rows == [] and same.summary["untouched tensors"] == 46
 
 
+@pytest.mark.slow  # two more extracts with the refit
+def test_threads_do_not_change_the_result(fused, rank8):
+    """Modules worked on at once (threads=3, one at a time with threads=1) give the
+    default's adapter bit for bit and its rows in the same order."""
+    for n in (1, 3):
+        rep = extract(BASE, fused, rank=8, threads=n, progress=False)
+        assert rep.adapter._sha256 == rank8.adapter._sha256
+        assert [r["module"] for r in rep.rows] == [r["module"] for r in rank8.rows]
+        assert [r["outside"] for r in rep.rows] == [r["outside"] for r in rank8.rows]
+        assert rep.summary["untouched tensors"] == rank8.summary["untouched tensors"]
+
+
+def test_an_error_in_a_module_surfaces_once(fused, monkeypatch):
+    """A module that fails in a worker thread raises its own error from extract."""
+    import lorakit.algebra.extract as ex
+
+    def boom(*a, **k):
+        raise RuntimeError("refit failed")
+    monkeypatch.setattr(ex, "_lowrank_row", boom)
+    with pytest.raises(RuntimeError, match="refit failed"):
+        extract(BASE, fused, rank=8, threads=2, progress=False)
+
+
 @pytest.mark.slow  # a few seconds: more extracts and fuses
 def test_embedding_changes_are_saved_in_full(tmp_path):
     fused = tmp_path / "fused-embed"
