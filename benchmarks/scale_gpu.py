@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/tmp/scale-gpu")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--json")
+    p.add_argument("--threads", type=int, default=None,
+                   help="extract's --threads (low-rank modules at once)")
     p.add_argument("--skip", nargs="*", default=[],
                    help="steps to leave out: cp fuse check extract compare")
     a = p.parse_args(argv)
@@ -99,7 +101,8 @@ def main(argv=None) -> int:
     if "extract" not in a.skip:
         shutil.rmtree(extracted, ignore_errors=True)
     step("extract", lk + ["extract", "--base", str(base), "--tuned", str(fused),
-                          "--rank", "8", "--save-path", str(extracted), "--json", "-q"])
+                          "--rank", "8", "--save-path", str(extracted), "--json", "-q"]
+         + (["--threads", str(a.threads)] if a.threads else []))
     step("compare", lk + ["compare-outputs", str(fused), str(base), "--test-adapter",
                           str(adapter), "--tokens", str(a.tokens), "--json", "-q"])
     for name in ("check", "extract", "compare"):
