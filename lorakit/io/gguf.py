@@ -9,7 +9,8 @@ Two writers, following llama.cpp's ``convert_hf_to_gguf.py`` and
   models (llama, mistral, mixtral) and not for qwen, the architecture's metadata
   (context, heads, kv heads, rope theta and scaling, rms eps, experts) and the
   tokenizer's real model (``gpt2`` byte-level BPE with merges, INT32 token types,
-  special ids, chat template).
+  special ids, chat template) and the pre-tokenizer whose split regex is the
+  tokenizer's own (``gpt-2``, ``qwen2``, ``llama-bpe``; any other is refused).
 - :func:`write_lora_gguf`: an unfused LoRA adapter as llama.cpp's LoRA GGUF
   (``general.type = adapter``, ``adapter.type = lora``, ``adapter.lora.alpha``,
   ``<tensor>.lora_a`` (r, in) and ``<tensor>.lora_b`` (out, r) in numpy order), which
@@ -56,6 +57,18 @@ def check_gguf_model(config: Mapping[str, Any], what: str = "GGUF export") -> st
                           expected=f"one of {_SUPPORTED}", found=repr(mt),
                           hint="convert with llama.cpp's convert_hf_to_gguf.py, which knows "
                                "more families")
+    if mt == "qwen3_moe":
+        # llama.cpp's qwen3moe graph: every layer MoE, top-k weights renormalized
+        if config.get("norm_topk_prob") is not True:
+            raise FormatError(f"llama.cpp {what}: its qwen3moe always renormalizes the "
+                              "top-k expert weights", tensor="config.json: norm_topk_prob",
+                              expected="true", found=repr(config.get("norm_topk_prob")))
+        sparse = int(config.get("decoder_sparse_step", 1) or 1)
+        if sparse != 1 or config.get("mlp_only_layers"):
+            raise FormatError(f"llama.cpp {what}: its qwen3moe has no dense layers",
+                              tensor="config.json: decoder_sparse_step / mlp_only_layers",
+                              expected="1 / []", found=f"{sparse} / "
+                              f"{config.get('mlp_only_layers')}")
     return GGUF_ARCHS[mt]
 
 
@@ -148,7 +161,47 @@ def _token_id(tok: Any, vocab: Mapping[str, int]) -> Optional[int]:
     return vocab.get(tok) if isinstance(tok, str) else None
 
 
-def _tokenizer(w, directory: Path, config: Mapping[str, Any], model_type: str) -> None:
+#: the split regexes of HF byte-level BPE pre-tokenizers -> llama.cpp's
+#: ``tokenizer.ggml.pre`` (llama-vocab.cpp's regex for that name is the same)
+_PRE_REGEX = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
+}
+
+
+def _bpe_pre(pre: Any, file: Path) -> str:
+    """llama.cpp's pre-tokenizer name for a tokenizer.json ``pre_tokenizer``: the one
+    whose split regex is the tokenizer's own (``gpt-2`` for a plain ByteLevel with its
+    GPT-2 regex), or one clear refusal. Chosen from the tokenizer, never from the model
+    family: a qwen3 model may carry a GPT-2 vocabulary, and llama.cpp's ``qwen2`` regex
+    would then split digits the tokenizer keeps together."""
+    steps = pre.get("pretokenizers", []) if isinstance(pre, dict) and \
+        pre.get("type") == "Sequence" else [pre]
+    steps = [x for x in steps if isinstance(x, dict)]
+    byte = [x for x in steps if x.get("type") == "ByteLevel"]
+    split = [x for x in steps if x.get("type") == "Split"]
+    others = [x.get("type") for x in steps if x.get("type") not in ("ByteLevel", "Split")]
+    name = None
+    if len(byte) == 1 and not others and not byte[0].get("add_prefix_space"):
+        if not split and byte[0].get("use_regex", True):
+            name = "gpt-2"
+        elif len(split) == 1 and not byte[0].get("use_regex", True) and \
+                split[0].get("behavior") == "Isolated" and not split[0].get("invert"):
+            name = _PRE_REGEX.get((split[0].get("pattern") or {}).get("Regex"))
+    if name is None:
+        raise FormatError("llama.cpp GGUF export does not know this BPE pre-tokenizer",
+                          file=file, tensor="pre_tokenizer",
+                          expected="ByteLevel with the GPT-2 regex, or a Split with "
+                                   "qwen2's or llama-3's regex then ByteLevel",
+                          found=json.dumps(pre)[:200],
+                          hint="convert with llama.cpp's convert_hf_to_gguf.py, which "
+                               "recognises more tokenizers")
+    return name
+
+
+def _tokenizer(w, directory: Path, config: Mapping[str, Any]) -> None:
     gguf = _gguf()
     tj = directory / "tokenizer.json"
     if not tj.is_file():
@@ -164,6 +217,7 @@ def _tokenizer(w, directory: Path, config: Mapping[str, Any], model_type: str) -
                           found=f"{m.get('type')!r}, byte_fallback={m.get('byte_fallback')}",
                           hint="SentencePiece (llama-2/mistral) vocabularies: convert with "
                                "llama.cpp's convert_hf_to_gguf.py")
+    pre_name = _bpe_pre(t.get("pre_tokenizer"), tj)
     vocab: Dict[str, int] = dict(m["vocab"])
     added = {a["content"]: a for a in t.get("added_tokens", [])}
     for a in added.values():
@@ -184,8 +238,7 @@ def _tokenizer(w, directory: Path, config: Mapping[str, Any], model_type: str) -
                      int(gguf.TokenType.USER_DEFINED))
     merges = [" ".join(x) if isinstance(x, list) else x for x in m.get("merges", [])]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if model_type.startswith("qwen") else
-                        "llama-bpe" if model_type == "llama" else "default")
+    w.add_tokenizer_pre(pre_name)
     w.add_token_list(tokens)
     w.add_token_types(types)  # Python ints: INT32, as llama.cpp reads them
     w.add_token_merges(merges)
@@ -355,7 +408,7 @@ def write_model_gguf(directory: Path, out: Path, *, outtype: str = "auto",
         w.add_name(Path(directory).name)
         w.add_file_type(ftype_of[main])
         _metadata(w, arch, config)
-        _tokenizer(w, Path(directory), config, str(config["model_type"]))
+        _tokenizer(w, Path(directory), config)
         if rs is not None and rs.get("rope_type") == "llama3":
             w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(config, rs))
         for g, first, members in plan:

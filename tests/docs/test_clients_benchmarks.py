@@ -8,6 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RES = json.loads((ROOT / "benchmarks" / "results" / "clients.json").read_text())
+GGUF = json.loads((ROOT / "benchmarks" / "results" / "clients_gguf.json").read_text())
 BENCH = (ROOT / "BENCHMARKS.md").read_text()
 README = (ROOT / "README.md").read_text()
 FUSING = " ".join((ROOT / "docs" / "fusing.md").read_text().split())
@@ -99,9 +100,29 @@ def test_readme_client_column_is_what_the_run_measured():
         runs = [c for k, c in ad.items() if k.startswith(verb)]
         assert runs and all(c["within"] for c in runs)
     # convert / resize: "their outputs read by mlx-lm, a PEFT export by PEFT"
-    assert "read by mlx-lm, a PEFT export by PEFT" in " ".join(README.split())
+    flat = " ".join(README.split())
+    assert "read by mlx-lm, a PEFT export by PEFT" in flat
     assert any(k.startswith("convert") for k in ad) and any(k.startswith("resize") for k in ad)
     assert RES["peft"]["all_identical"]
+
+
+def test_readme_llama_cpp_claims_are_what_the_gguf_run_measured():
+    """fuse --export-gguf and convert --to gguf-lora "read by llama.cpp": the committed
+    llama.cpp run (benchmarks/results/clients_gguf.json) loaded both and passed."""
+    claimed = {v: c for v, c in _read_by().items() if "llama.cpp" in c}
+    assert set(claimed) == {"fuse"} and "`--export-gguf`: [llama.cpp](BENCHMARKS.md#gguf-in-"\
+        "llamacpp)" in claimed["fuse"]
+    flat = " ".join(README.split())
+    assert "`convert --to gguf-lora` by [llama.cpp](BENCHMARKS.md#gguf-in-llamacpp)" in flat
+    assert flat.count("llama.cpp") == 2  # no other llama.cpp claim unbacked
+    assert GGUF["failures"] == []
+    fused, lora = GGUF["fused_vs_mlx"], GGUF["lora_vs_fused_gguf"]
+    assert fused["rel_max_diff"] <= GGUF["rel_bound"] and fused["top1_unexplained"] == 0
+    assert lora["rel_max_diff"] <= GGUF["lora_bound"] and lora["top1_unexplained"] == 0
+    assert all(r["model"]["rel_max_diff"] <= GGUF["rel_bound"] and
+               r["lora"]["rel_max_diff"] <= GGUF["rel_bound"]
+               for r in GGUF["families"].values())
+    assert "## GGUF in llama.cpp" in BENCH
 
 
 _START = BENCH.find("## Real clients")

@@ -62,7 +62,7 @@ def test_qwen3_metadata_tokenizer_and_tensors(tmp_path: Path) -> None:
     # the tokenizer's real model: byte-level BPE with merges, INT32 token types
     tok = json.loads((BASE / "tokenizer.json").read_text())
     assert _value(f["tokenizer.ggml.model"]) == "gpt2"
-    assert _value(f["tokenizer.ggml.pre"]) == "qwen2"
+    assert _value(f["tokenizer.ggml.pre"]) == "gpt-2"  # its pre-tokenizer: GPT-2's regex
     assert f["tokenizer.ggml.token_type"].types == [VT.ARRAY, VT.INT32]
     tokens = _value(f["tokenizer.ggml.tokens"])
     assert len(tokens) == cfg["vocab_size"] and tokens[5] == \
@@ -98,7 +98,7 @@ def test_llama_q_k_rows_permuted_untied_output_and_outtype(tmp_path: Path) -> No
     _, f, t = _fields(out)
     assert _value(f["general.architecture"]) == "llama"
     assert _value(f["llama.rope.dimension_count"]) == 16
-    assert _value(f["tokenizer.ggml.pre"]) == "llama-bpe"
+    assert _value(f["tokenizer.ggml.pre"]) == "gpt-2"  # the tokenizer's, not the family's
     assert "output.weight" in t
     assert t["blk.0.attn_q.weight"].tensor_type == gguf.GGMLQuantizationType.F16
     assert t["output_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
@@ -158,6 +158,47 @@ def test_model_refusals_write_nothing(tmp_path: Path, case: str, says: str) -> N
     if case == "arch":
         assert "'phi3'" in str(e.value) and "qwen3_moe" in str(e.value)
     assert not (tmp_path / "o").exists() or not list((tmp_path / "o").iterdir())
+
+
+_QWEN2_RX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}"
+             r"\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@pytest.mark.parametrize("rx, want", [
+    (_QWEN2_RX, "qwen2"),
+    (_QWEN2_RX.replace(r"\p{N}|", r"\p{N}{1,3}|"), "llama-bpe"),
+    (r"\p{L}+|\s+", None),
+])
+def test_pre_tokenizer_named_by_its_split_regex(tmp_path: Path, rx: str, want) -> None:
+    m = tmp_path / "m"
+    shutil.copytree(BASE, m)
+    tj = json.loads((m / "tokenizer.json").read_text())
+    tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": rx}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+         "use_regex": False}]}
+    (m / "tokenizer.json").write_text(json.dumps(tj))
+    if want is None:
+        with pytest.raises(FormatError, match="does not know this BPE pre-tokenizer"):
+            write_model_gguf(m, tmp_path / "o" / "m.gguf")
+        assert not (tmp_path / "o").exists() or not list((tmp_path / "o").iterdir())
+        return
+    _, f, _ = _fields(write_model_gguf(m, tmp_path / "m.gguf"))
+    assert _value(f["tokenizer.ggml.pre"]) == want
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"norm_topk_prob": False}, "always renormalizes"),
+    ({"mlp_only_layers": [1]}, "no dense layers"),
+    ({"decoder_sparse_step": 2}, "no dense layers"),
+])
+def test_qwen3_moe_graphs_llama_cpp_lacks_are_refused(change: dict, says: str) -> None:
+    from lorakit.io.gguf import check_gguf_model
+
+    cfg = json.loads((ROOT / "data" / "tiny-qwen3-moe" / "config.json").read_text())
+    assert check_gguf_model(cfg) == "qwen3moe"
+    with pytest.raises(FormatError, match=says):
+        check_gguf_model(dict(cfg, **change))
 
 
 def test_lora_gguf_metadata_names_shapes_and_exact_factors(tmp_path: Path) -> None:
