@@ -844,6 +844,20 @@ def markdown(doc: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readme_line(doc: Dict[str, Any]) -> str:
+    """README.md's sentence of the sweep's counts, from its JSON (a test finds it there)."""
+    s = doc["summary"]
+    tiny = (f", {s['not_built_tiny_config']} a made-up config's"
+            if s["not_built_tiny_config"] else "")
+    return (f"Every model module of mlx-lm {doc['mlx_lm']}, a tiny random model each: of "
+            f"{s['tried']}, {s['built']} build and `mlx_lm fuse` fuses {s['mlx_fused']}; "
+            f"lorakit's LoRA fuse is bit-identical to it in {s['lora_bit_identical']} of "
+            f"{s['mlx_fused']}, DoRA the same values in {s['dora_same_values']}, "
+            f"{s['kl_runs']} run and match the unfused adapter (KL); failures: "
+            f"{s['failures_lorakit']} lorakit's, {s['failures_mlx_lm']} mlx-lm's own{tiny} "
+            "([measured](BENCHMARKS.md#every-mlx-lm-architecture)).")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mlx-lm-tests", type=Path, help="mlx-lm's tests/test_models.py")
@@ -854,6 +868,8 @@ def main(argv=None) -> int:
     p.add_argument("--probe", help=argparse.SUPPRESS)
     p.add_argument("--markdown", action="store_true",
                    help="print --out's BENCHMARKS.md section (no model is run)")
+    p.add_argument("--readme-line", action="store_true",
+                   help="print --out's README.md sentence of the counts (no model is run)")
     p.add_argument("--resummarize", action="store_true",
                    help="recompute --out's summary from its rows (no model is run)")
     a = p.parse_args(argv)
@@ -863,6 +879,9 @@ def main(argv=None) -> int:
         return probe(a.probe)
     if a.markdown:
         sys.stdout.write(markdown(json.loads(a.out.read_text())))
+        return 0
+    if a.readme_line:
+        sys.stdout.write(readme_line(json.loads(a.out.read_text())) + "\n")
         return 0
     if a.resummarize:
         doc = json.loads(a.out.read_text())
