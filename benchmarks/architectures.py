@@ -24,10 +24,12 @@ A step that fails records the error text and whose it is: ``mlx-lm`` when mlx-lm
 code fails without lorakit (its build, load, adapter, fuse or forward of the unfused
 model), ``lorakit`` otherwise.
 
-Tiny configs come from mlx-lm's own ``tests/test_models.py`` (``--mlx-lm-tests``, a copy
-of that file; its ``ModelArgs(...)`` calls with literal arguments); the others are built
-from each ``ModelArgs``'s fields. The configs used are recorded in the JSON, and a run
-without ``--mlx-lm-tests`` reuses them.
+Tiny configs come from ``TINY`` (written for this sweep where the others do not build,
+run or pass transformers' config check), else mlx-lm's own ``tests/test_models.py``
+(``--mlx-lm-tests``, a copy of that file; its ``ModelArgs(...)`` calls with literal
+arguments and its list of config dicts); the others are built from each ``ModelArgs``'s
+fields. The configs used are recorded in the JSON, and a run without ``--mlx-lm-tests``
+reuses them.
 
   python benchmarks/architectures.py --mlx-lm-tests /path/to/mlx-lm/tests/test_models.py \\
       --out benchmarks/results/architectures.json
@@ -68,6 +70,148 @@ SMALL: Dict[str, Any] = dict(
 )
 TYPE_DEFAULTS = {"List": [], "list": [], "Dict": {}, "dict": {}, "int": 2, "float": 1e-5,
                  "bool": False, "str": ""}
+
+# Tiny configs written for this sweep, one per architecture whose config from its fields
+# (or mlx-lm's test config made narrower) does not build or run: the fields its model
+# reads set as the Hugging Face configs of that family set them (rope parameters per layer
+# type, head sizes that divide, a nested ``text_config``), every size small. They come
+# before mlx-lm's tests' configs; each builds and runs one forward pass in mlx-lm alone
+# (``--probe``) except where mlx-lm's own code fails (the row says so). dbrx, exaone4 and
+# mamba2 are mlx-lm's test configs with the values transformers' config class refuses
+# (``mlx_lm fuse`` loads the tokenizer, so ``config.json``, through transformers) spelt as
+# the published checkpoints spell them (muse_spark's audio width too).
+_ROPE = {"rope_theta": 10000.0, "rope_type": "default"}
+_BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+             max_position_embeddings=256, tie_word_embeddings=False)
+_QWEN2 = dict(_BASE, model_type="qwen2", rope_theta=10000.0)
+_DSV3 = {"model_type": "deepseek_v3", "vocab_size": 384, "hidden_size": 128,
+         "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
+         "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1,
+         "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 16,
+         "qk_rope_head_dim": 16, "v_head_dim": 16, "qk_nope_head_dim": 16}
+TINY = {
+    "dbrx": {"model_type": "dbrx", "d_model": 1024, "ffn_config": {
+        "ffn_hidden_size": 2048, "moe_num_experts": 4, "moe_top_k": 2}, "attn_config": {
+            "kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000}, "n_layers": 4,
+        "n_heads": 4, "vocab_size": 10000},
+    "exaone4": {"model_type": "exaone4", "hidden_size": 128, "intermediate_size": 128,
+                "num_attention_heads": 4, "vocab_size": 1000, "rms_norm_eps": 1e-05,
+                "num_hidden_layers": 4, "max_position_embeddings": 1000, "rope_theta": 10000,
+                "layer_norm_epsilon": 1e-05, "num_key_value_heads": 2, "head_dim": 32,
+                "tie_word_embeddings": False, "rope_scaling": None, "sliding_window": 8,
+                "sliding_window_pattern": "LLGL",
+                "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                                "sliding_attention"]},
+    "mamba2": {"model_type": "mamba2", "num_heads": 8, "head_dim": 16, "vocab_size": 1000,
+               "hidden_size": 128, "intermediate_size": 128, "state_size": 32,
+               "num_hidden_layers": 4, "layer_norm_epsilon": 0.0001, "conv_kernel": 3,
+               "n_groups": 4, "use_bias": False, "use_conv_bias": False,
+               "tie_word_embeddings": True, "time_step_limit": [0.01, 10.0],
+               "time_step_rank": "auto", "expand": 1},
+    "gear": dict(_BASE, model_type="gear", sliding_window=64,
+                 layer_types=["sliding_attention", "full_attention"]),
+    "mellum": dict(_BASE, model_type="mellum", num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32, norm_topk_prob=True, sliding_window=64,
+                   layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"full_attention": _ROPE, "sliding_attention": _ROPE}),
+    "spark2_5": dict(_BASE, model_type="spark2_5", sliding_window=64,
+                     layer_types=["sliding_attention", "full_attention"],
+                     rope_parameters={"full_attention": _ROPE, "sliding_attention": _ROPE}),
+    "glm_moe_dsa": dict(_BASE, model_type="glm_moe_dsa", num_key_value_heads=4,
+                        index_head_dim=32, index_n_heads=2, index_topk=4,
+                        moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=4,
+                        routed_scaling_factor=1.0, kv_lora_rank=16, q_lora_rank=16,
+                        qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                        topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+                        n_group=1, topk_group=1, num_experts_per_tok=2, moe_layer_freq=1,
+                        first_k_dense_replace=1, rope_parameters=_ROPE,
+                        attention_bias=False),
+    "minicpm3": dict(_BASE, model_type="minicpm3", dim_model_base=64, q_lora_rank=16,
+                     qk_nope_head_dim=16, qk_rope_head_dim=8, kv_lora_rank=16,
+                     scale_depth=1.4, scale_emb=1.0,
+                     rope_scaling={"original_max_position_embeddings": 256,
+                                   "short_factor": [1.0] * 4, "long_factor": [1.0] * 4}),
+    "ministral3": dict(_BASE, model_type="ministral3",
+                       rope_parameters=dict(_ROPE, llama_4_scaling_beta=0.1,
+                                            original_max_position_embeddings=256)),
+    "mistral4": dict(_BASE, model_type="mistral4", moe_intermediate_size=32,
+                     n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.0,
+                     kv_lora_rank=16, q_lora_rank=16, norm_topk_prob=True, topk_group=1,
+                     num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                     qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=None,
+                     num_key_value_heads=4,
+                     rope_parameters=dict(_ROPE, llama_4_scaling_beta=0.1,
+                                          original_max_position_embeddings=256)),
+    "gptj": {"model_type": "gptj", "n_embd": 64, "vocab_size": 384, "n_positions": 256,
+             "n_head": 4, "rotary_dim": 8, "n_layer": 2},
+    "phixtral": {"model_type": "phixtral", "num_vocab": 384, "vocab_size": 384, "model_dim": 64, "num_heads": 4,
+                 "num_layers": 2, "rotary_dim": 8, "num_experts_per_tok": 2,
+                 "num_local_experts": 4},
+    "gemma3": {"model_type": "gemma3", "vocab_size": 384, "text_config": {
+        "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-6, "sliding_window": 64,
+        "sliding_window_pattern": 2}},
+    "gemma3_text": {"model_type": "gemma3_text", "hidden_size": 128, "num_hidden_layers": 2,
+                    "intermediate_size": 256, "num_attention_heads": 4, "head_dim": 32,
+                    "rms_norm_eps": 1e-4, "num_key_value_heads": 1, "sliding_window": 64,
+                    "sliding_window_pattern": 2, "vocab_size": 384},
+    "mistral3": {"model_type": "mistral3", "text_config": dict(
+        _BASE, model_type="ministral3",
+        rope_parameters=dict(_ROPE, llama_4_scaling_beta=0.1,
+                             original_max_position_embeddings=256))},
+    "qwen2_vl": {"model_type": "qwen2_vl", "text_config": _QWEN2},
+    "kimi_k25": {"model_type": "kimi_k25", "text_config": _DSV3},
+    "kimi_k3": {"model_type": "kimi_k3", "text_config": dict(
+        _BASE, model_type="kimi_linear", num_key_value_heads=4,
+        linear_attn_config={"num_heads": 4, "head_dim": 16, "kda_layers": [1],
+                            "short_conv_kernel_size": 4},
+        q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, num_experts=4, num_experts_per_token=2, num_shared_experts=1,
+        moe_intermediate_size=32, first_k_dense_replace=1)},
+    "minimax_m3_vl": {"model_type": "minimax_m3_vl", "text_config": dict(
+        _BASE, model_type="minimax_m3", dense_intermediate_size=128,
+        shared_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        rotary_dim=8, moe_layer_freq=[0, 1])},
+    "muse_spark": {"model_type": "muse_spark", "audio_config": {"out_hidden_size": 64},
+                   "text_config": dict(
+        _BASE, post_norm_eps=1e-5, rope_parameters={"rope_theta": 10000.0},
+        layer_rope_theta=[10000.0, 0], layer_types=["sliding_attention", "full_attention"],
+        sliding_window=64, final_logit_softcapping=30.0, output_multiplier=1.0,
+        num_local_experts=4, num_experts_per_tok=2, moe_hidden_size=64,
+        moe_intermediate_size=32)},
+    "openelm": {"model_type": "openelm", "ffn_dim_divisor": 64, "ffn_multipliers": [0.5, 1.0],
+                "head_dim": 16, "model_dim": 64, "normalize_qk_projections": True,
+                "num_kv_heads": [2, 2], "num_query_heads": [4, 4],
+                "num_transformer_layers": 2, "vocab_size": 384},
+    "plamo": {"model_type": "plamo", "hidden_size": 256, "num_hidden_layers": 2,
+              "intermediate_size": 512, "num_attention_heads": 4, "n_shared_head": 4,
+              "rms_norm_eps": 1e-5, "vocab_size": 384},
+    "lfm2": {"model_type": "lfm2", "hidden_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "norm_eps": 1e-5,
+             "vocab_size": 384, "full_attn_idxs": [1], "rope_theta": 10000,
+             "block_dim": 128, "block_ffn_dim_multiplier": 1.5,
+             "block_auto_adjust_ff_dim": True, "block_ff_dim": 256, "block_multiple_of": 64,
+             "max_position_embeddings": 1000, "conv_bias": True, "conv_L_cache": 3},
+    "solar_open": dict(_BASE, model_type="solar_open", moe_intermediate_size=32,
+                       n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.0,
+                       num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+                       rope_theta=10000.0, partial_rotary_factor=0.5),
+    "prism_hadamard_qwen35": {"model_type": "prism_hadamard_qwen35", "text_config": {
+        "model_type": "qwen3_5", "hidden_size": 128, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 384, "linear_num_value_heads": 4, "linear_num_key_heads": 4,
+        "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 3, "rms_norm_eps": 1e-05, "head_dim": 32,
+        "rope_theta": 1000.0, "partial_rotary_factor": 0.5, "full_attention_interval": 2,
+        "max_position_embeddings": 1000}, "schema_version": 1,
+        "tensor_namespace": "mlx-lm-text", "quantization": {
+            "bits": 2, "group_size": 128, "mode": "affine"},
+        "modules": [{"path": "model.layers.0.mlp.down_proj", "embedding": False,
+                     "dtype": "float16", "block": 0}]},
+}
 
 
 def model_modules() -> List[str]:
@@ -133,6 +277,10 @@ def _literal(node: ast.AST, local: Dict[str, Any]) -> Any:
         return d
     if isinstance(node, (ast.List, ast.Tuple)):
         return [_literal(e, local) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):  # [{...}] * 4
+        a, b = _literal(node.left, local), _literal(node.right, local)
+        if isinstance(a, list) and isinstance(b, int):
+            return json.loads(json.dumps(a * b))
     return ast.literal_eval(node)
 
 
@@ -235,8 +383,8 @@ def _build(module: str, cfg: Dict[str, Any], path: Path) -> Dict[str, Any]:
 
     cfg = dict(cfg)
     model_cls, args_cls = _get_classes(cfg)
-    if model_cls.__module__ != f"mlx_lm.models.{module}":
-        raise ValueError(f"model_type {cfg['model_type']!r} loads {model_cls.__module__}")
+    if args_cls.__module__ != f"mlx_lm.models.{module}":  # its Model may be another's
+        raise ValueError(f"model_type {cfg['model_type']!r} loads {args_cls.__module__}")
     mx.random.seed(0)
     model = model_cls(args_cls.from_dict(cfg))
     shrunk = False
@@ -253,7 +401,9 @@ def _build(module: str, cfg: Dict[str, Any], path: Path) -> Dict[str, Any]:
     path.mkdir(parents=True)
     save_model(path, model)
     save_config(cfg, path / "config.json")
-    write_tokenizer(path, cfg)
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    write_tokenizer(path, cfg if "vocab_size" in cfg or "vocab_size" not in text else
+                    {**cfg, "vocab_size": text["vocab_size"]})  # the vocabulary nested only
     load_model(path)  # mlx-lm reads what it wrote
     return {"params": _count(model), "shrunk": shrunk, **({"config": cfg} if shrunk else {})}
 
@@ -295,11 +445,11 @@ def _shrink_one(c: Dict[str, Any], defaults: Dict[str, Any]) -> None:
     kv = _pick(c, defaults, ("num_key_value_heads", "n_kv_heads", "num_kv_heads"))
     nl = _pick(c, defaults, ("num_hidden_layers", "n_layer", "n_layers", "num_layers"))
     if h and nh and get(nh) > 4 and get(h) % get(nh) == 0:
-        r = 4 / get(nh)
+        r, head = 4 / get(nh), get(h) // get(nh)
         for w in WIDTHS:
             if w != "vocab_size" and isinstance(get(w), int) and get(w) > 0:
                 c[w] = max(8, int(get(w) * r) // 8 * 8)
-        c[h] = get(h) // get(nh) * 4
+        c[h] = head * 4  # the head size kept (not the scaled width divided again)
         if kv and get(kv):
             c[kv] = max(1, get(kv) * 4 // get(nh))
         c[nh] = 4
@@ -694,6 +844,20 @@ def markdown(doc: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readme_line(doc: Dict[str, Any]) -> str:
+    """README.md's sentence of the sweep's counts, from its JSON (a test finds it there)."""
+    s = doc["summary"]
+    tiny = (f", {s['not_built_tiny_config']} a made-up config's"
+            if s["not_built_tiny_config"] else "")
+    return (f"Every model module of mlx-lm {doc['mlx_lm']}, a tiny random model each: of "
+            f"{s['tried']}, {s['built']} build and `mlx_lm fuse` fuses {s['mlx_fused']}; "
+            f"lorakit's LoRA fuse is bit-identical to it in {s['lora_bit_identical']} of "
+            f"{s['mlx_fused']}, DoRA the same values in {s['dora_same_values']}, "
+            f"{s['kl_runs']} run and match the unfused adapter (KL); failures: "
+            f"{s['failures_lorakit']} lorakit's, {s['failures_mlx_lm']} mlx-lm's own{tiny} "
+            "([measured](BENCHMARKS.md#every-mlx-lm-architecture)).")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mlx-lm-tests", type=Path, help="mlx-lm's tests/test_models.py")
@@ -704,6 +868,8 @@ def main(argv=None) -> int:
     p.add_argument("--probe", help=argparse.SUPPRESS)
     p.add_argument("--markdown", action="store_true",
                    help="print --out's BENCHMARKS.md section (no model is run)")
+    p.add_argument("--readme-line", action="store_true",
+                   help="print --out's README.md sentence of the counts (no model is run)")
     p.add_argument("--resummarize", action="store_true",
                    help="recompute --out's summary from its rows (no model is run)")
     a = p.parse_args(argv)
@@ -713,6 +879,9 @@ def main(argv=None) -> int:
         return probe(a.probe)
     if a.markdown:
         sys.stdout.write(markdown(json.loads(a.out.read_text())))
+        return 0
+    if a.readme_line:
+        sys.stdout.write(readme_line(json.loads(a.out.read_text())) + "\n")
         return 0
     if a.resummarize:
         doc = json.loads(a.out.read_text())
@@ -743,7 +912,9 @@ def main(argv=None) -> int:
         if not c["model"]:
             skipped.append(mod)
             continue
-        if mod in from_tests:
+        if mod in TINY:
+            cfg, src = TINY[mod], "written for this sweep (TINY)"
+        elif mod in from_tests:
             cfg, src = from_tests[mod], "mlx-lm tests/test_models.py"
         elif old.get(mod):
             cfg, src = old[mod], "recorded"

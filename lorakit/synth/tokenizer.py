@@ -132,7 +132,7 @@ def write_tokenizer(path: Path, config: Dict[str, Any]) -> None:
                                           "rstrip": False, "single_word": False,
                                           "special": True} for i, t in specials},
         "bos_token": bos, "clean_up_tokenization_spaces": False, "eos_token": eos,
-        "model_max_length": int(config.get("max_position_embeddings", 4096)),
+        "model_max_length": int(config.get("max_position_embeddings") or 4096),
         "pad_token": specials[0][1], "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": None,
     }

@@ -53,6 +53,14 @@ def test_benchmarks_section_is_what_the_json_renders():
     assert _section().rstrip() == _sweep().markdown(_doc()).rstrip()
 
 
+def test_readme_states_the_sweep_counts():
+    """README.md's sentence of the sweep's counts is what the JSON renders (line breaks
+    aside): `--readme-line` prints it."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    line = " ".join(_sweep().readme_line(_doc()).split())
+    assert line in readme
+
+
 def test_summary_is_what_the_rows_say():
     doc = _doc()
     assert _sweep().summarize(doc["rows"]) == doc["summary"]

@@ -432,3 +432,14 @@ def test_cli(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
     assert main(["synth", "presets"]) == 0
     assert "qwen3-1.7b" in capsys.readouterr().out
+
+
+def test_write_tokenizer_takes_a_null_max_position_embeddings(tmp_path):
+    """A config with ``"max_position_embeddings": null`` (mlx-lm's dots1 test config) gets
+    the default model_max_length instead of a TypeError (the architecture sweep's dots1)."""
+    from lorakit.synth.tokenizer import write_tokenizer
+
+    write_tokenizer(tmp_path, {"model_type": "llama", "vocab_size": 384,
+                               "max_position_embeddings": None})
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert cfg["model_max_length"] == 4096
