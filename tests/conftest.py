@@ -33,6 +33,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # never pop up windows; notebooks and the browser suite drop this for their kernels
 os.environ["MPLBACKEND"] = "Agg"
+# one OpenBLAS thread (set before numpy loads; a value already set wins): the suite's
+# BLAS calls are small, lorakit runs its own 2 workers on 2 cores, and OpenBLAS's
+# spin-waiting threads on shared cores made the fast tier 2-3x slower under load
+# (270 s against 112 s, the same tests passing); subprocesses and kernels inherit it
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 # -- the small qwen3 base, its LoRA adapter and their fuses ---------------------------------

@@ -137,13 +137,23 @@ NAMES = ["FuseResult", "DecodeTiming", "DtypeMap", "DiffReport", "UlpReport",
          "GenerationReport", "ExtractReport", "ResizeReport", "Combination", "BehaviourReport"]
 
 
-def _build(name: str, work: Path) -> Any:
-    return _builders()[name](work)
+@pytest.fixture(scope="module")
+def built(work: Path) -> Callable[[str], Any]:
+    """Each report built once for the module (its text, HTML and column tests read the
+    same object; none of them changes it)."""
+    cache: Dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in cache:
+            cache[name] = _builders()[name](work)
+        return cache[name]
+
+    return get
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_text_twin_is_exact(name: str, work: Path) -> None:
-    rep = _build(name, work)
+def test_text_twin_is_exact(name: str, built) -> None:
+    rep = built(name)
     text = rep if isinstance(rep, str) else str(rep)
     path = TWINS / f"{name}.txt"
     if BLESS:
@@ -154,23 +164,23 @@ def test_text_twin_is_exact(name: str, work: Path) -> None:
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "FuseResult"])
-def test_html_twin_smoke(name: str, work: Path) -> None:
+def test_html_twin_smoke(name: str, built) -> None:
     import html
 
-    rep = _build(name, work)
+    rep = built(name)
     out = rep._repr_html_()
     assert out.startswith("<div") and out.endswith("</div>") and "<table" in out
     assert html.escape(rep.title) in out
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "FuseResult"])
-def test_every_column_is_explained(name: str, work: Path) -> None:
+def test_every_column_is_explained(name: str, built) -> None:
     """Each column a report shows has a one-line explanation: the header's hover text
     in HTML and a line of the legend under the text table."""
     import html
     import re
 
-    rep = _build(name, work)
+    rep = built(name)
     cols = rep.cols()
     help = type(rep).column_help
     assert cols and all(help.get(c, "").strip() for c in cols), \
