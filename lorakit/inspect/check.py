@@ -106,8 +106,8 @@ import numpy as np
 
 from .. import numerics as nm
 from ..errors import FormatError, LorakitError
-from ..fusion.core import cast_raw
 from ..fusion import nearest as _nearest
+from ..fusion.core import cast_raw
 from ..fusion.delta import Piece, _Weights, intended, intended_blocks, tensor_pieces
 from ..io.adapters.base import Adapter
 from ..io.adapters.load import load_adapter
