@@ -37,6 +37,10 @@
  * ORs the flag conditions together; only a tile row with a flag or a special value
  * (subnormal result, overflow) goes through the scalar rules. Rows are split over
  * ``threads`` POSIX threads, with the GIL released.
+ *
+ * The module also holds the merge check's pass over a plain LoRA (check_lora, below:
+ * lorakit.inspect.check), which shares the formats and the rounding. Built with
+ * -ffp-contract=off (pyproject.toml): its numbers must be its numpy twin's bits.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -76,6 +76,16 @@ largest error a correct re-quantization of the same group shows.
 A wrong merge whose distance stays inside this bound everywhere cannot be told from a
 correct one: that is the detection limit (measured in ``tests/inspect/test_check_verdicts.py``).
 
+A plain LoRA on a float fused weight (the common case) is measured in one pass per
+block of rows straight from the storage bits: ``check_lora`` of the fuse's optional C
+kernel (``lorakit/fusion/_fusekernel.c``: the rank-r sum, the bound, the ratios, the
+reference rounding and the sums per element, the GIL released, two tensors in flight),
+or without it (``LORAKIT_CHECK_KERNEL=0``, :data:`USE_KERNEL`) its numpy twin
+:func:`_lora_numpy`, which gives the same numbers bit for bit: ``D`` and ``S`` are
+summed product by product in rank order, and every sum in one fixed order
+(tests/inspect/test_check_kernel.py). Blocks holding inf or NaN, DoRA, exact sums of
+adapters, re-quantized and transposed weights take the general path above.
+
 The rest of a merge check: tensors the adapter does not touch, whole-tensor
 replacements (PEFT ``modules_to_save``), tensors only one side has, and which dtype
 conversion the fuse was asked for.

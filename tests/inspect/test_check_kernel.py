@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(ck._nearest._kernel is None or
                                 reason="C check kernel not built here")
 
 CODES = ("BF16", "F16", "F32")
+BASE_Q4, LORA_Q4 = DATA / "tiny-qwen3-4bit", DATA / "adapters" / "lora-4bit"
 FIN = {"BF16": 0, "F16": 1, "F32": 2}
 
 
@@ -136,13 +137,17 @@ def fuses(tmp_path_factory):
     out = {"nearest": lorakit.fuse(base, lora, d / "nearest", progress=False).output,
            "mlx-lm": lorakit.fuse(base, lora, d / "mlx", rounding="mlx-lm",
                                   progress=False).output,
-           "f32": lorakit.fuse(base, lora, d / "f32", dtype="float32", progress=False).output}
+           "f32": lorakit.fuse(base, lora, d / "f32", dtype="float32", progress=False).output,
+           "q4-deq": lorakit.fuse(BASE_Q4, LORA_Q4, d / "q4", dequantize=True,
+                                  progress=False).output}
     return base, lora, out
 
 
-@pytest.mark.parametrize("which", ("nearest", "mlx-lm", "f32"))
+@pytest.mark.parametrize("which", ("nearest", "mlx-lm", "f32", "q4-deq"))
 def test_check_rows_kernel_on_and_off(monkeypatch, fuses, which) -> None:
     base, lora, out = fuses
+    if which == "q4-deq":  # a dequantized fuse of a 4-bit base: W comes as float64
+        base, lora = BASE_Q4, LORA_Q4
     reps = []
     for on in (True, False):
         monkeypatch.setattr(ck, "USE_KERNEL", on)
