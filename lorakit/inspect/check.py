@@ -76,6 +76,16 @@ largest error a correct re-quantization of the same group shows.
 A wrong merge whose distance stays inside this bound everywhere cannot be told from a
 correct one: that is the detection limit (measured in ``tests/inspect/test_check_verdicts.py``).
 
+A plain LoRA on a float fused weight (the common case) is measured in one pass per
+block of rows straight from the storage bits: ``check_lora`` of the fuse's optional C
+kernel (``lorakit/fusion/_fusekernel.c``: the rank-r sum, the bound, the ratios, the
+reference rounding and the sums per element, the GIL released, two tensors in flight),
+or without it (``LORAKIT_CHECK_KERNEL=0``, :data:`USE_KERNEL`) its numpy twin
+:func:`_lora_numpy`, which gives the same numbers bit for bit: ``D`` and ``S`` are
+summed product by product in rank order, and every sum in one fixed order
+(tests/inspect/test_check_kernel.py). Blocks holding inf or NaN, DoRA, exact sums of
+adapters, re-quantized and transposed weights take the general path above.
+
 The rest of a merge check: tensors the adapter does not touch, whole-tensor
 replacements (PEFT ``modules_to_save``), tensors only one side has, and which dtype
 conversion the fuse was asked for.
@@ -106,8 +116,9 @@ import numpy as np
 
 from .. import numerics as nm
 from ..errors import FormatError, LorakitError
+from ..fusion import nearest as _nearest
 from ..fusion.core import cast_raw
-from ..fusion.delta import Piece, intended, intended_blocks, tensor_pieces
+from ..fusion.delta import Piece, _Weights, intended, intended_blocks, tensor_pieces
 from ..io.adapters.base import Adapter
 from ..io.adapters.load import load_adapter
 from ..io.naming import bind, bind_replacements, bindings_by_tensor
@@ -236,6 +247,8 @@ class CheckReport(Report):
 
 def _measure(sf, sb, tensor, binds, bound: _Bound, transposed: bool) -> Dict[str, Any]:
     """One pass over an adapted tensor: distance, ulps, survival, correlation."""
+    if bound.q is None and not transposed and all(map(_plain, tensor_pieces(binds))):
+        return _measure_lora(sf, sb, tensor, binds, bound)
     s = dict(dist=0.0, beyond=0, n=0, ulp=0.0, RD=0.0, RR=0.0, DD=0.0, QD=0.0, changed=0,
              uu=0.0)
     for F, W, T, p, rows in intended_blocks(sf, sb, tensor, binds, raw=False, transposed=transposed):
@@ -256,14 +269,133 @@ def _measure(sf, sb, tensor, binds, bound: _Bound, transposed: bool) -> Dict[str
         s["changed"] += int(np.count_nonzero(R))
         u = nm.ulp(W, bound.fmt_out if bound.q is None else bound.fmt_work)
         s["uu"] += float(np.vdot(u, u))
+    return _numbers(s, bound.q is None)
+
+
+def _numbers(s: Dict[str, Any], float_out: bool) -> Dict[str, Any]:
+    """A tensor's row numbers from its totals (``dist``, ``ulp``, ``beyond``, ``n``,
+    ``changed`` and the sums ``RD``, ``RR``, ``DD``, ``QD``, ``uu``)."""
     dd = s["DD"]
-    return dict(distance=s["dist"], max_ulp=s["ulp"] if bound.q is None else None,
+    return dict(distance=s["dist"], max_ulp=s["ulp"] if float_out else None,
                 beyond=s["beyond"] / max(1, s["n"]),
                 survived=s["RD"] / dd if dd > 0 else 1.0,
                 expected=s["QD"] / dd if dd > 0 else 1.0,
                 corr=s["RD"] / math.sqrt(s["RR"] * dd) if s["RR"] > 0 and dd > 0 else 0.0,
                 changed=s["changed"] / max(1, s["n"]),
                 delta_ulps=math.sqrt(dd / s["uu"]) if s["uu"] > 0 else None)
+
+
+# ---------------------------------------------------------------------------
+# A plain LoRA's measure in one pass per block: the C kernel, or its numpy twin
+
+#: set to False (or LORAKIT_CHECK_KERNEL=0 in the environment) to measure plain LoRA
+#: blocks on the numpy path (the same numbers, bit for bit)
+USE_KERNEL = os.environ.get("LORAKIT_CHECK_KERNEL", "1") != "0"
+_KFMT = {"BF16": 0, "F16": 1, "F32": 2}
+_SUMS = ("RD", "RR", "DD", "QD", "uu")
+
+
+def kernel_available() -> bool:
+    """Whether the check's C pass (``check_lora`` of ``lorakit/fusion/_fusekernel.c``)
+    is built and in use (see :data:`USE_KERNEL`)."""
+    return _check_kernel() is not None
+
+
+def _check_kernel():
+    k = _nearest._kernel
+    return k if USE_KERNEL and k is not None and hasattr(k, "check_lora") else None
+
+
+def _plain(p: Piece) -> bool:
+    """A plain LoRA piece (no DoRA magnitudes, not an exact sum of adapters)."""
+    return p.magnitude is None and not getattr(p.target, "parts", None)
+
+
+_LANES = 8  # the kernel's LANES
+
+
+def _seq_sum(x: np.ndarray, carry: float) -> float:
+    """``carry`` plus the elements of ``x`` in the C kernel's order: per row, lane ``q``
+    sums the columns ``j = q (mod 8)`` in order from -0.0, the lanes are added in order
+    from -0.0, and the rows to ``carry`` in order (``np.cumsum`` is sequential)."""
+    if x.size == 0:
+        return carry
+    row = np.full(x.shape[0], -0.0)
+    for q in range(min(_LANES, x.shape[1])):
+        row += np.cumsum(x[:, q::_LANES], axis=1)[:, -1]
+    return float(np.cumsum(np.concatenate(([carry], row)))[-1])
+
+
+def _lora_numpy(W: np.ndarray, F: np.ndarray, Bs: np.ndarray, A: np.ndarray, c32: float,
+                fw: Any, fo: Any, carry: Tuple[float, ...]):
+    """One block of a plain LoRA's measure (W, F float64 rows x cols; ``Bs``: B times
+    the scale, rows x r; ``A`` r x cols): (dist, max_ulp, beyond, changed, sums). The
+    bound is :func:`float_bound`'s, with ``D`` and ``S = |scale| |B| @ |A|`` summed
+    product by product in rank order from -0.0 (the kernel's order, so that both give
+    the same bits)."""
+    D = np.full(F.shape, -0.0)
+    S = np.full(F.shape, -0.0)
+    for k in range(A.shape[0]):
+        P = Bs[:, k, None] * A[k]
+        D += P
+        S += np.abs(P, out=P)
+    e32 = c32 * S
+    X = W + D
+    aX, aD = np.abs(X), np.abs(D)
+    e = _half_ulp(_up(aD + e32, fw), fw) + _half_ulp(_up(aX + e32, fw), fw)
+    e += e32
+    e += _U32 * aX
+    if fo.safetensors != fw.safetensors:
+        e += _half_ulp(_up(aX + e, fo), fo)
+    err = np.abs(F - X)
+    ratio = err / e
+    R, Dm = F - W, X - W
+    Q = nm.to_float64(nm.round_to_format(X, fo), fo) - W
+    u = nm.ulp(W, fo)
+    sums = tuple(_seq_sum(x, c) for x, c in zip((R * Dm, R * R, Dm * Dm, Q * Dm, u * u), carry))
+    return (float(ratio.max(initial=0.0)), float((err / nm.ulp(X, fo)).max(initial=0.0)),
+            int(np.count_nonzero(ratio > 1)), int(np.count_nonzero(R)), sums)
+
+
+def _measure_lora(sf, sb, tensor, binds, bound: _Bound) -> Dict[str, Any]:
+    """:func:`_measure` of a plain LoRA on a float fused weight, block by block straight
+    from the storage bits: T = W + D with D the rank-r sum, the bound of
+    :func:`float_bound` (the same formula, D and S summed in the kernel's order), in
+    the C kernel where it is built, else :func:`_lora_numpy` (the same numbers)."""
+    fw, fo = bound.fmt_work, bound.fmt_out
+    wb, wf = _Weights(sb, tensor), _Weights(sf, tensor)
+    kernel = _check_kernel()
+    s: Dict[str, Any] = dict(dist=0.0, ulp=0.0, beyond=0, changed=0, n=0)
+    sums: Tuple[float, ...] = (0.0,) * len(_SUMS)
+    for p in tensor_pieces(binds):
+        A = np.ascontiguousarray(p.A, np.float64)
+        Bs = np.ascontiguousarray(p.B.astype(np.float64) * np.asarray(p.scale, np.float64))
+        c32 = (p.A.shape[0] + 2) * _U32
+        plan = [slice(None)] if p.slot is not None else list(nm.chunks(*p.shape))
+        for rows in plan:
+            F = wf.raw(p.slot, rows)
+            W = wb.f64(p.slot, rows) if wb.q is not None else wb.raw(p.slot, rows)
+            Br = np.ascontiguousarray(Bs[rows])
+            out = None
+            if kernel is not None and F.ndim == 2 and F.dtype.isnative and W.dtype.isnative:
+                fin = 3 if wb.q is not None else _KFMT[fw.safetensors]
+                Wk = np.ascontiguousarray(W, np.float64 if fin == 3 else None)
+                special, *res = kernel.check_lora(
+                    Wk, fin, np.ascontiguousarray(F), _KFMT[fo.safetensors],
+                    _KFMT[fw.safetensors], F.shape[1], Br, A, c32, sums)
+                if not special:
+                    out = res
+            if out is None:
+                W64 = W if wb.q is not None else nm.to_float64(W, fw)
+                out = _lora_numpy(W64, nm.to_float64(F, fo), Br, A, c32, fw, fo, sums)
+            bd, bu, bb, bc, sums = out
+            s["dist"] = max(s["dist"], bd)
+            s["ulp"] = max(s["ulp"], bu)
+            s["beyond"] += bb
+            s["changed"] += bc
+            s["n"] += F.size
+    s.update(zip(_SUMS, sums))
+    return _numbers(s, True)
 
 
 def _cause(sf, sb, tensor, binds, bound: _Bound, transposed: bool) -> Tuple[str, str, Dict]:
