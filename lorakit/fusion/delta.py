@@ -40,7 +40,7 @@ from ..io.source import TensorSource
 from ..io.weights import weight_f64
 
 __all__ = ["Piece", "SumTarget", "target_pieces", "tensor_pieces", "lowrank", "intended",
-           "intended_pieces", "intended_blocks"]
+           "intended_pieces", "intended_blocks", "WeightReader"]
 
 
 @dataclass(repr=False)
@@ -189,7 +189,7 @@ def check_dora_norm(norm: np.ndarray, rows: Optional[slice] = None) -> None:
 # The intended result of a weight read from its sources, block by block
 
 
-class _Weights:
+class WeightReader:
     """Reads one weight of a source in pieces, as float64 or raw bits (``transposed``:
     a 2-D weight stored as (in, out), read back as (out, in))."""
 
@@ -222,7 +222,7 @@ def intended_blocks(fused: TensorSource, base: TensorSource, tensor: str, binds:
     """(fused piece F, base piece W, exact target T, its Piece, its rows) over the
     changed blocks of a weight: :func:`intended_pieces` with the piece and rows, for the
     merge check's per-element bounds."""
-    wb, wf = _Weights(base, tensor), _Weights(fused, tensor, transposed)
+    wb, wf = WeightReader(base, tensor), WeightReader(fused, tensor, transposed)
     for p in tensor_pieces(binds):
         plan = [slice(None)] if p.slot is not None else list(nm.chunks(*p.shape))
         for rows in plan:

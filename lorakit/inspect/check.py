@@ -118,7 +118,7 @@ from .. import numerics as nm
 from ..errors import FormatError, LorakitError
 from ..fusion import nearest as _nearest
 from ..fusion.core import cast_raw
-from ..fusion.delta import Piece, _Weights, intended, intended_blocks, tensor_pieces
+from ..fusion.delta import Piece, WeightReader, intended, intended_blocks, tensor_pieces
 from ..io.adapters.base import Adapter
 from ..io.adapters.load import load_adapter
 from ..io.naming import bind, bind_replacements, bindings_by_tensor
@@ -363,7 +363,7 @@ def _measure_lora(sf, sb, tensor, binds, bound: _Bound) -> Dict[str, Any]:
     :func:`float_bound` (the same formula, D and S summed in the kernel's order), in
     the C kernel where it is built, else :func:`_lora_numpy` (the same numbers)."""
     fw, fo = bound.fmt_work, bound.fmt_out
-    wb, wf = _Weights(sb, tensor), _Weights(sf, tensor)
+    wb, wf = WeightReader(sb, tensor), WeightReader(sf, tensor)
     kernel = _check_kernel()
     s: Dict[str, Any] = dict(dist=0.0, ulp=0.0, beyond=0, changed=0, n=0)
     sums: Tuple[float, ...] = (0.0,) * len(_SUMS)
