@@ -144,6 +144,17 @@ TINY = {
                      num_key_value_heads=4,
                      rope_parameters=dict(_ROPE, llama_4_scaling_beta=0.1,
                                           original_max_position_embeddings=256)),
+    # mlx-lm's test config has 2 layers under a sliding-window pattern of 4: its
+    # forward indexes the cache of layer pattern-1, so the tiny model gets 4 layers.
+    "cohere2": {"model_type": "cohere2", "hidden_size": 128, "head_dim": 32,
+                "num_hidden_layers": 4, "sliding_window": 64, "sliding_window_pattern": 4,
+                "intermediate_size": 256, "num_key_value_heads": 1,
+                "num_attention_heads": 4, "vocab_size": 384, "bos_token_id": 382,
+                "eos_token_id": 383},
+    # mlx-lm's test config passes vocab_size outside the dict (None in it).
+    "starcoder2": {"model_type": "starcoder2", "hidden_size": 128, "num_hidden_layers": 2,
+                   "intermediate_size": 256, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "vocab_size": 384},
     "gptj": {"model_type": "gptj", "n_embd": 64, "vocab_size": 384, "n_positions": 256,
              "n_head": 4, "rotary_dim": 8, "n_layer": 2},
     "phixtral": {"model_type": "phixtral", "num_vocab": 384, "vocab_size": 384, "model_dim": 64, "num_heads": 4,
