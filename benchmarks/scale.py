@@ -123,11 +123,36 @@ def markdown(rows: List[Dict[str, object]]) -> str:
     return "\n".join(out)
 
 
+def extract_only(ck: Path, dst: Path, fuse: List[str], log: Path,
+                 json_path: Optional[str]) -> int:
+    """Time ``lorakit extract`` of a fresh fuse; add its row to an earlier run's JSON."""
+    run_one(fuse, log)
+    load_start = os.getloadavg()
+    extract = run_one(extract_cmd(ck, dst), log)
+    print(f"extract: {extract[0]:7.2f} s  cpu {extract[2]:6.2f} s  "
+          f"{extract[1] / 1e9:6.3f} GB", flush=True)
+    row = rows_of({}, extract)[0]
+    row["loadavg"] = [load_start, os.getloadavg()]
+    if json_path:
+        p = Path(json_path)
+        report = json.loads(p.read_text()) if p.exists() else {"rows": []}
+        report["rows"] = [r for r in report["rows"] if r["verb"] != row["verb"]] + [row]
+        report["extract_skipped"] = False
+        report["markdown"] = markdown(report["rows"])
+        p.write_text(json.dumps(report, indent=2))
+        print("\n" + report["markdown"] + "\n")
+    shutil.rmtree(dst, ignore_errors=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "bench-out"), help="cache and output folder")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip-extract", action="store_true", help="leave lorakit extract out")
+    ap.add_argument("--extract-only", action="store_true",
+                    help="fuse once (untimed), time lorakit extract alone and add its row to "
+                         "the --json of an earlier run (its other rows are kept)")
     ap.add_argument("--json", default=None,
                     help="also write the results here (benchmarks/results/scale.json)")
     args = ap.parse_args()
@@ -141,6 +166,8 @@ def main() -> int:
     log = out / "scale.log"
     log.write_text("")
     cmds = producers(ck, ad, dst)
+    if args.extract_only:
+        return extract_only(ck, dst, cmds["lorakit fuse"], log, args.json)
     names = list(cmds)
     results: Dict[str, List[Tuple[float, float, float, int]]] = {
         n: [] for n in [*names, "lorakit check"]}
