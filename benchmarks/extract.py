@@ -5,8 +5,9 @@ random checkpoint of Qwen3-1.7B's shape (``lorakit.synth``: preset qwen3-1.7b, a
 rank-8 adapter on the last 16 layers x 7 projections, fused by ``lorakit.fuse``), all
 in a temporary directory that is removed at the end. For each case:
 
-* ``lorakit.extract(base, fused, rank=8)`` runs in a fresh process under ``os.wait4``:
-  wall time, CPU time and peak RSS (``ru_maxrss``) of that process alone;
+* ``lorakit.extract(base, fused, rank=8)`` runs in a fresh process (``fuse.launch``: forked
+  from a small launcher): wall time, CPU time and peak RSS (``ru_maxrss``) of that process
+  alone;
 * per module, ``||D_r - delta||_F`` (the extracted delta against the adapter's own
   float64 delta) over ``||e||_F`` (the fused checkpoint's rounding error,
   ``e = (T - W) - delta``) and over ``noise`` (Frobenius norm of half an ulp of every
@@ -38,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +48,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from fuse import launch  # noqa: E402
 
 import lorakit  # noqa: E402
 from lorakit import numerics as nm  # noqa: E402
@@ -71,15 +74,13 @@ json.dump({"extract_s": wall, "refit_s": rep.refit_seconds, "summary": rep.to_di
 
 def _run_extract(base: Path, fused: Path, out: Path, device: str, threads: int = 0) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-c", CHILD, str(base), str(fused), str(out),
-                          device, str(threads)], env=env)
-    _, status, usage = os.wait4(p.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
+    r = launch([sys.executable, "-c", CHILD, str(base), str(fused), str(out), device,
+                str(threads)], env=env)
+    if r["rc"] != 0:
         raise SystemExit("extract failed")
     res = json.loads(Path(str(out) + ".json").read_text())
-    res.update(process_wall_s=time.perf_counter() - t0, peak_rss_bytes=usage.ru_maxrss * 1024,
-               user_s=usage.ru_utime, system_s=usage.ru_stime)
+    res.update(process_wall_s=r["wall_s"], peak_rss_bytes=r["peak_rss_bytes"],
+               user_s=r["user_s"], system_s=r["system_s"])
     return res
 
 

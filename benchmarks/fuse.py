@@ -10,9 +10,9 @@ projections (``lorakit synth``), then runs, as whole processes, several rounds o
 * ``cp -r`` of the checkpoint (the floor: the same bytes, no arithmetic)
 
 The order rotates every round, so no tool always runs on a warmer cache. Each
-process's wall time, peak RSS (``os.wait4``'s ``ru_maxrss``) and CPU time (user +
-system, less sensitive than wall time to other jobs on a shared machine) are
-recorded; the medians are reported with ratios against mlx_lm. The first round's outputs are
+process's wall time, peak RSS (``os.wait4``'s ``ru_maxrss``, taken by a small launcher)
+and CPU time (user + system, less sensitive than wall time to other jobs on a shared
+machine) are recorded; the medians are reported with ratios against mlx_lm. The first round's outputs are
 compared tensor by tensor: lorakit's mlx-lm mode must equal mlx_lm fuse byte for
 byte, under the same names. ``sync`` runs before each process so one tool's
 unwritten pages do not slow the next.
@@ -33,9 +33,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -76,22 +76,54 @@ def commands(ck: Path, ad: Path, dst: Path) -> Dict[str, List[str]]:
     }
 
 
+#: the launcher each measured command runs under: a small process that forks and execs
+#: it and reports the child's ``os.wait4`` figures. Linux keeps the larger of a child's
+#: peak RSS and that of the process image it replaced at ``exec``, so a command forked
+#: straight from this (large) process would report at least this process's RSS
+#: (``cp -r`` "used" 270 MB that way); forked from the launcher, the floor is the
+#: launcher's ~7 MB.
+_LAUNCHER = r"""
+import os, sys, time
+t0 = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, u = os.wait4(pid, 0)
+wall = time.perf_counter() - t0
+with open(sys.argv[1], "w") as f:
+    f.write(f"{wall!r} {u.ru_maxrss} {u.ru_utime!r} {u.ru_stime!r} {u.ru_minflt}")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def launch(cmd: List[str], stdout=None, env: Optional[Dict[str, str]] = None) -> Dict[str, float]:
+    """Run ``cmd`` as a whole process forked from a small launcher (``_LAUNCHER``: the peak
+    RSS is the command's own, not this process's); its exit code, wall seconds, peak RSS
+    in bytes, user and system CPU seconds and minor page faults."""
+    with tempfile.TemporaryDirectory(prefix="lorakit-bench-") as tmp:
+        figures = Path(tmp) / "rusage"
+        rc = subprocess.call([PY, "-S", "-c", _LAUNCHER, str(figures), *cmd], stdout=stdout,
+                             stderr=subprocess.STDOUT if stdout is not None else None, env=env)
+        wall, maxrss, user, system, minflt = figures.read_text().split()
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KB on Linux
+    return {"rc": rc, "wall_s": float(wall), "peak_rss_bytes": int(maxrss) * scale,
+            "user_s": float(user), "system_s": float(system), "minflt": int(minflt)}
+
+
 def run_one(cmd: List[str], log: Path) -> Tuple[float, float, float, int]:
     """(wall seconds, peak RSS in bytes, CPU seconds (user + system), minor page faults)
-    of one whole process."""
+    of one whole process (:func:`launch`); ``sync`` first."""
     os.sync()
     with open(log, "ab") as f:
         f.write(("$ " + " ".join(cmd) + "\n").encode())
         f.flush()
-        t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(p.pid, 0)
-        wall = time.perf_counter() - t0
-        p.returncode = os.waitstatus_to_exitcode(status)
-    if p.returncode != 0:
-        raise SystemExit(f"command failed ({p.returncode}), see {log}: {' '.join(cmd)}")
-    cpu = usage.ru_utime + usage.ru_stime
-    return wall, usage.ru_maxrss * 1024, cpu, usage.ru_minflt  # Linux: ru_maxrss in KB
+        r = launch(cmd, stdout=f)
+    if r["rc"] != 0:
+        raise SystemExit(f"command failed ({r['rc']}), see {log}: {' '.join(cmd)}")
+    return r["wall_s"], r["peak_rss_bytes"], r["user_s"] + r["system_s"], r["minflt"]
 
 
 def _same_bytes(a, b) -> bool:

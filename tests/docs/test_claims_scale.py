@@ -92,3 +92,40 @@ def test_gpu_prose_is_the_json() -> None:
     assert f"over {c['tokens']:,} tokens, top-1 agreement {100 * c['top1_agreement']:.1f}%" in text
     assert f"{100 * c['top1_agreement_strict']:.1f}%)" in text
     assert "benchmarks/scale_gpu.py --preset qwen3-8b" in text
+
+
+EXTRACT_JSON = ROOT / "benchmarks" / "results" / "extract.json"
+EXTRACT_HEADING = "## Extract: a LoRA back out of a fused checkpoint"
+EXTRACT_CASES = {"tiny-qwen3": "tiny-qwen3", "qwen3-1.7b": "Qwen3-1.7B shape"}
+
+
+def test_extract_tables_are_the_json() -> None:
+    """The extract section's three tables (bound, reproduction, beside mergekit) are
+    benchmarks/results/extract.json, and the 1.7B shape meets the issue's bars:
+    >= 99.9% reproduced, within 2x of a plain SVD's time."""
+    d = json.loads(EXTRACT_JSON.read_text())
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    bound = md_table(text, EXTRACT_HEADING, "| checkpoint | modules |")
+    refuse = md_table(text, EXTRACT_HEADING, "| checkpoint | adapted elements |")
+    plain = md_table(text, EXTRACT_HEADING, "| checkpoint | plain SVD time")
+    for key, label in EXTRACT_CASES.items():
+        c = d["cases"][key]
+        x, r, p = c["extract"], c["refuse"], c["plain_svd"]
+        b = next(v for k, v in bound.items() if k.startswith(label))
+        assert b[1] == str(c["modules"])
+        assert b[2] == f"{c['recovery']['max_err_over_e']:.3f} ({c['recovery']['median_err_over_e']:.3f})"
+        assert b[5] == f"{x['extract_s']:.1f} s / {x['user_s'] + x['system_s']:.1f} s"
+        assert b[7] == f"{x['peak_rss_bytes'] / 2 ** 20:,.0f} MiB"
+        f = refuse[label]
+        assert f[1] == f"{r['adapted_elements']:,}" and f[3].startswith(f"{r['differ']:,} (")
+        share = 100 * (1 - r["differ"] / r["adapted_elements"])
+        assert f[4] == f"{share:.3f}%" and f[5] == f"{r['differ_1ulp']:,}"
+        assert f[6] == f"{r['differ_gt1ulp']:,}" and r["differ"] == r["differ_reported"]
+        q = plain[label]
+        assert q[1] == f"{p['svd_s']:.2f} s" if p["svd_s"] < 10 else q[1] == f"{p['svd_s']:.1f} s"
+        assert q[3] == f"{x['extract_s'] / p['svd_s']:.2f}x"
+        assert q[5] == f"{p['differ']:,} / {r['differ']:,}"
+    big = d["cases"]["qwen3-1.7b"]
+    assert 1 - big["refuse"]["differ"] / big["refuse"]["adapted_elements"] >= 0.999
+    assert big["extract"]["extract_s"] <= 2 * big["plain_svd"]["svd_s"]
+    assert big["recovery"]["all_within_bound"]
