@@ -205,30 +205,50 @@ def _check_pair(b: TensorSource, t: TensorSource) -> None:
                           found=f"{len(errors)} mismatch(es), listed above")
 
 
-def _lowrank_row(name: str, W: np.ndarray, T: np.ndarray, t_bits: np.ndarray, code: str,
+def _lowrank_row(name: str, b: TensorSource, t: TensorSource, t_bits: np.ndarray, code: str,
                  rank: Optional[int], energy: Optional[float], exact_max: int, seed: int,
                  refine: bool):
-    D = T - W
+    """One low-rank module: the SVD of ``T - W``, its counts, and the refit.
+
+    Memory (two modules are in flight by default): the weights are read here, not by
+    the caller (whose frame would keep them alive), and each full-size array lives only
+    as long as it must. ``W`` is read as float32 where that is exact (a bf16/fp16/f32
+    base), else float64; ``T`` (float64) gives the rounding noise (its half ulps filled
+    a row chunk at a time) and then becomes ``D = T - W`` in place; later rows of ``T``
+    are decoded again from the stored bits (exact). The values, and so every result,
+    are those of float64 ``W`` and ``T``."""
+    W = _base_rows(b, name)
+    T = weight_f64(t, name)
+    shape = W.shape
+    half = np.empty_like(T)
+    for rows in nm.chunks(*shape):
+        half[rows] = nm.ulp(T[rows], code)
+    half *= 0.5
+    noise = math.sqrt(float(np.einsum("ij,ij->", half, half)))
+    del half
+    tuned = _rows_of(T, t_bits, code)
+    if tuned is None:  # T cannot be decoded again from the stored bits: keep a copy
+        kept = T.copy()
+        tuned = lambda rows: kept[rows]  # noqa: E731
+    D = np.subtract(T, W, out=T)
+    del T
     total = float(np.einsum("ij,ij->", D, D))
     U, S, Vt, method = matrix_svd(D, rank, energy, exact_max=exact_max, seed=seed)
     del D
     k = max(choose_rank(S, total, rank, energy), 1)
     A, B = split_factors(U, S, Vt, k)
     del U, Vt
-    half = 0.5 * nm.ulp(T, code)
-    noise = math.sqrt(float(np.einsum("ij,ij->", half, half)))
-    del half
-    residual = _residual(W, T, A, B)
+    residual = _residual(W, tuned, A, B)
     before = outside_count(W, t_bits, code, A, B)
     after, iters, secs = before, 0, 0.0
     if refine and code in REFINE_CODES and residual <= noise and before:
         res = refine_factors(W, t_bits, code, A, B, outside=before)
         iters, secs = res.iterations, res.seconds
-        refined = _residual(W, T, res.A, res.B)
+        refined = _residual(W, tuned, res.A, res.B)
         if res.outside_after < before and refined <= noise:
             A, B, after, residual = res.A, res.B, res.outside_after, refined
     fro = math.sqrt(total)
-    row = {"module": name[: -len(".weight")], "shape": list(W.shape), "rank": k,
+    row = {"module": name[: -len(".weight")], "shape": list(shape), "rank": k,
            "method": method, "fro": fro, "residual": residual,
            "rel_error": residual / fro if fro else 0.0, "noise": noise,
            "within": "yes" if residual <= noise else "no", "outside_svd": before,
@@ -236,11 +256,35 @@ def _lowrank_row(name: str, W: np.ndarray, T: np.ndarray, t_bits: np.ndarray, co
     return row, A, B, S, secs
 
 
-def _residual(W: np.ndarray, T: np.ndarray, A: np.ndarray, B: np.ndarray) -> float:
-    """``||T - W - B A||_F`` (float64, a slice of rows at a time)."""
+def _base_rows(b: TensorSource, name: str) -> np.ndarray:
+    """The base weight: float32 when its values are all exact in float32 (bf16, fp16 and
+    f32 storage: read a row chunk at a time, no full float64 copy), else float64."""
+    info = b.tensors[name]
+    if info.dtype not in ("BF16", "F16", "F32") or len(info.shape) != 2:
+        return weight_f64(b, name)
+    W = np.empty(tuple(info.shape), np.float32)
+    for rows in nm.chunks(*W.shape):
+        W[rows] = weight_f64(b, name, rows)
+    return W
+
+
+def _rows_of(T: np.ndarray, t_bits: np.ndarray, code: str):
+    """``rows -> T[rows]`` as float64, decoded again from the stored bits (exact, as
+    :func:`weight_f64` decodes them) where they are a float format; else None."""
+    if code == "F64" and t_bits.shape == T.shape:
+        return lambda rows: np.asarray(t_bits[rows], np.float64)
+    if code in FLOAT_CODES and t_bits.shape == T.shape:  # as weight_f64 decodes them
+        fmt = nm.float_format(code)
+        return lambda rows: nm.to_float64(t_bits[rows], fmt)
+    return None
+
+
+def _residual(W: np.ndarray, tuned, A: np.ndarray, B: np.ndarray) -> float:
+    """``||T - W - B A||_F`` (float64, a slice of rows at a time; ``tuned(rows)``: the
+    rows of ``T``; ``W`` float64 or an exact float32)."""
     A64, B64, sq = A.astype(np.float64), B.astype(np.float64), 0.0
     for rows in nm.chunks(W.shape[0], W.shape[1]):
-        R = T[rows] - W[rows]
+        R = tuned(rows) - W[rows]
         R -= B64[rows] @ A64
         sq += float(np.einsum("ij,ij->", R, R))
     return math.sqrt(sq)
@@ -301,8 +345,7 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
         if np.array_equal(raw_b, raw_t):
             return None
         del raw_b
-        W, T = weight_f64(b, name), weight_f64(t, name)
-        return name, _lowrank_row(name, W, T, raw_t, t.tensors[name].dtype, rank, energy,
+        return name, _lowrank_row(name, b, t, raw_t, t.tensors[name].dtype, rank, energy,
                                   exact_max, seed, refine)
 
     # one slot per tensor in checkpoint order: a low-rank module's slot is its future

@@ -173,8 +173,8 @@ class _Problem:
         edge = _edge_dtype(code)
         n, m = W.shape
         self.shape = (n, m)
-        w32 = W.astype(np.float32)
-        self.W = w32 if edge is np.float32 and np.array_equal(w32, W) else W
+        w32 = W.astype(np.float32, copy=False)
+        self.W = w32 if edge is np.float32 and (w32 is W or np.array_equal(w32, W)) else W
         del w32
         self.lo, self.hi = np.empty((n, m), edge), np.empty((n, m), edge)
         self.logu = np.empty((n, m), np.int16)
@@ -335,7 +335,7 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
     elements as it can (see the module docstring).
 
     Args:
-        W: the base weight, float64 (out, in).
+        W: the base weight (out, in), float64, or float32 where that is exact.
         T_bits: the tuned weight's storage bits (format ``code``, e.g. ``"BF16"``).
         A, B: starting factors (r, in) and (out, r), e.g. the truncated SVD's.
         max_iters, margin, ramp, patience, slack, rescan: the refit's knobs (module
@@ -348,7 +348,9 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
         than the starting ones.
     """
     t0 = time.perf_counter()
-    W = np.asarray(W, np.float64)
+    W = np.asarray(W)
+    if W.dtype != np.float32:  # an exact float32 base is used as it is (no float64 copy)
+        W = W.astype(np.float64, copy=False)
     prob = _Problem(W, np.asarray(T_bits), code, margin, use_kernel)
     A = _f32(np.asarray(A, np.float64))
     B = _f32(np.asarray(B, np.float64))
