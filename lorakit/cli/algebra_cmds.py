@@ -7,6 +7,7 @@ import json
 from typing import Any, List, Optional
 
 from ..errors import LorakitError
+from .written import wrote
 
 __all__ = ["add_combination_flags", "fuse_adapter", "add"]
 
@@ -101,6 +102,7 @@ def _combine(args: argparse.Namespace) -> int:
                   base_dtype=args.model_dtype, save_path=args.save_path, format=args.format,
                   force=args.force, base=args.base,
                   majority_sign_method=args.majority_sign_method, svd_clamp=args.svd_clamp)
+    wrote(args, args.save_path)
     print(json.dumps(rep.to_dict(), indent=2) if args.json else rep)
     return 0
 
@@ -110,6 +112,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     out = convert(args.adapter, args.save_path, to=args.to, force=args.force,
                   num_layers=args.num_layers, base=args.base, outtype=args.outtype)
+    wrote(args, out)
     print(json.dumps({"output": str(out), "format": args.to}) if args.json else
           f"wrote {args.to} adapter {out}")
     return 0

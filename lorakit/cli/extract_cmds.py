@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from .written import wrote
+
 __all__ = ["add"]
 
 
@@ -30,6 +32,7 @@ def _save_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _print(args: argparse.Namespace, rep) -> None:
+    wrote(args, args.save_path)  # required: the adapter is written before the report
     rep.max_rows = args.max_rows
     print(json.dumps(rep.to_dict(), indent=2) if args.json else rep)
 

@@ -2,7 +2,9 @@
 no math lives here. Errors lorakit raises on purpose print as one message and exit
 with status 2 (set ``LORAKIT_DEBUG=1`` for the traceback); so do paths the system
 refuses. When the reader of stdout goes away (``lorakit inspect ... | head``) the
-command stops quietly with status 141, as Unix tools ended by SIGPIPE do."""
+command stops quietly with status 141, as Unix tools ended by SIGPIPE do; a command
+whose output directory is already in place (``fuse ... | true``) says so on stderr
+and exits 0, as it would with no stdout at all."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +15,7 @@ import warnings
 from typing import Callable, Dict, List, Optional
 
 from ..errors import LorakitError
+from .written import written, wrote
 
 __all__ = ["Command", "build_parser", "main"]
 
@@ -58,12 +61,16 @@ def _fuse(args: argparse.Namespace) -> int:
                   progress=not args.quiet, quant_policy=args.quant_policy,
                   quant_budget=args.quant_budget, float_base=args.float_base,
                   layout=args.layout)
+    if args.upload_repo is None:
+        wrote(args, result.output)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(result)
     if args.upload_repo is not None:
-        print(f"uploaded to {upload(result.output, args.upload_repo)}")
+        url = upload(result.output, args.upload_repo)
+        wrote(args, result.output)  # asked for an upload: done only once it is
+        print(f"uploaded to {url}")
     return 0
 
 
@@ -200,6 +207,19 @@ def _quiet_broken_pipe() -> int:
     return EXIT_BROKEN_PIPE
 
 
+def _wrote_but_stdout_closed(command: str, path) -> int:
+    """The output is whole; only the summary was lost. Say so on stderr (if it is
+    still there) and exit 0, as ``lorakit fuse ... >&-`` does."""
+    _quiet_broken_pipe()
+    try:
+        print(f"{command}: note: stdout was closed before the summary was printed; the "
+              f"output is complete at {path}", file=sys.stderr)
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # stderr gone too: nothing to tell
+        pass
+    return 0
+
+
 def _flush() -> None:
     """Flush stdout; a process started with stdout closed (``>&-``) has none to flush."""
     if sys.stdout is not None:
@@ -208,9 +228,11 @@ def _flush() -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run one command. Exit status: 0 success, 2 a lorakit error (one message on
-    stderr), 130 interrupted, 141 stdout closed early (``| head``); commands that
-    report a verdict (``diff``, ``check``) use 1 for "differs"."""
+    stderr), 130 interrupted, 141 stdout closed early (``| head``; 0 with a note on
+    stderr once a command's output directory is complete); commands that report a
+    verdict (``diff``, ``check``) use 1 for "differs"."""
     command = "lorakit"
+    args: Optional[argparse.Namespace] = None
     try:
         try:
             args = build_parser().parse_args(argv)
@@ -243,7 +265,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"{command}: interrupted", file=sys.stderr)
             return 130
     except BrokenPipeError:
-        return _quiet_broken_pipe()
+        done = written(args)
+        return _quiet_broken_pipe() if done is None else _wrote_but_stdout_closed(command, done)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,6 +7,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..errors import FormatError
+from .written import wrote
 
 __all__ = ["add"]
 
@@ -61,6 +62,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
                            dtype=args.dtype, shard_size=args.shard_size, seed=args.seed,
                            std=args.std, overrides=_overrides(args.set), force=args.force,
                            progress=not args.quiet)
+    wrote(args, out)
     ck = Checkpoint(out)
     params = sum(t.numel for t in ck.tensors.values())
     print(f"Wrote {out}\n  model_type  {ck.model_type} ({args.layout} layout, {args.dtype})\n"
@@ -79,6 +81,7 @@ def _adapter(args: argparse.Namespace) -> int:
                         layers=_layers(args.layers), keys=args.keys.split(","),
                         kind="dora" if args.dora else "lora", format=args.format,
                         seed=args.seed, delta_std=args.delta_std, force=args.force)
+    wrote(args, out)
     ad = load_adapter(out)
     print(f"Wrote {out}\n  {ad!r}\n  size  {_size(out)}\n"
           f"  time  {time.perf_counter() - t0:.1f} s")

@@ -397,13 +397,18 @@ def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], opt
 
 def _read_weight(ck: Checkpoint, it: _Item, rounding: str) -> Any:
     """The base weight: raw numpy storage, or for MLX's orders a lazy ``mx.load``ed
-    array (MLX reads the file into its own memory: no numpy buffer, no copy)."""
+    array (MLX reads the file into its own memory: no numpy buffer, no copy). A shard
+    MLX cannot open (it also holds a tensor of a dtype MLX does not load, such as F64)
+    is read as raw storage instead: the same arithmetic, through MLX all the same."""
     src = it.source
     if rounding in MLX_ROUNDINGS and src.dtype in FLOAT_CODES[:3] \
             and len(src.shape) == 2:
         import mlx.core as mx  # lazy: MLX only when computing
 
-        return mx.load(str(src.file))[it.name]
+        try:
+            return mx.load(str(src.file))[it.name]
+        except (RuntimeError, ValueError):  # "[safetensor] unsupported dtype F64"
+            pass
     return ck.read(it.name)
 
 

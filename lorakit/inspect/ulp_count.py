@@ -486,9 +486,14 @@ def sumsq(x: np.ndarray, code: str, kernel: Any = None) -> float:
     """Sum of squares of a piece's values (storage bits); inf or NaN give inf or NaN."""
     if kernel is not None and hasattr(kernel, "sumsq"):
         return kernel.sumsq(np.ascontiguousarray(x), _KERNEL_FMT[code])
-    v = _values32(x, code)
+    # float64 sums (a float32 dot's rounding depends on the BLAS build: 1e-6 relative at
+    # 50k elements on some), a million values at a time so memory stays a piece's
+    v, total = _values32(x, code).reshape(-1), 0.0
     with np.errstate(over="ignore", invalid="ignore"):
-        return float(np.dot(v, v))  # float32 products, BLAS's blocked sums
+        for s in range(0, v.size, 1 << 20):
+            c = v[s:s + (1 << 20)].astype(np.float64)
+            total += float(np.dot(c, c))
+    return total
 
 
 def _thresholds(rms: float, code: str) -> Tuple[int, int, float, float]:

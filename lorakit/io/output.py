@@ -248,8 +248,9 @@ def _check_replaceable(out: Path, st: os.stat_result, *, force: bool, allow_empt
                                 expected="a new path" + (" (or an empty directory)"
                                                          if allow_empty else ""),
                                 found="an existing " + ("directory" if is_dir else "file"),
-                                hint="another process wrote it while this one ran; it is "
-                                "complete and was left as it is, and nothing of this run "
+                                hint="another process wrote it while this one ran (a "
+                                "lorakit run moves its output there only once it is "
+                                "complete); it was left as it is, and nothing of this run "
                                 "remains. Pass --force (force=True) to replace it"
                                 if appeared else "pass --force (force=True) to replace it")
     if not is_dir:
@@ -447,8 +448,14 @@ def _publish(tmp: Path, out: Path, *, force: bool, allow_empty: bool) -> None:
     swapped out atomically where the OS can (old and new exchanged, old deleted)."""
     st = _lstat(out)
     if st is None:
-        os.rename(tmp, out)
-        return
+        try:
+            os.rename(tmp, out)
+            return
+        except OSError as e:  # another process published ``out`` since the check above
+            st = _lstat(out)
+            if st is None or e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR,
+                                             errno.EISDIR):
+                raise
     _check_replaceable(out, st, force=force, allow_empty=allow_empty, appeared=True)
     if _exchange(tmp, out):
         shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old output

@@ -926,6 +926,21 @@ def test_unadapted_tensor_of_any_spec_dtype_is_copied(dtype: str, tmp_path: Path
     assert (got["dtype"], got["shape"], bytes(got["data"])) == (dtype, [2, 8], data)
 
 
+@pytest.mark.parametrize("dtype", sorted(SPEC_BITS))
+def test_mlx_lm_rounding_beside_a_tensor_mlx_cannot_load(dtype: str, tmp_path: Path,
+                                                        pristine: Dict[str, Path]) -> None:
+    """--rounding mlx-lm reads weights through MLX, which refuses a whole shard holding
+    one tensor of a dtype it does not load (F64, ...): the shard's other weights are
+    fused all the same (no RuntimeError), that tensor copied byte for byte."""
+    import safetensors
+
+    e = make_env(tmp_path, pristine)
+    data = add_tensor(e, S2, "model.extra_codes", dtype, (2, 8))  # beside Q_PROJ
+    fuse(e.base, e.adapter, e.out, rounding="mlx-lm", progress=False)
+    got = dict(safetensors.deserialize((e.out / S2).read_bytes()))["model.extra_codes"]
+    assert (got["dtype"], got["shape"], bytes(got["data"])) == (dtype, [2, 8], data)
+
+
 @pytest.mark.parametrize("dtype", ["F4", "F6_E3M2", "F8_E4M3", "C64", "I32"])
 def test_adapted_tensor_of_a_non_float_dtype_is_refused_by_name(
         dtype: str, tmp_path: Path, pristine: Dict[str, Path]) -> None:
@@ -1046,6 +1061,80 @@ def _(e):
 @pytest.mark.parametrize("c", RUNTIME_CASES, ids=[c.id for c in RUNTIME_CASES])
 def test_bad_input_runtime(c: Case, tmp_path: Path, pristine: Dict[str, Path]) -> None:
     test_bad_input(c, tmp_path, pristine)
+
+
+# -- a config value that disagrees with the tensors, an F64 base: each message names the
+# value and the file it came from (config.json / adapter_config.json). Fast: API half;
+# the CLI half (exit 2, one message, nothing written) runs in the slow tier.
+CONFLICT_CASES: List[Case] = []
+
+
+def conflict_case(id: str, error: Type[LorakitError], file: str, *says: str,
+                  tensor: Optional[str] = None):
+    def deco(fn):
+        CONFLICT_CASES.append(Case(id, fn, error, file, says, tensor))
+        return fn
+    return deco
+
+
+@conflict_case("config-fewer-layers-than-the-tensors", AdapterError, "adapters.safetensors",
+               "layer 1 is past the model's last layer 0", "num_hidden_layers=1 in ",
+               "base/config.json, but the checkpoint's tensors hold blocks 0..1",
+               tensor="model.layers.1.self_attn.q_proj.lora_a")
+def _(e):
+    edit_json(e.base / "config.json", lambda c: c.update(num_hidden_layers=1))
+
+
+@conflict_case("config-more-layers-than-the-tensors", AdapterError, "adapters.safetensors",
+               "layer 0 is not among the last 2 layers", "num_hidden_layers=4 in ",
+               "base/config.json, but the checkpoint's tensors hold blocks 0..1",
+               "num_layers=2 in ", tensor="model.layers.0.self_attn.q_proj.lora_a")
+def _(e):
+    edit_json(e.base / "config.json", lambda c: c.update(num_hidden_layers=4))
+
+
+@conflict_case("adapter-config-num-layers-too-few", AdapterError, "adapters.safetensors",
+               "layer 0 is not among the last 1 layers",
+               "num_layers=1 in adapter_config.json",
+               tensor="model.layers.0.self_attn.q_proj.lora_a")
+def _(e):
+    edit_json(e.adapter / "adapter_config.json", lambda c: c.update(num_layers=1))
+
+
+@conflict_case("adapter-config-rank-too-high", AdapterError, "adapters.safetensors",
+               "rank 4 in the tensors but 8 in adapter_config.json (lora_parameters.rank)",
+               tensor="model.layers.0.self_attn.q_proj")
+def _(e):
+    edit_json(e.adapter / "adapter_config.json", lambda c: c["lora_parameters"].update(rank=8))
+
+
+@conflict_case("peft-target-modules-regex-leaves-tensors-out", AdapterError,
+               "adapter_model.safetensors", "PEFT puts no LoRA layer on model.layers.0.mlp.down_proj",
+               r"not matched by target_modules '.*\\.(q|v)_proj' in adapter_config.json",
+               "exclude_modules in ", tensor="base_model.model.model.layers.0.mlp.down_proj")
+def _(e):
+    edit_json(peft(e) / "adapter_config.json",
+              lambda c: c.update(target_modules=r".*\.(q|v)_proj"))
+
+
+@conflict_case("f64-base-mlx-lm-rounding", FuseError, S2, "cannot fuse into a float64 weight",
+               "expected: a BF16, F16 or F32 weight", "found: F64 -> F64",
+               "hint: store float64 weights as float32 first", tensor=Q_PROJ)
+def _(e):
+    set_dtype(e, S2, Q_PROJ, "F64")
+    e.kwargs["rounding"] = "mlx-lm"
+
+
+@pytest.mark.parametrize("c", CONFLICT_CASES, ids=[c.id for c in CONFLICT_CASES])
+def test_config_conflict_names_value_and_file(c: Case, tmp_path: Path,
+                                              pristine: Dict[str, Path]) -> None:
+    _api_case(c, tmp_path, pristine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("c", CONFLICT_CASES, ids=[c.id for c in CONFLICT_CASES])
+def test_config_conflict_cli(c: Case, tmp_path: Path, pristine: Dict[str, Path]) -> None:
+    test_bad_input_cli(c, tmp_path, pristine)
 
 
 # -- --force replaces only what lorakit wrote (issue 14) ------------------------------------------

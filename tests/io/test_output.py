@@ -343,6 +343,43 @@ def test_a_racing_fuse_is_one_line_saying_what_is_safe(tmp_path: Path) -> None:
         sleeper.wait()
 
 
+@pytest.mark.parametrize("theirs", ["dir", "file"])
+def test_an_output_published_between_check_and_rename_is_explained(
+        tmp_path: Path, monkeypatch, theirs: str) -> None:
+    """The other fuse renames its output into place after this one saw the path free
+    but before its own rename (ENOTEMPTY / ENOTDIR): the same one error saying what
+    happened and what is safe, not "I/O error: Directory not empty"."""
+    import lorakit.io.output as output
+
+    out = check_output_path(tmp_path / "o", protected=[], force=False)
+    real = output._lstat
+    calls = {"n": 0}
+
+    def racing_lstat(p):
+        if Path(p) == out and calls["n"] == 0:  # _publish's check: free, then taken
+            calls["n"] += 1
+            if theirs == "dir":
+                out.mkdir()
+                (out / "theirs.txt").write_text("kept")
+            else:
+                out.write_text("kept")
+            return None
+        return real(p)
+
+    with pytest.raises(OutputExistsError) as e:
+        with OutputDirectory(out, force=False) as od:
+            (od.tmp / "config.json").write_text("{}")
+            monkeypatch.setattr(output, "_lstat", racing_lstat)
+            od.commit("example", {})
+    msg = str(e.value)
+    assert calls["n"] == 1
+    assert "appeared while writing" in msg and "another process wrote it" in msg, msg
+    assert "left as it is" in msg and "nothing of this run remains" in msg, msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]  # this run left nothing
+    kept = out / "theirs.txt" if theirs == "dir" else out
+    assert kept.read_text() == "kept"
+
+
 def test_an_output_that_appears_while_writing_is_kept_and_explained(tmp_path: Path) -> None:
     from lorakit.errors import OutputExistsError
 

@@ -249,3 +249,53 @@ def test_a_fuse_started_with_stdout_closed_completes(tmp_path: Path) -> None:
                           preexec_fn=lambda: os.close(1))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert (out / "lorakit.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", [[], ["--json"]])
+def test_a_fuse_whose_stdout_reader_is_gone_completes(tmp_path: Path, fmt) -> None:
+    """``lorakit fuse ... | true``: the reader of stdout is gone before the summary is
+    printed. The output is whole, so the status is 0 (not 141, as for ``inspect | head``)
+    and stderr has one note saying where it is; no traceback."""
+    out = tmp_path / "o"
+    p = subprocess.Popen([sys.executable, "-m", "lorakit", "fuse", *fmt, "--model",
+                          str(REPO / "data" / "tiny-qwen3"), "--adapter-path",
+                          str(REPO / "data" / "adapters" / "lora"), "--save-path", str(out),
+                          "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    p.stdout.close()  # nobody reads: printing the summary fails with EPIPE
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0, err
+    assert err == ("lorakit fuse: note: stdout was closed before the summary was printed; "
+                   f"the output is complete at {out}\n"), err
+    assert (out / "lorakit.json").is_file() and (out / "model.safetensors").is_file()
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["o"]
+
+
+@pytest.mark.parametrize("link", ["config.json", "model.safetensors", "unindexed-shard"])
+def test_diff_and_inspect_refuse_a_link_out_of_a_model_folder(tmp_path: Path, capsys,
+                                                              link: str) -> None:
+    """The model-folder twin of the adapter test above, in process: ``inspect`` and
+    ``diff`` (either side) refuse a config or shard linked outside the folder as
+    ``fuse`` does, before parsing it (the outside file is neither JSON nor safetensors)."""
+    from lorakit.cli.main import main
+
+    m = tmp_path / "m"
+    shutil.copytree(REPO / "data" / "tiny-qwen3", m)
+    name = "model.safetensors" if link == "unindexed-shard" else link
+    if link == "unindexed-shard":
+        (m / "model.safetensors.index.json").unlink()
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"\xff" * 64)
+    (m / name).unlink()
+    (m / name).symlink_to(outside)
+    other = str(REPO / "data" / "tiny-qwen3")
+    for argv in (["inspect", str(m)], ["diff", str(m), other], ["diff", other, str(m)],
+                 ["fuse", "--model", str(m), "--adapter-path",
+                  str(REPO / "data" / "adapters" / "lora"), "--save-path",
+                  str(tmp_path / "out"), "-q"]):
+        assert main(argv) == 2, argv
+        cap = capsys.readouterr()
+        assert cap.out == "" and cap.err.startswith(f"lorakit {argv[0]}: error: "), cap.err
+        assert "is a link out of the directory" in cap.err and str(outside) in cap.err, cap.err
+        assert f"file: {m / name}" in cap.err, cap.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "outside.bin"]

@@ -109,14 +109,22 @@ def model_layer_count(config: Dict[str, Any], tensor_names: Iterable[str],
     """How many blocks ``model.layers`` of a model has: config.json's
     ``num_hidden_layers`` (or ``n_layer`` / ``num_layers``, also under ``text_config``),
     else one more than the highest block index among tensors under ``*.<prefix>.``."""
-    for cfg in (config, config.get("text_config")):
+    return _layer_counts(config, tensor_names, prefix)[0]
+
+
+def _layer_counts(config: Dict[str, Any], tensor_names: Iterable[str], prefix: str
+                  ) -> Tuple[Optional[int], Optional[str], Optional[int]]:
+    """(the model's block count, the config key that gave it or None when the tensors
+    did, the block count the tensors show or None)."""
+    idx = [int(m.group(2)) for m in map(_IN_LAYER.match, tensor_names)
+           if m and m.group(1).rsplit(".", 1)[-1] == prefix]
+    in_tensors = max(idx) + 1 if idx else None
+    for where, cfg in (("", config), ("text_config.", config.get("text_config"))):
         if isinstance(cfg, dict):
             for key in ("num_hidden_layers", "n_layer", "num_layers"):
                 if type(cfg.get(key)) is int and cfg[key] > 0:
-                    return int(cfg[key])
-    idx = [int(m.group(2)) for m in map(_IN_LAYER.match, tensor_names)
-           if m and m.group(1).rsplit(".", 1)[-1] == prefix]
-    return max(idx) + 1 if idx else None
+                    return int(cfg[key]), where + key, in_tensors
+    return in_tensors, None, in_tensors
 
 
 def check_runtime_scope(adapter: Adapter, ck: Any) -> None:
@@ -133,9 +141,17 @@ def check_runtime_scope(adapter: Adapter, ck: Any) -> None:
         first = next((m for m in map(_IN_LAYER.match, (t.module for t in adapter.targets)) if m),
                      None)
         prefix = first.group(1).rsplit(".", 1)[-1] if first else "layers"
-        n = model_layer_count(config, names, prefix)
+        n, key, in_tensors = _layer_counts(config, names, prefix)
         if n is not None:
-            check_layer_scope(adapter, n)
+            path = getattr(ck, "path", None)
+            cfg_file = Path(path) / "config.json" if path is not None else "config.json"
+            source = (f"{key}={n} in {cfg_file}" if key is not None else
+                      f"blocks 0..{n - 1} among the checkpoint's tensors ({cfg_file} gives "
+                      "no layer count)")
+            conflict = (f"{key}={n} in {cfg_file}, but the checkpoint's tensors hold blocks "
+                        f"0..{in_tensors - 1}" if key is not None and in_tensors is not None
+                        and in_tensors != n else None)
+            check_layer_scope(adapter, n, source=source, conflict=conflict)
     else:
         modules = {n.rsplit(".", 1)[0] for n in names if n.endswith((".weight", ".bias"))}
         check_targets_exist(adapter, sorted(modules), getattr(ck, "path", Path("?")))

@@ -89,6 +89,8 @@ class MlxScope:
                     "only modules inside the last num_layers blocks)")
         if self.keys is not None and m.group(3) not in self.keys:
             return f"{m.group(3)!r} is not in lora_parameters.keys"
+        if n_layers is not None and int(m.group(2)) >= n_layers:
+            return f"layer {m.group(2)} is past the model's last layer {n_layers - 1}"
         if n_layers is not None and int(m.group(2)) < self.first_layer(n_layers):
             return (f"layer {m.group(2)} is not among the last {self.num_layers} layers "
                     f"(num_layers={self.num_layers} in adapter_config.json; adapted: layers "
@@ -289,9 +291,13 @@ def load_mlx(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None) -> Ad
     return Adapter(path, "mlx-lm", targets, cfg, file, ftype)
 
 
-def check_layer_scope(adapter: Adapter, n_layers: int) -> None:
+def check_layer_scope(adapter: Adapter, n_layers: int, *, source: Optional[str] = None,
+                      conflict: Optional[str] = None) -> None:
     """Refuse an mlx-lm adapter holding tensors for blocks mlx-lm leaves alone in a
-    model of ``n_layers`` blocks (the last ``num_layers`` carry LoRA), listing each."""
+    model of ``n_layers`` blocks (the last ``num_layers`` carry LoRA), or for blocks
+    past its end, listing each. ``source`` says where ``n_layers`` came from (e.g.
+    ``num_hidden_layers=4 in .../config.json``); ``conflict``, if given, how the
+    model's config disagrees with its tensors (then the likelier culprit)."""
     if adapter.format != "mlx-lm":
         return
     _, _, _, scope = mlx_settings(adapter.config, adapter.path / CONFIG)
@@ -300,7 +306,11 @@ def check_layer_scope(adapter: Adapter, n_layers: int) -> None:
     if errors:
         raise problems(adapter.weights_file, errors,
                        f"tensors only for the last {scope.num_layers} of the model's "
-                       f"{n_layers} layers (num_layers in adapter_config.json; the model's layers "
-                       "from its config.json)", "tensor(s) mlx-lm would refuse",
-                       hint="mlx-lm's load_adapters refuses this adapter on this model "
-                       "(\"contains incompatible tensors\"); was it trained on another model?")
+                       f"{n_layers} layers (num_layers={scope.num_layers} in "
+                       f"{adapter.path / CONFIG}; the model's layers: "
+                       f"{source or 'from its config.json'})", "tensor(s) mlx-lm would refuse",
+                       hint=(f"the model's config disagrees with its own tensors ({conflict}): "
+                             "is config.json from another model?" if conflict else
+                             "mlx-lm's load_adapters refuses this adapter on this model "
+                             "(\"contains incompatible tensors\"); was it trained on another "
+                             "model?"))

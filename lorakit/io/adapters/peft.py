@@ -87,32 +87,34 @@ class PeftSettings:
         """Why PEFT puts no LoRA layer on module ``key`` (None: it does).
 
         >>> PeftSettings(4, 8, target_modules=["q_proj"]).refusal("model.layers.0.mlp.up_proj")
-        "not matched by target_modules ['q_proj']"
+        "not matched by target_modules ['q_proj'] in adapter_config.json"
         """
         ex = self.exclude_modules
         if ex and (re.fullmatch(ex, key) if isinstance(ex, str) else
                    key in ex or any(key.endswith("." + e) for e in ex)):
-            return f"excluded by exclude_modules {ex!r}"
+            return f"excluded by exclude_modules {ex!r} in {CONFIG}"
         if any(re.match(rf"(^|.*\.){m}($|\..*)", key) for m in self.modules_to_save):
-            return "a modules_to_save module (PEFT never puts LoRA on those)"
+            return (f"a modules_to_save module in {CONFIG} (PEFT never puts LoRA "
+                    "on those)")
         tm = self.target_modules
         if tm is None:  # PEFT fills in its per-architecture default: not known here
             return None
         if isinstance(tm, str):
             hit = (not key.endswith("lm_head")) if tm.lower() == _ALL_LINEAR else \
                 re.fullmatch(tm, key) is not None
-            return None if hit else f"not matched by target_modules {tm!r}"
+            return None if hit else f"not matched by target_modules {tm!r} in {CONFIG}"
         if key in tm:
             return None  # named in full: no layer filter
         if not any(key.endswith("." + t) for t in tm):
-            return f"not matched by target_modules {tm!r}"
+            return f"not matched by target_modules {tm!r} in {CONFIG}"
         if self.layers_to_transform:
             layer = _layer_index(key, self.layers_pattern)
             if layer is None:
                 return ("no layer index in its name, and layers_to_transform "
-                        f"{self.layers_to_transform} is set")
+                        f"{self.layers_to_transform} is set in {CONFIG}")
             if layer not in self.layers_to_transform:
-                return f"layer {layer} is not in layers_to_transform {self.layers_to_transform}"
+                return (f"layer {layer} is not in layers_to_transform "
+                        f"{self.layers_to_transform} in {CONFIG}")
         return None
 
     def rank_alpha(self, key: str) -> Tuple[int, float]:
@@ -404,7 +406,7 @@ def load_peft(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None) -> A
     if errors:
         raise problems(file, errors, "base_model.model.<module>.lora_A.weight (r, in) and "
                        ".lora_B.weight (out, r) for each module PEFT adapts "
-                       "(target_modules, layers_to_transform, exclude_modules)")
+                       f"(target_modules, layers_to_transform, exclude_modules in {cfg_path})")
     if not plans and not replacements:
         raise AdapterError("adapter holds no LoRA tensors", file=file,
                            expected="base_model.model.<module>.lora_A.weight / .lora_B.weight",
