@@ -2,8 +2,10 @@
 # The fast tier for development: every test not marked `slow` (no subprocess-heavy,
 # timing, browser, notebook, fuzz or architecture-parity tests), in well under a
 # minute. Sets up .venv first only when it is missing. Extra arguments go to pytest.
-# The whole suite (what CI runs) stays `bash tools/test.sh`.
+# The whole suite (what CI runs) stays `bash tools/test.sh`. Workers as there
+# (LORAKIT_TEST_WORKERS, default one per CPU core).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash tools/setup.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -m "not slow" "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${LORAKIT_TEST_WORKERS:-auto}" \
+    --dist worksteal -m "not slow" "$@"

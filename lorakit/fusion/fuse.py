@@ -361,7 +361,9 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
                       dtypes_written=dict(dtypes), bytes_written=total_bytes,
                       seconds=time.perf_counter() - t0,
                       dequantized=opts.dequantize and ck.quantization is not None,
-                      requant=requant, fused_names=fused_names, replaced_names=replaced_names)
+                      requant=requant, fused_names=fused_names, replaced_names=replaced_names,
+                      not_copied=[f"{q.name} (a link to {t}, outside the model folder)"
+                                  for q, t in ck.links_outside()])
 
 
 def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], opts: FuseOptions,
@@ -541,6 +543,9 @@ class FuseResult(Report):
     #: the experts' layout written (mlx-lm | transformers) and who reads it
     layout: str = "mlx-lm"
     layout_note: str = ""
+    #: the base's sidecar files (tokenizer etc.) left out: links out of its folder,
+    #: which lorakit never follows; copy them by hand if they belong with the model
+    not_copied: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.title = f"Fused {self.adapter.name} into {self.base.name}"
@@ -571,6 +576,7 @@ class FuseResult(Report):
         d["fused_names"], d["replaced_names"] = self.fused_names, self.replaced_names
         d["quant_policy"] = self.quant_policy
         d["layout"], d["layout_note"] = self.layout, self.layout_note
+        d["not_copied"] = self.not_copied
         d["survival"] = survival_overall(self.requant) if self.requant else None
         return d
 
@@ -594,6 +600,10 @@ class FuseResult(Report):
             rows += policy_summary(self.quant_policy, self.requant)
         if self.replaced_names:
             rows.append(("replaced (modules_to_save)", ", ".join(self.replaced_names)))
+        if self.not_copied:
+            rows.append(("not copied", "; ".join(self.not_copied) + ": lorakit never copies "
+                         "what a link out of the model folder points at; copy it by hand "
+                         "if it belongs with the model"))
         if self.dequantized:
             rows.append(("quantization", "dequantized (float weights written)"))
         return rows

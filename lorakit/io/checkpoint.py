@@ -273,18 +273,28 @@ class Checkpoint:
             yield n, list(self.headers[n].tensors.values())
 
     def extra_files(self) -> List[Path]:
-        """Files beside the weights that a fused copy should carry (tokenizer etc.)."""
-        out = []
+        """Files beside the weights that a fused copy should carry (tokenizer etc.);
+        a link out of the folder is never followed (see :meth:`links_outside`)."""
+        return [p for p, target in self._sidecars() if target is None]
+
+    def links_outside(self) -> List[Tuple[Path, Path]]:
+        """The sidecar files (tokenizer etc.) that are links out of the model folder, with
+        what they point at: a fused copy does not carry them (lorakit never copies what a
+        link outside points at; a hub cache's blob links are inside by rule)."""
+        return [(p, target) for p, target in self._sidecars() if target is not None]
+
+    def _sidecars(self) -> List[Tuple[Path, Optional[Path]]]:
+        out: List[Tuple[Path, Optional[Path]]] = []
         skip_ext = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
         for p in sorted(self.path.iterdir()):
             if p.name == INDEX_NAME or p.name.endswith(skip_ext) or p.name.startswith("."):
                 continue
             if p.is_file():
-                if p.is_symlink():
-                    target = p.resolve()
-                    if target.parent != self.path.resolve() and not is_hub_blob(p, target):
-                        continue  # never copy what a link outside points at
-                out.append(p)
+                target = p.resolve() if p.is_symlink() else None
+                if target is not None and (target.parent == self.path.resolve()
+                                           or is_hub_blob(p, target)):
+                    target = None
+                out.append((p, target))
         return out
 
     def __repr__(self) -> str:

@@ -95,3 +95,30 @@ def test_inputs_with_links_stay_unchanged(tmp_path: Path, pristine) -> None:
     assert (e.out / "tokenizer.json").read_bytes() == (e.base / "tokenizer.real.json").read_bytes()
     assert_output_independent(e.out, e.inputs)
     assert os.readlink(tok) == "tokenizer.real.json"
+
+
+def test_a_sidecar_linked_out_of_the_folder_is_named_not_copied(tmp_path: Path, pristine) -> None:
+    """A base whose tokenizer.json is a link out of its folder: the fuse does not follow
+    it (nothing outside is read into the output) and says so in its report, naming the
+    file and where it points, instead of leaving the tokenizer out silently."""
+    e = make_env(tmp_path, pristine)
+    tok = e.base / "tokenizer.json"
+    outside = tmp_path / "elsewhere.json"
+    outside.write_bytes(tok.read_bytes())
+    tok.unlink()
+    tok.symlink_to(outside)
+    before = tree_hash(e.inputs)
+    res = fuse(e.base, e.adapter, e.out, progress=False)
+    assert tree_hash(e.inputs) == before and os.readlink(tok) == str(outside)
+    assert not (e.out / "tokenizer.json").exists()
+    assert res.not_copied == [f"tokenizer.json (a link to {outside.resolve()}, outside the model folder)"]
+    assert res.to_dict()["not_copied"] == res.not_copied
+    text = str(res)
+    assert "not copied" in text and "tokenizer.json" in text and str(outside.resolve()) in text
+    assert "never copies what a link out of the model folder points at" in text
+    assert "not copied" in res._repr_html_()
+    clean = fuse(e.base, e.adapter, tmp_path / "again", progress=False)
+    assert clean.not_copied == res.not_copied  # the same base, the same account
+    tok.unlink()
+    tok.write_bytes(outside.read_bytes())
+    assert fuse(e.base, e.adapter, tmp_path / "plain", progress=False).not_copied == []
