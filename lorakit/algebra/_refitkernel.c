@@ -117,9 +117,18 @@ static PyObject *accum(PyObject *self, PyObject *args) {
     double *Gp = G.buf, *gp = g.buf, *lp = loss.buf;
     Py_ssize_t viol = 0, bad = 0;
     Py_BEGIN_ALLOW_THREADS
+    /* the row and column of each flat index: one division per row met, not per element
+       (the active set is ascending, so an element is most often in the row before it) */
+    Py_ssize_t i = 0, row0 = 0;
     for (Py_ssize_t t = 0; t < k; t++) {
-        Py_ssize_t i = I[t] / cols, j = I[t] % cols;
-        if (i < 0 || i >= rows) { bad = 1; break; }
+        Py_ssize_t v = I[t];
+        if (v < row0 || v - row0 >= cols) {
+            if (v < 0) { bad = 1; break; }
+            i = v / cols;
+            row0 = i * cols;
+        }
+        Py_ssize_t j = v - row0;
+        if (i >= rows) { bad = 1; break; }
         const double *bi = Bp + i * r, *aj = Ap + j * r;
         double x = dotx((double)W[t], bi, aj, r);
         double rr;

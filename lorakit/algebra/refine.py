@@ -361,7 +361,9 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
     thr, min_slack = _thresholds(prob, slack, dense)
     best = (np.inf, A.copy(), B.copy())
     it, since, history, scans = 0, 0, [], 0
+    act: Optional[_Active] = None
     while it < max_iters and before > 0:
+        act = None  # the last active set goes before the next is built (memory: one at a time)
         idx, viol = prob.scan(A, B, thr)  # a full pass: the count and the active set
         scans += 1
         history.append(viol)
