@@ -40,6 +40,33 @@ static inline double dotx(double x, const double *b, const double *a, Py_ssize_t
     return x;
 }
 
+/* Four elements' x = w + sum_k b[k] a[k] at once: four independent chains of additions
+   (each in k order, as dotx), so the CPU overlaps them instead of waiting on one. */
+#define DOT4_BODY(R)                                                              \
+    for (Py_ssize_t k = 0; k < (R); k++) {                                        \
+        x0 += b0[k] * a0[k]; x1 += b1[k] * a1[k];                                 \
+        x2 += b2[k] * a2[k]; x3 += b3[k] * a3[k];                                 \
+    }
+static inline void dot4(double *x, const double *b0, const double *b1, const double *b2,
+                        const double *b3, const double *a0, const double *a1,
+                        const double *a2, const double *a3, Py_ssize_t r) {
+    double x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
+    if (r == 8) { DOT4_BODY(8) } else { DOT4_BODY(r) }
+    x[0] = x0; x[1] = x1; x[2] = x2; x[3] = x3;
+}
+
+/* c ? a : b without a branch (a compiler turns the double ?: into a jump, which a
+   random c mispredicts): a bit mask over the two values, exact */
+static inline double pick(int c, double a, double b) {
+    uint64_t ua, ub, m = (uint64_t)0 - (uint64_t)(c != 0);
+    memcpy(&ua, &a, 8); memcpy(&ub, &b, 8);
+    ua = (ua & m) | (ub & ~m);
+    memcpy(&a, &ua, 8);
+    return a;
+}
+
+#define BLK 256  /* elements per block: their x, row, column and residual stay in L1 */
+
 static PyObject *scan(PyObject *self, PyObject *args) {
     Py_buffer w, lo, hi, lu, b, at, thr;
     Py_ssize_t cols, r;
@@ -56,29 +83,38 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     const float *W = w.buf, *L = lo.buf, *H = hi.buf;
     const int16_t *U = lu.buf;
     const double *Bp = b.buf, *Ap = at.buf, *Th = thr.buf;
-    Py_ssize_t cap = n / 8 + 1024, cnt = 0, viol = 0;
+    Py_ssize_t cap = n / 8 + cols + 1024, cnt = 0, viol = 0;
     int64_t *out = malloc(cap * sizeof(int64_t));
     if (!out) { PyErr_NoMemory(); goto done; }
     Py_BEGIN_ALLOW_THREADS
     Py_ssize_t rows = n / cols;
+    double xs[BLK];
     for (Py_ssize_t i = 0; i < rows && out; i++) {
+        if (cnt + cols > cap) {  /* room for a whole row: the appends below need no check */
+            cap = 2 * cap > cnt + cols ? 2 * cap : cnt + cols;
+            int64_t *nw = realloc(out, cap * sizeof(int64_t));
+            if (!nw) { free(out); out = NULL; break; }
+            out = nw;
+        }
         const double *bi = Bp + i * r;
-        for (Py_ssize_t j = 0; j < cols; j++) {
-            Py_ssize_t t = i * cols + j;
-            double x = dotx((double)W[t], bi, Ap + j * r, r);
-            double s1 = x - (double)L[t], s2 = (double)H[t] - x;
-            double s = s1 < s2 ? s1 : s2;
-            int u = U[t] + OFF;
-            double th = Th[u < 0 ? 0 : (u >= TAB ? TAB - 1 : u)];
-            if (s < 0) viol++;
-            if (s < th) {
-                if (cnt == cap) {
-                    cap *= 2;
-                    int64_t *nw = realloc(out, cap * sizeof(int64_t));
-                    if (!nw) { free(out); out = NULL; break; }
-                    out = nw;
-                }
-                out[cnt++] = t;
+        for (Py_ssize_t j0 = 0; j0 < cols; j0 += BLK) {
+            Py_ssize_t nb = cols - j0 < BLK ? cols - j0 : BLK, t0 = i * cols + j0, u = 0;
+            for (; u < nb; u++) xs[u] = (double)W[t0 + u];
+            for (u = 0; u + 4 <= nb; u += 4) {
+                const double *a = Ap + (j0 + u) * r;
+                dot4(xs + u, bi, bi, bi, bi, a, a + r, a + 2 * r, a + 3 * r, r);
+            }
+            for (; u < nb; u++) xs[u] = dotx(xs[u], bi, Ap + (j0 + u) * r, r);
+            for (u = 0; u < nb; u++) {  /* no branch: the appends are unconditional stores */
+                Py_ssize_t t = t0 + u;
+                double x = xs[u];
+                double s1 = x - (double)L[t], s2 = (double)H[t] - x;
+                double s = s1 < s2 ? s1 : s2;
+                int e = U[t] + OFF;
+                double th = Th[e < 0 ? 0 : (e >= TAB ? TAB - 1 : e)];
+                viol += s < 0;
+                out[cnt] = t;
+                cnt += s < th;
             }
         }
     }
@@ -117,37 +153,59 @@ static PyObject *accum(PyObject *self, PyObject *args) {
     double *Gp = G.buf, *gp = g.buf, *lp = loss.buf;
     Py_ssize_t viol = 0, bad = 0;
     Py_BEGIN_ALLOW_THREADS
-    /* the row and column of each flat index: one division per row met, not per element
-       (the active set is ascending, so an element is most often in the row before it) */
+    /* A block of elements at a time, in three steps: the row and column of each flat
+       index (one division per row met: the active set is ascending); x of all of them,
+       four at a time (dot4); then, in element order as before, the sums of those
+       outside their box. The same additions in the same order as one element at a
+       time, so the same bits. */
     Py_ssize_t i = 0, row0 = 0;
-    for (Py_ssize_t t = 0; t < k; t++) {
-        Py_ssize_t v = I[t];
-        if (v < row0 || v - row0 >= cols) {
-            if (v < 0) { bad = 1; break; }
-            i = v / cols;
-            row0 = i * cols;
+    Py_ssize_t bi_[BLK], bj_[BLK];
+    double xs[BLK], rs[BLK];
+    int vs[BLK];
+    for (Py_ssize_t t0 = 0; t0 < k && !bad; t0 += BLK) {
+        Py_ssize_t nb = k - t0 < BLK ? k - t0 : BLK, u = 0;
+        for (; u < nb; u++) {
+            Py_ssize_t v = I[t0 + u];
+            if (v < row0 || v - row0 >= cols) {
+                if (v < 0) { bad = 1; break; }
+                i = v / cols;
+                row0 = i * cols;
+            }
+            if (i >= rows) { bad = 1; break; }
+            bi_[u] = i; bj_[u] = v - row0;
+            xs[u] = (double)W[t0 + u];
         }
-        Py_ssize_t j = v - row0;
-        if (i >= rows) { bad = 1; break; }
-        const double *bi = Bp + i * r, *aj = Ap + j * r;
-        double x = dotx((double)W[t], bi, aj, r);
-        double rr;
-        if (x > (double)H[t]) rr = x - (double)H[t];
-        else if (x < (double)L[t]) rr = x - (double)L[t];
-        else continue;
-        viol++;
-        int u = U[t] + OFF;
-        double wv = Wt[u < 0 ? 0 : (u >= TAB ? TAB - 1 : u)];
-        Py_ssize_t s = side ? j : i;
-        const double *f = side ? bi : aj;
-        double wr = wv * rr;
-        lp[s] += wr * rr;
-        if (full) {
-            double *Gs = Gp + s * np_, *gs = gp + s * r;
-            Py_ssize_t q = 0;
-            for (Py_ssize_t a = 0; a < r; a++) {
-                gs[a] += wr * f[a];
-                for (Py_ssize_t c = a; c < r; c++) Gs[q++] += (f[a] * f[c]) * wv;
+        if (bad) break;
+        for (u = 0; u + 4 <= nb; u += 4)
+            dot4(xs + u, Bp + bi_[u] * r, Bp + bi_[u + 1] * r, Bp + bi_[u + 2] * r,
+                 Bp + bi_[u + 3] * r, Ap + bj_[u] * r, Ap + bj_[u + 1] * r,
+                 Ap + bj_[u + 2] * r, Ap + bj_[u + 3] * r, r);
+        for (; u < nb; u++) xs[u] = dotx(xs[u], Bp + bi_[u] * r, Ap + bj_[u] * r, r);
+        Py_ssize_t nv = 0;
+        for (u = 0; u < nb; u++) {  /* those outside, listed without a branch */
+            double x = xs[u], h = (double)H[t0 + u], l = (double)L[t0 + u];
+            rs[u] = pick(x > h, x - h, x - l);
+            vs[nv] = (int)u;
+            nv += (x > h) | (x < l);
+        }
+        viol += nv;
+        for (Py_ssize_t q0 = 0; q0 < nv; q0++) {
+            u = vs[q0];
+            Py_ssize_t t = t0 + u;
+            double rr = rs[u];
+            int e = U[t] + OFF;
+            double wv = Wt[e < 0 ? 0 : (e >= TAB ? TAB - 1 : e)];
+            Py_ssize_t s = side ? bj_[u] : bi_[u];
+            const double *f = side ? Bp + bi_[u] * r : Ap + bj_[u] * r;
+            double wr = wv * rr;
+            lp[s] += wr * rr;
+            if (full) {
+                double *Gs = Gp + s * np_, *gs = gp + s * r;
+                Py_ssize_t q = 0;
+                for (Py_ssize_t a = 0; a < r; a++) {
+                    gs[a] += wr * f[a];
+                    for (Py_ssize_t c = a; c < r; c++) Gs[q++] += (f[a] * f[c]) * wv;
+                }
             }
         }
     }

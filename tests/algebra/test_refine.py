@@ -97,11 +97,14 @@ def test_refit_never_returns_worse_factors_than_it_was_given():
 
 
 @pytest.mark.skipif(refine._kernel is None, reason="the C kernel _refitkernel is not built")
-def test_the_c_kernel_and_the_numpy_path_give_the_same_bits():
+@pytest.mark.parametrize("rows, cols, r", [(64, 96, 4), (53, 301, 8), (300, 37, 3)])
+def test_the_c_kernel_and_the_numpy_path_give_the_same_bits(rows, cols, r):
     """The refit with the C kernel (lorakit/algebra/_refitkernel.c) and with its numpy
-    fallback: the same factors to the last bit, the same counts and history."""
-    W, _, Tb = _fused(64, 96, 4, seed=2)
-    A, B = _svd_factors(W, Tb, 4)
+    fallback: the same factors to the last bit, the same counts and history. The shapes
+    reach the kernel's unrolled rank 8, a generic rank, rows longer than its block of
+    256 elements and blocks that do not end on a multiple of its four chains."""
+    W, _, Tb = _fused(rows, cols, r, seed=2)
+    A, B = _svd_factors(W, Tb, r)
     c = refine_factors(W, Tb, "BF16", A, B, max_iters=12)
     p = refine_factors(W, Tb, "BF16", A, B, max_iters=12, use_kernel=False)
     assert c.iterations == p.iterations and c.history == p.history
