@@ -129,3 +129,18 @@ def test_the_active_set_holds_every_element_near_or_outside_its_box():
         want = (s < refine.SLACK * u) | (prob.logu < dense)
         assert viol == int(np.count_nonzero(s < 0)) > 0
         assert np.array_equal(idx, np.flatnonzero(want))
+
+
+def test_a_narrow_active_band_reaches_what_the_wide_one_does():
+    """The default band (SLACK, narrow: a smaller active set built again more often)
+    and the 0.125-ulp band of COUNT_SLACK leave about as many elements outside, both
+    far below the SVD's, and each count is a real full pass's."""
+    W, _, Tb = _fused(96, 160, 4, seed=5)
+    A, B = _svd_factors(W, Tb, 4)
+    assert refine.SLACK < refine.COUNT_SLACK
+    narrow = refine_factors(W, Tb, "BF16", A, B)
+    wide = refine_factors(W, Tb, "BF16", A, B, slack=refine.COUNT_SLACK)
+    for res in (narrow, wide):
+        assert res.outside_after == outside_count(W, Tb, "BF16", res.A, res.B)
+        assert res.outside_after < 0.1 * res.outside_before
+    assert abs(narrow.outside_after - wide.outside_after) <= 0.2 * wide.outside_after + 5
