@@ -129,3 +129,31 @@ def test_extract_tables_are_the_json() -> None:
     assert 1 - big["refuse"]["differ"] / big["refuse"]["adapted_elements"] >= 0.999
     assert big["extract"]["extract_s"] <= 2 * big["plain_svd"]["svd_s"]
     assert big["recovery"]["all_within_bound"]
+
+
+BAND_JSON = ROOT / "benchmarks" / "results" / "refit_band.json"
+
+
+def test_refit_band_table_and_prose_are_the_json() -> None:
+    """"A narrower active band" (benchmarks/refit_band.py) and the figures the scale
+    section quotes from it are benchmarks/results/refit_band.json."""
+    d = json.loads(BAND_JSON.read_text())
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    rows = md_table(text, "**A narrower active band.**", "| module |")
+    assert set(rows) == {r["module"] for r in d["rows"]} | {"all five"}
+    for r in d["rows"]:
+        n, c, cells = r["narrow"], r["count"], rows[r["module"]]
+        assert cells[2] == f"{100 * n['active_share']:.1f}% / {100 * c['active_share']:.1f}%"
+        assert cells[3] == f"{n['cpu_s']:.2f} / {c['cpu_s']:.2f}"
+        assert cells[4] == f"{n['outside_after']:,} / {c['outside_after']:,}"
+        assert cells[5] == f"{n['outside_before']:,}" == f"{c['outside_before']:,}"
+    t = d["total"]
+    assert rows["all five"][3] == f"{t['narrow']['cpu_s']:.2f} / {t['count']['cpu_s']:.2f}"
+    g = next(r for r in d["rows"] if r["module"].endswith("27.mlp.gate_proj"))
+    prose = " ".join(text[text.index(HEADING):text.index("### The test suite")].split())
+    per = g["narrow"]["pass_s_per_element"]
+    assert f"holds {100 * g['narrow']['active_share']:.1f}% of the elements" in prose
+    assert f"{100 * g['count']['active_share']:.1f}% with the earlier 0.125-ulp band" in prose
+    assert f"{per['normal_equations'] * 1e9:.1f} ns an element" in prose
+    assert f"their step checks, {per['loss'] * 1e9:.1f} ns" in prose
+    assert f"leave {g['narrow']['outside_after']:,} of that module's" in prose
