@@ -99,14 +99,16 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
-def launch(cmd: List[str], stdout=None, env: Optional[Dict[str, str]] = None) -> Dict[str, float]:
+def launch(cmd: List[str], stdout=None, env: Optional[Dict[str, str]] = None,
+           cwd: Optional[Path] = None) -> Dict[str, float]:
     """Run ``cmd`` as a whole process forked from a small launcher (``_LAUNCHER``: the peak
     RSS is the command's own, not this process's); its exit code, wall seconds, peak RSS
     in bytes, user and system CPU seconds and minor page faults."""
     with tempfile.TemporaryDirectory(prefix="lorakit-bench-") as tmp:
         figures = Path(tmp) / "rusage"
         rc = subprocess.call([PY, "-S", "-c", _LAUNCHER, str(figures), *cmd], stdout=stdout,
-                             stderr=subprocess.STDOUT if stdout is not None else None, env=env)
+                             stderr=subprocess.STDOUT if stdout is not None else None, env=env,
+                             cwd=cwd)
         wall, maxrss, user, system, minflt = figures.read_text().split()
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KB on Linux
     return {"rc": rc, "wall_s": float(wall), "peak_rss_bytes": int(maxrss) * scale,

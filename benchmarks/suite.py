@@ -45,18 +45,15 @@ TARGETS = {
     "bash tools/test.sh": (480.0, "<= 8 min"),
     "CI=true bash .ci/run (fresh clone)": (480.0, "<= 8 min"),
 }
-_LAST = re.compile(r"=*\s*(?P<line>(\d+ \w+(, )?)+.* in (?P<secs>[\d.]+)s.*?)\s*=*$")
+_SUMMARY = re.compile(r"^=*\s*(?P<line>\d+ (passed|failed)\b.*? in (?P<secs>[\d.]+)s\b.*?)\s*=*$")
 
 
 def _counts(log: Path) -> Dict[str, object]:
     """pytest's last summary line in ``log``: its counts and its own seconds."""
-    line = None
-    for text in log.read_text(errors="replace").splitlines():
-        m = _LAST.match(text.strip())
-        if m and " in " in text and ("passed" in text or "failed" in text):
-            line = m
-    if line is None:
+    found = [m for m in map(_SUMMARY.match, log.read_text(errors="replace").splitlines()) if m]
+    if not found:
         raise SystemExit(f"no pytest summary line in {log}")
+    line = found[-1]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)",
                                                 line.group("line"))}
     return {"summary": line.group("line"), "pytest_s": float(line.group("secs")), **counts}
@@ -64,13 +61,8 @@ def _counts(log: Path) -> Dict[str, object]:
 
 def _run(cmd: List[str], cwd: Path, log: Path, env: Optional[Dict[str, str]] = None
          ) -> Dict[str, object]:
-    here = os.getcwd()
-    os.chdir(cwd)
-    try:
-        with open(log, "wb") as f:
-            r = launch(cmd, stdout=f, env=env)
-    finally:
-        os.chdir(here)
+    with open(log, "wb") as f:
+        r = launch(cmd, stdout=f, env=env, cwd=cwd)
     c = _counts(log)
     if r["rc"] != 0 or c.get("failed") or c.get("error") or c.get("errors"):
         raise SystemExit(f"{' '.join(cmd)} failed (exit {r['rc']}): {c['summary']}; see {log}")

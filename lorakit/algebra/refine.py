@@ -28,8 +28,8 @@ absolute slack of at least ``s = SLACK * 2**(dense - 1)``; since the scan, no el
 moved by more than ``max||dB_i|| max||A_j|| + max||B_i|| max||dA_j|| + max||dB_i||
 max||dA_j||`` (``d``: the change since the scan), so while that bound is below ``s``
 no inactive element can have left the box and the active loss is the full loss (a
-trial step, kept only if it lowers the loss, is judged over the active set alone). A new active set comes when the bound
-reaches ``s``. The *counting* scans, whose count outside the shrunken box is the
+trial step, kept only if it lowers the loss, is judged over the active set alone). A
+new active set comes when the bound reaches ``s``. The *counting* scans, whose count outside the shrunken box is the
 history, picks the best factors and stops the refit, come when the bound since the
 last one reaches the smallest slack of a ``COUNT_SLACK`` band, or after ``RESCAN``
 iterations: the narrow ``SLACK`` band keeps the active set small (about 17% of a
@@ -334,11 +334,12 @@ def _thresholds(prob: _Problem, slack: float, dense_below: int) -> Tuple[np.ndar
     return thr, slack * 2.0 ** (dense_below - 1)
 
 
-def _moved(A: np.ndarray, B: np.ndarray, A0: np.ndarray, B0: np.ndarray, na0: float,
-           nb0: float) -> float:
+def _moved(A: np.ndarray, B: np.ndarray, A0: np.ndarray, B0: np.ndarray) -> float:
     """A bound on how far any element of ``B @ A`` moved from ``B0 @ A0`` (``d``: the
     change): ``max||dB_i|| max||A0_j|| + max||B0_i|| max||dA_j|| + max||dB_i||
-    max||dA_j||``, with ``na0``, ``nb0`` the largest column / row norms of ``A0``, ``B0``."""
+    max||dA_j||``."""
+    na0 = float(np.sqrt((A0 * A0).sum(0)).max())
+    nb0 = float(np.sqrt((B0 * B0).sum(1)).max())
     db = float(np.sqrt(((B - B0) ** 2).sum(1)).max())
     da = float(np.sqrt(((A - A0) ** 2).sum(0)).max())
     return db * na0 + nb0 * da + db * da
@@ -396,8 +397,6 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
         act = prob.gather(idx)
         A0, B0 = A.copy(), B.copy()  # the counting scan's factors
         A1, B1 = A0, B0  # the active set's
-        na0 = na1 = float(np.sqrt((A0 * A0).sum(0)).max())
-        nb0 = nb1 = float(np.sqrt((B0 * B0).sum(1)).max())
         for _ in range(rescan):
             if it >= max_iters:
                 break
@@ -408,17 +407,15 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
             # the next counting scan once an element may have moved a COUNT_SLACK band
             # since the last one (its schedule, and so the counts, best factors and stop,
             # do not follow ``slack``) ...
-            if _moved(A, B, A0, B0, na0, nb0) >= min_count:
+            if _moved(A, B, A0, B0) >= min_count:
                 break
             # ... and a new active set alone once an inactive element may have left the
             # box since the last set was built
-            if slack < COUNT_SLACK and _moved(A, B, A1, B1, na1, nb1) >= min_slack:
+            if slack < COUNT_SLACK and _moved(A, B, A1, B1) >= min_slack:
                 act = None
                 idx, _ = prob.scan(A, B, thr)
                 act = prob.gather(idx)
                 A1, B1 = A.copy(), B.copy()
-                na1 = float(np.sqrt((A1 * A1).sum(0)).max())
-                nb1 = float(np.sqrt((B1 * B1).sum(1)).max())
     final = (outside_count(W, T_bits, code, A, B), A, B) if it else (before, A, B)
     if np.isfinite(best[0]) and it and best[0] < history[-1]:
         seen = outside_count(W, T_bits, code, best[1], best[2])
