@@ -82,7 +82,7 @@ from .lowrank import (
     matrix_svd,
     split_factors,
 )
-from .refine import MARGIN, outside_count, refine_factors
+from .refine import outside_count, refine_factors
 
 __all__ = ['ExtractReport', 'extract', 'svd_note', 'ResizeReport', 'resize']
 
@@ -417,8 +417,8 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
         "max rel_error": max((r["rel_error"] for r in low), default=0.0),
         "within rounding noise": f"{sum(r['within'] == 'yes' for r in low)} of {len(low)}",
         "svd": svd_note(exact_max),
-        "refit": (f"on (Gauss-Newton on the rank-r factors, box shrunk to {MARGIN:g} ulp)"
-                  if refine else "off"),
+        "refit": ("on (Gauss-Newton on the rank-r factors, box shrunk by r / min(out, in) "
+                  "of a half spacing, 1/4096 to 1/64)" if refine else "off"),
         "refit iterations": max((r["iters"] for r in low), default=0),
         "re-fuse differs": _refuse_note(low),
     }

@@ -9,15 +9,19 @@ sum nearly cancels (the ulp of ``T`` is far below the ulp of ``W`` there).
 :func:`refine_factors` looks for rank-r float32 factors with ``W + B @ A`` inside the
 *rounding box* of every element: the values that round to ``T`` (half the spacing on
 each side; the spacing towards zero halves at a power of two, :func:`rounding_box`).
-It minimises the squared distance of ``W + B A`` outside a box shrunk to
-``MARGIN`` (31/64) of the half spacings, weighted by ``(ulp(T) / max ulp)**-p``, by
+It minimises the squared distance of ``W + B A`` outside a box shrunk by a *gap* of
+:func:`margin_gap` (``r / min(out, in)`` of a half spacing, dyadic, between 1/4096 and
+1/64) on each side, weighted by ``(ulp(T) / max ulp)**-p``, by
 alternating damped Gauss-Newton steps on the rows of ``B`` (``A`` fixed: each row is
 an r-variable least-squares problem over its violating elements) and the columns of
 ``A``. ``p`` ramps from 0 (absolute distances: the bulk of the elements first) to 2
 (distances in ulps of ``T``: the near-cancelling elements last) over ``RAMP``
 iterations. A step is kept per row (column) only if it lowers that row's (column's)
 loss; the factors are rounded to float32 after every step, so the count is that of
-the stored adapter.
+the stored adapter. A larger matrix pins each row of ``B`` (column of ``A``) with more
+elements, so the fit's own uncertainty, and with it the gap that serves best, shrinks
+like ``r / min(out, in)``: measured (benchmarks/refit_settings.py) at 128-512 (1/64
+best of 1/16 to 1/256), 1024 (1/128), 2048 (1/256) and 4096 (1/512).
 
 The iterations run on an *active set*: a full scan (one pass over the module) keeps
 the elements outside the shrunken box, those whose slack to its nearer edge is below
@@ -35,7 +39,9 @@ last one reaches the smallest slack of a ``COUNT_SLACK`` band, or after ``RESCAN
 iterations: the narrow ``SLACK`` band keeps the active set small (about 17% of a
 module's elements against 34% with a 0.125-ulp band) and is built again more often.
 Stops when every element is inside the shrunken box, when the counting scans' count
-has not fallen for ``PATIENCE`` scans after the ramp, or at ``max_iters``; the final
+has not fallen for ``PATIENCE`` scans after the ramp, or at ``max_iters`` (``MAX_ITERS``;
+``LARGE_ITERS`` for a module of more than ``LARGE`` elements: the iterations past the
+ramp take the count down by a few per cent there at a third of the time); the final
 factors and the best scanned ones are counted by a full pass (:func:`outside_count`)
 and the better is returned, never worse than the input.
 
@@ -43,8 +49,8 @@ Precision: the products ``B_i . A_j`` and the sums ``W + B A`` are float64 (the 
 edges are a few hundredths of an ulp of a bf16 value apart from the true delta; a
 float32 sum would move elements across them), and so are the normal equations and
 their r x r solves (they square the condition number). The base and the box edges are
-stored as float32, where they are exact (a bf16/fp16 value plus 31/64 of its half
-spacing needs at most 24 significand bits), and the factors are float32 values.
+stored as float32, where they are exact (a bf16/fp16 value plus ``0.5 - gap`` of its
+half spacing, gap >= 1/4096, needs at most 24 significand bits), and the factors are float32 values.
 
 The passes run in the optional C kernel ``_refitkernel`` (one scalar loop per pass,
 the GIL released); its numpy fallback gives the same bits (same order of additions).
@@ -69,16 +75,23 @@ import numpy as np
 
 from .. import numerics as nm
 
-__all__ = ["MARGIN", "RAMP", "MAX_ITERS", "PATIENCE", "SLACK", "COUNT_SLACK", "RESCAN", "DENSE_BINADES", "RefineResult", "rounding_box",
+__all__ = ["MARGIN", "margin_gap", "RAMP", "MAX_ITERS", "LARGE_ITERS", "LARGE", "PATIENCE", "SLACK", "COUNT_SLACK", "RESCAN", "DENSE_BINADES", "RefineResult", "rounding_box",
            "outside_count", "refine_factors"]
 
-#: the box the refit aims for, as a share of the half spacings (a dyadic 31/64, so the
-#: shrunken edges of a bf16/fp16 value are exact in float32)
+#: the box of the smallest matrices, as a share of the half spacings (``0.5 -
+#: margin_gap``: a dyadic, so the shrunken edges of a bf16/fp16 value are exact in
+#: float32)
 MARGIN = 31 / 64
+#: the gap's bounds: at most 1/64 of a half spacing, at least 1/4096 (far above the
+#: float64 evaluation's error, about 2**-50 of the value; edges exact in float32)
+_GAP_MAX, _GAP_MIN = 2.0 ** -6, 2.0 ** -12
 #: iterations over which the weight exponent ramps from 0 to 2
 RAMP = 30
 #: at most this many iterations
 MAX_ITERS = 50
+#: ... and this many for a module of more than ``LARGE`` elements
+LARGE_ITERS = 35
+LARGE = 1 << 20
 #: stop when the count has not fallen for this many iterations (after the ramp)
 PATIENCE = 5
 #: an element is in the active set when its slack to the box edge is below this many
@@ -108,6 +121,18 @@ class RefineResult:
     outside_after: int
     seconds: float
     history: Tuple[int, ...] = ()
+
+
+def margin_gap(shape: Tuple[int, int], rank: int) -> float:
+    """The shrunken box's gap to the rounding boundary, as a share of the half spacing:
+    ``r / min(out, in)`` rounded up to a power of two, within [1/4096, 1/64].
+
+    >>> margin_gap((256, 512), 8), margin_gap((2048, 6144), 8), margin_gap((4096, 4096), 8)
+    (0.015625, 0.00390625, 0.001953125)
+    """
+    q = max(int(rank), 1) / max(min(int(shape[0]), int(shape[1])), 1)
+    gap = 2.0 ** np.ceil(np.log2(q))
+    return float(min(max(gap, _GAP_MIN), _GAP_MAX))
 
 
 def rounding_box(T: np.ndarray, code: str, margin: float = 0.5
@@ -140,7 +165,7 @@ def rounding_box(T: np.ndarray, code: str, margin: float = 0.5
 
 
 def _edge_dtype(code: str) -> type:
-    # a bf16/fp16 value plus 31/64 of half its spacing fits float32's 24 bits
+    # a bf16/fp16 value plus 127/256 of half its spacing fits float32's 24 bits
     return np.float32 if nm.float_format(code).precision <= 11 else np.float64
 
 
@@ -195,6 +220,14 @@ class _Problem:
         self.floor = self.top + int(np.log2(_WEIGHT_SPAN))
         self.kernel = _kernel if use_kernel and _kernel is not None and \
             self.W.dtype == self.lo.dtype == np.float32 else None
+
+    def median_logu(self) -> int:
+        """``int(np.median(logu))`` from a histogram of the exponents (no sorted copy)."""
+        h = np.bincount((self.logu.reshape(-1).astype(np.int64) + _OFF).clip(0, _TAB - 1),
+                        minlength=_TAB)
+        c, n = np.cumsum(h), self.logu.size
+        lo, hi = int(np.searchsorted(c, (n - 1) // 2, "right")), int(np.searchsorted(c, n // 2, "right"))
+        return int((lo + hi) / 2 - _OFF) if lo != hi else lo - _OFF
 
     def weights(self, p: float) -> np.ndarray:
         """The weight of an element by its ulp exponent (index ``logu + 512``)."""
@@ -346,7 +379,8 @@ def _moved(A: np.ndarray, B: np.ndarray, A0: np.ndarray, B0: np.ndarray) -> floa
 
 
 def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
-                   B: np.ndarray, *, max_iters: int = MAX_ITERS, margin: float = MARGIN,
+                   B: np.ndarray, *, max_iters: Optional[int] = None,
+                   margin: Optional[float] = None,
                    ramp: int = RAMP, patience: int = PATIENCE, slack: float = SLACK,
                    rescan: int = RESCAN, outside: Optional[int] = None,
                    use_kernel: bool = True) -> RefineResult:
@@ -358,7 +392,8 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
         T_bits: the tuned weight's storage bits (format ``code``, e.g. ``"BF16"``).
         A, B: starting factors (r, in) and (out, r), e.g. the truncated SVD's.
         max_iters, margin, ramp, patience, slack, rescan: the refit's knobs (module
-            constants).
+            constants; ``max_iters`` and ``margin`` by default from the module's size:
+            ``MAX_ITERS`` / ``LARGE_ITERS`` and ``0.5 - margin_gap(shape, r)``).
         outside: ``outside_count`` of the starting factors, if the caller has it.
         use_kernel: use the C kernel where built (False: the numpy path, same bits).
 
@@ -370,13 +405,17 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
     W = np.asarray(W)
     if W.dtype != np.float32:  # an exact float32 base is used as it is (no float64 copy)
         W = W.astype(np.float64, copy=False)
+    if margin is None:
+        margin = 0.5 - margin_gap(W.shape, np.shape(A)[0])
+    if max_iters is None:
+        max_iters = LARGE_ITERS if W.size > LARGE else MAX_ITERS
     prob = _Problem(W, np.asarray(T_bits), code, margin, use_kernel)
     A = _f32(np.asarray(A, np.float64))
     B = _f32(np.asarray(B, np.float64))
     A_in, B_in = A.copy(), B.copy()
     before = outside_count(W, T_bits, code, A, B) if outside is None else int(outside)
     mu_b, mu_a = np.full(B.shape[0], 1e-3), np.full(A.shape[1], 1e-3)
-    dense = int(np.median(prob.logu)) - DENSE_BINADES
+    dense = prob.median_logu() - DENSE_BINADES
     thr, min_slack = _thresholds(prob, slack, dense)
     _, min_count = _thresholds(prob, max(slack, COUNT_SLACK), dense)
     best = (np.inf, A.copy(), B.copy())
