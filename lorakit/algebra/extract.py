@@ -213,18 +213,18 @@ def _lowrank_row(name: str, b: TensorSource, t: TensorSource, t_bits: np.ndarray
     Memory (two modules are in flight by default): the weights are read here, not by
     the caller (whose frame would keep them alive), and each full-size array lives only
     as long as it must. ``W`` is read as float32 where that is exact (a bf16/fp16/f32
-    base), else float64; ``T`` (float64) gives the rounding noise (its half ulps filled
-    a row chunk at a time) and then becomes ``D = T - W`` in place; later rows of ``T``
-    are decoded again from the stored bits (exact). The values, and so every result,
+    base), else float64; ``T`` (float64) gives the rounding noise (its half ulps a row
+    chunk at a time, never a full-size array) and then becomes ``D = T - W`` in place;
+    later rows of ``T`` are decoded again from the stored bits (exact). The values, and so every result,
     are those of float64 ``W`` and ``T``."""
     W = _base_rows(b, name)
     T = weight_f64(t, name)
     shape = W.shape
-    half = np.empty_like(T)
+    sq = 0.0  # ||0.5 ulp(T)||_F^2, a row chunk at a time (no full-size temporary)
     for rows in nm.chunks(*shape):
-        half[rows] = nm.ulp(T[rows], code)
-    half *= 0.5
-    noise = math.sqrt(float(np.einsum("ij,ij->", half, half)))
+        half = 0.5 * nm.ulp(T[rows], code)
+        sq += float(np.einsum("ij,ij->", half, half))
+    noise = math.sqrt(sq)
     del half
     tuned = _rows_of(T, t_bits, code)
     if tuned is None:  # T cannot be decoded again from the stored bits: keep a copy

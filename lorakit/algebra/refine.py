@@ -222,9 +222,13 @@ class _Problem:
             self.W.dtype == self.lo.dtype == np.float32 else None
 
     def median_logu(self) -> int:
-        """``int(np.median(logu))`` from a histogram of the exponents (no sorted copy)."""
-        h = np.bincount((self.logu.reshape(-1).astype(np.int64) + _OFF).clip(0, _TAB - 1),
-                        minlength=_TAB)
+        """``int(np.median(logu))`` from a histogram of the exponents, a row chunk at a
+        time (no sorted copy, no full-size temporary)."""
+        h = np.zeros(_TAB, np.int64)
+        lu = self.logu.reshape(self.logu.shape[0], -1) if self.logu.ndim > 1 else self.logu[None]
+        for rows in nm.chunks(lu.shape[0], lu.shape[1], _CHUNK):
+            h += np.bincount((lu[rows].reshape(-1).astype(np.int32) + _OFF).clip(0, _TAB - 1),
+                             minlength=_TAB)
         c, n = np.cumsum(h), self.logu.size
         lo, hi = int(np.searchsorted(c, (n - 1) // 2, "right")), int(np.searchsorted(c, n // 2, "right"))
         return int((lo + hi) / 2 - _OFF) if lo != hi else lo - _OFF

@@ -157,3 +157,49 @@ def test_refit_band_table_and_prose_are_the_json() -> None:
     assert f"{per['normal_equations'] * 1e9:.1f} ns an element" in prose
     assert f"their step checks, {per['loss'] * 1e9:.1f} ns" in prose
     assert f"leave {g['narrow']['outside_after']:,} of that module's" in prose
+
+
+SETTINGS_JSON = ROOT / "benchmarks" / "results" / "refit_settings.json"
+
+
+def _frac(g) -> str:
+    return f"1/{round(1 / float(g))}"
+
+
+def test_refit_gap_and_cap_tables_are_the_json() -> None:
+    """"The box's gap and the iteration cap" (benchmarks/refit_settings.py) is
+    benchmarks/results/refit_settings.json; the size's gap is the sweep's best or one
+    power of two from it, the gap the refit uses is margin_gap's, and the defaults
+    leave no more elements outside than the earlier settings on every module, in less
+    CPU on the five 1.7B modules."""
+    from lorakit.algebra import refine
+
+    d = json.loads(SETTINGS_JSON.read_text())
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    head = "**The box's gap and the iteration cap.**"
+    sweep = md_table(text, head, "| matrices |")
+    gaps = list(d["sweep"][0]["outside"])
+    assert set(sweep) == {r["matrices"] for r in d["sweep"]}
+    for r in d["sweep"]:
+        c = sweep[r["matrices"]]
+        assert c[2] == f"{r['elements']:,}"
+        assert c[3:3 + len(gaps)] == [f"{r['outside'][g]:,}" for g in gaps]
+        assert c[3 + len(gaps):] == [_frac(r["default_gap"]), _frac(r["best_gap"])]
+        assert r["best_gap"] == float(min(r["outside"], key=r["outside"].get))
+        assert r["default_gap"] == refine.margin_gap(r["shapes"][0], 8)
+        assert 0.5 <= r["default_gap"] / r["best_gap"] <= 2
+    rows = md_table(text, head, "| module | elements |")
+    for r in d["settings"]:
+        e, n, c = r["earlier"], r["default"], rows[r["module"]]
+        assert c[2] == f"{e['cpu_s']:.2f} / {n['cpu_s']:.2f}"
+        assert c[3] == f"{e['outside_after']:,} / {n['outside_after']:,}"
+        assert n["outside_after"] <= e["outside_after"]
+    t = d["total_1_7b"]
+    assert rows["the five 1.7B modules"][2] == f"{t['earlier']['cpu_s']:.2f} / {t['default']['cpu_s']:.2f}"
+    assert t["default"]["cpu_s"] < t["earlier"]["cpu_s"]
+    prose = " ".join(text[text.index(head):text.index("**Beside mergekit.**")].split())
+    assert f"take {t['default']['cpu_s'] / t['earlier']['cpu_s']:.2f}x the earlier" in prose
+    assert f"leave {t['default']['outside_after'] / t['earlier']['outside_after']:.2f}x as many" in prose
+    assert d["earlier"] == {"margin": refine.MARGIN, "max_iters": refine.MAX_ITERS}
+    assert d["defaults"] == {"max_iters": refine.MAX_ITERS, "large_iters": refine.LARGE_ITERS,
+                             "large": refine.LARGE}
