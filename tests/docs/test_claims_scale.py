@@ -132,6 +132,13 @@ def test_extract_tables_are_the_json() -> None:
 
 
 BAND_JSON = ROOT / "benchmarks" / "results" / "refit_band.json"
+SETTINGS_JSON = ROOT / "benchmarks" / "results" / "refit_settings.json"
+
+
+def refine_large_iters() -> int:
+    from lorakit.algebra import refine
+
+    return refine.LARGE_ITERS
 
 
 def test_refit_band_table_and_prose_are_the_json() -> None:
@@ -156,10 +163,14 @@ def test_refit_band_table_and_prose_are_the_json() -> None:
     assert f"{100 * g['count']['active_share']:.1f}% with the earlier 0.125-ulp band" in prose
     assert f"{per['normal_equations'] * 1e9:.1f} ns an element" in prose
     assert f"their step checks, {per['loss'] * 1e9:.1f} ns" in prose
-    assert f"leave {g['narrow']['outside_after']:,} of that module's" in prose
+    assert f"left {g['narrow']['outside_after']:,} of that module's" in prose
+    s = json.loads(SETTINGS_JSON.read_text())
+    now = next(r for r in s["settings"] if r["module"] == g["module"])["default"]
+    assert f"leaves {now['outside_after']:,} after {refine_large_iters()}" in prose
+    t = s["total_1_7b"]
+    assert f"{t['default']['cpu_s'] / t['earlier']['cpu_s']:.2f}x the CPU of the five" in prose
 
 
-SETTINGS_JSON = ROOT / "benchmarks" / "results" / "refit_settings.json"
 
 
 def _frac(g) -> str:
