@@ -231,8 +231,11 @@ def test_signal_mid_fuse_leaves_nothing(tmp_path_factory, sig: str) -> None:
     base, adapter = build_kill_inputs(root / "in")
     before = tree_hash(root / "in")
     out = root / "made" / "by" / "fuse" / "out"
+    # the default disposition in the child, also where this run itself ignores SIGHUP
+    # (under nohup a fuse keeps ignoring it: test_ignored_sighup_stays_ignored)
     p = subprocess.Popen(cli(base, adapter, out), env=cli_env(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, cwd=REPO)
+                         stderr=subprocess.PIPE, cwd=REPO,
+                         preexec_fn=lambda: signal.signal(getattr(signal, sig), signal.SIG_DFL))
     t0 = time.perf_counter()
     while p.poll() is None and not (out.parent.is_dir() and temporaries(out)):
         assert time.perf_counter() - t0 < 120, "the fuse never started writing"
