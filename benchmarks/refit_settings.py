@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from fuse import prepare  # noqa: E402
+from refit_band import _start as _module  # noqa: E402  (base, tuned, name) -> extract's start
 
 import lorakit  # noqa: E402
 from lorakit import numerics as nm  # noqa: E402
@@ -66,9 +67,6 @@ def _problem(W32: np.ndarray, T: np.ndarray, bits: np.ndarray, code: str):
     return W32, bits, code, A, B
 
 
-def _module(b, t, name: str):
-    W = weight_f64(b, name).astype(np.float32)  # a bf16 base: exact in float32
-    return _problem(W, weight_f64(t, name), t.read(name), t.tensors[name].dtype)
 
 
 def _tiny(work: Path):

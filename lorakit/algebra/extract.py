@@ -215,8 +215,8 @@ def _lowrank_row(name: str, b: TensorSource, t: TensorSource, t_bits: np.ndarray
     as long as it must. ``W`` is read as float32 where that is exact (a bf16/fp16/f32
     base), else float64; ``T`` (float64) gives the rounding noise (its half ulps a row
     chunk at a time, never a full-size array) and then becomes ``D = T - W`` in place;
-    later rows of ``T`` are decoded again from the stored bits (exact). The values, and so every result,
-    are those of float64 ``W`` and ``T``."""
+    later rows of ``T`` are decoded again from the stored bits (exact). The values, and
+    so every result, are those of float64 ``W`` and ``T``."""
     W = _base_rows(b, name)
     T = weight_f64(t, name)
     shape = W.shape

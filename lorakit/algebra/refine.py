@@ -20,8 +20,9 @@ iterations. A step is kept per row (column) only if it lowers that row's (column
 loss; the factors are rounded to float32 after every step, so the count is that of
 the stored adapter. A larger matrix pins each row of ``B`` (column of ``A``) with more
 elements, so the fit's own uncertainty, and with it the gap that serves best, shrinks
-like ``r / min(out, in)``: measured (benchmarks/refit_settings.py) at 128-512 (1/64
-best of 1/16 to 1/256), 1024 (1/128), 2048 (1/256) and 4096 (1/512).
+like ``r / min(out, in)``. Measured with gaps 1/32 to 1/1024 (benchmarks/refit_settings.py)
+the best were 1/64 at min(out, in) 128-256, 1/256 at 2048 and 1/512 at 4096, the
+rule's choices; at 1024, 1/256 (the rule: 1/128, next best).
 
 The iterations run on an *active set*: a full scan (one pass over the module) keeps
 the elements outside the shrunken box, those whose slack to its nearer edge is below
@@ -40,8 +41,8 @@ iterations: the narrow ``SLACK`` band keeps the active set small (about 17% of a
 module's elements against 34% with a 0.125-ulp band) and is built again more often.
 Stops when every element is inside the shrunken box, when the counting scans' count
 has not fallen for ``PATIENCE`` scans after the ramp, or at ``max_iters`` (``MAX_ITERS``;
-``LARGE_ITERS`` for a module of more than ``LARGE`` elements: the iterations past the
-ramp take the count down by a few per cent there at a third of the time); the final
+``LARGE_ITERS`` for a module of more than ``LARGE`` elements, where the iterations past
+the ramp cost the most); the final
 factors and the best scanned ones are counted by a full pass (:func:`outside_count`)
 and the better is returned, never worse than the input.
 
@@ -50,7 +51,8 @@ edges are a few hundredths of an ulp of a bf16 value apart from the true delta; 
 float32 sum would move elements across them), and so are the normal equations and
 their r x r solves (they square the condition number). The base and the box edges are
 stored as float32, where they are exact (a bf16/fp16 value plus ``0.5 - gap`` of its
-half spacing, gap >= 1/4096, needs at most 24 significand bits), and the factors are float32 values.
+half spacing, gap >= 1/4096, needs at most 24 significand bits), and the factors are
+float32 values.
 
 The passes run in the optional C kernel ``_refitkernel`` (one scalar loop per pass,
 the GIL released); its numpy fallback gives the same bits (same order of additions).
@@ -75,7 +77,8 @@ import numpy as np
 
 from .. import numerics as nm
 
-__all__ = ["MARGIN", "margin_gap", "RAMP", "MAX_ITERS", "LARGE_ITERS", "LARGE", "PATIENCE", "SLACK", "COUNT_SLACK", "RESCAN", "DENSE_BINADES", "RefineResult", "rounding_box",
+__all__ = ["MARGIN", "margin_gap", "RAMP", "MAX_ITERS", "LARGE_ITERS", "LARGE", "PATIENCE",
+           "SLACK", "COUNT_SLACK", "RESCAN", "DENSE_BINADES", "RefineResult", "rounding_box",
            "outside_count", "refine_factors"]
 
 #: the box of the smallest matrices, as a share of the half spacings (``0.5 -
@@ -225,10 +228,9 @@ class _Problem:
         """``int(np.median(logu))`` from a histogram of the exponents, a row chunk at a
         time (no sorted copy, no full-size temporary)."""
         h = np.zeros(_TAB, np.int64)
-        lu = self.logu.reshape(self.logu.shape[0], -1) if self.logu.ndim > 1 else self.logu[None]
-        for rows in nm.chunks(lu.shape[0], lu.shape[1], _CHUNK):
-            h += np.bincount((lu[rows].reshape(-1).astype(np.int32) + _OFF).clip(0, _TAB - 1),
-                             minlength=_TAB)
+        for rows in nm.chunks(*self.shape, _CHUNK):
+            h += np.bincount((self.logu[rows].reshape(-1).astype(np.int32) + _OFF)
+                             .clip(0, _TAB - 1), minlength=_TAB)
         c, n = np.cumsum(h), self.logu.size
         lo, hi = int(np.searchsorted(c, (n - 1) // 2, "right")), int(np.searchsorted(c, n // 2, "right"))
         return int((lo + hi) / 2 - _OFF) if lo != hi else lo - _OFF

@@ -144,3 +144,18 @@ def test_a_narrow_active_band_reaches_what_the_wide_one_does():
         assert res.outside_after == outside_count(W, Tb, "BF16", res.A, res.B)
         assert res.outside_after < 0.1 * res.outside_before
     assert abs(narrow.outside_after - wide.outside_after) <= 0.2 * wide.outside_after + 5
+
+
+def test_the_median_exponent_is_numpys_median():
+    """``_Problem.median_logu`` (a histogram, a row chunk at a time) is
+    ``int(np.median(logu))``, also for an even count (the mean of the middle two,
+    truncated towards zero) and for rows longer than a chunk."""
+    rng = np.random.default_rng(3)
+    for shape in [(1, 1), (2, 1), (3, 5), (64, 33), (7, 300_001)]:
+        for k in range(6):
+            lu = rng.integers(-140, 5, size=shape).astype(np.int16)
+            if k % 3 == 0:
+                lu[...] = rng.integers(-3, -1, size=shape)
+            prob = object.__new__(refine._Problem)
+            prob.logu, prob.shape = lu, shape
+            assert prob.median_logu() == int(np.median(lu)), (shape, k)
