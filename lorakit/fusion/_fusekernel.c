@@ -39,7 +39,8 @@
  * ``threads`` POSIX threads, with the GIL released.
  *
  * The module also holds the merge check's pass over a plain LoRA (check_lora, below:
- * lorakit.inspect.check), which shares the formats and the rounding. Built with
+ * lorakit.inspect.check), which shares the formats and the rounding, and mlx-lm's
+ * fuse order as MLX's CPU backend computes it (fuse_mlx_order, below). Built with
  * -ffp-contract=off (pyproject.toml): its numbers must be its numpy twin's bits.
  */
 #define PY_SSIZE_T_CLEAN
@@ -724,6 +725,165 @@ done:
     return res;
 }
 
+/* ---------------------------------------------------------------------------------
+ * mlx-lm's fuse order on MLX's CPU backend: lorakit.fusion.mlx_order.
+ *
+ * fuse_mlx_order(w, fin, cols, bs, a, s, scale_after, promote, fout, out) -> special
+ *
+ *   w      C-contiguous storage bits of the weight, rows x cols of fin (0 bf16, 1 f16,
+ *          2 f32).
+ *   bs     float32 rows x r: fl(scale * B) for the mlx-lm order, B for scale-after.
+ *   a      float32 r x cols.
+ *   s      the float32 scale, multiplied after the sum when scale_after is 1.
+ *   promote 0: the delta is cast to the weight's format and added in it (mlx-lm's
+ *          ``weight + delta.astype(weight.dtype)``); 1: added in float32 (a fuse that
+ *          forgets the cast).
+ *   out    writable rows x cols of fout (0, 1, 2): the result cast to it.
+ *
+ * Per element the operations of MLX's CPU matmul, whose cblas_sgemm is the reference
+ * BLAS in the mlx wheels for Linux: D = 0, then D = D + bs[i,k] a[k,j] for k in order,
+ * float32, no FMA (-ffp-contract=off); then, as MLX computes a bf16/f16 sum (in float32,
+ * rounded to the format, ties to even), the cast, the add and the cast to fout. The
+ * caller checks these bits against MLX itself before it trusts them (mlx_order.py).
+ * special is 1 when a value is inf or NaN: the caller computes the tensor through MLX.
+ */
+static ALWAYS_INLINE float f16_bits_to_f(uint32_t h) {
+    const uint16_t v = (uint16_t)h;
+    return (float)load_w(&v, 0, 1);
+}
+
+/* float32 -> the format's bits, ties to even (finite values; bf16 by the usual bias) */
+static ALWAYS_INLINE uint32_t f_to_bits(float x, const int fmt, const Fmt *f16) {
+    Pun32 p;
+    p.f = x;
+    if (fmt == 2) return p.u;
+    if (fmt == 0) return (p.u + 0x7FFFu + ((p.u >> 16) & 1u)) >> 16;
+    return (uint32_t)round_general(d_bits((double)x), f16);
+}
+
+static ALWAYS_INLINE float bits_to_f(uint32_t b, const int fmt) {
+    if (fmt == 2) return bits_f32(b);
+    if (fmt == 0) return bits_f32(b << 16);
+    return f16_bits_to_f(b);
+}
+
+static ALWAYS_INLINE float in_fmt(float x, const int fmt, const Fmt *f16) {
+    return fmt == 2 ? x : bits_to_f(f_to_bits(x, fmt, f16), fmt);
+}
+
+typedef struct {
+    const void *w;
+    const float *bs, *a;
+    float s;
+    void *out;
+    size_t rows, cols, rank;
+    int scale_after, promote, special;
+    Fmt f16;
+} OJob;
+
+static ALWAYS_INLINE void order_run(OJob *jb, const int fin, const int fout) {
+    const size_t cols = jb->cols, rank = jb->rank;
+    const float s = jb->s;
+    const Fmt *f16 = &jb->f16;
+    float d[TILE];
+    for (size_t i = 0; i < jb->rows; i++) {
+        const float *b = jb->bs + i * rank;
+        for (size_t j0 = 0; j0 < cols; j0 += TILE) {
+            size_t m = cols - j0 < TILE ? cols - j0 : TILE;
+            const size_t base = i * cols + j0;
+            for (size_t t = 0; t < m; t++) d[t] = 0.0f;
+            for (size_t kk = 0; kk < rank; kk++) {
+                const float bk = b[kk];
+                const float *ar = jb->a + kk * cols + j0;
+                for (size_t t = 0; t < m; t++) d[t] = d[t] + bk * ar[t];
+            }
+            if (jb->scale_after)
+                for (size_t t = 0; t < m; t++) d[t] = d[t] * s;
+            uint32_t bad = 0;
+            for (size_t t = 0; t < m; t++) {
+                uint32_t wb = fin == 2 ? ((const uint32_t *)jb->w)[base + t]
+                                       : ((const uint16_t *)jb->w)[base + t];
+                float wv = bits_to_f(wb, fin), y;
+                if (jb->promote)
+                    y = wv + d[t];
+                else
+                    y = in_fmt(wv + in_fmt(d[t], fin, f16), fin, f16);
+                uint32_t o = f_to_bits(y, fout, f16);
+                Pun32 p;
+                p.f = y;
+                bad |= (uint32_t)((p.u & 0x7F800000u) == 0x7F800000u);
+                p.f = d[t];
+                bad |= (uint32_t)((p.u & 0x7F800000u) == 0x7F800000u);
+                if (fout == 2)
+                    ((uint32_t *)jb->out)[base + t] = o;
+                else
+                    ((uint16_t *)jb->out)[base + t] = (uint16_t)o;
+            }
+            if (bad) {
+                jb->special = 1;
+                return;
+            }
+        }
+    }
+}
+
+#define ORUN(FI, FO)                                                              \
+    MULTIVERSION static void order_##FI##_##FO(OJob *jb) { order_run(jb, FI, FO); }
+ORUN(0, 0) ORUN(0, 1) ORUN(0, 2) ORUN(1, 0) ORUN(1, 1) ORUN(1, 2) ORUN(2, 0) ORUN(2, 1)
+ORUN(2, 2)
+static void (*const ORUNS[3][3])(OJob *) = {{order_0_0, order_0_1, order_0_2},
+                                            {order_1_0, order_1_1, order_1_2},
+                                            {order_2_0, order_2_1, order_2_2}};
+
+static PyObject *fuse_mlx_order(PyObject *Py_UNUSED(self), PyObject *args) {
+    static const size_t ITEM[3] = {2, 2, 4};
+    Py_buffer w, bs, a, out;
+    int fin, fout, scale_after, promote;
+    Py_ssize_t cols;
+    float s;
+    if (!PyArg_ParseTuple(args, "y*iny*y*fiiiw*", &w, &fin, &cols, &bs, &a, &s, &scale_after,
+                          &promote, &fout, &out))
+        return NULL;
+    PyObject *res = NULL;
+    if (fin < 0 || fin > 2 || fout < 0 || fout > 2) {
+        PyErr_SetString(PyExc_ValueError, "formats must be 0 (bf16), 1 (f16) or 2 (f32)");
+        goto done;
+    }
+    if (cols <= 0 || w.len % (Py_ssize_t)(ITEM[fin] * (size_t)cols) ||
+        a.len % (Py_ssize_t)(4 * (size_t)cols)) {
+        PyErr_SetString(PyExc_ValueError, "w and a must hold whole rows of cols");
+        goto done;
+    }
+    OJob jb;
+    memset(&jb, 0, sizeof jb);
+    jb.rows = (size_t)w.len / (ITEM[fin] * (size_t)cols);
+    jb.rank = (size_t)a.len / (4 * (size_t)cols);
+    if (bs.len != (Py_ssize_t)(4 * jb.rows * jb.rank) ||
+        out.len != (Py_ssize_t)(ITEM[fout] * jb.rows * (size_t)cols)) {
+        PyErr_SetString(PyExc_ValueError, "bs (rows x r) and out (rows x cols) must fit w and a");
+        goto done;
+    }
+    jb.w = w.buf;
+    jb.bs = (const float *)bs.buf;
+    jb.a = (const float *)a.buf;
+    jb.s = s;
+    jb.out = out.buf;
+    jb.cols = (size_t)cols;
+    jb.scale_after = scale_after != 0;
+    jb.promote = promote != 0;
+    fmt_init(&jb.f16, 1);
+    Py_BEGIN_ALLOW_THREADS
+    ORUNS[fin][fout](&jb);
+    Py_END_ALLOW_THREADS
+    res = PyLong_FromLong(jb.special);
+done:
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&bs);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&out);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"fuse_nearest", fuse_nearest, METH_VARARGS,
      "fuse_nearest(w, fmt_in, cols, bs, a, row_c, col_max, g, fmt_out, out, threads)\n"
@@ -734,6 +894,10 @@ static PyMethodDef methods[] = {
      "check_lora(w, fin, f, fout, fwork, cols, bs, a, c32, carry)\n"
      "    -> (special, dist, max_ulp, beyond, changed, (rd, rr, dd, qd, uu))\n\n"
      "The merge check's measure of one plain LoRA block (see lorakit/inspect/check.py)."},
+    {"fuse_mlx_order", fuse_mlx_order, METH_VARARGS,
+     "fuse_mlx_order(w, fmt_in, cols, bs, a, s, scale_after, promote, fmt_out, out)\n"
+     "    -> special\n\n"
+     "mlx-lm's fuse as MLX's CPU backend computes it (see lorakit/fusion/mlx_order.py)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fusekernel",

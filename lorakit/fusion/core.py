@@ -44,8 +44,10 @@ from ..errors import FuseError
 from ..io.dtypes import code_of, mx_dtype
 from ..io.naming import Binding
 from ..io.safetensors import NUMPY_STORAGE, mx_to_raw, raw_to_mx
-from .delta import check_dora_norm, dora_factor, tensor_pieces
+from . import mlx_order
+from .delta import dora_factor, tensor_pieces
 from .finite import cast_raw, check_result
+from .mlx_order import fuse_mlx_array
 from .nearest import _exact_fix, _fuse_nearest, _tie_distance  # noqa: F401 (read elsewhere)
 from .options import DTYPE_POLICIES, MLX_ROUNDINGS, ROUNDINGS
 from .sum_fuse import fuse_sum
@@ -152,6 +154,11 @@ def _fuse_mlx(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale: 
               promote: bool):
     import mlx.core as mx  # lazy: MLX only when computing
 
+    if magnitude is None and isinstance(w, np.ndarray) and mlx_order.serves():
+        out = mlx_order.fuse_mlx_order(w, nm.float_format(code_in), A, B, scale,
+                                       nm.float_format(code_out), rounding, promote)
+        if out is not None:  # MLX's bits, in one C pass (mlx_order's docstring)
+            return out
     weight = raw_to_mx(w, code_in) if isinstance(w, np.ndarray) else w  # or already MLX's
     out = fuse_mlx_array(weight, mx.array(A), mx.array(B), scale,
                          None if magnitude is None else mx.array(magnitude),
@@ -160,34 +167,6 @@ def _fuse_mlx(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale: 
         out = out.astype(mx_dtype(code_out))
     raw, _ = mx_to_raw(out)
     return raw
-
-
-def fuse_mlx_array(weight, A, B, scale: float, magnitude=None, *, rounding: str = "mlx-lm",
-                   promote: bool = False):
-    """mlx-lm's fuse arithmetic on MLX arrays, in its exact operation order.
-
-    ``promote=True`` skips the cast of the delta, as a fuse that forgets it does,
-    so the result is float32. DoRA follows ``DoRALinear.fuse``, whose result is
-    float32 whatever the weight's dtype (the caller casts it back).
-    """
-    import mlx.core as mx  # lazy: MLX only when computing
-
-    if rounding == "mlx-lm":
-        delta = (scale * B) @ A
-    elif rounding == "scale-after":
-        delta = (B @ A) * scale
-    else:
-        raise ValueError(f"fuse_mlx_array does {rounding!r} only through fuse_weight")
-    if promote and magnitude is None:
-        return weight + delta
-    fused = weight + delta.astype(weight.dtype)
-    if magnitude is not None:
-        norm = mx.linalg.norm(fused, axis=-1)
-        if bool(mx.any(norm == 0)):  # the one clear error, not a row of NaN
-            check_dora_norm(np.array(norm.astype(mx.float32)))
-        norm_scale = magnitude / norm
-        fused = norm_scale[..., None] * fused
-    return fused
 
 
 # -- the entry point ------------------------------------------------------------------------
