@@ -8,7 +8,7 @@ gate_proj's 68 ms here); the C kernel (``fuse_mlx_order`` in ``_fusekernel.c``) 
 the same operations, the cast and the add in one pass (9 ms).
 
 Its bits are used only where they are MLX's: the default device is the CPU, and on
-every tensor a few rows (the first, and those of the largest ``|Bs|``) are computed by
+every tensor a few rows (the first, the last, and those of the largest ``|Bs|``) are computed by
 MLX as well and compared bit for bit. One difference (another BLAS, with FMA or
 another order) turns the kernel off for the process and the tensor goes through MLX,
 as everything does on a GPU. DoRA always goes through MLX. ``LORAKIT_FUSE_KERNEL=0``
@@ -28,7 +28,7 @@ from .nearest import _KERNEL_FMT, _kernel, use_kernel
 
 __all__ = ["fuse_mlx_array", "serves", "fuse_mlx_order"]
 
-#: rows of each tensor checked against MLX: the first and those of the largest |Bs|
+#: rows of each tensor checked against MLX: the first, the last, those of the largest |Bs|
 PROBE_ROWS = 4
 _state = {"ok": True}  # False once MLX gave other bits: MLX for the rest of the process
 
@@ -98,11 +98,14 @@ def fuse_mlx_array(weight, A, B, scale: float, magnitude=None, *, rounding: str 
 
 
 def _probe_rows(bs: np.ndarray) -> np.ndarray:
+    """The first and last rows (a BLAS's edge tiles take other code) and those of the
+    largest |Bs| (the longest sums)."""
     n = bs.shape[0]
-    if n <= 2 * PROBE_ROWS:
+    if n <= 3 * PROBE_ROWS:
         return np.arange(n)
     big = np.argpartition(np.abs(bs).sum(axis=1), n - PROBE_ROWS)[n - PROBE_ROWS:]
-    return np.unique(np.concatenate([np.arange(PROBE_ROWS), big]))
+    return np.unique(np.concatenate([np.arange(PROBE_ROWS), np.arange(n - PROBE_ROWS, n),
+                                     big]))
 
 
 def _mlx_rows(w: np.ndarray, fmt_in, A32, B32, scale: float, fmt_out, rounding: str,

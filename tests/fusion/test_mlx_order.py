@@ -139,11 +139,12 @@ def test_a_probed_row_unlike_mlx_turns_the_kernel_off(monkeypatch):
     assert np.array_equal(bits, mlx_bits)  # the tensor came out as MLX computes it
 
 
-def test_the_probe_takes_the_first_rows_and_the_largest_changes():
+def test_the_probe_takes_the_first_and_last_rows_and_the_largest_changes():
     bs = np.zeros((100, 3), np.float32)
-    bs[[17, 42, 63, 99], 1] = [5.0, -6.0, 7.0, 8.0]
+    bs[[17, 42, 63, 80], 1] = [5.0, -6.0, 7.0, 8.0]
     rows = mo._probe_rows(bs)
-    assert set(rows) == set(range(mo.PROBE_ROWS)) | {17, 42, 63, 99}
+    assert set(rows) == set(range(mo.PROBE_ROWS)) | set(range(100 - mo.PROBE_ROWS, 100)) \
+        | {17, 42, 63, 80}
     assert list(mo._probe_rows(np.ones((5, 2), np.float32))) == [0, 1, 2, 3, 4]
 
 
