@@ -41,13 +41,12 @@ import numpy as np
 
 from .. import numerics as nm
 from ..errors import FuseError
-from ..io.dtypes import code_of, mx_dtype
+from ..io.dtypes import code_of
 from ..io.naming import Binding
-from ..io.safetensors import NUMPY_STORAGE, mx_to_raw, raw_to_mx
+from ..io.safetensors import NUMPY_STORAGE
 from . import mlx_order
 from .delta import dora_factor, tensor_pieces
 from .finite import cast_raw, check_result
-from .mlx_order import fuse_mlx_array
 from .nearest import _exact_fix, _fuse_nearest, _tie_distance  # noqa: F401 (read elsewhere)
 from .options import DTYPE_POLICIES, MLX_ROUNDINGS, ROUNDINGS
 from .sum_fuse import fuse_sum
@@ -148,27 +147,6 @@ def torch_row_norm(x: np.ndarray, lanes: int = 8) -> np.ndarray:
     return np.sqrt(total)
 
 
-# -- mlx-lm / scale-after (through MLX itself) -------------------------------------------
-def _fuse_mlx(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale: float,
-              magnitude: Optional[np.ndarray], code_out: str, rounding: str,
-              promote: bool):
-    import mlx.core as mx  # lazy: MLX only when computing
-
-    if magnitude is None and isinstance(w, np.ndarray) and mlx_order.serves():
-        out = mlx_order.fuse_mlx_order(w, nm.float_format(code_in), A, B, scale,
-                                       nm.float_format(code_out), rounding, promote)
-        if out is not None:  # MLX's bits, in one C pass (mlx_order's docstring)
-            return out
-    weight = raw_to_mx(w, code_in) if isinstance(w, np.ndarray) else w  # or already MLX's
-    out = fuse_mlx_array(weight, mx.array(A), mx.array(B), scale,
-                         None if magnitude is None else mx.array(magnitude),
-                         rounding=rounding, promote=promote)
-    if not promote or out.dtype != mx.float32:
-        out = out.astype(mx_dtype(code_out))
-    raw, _ = mx_to_raw(out)
-    return raw
-
-
 # -- the entry point ------------------------------------------------------------------------
 def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale: float, *,
                 magnitude: Optional[np.ndarray] = None, rounding: str = "nearest",
@@ -216,8 +194,8 @@ def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale
     fmt_in = nm.float_format(code_in)
     try:
         if rounding in MLX_ROUNDINGS:
-            out = _fuse_mlx(w, code_in, A, B, scale, magnitude, code_out, rounding,
-                            promote=dtype_policy == "promote")
+            out = mlx_order.fuse_mlx(w, code_in, A, B, scale, magnitude, code_out,
+                                     rounding, promote=dtype_policy == "promote")
         elif rounding == "nearest":
             out = _fuse_nearest(w, fmt_in, A, B, scale, magnitude, nm.float_format(code_out))
         elif rounding == "round-once":
