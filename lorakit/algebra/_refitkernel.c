@@ -7,13 +7,34 @@
  * element order, the order np.bincount uses; tests/algebra/test_refine.py compares
  * the two bit for bit).
  *
- * scan(w, lo, hi, logu, cols, r, b, at, thr) -> (active, violators)
- *   One full pass over a module: w, lo, hi float32 rows x cols (the base and the
- *   shrunken box edges), logu int16 (exponent of each ulp), b float64 rows x r, at
- *   float64 cols x r, thr float64[1024]: an element is active when its slack to the
- *   nearer box edge is below thr[logu + 512] (negative outside the box).
- *   active: bytes of int64 flat indices, ascending; violators: elements outside.
+ * box(bits, fmt, margin, lo, hi, logu) -> nonfinite
+ *   The rounding boxes of a module's tuned values: bits uint16 (fmt 0 bfloat16, 1
+ *   float16), lo/hi float32 (written: the values margin of the way to the rounding
+ *   boundaries below and above, refine.rounding_box's, exact in float32), logu int16
+ *   (written: the exponent of each ulp, as np.frexp gives it). Returns the count of
+ *   non-finite values (their entries are not meaningful: the caller uses numpy).
  *
+ * stats(w, bits, fmt, cols, r, b, a[, d]) -> (outside, resid_sq, noise_sq)
+ *   One pass over a module with factors b float64 rows x r and a float64 r x cols
+ *   (r = 0: none): x = w + s, s = sum_k b[k] a[k] summed from b[0] a[0] in k order
+ *   (float64); outside: elements whose x, rounded once to fmt (to nearest, ties to
+ *   even), is not the stored value (bits uint16, fmt 0 bfloat16, 1 float16);
+ *   resid_sq: sum of ((T - w) - s)**2; noise_sq: sum of (ulp(T) / 2)**2, both summed
+ *   in element order; d (optional, float64 rows x cols): written with T - w.
+
+ * scan(w, lo, hi, logu, cols, r, b, a, thr, oidx, ow, olo, ohi, ologu)
+ *     -> (count, violators, whole)
+ *   One full pass over a module: w, lo, hi float32 rows x cols (the base and the
+ *   shrunken box edges), logu int16 (exponent of each ulp), b float64 rows x r, a
+ *   float64 r x cols (row-major: the pass runs along each row of A, a vector loop
+ *   over independent elements, each summed in k order), thr float64: an element is
+ *   active when its slack to the nearer box edge is below thr (negative outside).
+ *   Writes the active elements' flat indices (int64, ascending), w, lo, hi (float32)
+ *   and logu (int16) into the caller's buffers oidx .. ologu (room for cap elements);
+ *   count: how many are active; whole: 0 when a block did not fit in the room left
+ *   (only the blocks before it were written: scan again with room for count and a
+ *   block); violators: elements outside.
+
  * accum(idx, w, lo, hi, logu, cols, r, b, at, wtab, side, G, g, loss) -> violators
  *   Over the gathered active set (idx int64, w/lo/hi float32, logu int16 of those
  *   elements): for each element outside its box, residual rr (signed distance
@@ -23,9 +44,17 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* x86-64 Linux (glibc ifuncs): an AVX2 copy of the scan's loop, chosen at load time */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__)
+#define MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define MULTIVERSION
+#endif
 
 #define OFF 512
 #define TAB 1024
@@ -40,21 +69,6 @@ static inline double dotx(double x, const double *b, const double *a, Py_ssize_t
     return x;
 }
 
-/* Four elements' x = w + sum_k b[k] a[k] at once: four independent chains of additions
-   (each in k order, as dotx), so the CPU overlaps them instead of waiting on one. */
-#define DOT4_BODY(R)                                                              \
-    for (Py_ssize_t k = 0; k < (R); k++) {                                        \
-        x0 += b0[k] * a0[k]; x1 += b1[k] * a1[k];                                 \
-        x2 += b2[k] * a2[k]; x3 += b3[k] * a3[k];                                 \
-    }
-static inline void dot4(double *x, const double *b0, const double *b1, const double *b2,
-                        const double *b3, const double *a0, const double *a1,
-                        const double *a2, const double *a3, Py_ssize_t r) {
-    double x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
-    if (r == 8) { DOT4_BODY(8) } else { DOT4_BODY(r) }
-    x[0] = x0; x[1] = x1; x[2] = x2; x[3] = x3;
-}
-
 /* c ? a : b without a branch (a compiler turns the double ?: into a jump, which a
    random c mispredicts): a bit mask over the two values, exact */
 static inline double pick(int c, double a, double b) {
@@ -67,65 +81,223 @@ static inline double pick(int c, double a, double b) {
 
 #define BLK 256  /* elements per block: their x, row, column and residual stay in L1 */
 
+/* The float32 pre-pass. Both passes first compute x in float32 (the factors are
+   float32 values, so their float32 copies are exact) with a rigorous bound on its
+   distance from the float64 x: |x32 - x64| <= E = (r + 2) 2**-23 (|w| + ||b_i|| ||a_j||)
+   + 2**-140, twice the textbook (r + 1) u of a sum of r + 1 terms in any order (u =
+   2**-24; Cauchy-Schwarz for sum |b_k a_k|; the last term: products that fall below
+   float32's normal range). Only the elements the bound cannot decide (near the
+   threshold, or outside the box) are computed again in float64, term by term in k order:
+   every decision and every sum is the float64 path's, so the bits are too. */
+typedef struct {
+    float *b32, *a32, *nb, *na;  /* factors as float32 (b rows x r, a as given), row and column norms */
+} F32;
+
+static void f32_free(F32 *f) { free(f->b32); free(f->a32); free(f->nb); free(f->na); }
+
+/* b rows x r; a either r x cols (a_rowmajor) or cols x r; norms rounded up */
+static int f32_init(F32 *f, const double *b, Py_ssize_t rows, const double *a, Py_ssize_t cols,
+                    Py_ssize_t r, int a_rowmajor) {
+    f->b32 = malloc(rows * r * sizeof(float)); f->a32 = malloc(cols * r * sizeof(float));
+    f->nb = malloc(rows * sizeof(float)); f->na = malloc(cols * sizeof(float));
+    if (!f->b32 || !f->a32 || !f->nb || !f->na) return 0;
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        double q = 0;
+        for (Py_ssize_t k = 0; k < r; k++) {
+            f->b32[i * r + k] = (float)b[i * r + k];
+            q += b[i * r + k] * b[i * r + k];
+        }
+        f->nb[i] = (float)(sqrt(q) * (1 + 0x1p-20));
+    }
+    for (Py_ssize_t j = 0; j < cols; j++) {
+        double q = 0;
+        for (Py_ssize_t k = 0; k < r; k++) {
+            double v = a_rowmajor ? a[k * cols + j] : a[j * r + k];
+            f->a32[a_rowmajor ? k * cols + j : j * r + k] = (float)v;
+            q += v * v;
+        }
+        f->na[j] = (float)(sqrt(q) * (1 + 0x1p-20));
+    }
+    return 1;
+}
+
+#define TINY 0x1p-140f
+
+/* w + sum_k b[k] a[k] in float32, in any order (the bound does not depend on it) */
+static inline float dot32(float w, const float *b, const float *a, Py_ssize_t r) {
+    if (r == 8) {
+        float p0 = b[0] * a[0] + b[4] * a[4], p1 = b[1] * a[1] + b[5] * a[5];
+        float p2 = b[2] * a[2] + b[6] * a[6], p3 = b[3] * a[3] + b[7] * a[7];
+        return w + ((p0 + p2) + (p1 + p3));
+    }
+    for (Py_ssize_t k = 0; k < r; k++) w += b[k] * a[k];
+    return w;
+}
+
+/* One row's elements j0 .. j0+nb: x in float32 (one vector lane per element) and
+   its bound; the elements it cannot put beyond the threshold get x in float64 (k
+   order), their exact slack and the unconditional stores of the active ones from oi[0]
+   on (room for nb); returns how many are active. */
+MULTIVERSION static Py_ssize_t scan_block(const float *W, const float *L, const float *H,
+                                          const int16_t *U, const double *bi, const float *bi32,
+                                          float nbi, const F32 *f, const double *A,
+                                          Py_ssize_t cols, Py_ssize_t r, Py_ssize_t t0,
+                                          Py_ssize_t j0, Py_ssize_t nb, double th, float c,
+                                          int64_t *oi, float *ow, float *ol, float *oh,
+                                          int16_t *ou, Py_ssize_t *viol) {
+    float xs[BLK];
+    int cand[BLK];
+    Py_ssize_t u, v = 0, nc = 0, cnt = 0;
+    const float th32 = (float)(th * (1 + 0x1p-20));
+    for (u = 0; u < nb; u++) xs[u] = W[t0 + u];
+    for (Py_ssize_t k = 0; k < r; k++) {
+        const float bk = bi32[k], *ak = f->a32 + k * cols + j0;
+        for (u = 0; u < nb; u++) xs[u] += bk * ak[u];
+    }
+    for (u = 0; u < nb; u++) {  /* the undecided elements, listed without a branch */
+        float x = xs[u], l = L[t0 + u], h = H[t0 + u];
+        float e = c * (fabsf(W[t0 + u]) + nbi * f->na[j0 + u]) + TINY;
+        float s1 = x - l, s2 = h - x, sl = s1 < s2 ? s1 : s2;
+        cand[nc] = (int)u;
+        nc += sl < th32 + 2 * e;
+    }
+    for (Py_ssize_t q = 0; q < nc; q++) {
+        u = cand[q];
+        Py_ssize_t t = t0 + u, j = j0 + u;
+        double x = (double)W[t];
+        for (Py_ssize_t k = 0; k < r; k++) x += bi[k] * A[k * cols + j];
+        double s1 = x - (double)L[t], s2 = (double)H[t] - x;
+        double sl = s1 < s2 ? s1 : s2;
+        v += sl < 0;
+        oi[cnt] = t; ow[cnt] = W[t]; ol[cnt] = L[t]; oh[cnt] = H[t]; ou[cnt] = U[t];
+        cnt += sl < th;
+    }
+    *viol += v;
+    return cnt;
+}
+
 static PyObject *scan(PyObject *self, PyObject *args) {
-    Py_buffer w, lo, hi, lu, b, at, thr;
+    Py_buffer w, lo, hi, lu, b, at, oi, ow, ol, oh, ou;
     Py_ssize_t cols, r;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*nny*y*y*", &w, &lo, &hi, &lu, &cols, &r, &b, &at, &thr))
+    double th;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*nny*y*dw*w*w*w*w*", &w, &lo, &hi, &lu, &cols, &r, &b,
+                          &at, &th, &oi, &ow, &ol, &oh, &ou))
         return NULL;
     PyObject *res = NULL;
-    Py_ssize_t n = w.len / 4;
+    Py_ssize_t n = w.len / 4, cap = oi.len / 8;
     if (cols <= 0 || r <= 0 || n % cols || lo.len != w.len || hi.len != w.len ||
         lu.len != n * 2 || b.len != (n / cols) * r * 8 || at.len != cols * r * 8 ||
-        thr.len != TAB * 8) {
+        ow.len != cap * 4 || ol.len != cap * 4 || oh.len != cap * 4 || ou.len != cap * 2) {
         PyErr_SetString(PyExc_ValueError, "_refitkernel.scan: buffer sizes do not match");
         goto done;
     }
     const float *W = w.buf, *L = lo.buf, *H = hi.buf;
     const int16_t *U = lu.buf;
-    const double *Bp = b.buf, *Ap = at.buf, *Th = thr.buf;
-    Py_ssize_t cap = n / 8 + cols + 1024, cnt = 0, viol = 0;
-    int64_t *out = malloc(cap * sizeof(int64_t));
-    if (!out) { PyErr_NoMemory(); goto done; }
+    const double *Bp = b.buf, *Ap = at.buf;
+    int64_t *OI = oi.buf;
+    float *OW = ow.buf, *OL = ol.buf, *OH = oh.buf;
+    int16_t *OU = ou.buf;
+    F32 f = {NULL, NULL, NULL, NULL};
+    Py_ssize_t cnt = 0, viol = 0, rows = n / cols;
+    int whole = 1;
+    const float c = (float)((r + 2) * 0x1p-23);
+    if (!f32_init(&f, Bp, rows, Ap, cols, r, 1)) { f32_free(&f); PyErr_NoMemory(); goto done; }
     Py_BEGIN_ALLOW_THREADS
-    Py_ssize_t rows = n / cols;
-    double xs[BLK];
-    for (Py_ssize_t i = 0; i < rows && out; i++) {
-        if (cnt + cols > cap) {  /* room for a whole row: the appends below need no check */
-            cap = 2 * cap > cnt + cols ? 2 * cap : cnt + cols;
-            int64_t *nw = realloc(out, cap * sizeof(int64_t));
-            if (!nw) { free(out); out = NULL; break; }
-            out = nw;
-        }
-        const double *bi = Bp + i * r;
+    /* scratch for the blocks past the caller's room: they are counted, not kept (the
+       caller makes room for the count and scans again) */
+    int64_t si[BLK]; float sw[BLK], sl[BLK], sh[BLK]; int16_t su[BLK];
+    for (Py_ssize_t i = 0; i < rows; i++) {
         for (Py_ssize_t j0 = 0; j0 < cols; j0 += BLK) {
-            Py_ssize_t nb = cols - j0 < BLK ? cols - j0 : BLK, t0 = i * cols + j0, u = 0;
-            for (; u < nb; u++) xs[u] = (double)W[t0 + u];
-            for (u = 0; u + 4 <= nb; u += 4) {
-                const double *a = Ap + (j0 + u) * r;
-                dot4(xs + u, bi, bi, bi, bi, a, a + r, a + 2 * r, a + 3 * r, r);
-            }
-            for (; u < nb; u++) xs[u] = dotx(xs[u], bi, Ap + (j0 + u) * r, r);
-            for (u = 0; u < nb; u++) {  /* no branch: the appends are unconditional stores */
-                Py_ssize_t t = t0 + u;
-                double x = xs[u];
-                double s1 = x - (double)L[t], s2 = (double)H[t] - x;
-                double s = s1 < s2 ? s1 : s2;
-                int e = U[t] + OFF;
-                double th = Th[e < 0 ? 0 : (e >= TAB ? TAB - 1 : e)];
-                viol += s < 0;
-                out[cnt] = t;
-                cnt += s < th;
-            }
+            Py_ssize_t nb = cols - j0 < BLK ? cols - j0 : BLK, t0 = i * cols + j0;
+            int room = cnt + nb <= cap;
+            cnt += scan_block(W, L, H, U, Bp + i * r, f.b32 + i * r, f.nb[i], &f, Ap, cols, r,
+                              t0, j0, nb, th, c, room ? OI + cnt : si, room ? OW + cnt : sw,
+                              room ? OL + cnt : sl, room ? OH + cnt : sh, room ? OU + cnt : su,
+                              &viol);
+            if (!room) cap = whole = 0;  /* nothing more is kept once a block did not fit */
         }
     }
     Py_END_ALLOW_THREADS
-    if (!out) { PyErr_NoMemory(); goto done; }
-    PyObject *bytes = PyBytes_FromStringAndSize((const char *)out, cnt * sizeof(int64_t));
-    free(out);
-    if (bytes) res = Py_BuildValue("Nn", bytes, viol);
+    f32_free(&f);
+    res = Py_BuildValue("nni", cnt, viol, whole);
 done:
     PyBuffer_Release(&w); PyBuffer_Release(&lo); PyBuffer_Release(&hi); PyBuffer_Release(&lu);
-    PyBuffer_Release(&b); PyBuffer_Release(&at); PyBuffer_Release(&thr);
+    PyBuffer_Release(&b); PyBuffer_Release(&at);
+    PyBuffer_Release(&oi); PyBuffer_Release(&ow); PyBuffer_Release(&ol); PyBuffer_Release(&oh);
+    PyBuffer_Release(&ou);
+    return res;
+}
+
+/* 2**e for a normal double's exponent, exact */
+static inline double pow2(int e) {
+    uint64_t u = (uint64_t)(e + 1023) << 52;
+    double d;
+    memcpy(&d, &u, 8);
+    return d;
+}
+
+/* A value of format fmt (0 bfloat16, 1 float16) as a double */
+static inline double decode(uint16_t v, int fmt) {
+    if (fmt == 0) {
+        uint32_t u = (uint32_t)v << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return (double)f;
+    }
+    int e = (v >> 10) & 0x1f, m = v & 0x3ff;
+    double a = e == 0 ? (double)m * 0x1p-24
+                      : (e == 31 ? (m ? NAN : INFINITY) : (double)(m | 0x400) * pow2(e - 25));
+    return (v & 0x8000) ? -a : a;
+}
+
+/* The boxes of n values of one format (fmt a constant where inlined: one loop each),
+   without a branch on the data (the signs are random); returns the non-finite count */
+static inline Py_ssize_t box_run(const uint16_t *V, Py_ssize_t n, const int fmt, double margin,
+                                 float *L, float *H, int16_t *U) {
+    const int p = fmt ? 11 : 8, emin = fmt ? -14 : -126;
+    const uint16_t inf = fmt ? 0x7c00 : 0x7f80;
+    const double tiny = pow2(emin);
+    Py_ssize_t bad = 0;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        uint16_t v = V[t];
+        bad += (v & inf) == inf;
+        double T = decode(v, fmt), a = fabs(T);
+        uint64_t ab;
+        memcpy(&ab, &a, 8);
+        int E = (int)(ab >> 52) - 1023;  /* floor(log2 a): every nonzero value is a normal double */
+        int edge = ((ab & 0xfffffffffffffULL) == 0) & (a > tiny);  /* a power of two above 2**emin */
+        E = E < emin ? emin : E;  /* zero and the subnormals: the smallest spacing */
+        double u = pow2(E - (p - 1));
+        double toward = u - 0.5 * u * edge;  /* the spacing towards zero */
+        double neg = (double)(v >> 15), tz = toward * (double)(a != 0);  /* a zero's own side only */
+        double up = neg * tz + (1 - neg) * u, down = neg * u + (1 - neg) * tz;  /* one term is 0 */
+        L[t] = (float)(T - margin * down);
+        H[t] = (float)(T + margin * up);
+        U[t] = (int16_t)(E - (p - 1) + 1);  /* np.frexp(u)[1] */
+    }
+    return bad;
+}
+
+static PyObject *box(PyObject *self, PyObject *args) {
+    Py_buffer bits, lo, hi, lu;
+    int fmt;
+    double margin;
+    if (!PyArg_ParseTuple(args, "y*idw*w*w*", &bits, &fmt, &margin, &lo, &hi, &lu))
+        return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n = bits.len / 2;
+    if ((fmt != 0 && fmt != 1) || lo.len != n * 4 || hi.len != n * 4 || lu.len != n * 2) {
+        PyErr_SetString(PyExc_ValueError, "_refitkernel.box: buffer sizes do not match");
+        goto done;
+    }
+    Py_ssize_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = fmt ? box_run(bits.buf, n, 1, margin, lo.buf, hi.buf, lu.buf)
+              : box_run(bits.buf, n, 0, margin, lo.buf, hi.buf, lu.buf);
+    Py_END_ALLOW_THREADS
+    res = PyLong_FromSsize_t(bad);
+done:
+    PyBuffer_Release(&bits); PyBuffer_Release(&lo); PyBuffer_Release(&hi); PyBuffer_Release(&lu);
     return res;
 }
 
@@ -152,16 +324,23 @@ static PyObject *accum(PyObject *self, PyObject *args) {
     const double *Bp = b.buf, *Ap = at.buf, *Wt = wt.buf;
     double *Gp = G.buf, *gp = g.buf, *lp = loss.buf;
     Py_ssize_t viol = 0, bad = 0;
+    F32 f = {NULL, NULL, NULL, NULL};
+    if (!f32_init(&f, Bp, rows, Ap, cols, r, 0)) {
+        f32_free(&f);
+        PyErr_NoMemory();
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS
     /* A block of elements at a time, in three steps: the row and column of each flat
-       index (one division per row met: the active set is ascending); x of all of them,
-       four at a time (dot4); then, in element order as before, the sums of those
-       outside their box. The same additions in the same order as one element at a
-       time, so the same bits. */
+       index (one division per row met: the active set is ascending); x in float32 and
+       its bound (F32 above), x in float64 for those not surely inside their box; then,
+       in element order as before, the sums of those outside. The same additions in the
+       same order as one element at a time in float64, so the same bits. */
     Py_ssize_t i = 0, row0 = 0;
     Py_ssize_t bi_[BLK], bj_[BLK];
-    double xs[BLK], rs[BLK];
-    int vs[BLK];
+    double rs[BLK];
+    int vs[BLK], cs[BLK];
+    const float c = (float)((r + 2) * 0x1p-23);
     for (Py_ssize_t t0 = 0; t0 < k && !bad; t0 += BLK) {
         Py_ssize_t nb = k - t0 < BLK ? k - t0 : BLK, u = 0;
         for (; u < nb; u++) {
@@ -173,17 +352,19 @@ static PyObject *accum(PyObject *self, PyObject *args) {
             }
             if (i >= rows) { bad = 1; break; }
             bi_[u] = i; bj_[u] = v - row0;
-            xs[u] = (double)W[t0 + u];
         }
         if (bad) break;
-        for (u = 0; u + 4 <= nb; u += 4)
-            dot4(xs + u, Bp + bi_[u] * r, Bp + bi_[u + 1] * r, Bp + bi_[u + 2] * r,
-                 Bp + bi_[u + 3] * r, Ap + bj_[u] * r, Ap + bj_[u + 1] * r,
-                 Ap + bj_[u + 2] * r, Ap + bj_[u + 3] * r, r);
-        for (; u < nb; u++) xs[u] = dotx(xs[u], Bp + bi_[u] * r, Ap + bj_[u] * r, r);
-        Py_ssize_t nv = 0;
-        for (u = 0; u < nb; u++) {  /* those outside, listed without a branch */
-            double x = xs[u], h = (double)H[t0 + u], l = (double)L[t0 + u];
+        Py_ssize_t nc = 0, nv = 0;
+        for (u = 0; u < nb; u++) {  /* the float32 pre-pass: those not surely inside */
+            float x = dot32(W[t0 + u], f.b32 + bi_[u] * r, f.a32 + bj_[u] * r, r);
+            float e = c * (fabsf(W[t0 + u]) + f.nb[bi_[u]] * f.na[bj_[u]]) + TINY;
+            cs[nc] = (int)u;
+            nc += (x - L[t0 + u] < 2 * e) | (H[t0 + u] - x < 2 * e);
+        }
+        for (Py_ssize_t q0 = 0; q0 < nc; q0++) {  /* float64, k order: those outside */
+            u = cs[q0];
+            double x = dotx((double)W[t0 + u], Bp + bi_[u] * r, Ap + bj_[u] * r, r);
+            double h = (double)H[t0 + u], l = (double)L[t0 + u];
             rs[u] = pick(x > h, x - h, x - l);
             vs[nv] = (int)u;
             nv += (x > h) | (x < l);
@@ -210,6 +391,7 @@ static PyObject *accum(PyObject *self, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
+    f32_free(&f);
     if (bad) PyErr_SetString(PyExc_ValueError, "_refitkernel.accum: index out of range");
     else res = PyLong_FromSsize_t(viol);
 done:
@@ -219,7 +401,83 @@ done:
     return res;
 }
 
+
+/* x rounded once to the format of precision p, normal exponents emin..emax (to
+   nearest, ties to even; beyond the largest finite value's half ulp: infinity) */
+static inline double round_fmt(double x, int p, int emin, int emax) {
+    double a = fabs(x);
+    if (!(a < INFINITY)) return x;  /* inf, NaN */
+    uint64_t ab;
+    memcpy(&ab, &a, 8);
+    int E = (int)(ab >> 52) - 1023;
+    if (E < emin) E = emin;  /* subnormals (and zero): the smallest quantum */
+    if (E > emax) return copysign(INFINITY, x);
+    double q = pow2(E - (p - 1)), y = a * pow2((p - 1) - E);  /* a / q, exact */
+    const double big = 0x1p52;  /* y < 2**(p + 1): y + 2**52 rounds to an integer, ties to even */
+    double ry = (y + big) - big, v = ry * q;
+    if (v >= pow2(emax + 1)) v = INFINITY;
+    return copysign(v, x);
+}
+
+static PyObject *stats(PyObject *self, PyObject *args) {
+    Py_buffer w, bits, b, at, dd = {0};
+    int fmt;
+    Py_ssize_t cols, r;
+    if (!PyArg_ParseTuple(args, "y*y*inny*y*|w*", &w, &bits, &fmt, &cols, &r, &b, &at, &dd))
+        return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n = w.len / 4;
+    if ((fmt != 0 && fmt != 1) || cols <= 0 || r < 0 || n % cols || bits.len != n * 2 ||
+        b.len != (n / cols) * r * 8 || at.len != cols * r * 8 || (dd.buf && dd.len != n * 8)) {
+        PyErr_SetString(PyExc_ValueError, "_refitkernel.stats: buffer sizes do not match");
+        goto done;
+    }
+    const float *W = w.buf;
+    const uint16_t *V = bits.buf;
+    const double *Bp = b.buf, *Ap = at.buf;
+    double *Dp = dd.buf;
+    const int p = fmt ? 11 : 8, emin = fmt ? -14 : -126, emax = fmt ? 15 : 127;
+    Py_ssize_t out = 0, rows = n / cols;
+    double rs = 0, ns = 0;
+    Py_BEGIN_ALLOW_THREADS
+    double sb[BLK];
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        const double *bi = Bp + i * r;
+        for (Py_ssize_t j0 = 0; j0 < cols; j0 += BLK) {
+            Py_ssize_t nb = cols - j0 < BLK ? cols - j0 : BLK, u, t0 = i * cols + j0;
+            for (u = 0; u < nb; u++) sb[u] = r ? bi[0] * Ap[j0 + u] : 0.0;
+            for (Py_ssize_t k = 1; k < r; k++) {
+                const double bk = bi[k], *ak = Ap + k * cols + j0;
+                for (u = 0; u < nb; u++) sb[u] += bk * ak[u];
+            }
+            for (u = 0; u < nb; u++) {
+                double T = decode(V[t0 + u], fmt), wv = (double)W[t0 + u];
+                double x = round_fmt(sb[u] + wv, p, emin, emax);
+                out += !(x == T && signbit(x) == signbit(T));
+                double e = (T - wv) - sb[u];
+                if (Dp) Dp[t0 + u] = T - wv;  /* exact: two float32 values */
+                rs += e * e;
+                double aT = fabs(T);
+                uint64_t ab;
+                memcpy(&ab, &aT, 8);
+                int E = (int)(ab >> 52) - 1023;
+                E = E < emin ? emin : (E > emax ? emax : E);
+                double h = 0.5 * pow2(E - (p - 1));
+                ns += h * h;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    res = Py_BuildValue("ndd", out, rs, ns);
+done:
+    PyBuffer_Release(&w); PyBuffer_Release(&bits); PyBuffer_Release(&b); PyBuffer_Release(&at);
+    if (dd.buf) PyBuffer_Release(&dd);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"stats", stats, METH_VARARGS, "re-fuse count, residual and noise (see the file's header)"},
+    {"box", box, METH_VARARGS, "rounding boxes from the stored bits (see the file's header)"},
     {"scan", scan, METH_VARARGS, "active set of a full pass (see the file's header)"},
     {"accum", accum, METH_VARARGS, "normal equations over the active set"},
     {NULL, NULL, 0, NULL}};

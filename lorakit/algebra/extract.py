@@ -82,7 +82,7 @@ from .lowrank import (
     matrix_svd,
     split_factors,
 )
-from .refine import outside_count, refine_factors
+from .refine import stats_in_c, fuse_stats, outside_count, refine_factors
 
 __all__ = ['ExtractReport', 'extract', 'svd_note', 'ResizeReport', 'resize']
 
@@ -218,6 +218,8 @@ def _lowrank_row(name: str, b: TensorSource, t: TensorSource, t_bits: np.ndarray
     later rows of ``T`` are decoded again from the stored bits (exact). The values, and
     so every result, are those of float64 ``W`` and ``T``."""
     W = _base_rows(b, name)
+    if stats_in_c(W, t_bits, code):  # one C pass for each count and norm (same values)
+        return _lowrank_fast(name, W, t_bits, code, rank, energy, exact_max, seed, refine)
     T = weight_f64(t, name)
     shape = W.shape
     sq = 0.0  # ||0.5 ulp(T)||_F^2, a row chunk at a time (no full-size temporary)
@@ -247,13 +249,49 @@ def _lowrank_row(name: str, b: TensorSource, t: TensorSource, t_bits: np.ndarray
         refined = _residual(W, tuned, res.A, res.B)
         if res.outside_after < before and refined <= noise:
             A, B, after, residual = res.A, res.B, res.outside_after, refined
+    return _row(name, shape, k, method, total, residual, noise, before, after, iters), A, B, \
+        S, secs
+
+
+def _lowrank_fast(name: str, W: np.ndarray, t_bits: np.ndarray, code: str,
+                  rank: Optional[int], energy: Optional[float], exact_max: int, seed: int,
+                  refine: bool):
+    """:func:`_lowrank_row` for an exact float32 base and bf16/fp16 tuned bits: the
+    noise, ``||T - W||``, each residual and each re-fuse count come from one pass of
+    the refit kernel's ``stats`` over the stored bits (:func:`fuse_stats`), and
+    ``D = T - W`` (float64, exact) is written by the first of them, so ``T`` is never
+    held in float64."""
+    D = np.empty(W.shape)
+    _, total, sq = fuse_stats(W, t_bits, code, None, None, diff=D)
+    noise = math.sqrt(sq)
+    U, S, Vt, method = matrix_svd(D, rank, energy, exact_max=exact_max, seed=seed)
+    del D
+    k = max(choose_rank(S, total, rank, energy), 1)
+    A, B = split_factors(U, S, Vt, k)
+    del U, Vt
+    before, rsq, _ = fuse_stats(W, t_bits, code, A, B)
+    residual = math.sqrt(rsq)
+    after, iters, secs = before, 0, 0.0
+    if refine and code in REFINE_CODES and residual <= noise and before:
+        res = refine_factors(W, t_bits, code, A, B, outside=before)
+        iters, secs = res.iterations, res.seconds
+        rsq = res.resid_sq if res.resid_sq is not None else \
+            fuse_stats(W, t_bits, code, res.A, res.B)[1]
+        refined = math.sqrt(rsq)
+        if res.outside_after < before and refined <= noise:
+            A, B, after, residual = res.A, res.B, res.outside_after, refined
+    return _row(name, W.shape, k, method, total, residual, noise, before, after, iters), A, B, \
+        S, secs
+
+
+def _row(name: str, shape, k: int, method: str, total: float, residual: float, noise: float,
+         before: int, after: int, iters: int) -> Dict[str, Any]:
     fro = math.sqrt(total)
-    row = {"module": name[: -len(".weight")], "shape": list(shape), "rank": k,
-           "method": method, "fro": fro, "residual": residual,
-           "rel_error": residual / fro if fro else 0.0, "noise": noise,
-           "within": "yes" if residual <= noise else "no", "outside_svd": before,
-           "outside": after, "iters": iters, "note": ""}
-    return row, A, B, S, secs
+    return {"module": name[: -len(".weight")], "shape": list(shape), "rank": k,
+            "method": method, "fro": fro, "residual": residual,
+            "rel_error": residual / fro if fro else 0.0, "noise": noise,
+            "within": "yes" if residual <= noise else "no", "outside_svd": before,
+            "outside": after, "iters": iters, "note": ""}
 
 
 def _base_rows(b: TensorSource, name: str) -> np.ndarray:
@@ -262,9 +300,12 @@ def _base_rows(b: TensorSource, name: str) -> np.ndarray:
     info = b.tensors[name]
     if info.dtype not in ("BF16", "F16", "F32") or len(info.shape) != 2:
         return weight_f64(b, name)
+    if b.quant_params(name[: -len(".weight")] if name.endswith(".weight") else name):
+        return weight_f64(b, name).astype(np.float32)  # dequantized: exact float32 values
+    fmt = nm.float_format(info.dtype)
     W = np.empty(tuple(info.shape), np.float32)
     for rows in nm.chunks(*W.shape):
-        W[rows] = weight_f64(b, name, rows)
+        W[rows] = nm.to_float32(b.read(name, rows), fmt)
     return W
 
 

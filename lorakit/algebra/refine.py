@@ -16,7 +16,9 @@ alternating damped Gauss-Newton steps on the rows of ``B`` (``A`` fixed: each ro
 an r-variable least-squares problem over its violating elements) and the columns of
 ``A``. ``p`` ramps from 0 (absolute distances: the bulk of the elements first) to 2
 (distances in ulps of ``T``: the near-cancelling elements last) over ``RAMP``
-iterations. A step is kept per row (column) only if it lowers that row's (column's)
+iterations, or over all of them when fewer are allowed (a ramp that ends at the last
+iteration left fewer elements outside, at the same count, than one that ends earlier:
+benchmarks/refit_settings.py). iterations. A step is kept per row (column) only if it lowers that row's (column's)
 loss; the factors are rounded to float32 after every step, so the count is that of
 the stored adapter. A larger matrix pins each row of ``B`` (column of ``A``) with more
 elements, so the fit's own uncertainty, and with it the gap that serves best, shrinks
@@ -25,11 +27,12 @@ the best were 1/64 at min(out, in) 128-256, 1/256 at 2048 and 1/512 at 4096, the
 rule's choices; at 1024, 1/256 (the rule: 1/128, next best).
 
 The iterations run on an *active set*: a full scan (one pass over the module) keeps
-the elements outside the shrunken box, those whose slack to its nearer edge is below
-``SLACK`` ulps, and every element more than ``DENSE_BINADES`` binades below the median
-ulp (tiny values, whose slack is tiny in absolute terms); the normal equations and the
-step checks are then sums over that gathered set alone. An inactive element has an
-absolute slack of at least ``s = SLACK * 2**(dense - 1)``; since the scan, no element
+the elements outside the shrunken box and those whose slack to its nearer edge is
+below one absolute distance ``s = SLACK * 2**(dense - 1)`` (``SLACK`` ulps of the
+binade ``dense``, ``DENSE_BINADES`` below the median ulp: a larger value's band is
+narrower in its own ulps, a tiny value's wider, all of it where it is below ``s``);
+the normal equations and the step checks are then sums over that gathered set alone.
+An inactive element has a slack of at least ``s``; since the scan, no element
 moved by more than ``max||dB_i|| max||A_j|| + max||B_i|| max||dA_j|| + max||dB_i||
 max||dA_j||`` (``d``: the change since the scan), so while that bound is below ``s``
 no inactive element can have left the box and the active loss is the full loss (a
@@ -37,8 +40,10 @@ trial step, kept only if it lowers the loss, is judged over the active set alone
 new active set comes when the bound reaches ``s``. The *counting* scans, whose count outside the shrunken box is the
 history, picks the best factors and stops the refit, come when the bound since the
 last one reaches the smallest slack of a ``COUNT_SLACK`` band, or after ``RESCAN``
-iterations: the narrow ``SLACK`` band keeps the active set small (about 17% of a
-module's elements against 34% with a 0.125-ulp band) and is built again more often.
+iterations: the narrow ``SLACK`` band keeps the active set small (about 5% of a
+1.7B-shaped gate_proj's elements once the refit runs, 14% when the band was ``SLACK``
+ulps of every element's own binade and every element below ``dense`` was kept) and is
+built again more often.
 Stops when every element is inside the shrunken box, when the counting scans' count
 has not fallen for ``PATIENCE`` scans after the ramp, or at ``max_iters`` (``MAX_ITERS``;
 ``LARGE_ITERS`` for a module of more than ``LARGE`` elements, where the iterations past
@@ -54,8 +59,14 @@ stored as float32, where they are exact (a bf16/fp16 value plus ``0.5 - gap`` of
 half spacing, gap >= 1/4096, needs at most 24 significand bits), and the factors are
 float32 values.
 
-The passes run in the optional C kernel ``_refitkernel`` (one scalar loop per pass,
-the GIL released); its numpy fallback gives the same bits (same order of additions).
+The passes run in the optional C kernel ``_refitkernel`` (the GIL released); its numpy
+fallback gives the same bits (same order of additions). The kernel's scan and
+normal-equation passes first compute each ``W + B A`` in float32 with a rigorous
+bound on its distance from the float64 sum, and compute again in float64 (k order)
+only the elements that bound cannot place surely inside the box, or surely beyond the
+active threshold: every decision and sum is the float64 one. It also builds the boxes
+from the stored bits (``box``) and counts a re-fuse with the residual and noise norms
+in one pass (``stats``, :func:`fuse_stats`).
 
 >>> rng = np.random.default_rng(0)
 >>> W = nm.to_float64(nm.round_to_format(rng.normal(size=(64, 48)) * 0.02, "BF16"), "BF16")
@@ -79,7 +90,7 @@ from .. import numerics as nm
 
 __all__ = ["MARGIN", "margin_gap", "RAMP", "MAX_ITERS", "LARGE_ITERS", "LARGE", "PATIENCE",
            "SLACK", "COUNT_SLACK", "RESCAN", "DENSE_BINADES", "RefineResult", "rounding_box",
-           "outside_count", "refine_factors"]
+           "outside_count", "fuse_stats", "refine_factors"]
 
 #: the box of the smallest matrices, as a share of the half spacings (``0.5 -
 #: margin_gap``: a dyadic, so the shrunken edges of a bf16/fp16 value are exact in
@@ -93,19 +104,20 @@ RAMP = 30
 #: at most this many iterations
 MAX_ITERS = 50
 #: ... and this many for a module of more than ``LARGE`` elements
-LARGE_ITERS = 35
+LARGE_ITERS = 22
 LARGE = 1 << 20
 #: stop when the count has not fallen for this many iterations (after the ramp)
 PATIENCE = 5
 #: an element is in the active set when its slack to the box edge is below this many
-#: ulps (or it is outside); a narrower band is a smaller set, built again more often
+#: ulps of the binade ``DENSE_BINADES`` below the median (or it is outside); a narrower
+#: band is a smaller set, built again more often
 SLACK = 1 / 32
 #: the counting scans (the history, the best factors, the stop) come on the schedule of
 #: a band this wide, or ``slack``'s if wider
 COUNT_SLACK = 0.125
 #: a full pass (and a new active set) at least every this many iterations
 RESCAN = 5
-#: elements more than this many binades below the median ulp are always active
+#: the binade of ``SLACK``'s ulps, this many below the median ulp
 DENSE_BINADES = 2
 _CHUNK = 1 << 18  # elements per row chunk: temporaries stay a few MiB
 _WEIGHT_SPAN = 2.0 ** -30  # ulps below max ulp * this weigh as much as it (conditioning)
@@ -116,7 +128,9 @@ class RefineResult:
     """Refined float32 factors and what the refit achieved: ``outside_before`` /
     ``outside_after`` count the elements of ``W + B @ A`` that do not round to ``T``
     (full passes); ``history``: the elements outside the shrunken box at each full
-    scan (at least those that do not round to ``T``), then ``outside_after``."""
+    scan (at least those that do not round to ``T``), then ``outside_after``;
+    ``resid_sq``: ``||T - W - B A||_F^2`` of the factors returned, where the pass that
+    counted them gave it (:func:`fuse_stats`), else None."""
     A: np.ndarray
     B: np.ndarray
     iterations: int
@@ -124,6 +138,7 @@ class RefineResult:
     outside_after: int
     seconds: float
     history: Tuple[int, ...] = ()
+    resid_sq: Optional[float] = None
 
 
 def margin_gap(shape: Tuple[int, int], rank: int) -> float:
@@ -176,15 +191,69 @@ def _f32(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float32).astype(np.float64)
 
 
+def _products(A64: np.ndarray, B64: np.ndarray, rows: slice) -> np.ndarray:
+    """``B[rows] @ A`` summed from ``B[:, 0] A[0]`` term by term in k order (float64):
+    the C kernel's order, so both give the same bits."""
+    S = B64[rows, 0:1] * A64[0]
+    for k in range(1, A64.shape[0]):
+        S += B64[rows, k:k + 1] * A64[k]
+    return S
+
+
+def stats_in_c(W: np.ndarray, T_bits: np.ndarray, code: str) -> bool:
+    """Whether the C kernel's ``stats`` pass serves these arrays (an exact float32 base,
+    bf16/fp16 bits of the same shape)."""
+    return _kernel is not None and code in _BOX_FORMATS and W.dtype == np.float32 and \
+        np.asarray(T_bits).dtype.itemsize == 2 and np.shape(T_bits) == W.shape
+
+
+def fuse_stats(W: np.ndarray, T_bits: np.ndarray, code: str, A: Optional[np.ndarray],
+               B: Optional[np.ndarray], use_kernel: bool = True,
+               diff: Optional[np.ndarray] = None) -> Tuple[int, float, float]:
+    """One pass over a module: ``(outside, resid_sq, noise_sq)``. ``outside``: elements
+    where ``round(W + B @ A)`` (the float64 sum, one rounding to ``code``) differs from
+    the stored ``T_bits``; ``resid_sq``: ``||T - W - B A||_F^2``; ``noise_sq``:
+    ``||ulp(T) / 2||_F^2``. ``A = B = None``: no factors (``resid_sq = ||T - W||^2``).
+    The products are summed in k order (:func:`_products`), by the C kernel where it
+    serves, else by numpy: the same count; the two float sums differ at most in their
+    last bits (another order of addition). ``diff`` (float64, W's shape), if given, is
+    written with ``T - W`` (exact) in the same pass."""
+    n, m = W.shape
+    A64 = np.zeros((0, m)) if A is None else np.ascontiguousarray(A, np.float64)
+    B64 = np.zeros((n, 0)) if B is None else np.ascontiguousarray(B, np.float64)
+    if use_kernel and stats_in_c(W, T_bits, code):
+        extra = () if diff is None else (diff,)
+        out, rs, ns = _kernel.stats(W, np.ascontiguousarray(T_bits), _BOX_FORMATS[code], m,
+                                    A64.shape[0], B64, A64, *extra)
+        return int(out), float(rs), float(ns)
+    fmt = nm.float_format(code)
+    out, rs, ns = 0, 0.0, 0.0
+    for rows in nm.chunks(n, m, _CHUNK):
+        T = nm.to_float64(T_bits[rows], fmt)
+        Wr = W[rows].astype(np.float64)
+        S = _products(A64, B64, rows) if A64.shape[0] else np.zeros_like(Wr)
+        out += int(np.count_nonzero(nm.round_to_format(S + Wr, fmt) != T_bits[rows]))
+        R = T - Wr
+        if diff is not None:
+            diff[rows] = R
+        R -= S
+        rs += float(np.einsum("ij,ij->", R, R))
+        h = 0.5 * nm.ulp(T, fmt)
+        ns += float(np.einsum("ij,ij->", h, h))
+    return out, rs, ns
+
+
 def outside_count(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
                   B: np.ndarray) -> int:
     """Elements where ``round(W + B @ A)`` (float64 sum, one rounding to ``code``)
-    differs from the stored ``T_bits``."""
+    differs from the stored ``T_bits`` (the products summed in k order)."""
     A64, B64 = np.asarray(A, np.float64), np.asarray(B, np.float64)
+    if stats_in_c(W, T_bits, code):
+        return fuse_stats(W, T_bits, code, A64, B64)[0]
     fmt = nm.float_format(code)
     bad = 0
     for rows in nm.chunks(W.shape[0], W.shape[1], _CHUNK):
-        X = B64[rows] @ A64
+        X = _products(A64, B64, rows)
         X += W[rows]
         bad += int(np.count_nonzero(nm.round_to_format(X, fmt) != T_bits[rows]))
     return bad
@@ -196,6 +265,8 @@ except ImportError:  # pragma: no cover - depends on the build
     _kernel = None
 
 _OFF, _TAB = 512, 1024  # the kernel's exponent tables: index logu + _OFF
+_BOX_FORMATS = {"BF16": 0, "F16": 1}  # the kernel's rounding boxes (box)
+_BLOCK = 256  # the kernel's block of elements (BLK): a scan's room has one to spare
 
 
 class _Problem:
@@ -214,15 +285,22 @@ class _Problem:
         del w32
         self.lo, self.hi = np.empty((n, m), edge), np.empty((n, m), edge)
         self.logu = np.empty((n, m), np.int16)
-        for rows in nm.chunks(n, m, _CHUNK):
-            T = nm.to_float64(T_bits[rows], self.fmt)
-            lo, hi, u = rounding_box(T, code, margin)
-            self.lo[rows], self.hi[rows] = lo, hi
-            self.logu[rows] = np.frexp(u)[1]
+        T_bits = np.asarray(T_bits)
+        fast = use_kernel and _kernel is not None and code in _BOX_FORMATS and \
+            T_bits.dtype.itemsize == 2 and T_bits.shape == (n, m)
+        if not fast or _kernel.box(np.ascontiguousarray(T_bits), _BOX_FORMATS[code], margin,
+                                   self.lo, self.hi, self.logu):
+            for rows in nm.chunks(n, m, _CHUNK):  # numpy: the same values
+                T = nm.to_float64(T_bits[rows], self.fmt)
+                lo, hi, u = rounding_box(T, code, margin)
+                self.lo[rows], self.hi[rows] = lo, hi
+                self.logu[rows] = np.frexp(u)[1]
         self.top = int(self.logu.max(initial=0))
         self.floor = self.top + int(np.log2(_WEIGHT_SPAN))
         self.kernel = _kernel if use_kernel and _kernel is not None and \
             self.W.dtype == self.lo.dtype == np.float32 else None
+        if self.kernel is not None:
+            self._room(n * m // 16 + 1024)
 
     def median_logu(self) -> int:
         """``int(np.median(logu))`` from a histogram of the exponents, a row chunk at a
@@ -240,30 +318,39 @@ class _Problem:
         e = np.maximum(np.arange(_TAB) - _OFF, self.floor) - self.top
         return np.exp2(-p * e.astype(np.float64))
 
-    def scan(self, A: np.ndarray, B: np.ndarray, thr: np.ndarray) -> Tuple[np.ndarray, int]:
-        """Flat indices (ascending) of the elements whose slack to the nearer edge
-        of the box is below ``thr[logu + 512]``, and the count outside the box."""
+    def _room(self, k: int) -> None:
+        """Buffers for the kernel's active sets, room for ``k`` elements (kept across
+        scans: a new set costs no fresh pages)."""
+        self._out = (np.empty(k, np.int64), np.empty(k, np.float32), np.empty(k, np.float32),
+                     np.empty(k, np.float32), np.empty(k, np.int16))
+
+    def scan(self, A: np.ndarray, B: np.ndarray, thr: float) -> Tuple["_Active", int]:
+        """The active set (flat indices ascending, and those elements' base, edges and
+        ulp exponents) of the elements whose slack to the nearer edge of the box is
+        below ``thr`` (absolute), and the count outside the box. With the kernel, the
+        set is a view of buffers the next scan writes again: valid until then."""
         n, m = self.shape
-        At = np.ascontiguousarray(A.T)
         if self.kernel is not None:
-            raw, viol = self.kernel.scan(self.W, self.lo, self.hi, self.logu, m, A.shape[0],
-                                         np.ascontiguousarray(B), At, thr)
-            return np.frombuffer(raw, np.int64), int(viol)
+            args = (self.W, self.lo, self.hi, self.logu, m, A.shape[0],
+                    np.ascontiguousarray(B, np.float64), np.ascontiguousarray(A, np.float64),
+                    float(thr))
+            while True:
+                cnt, viol, whole = self.kernel.scan(*args, *self._out)
+                if whole:
+                    return _Active(*(a[:cnt] for a in self._out)), int(viol)
+                self._room(cnt + cnt // 4 + _BLOCK)
         parts, viol = [], 0
         for rows in nm.chunks(n, m, _CHUNK):
             X = self.W[rows].astype(np.float64)
             for k in range(A.shape[0]):
-                X += B[rows, k:k + 1] * At[:, k]
+                X += B[rows, k:k + 1] * A[k]
             s = np.minimum(X - self.lo[rows], self.hi[rows] - X)
             viol += int(np.count_nonzero(s < 0))
-            t = thr[np.clip(self.logu[rows].astype(np.int64) + _OFF, 0, _TAB - 1)]
-            parts.append(np.flatnonzero(s < t) + rows.start * m)
-        return np.concatenate(parts), viol
-
-    def gather(self, idx: np.ndarray) -> "_Active":
+            parts.append(np.flatnonzero(s < thr) + rows.start * m)
+        idx = np.concatenate(parts)
         flat = (self.W.reshape(-1), self.lo.reshape(-1), self.hi.reshape(-1),
                 self.logu.reshape(-1))
-        return _Active(idx, *(np.ascontiguousarray(a[idx]) for a in flat))
+        return _Active(idx, *(np.ascontiguousarray(a[idx]) for a in flat)), viol
 
     def accum(self, act: "_Active", A: np.ndarray, B: np.ndarray, wtab: np.ndarray,
               side: int, full: bool) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -317,11 +404,12 @@ class _Active:
 
 
 def _unpair(Gp: np.ndarray, k: int) -> np.ndarray:
-    G = np.empty((Gp.shape[0], k, k))
+    """The symmetric k x k matrices of packed upper triangles (pairs a <= b, row by
+    row), one gather."""
+    q = np.zeros((k, k), np.intp)
     a, b = np.triu_indices(k)
-    G[:, a, b] = Gp
-    G[:, b, a] = Gp
-    return G
+    q[a, b] = q[b, a] = np.arange(a.size)
+    return Gp[:, q]
 
 
 def _solve(Gp: np.ndarray, g: np.ndarray, mu: np.ndarray) -> np.ndarray:
@@ -364,13 +452,13 @@ def _step(prob: _Problem, act: _Active, A: np.ndarray, B: np.ndarray, wtab: np.n
     return viol
 
 
-def _thresholds(prob: _Problem, slack: float, dense_below: int) -> Tuple[np.ndarray, float]:
-    """The scan's table: active when the slack is below ``slack`` ulps, always for an
-    ulp exponent below ``dense_below`` (tiny values: their slack is tiny in absolute
-    terms); and the smallest slack an inactive element can have (absolute)."""
-    e = np.arange(_TAB) - _OFF
-    thr = np.where(e < dense_below, np.inf, slack * np.exp2(e - 1.0))
-    return thr, slack * 2.0 ** (dense_below - 1)
+def _thresholds(prob: _Problem, slack: float, dense_below: int) -> Tuple[float, float]:
+    """The scan's threshold: an element is active when its slack is below ``slack``
+    ulps of the binade ``dense_below`` (an absolute distance, the same for every
+    element: a larger value's band is narrower in its own ulps, a tiny value's wider);
+    and so the smallest slack an inactive element can have (the same)."""
+    s = slack * 2.0 ** (dense_below - 1)
+    return s, s
 
 
 def _moved(A: np.ndarray, B: np.ndarray, A0: np.ndarray, B0: np.ndarray) -> float:
@@ -387,7 +475,7 @@ def _moved(A: np.ndarray, B: np.ndarray, A0: np.ndarray, B0: np.ndarray) -> floa
 def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
                    B: np.ndarray, *, max_iters: Optional[int] = None,
                    margin: Optional[float] = None,
-                   ramp: int = RAMP, patience: int = PATIENCE, slack: float = SLACK,
+                   ramp: Optional[int] = None, patience: int = PATIENCE, slack: float = SLACK,
                    rescan: int = RESCAN, outside: Optional[int] = None,
                    use_kernel: bool = True) -> RefineResult:
     """Refit rank-r factors so that ``round(W + B @ A)`` equals ``T_bits`` on as many
@@ -415,6 +503,8 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
         margin = 0.5 - margin_gap(W.shape, np.shape(A)[0])
     if max_iters is None:
         max_iters = LARGE_ITERS if W.size > LARGE else MAX_ITERS
+    if ramp is None:
+        ramp = min(RAMP, max_iters)
     prob = _Problem(W, np.asarray(T_bits), code, margin, use_kernel)
     A = _f32(np.asarray(A, np.float64))
     B = _f32(np.asarray(B, np.float64))
@@ -429,7 +519,7 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
     act: Optional[_Active] = None
     while it < max_iters and before > 0:
         act = None  # the last active set goes before the next is built (memory: one at a time)
-        idx, viol = prob.scan(A, B, thr)  # a full pass: the count and the active set
+        scanned, viol = prob.scan(A, B, thr)  # a full pass: the count and the active set
         history.append(viol)
         if viol < best[0]:
             best, since = (viol, A.copy(), B.copy()), 0
@@ -439,7 +529,7 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
                 break
         if viol == 0:
             break
-        act = prob.gather(idx)
+        act, scanned = scanned, None
         A0, B0 = A.copy(), B.copy()  # the counting scan's factors
         A1, B1 = A0, B0  # the active set's
         for _ in range(rescan):
@@ -458,15 +548,21 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
             # box since the last set was built
             if slack < COUNT_SLACK and _moved(A, B, A1, B1) >= min_slack:
                 act = None
-                idx, _ = prob.scan(A, B, thr)
-                act = prob.gather(idx)
+                act, _ = prob.scan(A, B, thr)
                 A1, B1 = A.copy(), B.copy()
-    final = (outside_count(W, T_bits, code, A, B), A, B) if it else (before, A, B)
+    def counted(A: np.ndarray, B: np.ndarray) -> Tuple[int, Optional[float]]:
+        if stats_in_c(W, T_bits, code):  # the count and the residual in one pass
+            out, rsq, _ = fuse_stats(W, T_bits, code, A, B)
+            return out, rsq
+        return outside_count(W, T_bits, code, A, B), None
+
+    final = (*counted(A, B), A, B) if it else (before, None, A, B)
     if np.isfinite(best[0]) and it and best[0] < history[-1]:
-        seen = outside_count(W, T_bits, code, best[1], best[2])
-        if seen < final[0]:
-            final = (seen, best[1], best[2])
+        seen = counted(best[1], best[2])
+        if seen[0] < final[0]:
+            final = (*seen, best[1], best[2])
     if final[0] > before:  # never worse than the input
-        final = (before, A_in, B_in)
-    return RefineResult(final[1].astype(np.float32), final[2].astype(np.float32), it, before,
-                        final[0], time.perf_counter() - t0, tuple(history + [final[0]]))
+        final = (before, None, A_in, B_in)
+    return RefineResult(final[2].astype(np.float32), final[3].astype(np.float32), it, before,
+                        final[0], time.perf_counter() - t0, tuple(history + [final[0]]),
+                        final[1])

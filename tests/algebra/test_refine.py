@@ -114,21 +114,93 @@ def test_the_c_kernel_and_the_numpy_path_give_the_same_bits(rows, cols, r):
 
 def test_the_active_set_holds_every_element_near_or_outside_its_box():
     """A full scan's active set: every element outside the shrunken box and every one
-    whose slack is below the threshold; none other (checked against numpy)."""
+    whose slack is below the threshold (one absolute distance for all); none other,
+    with their base, edges and exponents gathered (checked against numpy). The C scan
+    decides in float32 first: thresholds and boxes a float32 rounding apart from the
+    float64 slack still give numpy's set."""
     W, _, Tb = _fused(40, 56, 4, seed=4)
     A, B = _svd_factors(W, Tb, 4)
     A64, B64 = A.astype(np.float64), B.astype(np.float64)
     for use_kernel in (True, False):
         prob = refine._Problem(W, Tb, "BF16", refine.MARGIN, use_kernel)
-        dense = int(np.median(prob.logu)) - refine.DENSE_BINADES
-        thr, _ = refine._thresholds(prob, refine.SLACK, dense)
-        idx, viol = prob.scan(A64, B64, thr)
-        X = W + B64 @ A64
+        X = W.copy()
+        for k in range(4):  # the scan's order: W, then each product in k order
+            X += B64[:, k:k + 1] * A64[k]
         s = np.minimum(X - prob.lo, prob.hi - X)
-        u = np.exp2(prob.logu.astype(np.float64) - 1)
-        want = (s < refine.SLACK * u) | (prob.logu < dense)
-        assert viol == int(np.count_nonzero(s < 0)) > 0
-        assert np.array_equal(idx, np.flatnonzero(want))
+        dense = int(np.median(prob.logu)) - refine.DENSE_BINADES
+        thr, least = refine._thresholds(prob, refine.SLACK, dense)
+        assert thr == least == refine.SLACK * 2.0 ** (dense - 1)
+        # thresholds on an element's slack itself and a float32 rounding either side
+        edge = np.sort(np.abs(s).reshape(-1))[::97]
+        for t in [thr, *edge, *np.nextafter(edge.astype(np.float32), np.inf),
+                  *np.nextafter(edge.astype(np.float32), -np.inf)]:
+            act, viol = prob.scan(A64, B64, float(t))
+            assert viol == int(np.count_nonzero(s < 0)) > 0
+            want = np.flatnonzero(s < t)
+            assert np.array_equal(act.idx, want), (use_kernel, t)
+            for got, full in ((act.w, W), (act.lo, prob.lo), (act.hi, prob.hi),
+                              (act.logu, prob.logu)):
+                assert np.array_equal(got, np.asarray(full).reshape(-1)[want])
+
+
+@pytest.mark.skipif(refine._kernel is None, reason="the C kernel _refitkernel is not built")
+@pytest.mark.parametrize("code", ["BF16", "F16"])
+def test_the_c_boxes_are_rounding_box_s(code):
+    """The kernel's boxes from the stored bits (``box``) against numpy's
+    ``rounding_box``: every kind of value (zeros of both signs, subnormals, powers of
+    two, the largest finite) at the refit's margins and the exact boundaries; a
+    non-finite value sends the module to numpy."""
+    fmt = nm.float_format(code)
+    T = _values(code)
+    T = np.concatenate([T, [-0.0, fmt.max_value, -fmt.max_value]])
+    bits = nm.round_to_format(T, code).reshape(1, -1)
+    W = np.zeros(bits.shape, np.float32)
+    for margin in (0.5, refine.MARGIN, 0.5 - 2.0 ** -12):
+        c = refine._Problem(W, bits, code, margin, True)
+        p = refine._Problem(W, bits, code, margin, False)
+        for name in ("lo", "hi", "logu"):
+            assert getattr(c, name).tobytes() == getattr(p, name).tobytes(), (margin, name)
+    bad = np.concatenate([bits, nm.round_to_format(np.array([[np.inf]]), code)], axis=1)
+    lo = np.empty(bad.shape, np.float32)
+    assert refine._kernel.box(bad, refine._BOX_FORMATS[code], 0.5, lo, lo.copy(),
+                              np.empty(bad.shape, np.int16)) == 1
+    c = refine._Problem(np.zeros(bad.shape, np.float32), bad, code, 0.5, True)
+    p = refine._Problem(np.zeros(bad.shape, np.float32), bad, code, 0.5, False)
+    assert c.lo[:, :-1].tobytes() == p.lo[:, :-1].tobytes() and np.isinf(c.hi[0, -1])
+
+
+@pytest.mark.skipif(refine._kernel is None, reason="the C kernel _refitkernel is not built")
+@pytest.mark.parametrize("code", ["BF16", "F16"])
+def test_the_c_stats_pass_counts_as_numpy_rounds(code):
+    """``fuse_stats``: the kernel's count of re-fused elements that differ (one rounding
+    of the float64 sum to nearest, ties to even, overflow, signed zeros, subnormals) is
+    numpy's ``round_to_format``'s; the residual and noise norms agree to the last bits
+    of another order of addition. Ties: tuned values moved by one ulp put sums on
+    boundaries."""
+    fmt = nm.float_format(code)
+    rng = np.random.default_rng(11)
+    n, m = 48, 300
+    mag = 10.0 ** rng.integers(-9 if code == "BF16" else -7, 4, size=(n, m))
+    W = nm.to_float32(nm.round_to_format(rng.normal(size=(n, m)) * mag, fmt), fmt)
+    W[0, :6], W[1, :6] = 0.0, -0.0
+    W[2, :4] = fmt.max_value
+    A = (rng.normal(size=(3, m)) * 10.0 ** rng.integers(-5, 2, size=(3, m))).astype(np.float32)
+    B = (rng.normal(size=(n, 3)) * 10.0 ** rng.integers(-5, 2, size=(n, 3))).astype(np.float32)
+    A[:, :3] = 0
+    A[:, 3] = 2.0 ** rng.integers(-8, 0, size=3)  # products on the spacing of W: ties
+    exact = nm.round_to_format(W + B.astype(np.float64) @ A, fmt)
+    moved = exact.copy()
+    moved[::3] ^= np.uint16(1)
+    moved[4, :6] ^= np.uint16(0x8000)
+    for Tb in (exact, moved):
+        for fac in ((A, B), (None, None), (A * 0, B * 0)):
+            c = refine.fuse_stats(W, Tb, code, *fac, use_kernel=True)
+            p = refine.fuse_stats(W, Tb, code, *fac, use_kernel=False)
+            assert c[0] == p[0], (fac[0] is None, c, p)
+            assert c[1:] == pytest.approx(p[1:], rel=1e-12)
+    assert refine.fuse_stats(W, moved, code, A, B)[0] > n * m / 3
+    assert refine.outside_count(W, moved, code, A, B) == \
+        refine.fuse_stats(W, moved, code, A, B, use_kernel=False)[0]
 
 
 def test_a_narrow_active_band_reaches_what_the_wide_one_does():
