@@ -82,7 +82,7 @@ from .lowrank import (
     matrix_svd,
     split_factors,
 )
-from .refine import stats_in_c, fuse_stats, outside_count, refine_factors
+from .refine import fuse_stats, outside_count, refine_factors, stats_in_c
 
 __all__ = ['ExtractReport', 'extract', 'svd_note', 'ResizeReport', 'resize']
 
