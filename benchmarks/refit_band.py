@@ -60,8 +60,8 @@ def _active(W, bits, code, A, B, slack: float):
     dense = int(np.median(prob.logu)) - refine.DENSE_BINADES
     thr, _ = refine._thresholds(prob, slack, dense)
     A64, B64 = A.astype(np.float64), B.astype(np.float64)
-    idx, _ = prob.scan(A64, B64, thr)
-    act = prob.gather(idx)
+    act, _ = prob.scan(A64, B64, thr)
+    idx = act.idx
     wtab = prob.weights(1.0)
     per = {}
     for full in (False, True):

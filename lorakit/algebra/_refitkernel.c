@@ -40,7 +40,7 @@
  *   elements): for each element outside its box, residual rr (signed distance
  *   outside) and weight wt = wtab[logu + 512], with s its row (side 0, f = at[j]) or
  *   column (side 1, f = b[i]): loss[s] += (wt*rr)*rr and, when G is non-empty,
- *   G[s, pair(a<=b)] += (f_a*f_b)*wt, g[s, k] += (wt*rr)*f_k.
+ *   G[s, a, b] += (f_a*f_b)*wt (the whole r x r matrix), g[s, k] += (wt*rr)*f_k.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -301,36 +301,37 @@ done:
     return res;
 }
 
-static PyObject *accum(PyObject *self, PyObject *args) {
-    Py_buffer ix, w, lo, hi, lu, b, at, wt, G, g, loss;
-    Py_ssize_t cols, r;
-    int side;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*nny*y*y*iw*w*w*", &ix, &w, &lo, &hi, &lu, &cols, &r,
-                          &b, &at, &wt, &side, &G, &g, &loss))
-        return NULL;
-    PyObject *res = NULL;
-    Py_ssize_t k = ix.len / 8, rows = b.len / 8 / (r > 0 ? r : 1);
-    Py_ssize_t size = side ? cols : rows, np_ = r * (r + 1) / 2;
-    int full = G.len > 0;
-    if (cols <= 0 || r <= 0 || w.len != k * 4 || lo.len != k * 4 || hi.len != k * 4 ||
-        lu.len != k * 2 || at.len != cols * r * 8 || wt.len != TAB * 8 ||
-        loss.len != size * 8 || (full && (G.len != size * np_ * 8 || g.len != size * r * 8))) {
-        PyErr_SetString(PyExc_ValueError, "_refitkernel.accum: buffer sizes do not match");
-        goto done;
+/* G[a][c] += (f[a] f[c]) wv for r = 8, each entry as the scalar loop computes it */
+#if defined(__GNUC__)
+typedef double v4d __attribute__((vector_size(32)));
+static inline void g8(double *G, const double *f, double wv) {
+    v4d f0, f1, w = {wv, wv, wv, wv};
+    memcpy(&f0, f, 32); memcpy(&f1, f + 4, 32);
+    for (int a = 0; a < 8; a++) {
+        v4d fa = {f[a], f[a], f[a], f[a]}, x0, x1;
+        memcpy(&x0, G + a * 8, 32); memcpy(&x1, G + a * 8 + 4, 32);
+        x0 += (fa * f0) * w; x1 += (fa * f1) * w;
+        memcpy(G + a * 8, &x0, 32); memcpy(G + a * 8 + 4, &x1, 32);
     }
-    const int64_t *I = ix.buf;
-    const float *W = w.buf, *L = lo.buf, *H = hi.buf;
-    const int16_t *U = lu.buf;
-    const double *Bp = b.buf, *Ap = at.buf, *Wt = wt.buf;
-    double *Gp = G.buf, *gp = g.buf, *lp = loss.buf;
-    Py_ssize_t viol = 0, bad = 0;
-    F32 f = {NULL, NULL, NULL, NULL};
-    if (!f32_init(&f, Bp, rows, Ap, cols, r, 0)) {
-        f32_free(&f);
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
+}
+#else
+static inline void g8(double *G, const double *f, double wv) {
+    for (int a = 0; a < 8; a++)
+        for (int c = 0; c < 8; c++) G[a * 8 + c] += (f[a] * f[c]) * wv;
+}
+#endif
+
+/* accum's loop (below): the sums over the active set; returns the count outside, and
+   sets *bad on an index out of range */
+MULTIVERSION static Py_ssize_t accum_run(const int64_t *I, Py_ssize_t k, const float *W,
+                                         const float *L, const float *H, const int16_t *U,
+                                         Py_ssize_t cols, Py_ssize_t rows, Py_ssize_t r,
+                                         const double *Bp, const double *Ap, const F32 *fp,
+                                         const double *Wt, int side, int full, double *Gp,
+                                         double *gp, double *lp, Py_ssize_t np_, int *badp) {
+    const F32 f = *fp;
+    Py_ssize_t viol = 0;
+    int bad = 0;
     /* A block of elements at a time, in three steps: the row and column of each flat
        index (one division per row met: the active set is ascending); x in float32 and
        its bound (F32 above), x in float64 for those not surely inside their box; then,
@@ -382,14 +383,54 @@ static PyObject *accum(PyObject *self, PyObject *args) {
             lp[s] += wr * rr;
             if (full) {
                 double *Gs = Gp + s * np_, *gs = gp + s * r;
-                Py_ssize_t q = 0;
-                for (Py_ssize_t a = 0; a < r; a++) {
-                    gs[a] += wr * f[a];
-                    for (Py_ssize_t c = a; c < r; c++) Gs[q++] += (f[a] * f[c]) * wv;
+                for (Py_ssize_t a = 0; a < r; a++) gs[a] += wr * f[a];
+                if (r == 8) {  /* the whole symmetric matrix: two 4-lane rows per a */
+                    g8(Gs, f, wv);
+                } else {
+                    for (Py_ssize_t a = 0; a < r; a++)
+                        for (Py_ssize_t c = 0; c < r; c++) Gs[a * r + c] += (f[a] * f[c]) * wv;
                 }
             }
         }
     }
+    *badp = bad;
+    return viol;
+}
+
+static PyObject *accum(PyObject *self, PyObject *args) {
+    Py_buffer ix, w, lo, hi, lu, b, at, wt, G, g, loss;
+    Py_ssize_t cols, r;
+    int side;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*nny*y*y*iw*w*w*", &ix, &w, &lo, &hi, &lu, &cols, &r,
+                          &b, &at, &wt, &side, &G, &g, &loss))
+        return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t k = ix.len / 8, rows = b.len / 8 / (r > 0 ? r : 1);
+    Py_ssize_t size = side ? cols : rows, np_ = r * r;
+    int full = G.len > 0;
+    if (cols <= 0 || r <= 0 || w.len != k * 4 || lo.len != k * 4 || hi.len != k * 4 ||
+        lu.len != k * 2 || at.len != cols * r * 8 || wt.len != TAB * 8 ||
+        loss.len != size * 8 || (full && (G.len != size * np_ * 8 || g.len != size * r * 8))) {
+        PyErr_SetString(PyExc_ValueError, "_refitkernel.accum: buffer sizes do not match");
+        goto done;
+    }
+    const int64_t *I = ix.buf;
+    const float *W = w.buf, *L = lo.buf, *H = hi.buf;
+    const int16_t *U = lu.buf;
+    const double *Bp = b.buf, *Ap = at.buf, *Wt = wt.buf;
+    double *Gp = G.buf, *gp = g.buf, *lp = loss.buf;
+    Py_ssize_t viol = 0, bad = 0;
+    F32 f = {NULL, NULL, NULL, NULL};
+    if (!f32_init(&f, Bp, rows, Ap, cols, r, 0)) {
+        f32_free(&f);
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    int bad_ = 0;
+    viol = accum_run(I, k, W, L, H, U, cols, rows, r, Bp, Ap, &f, Wt, side, full, Gp, gp, lp,
+                     np_, &bad_);
+    bad = bad_;
     Py_END_ALLOW_THREADS
     f32_free(&f);
     if (bad) PyErr_SetString(PyExc_ValueError, "_refitkernel.accum: index out of range");

@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from .. import numerics as nm
 from ..errors import FormatError
@@ -392,7 +393,11 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
     # one slot per tensor in checkpoint order: a low-rank module's slot is its future
     slots: List[Tuple[str, Any]] = []
     pending: Deque[Any] = deque()
+    # the modules in flight share the cores: BLAS (the SVDs, the r x r solves) gets its
+    # share each, not a pool per module whose threads wait on one another
+    blas = max(1, (os.cpu_count() or 1) // threads)
     with progress_bar(progress, total, "extract") as bar, \
+            threadpool_limits(limits=blas, user_api="blas"), \
             ThreadPoolExecutor(threads, thread_name_prefix="lorakit-extract") as pool:
         def settle(fut) -> None:
             fut.result()  # an error surfaces here, in checkpoint order

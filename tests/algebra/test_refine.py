@@ -194,10 +194,13 @@ def test_the_c_stats_pass_counts_as_numpy_rounds(code):
     moved[4, :6] ^= np.uint16(0x8000)
     for Tb in (exact, moved):
         for fac in ((A, B), (None, None), (A * 0, B * 0)):
-            c = refine.fuse_stats(W, Tb, code, *fac, use_kernel=True)
-            p = refine.fuse_stats(W, Tb, code, *fac, use_kernel=False)
+            dc, dp = np.full(W.shape, np.nan), np.full(W.shape, np.nan)
+            c = refine.fuse_stats(W, Tb, code, *fac, use_kernel=True, diff=dc)
+            p = refine.fuse_stats(W, Tb, code, *fac, use_kernel=False, diff=dp)
             assert c[0] == p[0], (fac[0] is None, c, p)
             assert c[1:] == pytest.approx(p[1:], rel=1e-12)
+            assert dc.tobytes() == dp.tobytes()  # T - W, exact
+            assert np.array_equal(dc, nm.to_float64(Tb, fmt) - W)
     assert refine.fuse_stats(W, moved, code, A, B)[0] > n * m / 3
     assert refine.outside_count(W, moved, code, A, B) == \
         refine.fuse_stats(W, moved, code, A, B, use_kernel=False)[0]
