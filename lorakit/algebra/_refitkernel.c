@@ -20,7 +20,7 @@
  *   (float64); outside: elements whose x, rounded once to fmt (to nearest, ties to
  *   even), is not the stored value (bits uint16, fmt 0 bfloat16, 1 float16);
  *   resid_sq: sum of ((T - w) - s)**2; noise_sq: sum of (ulp(T) / 2)**2, both summed
- *   in element order; d (optional, float64 rows x cols): written with T - w.
+ *   in eight partial sums (element index mod 8 within each block of a row); d (optional, float64 rows x cols): written with T - w.
 
  * scan(w, lo, hi, logu, cols, r, b, a, thr, oidx, ow, olo, ohi, ologu)
  *     -> (count, violators, whole)
@@ -54,6 +54,11 @@
 #define MULTIVERSION __attribute__((target_clones("avx2", "default")))
 #else
 #define MULTIVERSION
+#endif
+#if defined(_MSC_VER)
+#define ALWAYS_INLINE __forceinline
+#else
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 #endif
 
 #define OFF 512
@@ -154,12 +159,15 @@ MULTIVERSION static Py_ssize_t scan_block(const float *W, const float *L, const 
         const float bk = bi32[k], *ak = f->a32 + k * cols + j0;
         for (u = 0; u < nb; u++) xs[u] += bk * ak[u];
     }
-    for (u = 0; u < nb; u++) {  /* the undecided elements, listed without a branch */
+    for (u = 0; u < nb; u++) {  /* the undecided elements (a vector loop): margin <= 0 */
         float x = xs[u], l = L[t0 + u], h = H[t0 + u];
         float e = c * (fabsf(W[t0 + u]) + nbi * f->na[j0 + u]) + TINY;
         float s1 = x - l, s2 = h - x, sl = s1 < s2 ? s1 : s2;
+        xs[u] = sl - (th32 + 2 * e);
+    }
+    for (u = 0; u < nb; u++) {  /* ... listed without a branch */
         cand[nc] = (int)u;
-        nc += sl < th32 + 2 * e;
+        nc += !(xs[u] >= 0);
     }
     for (Py_ssize_t q = 0; q < nc; q++) {
         u = cand[q];
@@ -252,7 +260,7 @@ static inline double decode(uint16_t v, int fmt) {
 
 /* The boxes of n values of one format (fmt a constant where inlined: one loop each),
    without a branch on the data (the signs are random); returns the non-finite count */
-static inline Py_ssize_t box_run(const uint16_t *V, Py_ssize_t n, const int fmt, double margin,
+static ALWAYS_INLINE Py_ssize_t box_run(const uint16_t *V, Py_ssize_t n, const int fmt, double margin,
                                  float *L, float *H, int16_t *U) {
     const int p = fmt ? 11 : 8, emin = fmt ? -14 : -126;
     const uint16_t inf = fmt ? 0x7c00 : 0x7f80;
@@ -278,6 +286,11 @@ static inline Py_ssize_t box_run(const uint16_t *V, Py_ssize_t n, const int fmt,
     return bad;
 }
 
+MULTIVERSION static Py_ssize_t box_all(const uint16_t *V, Py_ssize_t n, int fmt, double margin,
+                                       float *L, float *H, int16_t *U) {
+    return fmt ? box_run(V, n, 1, margin, L, H, U) : box_run(V, n, 0, margin, L, H, U);
+}
+
 static PyObject *box(PyObject *self, PyObject *args) {
     Py_buffer bits, lo, hi, lu;
     int fmt;
@@ -292,8 +305,7 @@ static PyObject *box(PyObject *self, PyObject *args) {
     }
     Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = fmt ? box_run(bits.buf, n, 1, margin, lo.buf, hi.buf, lu.buf)
-              : box_run(bits.buf, n, 0, margin, lo.buf, hi.buf, lu.buf);
+    bad = box_all(bits.buf, n, fmt, margin, lo.buf, hi.buf, lu.buf);
     Py_END_ALLOW_THREADS
     res = PyLong_FromSsize_t(bad);
 done:
@@ -447,17 +459,64 @@ done:
    nearest, ties to even; beyond the largest finite value's half ulp: infinity) */
 static inline double round_fmt(double x, int p, int emin, int emax) {
     double a = fabs(x);
-    if (!(a < INFINITY)) return x;  /* inf, NaN */
     uint64_t ab;
     memcpy(&ab, &a, 8);
-    int E = (int)(ab >> 52) - 1023;
-    if (E < emin) E = emin;  /* subnormals (and zero): the smallest quantum */
-    if (E > emax) return copysign(INFINITY, x);
+    int E = (int)(ab >> 52) - 1023, over = E > emax;
+    E = E < emin ? emin : (over ? emax : E);  /* subnormals (and zero): the smallest quantum */
     double q = pow2(E - (p - 1)), y = a * pow2((p - 1) - E);  /* a / q, exact */
     const double big = 0x1p52;  /* y < 2**(p + 1): y + 2**52 rounds to an integer, ties to even */
     double ry = (y + big) - big, v = ry * q;
-    if (v >= pow2(emax + 1)) v = INFINITY;
+    v = (over | (v >= pow2(emax + 1))) ? INFINITY : v;
+    v = a < INFINITY ? v : a;  /* inf, NaN: as they are */
     return copysign(v, x);
+}
+
+#define LANES 8  /* stats' partial sums: independent chains, one per lane */
+
+/* One row block of stats (fmt a constant where inlined); the counts and the partial
+   sums by lane u % LANES */
+static ALWAYS_INLINE Py_ssize_t stats_run(const float *W, const uint16_t *V, const int fmt,
+                                   const double *bi, const double *Ap, Py_ssize_t cols,
+                                   Py_ssize_t r, Py_ssize_t t0, Py_ssize_t j0, Py_ssize_t nb,
+                                   double *Dp, double *rs, double *ns) {
+    const int p = fmt ? 11 : 8, emin = fmt ? -14 : -126, emax = fmt ? 15 : 127;
+    double sb[BLK];
+    Py_ssize_t u, out = 0;
+    for (u = 0; u < nb; u++) sb[u] = r ? bi[0] * Ap[j0 + u] : 0.0;
+    for (Py_ssize_t k = 1; k < r; k++) {
+        const double bk = bi[k], *ak = Ap + k * cols + j0;
+        for (u = 0; u < nb; u++) sb[u] += bk * ak[u];
+    }
+    for (u = 0; u < nb; u++) {
+        double T = decode(V[t0 + u], fmt), wv = (double)W[t0 + u];
+        double x = round_fmt(sb[u] + wv, p, emin, emax);
+        out += !((x == T) & (signbit(x) == signbit(T)));
+        double d = T - wv, e = d - sb[u];  /* d: exact, two float32 values */
+        if (Dp) Dp[t0 + u] = d;
+        rs[u % LANES] += e * e;
+        double aT = fabs(T);
+        uint64_t ab;
+        memcpy(&ab, &aT, 8);
+        int E = (int)(ab >> 52) - 1023;
+        E = E < emin ? emin : (E > emax ? emax : E);
+        double h = 0.5 * pow2(E - (p - 1));
+        ns[u % LANES] += h * h;
+    }
+    return out;
+}
+
+MULTIVERSION static Py_ssize_t stats_rows(const float *W, const uint16_t *V, int fmt,
+                                          const double *Bp, const double *Ap, Py_ssize_t rows,
+                                          Py_ssize_t cols, Py_ssize_t r, double *Dp,
+                                          double *rs, double *ns) {
+    Py_ssize_t out = 0;
+    for (Py_ssize_t i = 0; i < rows; i++)
+        for (Py_ssize_t j0 = 0; j0 < cols; j0 += BLK) {
+            Py_ssize_t nb = cols - j0 < BLK ? cols - j0 : BLK;
+            out += fmt ? stats_run(W, V, 1, Bp + i * r, Ap, cols, r, i * cols + j0, j0, nb, Dp, rs, ns)
+                       : stats_run(W, V, 0, Bp + i * r, Ap, cols, r, i * cols + j0, j0, nb, Dp, rs, ns);
+        }
+    return out;
 }
 
 static PyObject *stats(PyObject *self, PyObject *args) {
@@ -473,43 +532,14 @@ static PyObject *stats(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "_refitkernel.stats: buffer sizes do not match");
         goto done;
     }
-    const float *W = w.buf;
-    const uint16_t *V = bits.buf;
-    const double *Bp = b.buf, *Ap = at.buf;
-    double *Dp = dd.buf;
-    const int p = fmt ? 11 : 8, emin = fmt ? -14 : -126, emax = fmt ? 15 : 127;
-    Py_ssize_t out = 0, rows = n / cols;
-    double rs = 0, ns = 0;
+    Py_ssize_t out;
+    double rs[LANES] = {0}, ns[LANES] = {0};
     Py_BEGIN_ALLOW_THREADS
-    double sb[BLK];
-    for (Py_ssize_t i = 0; i < rows; i++) {
-        const double *bi = Bp + i * r;
-        for (Py_ssize_t j0 = 0; j0 < cols; j0 += BLK) {
-            Py_ssize_t nb = cols - j0 < BLK ? cols - j0 : BLK, u, t0 = i * cols + j0;
-            for (u = 0; u < nb; u++) sb[u] = r ? bi[0] * Ap[j0 + u] : 0.0;
-            for (Py_ssize_t k = 1; k < r; k++) {
-                const double bk = bi[k], *ak = Ap + k * cols + j0;
-                for (u = 0; u < nb; u++) sb[u] += bk * ak[u];
-            }
-            for (u = 0; u < nb; u++) {
-                double T = decode(V[t0 + u], fmt), wv = (double)W[t0 + u];
-                double x = round_fmt(sb[u] + wv, p, emin, emax);
-                out += !(x == T && signbit(x) == signbit(T));
-                double e = (T - wv) - sb[u];
-                if (Dp) Dp[t0 + u] = T - wv;  /* exact: two float32 values */
-                rs += e * e;
-                double aT = fabs(T);
-                uint64_t ab;
-                memcpy(&ab, &aT, 8);
-                int E = (int)(ab >> 52) - 1023;
-                E = E < emin ? emin : (E > emax ? emax : E);
-                double h = 0.5 * pow2(E - (p - 1));
-                ns += h * h;
-            }
-        }
-    }
+    out = stats_rows(w.buf, bits.buf, fmt, b.buf, at.buf, n / cols, cols, r, dd.buf, rs, ns);
     Py_END_ALLOW_THREADS
-    res = Py_BuildValue("ndd", out, rs, ns);
+    double rt = 0, nt = 0;
+    for (int q = 0; q < LANES; q++) { rt += rs[q]; nt += ns[q]; }
+    res = Py_BuildValue("ndd", out, rt, nt);
 done:
     PyBuffer_Release(&w); PyBuffer_Release(&bits); PyBuffer_Release(&b); PyBuffer_Release(&at);
     if (dd.buf) PyBuffer_Release(&dd);
