@@ -15,6 +15,9 @@
  *   non-finite values (their entries are not meaningful: the caller uses numpy).
  *
  * stats(w, bits, fmt, cols, r, b, a[, d]) -> (outside, resid_sq, noise_sq)
+ *   Two kinds of pass: with d (float64 rows x cols) it writes d = T - w and gives
+ *   resid_sq and noise_sq, outside 0 (not counted); without d, outside and resid_sq,
+ *   noise_sq 0 (not summed).
  *   One pass over a module with factors b float64 rows x r and a float64 r x cols
  *   (r = 0: none): x = w + s, s = sum_k b[k] a[k] summed from b[0] a[0] in k order
  *   (float64); outside: elements whose x, rounded once to fmt (to nearest, ties to
@@ -478,7 +481,7 @@ static inline double round_fmt(double x, int p, int emin, int emax) {
 static ALWAYS_INLINE Py_ssize_t stats_run(const float *W, const uint16_t *V, const int fmt,
                                    const double *bi, const double *Ap, Py_ssize_t cols,
                                    Py_ssize_t r, Py_ssize_t t0, Py_ssize_t j0, Py_ssize_t nb,
-                                   double *Dp, double *rs, double *ns) {
+                                   double *Dp, double *rs, double *ns, const int count) {
     const int p = fmt ? 11 : 8, emin = fmt ? -14 : -126, emax = fmt ? 15 : 127;
     double sb[BLK];
     Py_ssize_t u, out = 0;
@@ -489,11 +492,14 @@ static ALWAYS_INLINE Py_ssize_t stats_run(const float *W, const uint16_t *V, con
     }
     for (u = 0; u < nb; u++) {
         double T = decode(V[t0 + u], fmt), wv = (double)W[t0 + u];
-        double x = round_fmt(sb[u] + wv, p, emin, emax);
-        out += !((x == T) & (signbit(x) == signbit(T)));
+        if (count) {
+            double x = round_fmt(sb[u] + wv, p, emin, emax);
+            out += !((x == T) & (signbit(x) == signbit(T)));
+        }
         double d = T - wv, e = d - sb[u];  /* d: exact, two float32 values */
-        if (Dp) Dp[t0 + u] = d;
         rs[u % LANES] += e * e;
+        if (!Dp) continue;  /* the first pass (no factors): D and the noise */
+        Dp[t0 + u] = d;
         double aT = fabs(T);
         uint64_t ab;
         memcpy(&ab, &aT, 8);
@@ -513,8 +519,14 @@ MULTIVERSION static Py_ssize_t stats_rows(const float *W, const uint16_t *V, int
     for (Py_ssize_t i = 0; i < rows; i++)
         for (Py_ssize_t j0 = 0; j0 < cols; j0 += BLK) {
             Py_ssize_t nb = cols - j0 < BLK ? cols - j0 : BLK;
-            out += fmt ? stats_run(W, V, 1, Bp + i * r, Ap, cols, r, i * cols + j0, j0, nb, Dp, rs, ns)
-                       : stats_run(W, V, 0, Bp + i * r, Ap, cols, r, i * cols + j0, j0, nb, Dp, rs, ns);
+            const double *bi = Bp + i * r;
+            Py_ssize_t t0 = i * cols + j0;
+            if (Dp)  /* the first pass: no count */
+                out += fmt ? stats_run(W, V, 1, bi, Ap, cols, r, t0, j0, nb, Dp, rs, ns, 0)
+                           : stats_run(W, V, 0, bi, Ap, cols, r, t0, j0, nb, Dp, rs, ns, 0);
+            else
+                out += fmt ? stats_run(W, V, 1, bi, Ap, cols, r, t0, j0, nb, Dp, rs, ns, 1)
+                           : stats_run(W, V, 0, bi, Ap, cols, r, t0, j0, nb, Dp, rs, ns, 1);
         }
     return out;
 }

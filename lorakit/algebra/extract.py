@@ -83,7 +83,7 @@ from .lowrank import (
     matrix_svd,
     split_factors,
 )
-from .refine import fuse_stats, outside_count, refine_factors, stats_in_c
+from .refine import difference, fuse_stats, outside_count, refine_factors, stats_in_c
 
 __all__ = ['ExtractReport', 'extract', 'svd_note', 'ResizeReport', 'resize']
 
@@ -257,20 +257,19 @@ def _lowrank_row(name: str, b: TensorSource, t: TensorSource, t_bits: np.ndarray
 def _lowrank_fast(name: str, W: np.ndarray, t_bits: np.ndarray, code: str,
                   rank: Optional[int], energy: Optional[float], exact_max: int, seed: int,
                   refine: bool):
-    """:func:`_lowrank_row` for an exact float32 base and bf16/fp16 tuned bits: the
-    noise, ``||T - W||``, each residual and each re-fuse count come from one pass of
-    the refit kernel's ``stats`` over the stored bits (:func:`fuse_stats`), and
-    ``D = T - W`` (float64, exact) is written by the first of them, so ``T`` is never
-    held in float64."""
+    """:func:`_lowrank_row` for an exact float32 base and bf16/fp16 tuned bits: one pass
+    of the refit kernel's ``stats`` over the stored bits writes ``D = T - W`` (float64,
+    exact) with its norm and the noise (:func:`difference`), and one gives each re-fuse
+    count with its residual (:func:`fuse_stats`), so ``T`` is never held in float64."""
     D = np.empty(W.shape)
-    _, total, sq = fuse_stats(W, t_bits, code, None, None, diff=D)
+    total, sq = difference(W, t_bits, code, D)
     noise = math.sqrt(sq)
     U, S, Vt, method = matrix_svd(D, rank, energy, exact_max=exact_max, seed=seed)
     del D
     k = max(choose_rank(S, total, rank, energy), 1)
     A, B = split_factors(U, S, Vt, k)
     del U, Vt
-    before, rsq, _ = fuse_stats(W, t_bits, code, A, B)
+    before, rsq = fuse_stats(W, t_bits, code, A, B)
     residual = math.sqrt(rsq)
     after, iters, secs = before, 0, 0.0
     if refine and code in REFINE_CODES and residual <= noise and before:

@@ -66,8 +66,9 @@ normal-equation passes first compute each ``W + B A`` in float32 with a rigorous
 bound on its distance from the float64 sum, and compute again in float64 (k order)
 only the elements that bound cannot place surely inside the box, or surely beyond the
 active threshold: every decision and sum is the float64 one. It also builds the boxes
-from the stored bits (``box``) and counts a re-fuse with the residual and noise norms
-in one pass (``stats``, :func:`fuse_stats`).
+from the stored bits (``box``), counts a re-fuse with its residual in one pass
+(``stats``, :func:`fuse_stats`) and writes ``T - W`` with its norm and the noise in
+another (:func:`difference`).
 
 >>> rng = np.random.default_rng(0)
 >>> W = nm.to_float64(nm.round_to_format(rng.normal(size=(64, 48)) * 0.02, "BF16"), "BF16")
@@ -91,7 +92,7 @@ from .. import numerics as nm
 
 __all__ = ["MARGIN", "margin_gap", "RAMP", "MAX_ITERS", "LARGE_ITERS", "LARGE", "PATIENCE",
            "SLACK", "COUNT_SLACK", "RESCAN", "DENSE_BINADES", "RefineResult", "rounding_box",
-           "outside_count", "fuse_stats", "refine_factors"]
+           "outside_count", "fuse_stats", "difference", "refine_factors"]
 
 #: the box of the smallest matrices, as a share of the half spacings (``0.5 -
 #: margin_gap``: a dyadic, so the shrunken edges of a bf16/fp16 value are exact in
@@ -208,40 +209,52 @@ def stats_in_c(W: np.ndarray, T_bits: np.ndarray, code: str) -> bool:
         np.asarray(T_bits).dtype.itemsize == 2 and np.shape(T_bits) == W.shape
 
 
-def fuse_stats(W: np.ndarray, T_bits: np.ndarray, code: str, A: Optional[np.ndarray],
-               B: Optional[np.ndarray], use_kernel: bool = True,
-               diff: Optional[np.ndarray] = None) -> Tuple[int, float, float]:
-    """One pass over a module: ``(outside, resid_sq, noise_sq)``. ``outside``: elements
-    where ``round(W + B @ A)`` (the float64 sum, one rounding to ``code``) differs from
-    the stored ``T_bits``; ``resid_sq``: ``||T - W - B A||_F^2``; ``noise_sq``:
-    ``||ulp(T) / 2||_F^2``. ``A = B = None``: no factors (``resid_sq = ||T - W||^2``).
-    The products are summed in k order (:func:`_products`), by the C kernel where it
-    serves, else by numpy: the same count; the two float sums differ at most in their
-    last bits (another order of addition). ``diff`` (float64, W's shape), if given, is
-    written with ``T - W`` (exact) in the same pass."""
+def fuse_stats(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray, B: np.ndarray,
+               use_kernel: bool = True) -> Tuple[int, float]:
+    """One pass over a module: ``(outside, resid_sq)``. ``outside``: elements where
+    ``round(W + B @ A)`` (the float64 sum, one rounding to ``code``) differs from the
+    stored ``T_bits``; ``resid_sq``: ``||T - W - B A||_F^2``. The products are summed in
+    k order (:func:`_products`), by the C kernel where it serves, else by numpy: the same
+    count; the two float sums differ at most in their last bits (another order of
+    addition)."""
     n, m = W.shape
-    A64 = np.zeros((0, m)) if A is None else np.ascontiguousarray(A, np.float64)
-    B64 = np.zeros((n, 0)) if B is None else np.ascontiguousarray(B, np.float64)
+    A64, B64 = np.ascontiguousarray(A, np.float64), np.ascontiguousarray(B, np.float64)
     if use_kernel and stats_in_c(W, T_bits, code):
-        extra = () if diff is None else (diff,)
-        out, rs, ns = _kernel.stats(W, np.ascontiguousarray(T_bits), _BOX_FORMATS[code], m,
-                                    A64.shape[0], B64, A64, *extra)
-        return int(out), float(rs), float(ns)
+        out, rs, _ = _kernel.stats(W, np.ascontiguousarray(T_bits), _BOX_FORMATS[code], m,
+                                   A64.shape[0], B64, A64)
+        return int(out), float(rs)
     fmt = nm.float_format(code)
-    out, rs, ns = 0, 0.0, 0.0
+    out, rs = 0, 0.0
     for rows in nm.chunks(n, m, _CHUNK):
-        T = nm.to_float64(T_bits[rows], fmt)
+        S = _products(A64, B64, rows)
         Wr = W[rows].astype(np.float64)
-        S = _products(A64, B64, rows) if A64.shape[0] else np.zeros_like(Wr)
         out += int(np.count_nonzero(nm.round_to_format(S + Wr, fmt) != T_bits[rows]))
-        R = T - Wr
-        if diff is not None:
-            diff[rows] = R
+        R = nm.to_float64(T_bits[rows], fmt) - Wr
         R -= S
         rs += float(np.einsum("ij,ij->", R, R))
+    return out, rs
+
+
+def difference(W: np.ndarray, T_bits: np.ndarray, code: str, out: np.ndarray,
+               use_kernel: bool = True) -> Tuple[float, float]:
+    """``out[...] = T - W`` (float64, exact) in one pass over a module, and
+    ``(||T - W||_F^2, ||ulp(T) / 2||_F^2)`` (the rounding noise's bound); by the C
+    kernel where it serves (the sums in another order than numpy's: their last bits)."""
+    n, m = W.shape
+    if use_kernel and stats_in_c(W, T_bits, code):
+        _, sq, ns = _kernel.stats(W, np.ascontiguousarray(T_bits), _BOX_FORMATS[code], m, 0,
+                                  np.zeros((n, 0)), np.zeros((0, m)), out)
+        return float(sq), float(ns)
+    fmt = nm.float_format(code)
+    sq, ns = 0.0, 0.0
+    for rows in nm.chunks(n, m, _CHUNK):
+        T = nm.to_float64(T_bits[rows], fmt)
+        R = out[rows]
+        np.subtract(T, W[rows], out=R)
+        sq += float(np.einsum("ij,ij->", R, R))
         h = 0.5 * nm.ulp(T, fmt)
         ns += float(np.einsum("ij,ij->", h, h))
-    return out, rs, ns
+    return sq, ns
 
 
 def outside_count(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
@@ -556,8 +569,7 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
                 A1, B1 = A.copy(), B.copy()
     def counted(A: np.ndarray, B: np.ndarray) -> Tuple[int, Optional[float]]:
         if stats_in_c(W, T_bits, code):  # the count and the residual in one pass
-            out, rsq, _ = fuse_stats(W, T_bits, code, A, B)
-            return out, rsq
+            return fuse_stats(W, T_bits, code, A, B)
         return outside_count(W, T_bits, code, A, B), None
 
     final = (*counted(A, B), A, B) if it else (before, None, A, B)

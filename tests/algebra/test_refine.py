@@ -174,9 +174,9 @@ def test_the_c_boxes_are_rounding_box_s(code):
 def test_the_c_stats_pass_counts_as_numpy_rounds(code):
     """``fuse_stats``: the kernel's count of re-fused elements that differ (one rounding
     of the float64 sum to nearest, ties to even, overflow, signed zeros, subnormals) is
-    numpy's ``round_to_format``'s; the residual and noise norms agree to the last bits
-    of another order of addition. Ties: tuned values moved by one ulp put sums on
-    boundaries."""
+    numpy's ``round_to_format``'s, and the residual agrees to the last bits of another
+    order of addition; ``difference``: ``T - W`` exact, its norm and the noise the
+    same. Ties: tuned values moved by one ulp put sums on boundaries."""
     fmt = nm.float_format(code)
     rng = np.random.default_rng(11)
     n, m = 48, 300
@@ -193,14 +193,19 @@ def test_the_c_stats_pass_counts_as_numpy_rounds(code):
     moved[::3] ^= np.uint16(1)
     moved[4, :6] ^= np.uint16(0x8000)
     for Tb in (exact, moved):
-        for fac in ((A, B), (None, None), (A * 0, B * 0)):
-            dc, dp = np.full(W.shape, np.nan), np.full(W.shape, np.nan)
-            c = refine.fuse_stats(W, Tb, code, *fac, use_kernel=True, diff=dc)
-            p = refine.fuse_stats(W, Tb, code, *fac, use_kernel=False, diff=dp)
-            assert c[0] == p[0], (fac[0] is None, c, p)
-            assert c[1:] == pytest.approx(p[1:], rel=1e-12)
-            assert dc.tobytes() == dp.tobytes()  # T - W, exact
-            assert np.array_equal(dc, nm.to_float64(Tb, fmt) - W)
+        for fac in ((A, B), (A * 0, B * 0)):
+            c = refine.fuse_stats(W, Tb, code, *fac, use_kernel=True)
+            p = refine.fuse_stats(W, Tb, code, *fac, use_kernel=False)
+            assert c[0] == p[0], (c, p)
+            assert c[1] == pytest.approx(p[1], rel=1e-12)
+        dc, dp = np.full(W.shape, np.nan), np.full(W.shape, np.nan)
+        c = refine.difference(W, Tb, code, dc, use_kernel=True)
+        p = refine.difference(W, Tb, code, dp, use_kernel=False)
+        assert c == pytest.approx(p, rel=1e-12)
+        assert dc.tobytes() == dp.tobytes()  # T - W, exact
+        assert np.array_equal(dc, nm.to_float64(Tb, fmt) - W)
+        half = 0.5 * nm.ulp(nm.to_float64(Tb, fmt), fmt)
+        assert c[1] == pytest.approx(float(np.sum(half * half)), rel=1e-12)
     assert refine.fuse_stats(W, moved, code, A, B)[0] > n * m / 3
     assert refine.outside_count(W, moved, code, A, B) == \
         refine.fuse_stats(W, moved, code, A, B, use_kernel=False)[0]
