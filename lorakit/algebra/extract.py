@@ -83,7 +83,7 @@ from .lowrank import (
     matrix_svd,
     split_factors,
 )
-from .refine import difference, fuse_stats, outside_count, refine_factors, stats_in_c
+from .refine import difference, fuse_stats, outside_count, refine_factors, scratch, stats_in_c
 
 __all__ = ['ExtractReport', 'extract', 'svd_note', 'ResizeReport', 'resize']
 
@@ -206,19 +206,18 @@ def _check_pair(b: TensorSource, t: TensorSource) -> None:
                           found=f"{len(errors)} mismatch(es), listed above")
 
 
-def _lowrank_row(name: str, b: TensorSource, t: TensorSource, t_bits: np.ndarray, code: str,
+def _lowrank_row(name: str, W: np.ndarray, t: TensorSource, t_bits: np.ndarray, code: str,
                  rank: Optional[int], energy: Optional[float], exact_max: int, seed: int,
                  refine: bool):
     """One low-rank module: the SVD of ``T - W``, its counts, and the refit.
 
-    Memory (two modules are in flight by default): the weights are read here, not by
-    the caller (whose frame would keep them alive), and each full-size array lives only
-    as long as it must. ``W`` is read as float32 where that is exact (a bf16/fp16/f32
-    base), else float64; ``T`` (float64) gives the rounding noise (its half ulps a row
+    Memory (two modules are in flight by default): each full-size array lives only as
+    long as it must. ``W`` (:func:`_base_rows`, from the storage the caller compared) is
+    float32 where that is exact (a bf16/fp16/f32 base), else float64. For bf16/fp16
+    tuned bits and a float32 ``W``, :func:`_lowrank_fast`; else ``T`` (float64) gives the rounding noise (its half ulps a row
     chunk at a time, never a full-size array) and then becomes ``D = T - W`` in place;
     later rows of ``T`` are decoded again from the stored bits (exact). The values, and
     so every result, are those of float64 ``W`` and ``T``."""
-    W = _base_rows(b, name)
     if stats_in_c(W, t_bits, code):  # one C pass for each count and norm (same values)
         return _lowrank_fast(name, W, t_bits, code, rank, energy, exact_max, seed, refine)
     T = weight_f64(t, name)
@@ -261,7 +260,7 @@ def _lowrank_fast(name: str, W: np.ndarray, t_bits: np.ndarray, code: str,
     of the refit kernel's ``stats`` over the stored bits writes ``D = T - W`` (float64,
     exact) with its norm and the noise (:func:`difference`), and one gives each re-fuse
     count with its residual (:func:`fuse_stats`), so ``T`` is never held in float64."""
-    D = np.empty(W.shape)
+    D = scratch("D", W.shape, np.float64)
     total, sq = difference(W, t_bits, code, D)
     noise = math.sqrt(sq)
     U, S, Vt, method = matrix_svd(D, rank, energy, exact_max=exact_max, seed=seed)
@@ -294,18 +293,19 @@ def _row(name: str, shape, k: int, method: str, total: float, residual: float, n
             "outside": after, "iters": iters, "note": ""}
 
 
-def _base_rows(b: TensorSource, name: str) -> np.ndarray:
+def _base_rows(b: TensorSource, name: str, raw: np.ndarray) -> np.ndarray:
     """The base weight: float32 when its values are all exact in float32 (bf16, fp16 and
-    f32 storage: read a row chunk at a time, no full float64 copy), else float64."""
+    f32 storage: decoded from its storage ``raw``, already read, a row chunk at a time,
+    no full float64 copy), else float64."""
     info = b.tensors[name]
     if info.dtype not in ("BF16", "F16", "F32") or len(info.shape) != 2:
         return weight_f64(b, name)
     if b.quant_params(name[: -len(".weight")] if name.endswith(".weight") else name):
         return weight_f64(b, name).astype(np.float32)  # dequantized: exact float32 values
     fmt = nm.float_format(info.dtype)
-    W = np.empty(tuple(info.shape), np.float32)
+    W = scratch("W", tuple(info.shape), np.float32)
     for rows in nm.chunks(*W.shape):
-        W[rows] = nm.to_float32(b.read(name, rows), fmt)
+        W[rows] = nm.to_float32(raw[rows], fmt)
     return W
 
 
@@ -385,8 +385,9 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
         raw_b, raw_t = b.read(name), t.read(name)
         if np.array_equal(raw_b, raw_t):
             return None
+        W = _base_rows(b, name, raw_b)
         del raw_b
-        return name, _lowrank_row(name, b, t, raw_t, t.tensors[name].dtype, rank, energy,
+        return name, _lowrank_row(name, W, t, raw_t, t.tensors[name].dtype, rank, energy,
                                   exact_max, seed, refine)
 
     # one slot per tensor in checkpoint order: a low-rank module's slot is its future

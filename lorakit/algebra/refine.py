@@ -82,6 +82,7 @@ True
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -91,7 +92,7 @@ import numpy as np
 from .. import numerics as nm
 
 __all__ = ["MARGIN", "margin_gap", "RAMP", "MAX_ITERS", "LARGE_ITERS", "LARGE", "PATIENCE",
-           "SLACK", "COUNT_SLACK", "RESCAN", "DENSE_BINADES", "RefineResult", "rounding_box",
+           "SLACK", "COUNT_SLACK", "RESCAN", "DENSE_BINADES", "RefineResult", "rounding_box", "scratch",
            "outside_count", "fuse_stats", "difference", "refine_factors"]
 
 #: the box of the smallest matrices, as a share of the half spacings (``0.5 -
@@ -141,6 +142,22 @@ class RefineResult:
     seconds: float
     history: Tuple[int, ...] = ()
     resid_sq: Optional[float] = None
+
+
+_SCRATCH = threading.local()
+
+
+def scratch(key: str, shape: Tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised array for one module's work, its memory kept by the calling
+    thread for the next module that asks for ``key`` (one module at a time per thread,
+    as extract works: fresh pages cost more to fault in than the work on them). The
+    array is valid until this thread asks for ``key`` again."""
+    pool = _SCRATCH.__dict__
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buf = pool.get(key)
+    if buf is None or buf.size < size:
+        buf = pool[key] = np.empty(size, np.uint8)
+    return buf[:size].view(dtype).reshape(shape)
 
 
 def margin_gap(shape: Tuple[int, int], rank: int) -> float:
@@ -286,10 +303,12 @@ _BLOCK = 256  # the kernel's block of elements (BLK): a scan's room has one to s
 class _Problem:
     """The fixed data of one refit: base and box edges (float32 for bf16/fp16, where
     they are exact), ulp exponents, and the two passes: :meth:`scan` over every
-    element (the active set) and :meth:`accum` over the gathered active set."""
+    element (the active set) and :meth:`accum` over the gathered active set.
+    ``pooled``: the edges and exponents in the thread's :func:`scratch` memory (one
+    problem at a time per thread, as :func:`refine_factors` makes them)."""
 
     def __init__(self, W: np.ndarray, T_bits: np.ndarray, code: str, margin: float,
-                 use_kernel: bool):
+                 use_kernel: bool, pooled: bool = False):
         self.fmt = nm.float_format(code)
         edge = _edge_dtype(code)
         n, m = W.shape
@@ -298,8 +317,9 @@ class _Problem:
         w32 = W.astype(np.float32, copy=False)
         self.W = w32 if edge is np.float32 and (w32 is W or np.array_equal(w32, W)) else W
         del w32
-        self.lo, self.hi = np.empty((n, m), edge), np.empty((n, m), edge)
-        self.logu = np.empty((n, m), np.int16)
+        new = scratch if pooled else (lambda key, shape, dt: np.empty(shape, dt))
+        self.lo, self.hi = new("lo", (n, m), edge), new("hi", (n, m), edge)
+        self.logu = new("logu", (n, m), np.int16)
         T_bits = np.asarray(T_bits)
         fast = use_kernel and _kernel is not None and code in _BOX_FORMATS and \
             T_bits.dtype.itemsize == 2 and T_bits.shape == (n, m)
@@ -522,7 +542,7 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
         max_iters = LARGE_ITERS if W.size > LARGE else MAX_ITERS
     if ramp is None:
         ramp = min(RAMP, max_iters)
-    prob = _Problem(W, np.asarray(T_bits), code, margin, use_kernel)
+    prob = _Problem(W, np.asarray(T_bits), code, margin, use_kernel, pooled=True)
     A = _f32(np.asarray(A, np.float64))
     B = _f32(np.asarray(B, np.float64))
     A_in, B_in = A.copy(), B.copy()
