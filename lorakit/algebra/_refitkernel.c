@@ -14,6 +14,12 @@
  *   (written: the exponent of each ulp, as np.frexp gives it). Returns the count of
  *   non-finite values (their entries are not meaningful: the caller uses numpy).
  *
+ * solve(G, g, mu, r, d) -> None
+ *   The damped Gauss-Newton steps d = (G + damp I)^-1 g of each system (G float64
+ *   n x r x r, g and d n x r, mu n; damp = mu tr(G) / r, or 1 if tr(G) <= 0) by
+ *   Cholesky, in refine._solve's order of operations; a system whose pivot is not
+ *   positive gets d = 0.
+ *
  * stats(w, bits, fmt, cols, r, b, a[, d]) -> (outside, resid_sq, noise_sq)
  *   Two kinds of pass: with d (float64 rows x cols) it writes d = T - w and gives
  *   resid_sq and noise_sq, outside 0 (not counted); without d, outside and resid_sq,
@@ -558,7 +564,63 @@ done:
     return res;
 }
 
+/* The damped steps (G + damp I)^-1 g of n systems of size r, by Cholesky (refine._solve's
+   numpy twin does the same operations in the same order) */
+static PyObject *solve(PyObject *self, PyObject *args) {
+    Py_buffer G, g, mu, d;
+    Py_ssize_t r;
+    if (!PyArg_ParseTuple(args, "y*y*y*nw*", &G, &g, &mu, &r, &d)) return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n = mu.len / 8;
+    if (r <= 0 || r > 64 || G.len != n * r * r * 8 || g.len != n * r * 8 || d.len != n * r * 8) {
+        PyErr_SetString(PyExc_ValueError, "_refitkernel.solve: buffer sizes do not match");
+        goto done;
+    }
+    const double *Gp = G.buf, *gp = g.buf, *mp = mu.buf;
+    double *dp = d.buf;
+    Py_BEGIN_ALLOW_THREADS
+    double L[64 * 64], y[64];
+    for (Py_ssize_t s = 0; s < n; s++) {
+        const double *M = Gp + s * r * r, *b = gp + s * r;
+        double *x = dp + s * r;
+        double t = M[0];
+        for (Py_ssize_t a = 1; a < r; a++) t += M[a * r + a];
+        t = t / (double)r;
+        double damp = t > 0 ? mp[s] * t : 1.0;
+        int ok = 1;
+        for (Py_ssize_t j = 0; j < r && ok; j++) {
+            double v = M[j * r + j] + damp;
+            for (Py_ssize_t q = 0; q < j; q++) v -= L[j * r + q] * L[j * r + q];
+            if (!(v > 0)) { ok = 0; break; }
+            L[j * r + j] = sqrt(v);
+            for (Py_ssize_t i = j + 1; i < r; i++) {
+                double w = M[i * r + j];
+                for (Py_ssize_t q = 0; q < j; q++) w -= L[i * r + q] * L[j * r + q];
+                L[i * r + j] = w / L[j * r + j];
+            }
+        }
+        if (!ok) { for (Py_ssize_t i = 0; i < r; i++) x[i] = 0.0; continue; }
+        for (Py_ssize_t i = 0; i < r; i++) {
+            double w = b[i];
+            for (Py_ssize_t q = 0; q < i; q++) w -= L[i * r + q] * y[q];
+            y[i] = w / L[i * r + i];
+        }
+        for (Py_ssize_t i = r - 1; i >= 0; i--) {
+            double w = y[i];
+            for (Py_ssize_t q = i + 1; q < r; q++) w -= L[q * r + i] * x[q];
+            x[i] = w / L[i * r + i];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&G); PyBuffer_Release(&g); PyBuffer_Release(&mu); PyBuffer_Release(&d);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"solve", solve, METH_VARARGS, "damped steps by Cholesky (see the file's header)"},
     {"stats", stats, METH_VARARGS, "re-fuse count, residual and noise (see the file's header)"},
     {"box", box, METH_VARARGS, "rounding boxes from the stored bits (see the file's header)"},
     {"scan", scan, METH_VARARGS, "active set of a full pass (see the file's header)"},

@@ -449,14 +449,54 @@ class _Active:
     logu: np.ndarray
 
 
-def _solve(Gp: np.ndarray, g: np.ndarray, mu: np.ndarray) -> np.ndarray:
+def _solve(Gp: np.ndarray, g: np.ndarray, mu: np.ndarray, use_kernel: bool = True
+           ) -> np.ndarray:
     """The damped Gauss-Newton steps ``(G + mu tr(G)/r I)^-1 g``, one r x r system per
-    row (column), batched; float64 (the normal equations square the condition)."""
+    row (column), by Cholesky (no pivoting: the damped matrix is positive definite; a
+    pivot that is not positive gives a zero step, which the loss check then rejects);
+    float64 (the normal equations square the condition). The C kernel's ``solve``
+    where built, else the same operations in the same order over the batch in numpy:
+    the same bits."""
     k = g.shape[-1]
-    G = Gp.reshape(-1, k, k)
-    tr = np.trace(G, axis1=1, axis2=2) / k
+    G = np.ascontiguousarray(Gp, np.float64).reshape(-1, k, k)
+    g = np.ascontiguousarray(g, np.float64)
+    mu = np.ascontiguousarray(mu, np.float64)
+    d = np.empty(g.shape)
+    if use_kernel and _kernel is not None:
+        _kernel.solve(G, g, mu, k, d)
+        return d
+    tr = G[:, 0, 0].copy()
+    for a in range(1, k):
+        tr += G[:, a, a]
+    tr = tr / k
     damp = np.where(tr > 0, mu * tr, 1.0)
-    return np.linalg.solve(G + damp[:, None, None] * np.eye(k), g[..., None])[..., 0]
+    L = np.zeros_like(G)
+    ok = np.ones(len(G), bool)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for j in range(k):
+            v = G[:, j, j] + damp
+            for q in range(j):
+                v -= L[:, j, q] * L[:, j, q]
+            ok &= v > 0
+            L[:, j, j] = np.sqrt(np.where(ok, v, 1.0))
+            for i in range(j + 1, k):
+                w = G[:, i, j].copy()
+                for q in range(j):
+                    w -= L[:, i, q] * L[:, j, q]
+                L[:, i, j] = w / L[:, j, j]
+        y = np.empty_like(g)
+        for i in range(k):
+            w = g[:, i].copy()
+            for q in range(i):
+                w -= L[:, i, q] * y[:, q]
+            y[:, i] = w / L[:, i, i]
+        for i in range(k - 1, -1, -1):
+            w = y[:, i].copy()
+            for q in range(i + 1, k):
+                w -= L[:, q, i] * d[:, q]
+            d[:, i] = w / L[:, i, i]
+    d[~ok] = 0.0
+    return d
 
 
 def _adapt(mu: np.ndarray, idx: np.ndarray, ok: np.ndarray) -> None:
@@ -472,7 +512,7 @@ def _step(prob: _Problem, act: _Active, A: np.ndarray, B: np.ndarray, wtab: np.n
     sel = np.flatnonzero(loss0 > 0)
     if sel.size == 0:
         return viol
-    d = _solve(G[sel], g[sel], mu[sel])
+    d = _solve(G[sel], g[sel], mu[sel], prob.kernel is not None)
     if side:
         An = A.copy()
         An[:, sel] = _f32(A[:, sel] - d.T)

@@ -239,3 +239,27 @@ def test_the_median_exponent_is_numpys_median():
             prob = object.__new__(refine._Problem)
             prob.logu, prob.shape = lu, shape
             assert prob.median_logu() == int(np.median(lu)), (shape, k)
+
+
+@pytest.mark.skipif(refine._kernel is None, reason="the C kernel _refitkernel is not built")
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_the_damped_steps_are_cholesky_s_in_c_and_numpy(k):
+    """``_solve``: the kernel's Cholesky and its numpy twin give the same bits, the
+    solution of ``(G + mu tr(G)/k I) d = g`` (against ``np.linalg.solve``); a zero
+    matrix is damped by the identity, and a system with a pivot that is not positive
+    gets a zero step in both."""
+    rng = np.random.default_rng(k)
+    F = rng.normal(size=(200, 40, k)) * 10.0 ** rng.integers(-4, 3, size=(200, 1, 1))
+    G = np.einsum("nia,nib->nab", F, F)
+    G[0] = 0.0
+    G[1] = -5 * np.eye(k)
+    g = rng.normal(size=(200, k))
+    mu = 10.0 ** rng.uniform(-6, 2, size=200)
+    c = refine._solve(G.reshape(200, -1), g, mu, True)
+    p = refine._solve(G.reshape(200, -1), g, mu, False)
+    assert c.tobytes() == p.tobytes()
+    tr = np.trace(G, axis1=1, axis2=2) / k
+    damp = np.where(tr > 0, mu * tr, 1.0)
+    want = np.linalg.solve(G + damp[:, None, None] * np.eye(k), g[..., None])[..., 0]
+    assert np.allclose(c[2:], want[2:], rtol=1e-9, atol=0)
+    assert np.array_equal(c[0], g[0]) and not np.any(c[1])
