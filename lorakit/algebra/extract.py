@@ -83,7 +83,7 @@ from .lowrank import (
     matrix_svd,
     split_factors,
 )
-from .refine import difference, fuse_stats, outside_count, refine_factors, scratch, stats_in_c
+from .refine import WORK, difference, fuse_stats, outside_count, refine_factors, scratch, stats_in_c
 
 __all__ = ['ExtractReport', 'extract', 'svd_note', 'ResizeReport', 'resize']
 
@@ -260,7 +260,7 @@ def _lowrank_fast(name: str, W: np.ndarray, t_bits: np.ndarray, code: str,
     of the refit kernel's ``stats`` over the stored bits writes ``D = T - W`` (float64,
     exact) with its norm and the noise (:func:`difference`), and one gives each re-fuse
     count with its residual (:func:`fuse_stats`), so ``T`` is never held in float64."""
-    D = scratch("D", W.shape, np.float64)
+    D = scratch(WORK, W.shape, np.float64)  # the refit's edges reuse its memory
     total, sq = difference(W, t_bits, code, D)
     noise = math.sqrt(sq)
     U, S, Vt, method = matrix_svd(D, rank, energy, exact_max=exact_max, seed=seed)

@@ -92,7 +92,7 @@ import numpy as np
 from .. import numerics as nm
 
 __all__ = ["MARGIN", "margin_gap", "RAMP", "MAX_ITERS", "LARGE_ITERS", "LARGE", "PATIENCE",
-           "SLACK", "COUNT_SLACK", "RESCAN", "DENSE_BINADES", "RefineResult", "rounding_box", "scratch",
+           "SLACK", "COUNT_SLACK", "RESCAN", "DENSE_BINADES", "RefineResult", "rounding_box", "scratch", "WORK",
            "outside_count", "fuse_stats", "difference", "refine_factors"]
 
 #: the box of the smallest matrices, as a share of the half spacings (``0.5 -
@@ -145,6 +145,9 @@ class RefineResult:
 
 
 _SCRATCH = threading.local()
+#: the scratch key of a refit's edges and exponents (pooled), which extract's ``T - W``
+#: uses before them: one buffer for both
+WORK = "work"
 
 
 def scratch(key: str, shape: Tuple[int, ...], dtype) -> np.ndarray:
@@ -304,8 +307,9 @@ class _Problem:
     """The fixed data of one refit: base and box edges (float32 for bf16/fp16, where
     they are exact), ulp exponents, and the two passes: :meth:`scan` over every
     element (the active set) and :meth:`accum` over the gathered active set.
-    ``pooled``: the edges and exponents in the thread's :func:`scratch` memory (one
-    problem at a time per thread, as :func:`refine_factors` makes them)."""
+    ``pooled``: the edges and exponents in the thread's :func:`scratch` memory ``WORK``
+    (one problem at a time per thread, as :func:`refine_factors` makes them; whatever
+    else held ``WORK`` is overwritten)."""
 
     def __init__(self, W: np.ndarray, T_bits: np.ndarray, code: str, margin: float,
                  use_kernel: bool, pooled: bool = False):
@@ -317,9 +321,12 @@ class _Problem:
         w32 = W.astype(np.float32, copy=False)
         self.W = w32 if edge is np.float32 and (w32 is W or np.array_equal(w32, W)) else W
         del w32
-        new = scratch if pooled else (lambda key, shape, dt: np.empty(shape, dt))
-        self.lo, self.hi = new("lo", (n, m), edge), new("hi", (n, m), edge)
-        self.logu = new("logu", (n, m), np.int16)
+        e = np.dtype(edge).itemsize * n * m
+        raw = scratch(WORK, (2 * e + 2 * n * m,), np.uint8) if pooled else \
+            np.empty(2 * e + 2 * n * m, np.uint8)
+        self.lo = raw[:e].view(edge).reshape(n, m)
+        self.hi = raw[e:2 * e].view(edge).reshape(n, m)
+        self.logu = raw[2 * e:].view(np.int16).reshape(n, m)
         T_bits = np.asarray(T_bits)
         fast = use_kernel and _kernel is not None and code in _BOX_FORMATS and \
             T_bits.dtype.itemsize == 2 and T_bits.shape == (n, m)
