@@ -17,6 +17,9 @@
   defaults, per module in alternating order, one process: refit CPU seconds and the
   elements outside after, on the 1.7B modules above plus layer 20's down_proj and
   o_proj, and on tiny-qwen3 (all modules, summed).
+* **ramp**: at the large modules' cap (``LARGE_ITERS``), the weight's exponent ramping
+  over all the iterations (the default) against a ramp that ends ``RAMP_EARLY``
+  iterations before the last, on the gate_proj and down_proj above: elements outside.
 
 The start is extract's own (the randomized or exact SVD, ``split_factors``).
 
@@ -59,6 +62,7 @@ SETTINGS = ["model.layers.27.mlp.gate_proj", "model.layers.20.mlp.down_proj",
             "model.layers.20.self_attn.q_proj", "model.layers.20.self_attn.k_proj",
             "model.layers.20.self_attn.o_proj"]
 EARLIER = {"margin": 0.5 - 2.0 ** -6, "max_iters": 50}
+RAMP_EARLY = 5  # the ramp compared with the default: ending this many iterations early
 
 
 def _problem(W32: np.ndarray, T: np.ndarray, bits: np.ndarray, code: str):
@@ -139,6 +143,16 @@ def main() -> int:
             row[which] = {"outside_after": out, "cpu_s": cpu}
         print(label, row, flush=True)
         settings.append(row)
+    # the weight's ramp at the large modules' cap: over all the iterations (the default)
+    # or ending RAMP_EARLY before the last
+    ramps = []
+    for label, probs in cases[1:3]:
+        row = {"module": label, "max_iters": refine.LARGE_ITERS}
+        for which, ramp in (("to_last", refine.LARGE_ITERS),
+                            ("early", refine.LARGE_ITERS - RAMP_EARLY)):
+            row[which] = {"ramp": ramp, "outside_after": _refit(probs, ramp=ramp)[0]}
+        print(label, row, flush=True)
+        ramps.append(row)
     big = [r for r in settings if r["module"] != "tiny-qwen3"]
     total = {w: {"cpu_s": sum(r[w]["cpu_s"] for r in big),
                  "outside_after": sum(r[w]["outside_after"] for r in big)}
@@ -149,7 +163,7 @@ def main() -> int:
          "loadavg": list(os.getloadavg()), "earlier": EARLIER,
          "defaults": {"max_iters": refine.MAX_ITERS, "large_iters": refine.LARGE_ITERS,
                       "large": refine.LARGE},
-         "sweep": sweep, "settings": settings, "total_1_7b": total}
+         "sweep": sweep, "settings": settings, "total_1_7b": total, "ramp": ramps}
     text = json.dumps(d, indent=2) + "\n"
     if a.json:
         a.json.write_text(text)

@@ -18,13 +18,13 @@ an r-variable least-squares problem over its violating elements) and the columns
 (distances in ulps of ``T``: the near-cancelling elements last) over ``RAMP``
 iterations, or over all of them when fewer are allowed (a ramp that ends at the last
 iteration left fewer elements outside, at the same count, than one that ends earlier:
-benchmarks/refit_settings.py). iterations. A step is kept per row (column) only if it lowers that row's (column's)
+benchmarks/refit_settings.py). A step is kept per row (column) only if it lowers that row's (column's)
 loss; the factors are rounded to float32 after every step, so the count is that of
 the stored adapter. A larger matrix pins each row of ``B`` (column of ``A``) with more
 elements, so the fit's own uncertainty, and with it the gap that serves best, shrinks
-like ``r / min(out, in)``. Measured with gaps 1/32 to 1/1024 (benchmarks/refit_settings.py)
-the best were 1/64 at min(out, in) 128-256, 1/256 at 2048 and 1/512 at 4096, the
-rule's choices; at 1024, 1/256 (the rule: 1/128, next best).
+like ``r / min(out, in)``. Measured with gaps 1/32 to 1/1024 (benchmarks/refit_settings.py,
+22 iterations for these sizes) the best were 1/64 at min(out, in) 128-256, 1/128 at
+1024 and 1/256 at 2048, the rule's choices; at 4096, 1/256 (the rule: 1/512, next best).
 
 The iterations run on an *active set*: a full scan (one pass over the module) keeps
 the elements outside the shrunken box and those whose slack to its nearer edge is
@@ -40,15 +40,12 @@ trial step, kept only if it lowers the loss, is judged over the active set alone
 new active set comes when the bound reaches ``s``. The *counting* scans, whose count outside the shrunken box is the
 history, picks the best factors and stops the refit, come when the bound since the
 last one reaches the smallest slack of a ``COUNT_SLACK`` band, or after ``RESCAN``
-iterations: the narrow ``SLACK`` band keeps the active set small (about 5% of a
-1.7B-shaped gate_proj's elements once the refit runs, 14% when the band was ``SLACK``
-ulps of every element's own binade and every element below ``dense`` was kept) and is
-built again more often.
+iterations: the narrow ``SLACK`` band keeps the active set small and is built again
+more often.
 Stops when every element is inside the shrunken box, when the counting scans' count
 has not fallen for ``PATIENCE`` scans after the ramp, or at ``max_iters`` (``MAX_ITERS``;
 ``LARGE_ITERS`` for a module of more than ``LARGE`` elements, where the iterations cost
-the most: on the 1.7B shape 22 of them reproduce 99.94% of the adapted elements, 35
-99.965%, in 0.7x the refit's time; benchmarks/refit_settings.py); the final
+the most: BENCHMARKS.md, "Extract", has what they reproduce); the final
 factors and the best scanned ones are counted by a full pass (:func:`outside_count`)
 and the better is returned, never worse than the input.
 

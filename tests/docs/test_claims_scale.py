@@ -159,7 +159,7 @@ def test_refit_band_table_and_prose_are_the_json() -> None:
     g = next(r for r in d["rows"] if r["module"].endswith("27.mlp.gate_proj"))
     prose = " ".join(text[text.index(HEADING):text.index("### The test suite")].split())
     per = g["narrow"]["pass_s_per_element"]
-    assert f"holds {100 * g['narrow']['active_share']:.1f}% of the elements" in prose
+    assert f"held {100 * g['narrow']['active_share']:.1f}% of the elements" in prose
     assert f"{100 * g['count']['active_share']:.1f}% with the earlier 0.125-ulp band" in prose
     assert f"{per['normal_equations'] * 1e9:.1f} ns an element" in prose
     assert f"their step checks, {per['loss'] * 1e9:.1f} ns" in prose
@@ -214,3 +214,11 @@ def test_refit_gap_and_cap_tables_are_the_json() -> None:
     assert d["earlier"] == {"margin": refine.MARGIN, "max_iters": refine.MAX_ITERS}
     assert d["defaults"] == {"max_iters": refine.MAX_ITERS, "large_iters": refine.LARGE_ITERS,
                              "large": refine.LARGE}
+    # the ramp over all the iterations (the default where fewer than RAMP are allowed)
+    # leaves fewer outside than one ending early, and the prose says so
+    for r in d["ramp"]:
+        assert r["max_iters"] == refine.LARGE_ITERS == r["to_last"]["ramp"] < refine.RAMP
+        assert r["to_last"]["outside_after"] < r["early"]["outside_after"]
+    early = d["ramp"][0]["max_iters"] - d["ramp"][0]["early"]["ramp"]
+    assert (f"over all {refine.LARGE_ITERS} " + " and ".join(f"{r['to_last']['outside_after']:,}" for r in d["ramp"])
+            ) in prose and f"ends {early} iterations early" in prose
