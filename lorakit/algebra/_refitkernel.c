@@ -245,6 +245,15 @@ done:
     return res;
 }
 
+/* the bits of a double, and floor(log2 a) of a normal a >= 0 (zero and the subnormal
+   doubles give -1023: the callers clamp to their format's smallest exponent) */
+static inline uint64_t dbits(double a) {
+    uint64_t u;
+    memcpy(&u, &a, 8);
+    return u;
+}
+static inline int binade(double a) { return (int)(dbits(a) >> 52) - 1023; }
+
 /* 2**e for a normal double's exponent, exact */
 static inline double pow2(int e) {
     uint64_t u = (uint64_t)(e + 1023) << 52;
@@ -279,10 +288,8 @@ static ALWAYS_INLINE Py_ssize_t box_run(const uint16_t *V, Py_ssize_t n, const i
         uint16_t v = V[t];
         bad += (v & inf) == inf;
         double T = decode(v, fmt), a = fabs(T);
-        uint64_t ab;
-        memcpy(&ab, &a, 8);
-        int E = (int)(ab >> 52) - 1023;  /* floor(log2 a): every nonzero value is a normal double */
-        int edge = ((ab & 0xfffffffffffffULL) == 0) & (a > tiny);  /* a power of two above 2**emin */
+        int E = binade(a);
+        int edge = ((dbits(a) & 0xfffffffffffffULL) == 0) & (a > tiny);  /* a power of two above 2**emin */
         E = E < emin ? emin : E;  /* zero and the subnormals: the smallest spacing */
         double u = pow2(E - (p - 1));
         double toward = u - 0.5 * u * edge;  /* the spacing towards zero */
@@ -468,9 +475,7 @@ done:
    nearest, ties to even; beyond the largest finite value's half ulp: infinity) */
 static inline double round_fmt(double x, int p, int emin, int emax) {
     double a = fabs(x);
-    uint64_t ab;
-    memcpy(&ab, &a, 8);
-    int E = (int)(ab >> 52) - 1023, over = E > emax;
+    int E = binade(a), over = E > emax;
     E = E < emin ? emin : (over ? emax : E);  /* subnormals (and zero): the smallest quantum */
     double q = pow2(E - (p - 1)), y = a * pow2((p - 1) - E);  /* a / q, exact */
     const double big = 0x1p52;  /* y < 2**(p + 1): y + 2**52 rounds to an integer, ties to even */
@@ -506,10 +511,7 @@ static ALWAYS_INLINE Py_ssize_t stats_run(const float *W, const uint16_t *V, con
         rs[u % LANES] += e * e;
         if (!Dp) continue;  /* the first pass (no factors): D and the noise */
         Dp[t0 + u] = d;
-        double aT = fabs(T);
-        uint64_t ab;
-        memcpy(&ab, &aT, 8);
-        int E = (int)(ab >> 52) - 1023;
+        int E = binade(fabs(T));
         E = E < emin ? emin : (E > emax ? emax : E);
         double h = 0.5 * pow2(E - (p - 1));
         ns[u % LANES] += h * h;

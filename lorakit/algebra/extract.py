@@ -214,72 +214,63 @@ def _lowrank_row(name: str, W: np.ndarray, t: TensorSource, t_bits: np.ndarray, 
     Memory (two modules are in flight by default): each full-size array lives only as
     long as it must. ``W`` (:func:`_base_rows`, from the storage the caller compared) is
     float32 where that is exact (a bf16/fp16/f32 base), else float64. For bf16/fp16
-    tuned bits and a float32 ``W``, :func:`_lowrank_fast`; else ``T`` (float64) gives the rounding noise (its half ulps a row
-    chunk at a time, never a full-size array) and then becomes ``D = T - W`` in place;
-    later rows of ``T`` are decoded again from the stored bits (exact). The values, and
-    so every result, are those of float64 ``W`` and ``T``."""
-    if stats_in_c(W, t_bits, code):  # one C pass for each count and norm (same values)
-        return _lowrank_fast(name, W, t_bits, code, rank, energy, exact_max, seed, refine)
-    T = weight_f64(t, name)
+    tuned bits and a float32 ``W``, one pass of the refit kernel's ``stats`` over the
+    stored bits writes ``D = T - W`` (float64, exact, in the thread's scratch memory
+    that the refit's box then reuses) with its norm and the noise (:func:`difference`),
+    and one gives each re-fuse count with its residual (:func:`fuse_stats`): ``T`` is
+    never held in float64. Otherwise ``T`` (float64) gives the rounding noise (its half
+    ulps a row chunk at a time, never a full-size array) and then becomes ``D = T - W``
+    in place; later rows of ``T`` are decoded again from the stored bits (exact). The
+    values, and so every result, are those of float64 ``W`` and ``T``."""
     shape = W.shape
-    sq = 0.0  # ||0.5 ulp(T)||_F^2, a row chunk at a time (no full-size temporary)
-    for rows in nm.chunks(*shape):
-        half = 0.5 * nm.ulp(T[rows], code)
-        sq += float(np.einsum("ij,ij->", half, half))
-    noise = math.sqrt(sq)
-    del half
-    tuned = _rows_of(T, t_bits, code)
-    if tuned is None:  # T cannot be decoded again from the stored bits: keep a copy
-        kept = T.copy()
-        tuned = lambda rows: kept[rows]  # noqa: E731
-    D = np.subtract(T, W, out=T)
-    del T
-    total = float(np.einsum("ij,ij->", D, D))
+    if stats_in_c(W, t_bits, code):
+        D = scratch(WORK, shape, np.float64)
+        total, sq = difference(W, t_bits, code, D)
+        noise = math.sqrt(sq)
+
+        def measured(A: np.ndarray, B: np.ndarray) -> Tuple[int, float]:
+            out, rsq = fuse_stats(W, t_bits, code, A, B)
+            return out, math.sqrt(rsq)
+
+        def residual_of(A: np.ndarray, B: np.ndarray) -> float:
+            return measured(A, B)[1]
+    else:
+        T = weight_f64(t, name)
+        sq = 0.0  # ||0.5 ulp(T)||_F^2, a row chunk at a time (no full-size temporary)
+        for rows in nm.chunks(*shape):
+            half = 0.5 * nm.ulp(T[rows], code)
+            sq += float(np.einsum("ij,ij->", half, half))
+        noise = math.sqrt(sq)
+        del half
+        tuned = _rows_of(T, t_bits, code)
+        if tuned is None:  # T cannot be decoded again from the stored bits: keep a copy
+            kept = T.copy()
+            tuned = lambda rows: kept[rows]  # noqa: E731
+        D = np.subtract(T, W, out=T)
+        del T
+        total = float(np.einsum("ij,ij->", D, D))
+
+        def residual_of(A: np.ndarray, B: np.ndarray) -> float:
+            return _residual(W, tuned, A, B)
+
+        def measured(A: np.ndarray, B: np.ndarray) -> Tuple[int, float]:
+            return outside_count(W, t_bits, code, A, B), residual_of(A, B)
     U, S, Vt, method = matrix_svd(D, rank, energy, exact_max=exact_max, seed=seed)
     del D
     k = max(choose_rank(S, total, rank, energy), 1)
     A, B = split_factors(U, S, Vt, k)
     del U, Vt
-    residual = _residual(W, tuned, A, B)
-    before = outside_count(W, t_bits, code, A, B)
+    before, residual = measured(A, B)
     after, iters, secs = before, 0, 0.0
     if refine and code in REFINE_CODES and residual <= noise and before:
         res = refine_factors(W, t_bits, code, A, B, outside=before)
         iters, secs = res.iterations, res.seconds
-        refined = _residual(W, tuned, res.A, res.B)
+        # the refit's last count gave the residual too where the kernel served
+        refined = math.sqrt(res.resid_sq) if res.resid_sq is not None else \
+            residual_of(res.A, res.B)
         if res.outside_after < before and refined <= noise:
             A, B, after, residual = res.A, res.B, res.outside_after, refined
     return _row(name, shape, k, method, total, residual, noise, before, after, iters), A, B, \
-        S, secs
-
-
-def _lowrank_fast(name: str, W: np.ndarray, t_bits: np.ndarray, code: str,
-                  rank: Optional[int], energy: Optional[float], exact_max: int, seed: int,
-                  refine: bool):
-    """:func:`_lowrank_row` for an exact float32 base and bf16/fp16 tuned bits: one pass
-    of the refit kernel's ``stats`` over the stored bits writes ``D = T - W`` (float64,
-    exact) with its norm and the noise (:func:`difference`), and one gives each re-fuse
-    count with its residual (:func:`fuse_stats`), so ``T`` is never held in float64."""
-    D = scratch(WORK, W.shape, np.float64)  # the refit's edges reuse its memory
-    total, sq = difference(W, t_bits, code, D)
-    noise = math.sqrt(sq)
-    U, S, Vt, method = matrix_svd(D, rank, energy, exact_max=exact_max, seed=seed)
-    del D
-    k = max(choose_rank(S, total, rank, energy), 1)
-    A, B = split_factors(U, S, Vt, k)
-    del U, Vt
-    before, rsq = fuse_stats(W, t_bits, code, A, B)
-    residual = math.sqrt(rsq)
-    after, iters, secs = before, 0, 0.0
-    if refine and code in REFINE_CODES and residual <= noise and before:
-        res = refine_factors(W, t_bits, code, A, B, outside=before)
-        iters, secs = res.iterations, res.seconds
-        rsq = res.resid_sq if res.resid_sq is not None else \
-            fuse_stats(W, t_bits, code, res.A, res.B)[1]
-        refined = math.sqrt(rsq)
-        if res.outside_after < before and refined <= noise:
-            A, B, after, residual = res.A, res.B, res.outside_after, refined
-    return _row(name, W.shape, k, method, total, residual, noise, before, after, iters), A, B, \
         S, secs
 
 

@@ -89,8 +89,8 @@ import numpy as np
 from .. import numerics as nm
 
 __all__ = ["MARGIN", "margin_gap", "RAMP", "MAX_ITERS", "LARGE_ITERS", "LARGE", "PATIENCE",
-           "SLACK", "COUNT_SLACK", "RESCAN", "DENSE_BINADES", "RefineResult", "rounding_box", "scratch", "WORK",
-           "outside_count", "fuse_stats", "difference", "refine_factors"]
+           "SLACK", "COUNT_SLACK", "RESCAN", "DENSE_BINADES", "RefineResult", "rounding_box",
+           "scratch", "WORK", "outside_count", "fuse_stats", "difference", "refine_factors"]
 
 #: the box of the smallest matrices, as a share of the half spacings (``0.5 -
 #: margin_gap``: a dyadic, so the shrunken edges of a bf16/fp16 value are exact in
@@ -314,7 +314,6 @@ class _Problem:
         edge = _edge_dtype(code)
         n, m = W.shape
         self.shape = (n, m)
-        self._sums: dict = {}
         w32 = W.astype(np.float32, copy=False)
         self.W = w32 if edge is np.float32 and (w32 is W or np.array_equal(w32, W)) else W
         del w32
@@ -356,18 +355,6 @@ class _Problem:
         """The weight of an element by its ulp exponent (index ``logu + 512``)."""
         e = np.maximum(np.arange(_TAB) - _OFF, self.floor) - self.top
         return np.exp2(-p * e.astype(np.float64))
-
-    def _zeros(self, key, shape) -> np.ndarray:
-        """A zeroed float64 array for the normal equations of :meth:`accum`, its memory
-        kept from call to call (fresh pages cost more to fault in than to clear): valid
-        until the next call for the same side."""
-        size = int(np.prod(shape))
-        buf = self._sums.get(key)
-        if buf is None or buf.size < size:
-            buf = self._sums[key] = np.empty(max(size, 1))
-        out = buf[:size].reshape(shape)
-        out.fill(0.0)
-        return out
 
     def _room(self, k: int) -> None:
         """Buffers for the kernel's active sets, room for ``k`` elements (kept across
@@ -412,8 +399,12 @@ class _Problem:
         r = A.shape[0]
         size = m if side else n
         At, Bc = np.ascontiguousarray(A.T), np.ascontiguousarray(B)
-        G = self._zeros(("G", side), (size, r * r) if full else 0)
-        g = self._zeros(("g", side), (size, r) if full else 0)
+        # the normal equations in the thread's scratch memory (fresh pages cost more to
+        # fault in than to clear): valid until the next call for the same side
+        G = scratch(f"G{side}", (size, r * r) if full else (0,), np.float64)
+        g = scratch(f"g{side}", (size, r) if full else (0,), np.float64)
+        G.fill(0.0)
+        g.fill(0.0)
         loss = np.zeros(size)  # fresh: a step compares the losses of two calls
         if self.kernel is not None:
             viol = self.kernel.accum(act.idx, act.w, act.lo, act.hi, act.logu, m, r, Bc, At,
