@@ -13,13 +13,14 @@ by ``lorakit synth``), runs as whole processes, interleaved over rounds:
 The order of the four producers rotates every round; ``lorakit check`` always runs right
 after the fuse it checks. ``sync`` runs before each process; each one's wall time, CPU
 time (user + system) and peak RSS come from ``os.wait4`` (``benchmarks/fuse.py``'s
-``run_one``). Medians over the rounds. Then, once (it is the slow verb),
-``lorakit extract --rank 8`` of the last fuse against the base (``--skip-extract`` leaves
-it out).
+``run_one``). Medians over the rounds. Then ``lorakit extract --rank 8`` of the last fuse
+against the base, ``--extract-runs`` times (1 by default: it is the slow verb; the row
+holds the medians), ``--skip-extract`` leaves it out.
 
 Usage::
 
     .venv/bin/python benchmarks/scale.py [--runs 3] [--out bench-out] [--skip-extract]
+        [--extract-runs 3]
         [--json benchmarks/results/scale.json]
 
 Prints the issue's table (verb, wall, the ratio its target names, target, met) and
@@ -76,7 +77,7 @@ def extract_cmd(ck: Path, dst: Path) -> List[str]:
 
 
 def rows_of(results: Dict[str, List[Tuple[float, float, float, int]]],
-            extract: Optional[Tuple[float, float, float, int]]) -> List[Dict[str, object]]:
+            extract: Optional[List[Tuple[float, float, float, int]]]) -> List[Dict[str, object]]:
     """One row per verb: medians, the ratio its target names, the target, met."""
     def med(name: str, i: int) -> float:
         return statistics.median(x[i] for x in results[name])
@@ -94,10 +95,13 @@ def rows_of(results: Dict[str, List[Tuple[float, float, float, int]]],
             r.update(against=against, ratio=ratio, target=f"<= {limit}x {against}",
                      met=ratio <= limit)
         rows.append(r)
-    if extract is not None:
-        wall, rss, cpu, _ = extract
-        rows.append({"verb": "lorakit extract --rank 8", "wall_s": [wall], "cpu_s": [cpu],
-                     "rss_bytes": [rss], "median_wall_s": wall, "median_cpu_s": cpu,
+    if extract:  # one or more runs: the medians
+        wall = statistics.median(x[0] for x in extract)
+        rss = statistics.median(x[1] for x in extract)
+        cpu = statistics.median(x[2] for x in extract)
+        rows.append({"verb": "lorakit extract --rank 8", "wall_s": [x[0] for x in extract],
+                     "cpu_s": [x[2] for x in extract], "rss_bytes": [x[1] for x in extract],
+                     "median_wall_s": wall, "median_cpu_s": cpu,
                      "median_rss_bytes": rss, "against": None, "ratio": None,
                      "target": f"<= {EXTRACT_WALL_S:.0f} s, peak RSS < 1 GB",
                      "met": wall <= EXTRACT_WALL_S and rss < EXTRACT_RSS_BYTES})
@@ -123,14 +127,25 @@ def markdown(rows: List[Dict[str, object]]) -> str:
     return "\n".join(out)
 
 
+def run_extract(ck: Path, dst: Path, log: Path, runs: int
+                ) -> List[Tuple[float, float, float, int]]:
+    """``lorakit extract`` ``runs`` times in a row, each a whole process."""
+    out = []
+    for k in range(runs):
+        shutil.rmtree(dst / "extracted", ignore_errors=True)
+        x = run_one(extract_cmd(ck, dst), log)
+        print(f"extract {k + 1}: {x[0]:7.2f} s  cpu {x[2]:6.2f} s  {x[1] / 1e9:6.3f} GB",
+              flush=True)
+        out.append(x)
+    return out
+
+
 def extract_only(ck: Path, dst: Path, fuse: List[str], log: Path,
-                 json_path: Optional[str]) -> int:
+                 json_path: Optional[str], runs: int) -> int:
     """Time ``lorakit extract`` of a fresh fuse; add its row to an earlier run's JSON."""
     run_one(fuse, log)
     load_start = os.getloadavg()
-    extract = run_one(extract_cmd(ck, dst), log)
-    print(f"extract: {extract[0]:7.2f} s  cpu {extract[2]:6.2f} s  "
-          f"{extract[1] / 1e9:6.3f} GB", flush=True)
+    extract = run_extract(ck, dst, log, runs)
     row = rows_of({}, extract)[0]
     row["loadavg"] = [load_start, os.getloadavg()]
     if json_path:
@@ -153,6 +168,8 @@ def main() -> int:
     ap.add_argument("--extract-only", action="store_true",
                     help="fuse once (untimed), time lorakit extract alone and add its row to "
                          "the --json of an earlier run (its other rows are kept)")
+    ap.add_argument("--extract-runs", type=int, default=1,
+                    help="runs of lorakit extract, one after another (the row: their medians)")
     ap.add_argument("--json", default=None,
                     help="also write the results here (benchmarks/results/scale.json)")
     args = ap.parse_args()
@@ -167,7 +184,7 @@ def main() -> int:
     log.write_text("")
     cmds = producers(ck, ad, dst)
     if args.extract_only:
-        return extract_only(ck, dst, cmds["lorakit fuse"], log, args.json)
+        return extract_only(ck, dst, cmds["lorakit fuse"], log, args.json, args.extract_runs)
     names = list(cmds)
     results: Dict[str, List[Tuple[float, float, float, int]]] = {
         n: [] for n in [*names, "lorakit check"]}
@@ -191,9 +208,7 @@ def main() -> int:
                 shutil.rmtree(p)
     extract = None
     if not args.skip_extract:
-        extract = run_one(extract_cmd(ck, dst), log)
-        print(f"extract: {extract[0]:7.2f} s  cpu {extract[2]:6.2f} s  "
-              f"{extract[1] / 1e9:6.3f} GB", flush=True)
+        extract = run_extract(ck, dst, log, args.extract_runs)
     rows = rows_of(results, extract)
     table = markdown(rows)
     print("\n" + table + "\n")
