@@ -148,6 +148,82 @@ static inline float dot32(float w, const float *b, const float *a, Py_ssize_t r)
     return w;
 }
 
+/* The float64 check of the scan's undecided element u of a block (x in k order): its
+   unconditional stores at oi[cnt] ..., returns 1 when active (slack below th) */
+static ALWAYS_INLINE int scan_exact(const float *W, const float *L, const float *H,
+                                    const int16_t *U, const double *bi, const double *A,
+                                    Py_ssize_t cols, Py_ssize_t r, Py_ssize_t t, Py_ssize_t j,
+                                    double th, int64_t *oi, float *ow, float *ol, float *oh,
+                                    int16_t *ou, Py_ssize_t *v) {
+    double x = (double)W[t];
+    for (Py_ssize_t k = 0; k < r; k++) x += bi[k] * A[k * cols + j];
+    double s1 = x - (double)L[t], s2 = (double)H[t] - x;
+    double sl = s1 < s2 ? s1 : s2;
+    *v += sl < 0;
+    *oi = t; *ow = W[t]; *ol = L[t]; *oh = H[t]; *ou = U[t];
+    return sl < th;
+}
+
+#if defined(__GNUC__)
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"  /* the vectors below never cross a call */
+#endif
+/* eight float32 lanes (GCC / clang vector extensions: SSE, AVX2, NEON alike); the
+   float32 pre-passes use them (any order of the float32 sum: the bound holds for all),
+   a scalar loop does the same work where they are missing */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+static ALWAYS_INLINE v8f ld8(const float *p) { v8f v; memcpy(&v, p, 32); return v; }
+static ALWAYS_INLINE v8i ld8i(const int32_t *p) { v8i v; memcpy(&v, p, 32); return v; }
+/* the lanes of a compare's mask (-1 / 0) as bits 0..7 (three folds) */
+static ALWAYS_INLINE unsigned lanes8(v8i m) {
+    const v8i bit = {1, 2, 4, 8, 16, 32, 64, 128};
+    m &= bit;
+    m |= __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3);
+    m |= __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5);
+    m |= __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6);
+    return (unsigned)m[0];
+}
+/* COMPACT[m]: the set lanes of mask m, in order (the rest 0) */
+static int32_t COMPACT[256][8];
+static void compact_init(void) {
+    for (int m = 0; m < 256; m++) {
+        int n = 0;
+        for (int l = 0; l < 8; l++) COMPACT[m][l] = 0;
+        for (int l = 0; l < 8; l++)
+            if (m & (1 << l)) COMPACT[m][n++] = l;
+    }
+}
+#endif
+
+#if defined(__GNUC__)
+/* scan_block's vector loop: eight elements at a time, x summed in registers, its margin
+   (slack less threshold and twice the bound), and the undecided ones (margin not >= 0:
+   NaN too) listed in cand without a branch; returns the elements done (a multiple of 8) */
+static ALWAYS_INLINE Py_ssize_t scan_vec(const float *W, const float *L, const float *H,
+                                         const float *bi32, float nbi, const F32 *f,
+                                         Py_ssize_t cols, const Py_ssize_t r, Py_ssize_t t0,
+                                         Py_ssize_t j0, Py_ssize_t nb, float th32, float c,
+                                         int32_t *cand, Py_ssize_t *ncp) {
+    Py_ssize_t u = 0, nc = *ncp;
+    for (; u + 8 <= nb; u += 8) {
+        v8f x = ld8(W + t0 + u), w = x;
+        for (Py_ssize_t k = 0; k < r; k++) x += bi32[k] * ld8(f->a32 + k * cols + j0 + u);
+        v8f aw = (v8f)((v8i)w & 0x7fffffff);
+        v8f e = c * (aw + nbi * ld8(f->na + j0 + u)) + TINY;
+        v8f s1 = x - ld8(L + t0 + u), s2 = ld8(H + t0 + u) - x;
+        v8i lt = s1 < s2;
+        v8f sl = (v8f)((lt & (v8i)s1) | (~lt & (v8i)s2));
+        unsigned mk = lanes8(~(sl - (th32 + 2 * e) >= 0));
+        v8i at = ld8i(COMPACT[mk]) + (int32_t)u;
+        memcpy(cand + nc, &at, 32);
+        nc += __builtin_popcount(mk);
+    }
+    *ncp = nc;
+    return u;
+}
+#endif
+
 /* One row's elements j0 .. j0+nb: x in float32 (one vector lane per element) and
    its bound; the elements it cannot put beyond the threshold get x in float64 (k
    order), their exact slack and the unconditional stores of the active ones from oi[0]
@@ -159,35 +235,28 @@ MULTIVERSION static Py_ssize_t scan_block(const float *W, const float *L, const 
                                           Py_ssize_t j0, Py_ssize_t nb, double th, float c,
                                           int64_t *oi, float *ow, float *ol, float *oh,
                                           int16_t *ou, Py_ssize_t *viol) {
-    float xs[BLK];
-    int cand[BLK];
-    Py_ssize_t u, v = 0, nc = 0, cnt = 0;
+    int32_t cand[BLK + 8];
+    Py_ssize_t u = 0, v = 0, nc = 0, cnt = 0;
     const float th32 = (float)(th * (1 + 0x1p-20));
-    for (u = 0; u < nb; u++) xs[u] = W[t0 + u];
-    for (Py_ssize_t k = 0; k < r; k++) {
-        const float bk = bi32[k], *ak = f->a32 + k * cols + j0;
-        for (u = 0; u < nb; u++) xs[u] += bk * ak[u];
-    }
-    for (u = 0; u < nb; u++) {  /* the undecided elements (a vector loop): margin <= 0 */
-        float x = xs[u], l = L[t0 + u], h = H[t0 + u];
-        float e = c * (fabsf(W[t0 + u]) + nbi * f->na[j0 + u]) + TINY;
-        float s1 = x - l, s2 = h - x, sl = s1 < s2 ? s1 : s2;
-        xs[u] = sl - (th32 + 2 * e);
-    }
-    for (u = 0; u < nb; u++) {  /* ... listed without a branch */
+#if defined(__GNUC__)
+    if (r == 8)  /* the common rank: the k loop unrolled */
+        u = scan_vec(W, L, H, bi32, nbi, f, cols, 8, t0, j0, nb, th32, c, cand, &nc);
+    else
+        u = scan_vec(W, L, H, bi32, nbi, f, cols, r, t0, j0, nb, th32, c, cand, &nc);
+#endif
+    for (; u < nb; u++) {  /* the rest one at a time, the same test */
+        Py_ssize_t t = t0 + u;
+        float x = W[t];
+        for (Py_ssize_t k = 0; k < r; k++) x += bi32[k] * f->a32[k * cols + j0 + u];
+        float e = c * (fabsf(W[t]) + nbi * f->na[j0 + u]) + TINY;
+        float s1 = x - L[t], s2 = H[t] - x, sl = s1 < s2 ? s1 : s2;
         cand[nc] = (int)u;
-        nc += !(xs[u] >= 0);
+        nc += !(sl - (th32 + 2 * e) >= 0);
     }
     for (Py_ssize_t q = 0; q < nc; q++) {
         u = cand[q];
-        Py_ssize_t t = t0 + u, j = j0 + u;
-        double x = (double)W[t];
-        for (Py_ssize_t k = 0; k < r; k++) x += bi[k] * A[k * cols + j];
-        double s1 = x - (double)L[t], s2 = (double)H[t] - x;
-        double sl = s1 < s2 ? s1 : s2;
-        v += sl < 0;
-        oi[cnt] = t; ow[cnt] = W[t]; ol[cnt] = L[t]; oh[cnt] = H[t]; ou[cnt] = U[t];
-        cnt += sl < th;
+        cnt += scan_exact(W, L, H, U, bi, A, cols, r, t0 + u, j0 + u, th, oi + cnt, ow + cnt,
+                          ol + cnt, oh + cnt, ou + cnt, &v);
     }
     *viol += v;
     return cnt;
@@ -349,6 +418,54 @@ static inline void g8(double *G, const double *f, double wv) {
 }
 #endif
 
+#if defined(__GNUC__)
+/* lane l: the sum of p[l]'s eight lanes (three rounds of pairwise sums) */
+static ALWAYS_INLINE v8f hsum8(const v8f *p) {
+    v8f a = __builtin_shufflevector(p[0], p[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+            __builtin_shufflevector(p[0], p[1], 1, 9, 3, 11, 5, 13, 7, 15);
+    v8f b = __builtin_shufflevector(p[2], p[3], 0, 8, 2, 10, 4, 12, 6, 14) +
+            __builtin_shufflevector(p[2], p[3], 1, 9, 3, 11, 5, 13, 7, 15);
+    v8f c = __builtin_shufflevector(p[4], p[5], 0, 8, 2, 10, 4, 12, 6, 14) +
+            __builtin_shufflevector(p[4], p[5], 1, 9, 3, 11, 5, 13, 7, 15);
+    v8f d = __builtin_shufflevector(p[6], p[7], 0, 8, 2, 10, 4, 12, 6, 14) +
+            __builtin_shufflevector(p[6], p[7], 1, 9, 3, 11, 5, 13, 7, 15);
+    v8f ab = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
+             __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+    v8f cd = __builtin_shufflevector(c, d, 0, 1, 8, 9, 4, 5, 12, 13) +
+             __builtin_shufflevector(c, d, 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* accum's float32 pre-pass for rank 8, eight gathered elements at a time: x (each
+   element's two factor rows multiplied lane-wise, then summed across), its bound, and
+   the elements not surely inside their box listed in cs without a branch; returns the
+   elements done (a multiple of 8) */
+static ALWAYS_INLINE Py_ssize_t accum_vec(const float *W, const float *L, const float *H,
+                                          const F32 *f, const Py_ssize_t *bi_,
+                                          const Py_ssize_t *bj_, Py_ssize_t t0, Py_ssize_t nb,
+                                          float c, int32_t *cs, Py_ssize_t *ncp) {
+    Py_ssize_t u = 0, nc = *ncp;
+    for (; u + 8 <= nb; u += 8) {
+        v8f p[8], nbv, nav;
+        for (int l = 0; l < 8; l++) {
+            p[l] = ld8(f->b32 + bi_[u + l] * 8) * ld8(f->a32 + bj_[u + l] * 8);
+            nbv[l] = f->nb[bi_[u + l]];
+            nav[l] = f->na[bj_[u + l]];
+        }
+        v8f w = ld8(W + t0 + u), x = w + hsum8(p);
+        v8f e2 = 2 * (c * ((v8f)((v8i)w & 0x7fffffff) + nbv * nav) + TINY);
+        v8i m = (x - ld8(L + t0 + u) < e2) | (ld8(H + t0 + u) - x < e2);
+        unsigned mk = lanes8(m);
+        v8i at = ld8i(COMPACT[mk]) + (int32_t)u;
+        memcpy(cs + nc, &at, 32);
+        nc += __builtin_popcount(mk);
+    }
+    *ncp = nc;
+    return u;
+}
+#endif
+
 /* accum's loop (below): the sums over the active set; returns the count outside, and
    sets *bad on an index out of range */
 MULTIVERSION static Py_ssize_t accum_run(const int64_t *I, Py_ssize_t k, const float *W,
@@ -368,7 +485,7 @@ MULTIVERSION static Py_ssize_t accum_run(const int64_t *I, Py_ssize_t k, const f
     Py_ssize_t i = 0, row0 = 0;
     Py_ssize_t bi_[BLK], bj_[BLK];
     double rs[BLK];
-    int vs[BLK], cs[BLK];
+    int32_t vs[BLK], cs[BLK + 8];
     const float c = (float)((r + 2) * 0x1p-23);
     for (Py_ssize_t t0 = 0; t0 < k && !bad; t0 += BLK) {
         Py_ssize_t nb = k - t0 < BLK ? k - t0 : BLK, u = 0;
@@ -384,7 +501,11 @@ MULTIVERSION static Py_ssize_t accum_run(const int64_t *I, Py_ssize_t k, const f
         }
         if (bad) break;
         Py_ssize_t nc = 0, nv = 0;
-        for (u = 0; u < nb; u++) {  /* the float32 pre-pass: those not surely inside */
+        u = 0;
+#if defined(__GNUC__)
+        if (r == 8) u = accum_vec(W, L, H, &f, bi_, bj_, t0, nb, c, cs, &nc);
+#endif
+        for (; u < nb; u++) {  /* the float32 pre-pass: those not surely inside */
             float x = dot32(W[t0 + u], f.b32 + bi_[u] * r, f.a32 + bj_[u] * r, r);
             float e = c * (fabsf(W[t0 + u]) + f.nb[bi_[u]] * f.na[bj_[u]]) + TINY;
             cs[nc] = (int)u;
@@ -632,4 +753,9 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_refitkernel",
                                     "the refit's sparse passes", -1, methods};
 
-PyMODINIT_FUNC PyInit__refitkernel(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__refitkernel(void) {
+#if defined(__GNUC__)
+    compact_init();
+#endif
+    return PyModule_Create(&module);
+}

@@ -112,19 +112,22 @@ def test_the_c_kernel_and_the_numpy_path_give_the_same_bits(rows, cols, r):
     assert c.outside_after < c.outside_before
 
 
-def test_the_active_set_holds_every_element_near_or_outside_its_box():
+@pytest.mark.parametrize("rows, cols, r", [(40, 56, 4), (13, 301, 8)])
+def test_the_active_set_holds_every_element_near_or_outside_its_box(rows, cols, r):
     """A full scan's active set: every element outside the shrunken box and every one
     whose slack is below the threshold (one absolute distance for all); none other,
     with their base, edges and exponents gathered (checked against numpy). The C scan
     decides in float32 first: thresholds and boxes a float32 rounding apart from the
-    float64 slack still give numpy's set."""
-    W, _, Tb = _fused(40, 56, 4, seed=4)
-    A, B = _svd_factors(W, Tb, 4)
+    float64 slack still give numpy's set. The shapes: a rank other than 8 (the kernel's
+    general loop), and rank 8 (unrolled) over rows of more than one block whose length
+    is no multiple of the vector's eight lanes (the one-at-a-time rest)."""
+    W, _, Tb = _fused(rows, cols, r, seed=4)
+    A, B = _svd_factors(W, Tb, r)
     A64, B64 = A.astype(np.float64), B.astype(np.float64)
     for use_kernel in (True, False):
         prob = refine._Problem(W, Tb, "BF16", refine.MARGIN, use_kernel)
         X = W.copy()
-        for k in range(4):  # the scan's order: W, then each product in k order
+        for k in range(r):  # the scan's order: W, then each product in k order
             X += B64[:, k:k + 1] * A64[k]
         s = np.minimum(X - prob.lo, prob.hi - X)
         dense = int(np.median(prob.logu)) - refine.DENSE_BINADES
@@ -141,6 +144,49 @@ def test_the_active_set_holds_every_element_near_or_outside_its_box():
             for got, full in ((act.w, W), (act.lo, prob.lo), (act.hi, prob.hi),
                               (act.logu, prob.logu)):
                 assert np.array_equal(got, np.asarray(full).reshape(-1)[want])
+
+
+@pytest.mark.skipif(refine._kernel is None, reason="the C kernel _refitkernel is not built")
+@pytest.mark.parametrize("r", [8, 5])
+def test_the_normal_equations_are_numpy_s_at_edges_a_float32_rounding_away(r):
+    """``accum`` over an active set whose box edges sit on each element's float64 sum
+    rounded to float32, below and above, or one float32 step further (where the kernel's
+    float32 pre-pass cannot tell inside from outside and the float64 sum decides): the
+    normal equations, gradients, losses and count are numpy's, bit for bit, on both
+    sides, with and without the matrices (rank 8: the vector pre-pass; 5: the general
+    loop; 301 columns: blocks that do not end on a multiple of eight)."""
+    W, _, Tb = _fused(29, 301, r, seed=7)
+    A, B = _svd_factors(W, Tb, r)
+    A64, B64 = A.astype(np.float64), B.astype(np.float64)
+    X = W.copy()
+    for k in range(r):
+        X += B64[:, k:k + 1] * A64[k]
+    x32 = X.astype(np.float32)
+    rng = np.random.default_rng(3)
+    pick = rng.integers(0, 6, size=X.shape)
+    probs = [refine._Problem(W, Tb, "BF16", refine.MARGIN, k) for k in (True, False)]
+    for prob in probs:
+        lo, hi = prob.lo, prob.hi
+        up, down = np.nextafter(x32, np.float32(np.inf)), np.nextafter(x32, np.float32(-np.inf))
+        # an edge on the element's own sum rounded to float32, or one step beyond it,
+        # below or above (the other edge moved out where it would cross)
+        for q, edge in ((0, x32), (2, up)):
+            lo[pick == q] = edge[pick == q]
+            hi[pick == q] = np.maximum(hi, up)[pick == q]
+        for q, edge in ((1, x32), (3, down)):
+            hi[pick == q] = edge[pick == q]
+            lo[pick == q] = np.minimum(lo, down)[pick == q]
+        assert (prob.lo <= prob.hi).all()
+    acts = [prob.scan(A64, B64, 1e9)[0] for prob in probs]
+    assert acts[0].idx.size == X.size
+    wtab = probs[0].weights(1.0)
+    for side in (0, 1):
+        for full in (True, False):
+            c, p = (prob.accum(act, A64, B64, wtab, side, full)
+                    for prob, act in zip(probs, acts))
+            assert c[3] == p[3] > 0
+            for got, want in zip(c[:3], p[:3]):
+                assert got.tobytes() == want.tobytes(), (side, full)
 
 
 @pytest.mark.skipif(refine._kernel is None, reason="the C kernel _refitkernel is not built")
