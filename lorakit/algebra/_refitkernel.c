@@ -29,7 +29,9 @@
  *   (float64); outside: elements whose x, rounded once to fmt (to nearest, ties to
  *   even), is not the stored value (bits uint16, fmt 0 bfloat16, 1 float16);
  *   resid_sq: sum of ((T - w) - s)**2; noise_sq: sum of (ulp(T) / 2)**2, both summed
- *   in eight partial sums (element index mod 8 within each block of a row); d (optional, float64 rows x cols): written with T - w.
+ *   in eight partial sums (element index mod 8 within each block of a row), four
+ *   lanes at a time where the compiler has vector extensions (each lane's additions in
+ *   the same order); d (optional, float64 rows x cols): written with T - w.
 
  * scan(w, lo, hi, logu, cols, r, b, a, thr, oidx, ow, olo, ohi, ologu)
  *     -> (count, violators, whole)
@@ -175,6 +177,20 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 static ALWAYS_INLINE v8f ld8(const float *p) { v8f v; memcpy(&v, p, 32); return v; }
 static ALWAYS_INLINE v8i ld8i(const int32_t *p) { v8i v; memcpy(&v, p, 32); return v; }
+/* four float64 lanes and their integer twins */
+typedef double v4d __attribute__((vector_size(32)));
+typedef int64_t v4l __attribute__((vector_size(32)));
+typedef uint16_t v4h __attribute__((vector_size(8)));
+typedef uint32_t v4u __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+typedef float v4f __attribute__((vector_size(16)));
+static ALWAYS_INLINE v4d ld4d(const double *p) { v4d v; memcpy(&v, p, 32); return v; }
+/* m ? a : b lane by lane (m: a compare's -1 / 0), exact */
+static ALWAYS_INLINE v4d sel4(v4l m, v4d a, v4d b) { return (v4d)((m & (v4l)a) | (~m & (v4l)b)); }
+static ALWAYS_INLINE v4l sel4l(v4l m, v4l a, v4l b) { return (m & a) | (~m & b); }
+/* 2**e lane by lane (normal exponents), floor(log2 a) of a >= 0 (binade's) */
+static ALWAYS_INLINE v4d pow2v(v4l e) { return (v4d)((e + 1023) << 52); }
+static ALWAYS_INLINE v4l binadev(v4d a) { return ((v4l)a >> 52) - 1023; }
 /* the lanes of a compare's mask (-1 / 0) as bits 0..7 (three folds) */
 static ALWAYS_INLINE unsigned lanes8(v8i m) {
     const v8i bit = {1, 2, 4, 8, 16, 32, 64, 128};
@@ -400,7 +416,6 @@ done:
 
 /* G[a][c] += (f[a] f[c]) wv for r = 8, each entry as the scalar loop computes it */
 #if defined(__GNUC__)
-typedef double v4d __attribute__((vector_size(32)));
 static inline void g8(double *G, const double *f, double wv) {
     v4d f0, f1, w = {wv, wv, wv, wv};
     memcpy(&f0, f, 32); memcpy(&f1, f + 4, 32);
@@ -608,6 +623,78 @@ static inline double round_fmt(double x, int p, int emin, int emax) {
 
 #define LANES 8  /* stats' partial sums: independent chains, one per lane */
 
+#if defined(__GNUC__)
+/* decode and round_fmt, four lanes at a time: the same operations lane by lane */
+static ALWAYS_INLINE v4d decodev(const uint16_t *V, const int fmt) {
+    v4h h;
+    memcpy(&h, V, 8);
+    v4u w = __builtin_convertvector(h, v4u);
+    if (fmt == 0) return __builtin_convertvector((v4f)(w << 16), v4d);
+    v4i e = (v4i)((w >> 10) & 0x1f), m = (v4i)(w & 0x3ff);
+    v4l el = __builtin_convertvector(e, v4l), ml = __builtin_convertvector(m, v4l);
+    v4d sub = __builtin_convertvector(m, v4d) * 0x1p-24;
+    v4d nrm = __builtin_convertvector(m | 0x400, v4d) * pow2v(el - 25);
+    v4d top = sel4(ml != 0, (v4d){NAN, NAN, NAN, NAN}, (v4d){INFINITY, INFINITY, INFINITY, INFINITY});
+    v4d a = sel4(el == 0, sub, sel4(el == 31, top, nrm));
+    v4l neg = __builtin_convertvector((v4i)(w & 0x8000) != 0, v4l);
+    return sel4(neg, -a, a);
+}
+
+static ALWAYS_INLINE v4d round_fmtv(v4d x, int p, int emin, int emax) {
+    const v4l sign = (v4l)(v4d){-0.0, -0.0, -0.0, -0.0};
+    v4d a = (v4d)((v4l)x & ~sign);
+    v4l E = binadev(a), over = E > emax;
+    E = sel4l(E < emin, (v4l){emin, emin, emin, emin}, sel4l(over, (v4l){emax, emax, emax, emax}, E));
+    v4d q = pow2v(E - (p - 1)), y = a * pow2v((p - 1) - E);
+    const double big = 0x1p52;
+    v4d ry = (y + big) - big, v = ry * q;
+    const v4d inf = {INFINITY, INFINITY, INFINITY, INFINITY};
+    v = sel4(over | (v >= pow2(emax + 1)), inf, v);
+    v = sel4(a < INFINITY, v, a);
+    return (v4d)(((v4l)v & ~sign) | ((v4l)x & sign));
+}
+
+/* stats_run's loop over eight elements at a time (lanes u % LANES: two vectors of
+   partial sums, loaded and stored back, so each lane adds in the scalar order); returns
+   the elements done (a multiple of 8) */
+static ALWAYS_INLINE Py_ssize_t stats_vec(const float *W, const uint16_t *V, const int fmt,
+                                          const double *sb, Py_ssize_t t0, Py_ssize_t nb,
+                                          double *Dp, double *rs, double *ns, const int count,
+                                          Py_ssize_t *outp) {
+    const int p = fmt ? 11 : 8, emin = fmt ? -14 : -126, emax = fmt ? 15 : 127;
+    v4d r0 = ld4d(rs), r1 = ld4d(rs + 4), n0 = ld4d(ns), n1 = ld4d(ns + 4);
+    v4l out = {0, 0, 0, 0};
+    Py_ssize_t u = 0;
+    for (; u + 8 <= nb; u += 8) {
+        for (int h = 0; h < 2; h++) {
+            Py_ssize_t o = u + 4 * h;
+            v4d T = decodev(V + t0 + o, fmt);
+            v4f w32;
+            memcpy(&w32, W + t0 + o, 16);
+            v4d wv = __builtin_convertvector(w32, v4d), s4 = ld4d(sb + o);
+            if (count) {
+                v4d x = round_fmtv(s4 + wv, p, emin, emax);
+                v4l ok = (x == T) & (((v4l)x ^ (v4l)T) >= 0);  /* equal, and the same sign */
+                out += ~ok & 1;
+            }
+            v4d d = T - wv, e = d - s4;
+            if (h) r1 += e * e; else r0 += e * e;
+            if (count) continue;  /* the first pass (no factors): D and the noise */
+            memcpy(Dp + t0 + o, &d, 32);
+            v4l E = binadev((v4d)((v4l)T & ~(v4l)(v4d){-0.0, -0.0, -0.0, -0.0}));
+            E = sel4l(E < emin, (v4l){emin, emin, emin, emin},
+                      sel4l(E > emax, (v4l){emax, emax, emax, emax}, E));
+            v4d hh = 0.5 * pow2v(E - (p - 1));
+            if (h) n1 += hh * hh; else n0 += hh * hh;
+        }
+    }
+    memcpy(rs, &r0, 32); memcpy(rs + 4, &r1, 32);
+    memcpy(ns, &n0, 32); memcpy(ns + 4, &n1, 32);
+    *outp += out[0] + out[1] + out[2] + out[3];
+    return u;
+}
+#endif
+
 /* One row block of stats (fmt a constant where inlined); the counts and the partial
    sums by lane u % LANES */
 static ALWAYS_INLINE Py_ssize_t stats_run(const float *W, const uint16_t *V, const int fmt,
@@ -622,7 +709,11 @@ static ALWAYS_INLINE Py_ssize_t stats_run(const float *W, const uint16_t *V, con
         const double bk = bi[k], *ak = Ap + k * cols + j0;
         for (u = 0; u < nb; u++) sb[u] += bk * ak[u];
     }
-    for (u = 0; u < nb; u++) {
+    u = 0;
+#if defined(__GNUC__) && LANES == 8
+    u = stats_vec(W, V, fmt, sb, t0, nb, Dp, rs, ns, count, &out);
+#endif
+    for (; u < nb; u++) {
         double T = decode(V[t0 + u], fmt), wv = (double)W[t0 + u];
         if (count) {
             double x = round_fmt(sb[u] + wv, p, emin, emax);

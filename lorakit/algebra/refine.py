@@ -62,7 +62,10 @@ fallback gives the same bits (same order of additions). The kernel's scan and
 normal-equation passes first compute each ``W + B A`` in float32 with a rigorous
 bound on its distance from the float64 sum, and compute again in float64 (k order)
 only the elements that bound cannot place surely inside the box, or surely beyond the
-active threshold: every decision and sum is the float64 one. It also builds the boxes
+active threshold: every decision and sum is the float64 one (the float32 pre-passes
+run eight elements to a vector, in any order of the float32 sum: the bound holds for
+all). A counting scan at the factors of the last active set (no step since) takes
+that scan's set and count instead of a pass of its own. It also builds the boxes
 from the stored bits (``box``), counts a re-fuse with its residual in one pass
 (``stats``, :func:`fuse_stats`) and writes ``T - W`` with its norm and the noise in
 another (:func:`difference`).
@@ -304,9 +307,9 @@ class _Problem:
     """The fixed data of one refit: base and box edges (float32 for bf16/fp16, where
     they are exact), ulp exponents, and the two passes: :meth:`scan` over every
     element (the active set) and :meth:`accum` over the gathered active set.
-    ``pooled``: the edges and exponents in the thread's :func:`scratch` memory ``WORK``
-    (one problem at a time per thread, as :func:`refine_factors` makes them; whatever
-    else held ``WORK`` is overwritten)."""
+    ``pooled``: the edges and exponents in the thread's :func:`scratch` memory ``WORK``,
+    the active sets in its ``active0`` .. ``active4`` (one problem at a time per thread,
+    as :func:`refine_factors` makes them; whatever else held those is overwritten)."""
 
     def __init__(self, W: np.ndarray, T_bits: np.ndarray, code: str, margin: float,
                  use_kernel: bool, pooled: bool = False):
@@ -337,8 +340,12 @@ class _Problem:
         self.floor = self.top + int(np.log2(_WEIGHT_SPAN))
         self.kernel = _kernel if use_kernel and _kernel is not None and \
             self.W.dtype == self.lo.dtype == np.float32 else None
+        self.pooled = pooled
         if self.kernel is not None:
-            self._room(n * m // 16 + 1024)
+            # room for a quarter of the elements (the SVD start's set held 8% of a 1.7B
+            # gate_proj): untouched room costs no memory, a scan that runs out of room
+            # runs again
+            self._room(n * m // 4 + 1024)
 
     def median_logu(self) -> int:
         """``int(np.median(logu))`` from a histogram of the exponents, a row chunk at a
@@ -358,9 +365,11 @@ class _Problem:
 
     def _room(self, k: int) -> None:
         """Buffers for the kernel's active sets, room for ``k`` elements (kept across
-        scans: a new set costs no fresh pages)."""
-        self._out = (np.empty(k, np.int64), np.empty(k, np.float32), np.empty(k, np.float32),
-                     np.empty(k, np.float32), np.empty(k, np.int16))
+        scans, and with ``pooled`` in the thread's :func:`scratch` memory across modules:
+        a new set costs no fresh pages)."""
+        kinds = (np.int64, np.float32, np.float32, np.float32, np.int16)
+        self._out = tuple(scratch(f"active{q}", (k,), t) if self.pooled else np.empty(k, t)
+                          for q, t in enumerate(kinds))
 
     def scan(self, A: np.ndarray, B: np.ndarray, thr: float) -> Tuple["_Active", int]:
         """The active set (flat indices ascending, and those elements' base, edges and
@@ -589,9 +598,15 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
     best = (np.inf, A.copy(), B.copy())
     it, since, history = 0, 0, []
     act: Optional[_Active] = None
+    rebuilt = None  # the last active set built within the iterations, with its factors
     while it < max_iters and before > 0:
-        act = None  # the last active set goes before the next is built (memory: one at a time)
-        scanned, viol = prob.scan(A, B, thr)  # a full pass: the count and the active set
+        if rebuilt is not None and np.array_equal(rebuilt[0], A) and \
+                np.array_equal(rebuilt[1], B):
+            scanned, viol = rebuilt[2:]  # no step since: that scan's set and count
+        else:
+            act = None  # the last active set goes before the next is built (memory: one)
+            scanned, viol = prob.scan(A, B, thr)  # a full pass: the count and the set
+        rebuilt = None
         history.append(viol)
         if viol < best[0]:
             best, since = (viol, A.copy(), B.copy()), 0
@@ -619,9 +634,10 @@ def refine_factors(W: np.ndarray, T_bits: np.ndarray, code: str, A: np.ndarray,
             # ... and a new active set alone once an inactive element may have left the
             # box since the last set was built
             if slack < COUNT_SLACK and _moved(A, B, A1, B1) >= min_slack:
-                act = None
-                act, _ = prob.scan(A, B, thr)
+                act = rebuilt = None
+                act, viol = prob.scan(A, B, thr)
                 A1, B1 = A.copy(), B.copy()
+                rebuilt = (A1, B1, act, viol)
     def counted(A: np.ndarray, B: np.ndarray) -> Tuple[int, Optional[float]]:
         if stats_in_c(W, T_bits, code):  # the count and the residual in one pass
             return fuse_stats(W, T_bits, code, A, B)
