@@ -167,9 +167,7 @@ static ALWAYS_INLINE int scan_exact(const float *W, const float *L, const float 
 }
 
 #if defined(__GNUC__)
-#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wpsabi"  /* the vectors below never cross a call */
-#endif
 /* eight float32 lanes (GCC / clang vector extensions: SSE, AVX2, NEON alike); the
    float32 pre-passes use them (any order of the float32 sum: the bound holds for all),
    a scalar loop does the same work where they are missing */
