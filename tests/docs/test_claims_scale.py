@@ -222,3 +222,31 @@ def test_refit_gap_and_cap_tables_are_the_json() -> None:
     early = d["ramp"][0]["max_iters"] - d["ramp"][0]["early"]["ramp"]
     assert (f"over all {refine.LARGE_ITERS} " + " and ".join(f"{r['to_last']['outside_after']:,}" for r in d["ramp"])
             ) in prose and f"ends {early} iterations early" in prose
+
+
+START_JSON = ROOT / "benchmarks" / "results" / "svd_start.json"
+
+
+def test_svd_start_table_is_the_json_and_the_default_is_the_fastest_here() -> None:
+    """"The SVD start's products" (benchmarks/svd_start.py) is
+    benchmarks/results/svd_start.json: numpy float64, the extract's products, is the
+    fastest variant on the machine of the run, the float32 starts' residuals match its
+    to 1e-9 of the noise and their refits end within 2% of its count, as the prose says."""
+    d = json.loads(START_JSON.read_text())
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    head = "**The SVD start's products: numpy or MLX.**"
+    rows = md_table(text, head, "| products |")
+    assert set(rows) == {r["variant"] for r in d["rows"]}
+    for r in d["rows"]:
+        c = rows[r["variant"]]
+        assert c[1:] == [r["device"], f"{r['median_s']:.3f}", f"{r['time_vs_numpy_float64']:.2f}x",
+                         f"{r['outside_svd']:,}", f"{r['residual_over_noise']:.4f}",
+                         f"{r['outside_after']:,}"]
+    by = {r["variant"]: r for r in d["rows"]}
+    ref = by["numpy float64"]
+    assert min(d["rows"], key=lambda r: r["median_s"]) is ref
+    assert by["mlx float64"]["outside_after"] == ref["outside_after"]  # the same start
+    for name in ("numpy float32", "mlx float32"):
+        assert abs(by[name]["residual_over_noise"] - ref["residual_over_noise"]) < 1e-9
+        assert abs(by[name]["outside_after"] / ref["outside_after"] - 1) < 0.02
+    assert f"over {d['repeats']} rounds" in " ".join(text.split())
