@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 __all__ = ["PathLike", "LorakitError", "FormatError", "UnsafePathError", "AdapterError",
-           "FuseError", "OutputExistsError"]
+           "FuseError", "OutputExistsError", "ArgumentError"]
 
 PathLike = Union[str, Path]
 
@@ -84,3 +84,17 @@ class FuseError(LorakitError):
 
 class OutputExistsError(LorakitError):
     """The output path exists and --force was not given, or is unsafe to write."""
+
+
+class ArgumentError(LorakitError, ValueError):
+    """A verb's argument (or its CLI flag) has a value outside what it allows.
+
+    Raised by :meth:`bad` as one line naming the argument, the value given and what is
+    allowed; a ``ValueError`` too, so ``except ValueError`` still catches it.
+    """
+
+    @classmethod
+    def bad(cls, name: str, value: object, allowed: str, hint: Optional[str] = None
+            ) -> "ArgumentError":
+        return cls(f"bad value for {name}", tensor=None, expected=allowed,
+                   found=repr(value), hint=hint)
