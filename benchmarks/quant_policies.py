@@ -36,7 +36,6 @@ import lorakit  # noqa: E402
 from lorakit import numerics as nm  # noqa: E402
 from lorakit.fusion.quant import dequantize_raw, intended_change  # noqa: E402
 from lorakit.io.adapters.load import load_adapter  # noqa: E402
-from lorakit.io.checkpoint import open_checkpoint  # noqa: E402
 from lorakit.io.naming import bind, bindings_by_tensor  # noqa: E402
 
 BASE = "data/tiny-qwen3-4bit"
@@ -51,7 +50,7 @@ COMMAND = ("PYTHONPATH=$PWD .venv/bin/python benchmarks/quant_policies.py "
 def delta_to_step(base: str = BASE, adapter: str = ADAPTER) -> dict:
     """RMS of each adapted module's intended delta over the RMS of its quantization
     step (the group scale: one code apart), per module and over all of them."""
-    ck = open_checkpoint(ROOT / base)
+    ck = lorakit.open(ROOT / base, checkpoint=True)
     by = bindings_by_tensor(bind(load_adapter(ROOT / adapter), ck))
     rows, dd, ss = {}, 0.0, 0.0
     for name, binds in sorted(by.items()):

@@ -37,7 +37,6 @@ from fuse import prepare  # noqa: E402
 import lorakit  # noqa: E402
 from lorakit.algebra import refine  # noqa: E402
 from lorakit.algebra.lowrank import EXACT_MAX, matrix_svd, split_factors  # noqa: E402
-from lorakit.io.source import open_source  # noqa: E402
 from lorakit.io.weights import weight_f64  # noqa: E402
 
 MODULES = ["model.layers.27.mlp.gate_proj", "model.layers.20.mlp.down_proj",
@@ -83,7 +82,7 @@ def main() -> int:
     fused = a.out / "fused"
     if not (fused / "config.json").exists():
         lorakit.fuse(base, adapter, fused, progress=False)
-    b, t = open_source(base), open_source(fused)
+    b, t = lorakit.open(base), lorakit.open(fused)
     bands = {"narrow": refine.SLACK, "count": refine.COUNT_SLACK}
     rows = []
     for k, module in enumerate(MODULES):

@@ -51,7 +51,6 @@ import lorakit  # noqa: E402
 from lorakit import numerics as nm  # noqa: E402
 from lorakit.algebra import refine  # noqa: E402
 from lorakit.algebra.lowrank import EXACT_MAX, matrix_svd, split_factors  # noqa: E402
-from lorakit.io.source import open_source  # noqa: E402
 from lorakit.io.weights import weight_f64  # noqa: E402
 
 DATA = ROOT / "data"
@@ -77,7 +76,7 @@ def _tiny(work: Path):
     base = DATA / "tiny-qwen3"
     fused = work / "tiny-fused"
     lorakit.fuse(base, DATA / "adapters" / "lora", fused, progress=False)
-    b, t = open_source(base), open_source(fused)
+    b, t = lorakit.open(base), lorakit.open(fused)
     out = []
     for name in t.tensors:
         if name in b.tensors and len(t.tensors[name].shape) == 2 and "embed" not in name:
@@ -117,7 +116,7 @@ def main() -> int:
     fused = a.out / "fused"
     if not (fused / "config.json").exists():
         lorakit.fuse(base, adapter, fused, progress=False)
-    b, t = open_source(base), open_source(fused)
+    b, t = lorakit.open(base), lorakit.open(fused)
     with tempfile.TemporaryDirectory() as tmp:
         tiny = _tiny(Path(tmp))
     groups = {"tiny-qwen3": tiny}

@@ -47,7 +47,6 @@ import lorakit  # noqa: E402
 from lorakit import numerics as nm  # noqa: E402
 from lorakit.algebra import lowrank, refine  # noqa: E402
 from lorakit.algebra.lowrank import split_factors  # noqa: E402
-from lorakit.io.source import open_source  # noqa: E402
 
 MODULE = "model.layers.27.mlp.gate_proj.weight"
 RANK = 8
@@ -120,7 +119,7 @@ def main() -> int:
     fused = a.out / "fused"
     if not (fused / "config.json").exists():
         lorakit.fuse(base, adapter, fused, progress=False)
-    b, t = open_source(base), open_source(fused)
+    b, t = lorakit.open(base), lorakit.open(fused)
     fmt = nm.float_format("BF16")
     W = nm.to_float32(b.read(MODULE), fmt)
     bits = np.ascontiguousarray(t.read(MODULE))

@@ -54,15 +54,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..errors import AdapterError, LorakitError
+from ..errors import AdapterError, LorakitError, PathLike
 from ..fusion.delta import SumTarget, intended, tensor_pieces
+from ..io import source
 from ..io.adapters.base import Adapter, LoraTarget
 from ..io.adapters.layout import expert_modules
 from ..io.adapters.load import load_adapter
 from ..io.adapters.write import save_adapter
 from ..io.gguf import write_lora_gguf
 from ..io.naming import bind
-from ..io.source import open_source
 from ..io.weights import weight_f64
 from ..report import Report
 from .lowrank import factor_svd
@@ -75,7 +75,6 @@ from .peft_like import (
     peft_plan,
 )
 
-PathLike = Union[str, Path]
 METHODS = ("exact", "cat", "linear", "svd", "ties", "ties_svd", "magnitude_prune",
            "dare_linear", "dare_ties")
 
@@ -398,7 +397,7 @@ def _svd_dora(targets: List[LoraTarget], rows: List[Dict[str, Any]], ads: List[A
                            expected="base=CHECKPOINT (lorakit combine --base, or fuse's "
                            "--model)", found="none",
                            hint="a DoRA change depends on the base weight's row norms")
-    src = open_source(base)
+    src = source.open(base)
     idx = [k for k, r in enumerate(rows) if r.get("dora")]
     sums = Adapter(ads[0].path, "mlx-lm", [targets[k] for k in idx], {}, ads[0].weights_file)
     where = {b.target.module: b for b in bind(sums, src)}

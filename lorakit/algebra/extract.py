@@ -65,11 +65,12 @@ from threadpoolctl import threadpool_limits
 from .. import numerics as nm
 from ..errors import FormatError
 from ..fusion.delta import intended, target_pieces
+from ..io import source
 from ..io.adapters.base import EMBEDDING_HINTS, Adapter, LoraTarget, Replacement
 from ..io.adapters.load import load_adapter
 from ..io.adapters.write import save_adapter
 from ..io.naming import bind
-from ..io.source import TensorSource, open_source
+from ..io.source import TensorSource
 from ..io.weights import weight_f64
 from ..progress import Progress, progress_bar
 from ..report import Report
@@ -361,7 +362,7 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
     """
     check_target(rank, energy)
     refine = rank is not None if refine is None else bool(refine)
-    b, t = open_source(base), open_source(tuned)
+    b, t = source.open(base), source.open(tuned)
     _check_pair(b, t)
     targets: List[LoraTarget] = []
     replacements: List[Replacement] = []
@@ -564,7 +565,7 @@ def resize(adapter: Any, *, rank: Optional[int] = None, energy: Optional[float] 
     """
     check_target(rank, energy)
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
-    src = open_source(base) if base is not None else None
+    src = source.open(base) if base is not None else None
     binds = {b.target.module: b for b in bind(ad, src)} if src is not None and ad.is_dora \
         else {}
     targets: List[LoraTarget] = []

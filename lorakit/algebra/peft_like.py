@@ -72,9 +72,9 @@ import numpy as np
 
 from ..errors import AdapterError, LorakitError
 from ..fusion.core import peft_delta, torch_row_norm
+from ..io import source
 from ..io.adapters.base import Adapter, LoraTarget
 from ..io.naming import bind
-from ..io.source import open_source
 from ..io.weights import weight_f64
 from ..numerics import round_to_format, to_float32
 
@@ -237,7 +237,7 @@ def peft_dora_magnitudes(targets: List[LoraTarget], ads: Sequence[Adapter], base
                            expected="linear, ties, magnitude_prune or svd (or an F32 model)",
                            found="cat", hint="PEFT's DoRA merge of bf16/fp16 cat factors "
                            "runs in the model's dtype")
-    src = open_source(base)
+    src = source.open(base)
     where = {b.target.module: b for b in bind(
         Adapter(ads[0].path, "mlx-lm", list(targets), {}, ads[0].weights_file), src)}
     out = []

@@ -74,14 +74,14 @@ def fuse_adapter(args: argparse.Namespace) -> Any:
             and args.like is None:
         return paths[0]
     if args.like == "peft":
-        from ..io.source import open_source
+        from ..io import source
 
         if args.rounding not in ("nearest", "round-once"):
             raise LorakitError("--like peft merges as PEFT does", tensor="--rounding",
                                expected="--rounding round-once (implied by --like peft)",
                                found=f"--rounding {args.rounding}")
         args.rounding = "round-once"  # PEFT's merge_and_unload
-        return combination_of(args, open_source(args.model).dtype).adapter
+        return combination_of(args, source.open(args.model).dtype).adapter
     comb = combination_of(args)
     if args.method == "exact" and args.rounding != "nearest":
         raise LorakitError("an exact combination of adapters is fused correctly rounded only",

@@ -43,10 +43,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from .. import __version__
-from ..errors import FuseError, LorakitError
+from ..errors import FuseError, LorakitError, PathLike
+from ..io import source
 from ..io.adapters.base import Adapter, Replacement
 from ..io.adapters.load import load_adapter
-from ..io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
+from ..io.checkpoint import INDEX_NAME, Checkpoint
 from ..io.export import check_gguf_export
 from ..io.export import export_gguf as write_gguf
 from ..io.hf_layout import check_layout, is_stacked, layout_note, to_transformers
@@ -78,9 +79,6 @@ from .quant import (
 )
 
 __all__ = ['fuse', 'FuseResult']
-
-
-PathLike = Union[str, Path]
 
 
 
@@ -244,7 +242,7 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
     opts = options if options is not None else FuseOptions()
     dtype, dequantize = opts.dtype, opts.dequantize
     hub_id = None if isinstance(model, Path) or os.path.exists(model) else str(model)
-    ck = open_checkpoint(model)
+    ck = source.open(model, checkpoint=True)
     adapter = adapter_path if isinstance(adapter_path, Adapter) else load_adapter(adapter_path)
     out = check_output_path(save_path, protected=[ck.path, adapter.path], force=force)
     if ck.quantization and dtype == "promote" and not dequantize:

@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from ..errors import AdapterError
+from ..errors import AdapterError, PathLike
 from ..io.adapters.base import MLX_WEIGHTS, PEFT_WEIGHTS, Adapter, LoraTarget
 from ..io.adapters.load import load_adapter
 from ..io.checkpoint import QuantParams
@@ -32,9 +32,7 @@ from .core import fuse_bindings, output_code
 from .finite import cast_raw
 from .options import FuseOptions
 
-__all__ = ["PathLike", "fuse_model", "attach_adapter", "load_unfused"]
-
-PathLike = Union[str, Path]
+__all__ = ["fuse_model", "attach_adapter", "load_unfused"]
 
 
 def _lora_targets(model: Any) -> Tuple[List[LoraTarget], List[Tuple[str, Any]]]:

@@ -50,7 +50,8 @@ import numpy as np
 
 from .. import numerics as nm
 from ..errors import FuseError
-from ..io.checkpoint import Checkpoint, QuantParams, open_checkpoint
+from ..io import source
+from ..io.checkpoint import Checkpoint, QuantParams
 from ..io.corpus import CALIBRATION_CORPUS, encode_text, read_corpus
 from ..io.dtypes import mx_dtype, storage_code
 from ..io.naming import Binding
@@ -432,7 +433,7 @@ def per_layer_config(config: dict, ck: Checkpoint, choices: Optional[Dict[str, C
 def check_float_base(quantized: Any, float_base: Any) -> Any:
     """``--float-base``: the float original of a quantized base, checked to be one (the
     same config but for quantization, the same module names) -> the path to fuse into."""
-    q, f = open_checkpoint(quantized), open_checkpoint(float_base)
+    q, f = source.open(quantized, checkpoint=True), source.open(float_base, checkpoint=True)
     if not q.quantization:
         raise FuseError("--float-base is for a quantized base", file=q.path,
                         expected="a quantized model", found="float weights")

@@ -27,10 +27,10 @@ import numpy as np
 
 from ..algebra.lowrank import factor_svd
 from ..fusion.delta import target_pieces
+from ..io import source
 from ..io.adapters.base import Adapter, LoraTarget
 from ..io.adapters.load import load_adapter
 from ..io.naming import strip_prefix
-from ..io.source import open_source
 from ..layers import split_name
 from ..report import Report
 from . import plots
@@ -158,7 +158,7 @@ def compare_adapters(a: Any, b: Any, checkpoint: Any = None, *,
     """
     ada = a if isinstance(a, Adapter) else load_adapter(a)
     adb = b if isinstance(b, Adapter) else load_adapter(b)
-    src = open_source(checkpoint) if checkpoint is not None else None
+    src = source.open(checkpoint) if checkpoint is not None else None
     slots_a = weight_slots(ada, src) if src is not None else {}
     pa, pb = _parts(ada), _parts(adb)
     keys = list(pa) + [k for k in pb if k not in pa]

@@ -44,22 +44,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import LorakitError
+from ..errors import LorakitError, PathLike
 from ..fusion.model import attach_adapter
 from ..io.corpus import DEFAULT_CORPUS, encode_text, read_corpus
+from ..io.paths import resolve_model_path
 from ..progress import Progress, progress_bar
 from ..report import Report, jsonable
 from . import plots
 from .moe_cpu import float32_if_refused
 
 __all__ = ['DEFAULT_CORPUS', 'Side', 'read_corpus', 'windows', 'score_windows', 'compare_outputs', 'BehaviourReport', 'STAT_KEYS']
-
-
-PathLike = Union[str, Path]
 
 #: positions x vocab above which a window's math is done in chunks of positions
 CHUNK_ELEMENTS = 1 << 28
@@ -128,7 +126,7 @@ def _side(spec: Any, adapter: Optional[PathLike], label: str) -> Side:
                                expected="one adapter", found=f"{pair_adapter} and {adapter}")
         adapter = adapter if adapter is not None else pair_adapter
     if isinstance(spec, (str, Path)):
-        model, tok = _load(spec, label)
+        model, tok = _load(resolve_model_path(spec), label)
         if adapter is not None:
             model = attach_adapter(model, adapter)
         name = str(spec) + (f" + {adapter}" if adapter is not None else "")

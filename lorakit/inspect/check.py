@@ -119,11 +119,12 @@ from ..errors import FormatError, LorakitError
 from ..fusion import nearest as _nearest
 from ..fusion.core import cast_raw
 from ..fusion.delta import Piece, WeightReader, intended, intended_blocks, tensor_pieces
+from ..io import source
 from ..io.adapters.base import Adapter
 from ..io.adapters.load import load_adapter
 from ..io.naming import bind, bind_replacements, bindings_by_tensor
 from ..io.safetensors import ITEMSIZE, raw_to_mx
-from ..io.source import TensorSource, open_source
+from ..io.source import TensorSource
 from ..layers import split_name
 from ..report import Report
 from . import plots
@@ -547,7 +548,7 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
         ``.causes()``, rows with the numbers).
     """
     n_kl = behaviour_tokens(behaviour)
-    sf, sb = open_source(fused), open_source(base)
+    sf, sb = source.open(fused), source.open(base)
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
     by_tensor = bindings_by_tensor(bind(ad, sb))
     adapted = {t[: -len(".weight")] for t in by_tensor}

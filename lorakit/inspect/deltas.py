@@ -23,10 +23,11 @@ import numpy as np
 from .. import numerics as nm
 from ..algebra.lowrank import factor_svd
 from ..fusion.delta import target_pieces
+from ..io import source
 from ..io.adapters.base import Adapter
 from ..io.adapters.load import load_adapter
 from ..io.naming import bind
-from ..io.source import TensorSource, open_source
+from ..io.source import TensorSource
 from ..io.weights import weight_f64
 from ..layers import layer_kind_cells, split_name
 from ..report import Report
@@ -185,7 +186,7 @@ def delta_norms(adapter: Any, checkpoint: Any = None, *, rtol: Optional[float] =
     (28, 'model.layers.3.mlp.down_proj')
     """
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
-    src = open_source(checkpoint) if checkpoint is not None else None
+    src = source.open(checkpoint) if checkpoint is not None else None
     slots = weight_slots(ad, src) if src is not None else {}
     rows: List[Dict[str, Any]] = []
     spectra: List[np.ndarray] = []

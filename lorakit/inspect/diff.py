@@ -67,11 +67,12 @@ import numpy as np
 from .. import numerics as nm
 from ..errors import FormatError
 from ..fusion.delta import intended_pieces
+from ..io import source
 from ..io.adapters.base import Adapter
 from ..io.adapters.load import load_adapter
 from ..io.naming import bind, bindings_by_tensor
 from ..io.safetensors import FLOAT_CODES, TensorInfo, mx_to_raw
-from ..io.source import TensorSource, open_source
+from ..io.source import TensorSource
 from ..io.weights import weight_f64
 from ..layers import split_name
 from ..progress import Progress, progress_bar
@@ -159,7 +160,7 @@ def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     """Compare two checkpoints (or adapters, files, in-memory models) tensor by tensor.
 
     Args:
-        a, b: anything :func:`~lorakit.io.source.open_source` accepts.
+        a, b: anything :func:`lorakit.open` accepts.
         max_bin: top ulp histogram bin.
         names: restrict to these tensors.
         threads: pieces compared in parallel (default ``min(4, cpu_count)``).
@@ -173,7 +174,7 @@ def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
         and listed as ``dtype mismatch``; integer tensors (packed quantized weights)
         by equality.
     """
-    sa, sb = open_source(a), open_source(b)
+    sa, sb = source.open(a), source.open(b)
     diffs = compare_sources(sa, sb, max_bin=max_bin, names=names, threads=threads,
                             progress=progress)
     labels = bin_labels(max_bin)
@@ -387,7 +388,7 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
 
     Args:
         a, b: checkpoint/adapter directories, .safetensors files, Checkpoints or
-            in-memory mlx-lm models (anything :func:`~lorakit.io.source.open_source`
+            in-memory mlx-lm models (anything :func:`lorakit.open`
             takes).
         max_bin: top of the last power-of-two histogram bin.
         names: compare only these tensor names.
@@ -402,7 +403,7 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     """
     if max_bin < 3 or (max_bin + 1) & max_bin:
         raise ValueError(f"max_bin must be 2**k - 1 with k >= 2, got {max_bin}")
-    sa, sb = open_source(a), open_source(b)
+    sa, sb = source.open(a), source.open(b)
     chunk = max(64, chunk_bytes // 64 * 64)
     threads = max(1, threads if threads is not None else min(4, os.cpu_count() or 1))
     wanted = None if names is None else set(names)
@@ -826,7 +827,7 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
     >>> round(rep.summary["max error (ulp)"], 6), rep.summary["not correctly rounded"]
     (0.5, 0)
     """
-    sf, sb = open_source(fused), open_source(base)
+    sf, sb = source.open(fused), source.open(base)
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
     by_tensor = bindings_by_tensor(bind(ad, sb))
     labels = error_labels()

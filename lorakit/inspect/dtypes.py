@@ -1,6 +1,6 @@
 """Per-layer dtype maps, from headers only.
 
-:func:`dtype_map` takes any tensor source (:func:`lorakit.io.source.open_source`) and reads headers only (a checkpoint's tensors are never touched):
+:func:`dtype_map` takes any tensor source (:func:`lorakit.open`) and reads headers only (a checkpoint's tensors are never touched):
 one row per tensor with its layer, kind (q, k, v, o, gate, up, down, norms,
 embed, head, ...), dtype and bytes, flagging every float tensor whose dtype is not
 the checkpoint's majority. That is where a fuse that forgot its cast lights up.
@@ -14,20 +14,17 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Tuple
 
 from ..errors import FormatError
+from ..io import source as sources
 from ..io.dtypes import QUANT_SUFFIXES, config_dtype
 from ..io.safetensors import FLOAT_CODES
-from ..io.source import open_source
 from ..layers import LORA_PARTS, layer_kind_cells, split_name
 from ..report import Report
 from .plots import dtype_heatmap
 
 __all__ = ["DtypeMap", "dtype_map"]
-
-PathLike = Union[str, Path]
 
 
 @dataclass(repr=False)
@@ -105,7 +102,7 @@ def dtype_map(source: Any) -> DtypeMap:
     >>> dm.summary["expected dtype"], dm.summary["flagged"]
     ('BF16', 0)
     """
-    src = open_source(source)
+    src = sources.open(source)
     metas = list(src.tensors.values())
     names = src.tensors
     # the dtype the model is meant to have: config.json's, else the majority by elements

@@ -14,18 +14,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 if TYPE_CHECKING:
     import numpy as np
 
-from ..errors import FormatError
+from ..errors import FormatError, PathLike
 from .dtypes import majority_dtype
 from .paths import (
     check_model_dir,
     is_hub_blob,
     load_json,
-    resolve_model_path,
     safe_member,
     user_path,
 )
@@ -38,9 +37,7 @@ from .safetensors import (
     read_raw,
 )
 
-__all__ = ["PathLike", "INDEX_NAME", "QuantParams", "Checkpoint", "open_checkpoint"]
-
-PathLike = Union[str, Path]
+__all__ = ["INDEX_NAME", "QuantParams", "Checkpoint"]
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -303,7 +300,3 @@ class Checkpoint:
         return (f"Checkpoint({str(self.path)!r}, {self.model_type}, {len(self.tensors)} tensors, "
                 f"{self.dtype}{qs}, {len(self.shards)} shard{'s' if len(self.shards) != 1 else ''})")
 
-
-def open_checkpoint(path_or_repo: PathLike) -> Checkpoint:
-    """Open a checkpoint from a directory, or a hub repo id (downloaded through mlx-lm)."""
-    return Checkpoint(resolve_model_path(path_or_repo))

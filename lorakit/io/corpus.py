@@ -5,13 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple
 
-from ..errors import LorakitError
+from ..errors import LorakitError, PathLike
 
 __all__ = ["DEFAULT_CORPUS", "CALIBRATION_CORPUS", "read_corpus", "encode_text"]
-
-PathLike = Union[str, Path]
 
 _CORPORA = Path(__file__).resolve().parents[2] / "data" / "corpora" / "fortunes"
 #: the embedded validation text (held out from the embedded adapters' training text)

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import AdapterError, FormatError, OutputExistsError
 from ..numerics import to_float32
-from .source import open_source
+from . import source
 
 __all__ = ["GGUF_ARCHS", "GGUF_OUTTYPES", "check_gguf_model", "write_model_gguf",
            "write_lora_gguf", "gguf_tensor_name"]
@@ -361,7 +361,7 @@ def write_model_gguf(directory: Path, out: Path, *, outtype: str = "auto",
     if outtype not in GGUF_OUTTYPES:
         raise FormatError("unknown GGUF outtype", expected=", ".join(GGUF_OUTTYPES),
                           found=repr(outtype))
-    src = open_source(directory)
+    src = source.open(directory)
     config = src.config
     arch = check_gguf_model(config)
     if config.get("quantization") or config.get("quantization_config"):

@@ -47,9 +47,9 @@ import threading
 import warnings
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Type, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Type
 
-from ..errors import OutputExistsError
+from ..errors import OutputExistsError, PathLike
 from .provenance import IGNORABLE, PROVENANCE, foreign_entries, write_provenance
 
 __all__ = ["check_output_path", "OutputDirectory", "Interrupted", "OutputWarning", "PROVENANCE",
@@ -163,9 +163,6 @@ def temp_path(out: Path, mark: str, old: bool = False) -> Path:
     """A fresh temporary name for ``out``: this process's pid and 48 random bits."""
     return out.parent / (f".{_stem(out.name)}{mark}{'old-' if old else ''}{os.getpid()}-"
                          f"{secrets.token_hex(6)}")
-
-
-PathLike = Union[str, Path]
 
 
 

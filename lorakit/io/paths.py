@@ -15,15 +15,13 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-from ..errors import FormatError, UnsafePathError
+from ..errors import FormatError, PathLike, UnsafePathError
 from .safetensors import _file_kind
 
-__all__ = ["PathLike", "load_json", "is_hub_blob", "safe_member", "user_path", "check_model_dir",
+__all__ = ["load_json", "is_hub_blob", "safe_member", "user_path", "check_model_dir",
            "resolve_model_path"]
-
-PathLike = Union[str, Path]
 
 
 #: a JSON config larger than this is refused before it is read (real ones are KBs).
@@ -153,7 +151,7 @@ def check_model_dir(path: Path) -> None:
                           expected="a model directory with config.json",
                           found="a link to nothing" if st is None else "a file"
                           if stat.S_ISREG(st.st_mode) else _file_kind(st.st_mode),
-                          hint="give a local model directory (or a hub repo id to open_checkpoint)")
+                          hint="give a local model directory (or a hub repo id)")
     if not os.access(path, os.R_OK | os.X_OK):
         raise FormatError("cannot use the model path: permission denied", file=short_path(path),
                           expected="a directory you can list and read",

@@ -50,12 +50,11 @@ from typing import (
     Optional,
     Sequence,
     Tuple,
-    Union,
 )
 
-from ..errors import FormatError
+from ..errors import FormatError, PathLike
 
-__all__ = ["HeaderJSONError", "Bad", "JSONObject", "PathLike", "ITEMSIZE", "NUMPY_STORAGE",
+__all__ = ["HeaderJSONError", "Bad", "JSONObject", "ITEMSIZE", "NUMPY_STORAGE",
            "FLOAT_CODES", "TensorSpec", "TensorInfo", "SafetensorsHeader", "read_header",
            "read_raw", "raw_to_mx", "mx_to_raw", "MX_CODES"]
 
@@ -264,10 +263,6 @@ def check_layout(spans: List[Tuple[int, int, str]], data_len: int) -> None:
 
 if TYPE_CHECKING:
     import numpy as np
-
-
-
-PathLike = Union[str, Path]
 
 #: bytes per element of every dtype whose elements fill whole bytes. The sub-byte
 #: codes (F4, F6_*) are only in DTYPE_BITS: use :func:`nbytes_of` for sizes.

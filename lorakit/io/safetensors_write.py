@@ -18,8 +18,8 @@ from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..errors import FormatError
-from .safetensors import PathLike, TensorInfo, TensorSpec
+from ..errors import FormatError, PathLike
+from .safetensors import TensorInfo, TensorSpec
 
 __all__ = ["SafetensorsWriter", "WRITEBACK_BYTES", "start_writeback"]
 

@@ -6,10 +6,10 @@ model in memory (:class:`ModelSource`). All of them satisfy the :class:`TensorSo
 protocol: names with dtype codes and shapes read without touching data, one tensor's
 raw storage on request, the model config, the majority float dtype and, for
 quantized modules, their packing. Binding an adapter (:func:`lorakit.io.naming.bind`),
-fusing, inspecting and timing all take a source; :func:`open_source` makes one from
-whatever the user passed.
+fusing, inspecting and timing all take a source; :func:`open`, the one door every
+verb reads its inputs through, makes one from whatever the user passed.
 
->>> src = open_source("data/tiny-qwen3")
+>>> src = open("data/tiny-qwen3")
 >>> src.kind, src.dtype, "model.norm.weight" in src
 ('checkpoint', 'BF16', True)
 """
@@ -23,17 +23,16 @@ from typing import (
     Mapping,
     Optional,
     Protocol,
-    Union,
     runtime_checkable,
 )
 
 if TYPE_CHECKING:
     import numpy as np
 
-from ..errors import FormatError
+from ..errors import FormatError, PathLike
 from .checkpoint import Checkpoint, QuantParams
 from .dtypes import majority_dtype
-from .paths import load_json, resolve_model_path, safe_member
+from .paths import load_json, resolve_model_path, safe_member, stat_path, user_path
 from .safetensors import (
     MX_CODES,
     TensorInfo,
@@ -43,10 +42,7 @@ from .safetensors import (
     read_raw,
 )
 
-__all__ = ["TensorSource", "FileSource", "ModelSource", "open_source",
-           "majority_dtype"]
-
-PathLike = Union[str, Path]
+__all__ = ["TensorSource", "FileSource", "ModelSource", "open"]
 
 # adapter directories hold one of these (see lorakit.io.adapters.load)
 _ADAPTER_CONFIG = "adapter_config.json"
@@ -207,50 +203,47 @@ def _adapter_source(p: Path) -> FileSource:
                       expected=" or ".join(_ADAPTER_WEIGHTS))
 
 
-def open_source(x: Any, label: Optional[str] = None) -> TensorSource:
-    """A :class:`TensorSource` for a path (checkpoint dir, adapter dir, .safetensors
-    file), a source already, or an mlx ``nn.Module``.
+def open(x: Any, label: Optional[str] = None, *,  # noqa: A001  (lorakit.open)
+         checkpoint: bool = False) -> TensorSource:
+    """The one door for every input: a :class:`TensorSource` for a checkpoint directory
+    or hub repo id (resolved by mlx-lm's downloader, offline from the Hugging Face
+    cache with ``HF_HUB_OFFLINE=1``), an adapter directory, a ``.safetensors`` file, a
+    source already, or an mlx-lm model in memory. ``checkpoint=True`` accepts only a
+    checkpoint (what a fuse or a timing run needs).
 
-    >>> open_source("data/adapters/lora").kind
+    Returns names, dtypes and shapes without reading data; ``read(name)`` gives one
+    tensor's raw storage.
+
+    >>> import lorakit
+    >>> src = lorakit.open("data/tiny-qwen3")
+    >>> src.model_type, src.tensors["model.norm.weight"].dtype
+    ('qwen3', 'BF16')
+    >>> lorakit.open("data/adapters/lora").kind
     'adapter'
     """
     src: TensorSource
     if isinstance(x, (Checkpoint, _SourceBase)):
         src = x
     elif isinstance(x, (str, Path)):
-        p = Path(x)
-        if p.is_file() and p.suffix == ".safetensors":
+        p = user_path(x, "model path")
+        if stat_path(p, "model path") is None and not p.is_symlink():
+            p = resolve_model_path(x)
+        if checkpoint:
+            src = Checkpoint(p)
+        elif p.is_file() and p.suffix == ".safetensors":
             src = FileSource(p)
         elif p.is_dir() and (p / _ADAPTER_CONFIG).exists() and not (p / "config.json").exists():
             src = _adapter_source(p)
-        elif p.exists():
-            src = Checkpoint(p)
         else:
-            raise FormatError("no such file or directory", file=p,
-                              expected="a checkpoint or adapter directory, or a .safetensors file")
+            src = Checkpoint(p)
     elif hasattr(x, "parameters") and hasattr(x, "named_modules"):
         src = ModelSource(x)
     else:
-        raise FormatError("cannot inspect this object", found=type(x).__name__,
-                          expected="a path, a Checkpoint or an mlx-lm model (nn.Module)")
+        raise FormatError("cannot open this object", found=type(x).__name__,
+                          expected="a path, a hub repo id, a source or an mlx-lm model (nn.Module)")
+    if checkpoint and not isinstance(src, Checkpoint):
+        raise FormatError("not a checkpoint", file=getattr(src, "path", None), found=src.kind,
+                          expected="a model directory with config.json, or a hub repo id")
     if label:
         src.label = label
     return src
-
-
-def open(x: Any, label: Optional[str] = None) -> TensorSource:  # noqa: A001  (lorakit.open)
-    """Open anything that holds named tensors: a checkpoint directory or hub repo id
-    (fetched through mlx-lm's downloader when online), an adapter directory, a
-    ``.safetensors`` file, or an mlx-lm model in memory.
-
-    Returns a :class:`TensorSource`: names, dtypes and shapes without reading data,
-    ``read(name)`` for one tensor's raw storage.
-
-    >>> import lorakit
-    >>> src = lorakit.open("data/tiny-qwen3")
-    >>> src.model_type, src.tensors["model.norm.weight"].dtype
-    ('qwen3', 'BF16')
-    """
-    if isinstance(x, (str, Path)) and not Path(x).exists():
-        x = resolve_model_path(x)
-    return open_source(x, label)

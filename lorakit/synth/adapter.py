@@ -8,17 +8,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..errors import AdapterError
+from ..errors import AdapterError, PathLike
+from ..io import source
 from ..io.adapters.base import Adapter, LoraTarget
 from ..io.adapters.write import save_adapter
-from ..io.checkpoint import Checkpoint
 from ..io.output import SYNTH_MARK, check_output_path
 from .presets import DEFAULT_KEYS
 from .sites import _find_sites, _layer_prefix, _row_norms, _Site
 
-__all__ = ["PathLike", "synth_adapter"]
-
-PathLike = Union[str, Path]
+__all__ = ["synth_adapter"]
 
 
 def synth_adapter(path: PathLike, checkpoint_path: PathLike, *, rank: int = 8,
@@ -65,7 +63,7 @@ def synth_adapter(path: PathLike, checkpoint_path: PathLike, *, rank: int = 8,
                            found=repr(format))
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise AdapterError("rank must be a positive integer", found=repr(rank))
-    ck = Checkpoint(checkpoint_path)
+    ck = source.open(checkpoint_path, checkpoint=True)
     prefix, n_layers = _layer_prefix(list(ck.tensors))
     n_layers = int(ck.config.get("num_hidden_layers", n_layers))
     if isinstance(layers, int) and not isinstance(layers, bool):

@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import numerics as nm
-from ..errors import FormatError
+from ..errors import FormatError, PathLike
 from ..io.output import SYNTH_MARK, OutputDirectory, check_output_path
 from ..io.safetensors import TensorSpec
 from ..io.safetensors_write import SafetensorsWriter
@@ -17,9 +17,7 @@ from .planning import parse_size, plan_checkpoint, resolve_config
 from .sampler import _fill_kind, _Sampler
 from .tokenizer import write_tokenizer
 
-__all__ = ["PathLike", "synth_checkpoint"]
-
-PathLike = Union[str, Path]
+__all__ = ["synth_checkpoint"]
 
 _DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 

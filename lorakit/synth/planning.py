@@ -6,12 +6,10 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-from ..errors import FormatError
+from ..errors import FormatError, PathLike
 from .presets import _MIXTRAL, PRESETS
 
-__all__ = ["PathLike", "parse_size", "resolve_config", "plan_checkpoint"]
-
-PathLike = Union[str, Path]
+__all__ = ["parse_size", "resolve_config", "plan_checkpoint"]
 
 
 def parse_size(size: Union[int, str]) -> int:

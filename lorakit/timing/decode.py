@@ -36,25 +36,23 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Union
 
-from ..errors import LorakitError
+from ..errors import LorakitError, PathLike
 from ..fusion.fuse import fuse
-from ..io.checkpoint import Checkpoint
+from ..io import source
 from ..io.safetensors import read_header
 from ..progress import progress_bar
 from .kl_column import kl_tokens, kl_vs_unfused
 from .table import ADAPTER_FILES, FUSED_VARIANTS, VARIANTS, DecodeTiming, VariantTiming
 from .worker import MARK, TOKENIZER_FILES
 
-__all__ = ["PathLike", "weight_bytes", "auto_rounds", "time_decode"]
-
-PathLike = Union[str, Path]
+__all__ = ["weight_bytes", "auto_rounds", "time_decode"]
 # -- running ---------------------------------------------------------------------------
 
 def weight_bytes(model: PathLike, adapter_path: Optional[PathLike] = None) -> Dict[str, int]:
     """Bytes by dtype code of a checkpoint's tensors (plus an adapter's, if given),
     read from the safetensors headers only."""
     c: Counter = Counter()
-    for t in Checkpoint(model).tensors.values():
+    for t in source.open(model, checkpoint=True).tensors.values():
         c[t.dtype] += t.nbytes
     if adapter_path is not None:
         # the file mlx-lm / PEFT load (training checkpoints beside it are not counted)
@@ -283,7 +281,8 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
         raise LorakitError("these variants need an adapter",
                            found=", ".join(n for n in names if n != "base"),
                            hint="pass adapter_path (--adapter-path)")
-    ckpt = Checkpoint(model)  # a bad model directory fails here, before any work
+    ckpt = source.open(model, checkpoint=True)  # a bad model fails here, before any work
+    model = ckpt.path  # a hub id resolved to its snapshot
     if rounds is None:
         rounds = auto_rounds(sum(t.nbytes for t in ckpt.tensors.values()))
     if min(prompt_tokens, tokens, repeats, rounds) < 1 or warmup < 0:

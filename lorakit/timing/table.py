@@ -10,7 +10,7 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence
 
 from ..inspect.moe_cpu import NOTE as MOE_NOTE
 from ..report import Report
@@ -25,10 +25,8 @@ from .stats import (
     speed_verdict,
 )
 
-__all__ = ["PathLike", "VARIANTS", "FUSED_VARIANTS", "ADAPTER_FILES", "VariantTiming",
+__all__ = ["VARIANTS", "FUSED_VARIANTS", "ADAPTER_FILES", "VariantTiming",
            "DecodeTiming"]
-
-PathLike = Union[str, Path]
 
 VARIANTS = ("base", "unfused", "promoted", "fused", "mlx-lm-fused")
 FUSED_VARIANTS = ("promoted", "fused", "mlx-lm-fused")

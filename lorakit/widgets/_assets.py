@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Dict, Optional, Union
+from typing import Dict, Optional
 
-__all__ = ["PathLike", "ENV", "find_data", "checkpoints", "adapters"]
+from ..errors import PathLike
 
-PathLike = Union[str, Path]
+__all__ = ["ENV", "find_data", "checkpoints", "adapters"]
 ENV = "LORAKIT_DATA"
 _MARKER = "tiny-qwen3"
 

@@ -12,16 +12,15 @@ subspaces (principal angles), with the per-module table.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional
 
 import ipywidgets as W
 
+from ..errors import PathLike
 from ..inspect.adapters import AdapterComparison, compare_adapters
 from ._base import ErrorBox, FigureView, hook, summary_html
 
-__all__ = ["PathLike", "VIEWS", "AdapterCompare"]
-
-PathLike = Union[str, Path]
+__all__ = ["VIEWS", "AdapterCompare"]
 VIEWS = (("delta norms", "norms"), ("cosine", "cosine"), ("column overlap", "col_overlap"),
          ("row overlap", "row_overlap"))
 

@@ -18,17 +18,16 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence
 
 import ipywidgets as W
 
+from ..errors import PathLike
 from ..timing.decode import auto_rounds, time_decode, weight_bytes
 from ..timing.table import VARIANTS, DecodeTiming, VariantTiming
 from ._base import ErrorBox, FigureView, hook
 
-__all__ = ["PathLike", "DecodeRace"]
-
-PathLike = Union[str, Path]
+__all__ = ["DecodeRace"]
 
 
 class DecodeRace(W.VBox):

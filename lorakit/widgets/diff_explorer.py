@@ -17,20 +17,19 @@ magnitude: the large ulp distances sit near zero).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, List, Mapping, Optional, Union
+from typing import Any, List, Mapping, Optional
 
 import ipywidgets as W
 
+from ..errors import PathLike
 from ..inspect.diff import UlpReport, diff, ulp_vs_reference
 from ..inspect.plots import histogram_bars
 from ..inspect.ulp_count import binades, bits_dtype
-from ..io.source import open_source
+from ..io import source
 from ..report import Report
 from ._base import ErrorBox, FigureView, facts_html, hook, rows_html, summary_html
 
-__all__ = ["PathLike", "REFERENCE", "VIEWS", "DiffExplorer"]
-
-PathLike = Union[str, Path]
+__all__ = ["REFERENCE", "VIEWS", "DiffExplorer"]
 #: the B choice meaning "the exact fuse of base + adapter, in float64"
 REFERENCE = "exact fuse (float64)"
 VIEWS = ("overall", "layers", "layer", "tensor")
@@ -204,7 +203,7 @@ def _by_magnitude(a: Path, b: Path, d: Any) -> str:
     largest ulp distance (the large ones sit near zero, where steps are tiny)."""
     if d is None or not d.differing or d.counts is None:
         return ""
-    sa, sb = open_source(a), open_source(b)
+    sa, sb = source.open(a), source.open(b)
     st = bits_dtype(d.dtype_a)
     rows = [{"|a|, |b| from": 0.0 if e is None else 2.0 ** e, "differing": c, "max_ulp": m}
             for e, c, m in binades(sa.read(d.name).view(st), sb.read(d.name).view(st),

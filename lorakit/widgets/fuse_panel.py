@@ -13,21 +13,20 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import ipywidgets as W
 
+from ..errors import PathLike
 from ..fusion.fuse import FuseResult, fuse
 from ..fusion.options import DTYPE_POLICIES, ROUNDINGS
 from ..fusion.quant import survival_overall
-from ..io.checkpoint import Checkpoint
+from ..io import source
 from . import _assets
 from ._base import ErrorBox, hook
 from .dtype_view import DtypeMapView
 
-__all__ = ["PathLike", "FusePanel"]
-
-PathLike = Union[str, Path]
+__all__ = ["FusePanel"]
 QUANT_CHOICES = (("re-quantize", False), ("dequantize", True))
 #: how a re-quantized base stores its adapted modules (``lorakit.fuse(quant_policy=)``)
 QUANT_POLICIES = ("requant", "same-grid", "bits:5", "bits:6", "bits:8", "float", "auto",
@@ -144,7 +143,7 @@ class FusePanel(W.VBox):
         b = self.base_dir()
         quantized = False
         try:
-            quantized = b is not None and Checkpoint(b).quantization is not None
+            quantized = b is not None and source.open(b, checkpoint=True).quantization is not None
         except Exception:
             pass  # an unreadable path is reported when the user runs the fuse
         self.quant.disabled = not quantized

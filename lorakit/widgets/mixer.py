@@ -26,15 +26,14 @@ import numpy as np
 
 from ..algebra.combine import combine
 from ..algebra.lowrank import delta_gram
+from ..errors import PathLike
 from ..fusion.model import attach_adapter
 from ..inspect.generation import GenerationReport, compare_generations
 from ..io.adapters.base import Adapter
 from ..io.adapters.load import load_adapter
 from ._base import ErrorBox, facts_html, hook, rows_html
 
-__all__ = ["PathLike", "AdapterMixer"]
-
-PathLike = Union[str, Path]
+__all__ = ["AdapterMixer"]
 
 
 def mix_stats(gram: Mapping[str, np.ndarray], labels: Sequence[str],

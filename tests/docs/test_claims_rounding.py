@@ -183,9 +183,8 @@ def test_notebook_ulp_and_quantization_claims():
     cfg = json.loads((DATA / "tiny-qwen3-4bit" / "config.json").read_text())
     assert int(m.group(1)) == cfg["quantization"]["group_size"]
     from lorakit.fusion.quant import dequantize_raw
-    from lorakit.io.checkpoint import open_checkpoint
 
-    ck = open_checkpoint(DATA / "tiny-qwen3-4bit")
+    ck = lorakit.open(DATA / "tiny-qwen3-4bit", checkpoint=True)
     ratios, stds = [], []
     for n in ck.tensors:
         if n.endswith(".scales"):

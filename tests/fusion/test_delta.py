@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import lorakit
 from lorakit import numerics as nm
 from lorakit.fusion import delta as dl
 from lorakit.fusion.core import fuse_bindings
@@ -23,7 +24,6 @@ from lorakit.io.adapters.base import LoraTarget
 from lorakit.io.adapters.load import load_adapter
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.naming import bind, bindings_by_tensor
-from lorakit.io.source import open_source
 from lorakit.io.weights import weight_f64
 
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -63,7 +63,7 @@ def test_nearest_fuse_is_intended_rounded_once(model, adapter):
 @pytest.mark.parametrize("model,adapter", CASES)
 def test_merge_check_target_is_intended(model, adapter):
     ck, by_tensor = _binds(model, adapter)
-    src = open_source(DATA / model)
+    src = lorakit.open(DATA / model)
     for tensor, binds in by_tensor.items():
         Ts = [T for _, _, T in intended_pieces(src, src, tensor, binds)]
         want = [dl.intended(_w64(ck, tensor, p.slot), p) for p in dl.tensor_pieces(binds)]

@@ -12,12 +12,11 @@ import lorakit
 from lorakit.errors import FuseError
 from lorakit.fusion.options import parse_method, parse_policy
 from lorakit.fusion.quant import calibration_tokens, pack_codes, unpack_codes
-from lorakit.io.checkpoint import open_checkpoint
 
 
 def load_file(path):
     """Raw storage of every tensor of a checkpoint's shard (bf16 as uint16 bits)."""
-    ck = open_checkpoint(Path(path).parent)
+    ck = lorakit.open(Path(path).parent, checkpoint=True)
     return {n: ck.read(n) for n in ck.tensors}
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +103,7 @@ def test_bits_policy_is_recorded_per_layer_for_mlx_lm(tmp_path):
     m = "model.layers.0.mlp.down_proj"
     assert cfg["quantization"][m] == {"group_size": 64, "bits": 8, "mode": "affine"}
     assert cfg["quantization"]["bits"] == 4  # the rest stays 4-bit
-    ck = open_checkpoint(out)
+    ck = lorakit.open(out, checkpoint=True)
     assert ck.quant_params(m).bits == 8
     assert ck.quant_params("model.embed_tokens").bits == 4
     assert min(s.survived for s in r.requant) > 0.99  # 16x finer step keeps the delta
@@ -116,7 +115,7 @@ def test_float_policy_bytes(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     m = "model.layers.1.self_attn.k_proj"
     assert cfg["quantization"][m] is False
-    ck, base = open_checkpoint(out), open_checkpoint(BASE)
+    ck, base = lorakit.open(out, checkpoint=True), lorakit.open(BASE, checkpoint=True)
     w = ck.tensors[f"{m}.weight"]
     assert w.dtype == base.tensors[f"{m}.scales"].dtype
     assert f"{m}.scales" not in ck.tensors
@@ -182,7 +181,7 @@ def test_float_base_fuses_into_the_float_original(tmp_path):
     out = tmp_path / "fb"
     r = lorakit.fuse(str(BASE), str(WEAK), str(out), progress=False,
                      float_base=str(ROOT / "data/tiny-qwen3"))
-    ck = open_checkpoint(out)
+    ck = lorakit.open(out, checkpoint=True)
     assert not ck.quantization and r.tensors_fused == 28
     with pytest.raises(FuseError, match="float original"):
         lorakit.fuse(str(BASE), str(WEAK), str(tmp_path / "bad"), progress=False,
@@ -261,11 +260,11 @@ def test_learned_loads_generates_and_beats_requant_on_kl(tmp_path, capsys):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
     assert res["learned"].bytes_written == res["requant"].bytes_written
-    b, o = open_checkpoint(BASE), open_checkpoint(out)
+    b, o = lorakit.open(BASE, checkpoint=True), lorakit.open(out, checkpoint=True)
     assert np.array_equal(o.read("model.embed_tokens.weight"), b.read("model.embed_tokens.weight"))
     # GPTQ chose other codes than round-to-nearest of the same fused weights
     name = "model.layers.0.mlp.down_proj.weight"
-    r = open_checkpoint(tmp_path / "requant")
+    r = lorakit.open(tmp_path / "requant", checkpoint=True)
     assert not np.array_equal(o.read(name), r.read(name))
     # survival is reported like the other policies
     assert {s.policy for s in res["learned"].requant} == {"learned"}

@@ -17,7 +17,6 @@ pytest.importorskip("mlx.core")
 
 import lorakit
 from lorakit.cli.main import main
-from lorakit.io.checkpoint import open_checkpoint
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 BASE = DATA / "tiny-qwen3-4bit"
@@ -31,7 +30,7 @@ def _codes(words: np.ndarray, bits: int = 4) -> np.ndarray:
 
 
 def _changed(out: Path):
-    ck_b, ck_f = open_checkpoint(BASE), open_checkpoint(out)
+    ck_b, ck_f = lorakit.open(BASE, checkpoint=True), lorakit.open(out, checkpoint=True)
     per, tot, n = {}, 0, 0
     for name, meta in ck_f.tensors.items():
         if meta.dtype != "U32" or not name.endswith(".weight"):

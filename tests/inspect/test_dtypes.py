@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import lorakit
 from lorakit import numerics as nm
 from lorakit.inspect.dtypes import dtype_map
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors import TensorSpec
 from lorakit.io.safetensors_write import SafetensorsWriter
-from lorakit.io.source import open_source
 from lorakit.layers import split_name
 
 
@@ -116,7 +116,7 @@ def test_adapter_directory(models: dict) -> None:
     dm = dtype_map(models["ad"])
     assert dm.summary["kind"] == "adapter" and dm.summary["expected dtype"] == "F32"
     assert {r["part"] for r in dm.rows} == {"lora_a", "lora_b"}
-    assert open_source(models["ad"]).kind == "adapter"
+    assert lorakit.open(models["ad"]).kind == "adapter"
 
 
 def test_plot_and_html(models: dict) -> None:

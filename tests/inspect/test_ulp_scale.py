@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import lorakit
 from lorakit import numerics as nm
 from lorakit.cli.main import main
 from lorakit.inspect import ulp_count as ua
@@ -169,7 +170,6 @@ def test_reference_error_leads_with_relative_error(qwen3_paths):
     from lorakit.inspect.diff import ulp_vs_reference
     from lorakit.io.adapters.load import load_adapter
     from lorakit.io.naming import bind, bindings_by_tensor
-    from lorakit.io.source import open_source
 
     base, ad, near, mlx = qwen3_paths
     rn, rm = ulp_vs_reference(near, base, ad), ulp_vs_reference(mlx, base, ad)
@@ -182,7 +182,7 @@ def test_reference_error_leads_with_relative_error(qwen3_paths):
     keys = list(rm.summary)
     assert keys.index(key_rel) < keys.index("max error (ulp)")
     # brute force for one tensor: rms(F - T) / rms(T) from the exact pieces
-    sf, sb = open_source(mlx), open_source(base)
+    sf, sb = lorakit.open(mlx), lorakit.open(base)
     by = bindings_by_tensor(bind(load_adapter(ad), sb))
     name = next(iter(by))
     t2 = d2 = 0.0

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+import lorakit
 from lorakit.errors import FormatError
-from lorakit.io.checkpoint import Checkpoint, open_checkpoint
+from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.paths import resolve_model_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +42,7 @@ def _no_hub(monkeypatch) -> None:
 def test_local_typo_says_no_such_directory(here: Path, given: str, monkeypatch) -> None:
     _no_hub(monkeypatch)
     with pytest.raises(FormatError) as info:
-        open_checkpoint(given)
+        lorakit.open(given, checkpoint=True)
     msg = str(info.value)
     assert "no such directory" in msg and "model path does not exist" in msg, msg
     assert "found: no such file or directory" in msg
@@ -64,7 +65,7 @@ def test_repo_shaped_id_without_local_owner_goes_to_the_hub(here: Path, monkeypa
 
 def test_unknown_user(here: Path, monkeypatch) -> None:
     _no_hub(monkeypatch)
-    for fn in (open_checkpoint, Checkpoint):
+    for fn in (lorakit.open, Checkpoint):
         with pytest.raises(FormatError, match="unknown user") as info:
             fn("~no-such-user-lorakit/model")
         assert "no-such-user-lorakit" in str(info.value)
@@ -78,7 +79,7 @@ def test_home_is_expanded(here: Path, monkeypatch) -> None:
 @pytest.mark.parametrize("given", ["a" * 300, "data/" + "b" * 300, "c" * 300 + "/x"])
 def test_name_too_long(here: Path, given: str, monkeypatch) -> None:
     _no_hub(monkeypatch)
-    for fn in (open_checkpoint, Checkpoint):
+    for fn in (lorakit.open, Checkpoint):
         with pytest.raises(FormatError, match="longer than the system allows") as info:
             fn(given)
         assert "ENAMETOOLONG" in str(info.value)
@@ -88,7 +89,7 @@ def test_name_too_long(here: Path, given: str, monkeypatch) -> None:
 def test_a_file_is_not_a_model_directory(here: Path) -> None:
     (here / "afile").write_text("x")
     with pytest.raises(FormatError, match="not a directory") as info:
-        open_checkpoint("afile")
+        lorakit.open("afile", checkpoint=True)
     assert "found: a file" in str(info.value)
 
 
@@ -107,10 +108,10 @@ def test_permission_denied(tmp_path: Path) -> None:
     locked = tmp_path / "locked"
     (locked / "inner").mkdir(parents=True)
     locked.chmod(0)
-    code = ("import sys\nfrom lorakit.io.checkpoint import open_checkpoint\n"
+    code = ("import sys\nimport lorakit\n"
             "from lorakit.errors import FormatError\n"
             "for m in sys.argv[1:]:\n"
-            "    try:\n        open_checkpoint(m)\n"
+            "    try:\n        lorakit.open(m, checkpoint=True)\n"
             "    except FormatError as e:\n        print(str(e).splitlines()[0])\n")
     try:
         r = subprocess.run(_without_root_powers() + [sys.executable, "-c", code, "locked/inner",

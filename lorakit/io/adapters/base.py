@@ -32,7 +32,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -40,11 +40,9 @@ from ...errors import AdapterError
 from ...numerics import float_format, to_float32
 from ..safetensors import TensorInfo, read_header, read_raw
 
-__all__ = ["PathLike", "MLX_WEIGHTS", "PEFT_WEIGHTS", "CONFIG", "PEFT_PREFIX", "EMBEDDING_HINTS",
+__all__ = ["MLX_WEIGHTS", "PEFT_WEIGHTS", "CONFIG", "PEFT_PREFIX", "EMBEDDING_HINTS",
            "LoraTarget", "Replacement", "Adapter", "AdapterTensors", "number", "whole",
            "check_magnitude", "problems"]
-
-PathLike = Union[str, Path]
 
 MLX_WEIGHTS = "adapters.safetensors"
 PEFT_WEIGHTS = "adapter_model.safetensors"

@@ -16,14 +16,13 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Tuple
 
-from ...errors import AdapterError
+from ...errors import AdapterError, PathLike
 from ..paths import load_json, safe_member, user_path
 from .base import (
     CONFIG,
     MLX_WEIGHTS,
     PEFT_WEIGHTS,
     Adapter,
-    PathLike,
 )
 from .mlx import check_layer_scope, load_mlx
 from .peft import check_targets_exist, load_peft

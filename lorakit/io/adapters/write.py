@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ...errors import AdapterError
+from ...errors import AdapterError, PathLike
 from ...numerics import round_to_format, to_float32
 from ..output import TMP_MARK, OutputDirectory, check_output_path
 from ..safetensors import TensorSpec, read_header
@@ -52,7 +52,6 @@ from .base import (
     PEFT_WEIGHTS,
     Adapter,
     LoraTarget,
-    PathLike,
 )
 from .layout import alpha_for, expert_modules, layer_gaps, mlx_scope, restack
 
