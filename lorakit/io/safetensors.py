@@ -4,38 +4,24 @@ The format is an 8-byte little-endian header length, a JSON header mapping tenso
 names to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to
 the end of the header), then the raw little-endian data.
 
-``safetensors`` and ``mx.load`` read whole files or need every tensor in memory to
-write one. lorakit needs three things they do not give: a header read that checks
-every claim a downloaded file makes before trusting it (sizes, offsets, overlaps),
-reads of one tensor (or some of its rows) without touching the rest, and a writer
-that takes tensors one at a time, so a checkpoint larger than RAM can be fused.
-The files it writes are plain safetensors that ``mx.load``, ``safetensors`` and
-``mlx_lm.load`` open.
+The verdict on a header is the reference's: ``safetensors.safe_open`` (the Rust crate,
+0.8) checks the JSON, each dtype and shape, and that the byte ranges tile the data
+region exactly. A file it refuses, lorakit refuses, and the other way round, with one
+deliberate exception: a tensor name given twice in one header (the reference keeps the
+last entry; other readers keep the first, so the same file would load different
+weights) is refused. A refused file is then explained in lorakit's words where a plain
+reading can say what is wrong (the length, the JSON, which tensor and which rule); else
+the reference's own words are quoted.
 
-The rules a safetensors header must follow, exactly as the reference reader applies them.
-
-The reference is the ``safetensors`` package (Rust crate ``safetensors``, 0.8):
-``SafeTensors::read_metadata`` parses the header with ``serde_json`` and
-``Metadata::validate`` checks the layout. A file it refuses, lorakit refuses, and
-the other way round, with one deliberate exception: a tensor name given twice in
-one header (the reference keeps the last entry; other readers keep the first, so
-the same file would load different weights) is refused.
-``tests/io/test_safetensors.py`` feeds the same bytes to both and compares verdicts.
-
-What ``serde_json`` does differently from Python's ``json`` and is repeated here:
-no ``NaN``/``Infinity``, numbers beyond the float range refused (even where the
-value is ignored), integers above ``2**64 - 1`` or negative zero are floats (so not
-a size), unpaired UTF-16 surrogate escapes refused, at most 127 nested levels.
-What the derived deserializer accepts and is accepted here too: unknown fields in a
-tensor entry, an entry written as the array ``[dtype, shape, data_offsets]``, a
-dtype written as ``{"F32": null}``, ``"__metadata__": null``, a metadata key given
-twice (the last wins).
+What the reference does not give, and lorakit needs, is here: reads of one tensor (or
+some of its rows) as raw storage without touching the rest (bf16 as uint16 bits, which
+its numpy API cannot hand out), and a writer that takes tensors one at a time
+(``safetensors_write.py``), so a checkpoint larger than RAM can be fused. The files it
+writes are plain safetensors that ``mx.load``, ``safetensors`` and ``mlx_lm.load`` open.
 """
 from __future__ import annotations
 
 import json
-import math
-import re
 import stat
 import struct
 from dataclasses import dataclass, field
@@ -54,9 +40,8 @@ from typing import (
 
 from ..errors import FormatError, PathLike
 
-__all__ = ["HeaderJSONError", "Bad", "JSONObject", "ITEMSIZE", "NUMPY_STORAGE",
-           "FLOAT_CODES", "TensorSpec", "TensorInfo", "SafetensorsHeader", "read_header",
-           "read_raw", "raw_to_mx", "mx_to_raw", "MX_CODES"]
+__all__ = ["ITEMSIZE", "NUMPY_STORAGE", "FLOAT_CODES", "TensorSpec", "TensorInfo",
+           "SafetensorsHeader", "read_header", "read_raw", "raw_to_mx", "mx_to_raw", "MX_CODES"]
 
 #: bits per element of every dtype the reference (safetensors 0.8) knows.
 DTYPE_BITS: Dict[str, int] = {
@@ -69,20 +54,13 @@ DTYPE_BITS: Dict[str, int] = {
 #: the reference refuses a longer header (``MAX_HEADER_SIZE``) before reading it.
 MAX_HEADER_BYTES = 100_000_000
 
-#: serde_json's recursion limit: 128 levels entered, the 128th refused.
-MAX_JSON_DEPTH = 127
-
 _U64 = 1 << 64  # usize on the 64-bit hosts the reference runs on
-_SURROGATE = re.compile("[\ud800-\udfff]")
 FIELDS = ("dtype", "shape", "data_offsets")
 
 
-class HeaderJSONError(ValueError):
-    """JSON that Python's parser reads but the reference's parser refuses."""
-
-
 class Bad(Exception):
-    """One broken rule: message, tensor (if any), expected, found."""
+    """One broken rule, as lorakit explains a refused header: message, tensor (if any),
+    expected, found."""
 
     def __init__(self, message: str, tensor: Optional[str] = None,
                  expected: Optional[str] = None, found: Optional[str] = None) -> None:
@@ -90,83 +68,19 @@ class Bad(Exception):
         self.message, self.tensor, self.expected, self.found = message, tensor, expected, found
 
 
-class JSONObject(dict):
+class _Object(dict):
     """A JSON object as a dict (the last value of a repeated key wins, as in serde)
-    that remembers which keys were repeated and the values they shadowed (serde
-    still parses and type-checks those)."""
+    that names the keys given twice."""
 
-    repeated: Tuple[str, ...] = ()
-    shadowed: Tuple[Any, ...] = ()
+    twice: Tuple[str, ...] = ()
 
 
-def _object(pairs: List[Tuple[str, Any]]) -> JSONObject:
-    out = JSONObject(pairs)
+def _pairs(pairs: List[Tuple[str, Any]]) -> _Object:
+    out = _Object(pairs)
     if len(out) != len(pairs):
         seen: set = set()
-        out.repeated = tuple(k for k, _ in pairs if k in seen or seen.add(k))
-        last = {k: i for i, (k, _) in enumerate(pairs)}
-        out.shadowed = tuple(v for i, (k, v) in enumerate(pairs) if last[k] != i)
+        out.twice = tuple(k for k, _ in pairs if k in seen or seen.add(k))
     return out
-
-
-def _int(s: str) -> Any:
-    """An integer literal as serde_json reads it: u64 / i64, else a float."""
-    if len(s) > 20:  # beyond every 64-bit integer: serde reads a float
-        return _float(s)
-    v = int(s)
-    if s.startswith("-") and (v == 0 or v < -(1 << 63)):
-        return float(s)  # serde: "-0" and below i64::MIN are floats
-    if v >= _U64:
-        return float(s)
-    return v
-
-
-def _float(s: str) -> float:
-    v = float(s)
-    if math.isinf(v):
-        raise HeaderJSONError(f"number out of range: {s[:40]}")
-    return v
-
-
-def _constant(s: str) -> Any:
-    raise HeaderJSONError(f"{s} is not JSON")
-
-
-def _check_tree(obj: Any, text: str) -> None:
-    """Nesting depth and unpaired surrogates, checked where they can occur."""
-    check_surrogates = "\\u" in text  # valid UTF-8 cannot hold a surrogate otherwise
-    check_depth = text.count("[") + text.count("{") > MAX_JSON_DEPTH
-    if not (check_surrogates or check_depth):
-        return
-    stack: List[Tuple[Any, int]] = [(obj, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, str):
-            if check_surrogates and _SURROGATE.search(node):
-                raise HeaderJSONError("lone UTF-16 surrogate in a string escape")
-        elif isinstance(node, (dict, list)):
-            if depth > MAX_JSON_DEPTH:
-                raise HeaderJSONError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
-            if isinstance(node, dict):
-                for k in node:
-                    stack.append((k, depth))
-                stack.extend((v, depth + 1) for v in node.values())
-                stack.extend((v, depth + 1) for v in getattr(node, "shadowed", ()))
-            else:
-                stack.extend((v, depth + 1) for v in node)
-
-
-def load_header_json(raw: bytes) -> Any:
-    """Parse header bytes as the reference does.
-
-    Raises ``UnicodeDecodeError``, ``ValueError`` (``json.JSONDecodeError`` or
-    :class:`HeaderJSONError`) or ``RecursionError`` when it refuses them.
-    """
-    text = raw.decode("utf-8")
-    obj = json.loads(text, object_pairs_hook=_object, parse_int=_int, parse_float=_float,
-                     parse_constant=_constant)
-    _check_tree(obj, text)
-    return obj
 
 
 def _size(x: Any) -> bool:
@@ -176,7 +90,7 @@ def _size(x: Any) -> bool:
 def _dtype(x: Any) -> Optional[str]:
     if isinstance(x, str):
         return x if x in DTYPE_BITS else None
-    if isinstance(x, JSONObject) and len(x) == 1 and not x.repeated:
+    if isinstance(x, dict) and len(x) == 1 and not getattr(x, "twice", ()):
         # serde reads a unit enum variant from a one-key map with a null value too
         (k, v), = x.items()
         return k if k in DTYPE_BITS and v is None else None
@@ -192,7 +106,7 @@ def parse_entry(name: str, entry: Any) -> Tuple[str, Tuple[int, ...], int, int]:
                       repr(entry)[:80])
         dtype, shape, offs = entry
     elif isinstance(entry, dict):
-        twice = [k for k in getattr(entry, "repeated", ()) if k in FIELDS]
+        twice = [k for k in getattr(entry, "twice", ()) if k in FIELDS]
         if twice:
             raise Bad("a tensor field appears twice", name, "each field once",
                       f"{twice[0]!r} twice")
@@ -218,11 +132,8 @@ def parse_entry(name: str, entry: Any) -> Tuple[str, Tuple[int, ...], int, int]:
 
 
 def byte_size(dtype: str, shape: Tuple[int, ...], name: Optional[str] = None) -> int:
-    """Bytes the data of a ``dtype`` tensor of ``shape`` fills, or :class:`Bad`.
-
-    Overflow-safe: Python integers, refused past 64 bits at every step as the
-    reference does (so ``[2**40, 2**40, 0]`` is refused although it holds nothing).
-    """
+    """Bytes the data of a ``dtype`` tensor of ``shape`` fills, or :class:`Bad`
+    (refused past 64 bits at every step, as the reference does)."""
     n = 1
     for d in shape:
         n *= d
@@ -401,18 +312,17 @@ def _file_kind(mode: int) -> str:
 
 
 def read_header(path: PathLike) -> SafetensorsHeader:
-    """Read and check a safetensors header without reading any tensor data.
+    """Read a safetensors header, checked by the reference, without reading tensor data.
 
-    Accepts exactly the files the ``safetensors`` package accepts (rules in
-    :mod:`lorakit.io.safetensors`), except a tensor name given twice: the
-    header length against the file size, the JSON, each dtype and shape, and the
-    byte ranges, which must tile the data region exactly (no overlaps, no unclaimed
-    bytes between tensors or after the last). A failed check raises
-    :class:`~lorakit.errors.FormatError` naming the file and tensor.
+    A header the reference (``safetensors.safe_open``) refuses, or one naming a tensor
+    twice, raises :class:`~lorakit.errors.FormatError` naming the file, the tensor and
+    the broken rule (see :mod:`lorakit.io.safetensors`).
 
     >>> read_header("data/tiny-qwen3/model.safetensors").tensors["model.norm.weight"].shape
     (256,)
     """
+    from safetensors import SafetensorError, safe_open  # lazy: the reference, for the verdict
+
     path = Path(path)
     try:
         st = path.stat()
@@ -420,56 +330,70 @@ def read_header(path: PathLike) -> SafetensorsHeader:
             # a FIFO or device would block or stream forever; a directory cannot be read
             raise _bad(path, "not a regular file", expected="a regular file",
                        found=_file_kind(st.st_mode))
-        size = st.st_size
+        try:
+            with safe_open(str(path), framework="numpy"):
+                pass
+        except SafetensorError as e:
+            raise _explain(path, st.st_size, str(e)) from None
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise _bad(path, "file shorter than the 8-byte header length",
-                           expected=">= 8 bytes", found=f"{len(head)} bytes")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise _bad(path, "header length is larger than the file",
-                           expected=f"<= {size - 8} bytes", found=f"{n} bytes")
-            if n > MAX_HEADER_BYTES:
-                raise _bad(path, "header is implausibly large",
-                           expected=f"<= {MAX_HEADER_BYTES} bytes", found=f"{n} bytes")
-            raw = f.read(n)
+            (n,) = struct.unpack("<Q", f.read(8))
+            obj = json.loads(f.read(n).decode("utf-8"), object_pairs_hook=_pairs)
     except OSError as e:
         raise FormatError(f"cannot read safetensors file: {e.strerror or e}", file=path,
                           expected="a readable file", found=type(e).__name__) from None
-    if len(raw) != n:  # the file shrank while we read it
-        raise _bad(path, "file ended inside the header", expected=f"{n} bytes",
-                   found=f"{len(raw)} bytes")
-    try:
-        obj = load_header_json(raw)
-    except (ValueError, RecursionError) as e:  # JSON, UTF-8, number and depth errors
-        raise _bad(path, "header is not JSON", expected="a UTF-8 JSON object",
-                   found=f"{type(e).__name__}: {str(e)[:80]}") from None
-    if not isinstance(obj, dict):
-        raise _bad(path, "header is not a JSON object", expected="a JSON object",
-                   found=type(obj).__name__)
     data_start = 8 + n
-    data_len = size - data_start
     try:
-        meta, infos = _check_header(path, obj, data_start, data_len)
-    except Bad as e:
+        meta, infos = _check_header(path, obj, data_start, st.st_size - data_start)
+    except Bad as e:  # a name twice: the reference keeps the last, lorakit refuses
         raise _bad(path, e.message, tensor=e.tensor, expected=e.expected,
                    found=e.found) from None
     return SafetensorsHeader(path, data_start, meta, {t.name: t for t in infos})
 
 
+def _explain(path: Path, size: int, reference: str) -> FormatError:
+    """A header the reference refused, explained in lorakit's words where a plain
+    reading of it can say what is wrong; else in the reference's."""
+    said = reference.split("header: ", 1)[-1]
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return _bad(path, "file shorter than the 8-byte header length",
+                        expected=">= 8 bytes", found=f"{len(head)} bytes")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            return _bad(path, "header length is larger than the file",
+                        expected=f"<= {size - 8} bytes", found=f"{n} bytes")
+        if n > MAX_HEADER_BYTES:
+            return _bad(path, "header is implausibly large",
+                        expected=f"<= {MAX_HEADER_BYTES} bytes", found=f"{n} bytes")
+        raw = f.read(n)
+    try:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8 and int-size errors
+        return _bad(path, "header is not JSON", expected="a UTF-8 JSON object",
+                    found=f"{type(e).__name__}: {str(e)[:80]}")
+    if not isinstance(obj, dict):
+        return _bad(path, "header is not a JSON object", expected="a JSON object",
+                    found=type(obj).__name__)
+    try:
+        _check_header(path, obj, 8 + n, size - 8 - n)
+    except Bad as e:
+        return _bad(path, e.message, tensor=e.tensor, expected=e.expected, found=e.found)
+    return _bad(path, "the reference parser refuses the header",
+                expected="a header safetensors reads", found=said[:200])
+
+
 def _check_header(path: Path, obj: dict, data_start: int,
                   data_len: int) -> Tuple[Dict[str, str], List[TensorInfo]]:
     """Metadata and tensors of a parsed header, in data order; raises ``Bad``."""
-    for key in getattr(obj, "repeated", ()):
+    for key in getattr(obj, "twice", ()):
         # two entries for one name: readers that keep the first and readers that keep
         # the last would load different weights from the same file
         raise Bad("a name appears twice in the header", key, "unique tensor names",
                   "duplicate")
     meta = obj.get("__metadata__")
-    values = list(meta.values()) + list(meta.shadowed) if isinstance(meta, dict) else []
     if meta is not None and not (isinstance(meta, dict)
-                                 and all(isinstance(v, str) for v in values)):
+                                 and all(isinstance(v, str) for v in meta.values())):
         raise Bad("__metadata__ must map strings to strings", "__metadata__",
                   "an object of string values", repr(meta)[:80])
     infos: List[TensorInfo] = []
