@@ -38,6 +38,8 @@ from typing import (
     Tuple,
 )
 
+from safetensors import SafetensorError, safe_open
+
 from ..errors import FormatError, PathLike
 
 __all__ = ["ITEMSIZE", "NUMPY_STORAGE", "FLOAT_CODES", "TensorSpec", "TensorInfo",
@@ -321,8 +323,6 @@ def read_header(path: PathLike) -> SafetensorsHeader:
     >>> read_header("data/tiny-qwen3/model.safetensors").tensors["model.norm.weight"].shape
     (256,)
     """
-    from safetensors import SafetensorError, safe_open  # lazy: the reference, for the verdict
-
     path = Path(path)
     try:
         st = path.stat()
