@@ -53,7 +53,7 @@ from typing import (
     Union,
 )
 
-from ..errors import FormatError
+from ..errors import ArgumentError, FormatError
 
 __all__ = ["HeaderJSONError", "Bad", "JSONObject", "PathLike", "ITEMSIZE", "NUMPY_STORAGE",
            "FLOAT_CODES", "TensorSpec", "TensorInfo", "SafetensorsHeader", "read_header",
@@ -521,10 +521,10 @@ def read_raw(info: TensorInfo, rows: Optional[slice] = None) -> np.ndarray:
     begin, count = info.begin, info.numel
     if rows is not None:
         if not shape:
-            raise ValueError("cannot slice rows of a scalar tensor")
+            raise ArgumentError.bad("rows", rows, "None: a scalar tensor has no rows")
         start, stop, step = rows.indices(shape[0])
         if step != 1:
-            raise ValueError("row slices must be contiguous")
+            raise ArgumentError.bad("rows", rows, "a contiguous slice (step 1)")
         row = info.numel // shape[0] if shape[0] else 0
         begin += start * row * dt.itemsize
         count = max(stop - start, 0) * row
