@@ -335,7 +335,7 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
     ckpt = Checkpoint(model)  # a bad model directory fails here, before any work
     opts = replace(opts, variants=tuple(names), rounds=opts.rounds or auto_rounds(
         sum(t.nbytes for t in ckpt.tensors.values())))
-    rounds, runs = int(opts.rounds or 1), opts.warmup + opts.repeats
+    rounds, runs = opts.rounds or 1, opts.warmup + opts.repeats  # rounds: resolved above
     python = python or sys.executable
     result = DecodeTiming(title="", settings={
         "model": str(model), "adapter_path": str(adapter) if adapter else None,
