@@ -49,12 +49,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..errors import AdapterError, LorakitError, PathLike
+from ..errors import AdapterError, ArgumentError, LorakitError, PathLike
 from ..fusion.delta import SumTarget, intended, tensor_pieces
 from ..io import source
 from ..io.adapters.base import Adapter, LoraTarget
@@ -67,8 +68,8 @@ from ..io.weights import weight_f64
 from ..report import Report
 from .lowrank import factor_svd
 from .peft_like import (
+    LIKE_PEFT,
     RANDOM,
-    check_like_peft,
     like_peft_target,
     merge,
     peft_dora_magnitudes,
@@ -78,7 +79,7 @@ from .peft_like import (
 METHODS = ("exact", "cat", "linear", "svd", "ties", "ties_svd", "magnitude_prune",
            "dare_linear", "dare_ties")
 
-__all__ = ["combine", "convert", "Combination", "METHODS"]
+__all__ = ["combine", "CombineOptions", "convert", "Combination", "METHODS"]
 
 
 class Combination(Report):
@@ -121,11 +122,10 @@ def _load(a: Union[PathLike, Adapter]) -> Adapter:
 def _check_inputs(ads: List[Adapter], weights: Sequence[float], method: str = "exact",
                   like: Optional[str] = None) -> None:
     if not ads:
-        raise LorakitError("combine needs at least one adapter", expected="--adapter-path A "
-                           "[--adapter-path B ...]", found="none")
+        raise ArgumentError.bad("adapters", [], "at least one adapter (--adapter-path A "
+                                "[--adapter-path B ...])")
     if len(weights) != len(ads):
-        raise LorakitError("one weight per adapter", tensor="weights",
-                           expected=f"{len(ads)} weights", found=f"{len(weights)}: {weights}")
+        raise ArgumentError.bad("weights", list(weights), f"{len(ads)} weights, one per adapter")
     for ad in ads:
         if ad.is_dora and method not in ("exact", "svd") and like is None:
             raise AdapterError(f"DoRA adapters cannot be combined by {method}"
@@ -245,58 +245,92 @@ def _factor_merge(method: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[
             merge(method, Bs, wb, density=density, rng=rng, sign_method=sign_method))
 
 
+@dataclass(frozen=True)
+class CombineOptions:
+    """How :func:`combine` combines: one value, checked once (its keywords, the flags of
+    ``lorakit combine`` and ``lorakit fuse --adapter-path A --adapter-path B``).
+
+    Attributes:
+        method: one of :data:`METHODS` (see the module's docstring; default ``exact``).
+        rank: the rank of ``svd`` / ``ties_svd`` (default: the largest input rank).
+        density: the kept fraction for ``ties``, ``ties_svd``, ``magnitude_prune``,
+            ``dare_*`` (required there), 0 <= density <= 1.
+        seed: the random seed of ``dare_*`` (required there).
+        like: ``"peft"``: the adapter PEFT's ``add_weighted_adapter`` builds, bit for bit
+            (:mod:`lorakit.algebra.peft_like`; fuse it with ``rounding="round-once"``).
+        base_dtype: the model's dtype PEFT would build ``cat`` factors in (``like``):
+            ``BF16``, ``F16`` or ``F32``.
+        majority_sign_method: ``ties``' sign election, PEFT's ``"total"`` (default) or
+            ``"frequency"``.
+        svd_clamp: ``like="peft"`` ``svd`` only: PEFT's quantile clamp of the factors.
+    """
+
+    method: str = "exact"
+    rank: Optional[int] = None
+    density: Optional[float] = None
+    seed: Optional[int] = None
+    like: Optional[str] = None
+    base_dtype: str = "BF16"
+    majority_sign_method: str = "total"
+    svd_clamp: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        m, like = self.method, self.like
+        for name, allowed in (("method", METHODS), ("like", (None, "peft")),
+                              ("base_dtype", ("BF16", "F16", "F32")),
+                              ("majority_sign_method", ("total", "frequency"))):
+            if getattr(self, name) not in allowed:
+                raise ArgumentError.bad(name, getattr(self, name), " / ".join(map(str, allowed)))
+        if like == "peft" and m not in LIKE_PEFT:
+            raise ArgumentError.bad("method", m, " / ".join(LIKE_PEFT) + ": --like peft does "
+                                    f"not reproduce {m}",
+                                    hint="dare_* draw torch's random masks; lorakit's own "
+                                    "dare_* take a seed" if m.startswith("dare") else None)
+        r, d, q = self.rank, self.density, self.svd_clamp
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
+            raise ArgumentError.bad("rank", r, "an int >= 1, or None (the largest input rank)")
+        if d is not None and not (isinstance(d, (int, float)) and 0 <= d <= 1):
+            raise ArgumentError.bad("density", d, "a fraction, 0 <= density <= 1")
+        if q is not None and (like != "peft" or not (isinstance(q, (int, float))
+                                                     and 0 <= q <= 1)):
+            raise ArgumentError.bad("svd_clamp", q, "a quantile 0 <= q <= 1, with like='peft'")
+        if m in RANDOM and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ArgumentError.bad("seed", self.seed, f"an int: {m} is random (the same seed "
+                                    "gives the same result)")
+
+
 def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequence[float]] = None,
-            *, method: str = "exact", rank: Optional[int] = None,
-            density: Optional[float] = None, seed: Optional[int] = None,
-            like: Optional[str] = None, base_dtype: str = "BF16", base: Any = None,
-            majority_sign_method: str = "total", svd_clamp: Optional[float] = None,
+            *, options: Optional[CombineOptions] = None, base: Any = None,
             save_path: Optional[PathLike] = None, format: str = "mlx-lm",
-            force: bool = False) -> Combination:
+            force: bool = False, **settings: Any) -> Combination:
     """Combine adapters with weights (negative allowed) into one adapter.
 
     Args:
         adapters: adapter directories (mlx-lm or PEFT) or loaded adapters.
         weights: one per adapter (default: 1.0 each).
-        method: one of :data:`METHODS` (see the module's docstring).
-        rank: the rank of ``svd`` / ``ties_svd`` (default: the largest input rank).
-        density: the kept fraction for ``ties``, ``magnitude_prune``, ``dare_*``.
-        seed: the random seed of ``dare_*`` (required there).
-        like: ``"peft"``: the adapter PEFT's ``add_weighted_adapter`` builds, bit for bit
-            (:mod:`lorakit.algebra.peft_like`; fuse it with ``rounding="round-once"``).
-        base_dtype: the model's dtype PEFT would build ``cat`` factors in (``like``).
-        base: the checkpoint (path or source) ``svd`` evaluates DoRA parts on.
-        majority_sign_method: ``ties``' sign election, PEFT's ``"total"`` (default) or
-            ``"frequency"``.
-        svd_clamp: ``like="peft"`` ``svd`` only: PEFT's quantile clamp of the factors.
+        options: a :class:`CombineOptions`; ``**settings`` (its field names: ``method``,
+            ``rank``, ``density``, ``seed``, ``like``, ...) replace its values.
+        base: the checkpoint (path or source) ``svd`` evaluates DoRA parts on (and
+            ``like="peft"`` DoRA magnitudes).
         save_path / format / force: also write the combination there.
 
     >>> c = combine(["data/adapters/lora", "data/adapters/lora"], [0.5, 0.5])
     >>> c.adapter.targets[0].rank, c.summary["method"]
     (16, 'exact')
     """
-    if method not in METHODS:
-        raise LorakitError("unknown combination method", tensor="method",
-                           expected=" / ".join(METHODS), found=repr(method))
+    opts = replace(options or CombineOptions(), **settings)
+    method, rank, density, seed, like = (opts.method, opts.rank, opts.density, opts.seed,
+                                         opts.like)
+    base_dtype, majority_sign_method, svd_clamp = (opts.base_dtype, opts.majority_sign_method,
+                                                   opts.svd_clamp)
     ads = [_load(a) for a in adapters]
     w = [1.0] * len(ads) if weights is None else [float(x) for x in weights]
     _check_inputs(ads, w, method, like)
-    if like not in (None, "peft"):
-        raise LorakitError("unknown --like", tensor="like", expected="peft", found=repr(like))
     if like == "peft":
-        check_like_peft(method)
         if len(ads) == 1:
             method = "linear"  # PEFT combines a single adapter linearly whatever is asked
         new_rank, new_scale = peft_plan(ads, method, rank)
-    elif svd_clamp is not None:
-        raise LorakitError("svd_clamp is PEFT's (like='peft', method svd)", tensor="svd_clamp",
-                           expected="like='peft'", found=f"svd_clamp={svd_clamp}")
-    rng = None
-    if method in RANDOM:
-        if seed is None:
-            raise LorakitError(f"{method} is random: it needs a seed", tensor="seed",
-                               expected="--seed S (the same seed gives the same result)",
-                               found="none")
-        rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed) if method in RANDOM else None
     targets: List[LoraTarget] = []
     rows: List[Dict[str, Any]] = []
     for module, parts in _groups(ads).items():
@@ -393,10 +427,9 @@ def _svd_dora(targets: List[LoraTarget], rows: List[Dict[str, Any]], ads: List[A
     """Replace each DoRA :class:`SumTarget` by the rank-R truncation of ``T(W) - W``
     (float64, W read from ``base``), in place, with its error in the row."""
     if base is None:
-        raise LorakitError("svd of DoRA adapters needs the base weights", tensor="base",
-                           expected="base=CHECKPOINT (lorakit combine --base, or fuse's "
-                           "--model)", found="none",
-                           hint="a DoRA change depends on the base weight's row norms")
+        raise ArgumentError.bad("base", None, "base=CHECKPOINT (lorakit combine --base, or "
+                                "fuse's --model): svd of DoRA adapters needs the base weights",
+                                hint="a DoRA change depends on the base weight's row norms")
     src = source.open(base)
     idx = [k for k, r in enumerate(rows) if r.get("dora")]
     sums = Adapter(ads[0].path, "mlx-lm", [targets[k] for k in idx], {}, ads[0].weights_file)
@@ -449,7 +482,6 @@ def _to_gguf_lora(ad: Adapter, out: Path, base: Optional[PathLike], outtype: str
                            hint="pass --base MODEL_DIR")
     config = json.loads((where / "config.json").read_text(encoding="utf-8"))
     if out.resolve() == ad.path.resolve() or ad.path.resolve() in out.resolve().parents:
-        raise LorakitError("the GGUF-LoRA file would go inside the adapter", file=out,
-                           expected="a path outside the adapter directory",
-                           found=str(ad.path))
+        raise ArgumentError.bad("save_path", str(out), f"a path outside the adapter "
+                                f"directory {ad.path}")
     return write_lora_gguf(ad, config, out, outtype=outtype, force=force)

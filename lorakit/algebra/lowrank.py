@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import LorakitError
+from ..errors import ArgumentError
 from ..io.adapters.base import Adapter, LoraTarget
 
 __all__ = ["EXACT_MAX", "OVERSAMPLE", "POWER_ITERS", "choose_rank", "matrix_svd",
@@ -64,13 +64,12 @@ def choose_rank(S: np.ndarray, total_sq: float, rank: Optional[int] = None,
 def check_target(rank: Optional[int], energy: Optional[float]) -> None:
     """Exactly one of ``rank`` (a positive int) and ``energy`` (in (0, 1]) is given."""
     if (rank is None) == (energy is None):
-        raise LorakitError("give exactly one of rank and energy",
-                           expected="rank=R or energy=E", found=f"rank={rank}, energy={energy}")
+        raise ArgumentError.bad("rank, energy", (rank, energy), "exactly one of rank=R and "
+                                "energy=E")
     if rank is not None and (isinstance(rank, bool) or int(rank) != rank or rank < 1):
-        raise LorakitError("rank must be a positive integer", expected=">= 1", found=repr(rank))
+        raise ArgumentError.bad("rank", rank, "a positive integer")
     if energy is not None and not (0 < float(energy) <= 1):
-        raise LorakitError("energy must be a fraction", expected="0 < energy <= 1",
-                           found=repr(energy))
+        raise ArgumentError.bad("energy", energy, "a fraction, 0 < energy <= 1")
 
 
 def _exact(D: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -151,7 +150,7 @@ def split_factors(U: np.ndarray, S: np.ndarray, Vt: np.ndarray, k: int, scale: f
     truncation ``U_k S_k Vt_k``: the singular values split evenly (``sqrt(S)`` on each
     side), ``B`` divided by ``scale``."""
     if not math.isfinite(scale) or scale == 0:
-        raise LorakitError("scale must be finite and non-zero", found=repr(scale))
+        raise ArgumentError.bad("scale", scale, "finite and non-zero")
     root = np.sqrt(S[:k])
     B = (U[:, :k] * root) / float(scale)
     A = root[:, None] * Vt[:k]

@@ -70,7 +70,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import AdapterError, LorakitError
+from ..errors import AdapterError, ArgumentError
 from ..fusion.core import peft_delta, torch_row_norm
 from ..io import source
 from ..io.adapters.base import Adapter, LoraTarget
@@ -78,20 +78,12 @@ from ..io.naming import bind
 from ..io.weights import weight_f64
 from ..numerics import round_to_format, to_float32
 
-__all__ = ["check_like_peft", "peft_plan", "like_peft_target", "peft_dora_magnitudes", "RANDOM",
+__all__ = ["LIKE_PEFT", "peft_plan", "like_peft_target", "peft_dora_magnitudes", "RANDOM",
            "magnitude_mask", "merge"]
 
 LIKE_PEFT = ("linear", "cat", "ties", "magnitude_prune", "svd", "ties_svd")
 _FMT = {"BF16": "bfloat16", "F16": "float16"}
 _SAME_RANK = ("linear", "ties", "magnitude_prune", "dare_linear", "dare_ties")
-
-
-def check_like_peft(method: str) -> None:
-    if method not in LIKE_PEFT:
-        raise LorakitError(f"--like peft does not reproduce {method}", tensor="--like",
-                           expected=" / ".join(LIKE_PEFT),
-                           found=method, hint="dare_* draw torch's random masks; lorakit's "
-                           "own dare_* take --seed" if method.startswith("dare") else None)
 
 
 def config_rank(ad: Adapter) -> int:
@@ -227,10 +219,9 @@ def peft_dora_magnitudes(targets: List[LoraTarget], ads: Sequence[Adapter], base
     """The targets with the magnitude PEFT gives a new DoRA adapter: the row norms of
     the base weight (torch's f32 row norm, rounded to the model's dtype)."""
     if base is None:
-        raise LorakitError("PEFT's combination of DoRA adapters is a DoRA adapter whose "
-                           "magnitude is the base weight's row norms", tensor="base",
-                           expected="base=CHECKPOINT (lorakit combine --base, or fuse's "
-                           "--model)", found="none")
+        raise ArgumentError.bad("base", None, "base=CHECKPOINT (lorakit combine --base, or "
+                                "fuse's --model)", hint="PEFT's combination of DoRA adapters "
+                                "is a DoRA adapter whose magnitude is the base weight's row norms")
     if any(t.round_delta for t in targets):
         raise AdapterError("--like peft does not reproduce cat of DoRA adapters on a "
                            f"{base_code} model", file=ads[0].path, tensor="method",
@@ -386,23 +377,20 @@ def merge(method: str, xs: Sequence[np.ndarray], ws: Sequence[float], *,
           exact: bool = True, sign_method: str = "total") -> np.ndarray:
     """PEFT's ``method`` over task tensors ``xs`` with weights ``ws``: float32 result."""
     if method not in FACTOR_METHODS:
-        raise LorakitError("unknown merge method", expected=" / ".join(FACTOR_METHODS),
-                           found=repr(method))
+        raise ArgumentError.bad("method", method, " / ".join(FACTOR_METHODS))
     xs = [np.asarray(x) for x in xs]
     if sign_method not in ("total", "frequency"):
-        raise LorakitError("unknown majority sign method", tensor="majority_sign_method",
-                           expected="total / frequency", found=repr(sign_method))
+        raise ArgumentError.bad("majority_sign_method", sign_method, "total / frequency")
     if method != "linear":
         if density is None or not 0 <= density <= 1:
-            raise LorakitError(f"{method} needs a density in [0, 1]", tensor="density",
-                               expected="--density D, 0 <= D <= 1", found=repr(density))
+            raise ArgumentError.bad("density", density, f"0 <= density <= 1 ({method} needs "
+                                    "one: --density D)")
     if method in ("magnitude_prune", "ties"):
         xs = [np.where(magnitude_mask(x, density, like_torch=not exact), x,
                        np.float32(0)).astype(np.float32) for x in xs]
     elif method in RANDOM:
         if rng is None:
-            raise LorakitError(f"{method} is random: it needs a seed", tensor="seed",
-                               expected="--seed S", found="none")
+            raise ArgumentError.bad("seed", None, f"a seed: {method} is random (--seed S)")
         if density < 1:
             kept = []
             for x in xs:

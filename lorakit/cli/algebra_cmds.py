@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any, List, Optional
 
-from ..errors import LorakitError
+from ..errors import ArgumentError
 from .written import wrote
 
 __all__ = ["add_combination_flags", "fuse_adapter", "add"]
@@ -23,9 +23,8 @@ def _weights(text: Optional[str]) -> Optional[List[float]]:
     try:
         return [float(x) for x in text.split(",")]
     except ValueError:
-        raise LorakitError("--weights must be numbers separated by commas",
-                           expected="e.g. --weights 0.7,0.3 or --weights 1,-1",
-                           found=repr(text)) from None
+        raise ArgumentError.bad("--weights", text, "numbers separated by commas, e.g. "
+                                "--weights 0.7,0.3 or --weights 1,-1") from None
 
 
 def add_combination_flags(p: argparse.ArgumentParser, method_flag: str) -> None:
@@ -55,14 +54,22 @@ def add_combination_flags(p: argparse.ArgumentParser, method_flag: str) -> None:
                    "elements")
 
 
+def options_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
+    """The :class:`~lorakit.algebra.combine.CombineOptions` the flags ask for."""
+    from ..algebra.combine import CombineOptions
+
+    return CombineOptions(method=args.method, rank=args.rank, density=args.density,
+                          seed=args.seed, like=args.like, base_dtype=base_dtype,
+                          majority_sign_method=args.majority_sign_method,
+                          svd_clamp=args.svd_clamp)
+
+
 def combination_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
     """The combined adapter (a Combination) the flags ask for."""
     from ..algebra.combine import combine
 
-    return combine(args.adapter_path, _weights(args.weights), method=args.method,
-                   rank=args.rank, density=args.density, seed=args.seed, like=args.like,
-                   base_dtype=base_dtype, base=getattr(args, "model", None),
-                   majority_sign_method=args.majority_sign_method, svd_clamp=args.svd_clamp)
+    return combine(args.adapter_path, _weights(args.weights),
+                   options=options_of(args, base_dtype), base=getattr(args, "model", None))
 
 
 def fuse_adapter(args: argparse.Namespace) -> Any:
@@ -77,31 +84,28 @@ def fuse_adapter(args: argparse.Namespace) -> Any:
         from ..io import source
 
         if args.rounding not in ("nearest", "round-once"):
-            raise LorakitError("--like peft merges as PEFT does", tensor="--rounding",
-                               expected="--rounding round-once (implied by --like peft)",
-                               found=f"--rounding {args.rounding}")
+            raise ArgumentError.bad("--rounding", args.rounding, "round-once (implied by "
+                                    "--like peft: it merges as PEFT does)")
         args.rounding = "round-once"  # PEFT's merge_and_unload
-        return combination_of(args, source.open(args.model).dtype).adapter
+        dtype = source.open(args.model).dtype  # PEFT builds cat's factors in it (else F32)
+        return combination_of(args, dtype if dtype in ("BF16", "F16") else "F32").adapter
     comb = combination_of(args)
     if args.method == "exact" and args.rounding != "nearest":
-        raise LorakitError("an exact combination of adapters is fused correctly rounded only",
-                           tensor="--rounding", expected="--rounding nearest",
-                           found=f"--rounding {args.rounding}",
-                           hint="the other orders are those of one adapter's runtime; use "
-                           "--combine cat to fuse the stored concatenated adapter with them"
-                           if "dora_modules" not in comb.summary else "the other orders are "
-                           "those of one adapter's runtime: fuse DoRA adapters one at a time")
+        raise ArgumentError.bad(
+            "--rounding", args.rounding, "nearest: an exact combination of adapters is fused "
+            "correctly rounded only", hint="the other orders are those of one adapter's "
+            "runtime; use --combine cat to fuse the stored concatenated adapter with them"
+            if "dora_modules" not in comb.summary else "the other orders are those of one "
+            "adapter's runtime: fuse DoRA adapters one at a time")
     return comb.adapter
 
 
 def _combine(args: argparse.Namespace) -> int:
     from ..algebra.combine import combine
 
-    rep = combine(args.adapter_path, _weights(args.weights), method=args.method,
-                  rank=args.rank, density=args.density, seed=args.seed, like=args.like,
-                  base_dtype=args.model_dtype, save_path=args.save_path, format=args.format,
-                  force=args.force, base=args.base,
-                  majority_sign_method=args.majority_sign_method, svd_clamp=args.svd_clamp)
+    rep = combine(args.adapter_path, _weights(args.weights),
+                  options=options_of(args, args.model_dtype), base=args.base,
+                  save_path=args.save_path, format=args.format, force=args.force)
     wrote(args, args.save_path)
     print(json.dumps(rep.to_dict(), indent=2) if args.json else rep)
     return 0

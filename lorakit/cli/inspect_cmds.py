@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List
 
-from ..errors import LorakitError
+from ..errors import ArgumentError
 
 __all__ = ["add"]
 
@@ -49,8 +49,9 @@ def _diff(args: argparse.Namespace) -> int:
     from ..inspect.diff import diff
 
     if bool(args.adapter) != bool(args.base):
-        raise LorakitError("--adapter-path and --model go together",
-                           hint="give both to measure each side against the exact fuse")
+        raise ArgumentError.bad("--adapter-path, --model", (args.adapter, args.base),
+                                "both or neither: --adapter-path and --model go together",
+                                hint="give both to measure each side against the exact fuse")
     rep = diff(args.a, args.b)
     reports: Dict[str, Any] = {"diff": rep}
     if args.adapter:

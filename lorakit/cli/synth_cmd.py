@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any, Dict, List, Optional
 
-from ..errors import FormatError
+from ..errors import ArgumentError
 from .written import wrote
 
 __all__ = ["add"]
@@ -28,8 +28,7 @@ def _overrides(pairs: Optional[List[str]]) -> Dict[str, Any]:
     for pair in pairs or []:
         key, sep, val = pair.partition("=")
         if not sep or not key:
-            raise FormatError("--set needs KEY=VALUE", found=repr(pair),
-                              expected="e.g. --set num_hidden_layers=4")
+            raise ArgumentError.bad("--set", pair, "KEY=VALUE, e.g. --set num_hidden_layers=4")
         out[key.strip()] = _value(val.strip())
     return out
 
@@ -55,8 +54,8 @@ def _checkpoint(args: argparse.Namespace) -> int:
     from ..synth import synth_checkpoint
 
     if (args.preset is None) == (args.config is None):
-        raise FormatError("give exactly one of --preset and --config",
-                          expected="--preset qwen3-1.7b or --config path/to/config.json")
+        raise ArgumentError.bad("--preset, --config", (args.preset, args.config), "exactly one: "
+                                "--preset qwen3-1.7b or --config path/to/config.json")
     t0 = time.perf_counter()
     out = synth_checkpoint(args.path, args.preset or args.config, layout=args.layout,
                            dtype=args.dtype, shard_size=args.shard_size, seed=args.seed,

@@ -18,18 +18,15 @@ def _variants(text: str) -> List[str]:
 
 
 def _time_decode(args: argparse.Namespace) -> int:
-    from ..timing.decode import time_decode
+    from ..timing.decode import DecodeOptions, time_decode
 
-    if args.adapter_path is None and args.variants is None:
-        variants = ["base"]
-    else:
-        variants = _variants(args.variants or DEFAULT_VARIANTS)
-    result = time_decode(args.model, args.adapter_path, variants=variants,
-                         prompt_tokens=args.prompt_tokens, tokens=args.tokens,
-                         repeats=args.repeats, warmup=args.warmup, device=args.device,
-                         seed=args.seed, workdir=args.workdir, progress=not args.quiet,
-                         timeout=args.timeout, rounds=args.rounds,
+    opts = DecodeOptions(variants=None if args.variants is None else _variants(args.variants),
+                         prompt_tokens=args.prompt_tokens,
+                         tokens=args.tokens, repeats=args.repeats, warmup=args.warmup,
+                         rounds=args.rounds, device=args.device, seed=args.seed,
+                         timeout=args.timeout, workdir=args.workdir,
                          behaviour=(args.kl_tokens or True) if args.kl else False)
+    result = time_decode(args.model, args.adapter_path, options=opts, progress=not args.quiet)
     if args.json:
         print(result.to_json(indent=2))
     else:

@@ -40,7 +40,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from .. import numerics as nm
-from ..errors import FuseError
+from ..errors import ArgumentError, FuseError
 from ..io.dtypes import code_of
 from ..io.naming import Binding
 from ..io.safetensors import NUMPY_STORAGE
@@ -67,7 +67,7 @@ def output_code(base_code: str, dtype_policy: str) -> str:
     code = code_of(dtype_policy)
     if code in ("BF16", "F16", "F32"):
         return code
-    raise ValueError(f"dtype must be one of {', '.join(DTYPE_POLICIES)}; got {dtype_policy!r}")
+    raise ArgumentError.bad("dtype", dtype_policy, " | ".join(DTYPE_POLICIES))
 
 
 _PIECE = 1 << 16  # elements per piece of the round-once path
@@ -202,8 +202,7 @@ def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale
             out = _fuse_round_once(w, fmt_in, A, B, scale, magnitude,
                                    nm.float_format(code_out), kind)
         else:  # FuseOptions refuses it first; a direct caller gets the same message
-            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}; "
-                             f"got {rounding!r}")
+            raise ArgumentError.bad("rounding", rounding, " | ".join(ROUNDINGS))
     except FuseError as e:  # e.g. DoRA's zero-norm row: name the weight
         raise e.where(tensor=name or None) from None
     # the same storage convention as lorakit.io.safetensors.read_raw: float16/float32

@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from .. import __version__
-from ..errors import FuseError, LorakitError, PathLike
+from ..errors import ArgumentError, FuseError, LorakitError, PathLike
 from ..io import source
 from ..io.adapters.base import Adapter, Replacement
 from ..io.adapters.load import load_adapter
@@ -121,12 +121,14 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
                           layout=layout)
     if hasattr(model, "parameters") and hasattr(model, "named_modules"):
         if save_path is not None:
-            raise TypeError("a model in memory is fused in place; save it with "
-                            "mlx_lm's save functions, or pass a checkpoint path to write one")
+            raise ArgumentError.bad("save_path", save_path, "None: a model in memory is fused "
+                                    "in place", hint="save it with mlx_lm's save functions, "
+                                    "or pass a checkpoint path to write one")
         return fuse_model(model, adapter_path, options)
     if adapter_path is None or save_path is None:
-        raise TypeError("fuse(model_path, adapter_path, save_path): a checkpoint fuse needs "
-                        "an adapter and an output directory")
+        raise ArgumentError.bad("adapter_path" if adapter_path is None else "save_path", None,
+                                "a path: a checkpoint fuse needs an adapter and an output "
+                                "directory (fuse(model_path, adapter_path, save_path))")
     if float_base is not None:
         model = check_float_base(model, float_base)
     return fuse_checkpoint(model, adapter_path, save_path, options, force=force,

@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from ..errors import AdapterError, PathLike
+from ..errors import AdapterError, ArgumentError, PathLike
 from ..io.adapters.base import MLX_WEIGHTS, PEFT_WEIGHTS, Adapter, LoraTarget
 from ..io.adapters.load import load_adapter
 from ..io.checkpoint import QuantParams
@@ -86,7 +86,7 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None,
     if adapter is None:
         targets, plain = _lora_targets(model)
         if not targets:
-            raise ValueError("the model has no LoRA layers; pass adapter=... to fuse one")
+            raise ArgumentError.bad("adapter", None, "an adapter: the model has no LoRA layers")
         model.update_modules(tree_unflatten(plain))
         ad = Adapter(Path("<in-memory adapter>"), "mlx-lm", targets, {}, Path(""))
     else:

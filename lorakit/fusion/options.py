@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..errors import FuseError
+from ..errors import ArgumentError
 
 __all__ = ["LAYOUTS", "LAYOUT_HELP", "ROUNDINGS", "ROUNDING_HELP", "DORA_PARITY", "MLX_ROUNDINGS", "DTYPE_POLICIES", "POLICIES", "FuseOptions", "Choice", "REQUANT",
            "parse_policy", "parse_method", "METHODS", "REFUSED"]
@@ -74,28 +74,25 @@ def parse_policy(policy: str) -> Choice:
         except ValueError:
             n = -1
         if n not in (2, 3, 4, 5, 6, 8):
-            raise FuseError("unsupported bits in quant policy", expected="bits:2..6 or bits:8",
-                            found=repr(policy))
+            raise ArgumentError.bad("quant_policy", policy, "bits:2..6 or bits:8")
         return Choice("bits", n)
     if p in ("requant", "same-grid", "float", "auto"):
         return Choice(p)
     if p == "learned" or p.startswith("learned:"):
         parse_method(p)
         return Choice("learned")
-    raise FuseError("unknown quant policy", expected=" | ".join(POLICIES), found=repr(policy))
+    raise ArgumentError.bad("quant_policy", policy, " | ".join(POLICIES))
 
 
 METHODS = ("gptq",)
+#: why the other learned methods are refused (the DWQ trial's times: BENCHMARKS.md)
 REFUSED = {
-    "awq": "mlx_lm.quant.awq.awq_quantize (it has a qwen3 config) folds per-channel scales "
-           "into the preceding norms and projections, so it rewrites untouched layers too "
-           "and needs the whole float model; not wired to a fuse nor measured in this "
-           "version. Use learned (GPTQ).",
+    "awq": "mlx_lm.quant.awq.awq_quantize folds per-channel scales into the preceding "
+           "norms and projections, so it rewrites untouched layers too and needs the whole "
+           "float model. Use learned (GPTQ).",
     "dwq": "mlx_lm.quant.dwq.dwq_quantize trains every quantized layer's scales and biases "
-           "by backprop against a teacher; tried here with the unfused adapter as teacher on "
-           "the GPTQ fuse of data/tiny-qwen3-4bit: one training step of 4 x 128 tokens took "
-           "~38 s and one validation batch ~28 s on this 2-core CPU, and DWQ needs hundreds "
-           "of steps (it also retunes the untouched layers). Use learned (GPTQ).",
+           "by backprop against a teacher for hundreds of steps (minutes each on a CPU, "
+           "retuning the untouched layers too). Use learned (GPTQ).",
 }
 
 
@@ -103,12 +100,10 @@ def parse_method(policy: str) -> str:
     """``learned`` / ``learned:gptq`` -> ``"gptq"``; AWQ / DWQ refused with the reason."""
     p = str(policy).strip().lower()
     method = p.split(":", 1)[1] if ":" in p else "gptq"
-    if method in REFUSED:
-        raise FuseError(f"quant policy 'learned:{method}' is not available here",
-                        expected="learned | learned:gptq", found=REFUSED[method])
     if method not in METHODS:
-        raise FuseError("unknown learned quantization method", expected="learned:gptq",
-                        found=repr(policy))
+        raise ArgumentError.bad("quant_policy", policy, "learned | learned:gptq",
+                                hint=f"learned:{method} is not available here: "
+                                + REFUSED[method] if method in REFUSED else None)
     return method
 
 
@@ -136,20 +131,15 @@ class FuseOptions:
     choice: Choice = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.rounding not in ROUNDINGS:
-            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}; "
-                             f"got {self.rounding!r}")
-        if self.dtype not in DTYPE_POLICIES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_POLICIES)}; "
-                             f"got {self.dtype!r}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {self.layout!r}")
+        for name, allowed in (("rounding", ROUNDINGS), ("dtype", DTYPE_POLICIES),
+                              ("layout", LAYOUTS)):
+            if getattr(self, name) not in allowed:
+                raise ArgumentError.bad(name, getattr(self, name), " | ".join(allowed))
         object.__setattr__(self, "dequantize", bool(self.dequantize))
         object.__setattr__(self, "choice", parse_policy(self.quant_policy))
         b = self.quant_budget
         if b is not None and not (isinstance(b, (int, float)) and b > 0 and b == b):
-            raise FuseError("quant budget must be a positive number", expected="e.g. 1.15",
-                            found=repr(b))
+            raise ArgumentError.bad("quant_budget", b, "a positive number, e.g. 1.15")
 
     def settings(self) -> dict:
         """The settings a fused checkpoint records (``lorakit.json``, the model card)."""

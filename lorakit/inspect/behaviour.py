@@ -48,7 +48,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import LorakitError, PathLike
+from ..errors import ArgumentError, LorakitError, PathLike
 from ..fusion.model import attach_adapter
 from ..io.corpus import DEFAULT_CORPUS, encode_text, read_corpus
 from ..io.paths import resolve_model_path
@@ -67,8 +67,7 @@ def windows(ids: Sequence[int], context: int, tokens: Optional[int] = None) -> n
     """The ids cut to the first ``tokens`` and split into consecutive windows of
     ``context`` (a last partial window dropped): an int32 array [windows, context]."""
     if context < 2:
-        raise LorakitError("a window must hold at least two tokens", expected="context >= 2",
-                           found=f"context={context}")
+        raise ArgumentError.bad("context", context, ">= 2 (a window holds at least two tokens)")
     ids = np.asarray(ids, dtype=np.int64)
     if tokens is not None:
         ids = ids[:tokens]
@@ -122,8 +121,8 @@ def _side(spec: Any, adapter: Optional[PathLike], label: str) -> Side:
     if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], (str, Path)):
         spec, pair_adapter = spec
         if adapter is not None and pair_adapter is not None:
-            raise LorakitError(f"two adapters given for the {label} model",
-                               expected="one adapter", found=f"{pair_adapter} and {adapter}")
+            raise ArgumentError.bad(f"{label} adapter", f"{pair_adapter} and {adapter}",
+                                    f"one adapter for the {label} model")
         adapter = adapter if adapter is not None else pair_adapter
     if isinstance(spec, (str, Path)):
         model, tok = _load(resolve_model_path(spec), label)
@@ -131,8 +130,8 @@ def _side(spec: Any, adapter: Optional[PathLike], label: str) -> Side:
             model = attach_adapter(model, adapter)
         name = str(spec) + (f" + {adapter}" if adapter is not None else "")
         return Side(model, tok, name)
-    raise LorakitError(f"cannot load the {label} model", found=type(spec).__name__,
-                       expected="a path or hub id, (path, adapter or None), or (model, tokenizer)")
+    raise ArgumentError.bad(label, type(spec).__name__,
+                            "a path or hub id, (path, adapter or None), or (model, tokenizer)")
 
 
 _STEP = None

@@ -115,7 +115,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from .. import numerics as nm
-from ..errors import FormatError, LorakitError
+from ..errors import ArgumentError, FormatError
 from ..fusion import nearest as _nearest
 from ..fusion.core import cast_raw
 from ..fusion.delta import Piece, WeightReader, intended, intended_blocks, tensor_pieces
@@ -843,17 +843,16 @@ def behaviour_tokens(behaviour: Union[bool, int, None]) -> Optional[int]:
         return DEFAULT_TOKENS
     n = int(behaviour)
     if n < 2:
-        raise LorakitError("behaviour needs at least two corpus tokens",
-                           expected="True or a token count >= 2", found=repr(behaviour))
+        raise ArgumentError.bad("behaviour", behaviour, "True, False or a corpus token count >= 2")
     return n
 
 
 def _path(src: Any, role: str) -> str:
     path = getattr(src, "path", None)
     if path is None:
-        raise LorakitError(f"the behaviour line needs the {role} on disk",
-                           expected="a checkpoint directory", found=str(getattr(src, "label", src)),
-                           hint="call compare_outputs with loaded models instead")
+        raise ArgumentError.bad(role, str(getattr(src, "label", src)), "a checkpoint directory:"
+                                " the behaviour line needs it on disk",
+                                hint="call compare_outputs with loaded models instead")
     return str(path)
 
 

@@ -65,7 +65,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .. import numerics as nm
-from ..errors import FormatError
+from ..errors import ArgumentError, FormatError
 from ..fusion.delta import intended_pieces
 from ..io import source
 from ..io.adapters.base import Adapter
@@ -402,7 +402,7 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     Rows come in A's order, then tensors only in B.
     """
     if max_bin < 3 or (max_bin + 1) & max_bin:
-        raise ValueError(f"max_bin must be 2**k - 1 with k >= 2, got {max_bin}")
+        raise ArgumentError.bad("max_bin", max_bin, "2**k - 1 with k >= 2")
     sa, sb = source.open(a), source.open(b)
     chunk = max(64, chunk_bytes // 64 * 64)
     threads = max(1, threads if threads is not None else min(4, os.cpu_count() or 1))

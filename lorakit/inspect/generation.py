@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import LorakitError
+from ..errors import ArgumentError
 from ..fusion.model import load_unfused
 from ..report import Report
 from . import plots
@@ -124,8 +124,8 @@ def load_pair(label: str, spec: Any) -> Tuple[Any, Any]:
         path, adapter = spec
         model, tok = load(str(path))[:2]
         return (load_unfused(model, adapter) if adapter else model), tok
-    raise LorakitError(f"cannot load model {label!r}", found=type(spec).__name__,
-                       expected="a path, (path, adapter_path or None), or (model, tokenizer)")
+    raise ArgumentError.bad(f"model {label!r}", type(spec).__name__,
+                            "a path, (path, adapter_path or None), or (model, tokenizer)")
 
 
 def _top2(logits: np.ndarray) -> Tuple[int, float, float]:
@@ -227,8 +227,7 @@ def compare_generations(models: Mapping[str, Any], prompts: Sequence[str] | str,
         per-step margins (``generations``) for plots.
     """
     if len(models) < 2:
-        raise LorakitError("compare_generations needs at least two models",
-                           found=f"{len(models)}")
+        raise ArgumentError.bad("models", f"{len(models)} model(s)", "at least two models")
     if isinstance(prompts, str):
         prompts = [prompts]
     loaded = {label: load_pair(label, spec) for label, spec in models.items()}

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import FormatError, LorakitError
+from ..errors import ArgumentError, FormatError, LorakitError
 from .gguf import GGUF_ARCHS, check_gguf_model, write_model_gguf
 
 __all__ = ["check_gguf_export", "export_gguf", "check_upload", "upload"]
@@ -59,8 +59,7 @@ def check_upload(repo: str) -> None:
                                 "`huggingface-cli upload`")
     parts = repo.split("/")
     if len(parts) != 2 or not all(parts):
-        raise LorakitError("--upload-repo is not a hub repo id", file=repo,
-                           expected="owner/name", found=repr(repo))
+        raise ArgumentError.bad("--upload-repo", repo, "a hub repo id, owner/name")
 
 
 def upload(directory: Path, repo: str) -> str:

@@ -40,7 +40,7 @@ from typing import (
 
 from safetensors import SafetensorError, safe_open
 
-from ..errors import FormatError, PathLike
+from ..errors import ArgumentError, FormatError, PathLike
 
 __all__ = ["ITEMSIZE", "NUMPY_STORAGE", "FLOAT_CODES", "TensorSpec", "TensorInfo",
            "SafetensorsHeader", "read_header", "read_raw", "raw_to_mx", "mx_to_raw", "MX_CODES"]
@@ -440,10 +440,10 @@ def read_raw(info: TensorInfo, rows: Optional[slice] = None) -> np.ndarray:
     begin, count = info.begin, info.numel
     if rows is not None:
         if not shape:
-            raise ValueError("cannot slice rows of a scalar tensor")
+            raise ArgumentError.bad("rows", rows, "None: a scalar tensor has no rows")
         start, stop, step = rows.indices(shape[0])
         if step != 1:
-            raise ValueError("row slices must be contiguous")
+            raise ArgumentError.bad("rows", rows, "a contiguous slice (step 1)")
         row = info.numel // shape[0] if shape[0] else 0
         begin += start * row * dt.itemsize
         count = max(stop - start, 0) * row

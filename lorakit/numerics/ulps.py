@@ -5,7 +5,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import FormatError
+from ..errors import ArgumentError, FormatError
 from .formats import _F64_EXP, _PIECE, _U64, NAN_MISMATCH, FloatFormat, float_format
 from .values import _as_bits, isnan_bits, round_to_format, to_float64  # noqa: F401  (doctests)
 
@@ -151,7 +151,7 @@ def ulp_histogram(distances: Any, max_bin: int = 1023) -> tuple[list[str], np.nd
     [('0', 2), ('1', 1), ('2', 0), ('3', 0), ('4-7', 1), ('8-15', 1), ('>15', 1), ('nan', 1)]
     """
     if max_bin < 3 or (max_bin + 1) & max_bin:
-        raise ValueError(f"max_bin must be 2**k - 1 with k >= 2, got {max_bin}")
+        raise ArgumentError.bad("max_bin", max_bin, "2**k - 1 with k >= 2")
     d = np.asarray(distances).reshape(-1)
     if d.dtype.kind not in "iu":
         raise FormatError("ulp_histogram needs integer distances", found=str(d.dtype))

@@ -33,10 +33,11 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
-from ..errors import LorakitError, PathLike
+from ..errors import ArgumentError, LorakitError, PathLike
 from ..fusion.fuse import fuse
 from ..io import source
 from ..io.safetensors import read_header
@@ -45,7 +46,7 @@ from .kl_column import kl_tokens, kl_vs_unfused
 from .table import ADAPTER_FILES, FUSED_VARIANTS, VARIANTS, DecodeTiming, VariantTiming
 from .worker import MARK, TOKENIZER_FILES
 
-__all__ = ["weight_bytes", "auto_rounds", "time_decode"]
+__all__ = ["weight_bytes", "auto_rounds", "DecodeOptions", "time_decode"]
 # -- running ---------------------------------------------------------------------------
 
 def weight_bytes(model: PathLike, adapter_path: Optional[PathLike] = None) -> Dict[str, int]:
@@ -214,36 +215,19 @@ def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
     return v
 
 
-def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
-                variants: Optional[Sequence[str]] = None, prompt_tokens: int = 128,
-                tokens: int = 128, repeats: int = 3, warmup: int = 1,
-                device: Optional[str] = None, seed: int = 0,
-                workdir: Optional[PathLike] = None, progress: bool = True,
-                on_result: Optional[Callable[[VariantTiming], None]] = None,
-                cancel: Any = None, timeout: Optional[float] = None,
-                python: Optional[str] = None, rounds: Optional[int] = None,
-                behaviour: Union[bool, int] = False) -> DecodeTiming:
-    """Time greedy decoding of a checkpoint and its adapter, fused and unfused.
+@dataclass(frozen=True)
+class DecodeOptions:
+    """What a decode timing measures: one value, checked once. :func:`time_decode` turns
+    its keywords into it; ``lorakit time-decode`` builds it from its flags and
+    :class:`~lorakit.widgets.DecodeRace` from its fields.
 
-    Args:
-        model: base checkpoint directory (mlx-lm / Hugging Face layout).
-        adapter_path: adapter directory; needed by every variant but ``base``.
+    Attributes:
         variants: which of ``VARIANTS`` to run, in order (default: all, or ``base``
             alone without an adapter).
         prompt_tokens: length of the synthetic prompt (token ids drawn with ``seed``;
             the same in every variant).
         tokens: tokens decoded per run; end-of-sequence never stops a run.
         repeats: timed runs per variant, after ``warmup`` untimed runs.
-        device: ``"cpu"``, ``"gpu"`` or None for MLX's default device.
-        workdir: where the fused checkpoints are written (a temporary directory
-            inside it, removed at the end); default: the system temp directory.
-        progress: show a tqdm progress bar over preparation and variants x runs.
-        on_result: called with each :class:`VariantTiming` as soon as it is measured
-            (a live display's hook; called from the thread running ``time_decode``).
-        cancel: an object with ``is_set()`` (e.g. ``threading.Event``); when set, the
-            running worker is stopped and the remaining variants are skipped.
-        timeout: seconds allowed to one variant's process.
-        python: interpreter for the worker processes (default: this one).
         rounds: how many times the whole list of variants runs, each round in a
             rotated order (round r starts at the r-th variant) and every variant in a
             fresh process; each variant's runs are pooled over the rounds (medians over
@@ -254,10 +238,77 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
             affordable, :func:`auto_rounds` (5 for a checkpoint under 1 GB, 3 under
             20 GB, else 2); the table's interval of each ratio to base is paired by
             round, and with one round it cannot see the noise between processes.
+        device: ``"cpu"``, ``"gpu"`` or None for MLX's default device.
+        seed: seed of the synthetic prompt.
+        timeout: seconds allowed to one variant's process (None: no limit).
+        workdir: where the fused checkpoints are written (a temporary directory
+            inside it, removed at the end); default: the system temp directory.
         behaviour: True (512 tokens) or a token count: after all timing, a column
             "KL vs unfused": each variant's mean KL against the unfused adapter on the
             embedded corpus (computed in this process; fused checkpoints are kept on
             disk until then and each loaded once). Needs an adapter.
+    """
+
+    variants: Optional[Tuple[str, ...]] = None
+    prompt_tokens: int = 128
+    tokens: int = 128
+    repeats: int = 3
+    warmup: int = 1
+    rounds: Optional[int] = None
+    device: Optional[str] = None
+    seed: int = 0
+    timeout: Optional[float] = None
+    workdir: Optional[PathLike] = None
+    behaviour: Union[bool, int] = False
+
+    def __post_init__(self) -> None:
+        if self.variants is not None:
+            v = tuple(self.variants)
+            object.__setattr__(self, "variants", v)
+            if not v or len(set(v)) != len(v) or any(n not in VARIANTS for n in v):
+                raise ArgumentError.bad("variants", list(v), "one or more distinct names "
+                                        "among " + ", ".join(VARIANTS))
+        for name, low in (("prompt_tokens", 1), ("tokens", 1), ("repeats", 1), ("warmup", 0),
+                          ("rounds", 1), ("seed", 0)):
+            x = getattr(self, name)
+            if not (x is None and name == "rounds") and (
+                    not isinstance(x, int) or isinstance(x, bool) or x < low):
+                raise ArgumentError.bad(name, x, f"an int >= {low}"
+                                        + (" or None (auto)" if name == "rounds" else ""))
+        if self.device not in (None, "cpu", "gpu", "default"):
+            raise ArgumentError.bad("device", self.device, "cpu, gpu or None")
+        t = self.timeout
+        if t is not None and not (isinstance(t, (int, float)) and not isinstance(t, bool)
+                                  and t > 0):
+            raise ArgumentError.bad("timeout", t, "seconds > 0, or None")
+        kl_tokens(self.behaviour)
+
+    def settings(self) -> Dict[str, Any]:
+        """What a :class:`DecodeTiming` records (variants and rounds as resolved)."""
+        return {"variants": list(self.variants or ()), "prompt_tokens": self.prompt_tokens,
+                "tokens": self.tokens, "repeats": self.repeats, "warmup": self.warmup,
+                "device": self.device, "seed": self.seed, "rounds": self.rounds}
+
+
+def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
+                options: Optional[DecodeOptions] = None, progress: bool = True,
+                on_result: Optional[Callable[[VariantTiming], None]] = None,
+                cancel: Any = None, python: Optional[str] = None,
+                **settings: Any) -> DecodeTiming:
+    """Time greedy decoding of a checkpoint and its adapter, fused and unfused.
+
+    Args:
+        model: base checkpoint directory (mlx-lm / Hugging Face layout).
+        adapter_path: adapter directory; needed by every variant but ``base``.
+        options: a :class:`DecodeOptions`; ``**settings`` (its field names: ``variants``,
+            ``tokens``, ``repeats``, ``rounds``, ``device``, ``behaviour``, ...) replace
+            its values (default: :class:`DecodeOptions`'s).
+        progress: show a tqdm progress bar over preparation and variants x runs.
+        on_result: called with each :class:`VariantTiming` as soon as it is measured
+            (a live display's hook; called from the thread running ``time_decode``).
+        cancel: an object with ``is_set()`` (e.g. ``threading.Event``); when set, the
+            running worker is stopped and the remaining variants are skipped.
+        python: interpreter for the worker processes (default: this one).
 
     Returns:
         A :class:`DecodeTiming`. A variant that failed carries its ``error``.
@@ -269,44 +320,32 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
     >>> print(str(t).splitlines()[0])
     Decode timing: tiny-qwen3
     """
+    opts = replace(options or DecodeOptions(), **settings)
     model = Path(model)
     adapter = Path(adapter_path) if adapter_path is not None else None
-    names = list(variants) if variants is not None else (
-        list(VARIANTS) if adapter is not None else ["base"])
-    bad = [n for n in names if n not in VARIANTS]
-    if bad or not names or len(set(names)) != len(names):
-        raise LorakitError("unknown, repeated or no decode-timing variants",
-                           found=", ".join(names) or "none", expected=", ".join(VARIANTS))
-    if adapter is None and any(n != "base" for n in names):
-        raise LorakitError("these variants need an adapter",
-                           found=", ".join(n for n in names if n != "base"),
-                           hint="pass adapter_path (--adapter-path)")
+    names = list(opts.variants or (VARIANTS if adapter is not None else ["base"]))
+    n_kl = kl_tokens(opts.behaviour)
+    if adapter is None and (n_kl is not None or any(n != "base" for n in names)):
+        need = [n for n in names if n != "base"] + (["behaviour"] if n_kl else [])
+        raise ArgumentError.bad("adapter_path", None, "an adapter directory: "
+                                f"{', '.join(need)} need an adapter",
+                                hint="pass adapter_path (--adapter-path)")
     ckpt = source.open(model, checkpoint=True)  # a bad model fails here, before any work
     model = ckpt.path  # a hub id resolved to its snapshot
-    if rounds is None:
-        rounds = auto_rounds(sum(t.nbytes for t in ckpt.tensors.values()))
-    if min(prompt_tokens, tokens, repeats, rounds) < 1 or warmup < 0:
-        raise LorakitError("prompt_tokens, tokens, repeats and rounds must be >= 1, "
-                           "warmup >= 0",
-                           found=f"{prompt_tokens}, {tokens}, {repeats}, {rounds}, {warmup}")
-    if device not in (None, "cpu", "gpu", "default"):
-        raise LorakitError("unknown device", found=str(device), expected="cpu, gpu or None")
-    n_kl = kl_tokens(behaviour)
-    if n_kl is not None and adapter is None:
-        raise LorakitError("the KL column needs an adapter", hint="pass adapter_path")
+    opts = replace(opts, variants=tuple(names), rounds=opts.rounds or auto_rounds(
+        sum(t.nbytes for t in ckpt.tensors.values())))
+    rounds, runs = opts.rounds or 1, opts.warmup + opts.repeats  # rounds: resolved above
     python = python or sys.executable
-    settings = {"model": str(model), "adapter_path": str(adapter) if adapter else None,
-                "variants": names, "prompt_tokens": prompt_tokens, "tokens": tokens,
-                "repeats": repeats, "warmup": warmup, "device": device, "seed": seed,
-                "rounds": rounds}
-    result = DecodeTiming(title="", settings=settings)
+    result = DecodeTiming(title="", settings={
+        "model": str(model), "adapter_path": str(adapter) if adapter else None,
+        **opts.settings()})
     to_prepare = [n for n in names if n in FUSED_VARIANTS]
-    bar = progress_bar(progress, len(to_prepare) + len(names) * (warmup + repeats) * rounds,
+    bar = progress_bar(progress, len(to_prepare) + len(names) * runs * rounds,
                        "decode timing", unit="step", leave=True) if progress else None
-    spec = {"prompt_tokens": prompt_tokens, "tokens": tokens, "repeats": repeats,
-            "warmup": warmup, "seed": seed, "device": device}
-    work = Path(tempfile.mkdtemp(prefix="lorakit-timing-",
-                                 dir=str(workdir) if workdir is not None else None))
+    spec = {k: getattr(opts, k) for k in ("prompt_tokens", "tokens", "repeats", "warmup",
+                                          "seed", "device")}
+    work = Path(tempfile.mkdtemp(prefix="lorakit-timing-", dir=str(opts.workdir)
+                                 if opts.workdir is not None else None))
     keep: Optional[Dict[str, str]] = {} if rounds > 1 or n_kl is not None else None
     pooled: Dict[str, VariantTiming] = {}
     try:
@@ -317,7 +356,7 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
                 if n in pooled and pooled[n].error and not pooled[n].decode_tps:
                     continue  # could not be made or run: not retried every round
                 v = _time_variant(n, model, adapter, work, spec, python, bar, cancel,
-                                  timeout, keep)
+                                  opts.timeout, keep)
                 v.run_rounds = [r] * len(v.decode_tps)
                 v = pooled[n].merge(v) if n in pooled else v
                 pooled[n] = v

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, Optional, Union
 
-from ..errors import LorakitError
+from ..errors import ArgumentError
 from ..fusion.model import attach_adapter
 from ..inspect.behaviour import compare_outputs
 
@@ -28,10 +28,10 @@ def kl_tokens(behaviour: Union[bool, int, None]) -> Optional[int]:
         return None
     if behaviour is True:
         return DEFAULT_KL_TOKENS
-    if int(behaviour) < 2:
-        raise LorakitError("the KL column needs at least two corpus tokens",
-                           expected="True or a token count >= 2", found=repr(behaviour))
-    return int(behaviour)
+    if not isinstance(behaviour, int) or behaviour < 2:
+        raise ArgumentError.bad("behaviour", behaviour, "True, False or a corpus token "
+                                "count >= 2 (the KL column)")
+    return behaviour
 
 
 def kl_vs_unfused(model: Path, adapter: Path, checkpoints: Dict[str, Path],

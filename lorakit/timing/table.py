@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..errors import ArgumentError
 from ..inspect.moe_cpu import NOTE as MOE_NOTE
 from ..report import Report
 from .stats import (
@@ -231,7 +232,7 @@ class DecodeTiming(Report):
             return v.peak_bytes / base.peak_bytes if base.peak_bytes else math.nan
         if what == "prefill":
             return v.prefill_median / base.prefill_median
-        raise ValueError(f"what must be decode, peak or prefill, not {what!r}")
+        raise ArgumentError.bad("what", what, "decode, peak or prefill")
 
     def interval(self, name: str) -> tuple:
         """The bootstrap interval (lo, hi) of ``name``'s decode ratio to base, paired

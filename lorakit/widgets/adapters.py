@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 
 import ipywidgets as W
 
-from ..errors import PathLike
+from ..errors import ArgumentError, PathLike
 from ..inspect.adapters import AdapterComparison, compare_adapters
 from ._base import ErrorBox, FigureView, hook, summary_html
 
@@ -43,7 +43,7 @@ class AdapterCompare(W.VBox):
         self.adapters = {k: Path(v) for k, v in adapters.items()}
         labels = list(self.adapters)
         if len(labels) < 2:
-            raise ValueError("AdapterCompare needs at least two adapters")
+            raise ArgumentError.bad("adapters", labels, "at least two adapters")
         self.base = Path(base) if base is not None else None
         self.report: Optional[AdapterComparison] = None
         style = {"description_width": "4em"}

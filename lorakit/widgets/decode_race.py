@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional
 
 import ipywidgets as W
 
-from ..errors import PathLike
-from ..timing.decode import auto_rounds, time_decode, weight_bytes
+from ..errors import ArgumentError, PathLike
+from ..timing.decode import DecodeOptions, auto_rounds, time_decode, weight_bytes
 from ..timing.table import VARIANTS, DecodeTiming, VariantTiming
 from ._base import ErrorBox, FigureView, hook
 
@@ -35,24 +36,28 @@ class DecodeRace(W.VBox):
 
     Args:
         model, adapter: checkpoint and adapter directories.
-        variants: variants offered and checked at the start (default: all).
-        tokens, prompt_tokens, repeats, warmup: as :func:`lorakit.time_decode`.
-        **kw: passed on to :func:`lorakit.time_decode` (``device``, ``timeout``, ...).
+        options: a :class:`~lorakit.timing.decode.DecodeOptions` (default: its own, with
+            64 tokens and a 64-token prompt); ``**settings`` (its field names) replace its
+            values. ``variants``: those checked at the start (default: all); the
+            variants, tokens, prompt tokens and repeats can be changed in the form.
 
     Attributes:
         timing: the live :class:`DecodeTiming` (grows one variant at a time).
+        options: the settings the next Start runs with (the form's values replace
+            variants, tokens, prompt_tokens and repeats).
         result: what ``time_decode`` returned, once it has finished.
         updates: how many times the chart was redrawn.
     """
 
     def __init__(self, model: PathLike, adapter: Optional[PathLike] = None, *,
-                 variants: Optional[Sequence[str]] = None, tokens: int = 64,
-                 prompt_tokens: int = 64, repeats: int = 3, warmup: int = 1, **kw: Any) -> None:
+                 options: Optional[DecodeOptions] = None, **settings: Any) -> None:
         self.model = Path(model)
         self.adapter = Path(adapter) if adapter is not None else None
+        self.options = replace(options or DecodeOptions(tokens=64, prompt_tokens=64),
+                               **settings)
+        o = self.options
         offered = list(VARIANTS) if self.adapter is not None else ["base"]
-        chosen = list(variants) if variants is not None else offered
-        self.kw = kw
+        chosen = list(o.variants or offered)
         self.timing: Optional[DecodeTiming] = None
         self.result: Optional[DecodeTiming] = None
         self.updates = 0
@@ -64,17 +69,16 @@ class DecodeRace(W.VBox):
                                           layout=W.Layout(width="9em")), f"race-{v}")
                        for v in offered}
         style = {"description_width": "7em"}
-        self.tokens = hook(W.BoundedIntText(tokens, min=1, max=4096, description="tokens",
+        self.tokens = hook(W.BoundedIntText(o.tokens, min=1, max=4096, description="tokens",
                                             style=style, layout=W.Layout(width="14em")),
                            "race-tokens")
-        self.prompt_tokens = hook(W.BoundedIntText(prompt_tokens, min=1, max=8192,
+        self.prompt_tokens = hook(W.BoundedIntText(o.prompt_tokens, min=1, max=8192,
                                                    description="prompt tokens", style=style,
                                                    layout=W.Layout(width="14em")),
                                   "race-prompt-tokens")
-        self.repeats = hook(W.BoundedIntText(repeats, min=1, max=50, description="repeats",
+        self.repeats = hook(W.BoundedIntText(o.repeats, min=1, max=50, description="repeats",
                                              style=style, layout=W.Layout(width="14em")),
                             "race-repeats")
-        self.warmup = warmup
         self.start_button = hook(W.Button(description="Start", button_style="primary",
                                           icon="play"), "race-start")
         self.stop_button = hook(W.Button(description="Stop", icon="stop", disabled=True),
@@ -109,26 +113,29 @@ class DecodeRace(W.VBox):
         if self.running:
             raise RuntimeError("a decode race is already running")
         names = self.variants
-        settings = {"model": str(self.model),
-                    "adapter_path": str(self.adapter) if self.adapter else None,
-                    "variants": names, "prompt_tokens": self.prompt_tokens.value,
-                    "tokens": self.tokens.value, "repeats": self.repeats.value,
-                    "warmup": self.warmup, "device": self.kw.get("device"),
-                    "seed": self.kw.get("seed", 0)}
-        self.timing = DecodeTiming(title="", settings=settings)
+        try:
+            self.options = opts = replace(
+                self.options, variants=tuple(names), prompt_tokens=self.prompt_tokens.value,
+                tokens=self.tokens.value, repeats=self.repeats.value)
+        except ArgumentError as e:  # no variant checked, say: shown, not only raised
+            self.error.show(e)
+            raise
+        self.timing = DecodeTiming(title="", settings={
+            "model": str(self.model), "adapter_path": str(self.adapter) if self.adapter
+            else None, **opts.settings()})
         self.result = None
         self._cancel.clear()
         self.error.show(None)
         self.chart.clear()
         self.table.value = ""
-        rounds = self.kw.get("rounds") or auto_rounds(sum(weight_bytes(self.model).values()))
+        rounds = opts.rounds or auto_rounds(sum(weight_bytes(self.model).values()))
         self.progress.max = max(1, len(names) * rounds)  # one step per variant and round
         self.progress.value = self._done = 0
         self.progress.bar_style = "info"
         self.status.value = f"preparing {', '.join(names)}..."
         self.start_button.disabled = True
         self.stop_button.disabled = False
-        self._thread = threading.Thread(target=self._work, args=(names,), daemon=True,
+        self._thread = threading.Thread(target=self._work, args=(opts,), daemon=True,
                                         name="lorakit-decode-race")
         self._thread.start()
         return self._thread
@@ -157,13 +164,12 @@ class DecodeRace(W.VBox):
             self.table.value = self.timing._repr_html_()
             self.updates += 1
 
-    def _work(self, names: List[str]) -> None:
+    def _work(self, opts: DecodeOptions) -> None:
         t0 = time.perf_counter()
         try:
-            self.result = time_decode(
-                self.model, self.adapter, variants=names, prompt_tokens=self.prompt_tokens.value,
-                tokens=self.tokens.value, repeats=self.repeats.value, warmup=self.warmup,
-                progress=False, on_result=self._on_result, cancel=self._cancel, **self.kw)
+            self.result = time_decode(self.model, self.adapter, options=opts,
+                                      progress=False, on_result=self._on_result,
+                                      cancel=self._cancel)
             stopped = self._cancel.is_set()
             self.progress.bar_style = "warning" if stopped else "success"
             self.status.value = ("stopped" if stopped else "finished") + \

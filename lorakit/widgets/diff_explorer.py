@@ -21,7 +21,7 @@ from typing import Any, List, Mapping, Optional
 
 import ipywidgets as W
 
-from ..errors import PathLike
+from ..errors import ArgumentError, PathLike
 from ..inspect.diff import UlpReport, diff, ulp_vs_reference
 from ..inspect.plots import histogram_bars
 from ..inspect.ulp_count import binades, bits_dtype
@@ -63,7 +63,7 @@ class DiffExplorer(W.VBox):
         labels = list(self.checkpoints)
         b_labels = labels + ([REFERENCE] if self.base and self.adapter else [])
         if not labels:
-            raise ValueError("DiffExplorer needs at least one checkpoint")
+            raise ArgumentError.bad("checkpoints", labels, "at least one checkpoint")
         self.report: Optional[Report] = None
         self.compared = 0
         self._quiet = False

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import ipywidgets as W
 
-from ..errors import PathLike
+from ..errors import ArgumentError, PathLike
 from ..fusion.fuse import FuseResult, fuse
 from ..fusion.options import DTYPE_POLICIES, ROUNDINGS
 from ..fusion.quant import survival_overall
@@ -116,7 +116,8 @@ class FusePanel(W.VBox):
             if want in (label, value):
                 dd.value = value
                 return
-        raise ValueError(f"{want!r} is not among {[label for label, _ in dd.options]}")
+        raise ArgumentError.bad(dd.description or "choice", want, ", ".join(
+            label for label, _ in dd.options))
 
     # -- the chosen inputs ------------------------------------------------------------
     def base_dir(self) -> Optional[Path]:
@@ -171,7 +172,8 @@ class FusePanel(W.VBox):
         self.status.value = "fusing..."
         try:
             if base is None or adapter is None:
-                raise ValueError("choose a base checkpoint and an adapter")
+                raise ArgumentError.bad("base" if base is None else "adapter", None,
+                                        "choose a base checkpoint and an adapter")
             result = fuse(base, adapter, self.output_dir(), rounding=self.rounding.value,
                           dtype=self.dtype.value,
                           dequantize=bool(self.quant.value) and not self.quant.disabled,

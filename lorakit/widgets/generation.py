@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import ipywidgets as W
 
+from ..errors import ArgumentError
 from ..inspect.generation import GenerationReport, compare_generations, load_pair
 from ..report import LEFT, Cell, Markup, escape, table
 from ._base import ErrorBox, FigureView, hook, summary_html
@@ -49,7 +50,7 @@ class GenerationCompare(W.VBox):
     def __init__(self, models: Mapping[str, Any], prompts: Sequence[str] = (),
                  max_tokens: int = 24, run: bool = False) -> None:
         if len(models) < 2:
-            raise ValueError("GenerationCompare needs at least two models")
+            raise ArgumentError.bad("models", list(models), "at least two models")
         self.models = dict(models)
         self.loaded: Dict[str, Tuple[Any, Any]] = {}
         self.report: Optional[GenerationReport] = None
@@ -84,7 +85,7 @@ class GenerationCompare(W.VBox):
         prompts = self.prompt_list()
         try:
             if not prompts:
-                raise ValueError("enter at least one prompt")
+                raise ArgumentError.bad("prompts", "", "enter at least one prompt")
             for label, spec in self.models.items():
                 if label not in self.loaded:
                     self.status.value = f"loading {escape(label)}..."

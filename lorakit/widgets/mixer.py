@@ -26,7 +26,7 @@ import numpy as np
 
 from ..algebra.combine import combine
 from ..algebra.lowrank import delta_gram
-from ..errors import PathLike
+from ..errors import ArgumentError, PathLike
 from ..fusion.model import attach_adapter
 from ..inspect.generation import GenerationReport, compare_generations
 from ..io.adapters.base import Adapter
@@ -80,7 +80,7 @@ class AdapterMixer(W.VBox):
                  weights: Optional[Sequence[float]] = None,
                  prompt: str = "And it came to pass", max_tokens: int = 12) -> None:
         if not 2 <= len(adapters) <= 3:
-            raise ValueError("AdapterMixer mixes two or three adapters")
+            raise ArgumentError.bad("adapters", list(adapters), "two or three adapters")
         self.labels = list(adapters)
         self.specs = dict(adapters)
         self.adapters = [a if isinstance(a, Adapter) else load_adapter(a)
@@ -177,7 +177,7 @@ class AdapterMixer(W.VBox):
         self.error.show(None)
         try:
             if not self.save_path.value.strip():
-                raise ValueError("give an output directory in 'save to'")
+                raise ArgumentError.bad("save to", "", "an output directory")
             specs = [self.specs[lab] for lab in self.labels]
             self.written = combine(specs, weights=self.weights, method="exact",
                                    save_path=self.save_path.value.strip())

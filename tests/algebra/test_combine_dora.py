@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from lorakit.algebra.combine import combine
-from lorakit.errors import LorakitError
+from lorakit.errors import ArgumentError, LorakitError
 from lorakit.io.adapters.base import Adapter
 from lorakit.io.adapters.load import load_adapter
 
@@ -166,7 +166,7 @@ def test_cli_fuse_of_dora_and_lora_and_combine_refusal(tmp_path, capsys):
 @pytest.mark.slow  # SVDs of 28 full deltas, twice, here and in the library
 def test_svd_of_dora_combination_truncates_the_w_dependent_sum(tmp_path):
     parts = [(DORA, 0.6), (LORA, -0.4)]
-    with pytest.raises(LorakitError, match="needs the base weights"):
+    with pytest.raises(ArgumentError, match="needs the base weights"):
         combine([DORA, LORA], [0.6, -0.4], method="svd")
     base = _checkpoint(BASE)
     ads = [(w, _raw_adapter(p)) for p, w in parts]

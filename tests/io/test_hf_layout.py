@@ -14,7 +14,7 @@ import pytest
 from helpers import DATA
 
 import lorakit
-from lorakit.errors import FuseError
+from lorakit.errors import ArgumentError, FuseError
 from lorakit.fusion.options import FuseOptions
 from lorakit.io.hf_layout import FAMILIES, LAYOUT_NOTES
 from lorakit.io.safetensors import read_header, read_raw
@@ -186,7 +186,7 @@ def test_dense_model_same_either_way(tmp_path):
 
 
 def test_layout_option_checked():
-    with pytest.raises(ValueError, match="layout must be one of mlx-lm, transformers"):
+    with pytest.raises(ArgumentError, match=r"for layout\n  expected: mlx-lm \| transformers"):
         FuseOptions(layout="hf")
     assert FuseOptions(layout="transformers").settings()["layout"] == "transformers"
     assert "layout" not in FuseOptions().settings()

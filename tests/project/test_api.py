@@ -105,11 +105,13 @@ def test_open_gives_one_source_face():
 
 
 def test_fuse_takes_a_model_in_memory():
+    from lorakit.errors import ArgumentError
+
     mlx_lm = pytest.importorskip("mlx_lm")
     model, _ = mlx_lm.load(str(ROOT / "data" / "tiny-qwen3"))
     before = model.model.layers[0].self_attn.q_proj.weight
     out = lorakit.fuse(model, ROOT / "data" / "adapters" / "lora")
     after = out.model.layers[0].self_attn.q_proj.weight
     assert out is model and after.dtype == before.dtype
-    with pytest.raises(TypeError, match="in place"):
+    with pytest.raises(ArgumentError, match="in place"):
         lorakit.fuse(model, ROOT / "data" / "adapters" / "lora", "somewhere")

@@ -80,7 +80,7 @@ def test_the_mix_is_the_weighted_sum(mixer):
 def test_write_without_a_path_shows_an_error(mixer, tmp_path):
     mixer.save_path.value = ""
     mixer.write_button.click()
-    assert "ValueError" in mixer.error.value and "output directory" in mixer.error.value
+    assert "ArgumentError" in mixer.error.value and "output directory" in mixer.error.value
     assert list(tmp_path.iterdir()) == []
 
 
