@@ -48,6 +48,7 @@ import fnmatch
 import hashlib
 import math
 import numbers
+import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
@@ -102,8 +103,11 @@ class ExtractOptions:
             full copies fit) or ``"mlx-lm"``.
         exact_max: largest ``min(out, in)`` that gets the exact SVD.
         seed: seed of the randomized SVD's sketch.
-        threads: low-rank modules worked on at once (default 1); the result does not
-            depend on it (each module is computed alone, with its own seed).
+        threads: low-rank modules worked on at once (default ``min(2, cores)``; each
+            holds about 20 bytes an element of its weight); the result does not depend
+            on it (each module is computed alone, with its own seed). The CLI runs
+            OpenBLAS single-threaded (``OPENBLAS_NUM_THREADS=1`` unless set): the
+            modules in flight share the cores, not BLAS pools that wait on each other.
         behaviour: :func:`lorakit.extract` also scores the tuned model against base +
             the extracted adapter (KL, top-1) on the embedded corpus where both are
             model folders: True (1024 tokens, the default), a token count, or False.
@@ -351,7 +355,7 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
     spectra: Dict[str, np.ndarray] = {}
     untouched = skipped = 0
     total = sum(i.nbytes for i in b.tensors.values())
-    threads = opts.threads or 1
+    threads = opts.threads or min(2, os.cpu_count() or 1)
 
     def lowrank(name: str):
         raw_b, raw_t = b.read(name), t.read(name)

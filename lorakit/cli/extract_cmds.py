@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from .written import wrote
 
@@ -39,6 +40,9 @@ def _print(args: argparse.Namespace, rep) -> None:
 
 
 def _extract(args: argparse.Namespace) -> int:
+    # one BLAS thread per module in flight (numpy is not imported yet): OpenBLAS pools
+    # of two modules on the same cores measured 2.2x slower (BENCHMARKS.md, "Extract")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from ..algebra.extract import ExtractOptions
     from ..inspect.extraction import extract
 
@@ -75,8 +79,8 @@ def add(sub) -> None:
     p.add_argument("--modules", nargs="+", default=None, metavar="NAME",
                    help="only these modules (q_proj, self_attn.o_proj, model.layers.1*)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="low-rank modules worked on at once (default 1); memory grows "
-                   "with it, the result does not change")
+                   help="low-rank modules worked on at once (default min(2, cores)); "
+                   "memory grows with it, the result does not change")
     p.add_argument("--no-behaviour", action="store_true",
                    help="skip the behaviour line (the tuned model against base + the "
                    "extracted adapter on the embedded corpus: KL, top-1)")
