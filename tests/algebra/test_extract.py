@@ -21,8 +21,7 @@ from helpers import DATA
 
 import lorakit
 from lorakit import numerics as nm
-from lorakit.algebra.extract import extract, resize
-from lorakit.algebra.extract import ExtractOptions
+from lorakit.algebra.extract import ExtractOptions, extract, resize
 from lorakit.errors import ArgumentError, LorakitError
 from lorakit.inspect.check import behaviour_line
 from lorakit.io.checkpoint import Checkpoint
