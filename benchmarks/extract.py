@@ -15,6 +15,8 @@ in a temporary directory that is removed at the end. For each case:
 * the extracted adapter fused again (``lorakit.fuse``, nearest rounding) against the
   fused checkpoint: elements that differ, and by how many ulps of the value; the
   report's ``reproduced`` column must count the same elements;
+* at the 1.7B shape, the extract again with OpenBLAS's own thread count (two here) in
+  each of the two modules in flight (``blas_default``: wall and CPU);
 * the SVD's variants on two modules of the 1.7B shape (a k_proj, 1024 x 2048, and a
   gate_proj, 6144 x 2048), interleaved over rounds: LAPACK's exact SVD in float64 (the
   k_proj only), the randomized SVD in float64 and in float32 (the extract's, its cast
@@ -67,8 +69,9 @@ json.dump({"extract_s": wall, "summary": rep.to_dict()["summary"], "rows": rep.r
 """
 
 
-def _run_extract(base: Path, fused: Path, out: Path, behaviour: bool) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def _run_extract(base: Path, fused: Path, out: Path, behaviour: bool,
+                 blas: str = "1") -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS=blas)
     r = launch([sys.executable, "-c", CHILD, str(base), str(fused), str(out),
                 "1" if behaviour else "0"], env=env)
     if r["rc"] != 0:
@@ -163,7 +166,10 @@ def measure(base: Path, adapter: Path, work: Path, behaviour: bool) -> dict:
                         "max_err_over_noise": max(ratios_noise),
                         "all_within_bound": max(ratios_e) <= 2.0},
            "refuse": counts, "checkpoint_bytes": sum(i.nbytes for i in b.tensors.values())}
-    if len(targets) > 100:  # the 1.7B shape: the SVD's variants on its modules
+    if len(targets) > 100:  # the 1.7B shape: BLAS's own threads; the SVD's variants
+        blas = _run_extract(base, fused, work / "blas", False, str(os.cpu_count()))
+        out["blas_default"] = {"threads": os.cpu_count(), **{k: blas[k] for k in (
+            "extract_s", "user_s", "system_s", "peak_rss_bytes")}}
         out["svd_variants"] = svd_variants(b, f, adapted)
     return out
 

@@ -287,7 +287,7 @@ def _lowrank_row(name: str, raw_b: np.ndarray, code_b: str, raw_t: np.ndarray, c
     total = noise_sq = 0.0
     for rows in nm.chunks(*shape):
         T = _f64(raw_t[rows], code_t)
-        half = 0.5 * nm.ulp(T, code_t)
+        half = 0.5 * (np.spacing(np.abs(T)) if code_t == "F64" else nm.ulp(T, code_t))
         noise_sq += float(np.einsum("ij,ij->", half, half))
         d = D[rows]
         np.subtract(T, _f64(raw_b[rows], code_b), out=d)
@@ -306,7 +306,8 @@ def _lowrank_row(name: str, raw_b: np.ndarray, code_b: str, raw_t: np.ndarray, c
     row = {"module": name[: -len(".weight")], "shape": list(shape), "rank": k,
            "method": method, "fro": fro, "residual": residual,
            "rel_error": residual / fro if fro else 0.0,
-           "energy": float(np.sum(S[:k] ** 2)) / total if total else 1.0, "noise": noise,
+           "energy": min(float(np.sum(S[:k] ** 2)) / total, 1.0) if total else 1.0,
+           "noise": noise,
            "within": "yes" if residual <= noise else "no",
            "reproduced": _reproduced(raw_b, code_b, raw_t, code_t, A, B), "note": ""}
     return row, A, B, S
