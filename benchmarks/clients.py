@@ -158,9 +158,9 @@ def build(work: Path, quick: bool = False) -> dict:
     adapters["combine (exact, 0.5 + 0.5)"] = work / "ad-combine"
     resize(lora, rank=4, base=base, save_path=work / "ad-resize", format="mlx-lm")
     adapters["resize (rank 4)"] = work / "ad-resize"
-    if not quick:  # the slowest writer: SVDs refitted until a re-fuse reproduces the weights
+    if not quick:  # the slowest writer: a truncated SVD of every adapted weight
         lorakit.extract(base, work / "qwen3-fused", rank=8, save_path=work / "ad-extract",
-                        format="mlx-lm", progress=False)
+                        format="mlx-lm", behaviour=False, progress=False)
         adapters["extract (rank 8)"] = work / "ad-extract"
     return {"adapters": {k: str(v) for k, v in adapters.items()},
             "models": models,

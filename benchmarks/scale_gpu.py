@@ -7,9 +7,9 @@ layers x 7 projections (``lorakit synth``), then times, each as a whole process
 * ``cp -r`` of the checkpoint (the floor for anything that reads and writes it);
 * ``lorakit fuse`` (nearest, the default);
 * ``lorakit check`` of that fuse;
-* ``lorakit extract --rank 8`` of the fused checkpoint against the base (the refit
-  on), and the share of adapted elements a re-fuse of the extracted adapter gives back
-  bit for bit (the report's own count);
+* ``lorakit extract --rank 8 --no-behaviour`` of the fused checkpoint against the base,
+  and the share of adapted elements a re-fuse of the extracted adapter gives back bit
+  for bit (the report's own count);
 * ``lorakit compare-outputs`` of the fused model against base + adapter (unfused) on
   the embedded corpus.
 
@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     if "extract" not in a.skip:
         shutil.rmtree(extracted, ignore_errors=True)
     step("extract", lk + ["extract", "--base", str(base), "--tuned", str(fused),
-                          "--rank", "8", "--save-path", str(extracted), "--json", "-q"]
+                          "--rank", "8", "--no-behaviour", "--save-path", str(extracted), "--json",
+                          "-q"]
          + (["--threads", str(a.threads)] if a.threads else []))
     step("compare", lk + ["compare-outputs", str(fused), str(base), "--test-adapter",
                           str(adapter), "--tokens", str(a.tokens), "--json", "-q"])

@@ -44,7 +44,7 @@ VERBS = {
     "open": ("lorakit.io.source", "open"),
     "load_adapter": ("lorakit.io.adapters.load", "load_adapter"),
     "combine": ("lorakit.algebra.combine", "combine"),
-    "extract": ("lorakit.algebra.extract", "extract"),
+    "extract": ("lorakit.inspect.extraction", "extract"),
     "time_decode": ("lorakit.timing.decode", "time_decode"),
     "compare_outputs": ("lorakit.inspect.behaviour", "compare_outputs"),
     "LorakitError": ("lorakit.errors", "LorakitError"),

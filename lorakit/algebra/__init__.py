@@ -1,7 +1,8 @@
 """Adapter algebra: adapters made from adapters and from weights.
 
 ``lorakit.combine`` (``combine.py``; PEFT's methods step for step in ``peft_like.py``)
-and ``lorakit.extract`` (``extract.py``) live here, and so do these:
+and the truncated SVDs of ``lorakit.extract`` (``extract.py``; its behaviour line is
+added in ``lorakit/inspect/extraction.py``) live here, and so do these:
 
 ``convert``  an adapter written in the other format (mlx-lm <-> PEFT), exactly;
              or as llama.cpp's LoRA GGUF (``to="gguf-lora"``)

@@ -2,28 +2,23 @@
 
 For every tensor the two checkpoints hold, streamed one at a time:
 
-* bit-identical tensors are untouched (compared as raw bytes, a slice at a time);
-* a changed 2-D linear weight gives ``D = T - W`` in float64 and its truncated SVD
-  (:mod:`lorakit.algebra.lowrank`: exact when ``min(out, in) <= 512``, else randomized
-  with 16 oversampling columns and 2 power iterations), kept at ``rank`` or at the
-  fewest singular values holding ``energy`` of ``||D||_F^2`` (per-module ranks);
+* bit-identical tensors are untouched (compared as raw bytes);
+* a changed 2-D linear weight gives ``D = T - W`` (float64, exact) and its truncated
+  SVD (:func:`lorakit.algebra.lowrank.matrix_svd`: exact where ``min(out, in) <=
+  512``, else randomized in float32), kept at ``rank`` or at the fewest singular values
+  holding ``energy`` of ``||D||_F^2`` (per-module ranks), as mergekit and PEFT do;
 * any other changed tensor (embeddings, the head, norms, biases) is saved in full, as
   PEFT's ``modules_to_save`` (lorakit's :class:`~lorakit.io.adapters.base.Replacement`).
 
-Each low-rank row reports ``residual = ||D - scale B A||_F`` of the stored float32
-factors and ``noise``, the Frobenius norm of half an ulp of every element of the tuned
-weight: what rounding ``W + delta`` to the tuned checkpoint's dtype may add. When the
-tuned checkpoint is a correctly rounded fuse of a rank-r adapter, extracting at rank r
-gives ``residual <= ||e||_F <= noise`` (``e`` the rounding error: the delta itself is
-a rank-r candidate), and the extracted delta is within ``2 ||e||_F`` of the adapter's
-(triangle inequality); ``within`` says whether ``residual <= noise``.
-
-Fusing that truncation again does not give ``T`` back everywhere: the SVD keeps the
-part of ``e`` in the delta's row and column spaces. With ``refine`` (default for a
-fixed rank on a bf16/fp16 tuned checkpoint) each module whose residual is within the
-noise is refitted (:mod:`lorakit.algebra.refine`) so that ``round(W + B A)`` of the
-stored float32 factors equals ``T`` on as many elements as it can; ``outside_svd`` and
-``outside`` count the elements a re-fuse (``nearest``) would change, before and after.
+Each low-rank row reports the kept energy, ``residual = ||D - B A||_F`` of the stored
+float32 factors, ``noise`` (the Frobenius norm of half an ulp of every element of the
+tuned weight: what rounding ``W + delta`` to the tuned dtype may add; ``within`` says
+whether ``residual <= noise``, i.e. the rank explains the change up to rounding) and,
+as information, the share of elements that fusing the factors again (``nearest``,
+:func:`lorakit.fusion.core.fuse_weight`) gives back bit for bit. The truncation keeps
+the part of the rounding error that lies in the delta's row and column spaces, so a
+re-fuse does not give every element back. :func:`lorakit.extract` adds the behaviour
+line (:mod:`lorakit.inspect.extraction`).
 
 >>> r = extract("data/tiny-qwen3", "data/tiny-qwen3", rank=4, progress=False)
 >>> r.summary["low-rank modules"], r.summary["untouched tensors"]
@@ -52,18 +47,19 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import math
+import numbers
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from .. import numerics as nm
-from ..errors import FormatError
+from ..errors import ArgumentError, FormatError, FuseError
+from ..fusion.core import fuse_weight
 from ..fusion.delta import intended, target_pieces
 from ..io import source
 from ..io.adapters.base import EMBEDDING_HINTS, Adapter, LoraTarget, Replacement
@@ -84,48 +80,123 @@ from .lowrank import (
     matrix_svd,
     split_factors,
 )
-from .refine import WORK, difference, fuse_stats, outside_count, refine_factors, scratch, stats_in_c
 
-__all__ = ['ExtractReport', 'extract', 'svd_note', 'ResizeReport', 'resize']
+__all__ = ["ExtractOptions", "ExtractReport", "extract", "ResizeReport", "resize"]
 
 
 FLOAT_CODES = ("BF16", "F16", "F32", "F64")
-REFINE_CODES = ("BF16", "F16")  # float32 factors can hit every rounding box of these
+FORMATS = ("peft", "mlx-lm")
+#: the dtype policy that re-fuses into each tuned dtype (lorakit.fusion.core.fuse_weight)
+_POLICY = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+@dataclass(frozen=True)
+class ExtractOptions:
+    """An extract's settings: one value, checked once (the CLI builds it from its flags).
+
+    Attributes:
+        rank: keep this rank in every module; or
+        energy: per module, the fewest singular values holding this fraction of
+            ``||T - W||_F^2`` (per-module ranks). Exactly one of the two.
+        modules: only modules matching these names or patterns (``q_proj``,
+            ``self_attn.o_proj``, ``model.layers.1*``); default all.
+        format: the adapter format written: ``"peft"`` (default: per-module ranks and
+            full copies fit) or ``"mlx-lm"``.
+        exact_max: largest ``min(out, in)`` that gets the exact SVD.
+        seed: seed of the randomized SVD's sketch.
+        threads: low-rank modules worked on at once (default ``min(2, cores)``; each
+            holds about 20 bytes an element of its weight); the result does not depend
+            on it (each module is computed alone, with its own seed). The CLI runs
+            OpenBLAS single-threaded (``OPENBLAS_NUM_THREADS=1`` unless set): the
+            modules in flight share the cores, not BLAS pools that wait on each other.
+        behaviour: :func:`lorakit.extract` also scores the tuned model against base +
+            the extracted adapter (KL, top-1) on the embedded corpus where both are
+            model folders: True (1024 tokens, the default), a token count, or False.
+
+    >>> ExtractOptions(rank=8).target
+    'rank 8'
+    """
+
+    rank: Optional[int] = None
+    energy: Optional[float] = None
+    modules: Optional[Tuple[str, ...]] = None
+    format: str = "peft"
+    exact_max: int = EXACT_MAX
+    seed: int = 0
+    threads: Optional[int] = None
+    behaviour: Union[bool, int] = True
+
+    def __post_init__(self) -> None:
+        check_target(self.rank, self.energy)
+        if isinstance(self.modules, str):
+            object.__setattr__(self, "modules", (self.modules,))
+        elif self.modules is not None:
+            object.__setattr__(self, "modules", tuple(self.modules))
+        if self.format not in FORMATS:
+            raise ArgumentError.bad("format", self.format, " or ".join(FORMATS))
+        for name, low in (("exact_max", 0), ("seed", 0), ("threads", 1)):
+            v = getattr(self, name)
+            if not (v is None and name == "threads") and (
+                    isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low):
+                raise ArgumentError.bad(name, v, f"an int >= {low}")
+        b = self.behaviour
+        if not isinstance(b, bool) and (not isinstance(b, numbers.Integral) or b < 2):
+            raise ArgumentError.bad("behaviour", b, "True, False or a token count >= 2")
+
+    @property
+    def target(self) -> str:
+        return f"rank {self.rank}" if self.rank is not None else f"energy {self.energy}"
+
+    @classmethod
+    def of(cls, options: Optional["ExtractOptions"], settings: Dict[str, Any]
+           ) -> "ExtractOptions":
+        """``options`` with ``settings`` (keywords of :func:`extract`) applied."""
+        names = {f.name for f in fields(cls)}
+        for key in settings:
+            if key not in names:
+                raise ArgumentError.bad(key, settings[key], "one of " + ", ".join(sorted(names)))
+        return cls(**settings) if options is None else replace(options, **settings)
 
 
 def svd_note(exact_max: int = EXACT_MAX) -> str:
-    return (f"exact f64 SVD where min(out, in) <= {exact_max}, else randomized "
+    return (f"exact f64 SVD where min(out, in) <= {exact_max}, else randomized f32 "
             f"(oversampling {OVERSAMPLE}, {POWER_ITERS} power iterations)")
 
 
 @dataclass(repr=False)
 class ExtractReport(Report):
-    """Rows: module, shape, rank, method, fro (``||D||_F``), residual, rel_error,
-    noise, within (``residual <= noise``), outside_svd / outside (elements a re-fuse
-    changes, before / after the refit), iters (of the refit), note. ``adapter``: the extracted
+    """Rows: module, shape, rank, method, fro (``||D||_F``), residual, rel_error, energy
+    (kept), noise, within (``residual <= noise``), reproduced (share of a re-fuse
+    equal to the tuned bits), note. ``adapter``: the extracted
     :class:`~lorakit.io.adapters.base.Adapter` (fuse it, compare it, save it);
     ``singular_values[module]``: the spectrum each rank was chosen from;
-    ``refit_seconds``: time spent in the refit (all modules)."""
+    ``behaviour``: the tuned model against base + the adapter (KL, top-1; filled by
+    :func:`lorakit.extract`), or None."""
     column_help = {
         "module": "the module the LoRA factors belong to",
         "shape": "the weight's shape (out, in)",
         "rank": "rank kept (chosen by --rank or --energy)",
         "method": "exact SVD, randomized SVD, or full (saved whole as modules_to_save)",
         "fro": "||tuned - base||_F, the change's size",
-        "residual": "||tuned - base - D_r||_F: what rank r leaves out",
+        "residual": "||tuned - base - B A||_F: what the saved factors leave out",
         "rel_error": "residual / fro",
+        "energy": "share of ||tuned - base||_F^2 kept",
         "noise": "||0.5 ulp of the tuned weight||_F: the rounding noise a fused checkpoint carries",
         "within": "residual <= noise: the rank explains the change up to rounding",
-        "outside_svd": "elements where fusing the SVD factors again differs from tuned",
-        "outside": "the same for the factors saved (after the refit, if any)",
-        "iters": "refit iterations (0: not refitted)",
+        "reproduced": "share of elements a re-fuse (nearest) gives back bit for bit",
         "note": "why a tensor was skipped or saved whole",
     }
 
     adapter: Optional[Adapter] = None
     saved: Optional[Path] = None
     singular_values: Optional[Dict[str, np.ndarray]] = None
-    refit_seconds: float = 0.0
+    behaviour: Optional[Dict[str, Any]] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = super().to_dict()
+        if self.behaviour is not None:
+            d["behaviour"] = dict(self.behaviour)
+        return d
 
     def plot(self, ax=None):
         """Relative truncation error per low-rank module (log scale)."""
@@ -139,11 +210,6 @@ class ExtractReport(Report):
         ax.set_ylabel("||D - BA|| / ||D||")
         ax.set_title(self.title)
         return ax.figure
-
-
-def _quantized(src: TensorSource) -> bool:
-    cfg = src.config or {}
-    return bool(cfg.get("quantization") or cfg.get("quantization_config"))
 
 
 def _selected(module: str, patterns: Optional[Sequence[str]]) -> bool:
@@ -160,23 +226,24 @@ def _lowrank_candidate(name: str, shape: Sequence[int]) -> bool:
             and last != "lm_head")
 
 
-def _row_chunks(shape: Sequence[int]) -> List[Optional[slice]]:
-    if len(shape) == 0:
-        return [None]
-    return list(nm.chunks(int(shape[0]), int(np.prod(shape[1:], dtype=np.int64))))
+def _f64(raw: np.ndarray, code: str) -> np.ndarray:
+    """Storage of a float format as float64, exactly."""
+    return np.asarray(raw, np.float64) if code == "F64" else \
+        nm.to_float64(raw, nm.float_format(code))
 
 
 def _full_diff(b: TensorSource, t: TensorSource, name: str) -> Dict[str, float]:
     """Changed elements, ``||T - W||_F`` and whether the bytes are the same, a slice
-    of rows at a time (bytes first: identical slices cost a compare)."""
+    of rows at a time (an embedding is large; identical slices cost a compare)."""
     shape = b.tensors[name].shape
     changed, sq, same = 0, 0.0, True
-    for rows in _row_chunks(shape):
+    steps = nm.chunks(int(shape[0]), math.prod(shape[1:])) if len(shape) else [None]
+    for rows in steps:
         rb, rt = b.read(name, rows), t.read(name, rows)
         if np.array_equal(rb, rt):
             continue
         same = False
-        d = weight_f64(t, name, rows) - weight_f64(b, name, rows)
+        d = _f64(rt, t.tensors[name].dtype) - _f64(rb, b.tensors[name].dtype)
         changed += int(np.count_nonzero(d))
         sq += float(np.sum(d * d))
     return {"changed": changed, "fro": math.sqrt(sq), "same": same}
@@ -184,8 +251,10 @@ def _full_diff(b: TensorSource, t: TensorSource, name: str) -> Dict[str, float]:
 
 def _check_pair(b: TensorSource, t: TensorSource) -> None:
     for src in (b, t):
-        if _quantized(src):
-            raise FormatError("extract reads float checkpoints only", file=src.path,
+        cfg = src.config or {}
+        if cfg.get("quantization") or cfg.get("quantization_config"):
+            raise FormatError(f"extract reads float checkpoints only: {src.path} is quantized",
+                              file=src.path,
                               expected="a float (bf16/fp16/f32) checkpoint",
                               found="a quantized checkpoint (quantization in config.json)",
                               hint="extract from the float checkpoints, or fuse into a float "
@@ -207,161 +276,79 @@ def _check_pair(b: TensorSource, t: TensorSource) -> None:
                           found=f"{len(errors)} mismatch(es), listed above")
 
 
-def _lowrank_row(name: str, W: np.ndarray, t: TensorSource, t_bits: np.ndarray, code: str,
-                 rank: Optional[int], energy: Optional[float], exact_max: int, seed: int,
-                 refine: bool):
-    """One low-rank module: the SVD of ``T - W``, its counts, and the refit.
+def _lowrank_row(name: str, raw_b: np.ndarray, code_b: str, raw_t: np.ndarray, code_t: str,
+                 opts: ExtractOptions):
+    """One low-rank module: the truncated SVD of ``D = T - W`` and its numbers.
 
-    Memory (two modules are in flight by default): each full-size array lives only as
-    long as it must. ``W`` (:func:`_base_rows`, from the storage the caller compared) is
-    float32 where that is exact (a bf16/fp16/f32 base), else float64. For bf16/fp16
-    tuned bits and a float32 ``W``, one pass of the refit kernel's ``stats`` over the
-    stored bits writes ``D = T - W`` (float64, exact, in the thread's scratch memory
-    that the refit's box then reuses) with its norm and the noise (:func:`difference`),
-    and one gives each re-fuse count with its residual (:func:`fuse_stats`): ``T`` is
-    never held in float64. Otherwise ``T`` (float64) gives the rounding noise (its half
-    ulps a row chunk at a time, never a full-size array) and then becomes ``D = T - W``
-    in place; later rows of ``T`` are decoded again from the stored bits (exact). The
-    values, and so every result, are those of float64 ``W`` and ``T``."""
-    shape = W.shape
-    if stats_in_c(W, t_bits, code):
-        D = scratch(WORK, shape, np.float64)
-        total, sq = difference(W, t_bits, code, D)
-        noise = math.sqrt(sq)
-
-        def measured(A: np.ndarray, B: np.ndarray) -> Tuple[int, float]:
-            out, rsq = fuse_stats(W, t_bits, code, A, B)
-            return out, math.sqrt(rsq)
-
-        def residual_of(A: np.ndarray, B: np.ndarray) -> float:
-            return measured(A, B)[1]
-    else:
-        T = weight_f64(t, name)
-        sq = 0.0  # ||0.5 ulp(T)||_F^2, a row chunk at a time (no full-size temporary)
-        for rows in nm.chunks(*shape):
-            half = 0.5 * nm.ulp(T[rows], code)
-            sq += float(np.einsum("ij,ij->", half, half))
-        noise = math.sqrt(sq)
-        del half
-        tuned = _rows_of(T, t_bits, code)
-        if tuned is None:  # T cannot be decoded again from the stored bits: keep a copy
-            kept = T.copy()
-            tuned = lambda rows: kept[rows]  # noqa: E731
-        D = np.subtract(T, W, out=T)
-        del T
-        total = float(np.einsum("ij,ij->", D, D))
-
-        def residual_of(A: np.ndarray, B: np.ndarray) -> float:
-            return _residual(W, tuned, A, B)
-
-        def measured(A: np.ndarray, B: np.ndarray) -> Tuple[int, float]:
-            return outside_count(W, t_bits, code, A, B), residual_of(A, B)
-    U, S, Vt, method = matrix_svd(D, rank, energy, exact_max=exact_max, seed=seed)
-    del D
-    k = max(choose_rank(S, total, rank, energy), 1)
+    ``D`` is built a row chunk at a time (float64, exact; the noise from the same rows
+    of ``T``), factored, and read again for the residual of the float32 factors; the
+    re-fuse is lorakit's own (``nearest``) on the stored base bits."""
+    shape = raw_b.shape
+    D = np.empty(shape, np.float64)
+    total = noise_sq = 0.0
+    for rows in nm.chunks(*shape):
+        T = _f64(raw_t[rows], code_t)
+        half = 0.5 * (np.spacing(np.abs(T)) if code_t == "F64" else nm.ulp(T, code_t))
+        noise_sq += float(np.einsum("ij,ij->", half, half))
+        d = D[rows]
+        np.subtract(T, _f64(raw_b[rows], code_b), out=d)
+        total += float(np.einsum("ij,ij->", d, d))
+    U, S, Vt, method = matrix_svd(D, opts.rank, opts.energy, exact_max=opts.exact_max,
+                                  seed=opts.seed, total=total)
+    k = max(choose_rank(S, total, opts.rank, opts.energy), 1)
     A, B = split_factors(U, S, Vt, k)
     del U, Vt
-    before, residual = measured(A, B)
-    after, iters, secs = before, 0, 0.0
-    if refine and code in REFINE_CODES and residual <= noise and before:
-        res = refine_factors(W, t_bits, code, A, B, outside=before)
-        iters, secs = res.iterations, res.seconds
-        # the refit's last count gave the residual too where the kernel served
-        refined = math.sqrt(res.resid_sq) if res.resid_sq is not None else \
-            residual_of(res.A, res.B)
-        if res.outside_after < before and refined <= noise:
-            A, B, after, residual = res.A, res.B, res.outside_after, refined
-    return _row(name, shape, k, method, total, residual, noise, before, after, iters), A, B, \
-        S, secs
-
-
-def _row(name: str, shape, k: int, method: str, total: float, residual: float, noise: float,
-         before: int, after: int, iters: int) -> Dict[str, Any]:
-    fro = math.sqrt(total)
-    return {"module": name[: -len(".weight")], "shape": list(shape), "rank": k,
-            "method": method, "fro": fro, "residual": residual,
-            "rel_error": residual / fro if fro else 0.0, "noise": noise,
-            "within": "yes" if residual <= noise else "no", "outside_svd": before,
-            "outside": after, "iters": iters, "note": ""}
-
-
-def _base_rows(b: TensorSource, name: str, raw: np.ndarray) -> np.ndarray:
-    """The base weight: float32 when its values are all exact in float32 (bf16, fp16 and
-    f32 storage: decoded from its storage ``raw``, already read, a row chunk at a time,
-    no full float64 copy), else float64."""
-    info = b.tensors[name]
-    if info.dtype not in ("BF16", "F16", "F32") or len(info.shape) != 2:
-        return weight_f64(b, name)
-    if b.quant_params(name[: -len(".weight")] if name.endswith(".weight") else name):
-        return weight_f64(b, name).astype(np.float32)  # dequantized: exact float32 values
-    fmt = nm.float_format(info.dtype)
-    W = scratch("W", tuple(info.shape), np.float32)
-    for rows in nm.chunks(*W.shape):
-        W[rows] = nm.to_float32(raw[rows], fmt)
-    return W
-
-
-def _rows_of(T: np.ndarray, t_bits: np.ndarray, code: str):
-    """``rows -> T[rows]`` as float64, decoded again from the stored bits (exact, as
-    :func:`weight_f64` decodes them) where they are a float format; else None."""
-    if code == "F64" and t_bits.shape == T.shape:
-        return lambda rows: np.asarray(t_bits[rows], np.float64)
-    if code in FLOAT_CODES and t_bits.shape == T.shape:  # as weight_f64 decodes them
-        fmt = nm.float_format(code)
-        return lambda rows: nm.to_float64(t_bits[rows], fmt)
-    return None
-
-
-def _residual(W: np.ndarray, tuned, A: np.ndarray, B: np.ndarray) -> float:
-    """``||T - W - B A||_F`` (float64, a slice of rows at a time; ``tuned(rows)``: the
-    rows of ``T``; ``W`` float64 or an exact float32)."""
     A64, B64, sq = A.astype(np.float64), B.astype(np.float64), 0.0
-    for rows in nm.chunks(W.shape[0], W.shape[1]):
-        R = tuned(rows) - W[rows]
-        R -= B64[rows] @ A64
+    for rows in nm.chunks(*shape):
+        R = D[rows] - B64[rows] @ A64
         sq += float(np.einsum("ij,ij->", R, R))
-    return math.sqrt(sq)
+    del D
+    residual, noise, fro = math.sqrt(sq), math.sqrt(noise_sq), math.sqrt(total)
+    row = {"module": name[: -len(".weight")], "shape": list(shape), "rank": k,
+           "method": method, "fro": fro, "residual": residual,
+           "rel_error": residual / fro if fro else 0.0,
+           "energy": min(float(np.sum(S[:k] ** 2)) / total, 1.0) if total else 1.0,
+           "noise": noise,
+           "within": "yes" if residual <= noise else "no",
+           "reproduced": _reproduced(raw_b, code_b, raw_t, code_t, A, B), "note": ""}
+    return row, A, B, S
 
 
-def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
-            energy: Optional[float] = None, modules: Optional[Sequence[str]] = None,
-            save_path: Any = None, format: str = "peft", force: bool = False,
-            exact_max: int = EXACT_MAX, seed: int = 0, refine: Optional[bool] = None,
-            threads: Optional[int] = None, progress: Progress = True) -> ExtractReport:
+def _reproduced(raw_b: np.ndarray, code_b: str, raw_t: np.ndarray, code_t: str,
+                A: np.ndarray, B: np.ndarray) -> Any:
+    """The share of elements where ``nearest(W + B A)`` in the tuned dtype has the tuned
+    bits; ``"-"`` where lorakit cannot fuse into that dtype (float64)."""
+    if code_b not in _POLICY or code_t not in _POLICY:
+        return "-"
+    try:
+        out, _ = fuse_weight(raw_b, code_b, A, B, 1.0, dtype_policy=_POLICY[code_t])
+    except FuseError:  # a non-finite result: nothing to compare
+        return "-"
+    u = f"u{out.itemsize}"
+    return int(np.count_nonzero(out.view(u) == raw_t.view(u))) / max(out.size, 1)
+
+
+def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
+            save_path: Any = None, force: bool = False, progress: Progress = True,
+            **settings: Any) -> ExtractReport:
     """Extract a LoRA adapter from a tuned checkpoint (fused, or fully fine-tuned) and
-    its base.
+    its base, by a truncated SVD per module (no behaviour line: :func:`lorakit.extract`
+    adds it).
 
     Args:
         base, tuned: checkpoint directories (or tensor sources) of the same model.
-        rank: keep this rank in every module; or
-        energy: per module, the fewest singular values holding this fraction of
-            ``||T - W||_F^2`` (per-module ranks).
-        modules: only modules matching these names or patterns (``q_proj``,
-            ``self_attn.o_proj``, ``model.layers.1*``); default all.
+        options: an :class:`ExtractOptions`; or its fields as keywords (``rank=8``,
+            ``energy=0.99``, ``modules=[...]``, ``format=``, ``exact_max=``, ``seed=``,
+            ``threads=``), which also override the fields of ``options``.
         save_path: also write the adapter there (``lorakit.io.adapters.write``, float32
             factors, scale 1).
-        format: ``"peft"`` (default: per-module ranks and full copies fit) or ``"mlx-lm"``.
         force: replace a previous lorakit output at ``save_path``.
-        exact_max: largest ``min(out, in)`` that gets the exact SVD.
-        seed: seed of the randomized SVD's sketch.
-        refine: refit each low-rank module so that fusing the saved adapter again
-            (``nearest``) reproduces the tuned checkpoint on as many elements as it
-            can (:mod:`lorakit.algebra.refine`); default: on with ``rank``, off with
-            ``energy``. Only for bf16/fp16 tuned weights whose residual is within
-            the rounding noise (a rank-r fuse); kept only where it lowers the count
-            and the residual stays within the noise.
-        threads: low-rank modules worked on at once (the SVD and the refit release
-            the GIL); default ``min(2, cpu_count)``. Each module in flight holds its
-            own float64 copies (about 40 bytes per element with the refit), so memory
-            grows with it. The result does not depend on it: every module is computed
-            alone, with its own seed, and the rows keep the checkpoint's order.
         progress: True (a bar), False, or ``progress(done_bytes, total_bytes)``.
 
     Returns:
         An :class:`ExtractReport`; ``.adapter`` is the extracted adapter.
     """
-    check_target(rank, energy)
-    refine = rank is not None if refine is None else bool(refine)
+    opts = ExtractOptions.of(options, settings)
     b, t = source.open(base), source.open(tuned)
     _check_pair(b, t)
     targets: List[LoraTarget] = []
@@ -369,27 +356,20 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
     rows: List[Dict[str, Any]] = []
     spectra: Dict[str, np.ndarray] = {}
     untouched = skipped = 0
-    refine_s = 0.0
     total = sum(i.nbytes for i in b.tensors.values())
-    threads = max(1, threads if threads is not None else min(2, os.cpu_count() or 1))
+    threads = opts.threads or min(2, os.cpu_count() or 1)
 
     def lowrank(name: str):
         raw_b, raw_t = b.read(name), t.read(name)
         if np.array_equal(raw_b, raw_t):
             return None
-        W = _base_rows(b, name, raw_b)
-        del raw_b
-        return name, _lowrank_row(name, W, t, raw_t, t.tensors[name].dtype, rank, energy,
-                                  exact_max, seed, refine)
+        return name, _lowrank_row(name, raw_b, b.tensors[name].dtype, raw_t,
+                                  t.tensors[name].dtype, opts)
 
     # one slot per tensor in checkpoint order: a low-rank module's slot is its future
     slots: List[Tuple[str, Any]] = []
     pending: Deque[Any] = deque()
-    # the modules in flight share the cores: BLAS (the SVDs, the r x r solves) gets its
-    # share each, not a pool per module whose threads wait on one another
-    blas = max(1, (os.cpu_count() or 1) // threads)
     with progress_bar(progress, total, "extract") as bar, \
-            threadpool_limits(limits=blas, user_api="blas"), \
             ThreadPoolExecutor(threads, thread_name_prefix="lorakit-extract") as pool:
         def settle(fut) -> None:
             fut.result()  # an error surfaces here, in checkpoint order
@@ -397,7 +377,7 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
 
         for name, info in b.tensors.items():
             module, _, leaf = name.rpartition(".")
-            if not _selected(module, modules):
+            if not _selected(module, opts.modules):
                 skipped += 1
                 bar.update(info.nbytes)
             elif _lowrank_candidate(name, info.shape):
@@ -422,67 +402,61 @@ def extract(base: Any, tuned: Any, *, rank: Optional[int] = None,
             if res is None:
                 untouched += 1
                 continue
-            name, (row, A, B, S, secs) = res
-            refine_s += secs
+            name, (row, A, B, S) = res
             rows.append(row)
             spectra[row["module"]] = S
-            targets.append(LoraTarget(row["module"], "linear", A, B, 1.0,
-                                      names=(name,)))
+            targets.append(LoraTarget(row["module"], "linear", A, B, 1.0, names=(name,)))
         else:
             name, module, leaf, info, diff = item
             replacements.append(Replacement(module, leaf, t.read(name),
                                             t.tensors[name].dtype, name))
             rows.append({"module": name, "shape": list(info.shape), "rank": "-",
                          "method": "full", "fro": diff["fro"], "residual": 0.0,
-                         "rel_error": 0.0, "noise": "-", "within": "-",
-                         "outside_svd": "-", "outside": "-", "iters": "-", "note": f"saved in full: {diff['changed']} elements differ"})
+                         "rel_error": 0.0, "energy": 1.0, "noise": "-", "within": "-",
+                         "reproduced": 1.0,
+                         "note": f"saved in full: {diff['changed']} elements differ"})
     h = hashlib.sha256()
     for tg in targets:
         h.update(tg.module.encode() + tg.A.tobytes() + tg.B.tobytes())
     for r in replacements:
         h.update(r.name.encode() + r.raw.tobytes())
-    adapter = Adapter(Path(getattr(t, "path", "tuned")), format, targets,
+    adapter = Adapter(Path(getattr(t, "path", "tuned")), opts.format, targets,
                       {"extracted_from": {"base": str(b.path), "tuned": str(t.path)}},
                       Path(getattr(t, "path", "tuned")), "lora", replacements,
                       _sha256=h.hexdigest())
     low = [r for r in rows if r["method"] != "full"]
     summary: Dict[str, Any] = {
-        "base": str(b.path), "tuned": str(t.path),
-        "target": f"rank {rank}" if rank is not None else f"energy {energy}",
+        "base": str(b.path), "tuned": str(t.path), "target": opts.target,
         "low-rank modules": len(low), "saved in full": len(replacements),
         "untouched tensors": untouched, "skipped (--modules)": skipped,
         "ranks": sorted({r["rank"] for r in low}),
         "max rel_error": max((r["rel_error"] for r in low), default=0.0),
         "within rounding noise": f"{sum(r['within'] == 'yes' for r in low)} of {len(low)}",
-        "svd": svd_note(exact_max),
-        "refit": ("on (Gauss-Newton on the rank-r factors, box shrunk by r / min(out, in) "
-                  "of a half spacing, 1/4096 to 1/64)" if refine else "off"),
-        "refit iterations": max((r["iters"] for r in low), default=0),
-        "re-fuse differs": _refuse_note(low),
+        "svd": svd_note(opts.exact_max),
+        "re-fuse reproduces": _reproduced_note(low),
     }
     flagged = [i for i, r in enumerate(rows) if r["within"] == "no"]
     rep = ExtractReport(f"extract: {t.label or t.path} - {b.label or b.path}", rows,
                         columns=["module", "shape", "rank", "method", "fro", "residual",
-                                 "rel_error", "noise", "within", "outside_svd", "outside",
-                                 "iters", "note"],
+                                 "rel_error", "energy", "noise", "within", "reproduced",
+                                 "note"],
                         summary=summary, flagged=flagged, adapter=adapter,
-                        singular_values=spectra, refit_seconds=refine_s)
+                        singular_values=spectra)
     if save_path is not None:
-        rep.saved = save_result(adapter, save_path, format=format, force=force,
+        rep.saved = save_result(adapter, save_path, format=opts.format, force=force,
                                 provenance={"base": str(b.path), "tuned": str(t.path),
-                                            "target": summary["target"]})
+                                            "target": opts.target})
         rep.summary["saved to"] = str(rep.saved)
     return rep
 
 
-def _refuse_note(low: List[Dict[str, Any]]) -> str:
-    """``"SVD a -> saved b of n adapted elements (share)"``: how many elements fusing
-    the adapter again would change, before and after the refit."""
-    n = sum(int(np.prod(r["shape"])) for r in low)
-    a = sum(r["outside_svd"] for r in low)
-    c = sum(r["outside"] for r in low)
-    return (f"SVD {a:,} -> saved {c:,} of {n:,} adapted elements ({c / n:.4%})" if n
-            else "no low-rank modules")
+def _reproduced_note(low: List[Dict[str, Any]]) -> str:
+    """``"a of n adapted elements (share)"``: what fusing the adapter again gives back
+    bit for bit (the modules lorakit can fuse into)."""
+    counted = [r for r in low if r["reproduced"] != "-"]
+    n = sum(math.prod(r["shape"]) for r in counted)
+    same = sum(round(r["reproduced"] * math.prod(r["shape"])) for r in counted)
+    return f"{same:,} of {n:,} adapted elements ({same / n:.4%})" if n else "-"
 
 
 def save_result(adapter: Adapter, path: Any, *, format: str, force: bool,
@@ -491,6 +465,8 @@ def save_result(adapter: Adapter, path: Any, *, format: str, force: bool,
     precision they were computed to)."""
     return save_adapter(adapter, path, format=format, force=force, dtype="F32", verb=verb,
                         provenance=provenance)
+
+
 
 
 # ---------------------------------------------------------------------------
@@ -564,6 +540,8 @@ def resize(adapter: Any, *, rank: Optional[int] = None, energy: Optional[float] 
         A :class:`ResizeReport`; ``.adapter`` is the resized adapter.
     """
     check_target(rank, energy)
+    if format not in FORMATS:
+        raise ArgumentError.bad("format", format, " or ".join(FORMATS))
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
     src = source.open(base) if base is not None else None
     binds = {b.target.module: b for b in bind(ad, src)} if src is not None and ad.is_dora \

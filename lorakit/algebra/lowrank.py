@@ -1,18 +1,15 @@
-"""Low-rank approximation in float64: the arithmetic of extract and resize.
+"""Low-rank approximation: the arithmetic of extract and resize.
 
-Two ways to a truncated SVD of a delta:
-
-* :func:`matrix_svd` for a dense delta ``D`` (a fine-tuned weight minus its base):
-  LAPACK's exact SVD in float64 when the matrix is small (``min(out, in) <=
-  EXACT_MAX``), else a randomized range finder (Halko, Martinsson & Tropp 2011,
-  Alg. 4.4): a Gaussian sketch of ``k + OVERSAMPLE`` columns, ``POWER_ITERS`` power
-  iterations re-orthonormalised by QR each time, then the exact SVD of the small
-  projection. With an energy target the sketch doubles until the target is met
-  (or the exact SVD takes over).
-* :func:`weighted_sum` / :func:`delta_gram`: adapters' deltas summed exactly
-  (concatenated factors) and the Gram matrix of their deltas (norms of any mix).
-* :func:`factor_svd` for a delta given as factors ``scale * B @ A``: QR of ``B`` and
+* :func:`matrix_svd`: the leading singular triplets of a dense delta ``D`` (a tuned
+  weight minus its base): LAPACK's exact SVD in float64 when the matrix is small
+  (``min(out, in) <= EXACT_MAX``), else a randomized range finder in float32 (Halko,
+  Martinsson & Tropp 2011, Alg. 4.4): a Gaussian sketch of ``k + OVERSAMPLE`` columns,
+  ``POWER_ITERS`` power iterations re-orthonormalised by QR, then the SVD of the small
+  projection. With an energy target the sketch doubles until the target is met (or
+  the exact SVD takes over).
+* :func:`factor_svd`: a delta given as factors ``scale * B @ A``: QR of ``B`` and
   ``A^T``, SVD of the r x r core; the full delta is never formed.
+* :func:`delta_gram`: the Gram matrix of adapters' deltas (norms of any mix).
 
 Ranks are chosen by :func:`choose_rank` (a fixed rank, or the fewest singular values
 holding a fraction of ``||D||_F^2``).
@@ -26,6 +23,7 @@ holding a fraction of ``||D||_F^2``).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -37,7 +35,7 @@ __all__ = ["EXACT_MAX", "OVERSAMPLE", "POWER_ITERS", "choose_rank", "matrix_svd"
            "factor_svd", "split_factors", "delta_gram"]
 
 #: largest min(out, in) for which the exact SVD is used
-EXACT_MAX = 512
+EXACT_MAX = 64
 #: extra sketch columns of the randomized SVD
 OVERSAMPLE = 16
 #: power iterations of the randomized SVD
@@ -64,23 +62,19 @@ def choose_rank(S: np.ndarray, total_sq: float, rank: Optional[int] = None,
 def check_target(rank: Optional[int], energy: Optional[float]) -> None:
     """Exactly one of ``rank`` (a positive int) and ``energy`` (in (0, 1]) is given."""
     if (rank is None) == (energy is None):
-        raise ArgumentError.bad("rank, energy", (rank, energy), "exactly one of rank=R and "
-                                "energy=E")
-    if rank is not None and (isinstance(rank, bool) or int(rank) != rank or rank < 1):
-        raise ArgumentError.bad("rank", rank, "a positive integer")
-    if energy is not None and not (0 < float(energy) <= 1):
+        raise ArgumentError.bad("rank / energy", (rank, energy), "exactly one of rank=R "
+                                "and energy=E")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1):
+        raise ArgumentError.bad("rank", rank, "a positive int")
+    if energy is not None and (isinstance(energy, bool) or not isinstance(energy, numbers.Real)
+                               or not 0 < energy <= 1):
         raise ArgumentError.bad("energy", energy, "a fraction, 0 < energy <= 1")
-
-
-def _exact(D: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    U, S, Vt = np.linalg.svd(D, full_matrices=False)
-    return U, S, Vt
 
 
 def _randomized(D: np.ndarray, width: int, rng: np.random.Generator
                 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Randomized SVD of ``D`` with a sketch of ``width`` columns."""
-    Q, _ = np.linalg.qr(D @ rng.standard_normal((D.shape[1], width)))
+    """Randomized SVD of ``D`` (float32) with a sketch of ``width`` columns."""
+    Q, _ = np.linalg.qr(D @ rng.standard_normal((D.shape[1], width), np.float32))
     for _ in range(POWER_ITERS):
         Z, _ = np.linalg.qr(D.T @ Q)
         Q, _ = np.linalg.qr(D @ Z)
@@ -89,26 +83,28 @@ def _randomized(D: np.ndarray, width: int, rng: np.random.Generator
 
 
 def matrix_svd(D: np.ndarray, rank: Optional[int] = None, energy: Optional[float] = None,
-               *, exact_max: int = EXACT_MAX, seed: int = 0
+               *, exact_max: int = EXACT_MAX, seed: int = 0, total: Optional[float] = None
                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, str]:
-    """The leading singular triplets of a dense float64 ``D`` (out, in).
+    """The leading singular triplets of a dense ``D`` (out, in).
 
-    Returns:
-        (U, S, Vt, method) holding at least the kept rank (more when they come for
-        free); ``method`` is ``"exact"`` or ``"randomized"``.
+    ``total``: ``||D||_F^2`` if the caller has it (float64). Returns (U, S, Vt, method)
+    holding at least the kept rank (more when they come for free); ``method`` is
+    ``"exact"`` (float64) or ``"randomized"`` (float32).
     """
-    D = np.asarray(D, np.float64)
     n = min(D.shape)
     if n <= exact_max:
-        return (*_exact(D), "exact")
+        return (*np.linalg.svd(np.asarray(D, np.float64), full_matrices=False), "exact")
+    D32 = np.asarray(D, np.float32)
     rng = np.random.default_rng(seed)
-    total = float(np.einsum("ij,ij->", D, D))
+    if total is None:
+        total = float(np.einsum("ij,ij->", D, D, dtype=np.float64))
     k = int(rank) if rank is not None else 64
     while True:
         width = min(k + OVERSAMPLE, n)
         if width * 2 > n:  # the sketch is no longer small: the exact SVD is cheaper
-            return (*_exact(D), "exact")
-        U, S, Vt = _randomized(D, width, rng)
+            return (*np.linalg.svd(np.asarray(D, np.float64), full_matrices=False), "exact")
+        U, S, Vt = _randomized(D32, width, rng)
+        S = S.astype(np.float64)
         if rank is not None or total == 0:
             return U, S, Vt, "randomized"
         if choose_rank(S, total, energy=energy) < len(S) or \

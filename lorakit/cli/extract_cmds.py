@@ -1,11 +1,13 @@
-"""``lorakit extract`` and ``lorakit resize``: thin wrappers over
-:func:`lorakit.algebra.extract.extract` and :func:`lorakit.algebra.extract.resize`.
+"""``lorakit extract`` and ``lorakit resize``: thin wrappers over :func:`lorakit.extract`
+(its flags become one :class:`~lorakit.algebra.extract.ExtractOptions`) and
+:func:`lorakit.algebra.extract.resize`.
 Each prints the report's text twin (or its JSON with ``--json``); exit status 0, 2 for
 bad input."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from .written import wrote
 
@@ -38,12 +40,17 @@ def _print(args: argparse.Namespace, rep) -> None:
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from ..algebra.extract import extract
+    # one BLAS thread per module in flight (numpy is not imported yet): OpenBLAS pools
+    # of two modules on the same cores measured 3.7x slower (BENCHMARKS.md, "Extract")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    from ..algebra.extract import ExtractOptions
+    from ..inspect.extraction import extract
 
-    rep = extract(args.base, args.tuned, rank=args.rank, energy=args.energy,
-                  modules=args.modules, save_path=args.save_path, format=args.format,
-                  force=args.force, refine=False if args.no_refine else None,
-                  threads=args.threads, progress=not args.quiet)
+    opts = ExtractOptions(rank=args.rank, energy=args.energy, modules=args.modules,
+                          format=args.format, threads=args.threads,
+                          behaviour=not args.no_behaviour)
+    rep = extract(args.base, args.tuned, opts, save_path=args.save_path, force=args.force,
+                  progress=not args.quiet)
     _print(args, rep)
     return 0
 
@@ -60,22 +67,23 @@ def _resize(args: argparse.Namespace) -> int:
 def add(sub) -> None:
     p = sub.add_parser("extract", help="a LoRA adapter from two checkpoints (tuned - base)",
                        description="Extract a LoRA from a fused or fine-tuned checkpoint and "
-                       "its base by truncated SVD (exact f64 where small, randomized where "
-                       "large), one tensor at a time, refitted at a fixed rank so that "
-                       "fusing it again reproduces the tuned checkpoint; other changed tensors (embeddings, "
-                       "norms) are saved in full as modules_to_save.")
+                       "its base by a truncated SVD per module (exact f64 where small, "
+                       "randomized f32 where large), one tensor at a time; other changed "
+                       "tensors (embeddings, norms) are saved in full as modules_to_save. "
+                       "The report gives each module's kept energy, residual and the share "
+                       "a re-fuse reproduces, and the tuned model against base + the "
+                       "adapter on the embedded corpus (KL, top-1).")
     p.add_argument("--base", required=True, help="base checkpoint directory")
     p.add_argument("--tuned", required=True, help="fused or fine-tuned checkpoint directory")
     _rank_or_energy(p)
     p.add_argument("--modules", nargs="+", default=None, metavar="NAME",
                    help="only these modules (q_proj, self_attn.o_proj, model.layers.1*)")
-    p.add_argument("--no-refine", action="store_true",
-                   help="save the plain truncated SVD: no refit of the factors towards "
-                   "reproducing the tuned checkpoint when fused again (the refit is on "
-                   "by default with --rank)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="low-rank modules worked on at once (default min(2, cores)); "
                    "memory grows with it, the result does not change")
+    p.add_argument("--no-behaviour", action="store_true",
+                   help="skip the behaviour line (the tuned model against base + the "
+                   "extracted adapter on the embedded corpus: KL, top-1)")
     _save_flags(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_extract)

@@ -1,7 +1,8 @@
 """Inspection: report objects that read checkpoints, adapters and models.
 
-The top-level verbs ``lorakit.check``, ``lorakit.diff`` and ``lorakit.compare_outputs``
-live here (``check.py``, ``diff.py``, ``behaviour.py``), and so do these:
+The top-level verbs ``lorakit.check``, ``lorakit.diff``, ``lorakit.compare_outputs`` and
+``lorakit.extract`` live here (``check.py``, ``diff.py``, ``behaviour.py``,
+``extraction.py``: the algebra's extract with its behaviour line), and so do these:
 
 ``dtype_map``            per-layer dtypes and bytes, from headers only
 ``delta_norms``          norms, spectra and ranks of an adapter's deltas

@@ -1,0 +1,62 @@
+"""``lorakit.extract``: the extract of :mod:`lorakit.algebra.extract` with its behaviour
+line: the tuned model against base + the extracted adapter (attached unfused) on the
+embedded corpus, by :func:`lorakit.compare_outputs` (mean KL, top-1 agreement).
+
+The line needs both checkpoints as model folders (``config.json`` beside the weights);
+elsewhere the summary says it was not measured. ``behaviour=False`` (``--no-behaviour``)
+skips it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from ..algebra.extract import ExtractOptions, ExtractReport
+from ..algebra.extract import extract as extract_lowrank
+from ..progress import Progress
+from .behaviour import compare_outputs
+from .check import CONTEXT, DEFAULT_TOKENS, KEYS, behaviour_line
+
+__all__ = ["extract", "add_behaviour"]
+
+
+def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
+            save_path: Any = None, force: bool = False, progress: Progress = True,
+            **settings: Any) -> ExtractReport:
+    """Extract a LoRA adapter from a tuned checkpoint and its base (a truncated SVD per
+    module) and score how it behaves.
+
+    Args and settings as :func:`lorakit.algebra.extract.extract` (``rank=`` or
+    ``energy=``, ``modules=``, ...: the fields of
+    :class:`~lorakit.algebra.extract.ExtractOptions`), plus ``behaviour``: True (1024
+    corpus tokens, the default), a token count, or False.
+
+    Returns:
+        An :class:`~lorakit.algebra.extract.ExtractReport`: ``.adapter``, the rows, and
+        ``.behaviour`` (the numbers of the summary's ``behaviour`` line).
+    """
+    opts = ExtractOptions.of(options, settings)
+    rep = extract_lowrank(base, tuned, opts, save_path=save_path, force=force,
+                          progress=progress)
+    if opts.behaviour:
+        tokens = DEFAULT_TOKENS if opts.behaviour is True else int(opts.behaviour)
+        add_behaviour(rep, tokens, progress=True if progress is True else None)
+    return rep
+
+
+def _model_folder(path: str) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def add_behaviour(rep: ExtractReport, tokens: int, *, progress: Any = None) -> ExtractReport:
+    """Fill ``rep.behaviour`` and the summary's ``behaviour`` line (in place): the tuned
+    model (reference) against base + ``rep.adapter`` (test) on ``tokens`` corpus tokens."""
+    base, tuned = rep.summary["base"], rep.summary["tuned"]
+    if not (_model_folder(base) and _model_folder(tuned)):
+        rep.summary["behaviour"] = "not measured: base and tuned are not both model folders"
+        return rep
+    out = compare_outputs(tuned, (base, rep.adapter), tokens=tokens,
+                          context=min(CONTEXT, tokens), detail=0, progress=progress)
+    rep.behaviour = {**{k: out.stats[k] for k in KEYS}, "float32": list(out.float32)}
+    rep.summary["behaviour"] = "tuned vs base + extracted: " + behaviour_line(rep.behaviour)
+    return rep
