@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     on_env = {k: v for k, v in os.environ.items() if k != "LORAKIT_KERNELS"}
     envs = {"on": on_env, "off": dict(on_env, LORAKIT_KERNELS="0")}
     times: Dict[str, Dict[str, List[float]]] = {v: {"on": [], "off": []} for v in cmds}
-    fuse0 = [a.replace("{k}", "") for a in cmds["lorakit fuse"]]
+    fuse0 = [a.replace("fused-{k}", "fused") for a in cmds["lorakit fuse"]]
     shutil.rmtree(work / "fused", ignore_errors=True)
     run_one(fuse0, work / "prep.log")  # the fuse that check and diff read
     for r in range(args.runs):

@@ -15,8 +15,7 @@ from typing import Any, Dict, Iterator, Optional
 __all__ = ["KERNELS", "enabled", "use_kernels", "load"]
 
 #: every kernel pyproject.toml builds (CI, ``LORAKIT_REQUIRE_KERNEL=1``, checks each loads)
-KERNELS = ("lorakit.inspect._ulpkernel", "lorakit.inspect._checkkernel",
-           "lorakit.fusion._fusekernel")
+KERNELS = ("lorakit.inspect._ulpkernel", "lorakit.inspect._checkkernel")
 
 _state = {"on": os.environ.get("LORAKIT_KERNELS", "1") != "0"}
 _modules: Dict[str, Optional[Any]] = {}
