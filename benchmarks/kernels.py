@@ -5,12 +5,13 @@ same per-tensor shapes with N layers, the adapter on all of them up to 16) and a
 LoRA on the last 16 layers x 7 projections, runs as whole processes, interleaved over
 rounds (the kernels-on and -off runs of one verb back to back, their order alternating):
 
-* ``lorakit fuse`` (nearest, the default): ``lorakit/fusion/_fusekernel.c``
+* ``lorakit fuse`` (nearest, the default): its kernel ``_fusekernel.c`` was removed after
+  this script measured it under 3x (BENCHMARKS.md, "C kernels"); the row stays as a check
 * ``lorakit check`` of that fuse: ``lorakit/inspect/_checkkernel.c``
 * ``lorakit diff`` of the base against that fuse: ``lorakit/inspect/_ulpkernel.c``
 
 Each figure is the median wall time over the rounds (``os.wait4`` through
-``benchmarks/fuse.py``'s ``run_one``); a kernel stays where its verb is >= 3x faster.
+``benchmarks/fuse.py``'s ``launch``; ``sync`` before each); a kernel stays where its verb is >= 3x faster.
 
 Usage::
 
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from fuse import PY, run_one  # noqa: E402
+from fuse import PY, launch, run_one  # noqa: E402
 
 from lorakit.synth import synth_adapter, synth_checkpoint  # noqa: E402
 
@@ -88,12 +89,16 @@ def main(argv=None) -> int:
                 os.environ.clear()
                 os.environ.update(envs[k])
                 try:
-                    wall, *_ = run_one(c, work / f"{verb.split()[1]}-{k}.log")
+                    os.sync()
+                    with open(work / f"{verb.split()[1]}-{k}.log", "ab") as log:
+                        res = launch(c, stdout=log)
                 finally:
                     os.environ.clear()
                     os.environ.update(old)
-                times[verb][k].append(wall)
-                print(f"round {r + 1} {verb} kernels {k}: {wall:.2f} s", flush=True)
+                if res["rc"] not in ((0, 1) if verb == "lorakit diff" else (0,)):  # 1: differ
+                    raise SystemExit(f"{' '.join(c)} failed ({res['rc']})")
+                times[verb][k].append(res["wall_s"])
+                print(f"round {r + 1} {verb} kernels {k}: {res['wall_s']:.2f} s", flush=True)
     rows = []
     for verb, t in times.items():
         on, off = statistics.median(t["on"]), statistics.median(t["off"])
