@@ -233,9 +233,6 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ck, ad = prepare(out)
-    from lorakit.fusion.nearest import kernel_available
-
-    print(f"nearest fuse's C kernel: {'on' if kernel_available() else 'OFF (numpy path)'}")
     load_start = os.getloadavg()
     dst = out / "fuse-runs"
     shutil.rmtree(dst, ignore_errors=True)
@@ -290,12 +287,8 @@ def main() -> int:
     print("\n" + "\n".join(table) + "\n")
     for k, v in checks.items():
         print(f"{k}: {json.dumps(v)}")
-    from lorakit.fusion.nearest import THREADS, kernel_available
-
     report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                           "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()},
-              # the nearest fuse's C kernel (lorakit/fusion/_fusekernel.c): built and on?
-              "fuse_kernel": kernel_available(), "fuse_kernel_threads": THREADS,
               "checkpoint": str(ck), "adapter": str(ad), "runs": args.runs, "rows": rows,
               "checks": checks, "markdown": "\n".join(table)}
     if args.profile:

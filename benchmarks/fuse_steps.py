@@ -53,7 +53,8 @@ def build_extensions(tree: Path) -> List[str]:
         mod = ".".join(src.relative_to(tree).with_suffix("").parts)
         code = ("from setuptools import setup, Extension; setup(script_args=['build_ext', "
                 f"'--build-lib', {str(tree)!r}], ext_modules=[Extension({mod!r}, "
-                f"[{str(src)!r}], extra_compile_args=['-O3'])])")
+                f"[{str(src)!r}], include_dirs=[{str(tree / 'lorakit')!r}], "
+                "extra_compile_args=['-O3', '-ffp-contract=off'])])")
         with tempfile.TemporaryDirectory(prefix="lorakit-build-") as cwd:
             subprocess.run([PY, "-c", code], cwd=cwd, check=True, capture_output=True)
         built.append(mod)

@@ -41,8 +41,8 @@ from lorakit.inspect.diff import diff
 t = time.perf_counter()
 rep = diff(sys.argv[1], sys.argv[2], threads=int(sys.argv[3]) or None)
 dt = time.perf_counter() - t
-from lorakit.inspect.ulp_count import kernel_available
-print(json.dumps({"seconds": dt, "identical": rep.identical, "kernel": kernel_available(),
+from lorakit.inspect.ulp_count import scale_kernel
+print(json.dumps({"seconds": dt, "identical": rep.identical, "kernel": scale_kernel() is not None,
                   "elements": rep.summary["elements compared"],
                   "differing": rep.summary["elements differing"],
                   "tensors_differing": rep.summary["tensors differing"]}))
@@ -78,7 +78,7 @@ def time_diff(a: Path, b: Path, threads: int = 0, path: str = "kernel"
               ) -> Tuple[float, float, float, int, dict]:
     """(parity seconds inside the child, child wall seconds, child CPU seconds, peak RSS
     bytes, result). ``path``: ``kernel`` (the C ulp kernel) or ``numpy``."""
-    env = dict(os.environ, LORAKIT_ULP_KERNEL="0" if path == "numpy" else "1")
+    env = dict(os.environ, LORAKIT_KERNELS="0" if path == "numpy" else "1")
     t = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(a), str(b), str(threads)],
                             stdout=subprocess.PIPE, env=env)
@@ -182,10 +182,10 @@ def main() -> None:
     pairs = [("identical copy", p["base"], p["copy"]),
              ("base vs fused", p["base"], p["fused"]),
              ("lorakit vs mlx-lm fuse", p["fused"], p["fused_mlx"])]
-    from lorakit.inspect.ulp_count import _kernel
+    from lorakit.inspect.ulp_count import scale_kernel
 
     paths = [x for x in args.paths.split(",") if x]
-    if "kernel" in paths and _kernel is None:
+    if "kernel" in paths and scale_kernel() is None:
         raise SystemExit("the C ulp kernel is not built here: --paths numpy")
     rows = []
     for label, a, b in pairs:

@@ -37,7 +37,7 @@ apt_install() {
   apt-get update -qq && apt-get install -y -qq "$@"
 }
 
-# a C compiler builds lorakit's optional ulp kernel (lorakit/inspect/_ulpkernel.c);
+# a C compiler builds lorakit's optional C kernels (lorakit/kernels.py lists them);
 # without one lorakit installs and runs on its numpy path
 if [ "$(uname -s)" = "Linux" ] && [ "$(id -u)" = "0" ] && ! command -v cc >/dev/null 2>&1; then
   step "installing a C compiler (apt-get gcc)" apt_install gcc libc6-dev

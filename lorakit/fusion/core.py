@@ -47,7 +47,7 @@ from ..io.safetensors import NUMPY_STORAGE
 from . import mlx_order
 from .delta import dora_factor, tensor_pieces
 from .finite import cast_raw, check_result
-from .nearest import _exact_fix, _fuse_nearest, _tie_distance  # noqa: F401 (read elsewhere)
+from .nearest import _fuse_nearest
 from .options import DTYPE_POLICIES, MLX_ROUNDINGS, ROUNDINGS
 from .sum_fuse import fuse_sum
 

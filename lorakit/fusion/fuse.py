@@ -58,7 +58,6 @@ from ..io.safetensors import FLOAT_CODES, TensorInfo, TensorSpec
 from ..io.safetensors_write import SafetensorsWriter
 from ..progress import progress_bar
 from ..report import Report, escape, facts_table, table
-from . import mlx_order
 from .core import fuse_bindings as _fuse_float
 from .core import output_code
 from .finite import cast_raw as _cast
@@ -400,13 +399,12 @@ def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], opt
 
 def _read_weight(ck: Checkpoint, it: _Item, rounding: str) -> Any:
     """The base weight: raw numpy storage, or for MLX's orders a lazy ``mx.load``ed
-    array (MLX reads the file into its own memory: no numpy buffer, no copy) unless
-    mlx_order's C pass serves, which reads raw storage. A shard
+    array (MLX reads the file into its own memory: no numpy buffer, no copy). A shard
     MLX cannot open (it also holds a tensor of a dtype MLX does not load, such as F64)
     is read as raw storage instead: the same arithmetic, through MLX all the same."""
     src = it.source
     if rounding in MLX_ROUNDINGS and src.dtype in FLOAT_CODES[:3] \
-            and len(src.shape) == 2 and not mlx_order.serves():
+            and len(src.shape) == 2:
         import mlx.core as mx  # lazy: MLX only when computing
 
         try:

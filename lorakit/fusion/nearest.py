@@ -2,14 +2,10 @@
 
 The sum in float64, one rounding to the output format, then the few elements whose
 f64 value might round the wrong way (near a tie, or cancelled terms) redone in exact
-rationals. A plain LoRA goes through the optional C kernel (``_fusekernel.c``: the
-same sum, rounding and flags in one pass) where it is built; DoRA, a build without
-it, or ``LORAKIT_FUSE_KERNEL=0`` take the numpy path. Both give the same bits
-(tests/fusion/test_nearest.py).
+rationals (tests/fusion/test_nearest.py checks them against exact rationals).
 """
 from __future__ import annotations
 
-import os
 from fractions import Fraction
 from typing import Any, Optional, Tuple
 
@@ -18,30 +14,7 @@ import numpy as np
 from .. import numerics as nm
 from .delta import dora_factor
 
-__all__ = ["USE_KERNEL", "THREADS", "kernel_available"]
-
-try:  # the optional C accelerator (pyproject: built where a C compiler is found)
-    from . import _fusekernel as _kernel
-except ImportError:  # pragma: no cover - depends on the install
-    _kernel = None
-
-#: set to False (or LORAKIT_FUSE_KERNEL=0 in the environment) to use the numpy path
-USE_KERNEL = os.environ.get("LORAKIT_FUSE_KERNEL", "1") != "0"
-#: threads the kernel splits a weight's rows over (LORAKIT_FUSE_THREADS=2; at most 2).
-#: One by default: the streaming fuse already computes two tensors at a time, and a
-#: second thread per tensor measured slower there (BENCHMARKS.md, "fuse steps")
-THREADS = int(os.environ.get("LORAKIT_FUSE_THREADS", "1") or 1)
-#: formats the C kernel takes, by its format number
-_KERNEL_FMT = {"bfloat16": 0, "float16": 1, "float32": 2}
-
-
-def kernel_available() -> bool:
-    """Whether the C fuse kernel is built (and not switched off)."""
-    return _kernel is not None and USE_KERNEL
-
-
-def use_kernel() -> bool:
-    return USE_KERNEL and _kernel is not None
+__all__ = []
 
 
 def _cancel_bound(A64: np.ndarray, Bs: np.ndarray, fmt_out):
@@ -52,23 +25,6 @@ def _cancel_bound(A64: np.ndarray, Bs: np.ndarray, fmt_out):
     row_c = np.abs(Bs).sum(axis=1) * ((2 + g) * g * k / (1 - g * k))
     col_max = np.abs(A64).max(axis=0) if A64.size else np.zeros(A64.shape[1])
     return g, row_c, col_max
-
-
-def _fuse_kernel(w: np.ndarray, fmt_in, A64: np.ndarray, B64: np.ndarray, Bs: np.ndarray,
-                 scale, fmt_out, out: np.ndarray) -> bool:
-    """The C kernel's pass into ``out``, then the exact redo of what it flagged. False
-    when a sum is inf or NaN (a non-finite weight): the numpy path decides those."""
-    g, row_c, col_max = _cancel_bound(A64, Bs, fmt_out)
-    wc = np.ascontiguousarray(w).view(fmt_in.storage)
-    flagged, special = _kernel.fuse_nearest(
-        wc, _KERNEL_FMT[fmt_in.name], w.shape[1], np.ascontiguousarray(Bs),
-        np.ascontiguousarray(A64), np.ascontiguousarray(row_c, np.float64),
-        np.ascontiguousarray(col_max, np.float64), g, _KERNEL_FMT[fmt_out.name], out,
-        THREADS)
-    if special:
-        return False
-    _redo_exact(np.frombuffer(flagged, np.int64), wc, fmt_in, B64, A64, scale, out, fmt_out)
-    return True
 
 
 _PIECE = 1 << 16  # elements per piece: the f64 working set stays in the L2 cache
@@ -182,9 +138,6 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
     A64 = A.astype(np.float64)
     B64 = B.astype(np.float64)
     Bs = B64 * scale
-    if magnitude is None and w.size and use_kernel():
-        if _fuse_kernel(w, fmt_in, A64, B64, Bs, scale, fmt_out, out):
-            return out
     # pieces of whole rows (DoRA normalises rows); larger for DoRA, whose row norm
     # pass is cheap next to the per-piece overhead
     step = max(1, (_PIECE * (16 if magnitude is not None else 1)) // max(cols, 1))

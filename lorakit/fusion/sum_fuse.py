@@ -5,7 +5,7 @@ rounded once to the output format, ties to even.
 
 A DoRA part rescales the rows of ``W + s B A`` by ``m / ||W + s B A||_row``, so the sum
 is not low rank and has no cheap exact-rational fallback like
-:func:`lorakit.fusion.core._exact_fix` (the row norm is a square root): the float64
+:func:`lorakit.fusion.nearest._exact_fix` (the row norm is a square root): the float64
 value is rounded once, within 0.5 ulp of it. Its own float64 error is a few f64 ulps
 of the terms, far below the output's ulp unless large weights cancel
 (``tests/algebra/test_combine_dora.py``: DoRA 0.6 + LoRA -0.4 on tiny-qwen3, every element

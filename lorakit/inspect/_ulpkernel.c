@@ -27,26 +27,9 @@
  * wait on one counter). A block holding an inf or NaN is redone element by element
  * with the NaN rules.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "_kernel.h"
 
 #define BLOCK 256
-
-/* x86-64 Linux (glibc ifuncs): an AVX2 copy of each loop, chosen at load time */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__)
-#define MULTIVERSION __attribute__((target_clones("avx2", "default")))
-#else
-#define MULTIVERSION
-#endif
-#if defined(_MSC_VER)
-#define ALWAYS_INLINE __forceinline
-#else
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-#endif
 
 typedef struct {
     int64_t differing, nan, max_ulp;
@@ -54,34 +37,17 @@ typedef struct {
     float max_abs;
 } Stats;
 
-typedef union {
-    uint32_t u;
-    float f;
-} Pun; /* type punning the compiler can vectorise (memcpy inside a loop it does not) */
-
-static inline float bits_to_f32(uint32_t u) {
-    Pun p;
-    p.u = u;
-    return p.f;
-}
-
-static inline uint32_t f32_bits(float f) {
-    Pun p;
-    p.f = f;
-    return p.u;
-}
-
-static inline float bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
 
 static inline float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-    if (exp == 0x1Fu) return bits_to_f32(sign | 0x7F800000u | (man << 13));
+    if (exp == 0x1Fu) return bits_f32(sign | 0x7F800000u | (man << 13));
     if (exp == 0) {
         float v = (float)man * 5.9604644775390625e-08f; /* man * 2**-24, exact */
         return sign ? -v : v;
     }
-    return bits_to_f32(sign | ((exp + 112u) << 23) | (man << 13));
+    return bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
 }
 
 static inline float to_f32(uint16_t h, int fmt) { return fmt == 0 ? bf16_to_f32(h) : f16_to_f32(h); }
@@ -133,13 +99,13 @@ static inline void count_block(const uint32_t *d, size_t n, uint32_t cap, uint32
 
 static inline float bf16_fast(uint32_t u, uint32_t m) {
     (void)m;
-    return bits_to_f32(u << 16);
+    return bits_f32(u << 16);
 }
 
 /* f16 -> f32 for finite values: the magnitude's bits moved to float32's place, times
    2**112 (exact for normal and subnormal halves), then the sign bit */
 static inline float f16_fast(uint32_t u, uint32_t m) {
-    return bits_to_f32(f32_bits(bits_to_f32(m << 13) * 5.192296858534828e+33f) |
+    return bits_f32(f32_bits(bits_f32(m << 13) * 5.192296858534828e+33f) |
                        (u & 0x8000u) << 16);
 }
 
@@ -163,7 +129,7 @@ static ALWAYS_INLINE void run16(const uint16_t *a, const uint16_t *b, size_t n, 
             special = pass_bf16(x, y, m, d, &dmax, &diff, &sum, &emax);
         else
             special = pass_f16(x, y, m, d, &dmax, &diff, &sum, &emax);
-        float fmax_ = bits_to_f32(emax);
+        float fmax_ = bits_f32(emax);
         st->differing += diff;
         if (!special) {
             st->ulp_sum += sum;
@@ -222,7 +188,7 @@ static inline uint32_t pass_f32(const uint32_t *x, const uint32_t *y, size_t m, 
         diff += ua != ub;
         sum += v;
         dmax = v > dmax ? v : dmax;
-        uint32_t e = f32_bits(bits_to_f32(ua) - bits_to_f32(ub)) & 0x7FFFFFFFu;
+        uint32_t e = f32_bits(bits_f32(ua) - bits_f32(ub)) & 0x7FFFFFFFu;
         emax = e > emax ? e : emax;
     }
     *dmax_ = dmax;
@@ -250,7 +216,7 @@ static void run32(const uint32_t *a, const uint32_t *b, size_t n, uint32_t cap, 
             st->differing += diff;
             st->ulp_sum += sum;
             if ((int64_t)dmax > st->max_ulp) st->max_ulp = (int64_t)dmax;
-            float fmax_ = bits_to_f32(emax);
+            float fmax_ = bits_f32(emax);
             if (fmax_ > st->max_abs) st->max_abs = fmax_;
             count_block(d, m, cap, h4, stride);
             continue;
@@ -276,7 +242,7 @@ static void run32(const uint32_t *a, const uint32_t *b, size_t n, uint32_t cap, 
             st->ulp_sum += v;
             if ((int64_t)v > st->max_ulp) st->max_ulp = (int64_t)v;
             d[i] = v < cap ? (uint32_t)v : cap;
-            float e = fabsf(bits_to_f32(ua) - bits_to_f32(ub));
+            float e = fabsf(bits_f32(ua) - bits_f32(ub));
             if (e > st->max_abs) st->max_abs = e;
         }
         for (size_t i = 0; i < m; i++)
@@ -304,12 +270,12 @@ typedef struct {
 } Scale;
 
 static inline double val32(uint32_t u, int fmt) {
-    return fmt == 2 ? (double)bits_to_f32(u) : (double)to_f32((uint16_t)u, fmt);
+    return fmt == 2 ? (double)bits_f32(u) : (double)to_f32((uint16_t)u, fmt);
 }
 
 /* finite values only (the caller checks): bf16 and f32 by their bits, f16 by f16_fast */
 static ALWAYS_INLINE float fval(uint32_t u, const int fmt) {
-    return fmt == 2 ? bits_to_f32(u) : fmt == 0 ? bits_to_f32(u << 16) : f16_fast(u, u & 0x7FFFu);
+    return fmt == 2 ? bits_f32(u) : fmt == 0 ? bits_f32(u << 16) : f16_fast(u, u & 0x7FFFu);
 }
 
 static ALWAYS_INLINE uint32_t elem(const void *p, size_t i, const int fmt) {
@@ -578,8 +544,4 @@ static PyMethodDef methods[] = {
     {"sumsq", sumsq, METH_VARARGS, "sumsq(a, fmt) -> sum of squares of a piece's values"},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ulpkernel",
-                                    "One-pass ulp histograms (see ulp.py).", -1, methods,
-                                    NULL, NULL, NULL, NULL};
-
-PyMODINIT_FUNC PyInit__ulpkernel(void) { return PyModule_Create(&module); }
+KERNEL_MODULE(_ulpkernel, "One-pass ulp histograms (see ulp_count.py).", methods)

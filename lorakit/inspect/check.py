@@ -77,10 +77,10 @@ A wrong merge whose distance stays inside this bound everywhere cannot be told f
 correct one: that is the detection limit (measured in ``tests/inspect/test_check_verdicts.py``).
 
 A plain LoRA on a float fused weight (the common case) is measured in one pass per
-block of rows straight from the storage bits: ``check_lora`` of the fuse's optional C
-kernel (``lorakit/fusion/_fusekernel.c``: the rank-r sum, the bound, the ratios, the
+block of rows straight from the storage bits: ``check_lora`` of the optional C
+kernel ``_checkkernel.c`` beside this module (the rank-r sum, the bound, the ratios, the
 reference rounding and the sums per element, the GIL released, two tensors in flight),
-or without it (``LORAKIT_CHECK_KERNEL=0``, :data:`USE_KERNEL`) its numpy twin
+or without it (``LORAKIT_KERNELS=0``) its numpy twin
 :func:`_lora_numpy`, which gives the same numbers bit for bit: ``D`` and ``S`` are
 summed product by product in rank order, and every sum in one fixed order
 (tests/inspect/test_check_kernel.py). Blocks holding inf or NaN, DoRA, exact sums of
@@ -114,9 +114,9 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
+from .. import kernels
 from .. import numerics as nm
 from ..errors import ArgumentError, FormatError
-from ..fusion import nearest as _nearest
 from ..fusion.core import cast_raw
 from ..fusion.delta import Piece, WeightReader, intended, intended_blocks, tensor_pieces
 from ..io import source
@@ -132,7 +132,7 @@ from .behaviour import compare_outputs
 from .check_causes import CauseStats, candidates, diagnose, scaled
 from .diff import compare_sources
 
-__all__ = ['CheckReport', 'check', 'VERDICTS_OK', 'EXIT_CODES', 'float_bound', 'quant_bound', 'row', 'requested_conversion', 'untouched_rows', 'extra_rows', 'replacement_row', 'FLOAT_CODES', 'DEFAULT_TOKENS', 'behaviour_tokens', 'fused_vs_unfused', 'behaviour_line']
+__all__ = ['CheckReport', 'check', 'VERDICTS_OK', 'EXIT_CODES', 'float_bound', 'quant_bound', 'row', 'requested_conversion', 'untouched_rows', 'extra_rows', 'replacement_row', 'FUSE_CODES', 'DEFAULT_TOKENS', 'behaviour_tokens', 'fused_vs_unfused', 'behaviour_line']
 
 
 #: verdicts of a right merge
@@ -289,22 +289,8 @@ def _numbers(s: Dict[str, Any], float_out: bool) -> Dict[str, Any]:
 # ---------------------------------------------------------------------------
 # A plain LoRA's measure in one pass per block: the C kernel, or its numpy twin
 
-#: set to False (or LORAKIT_CHECK_KERNEL=0 in the environment) to measure plain LoRA
-#: blocks on the numpy path (the same numbers, bit for bit)
-USE_KERNEL = os.environ.get("LORAKIT_CHECK_KERNEL", "1") != "0"
 _KFMT = {"BF16": 0, "F16": 1, "F32": 2}
 _SUMS = ("RD", "RR", "DD", "QD", "uu")
-
-
-def kernel_available() -> bool:
-    """Whether the check's C pass (``check_lora`` of ``lorakit/fusion/_fusekernel.c``)
-    is built and in use (see :data:`USE_KERNEL`)."""
-    return _check_kernel() is not None
-
-
-def _check_kernel():
-    k = _nearest._kernel
-    return k if USE_KERNEL and k is not None and hasattr(k, "check_lora") else None
 
 
 def _plain(p: Piece) -> bool:
@@ -365,7 +351,7 @@ def _measure_lora(sf, sb, tensor, binds, bound: _Bound) -> Dict[str, Any]:
     the C kernel where it is built, else :func:`_lora_numpy` (the same numbers)."""
     fw, fo = bound.fmt_work, bound.fmt_out
     wb, wf = WeightReader(sb, tensor), WeightReader(sf, tensor)
-    kernel = _check_kernel()
+    kernel = kernels.load("lorakit.inspect._checkkernel")
     s: Dict[str, Any] = dict(dist=0.0, ulp=0.0, beyond=0, changed=0, n=0)
     sums: Tuple[float, ...] = (0.0,) * len(_SUMS)
     for p in tensor_pieces(binds):
@@ -703,7 +689,9 @@ def quant_bound(T: np.ndarray, F: np.ndarray, Q: np.ndarray, pre: np.ndarray, q:
 # The rest of a merge check: tensors the adapter does not touch, whole-tensor
 
 
-FLOAT_CODES = ("BF16", "F16", "F32")
+#: the float formats a fuse reads and writes (``--dtype`` converts between them); F64 and
+#: the integer codes are not among them (io.safetensors.FLOAT_CODES: every float code)
+FUSE_CODES = ("BF16", "F16", "F32")
 
 
 def row(tensor: str, dtype: str, status: str, verdict: str, **values: Any) -> Dict[str, Any]:
@@ -732,7 +720,7 @@ def requested_conversion(sf: TensorSource, sb: TensorSource, adapted: set) -> Op
     codes = set()
     for n, meta in sb.tensors.items():
         module = n.rsplit(".", 1)[0]
-        if module in adapted or meta.dtype not in FLOAT_CODES or n not in sf.tensors or \
+        if module in adapted or meta.dtype not in FUSE_CODES or n not in sf.tensors or \
                 sb.quant_params(module) is not None or _skipped(sb, sf, n):
             continue
         codes.add((meta.dtype == sf.tensors[n].dtype, sf.tensors[n].dtype))
@@ -749,8 +737,8 @@ def untouched_rows(sf: TensorSource, sb: TensorSource, names: List[str],
     same, converted = [], []
     for n in names:
         f = sf.tensors.get(n)
-        if f is not None and f.dtype != sb.tensors[n].dtype and f.dtype in FLOAT_CODES and \
-                sb.tensors[n].dtype in FLOAT_CODES:
+        if f is not None and f.dtype != sb.tensors[n].dtype and f.dtype in FUSE_CODES and \
+                sb.tensors[n].dtype in FUSE_CODES:
             converted.append(n)
         else:
             same.append(n)

@@ -57,40 +57,29 @@ never needs it), so that each piece then costs one branch-free pass (the C kerne
 from __future__ import annotations
 
 import math
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .. import kernels
 from .. import numerics as nm
 from ..io.safetensors import FLOAT_CODES, NUMPY_STORAGE
 
-__all__ = ['DEFAULT_MAX_BIN', 'CHUNK_BYTES', 'USE_KERNEL', 'kernel_available', 'bits_dtype', 'TensorDiff', 'Scratch', 'Accumulator', 'bin_labels', 'hist_text', 'pieces_in_memory', 'NEAR_ZERO_LOG2', 'SCALE_FIELDS', 'ScaleStats', 'TensorScale', 'binades', 'ulp_at']
+__all__ = ['DEFAULT_MAX_BIN', 'CHUNK_BYTES', 'bits_dtype', 'TensorDiff', 'Scratch', 'Accumulator', 'bin_labels', 'hist_text', 'pieces_in_memory', 'NEAR_ZERO_LOG2', 'SCALE_FIELDS', 'ScaleStats', 'TensorScale', 'binades', 'ulp_at']
 
 
 DEFAULT_MAX_BIN = 1023
 
-try:  # the optional C accelerator (pyproject: built where a C compiler is found)
-    from . import _ulpkernel as _kernel
-except ImportError:  # pragma: no cover - depends on the install
-    _kernel = None
 #: formats the C kernel takes, by its format number
 _KERNEL_FMT = {"BF16": 0, "F16": 1, "F32": 2}
-#: set to False (or LORAKIT_ULP_KERNEL=0 in the environment) to use the numpy path
-USE_KERNEL = os.environ.get("LORAKIT_ULP_KERNEL", "1") != "0"
 
 
 def scale_kernel():
-    """The kernel when it has ``scale`` / ``sumsq`` (an older build lacks them: numpy
-    does that part)."""
-    return _kernel if USE_KERNEL and hasattr(_kernel, "sumsq") else None
-
-
-def kernel_available() -> bool:
-    """True when the C ulp kernel is built and in use (see :data:`USE_KERNEL`)."""
-    return _kernel is not None and USE_KERNEL
+    """The C ulp kernel (``_ulpkernel.c``) where it is built and kernels are on, else None
+    (the numpy path: the same numbers)."""
+    return kernels.load("lorakit.inspect._ulpkernel")
 
 
 #: bytes per piece and side: big enough that syscalls are cheap, small enough that
@@ -272,11 +261,10 @@ class Accumulator:
     def _add(self, x: np.ndarray, y: np.ndarray) -> None:
         n = x.size
         fmt = _KERNEL_FMT.get(self.code)
-        fast = fmt is not None and _kernel is not None and USE_KERNEL and \
-            x.dtype.isnative and y.dtype.isnative
-        if fast:
+        kernel = scale_kernel() if fmt is not None else None
+        if kernel is not None and x.dtype.isnative and y.dtype.isnative:
             # one pass in C: the same numbers as the numpy path below, 3-4x faster
-            diff, nan, top, total, mabs = _kernel.accumulate(
+            diff, nan, top, total, mabs = kernel.accumulate(
                 np.ascontiguousarray(x), np.ascontiguousarray(y), fmt, self.raw)
             self.n += n
             self.differing += diff

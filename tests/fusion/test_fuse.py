@@ -298,7 +298,7 @@ def test_nearest_cancellation_to_a_tiny_value(fmt: str) -> None:
 def test_tie_distance_is_a_lower_bound() -> None:
     """_tie_distance never exceeds the true distance to the nearest tie (checked
     against exact rationals on random values, powers of two and zero)."""
-    from lorakit.fusion.core import _tie_distance
+    from lorakit.fusion.nearest import _tie_distance
 
     rng = np.random.default_rng(3)
     for fmt in ("BF16", "F16", "F32"):

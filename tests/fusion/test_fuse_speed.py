@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from lorakit.fusion import fuse as stream
-from lorakit.fusion import mlx_order
 from lorakit.io import safetensors_write as sw
 from lorakit.io.checkpoint import Checkpoint
 from lorakit.io.safetensors import TensorSpec, read_header, read_raw
@@ -47,10 +46,9 @@ def test_starting_writeback_early_changes_no_byte(tmp_path, monkeypatch):
     assert calls[-1][1] + calls[-1][2] == len(on)
 
 
-def test_mlx_orders_read_the_weight_through_mlx(tmp_path, monkeypatch):
-    """The MLX orders get a lazily loaded mx.array (no numpy copy) where MLX computes
-    them; where mlx_order's C pass serves (MLX on the CPU), raw numpy storage, as the
-    other orders do; all hold the same bytes."""
+def test_mlx_orders_read_the_weight_through_mlx(tmp_path):
+    """The MLX orders get a lazily loaded mx.array (no numpy copy), the other orders raw
+    numpy storage; both hold the same bytes."""
     mx = pytest.importorskip("mlx.core")
     ck = Checkpoint(TINY)
     name = "model.layers.0.self_attn.q_proj.weight"
@@ -58,11 +56,6 @@ def test_mlx_orders_read_the_weight_through_mlx(tmp_path, monkeypatch):
                       ck.tensors[name], "fuse")
     raw = stream._read_weight(ck, it, "nearest")
     assert isinstance(raw, np.ndarray)
-    for serves in (False, True):
-        monkeypatch.setattr(mlx_order, "serves", lambda s=serves: s)
-        got = stream._read_weight(ck, it, "mlx-lm")
-        if serves:
-            assert isinstance(got, np.ndarray) and np.array_equal(got, raw)
-        else:
-            assert isinstance(got, mx.array)
-            assert np.array_equal(np.array(got.view(mx.uint16)), raw)
+    got = stream._read_weight(ck, it, "mlx-lm")
+    assert isinstance(got, mx.array)
+    assert np.array_equal(np.array(got.view(mx.uint16)), raw)

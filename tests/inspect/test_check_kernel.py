@@ -1,5 +1,5 @@
 """The merge check's C pass over a plain LoRA (``check_lora`` in
-lorakit/fusion/_fusekernel.c) against its numpy twin (``check._lora_numpy``): the same
+lorakit/inspect/_checkkernel.c) against its numpy twin (``check._lora_numpy``): the same
 numbers, bit for bit, for every base / fused format pair, ranks 0, 1, 8 and 64,
 per-rank-column scales, widths that are not a multiple of its lanes or tiles,
 subnormal and overflowing results, wrong fuses, and non-finite values (left to numpy);
@@ -13,12 +13,12 @@ import pytest
 from helpers import DATA
 
 import lorakit
+from lorakit import kernels
 from lorakit import numerics as nm
 from lorakit.inspect import check as ck
 
-pytestmark = pytest.mark.skipif(ck._nearest._kernel is None or
-                                not hasattr(ck._nearest._kernel, "check_lora"),
-                                reason="C check kernel not built here")
+KERNEL = kernels.load("lorakit.inspect._checkkernel")
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="C check kernel not built here")
 
 CODES = ("BF16", "F16", "F32")
 BASE_Q4, LORA_Q4 = DATA / "tiny-qwen3-4bit", DATA / "adapters" / "lora-4bit"
@@ -58,7 +58,7 @@ def same(x, y) -> bool:
 def compare(w, f, Bs, A, c32, base, out, carry=(0.0, 1.5, -0.0, 2.0 ** -30, 7.0),
             f64_base=False):
     fw, fo = nm.float_format(base), nm.float_format(out)
-    special, *k = ck._nearest._kernel.check_lora(
+    special, *k = KERNEL.check_lora(
         w, 3 if f64_base else FIN[base], f, FIN[out], FIN[base], f.shape[1], Bs, A, c32, carry)
     W = w if f64_base else nm.to_float64(w, fw)
     n = ck._lora_numpy(W, nm.to_float64(f, fo), Bs, A, c32, fw, fo, carry)
@@ -120,7 +120,7 @@ def test_non_finite_is_left_to_numpy() -> None:
 def test_carry_continues_the_order() -> None:
     """Two blocks with the carry passed on give the same sums as one block."""
     w, f, Bs, A, c32 = case(2, 40, 70, 8, "BF16", "BF16", wrong=0.2)
-    kern = ck._nearest._kernel
+    kern = KERNEL
     one = kern.check_lora(w, 0, f, 0, 0, 70, Bs, A, c32, (0.0,) * 5)
     a = kern.check_lora(w[:17].copy(), 0, f[:17].copy(), 0, 0, 70, Bs[:17].copy(), A, c32,
                         (0.0,) * 5)
@@ -144,20 +144,20 @@ def fuses(tmp_path_factory):
 
 
 @pytest.mark.parametrize("which", ("nearest", "mlx-lm", "f32", "q4-deq"))
-def test_check_rows_kernel_on_and_off(monkeypatch, fuses, which) -> None:
+def test_check_rows_kernel_on_and_off(fuses, which) -> None:
     base, lora, out = fuses
     if which == "q4-deq":  # a dequantized fuse of a 4-bit base: W comes as float64
         base, lora = BASE_Q4, LORA_Q4
     reps = []
     for on in (True, False):
-        monkeypatch.setattr(ck, "USE_KERNEL", on)
-        assert ck.kernel_available() is on
-        reps.append(lorakit.check(out[which], base, lora, progress=False))
+        with kernels.use_kernels(on):
+            assert (kernels.load("lorakit.inspect._checkkernel") is not None) is on
+            reps.append(lorakit.check(out[which], base, lora, progress=False))
     assert reps[0].rows == reps[1].rows
     assert reps[0].status == reps[1].status
 
 
-def test_wrong_scale_kernel_on_and_off(monkeypatch, tmp_path, fuses) -> None:
+def test_wrong_scale_kernel_on_and_off(tmp_path, fuses) -> None:
     base, lora, out = fuses
     import json
     import shutil
@@ -168,6 +168,6 @@ def test_wrong_scale_kernel_on_and_off(monkeypatch, tmp_path, fuses) -> None:
     (ad / "adapter_config.json").write_text(json.dumps(c))
     reps = []
     for on in (True, False):
-        monkeypatch.setattr(ck, "USE_KERNEL", on)
-        reps.append(lorakit.check(out["nearest"], base, ad, progress=False))
+        with kernels.use_kernels(on):
+            reps.append(lorakit.check(out["nearest"], base, ad, progress=False))
     assert reps[0].rows == reps[1].rows and reps[0].status == "wrong"

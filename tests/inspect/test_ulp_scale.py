@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import lorakit
+from lorakit import kernels
 from lorakit import numerics as nm
 from lorakit.cli.main import main
 from lorakit.inspect import ulp_count as ua
@@ -74,17 +75,17 @@ def _brute(x: np.ndarray, y: np.ndarray, code: str) -> dict:
 
 @pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("code", ["BF16", "F16", "F32"])
-def test_scale_figures_match_brute_force(code, kernel, monkeypatch):
+def test_scale_figures_match_brute_force(code, kernel):
     if kernel and ua.scale_kernel() is None:
-        pytest.skip("C ulp kernel with scale() not built")
-    monkeypatch.setattr(ua, "USE_KERNEL", kernel)
+        pytest.skip("C ulp kernel not built")
     x, y = _pair(code)
-    scale = TensorScale.of(x, code, ua.scale_kernel())
-    acc = Accumulator(code, 1023, scale=scale)
-    for s in range(0, x.size, 7_000):  # several pieces, merged as the stream does
-        part = Accumulator(code, 1023, scale=scale)
-        part.add(x[s:s + 7_000], y[s:s + 7_000])
-        acc.merge(part)
+    with kernels.use_kernels(kernel):
+        scale = TensorScale.of(x, code, ua.scale_kernel())
+        acc = Accumulator(code, 1023, scale=scale)
+        for s in range(0, x.size, 7_000):  # several pieces, merged as the stream does
+            part = Accumulator(code, 1023, scale=scale)
+            part.add(x[s:s + 7_000], y[s:s + 7_000])
+            acc.merge(part)
     td = acc.result(TensorDiff("t", "", code, code, x.shape, x.shape))
     want = _brute(x, y, code)
     for k, v in want.items():

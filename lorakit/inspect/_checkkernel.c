@@ -1,0 +1,331 @@
+/*
+ * The merge check's measure of a plain LoRA block in one pass: lorakit.inspect._checkkernel,
+ * an optional accelerator for lorakit.inspect.check; its numpy twin, check._lora_numpy,
+ * gives the same numbers (tests/inspect/test_check_kernel.py).
+ *
+ * check_lora(w, fin, f, fout, fwork, cols, bs, a, c32, carry)
+ *     -> (special, dist, max_ulp, beyond, changed, rd, rr, dd, qd, uu)
+ *
+ *   w      C-contiguous base values, rows x cols of fin (0 bf16, 1 f16, 2 f32 bits,
+ *          3 float64 values: a dequantized base).
+ *   f      the fused weight's storage bits, rows x cols of fout (0, 1, 2).
+ *   fwork  the working format (the base weight's dtype: 0, 1, 2).
+ *   bs     float64 rows x r (B times the scale), a float64 r x cols.
+ *   c32    (r + 2) 2**-24, the f32 dot product's relative error.
+ *   carry  (rd, rr, dd, qd, uu): the running sums, continued here row by row.
+ *
+ * Per element, exactly the operations of check._lora_numpy (its numpy twin, the same
+ * bits: no FMA, -ffp-contract=off, each sum in one fixed order): D = sum_k bs[i,k]
+ * a[k,j] and S = sum_k |bs[i,k] a[k,j]| from -0.0 in k order, X = W + D, the rounding
+ * bound e of check.float_bound, err = |F - X|; dist = max err / e, max_ulp =
+ * max err / ulp_out(X), beyond = #(err / e > 1), changed = #(F != W); and the sums of
+ * (F - W)(X - W), (F - W)^2, (X - W)^2, (round_out(X) - W)(X - W) and ulp_out(W)^2,
+ * each sequential along a row from -0.0, the rows then added to the carry in order.
+ * special is 1 (nothing else meaningful) when a value is inf or NaN or X rounds to
+ * inf: the caller measures such a block on the numpy path.
+ *
+ * Tiles of TILE columns across all rows (A's tile stays in cache), each row's sums
+ * carried from tile to tile so that the order along the row is kept.
+ */
+#include "_kernel.h"
+
+#define TILE 512
+
+
+/* numerics.ulp's constants: the f64 exponent field clamped to [emin, emax], less p - 1 */
+typedef struct {
+    uint64_t lo, hi, msh;
+} UlpC;
+
+static void ulpc_init(UlpC *u, int code) {
+    static const int P[3] = {8, 11, 24}, EMAX[3] = {127, 15, 127};
+    u->lo = (uint64_t)(1 - EMAX[code] + 1023) << 52;
+    u->hi = (uint64_t)(EMAX[code] + 1023) << 52;
+    u->msh = (uint64_t)(P[code] - 1) << 52;
+}
+
+static ALWAYS_INLINE double ulp_c(double x, uint64_t lo, uint64_t hi, uint64_t msh) {
+    /* signed compares (the fields are below 2**63): AVX2 has them, not unsigned ones */
+    int64_t e = (int64_t)(d_bits(x) & 0x7FF0000000000000ull);
+    e = e < (int64_t)lo ? (int64_t)lo : e;
+    e = e > (int64_t)hi ? (int64_t)hi : e;
+    return bits_d((uint64_t)e - msh);
+}
+
+/* 1 / ulp_c(x): the power of two with the negated exponent (2046 - E for 2**(E - 1023)) */
+static ALWAYS_INLINE double inv_ulp(double x, uint64_t lo, uint64_t hi, uint64_t msh) {
+    int64_t e = (int64_t)(d_bits(x) & 0x7FF0000000000000ull);
+    e = e < (int64_t)lo ? (int64_t)lo : e;
+    e = e > (int64_t)hi ? (int64_t)hi : e;
+    return bits_d((2046ull << 52) - ((uint64_t)e - msh));
+}
+
+static ALWAYS_INLINE double load_any(const void *w, size_t i, const int fmt) {
+    if (fmt == 3) return ((const double *)w)[i];
+    return load_w(w, i, fmt);
+}
+
+/* storage bits of fout -> double */
+static ALWAYS_INLINE double from_bits(uint64_t o, const int fout) {
+    if (fout == 0) return (double)bits_f32((uint32_t)o << 16);
+    if (fout == 2) return (double)bits_f32((uint32_t)o);
+    uint16_t h = (uint16_t)o;
+    return load_w(&h, 0, 1);
+}
+
+#define NSUM 5
+#define LANES 8
+typedef struct {
+    const void *w, *f;
+    const double *bs, *a;
+    double c32;
+    size_t rows, cols, rank;
+    int fwork, fout;
+    double *rowsum; /* rows x NSUM, the sums along each row so far */
+    double dist, ulp;
+    int64_t beyond, changed;
+    int special;
+} MJob;
+
+static ALWAYS_INLINE void check_run(MJob *jb, const int fin, const int fout, const int same) {
+    Fmt fo;
+    fmt_init(&fo, fout);
+    UlpC cw, co;
+    ulpc_init(&cw, jb->fwork);
+    ulpc_init(&co, fout);
+    const uint64_t wlo = cw.lo, whi = cw.hi, wms = cw.msh;
+    const uint64_t olo = co.lo, ohi = co.hi, oms = co.msh;
+    const uint64_t s = fo.s, k = fo.k, minn = fo.minn, lim = fo.lim, sgn = fo.sign;
+    const uint64_t sshift = fo.sign_shift;
+    const uint64_t EXP = 0x7FF0000000000000ull;
+    const size_t cols = jb->cols, rank = jb->rank;
+    const double c32 = jb->c32, u32 = ldexp(1.0, -24);
+    double d[TILE], sa[TILE];
+    double p0[TILE], p1[TILE], p2[TILE], p3[TILE], p4[TILE];
+    int64_t dmax = 0, umaxb = 0; /* the bits of +0.0 */
+    int64_t beyond = 0, changed = 0;
+    for (size_t j0 = 0; j0 < cols; j0 += TILE) {
+        size_t m = cols - j0 < TILE ? cols - j0 : TILE;
+        for (size_t i = 0; i < jb->rows; i++) {
+            const size_t base = i * cols + j0;
+            for (size_t t = 0; t < m; t++) {
+                d[t] = -0.0;
+                sa[t] = -0.0;
+            }
+            const double *b = jb->bs + i * rank;
+            size_t kk = 0;
+            for (; kk + 4 <= rank; kk += 4) { /* four terms a pass, still in k order */
+                const double b0 = b[kk], b1 = b[kk + 1], b2 = b[kk + 2], b3 = b[kk + 3];
+                const double *a0 = jb->a + kk * cols + j0, *a1 = a0 + cols, *a2 = a1 + cols,
+                             *a3 = a2 + cols;
+                for (size_t t = 0; t < m; t++) {
+                    double p = b0 * a0[t], q = b1 * a1[t], u = b2 * a2[t], v = b3 * a3[t];
+                    double dt = d[t], st = sa[t];
+                    dt += p;
+                    st += fabs(p);
+                    dt += q;
+                    st += fabs(q);
+                    dt += u;
+                    st += fabs(u);
+                    dt += v;
+                    st += fabs(v);
+                    d[t] = dt;
+                    sa[t] = st;
+                }
+            }
+            for (; kk < rank; kk++) {
+                const double bk = b[kk];
+                const double *ar = jb->a + kk * cols + j0;
+                for (size_t t = 0; t < m; t++) {
+                    double p = bk * ar[t];
+                    d[t] += p;
+                    sa[t] += fabs(p);
+                }
+            }
+            uint64_t any = 0;
+            int64_t nb = 0, nc = 0;
+            for (size_t t = 0; t < m; t++) {
+                double W = load_any(jb->w, base + t, fin);
+                double F = load_w(jb->f, base + t, fout);
+                double D = d[t], X = W + D, aX = fabs(X), aD = fabs(D), e32 = c32 * sa[t];
+                double m1 = aD + e32;
+                m1 = m1 + ulp_c(m1, wlo, whi, wms);
+                double m2 = aX + e32;
+                m2 = m2 + ulp_c(m2, wlo, whi, wms);
+                double e = 0.5 * ulp_c(m1, wlo, whi, wms) + 0.5 * ulp_c(m2, wlo, whi, wms);
+                e = e + e32;
+                e = e + u32 * aX;
+                if (!same) {
+                    double m3 = aX + e;
+                    m3 = m3 + ulp_c(m3, olo, ohi, oms);
+                    e = e + 0.5 * ulp_c(m3, olo, ohi, oms);
+                }
+                double err = fabs(F - X);
+                /* err / ulp_out(X) as a product: 1 / 2**q is 2**-q, exact, and so are both */
+                double r = err / e, ur = err * inv_ulp(X, olo, ohi, oms);
+                /* maxima by the bits: both are finite and >= 0 here (else special) */
+                int64_t rb = (int64_t)d_bits(r), ub = (int64_t)d_bits(ur);
+                dmax = rb > dmax ? rb : dmax;
+                umaxb = ub > umaxb ? ub : umaxb;
+                nb += r > 1.0;
+                double R = F - W, Dm = X - W;
+                nc += R != 0.0;
+                uint64_t xa = d_bits(X), ab = xa & 0x7FFFFFFFFFFFFFFFull, dd = ab - minn;
+                uint64_t o = ((dd + ((dd >> s) & 1) + k) >> s) | ((xa >> sshift) & sgn);
+                any |= (uint64_t)(dd > lim);
+                any |= (uint64_t)((d_bits(W) & EXP) == EXP) | (uint64_t)((d_bits(F) & EXP) == EXP) |
+                       (uint64_t)((xa & EXP) == EXP);
+                double Q = from_bits(o, fout) - W;
+                double u = ulp_c(W, olo, ohi, oms);
+                p0[t] = R * Dm;
+                p1[t] = R * R;
+                p2[t] = Dm * Dm;
+                p3[t] = Q * Dm;
+                p4[t] = u * u;
+            }
+            if (any) { /* the scalar rules: non-finite values, results out of the normal range */
+                for (size_t t = 0; t < m; t++) {
+                    double W = load_any(jb->w, base + t, fin);
+                    double F = load_w(jb->f, base + t, fout);
+                    double X = W + d[t];
+                    if ((d_bits(W) & EXP) == EXP || (d_bits(F) & EXP) == EXP ||
+                        (d_bits(X) & EXP) == EXP) {
+                        jb->special = 1;
+                        return;
+                    }
+                    uint64_t xa = d_bits(X), dd = (xa & 0x7FFFFFFFFFFFFFFFull) - minn;
+                    if (dd > lim) {
+                        double q = from_bits(round_general(xa, &fo), fout);
+                        if ((d_bits(q) & EXP) == EXP) { /* rounds to inf */
+                            jb->special = 1;
+                            return;
+                        }
+                        p3[t] = (q - W) * (X - W);
+                    }
+                }
+            }
+            beyond += nb;
+            changed += nc;
+            /* the sums: LANES per row, lane q taking the columns j = q (mod LANES) in
+               order (TILE is a multiple of LANES) */
+            double *rs = jb->rowsum + i * NSUM * LANES;
+            double acc[NSUM][LANES];
+            memcpy(acc, rs, sizeof acc);
+            size_t t = 0;
+            for (; t + LANES <= m; t += LANES)
+                for (int q = 0; q < LANES; q++) {
+                    acc[0][q] += p0[t + q];
+                    acc[1][q] += p1[t + q];
+                    acc[2][q] += p2[t + q];
+                    acc[3][q] += p3[t + q];
+                    acc[4][q] += p4[t + q];
+                }
+            for (; t < m; t++) {
+                int q = (int)(t % LANES);
+                acc[0][q] += p0[t];
+                acc[1][q] += p1[t];
+                acc[2][q] += p2[t];
+                acc[3][q] += p3[t];
+                acc[4][q] += p4[t];
+            }
+            memcpy(rs, acc, sizeof acc);
+        }
+    }
+    jb->dist = bits_d((uint64_t)dmax);
+    jb->ulp = bits_d((uint64_t)umaxb);
+    jb->beyond = beyond;
+    jb->changed = changed;
+}
+
+#define CRUN(FI, FO)                                                                 \
+    MULTIVERSION static void check_##FI##_##FO(MJob *jb) {                           \
+        if (jb->fwork == FO)                                                         \
+            check_run(jb, FI, FO, 1);                                                \
+        else                                                                         \
+            check_run(jb, FI, FO, 0);                                                \
+    }
+CRUN(0, 0) CRUN(0, 1) CRUN(0, 2) CRUN(1, 0) CRUN(1, 1) CRUN(1, 2) CRUN(2, 0) CRUN(2, 1)
+CRUN(2, 2) CRUN(3, 0) CRUN(3, 1) CRUN(3, 2)
+static void (*const CRUNS[4][3])(MJob *) = {{check_0_0, check_0_1, check_0_2},
+                                            {check_1_0, check_1_1, check_1_2},
+                                            {check_2_0, check_2_1, check_2_2},
+                                            {check_3_0, check_3_1, check_3_2}};
+
+static PyObject *check_lora(PyObject *Py_UNUSED(self), PyObject *args) {
+    static const size_t ITEM[4] = {2, 2, 4, 8};
+    Py_buffer w, f, bs, a;
+    int fin, fout, fwork;
+    Py_ssize_t cols;
+    double c32, carry[NSUM];
+    if (!PyArg_ParseTuple(args, "y*iy*iiny*y*d(ddddd)", &w, &fin, &f, &fout, &fwork, &cols,
+                          &bs, &a, &c32, &carry[0], &carry[1], &carry[2], &carry[3],
+                          &carry[4]))
+        return NULL;
+    PyObject *res = NULL;
+    double *rowsum = NULL;
+    if (fin < 0 || fin > 3 || fout < 0 || fout > 2 || fwork < 0 || fwork > 2) {
+        PyErr_SetString(PyExc_ValueError, "formats: fin 0-3, fout and fwork 0-2");
+        goto done;
+    }
+    if (cols <= 0 || f.len % (Py_ssize_t)(ITEM[fout] * (size_t)cols)) {
+        PyErr_SetString(PyExc_ValueError, "f must hold whole rows of cols");
+        goto done;
+    }
+    size_t rows = (size_t)f.len / (ITEM[fout] * (size_t)cols);
+    size_t rank = (size_t)a.len / (8 * (size_t)cols);
+    if (w.len != (Py_ssize_t)(ITEM[fin] * rows * (size_t)cols) ||
+        a.len != (Py_ssize_t)(8 * rank * (size_t)cols) ||
+        bs.len != (Py_ssize_t)(8 * rows * rank)) {
+        PyErr_SetString(PyExc_ValueError, "w (rows x cols), bs (rows x r), a (r x cols) must fit");
+        goto done;
+    }
+    rowsum = malloc((rows ? rows : 1) * NSUM * LANES * sizeof *rowsum);
+    if (!rowsum) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (size_t i = 0; i < rows * NSUM * LANES; i++) rowsum[i] = -0.0;
+    MJob jb;
+    memset(&jb, 0, sizeof jb);
+    jb.w = w.buf;
+    jb.f = f.buf;
+    jb.bs = (const double *)bs.buf;
+    jb.a = (const double *)a.buf;
+    jb.c32 = c32;
+    jb.rows = rows;
+    jb.cols = (size_t)cols;
+    jb.rank = rank;
+    jb.fwork = fwork;
+    jb.fout = fout;
+    jb.rowsum = rowsum;
+    Py_BEGIN_ALLOW_THREADS
+    CRUNS[fin][fout](&jb);
+    if (!jb.special) /* each row's lanes in order, then the rows in order */
+        for (size_t i = 0; i < rows; i++)
+            for (int q = 0; q < NSUM; q++) {
+                const double *l = rowsum + (i * NSUM + (size_t)q) * LANES;
+                double r = -0.0;
+                for (int c = 0; c < LANES; c++) r += l[c];
+                carry[q] += r;
+            }
+    Py_END_ALLOW_THREADS
+    res = Py_BuildValue("iddLL(ddddd)", jb.special, jb.dist, jb.ulp, (long long)jb.beyond,
+                        (long long)jb.changed, carry[0], carry[1], carry[2], carry[3],
+                        carry[4]);
+done:
+    free(rowsum);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&bs);
+    PyBuffer_Release(&a);
+    return res;
+}
+
+static PyMethodDef methods[] = {
+    {"check_lora", check_lora, METH_VARARGS,
+     "check_lora(w, fin, f, fout, fwork, cols, bs, a, c32, carry)\n"
+     "    -> (special, dist, max_ulp, beyond, changed, (rd, rr, dd, qd, uu))\n\n"
+     "The merge check's measure of one plain LoRA block (see lorakit/inspect/check.py)."},
+    {NULL, NULL, 0, NULL}};
+
+KERNEL_MODULE(_checkkernel, "The merge check's pass over a plain LoRA (see check.py).", methods)

@@ -1,0 +1,49 @@
+"""lorakit's optional C kernels and their one switch.
+
+Each kernel is a C extension beside the package that owns its idea (pyproject.toml builds
+it where a C compiler is found; ``lorakit/_kernel.h`` holds their common preamble) and has
+a numpy twin that gives the same bits. ``LORAKIT_KERNELS=0`` in the environment, or
+:func:`use_kernels` ``(False)``, sends every verb through the numpy twins.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, Optional
+
+__all__ = ["KERNELS", "enabled", "use_kernels", "load"]
+
+#: every kernel pyproject.toml builds (CI, ``LORAKIT_REQUIRE_KERNEL=1``, checks each loads)
+KERNELS = ("lorakit.inspect._ulpkernel", "lorakit.inspect._checkkernel")
+
+_state = {"on": os.environ.get("LORAKIT_KERNELS", "1") != "0"}
+_modules: Dict[str, Optional[Any]] = {}
+
+
+def enabled() -> bool:
+    """Whether the kernels are in use (built ones; ``LORAKIT_KERNELS=0`` turns them off)."""
+    return _state["on"]
+
+
+@contextmanager
+def use_kernels(flag: bool) -> Iterator[None]:
+    """Kernels on (True) or off (False) inside the ``with`` block, for tests and benchmarks."""
+    old, _state["on"] = _state["on"], bool(flag)
+    try:
+        yield
+    finally:
+        _state["on"] = old
+
+
+def load(name: str) -> Optional[Any]:
+    """The kernel module ``name`` (one of :data:`KERNELS`) where it is built and kernels are
+    enabled, else None (the caller takes its numpy twin)."""
+    if not _state["on"]:
+        return None
+    if name not in _modules:
+        try:
+            _modules[name] = importlib.import_module(name)
+        except ImportError:  # not built here: the numpy twin
+            _modules[name] = None
+    return _modules[name]
