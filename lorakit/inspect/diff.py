@@ -54,6 +54,7 @@ in ulps of the fused tensor's own format: a correctly rounded fuse is never abov
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
@@ -67,6 +68,10 @@ import numpy as np
 
 from .. import numerics as nm
 from ..errors import FormatError
+from ..fusion.delta import intended_pieces
+from ..io.adapters.base import Adapter
+from ..io.adapters.load import load_adapter
+from ..io.naming import bind, bindings_by_tensor
 from ..io.safetensors import FLOAT_CODES, TensorInfo, mx_to_raw
 from ..io.source import TensorSource, open_source
 from ..io.weights import weight_f64
@@ -313,8 +318,6 @@ class _Mapped:
 
 def _memcmp() -> Callable[[int, int, int], int]:
     """The C library's ``memcmp`` (ctypes releases the GIL while it runs)."""
-    import ctypes
-
     fn = ctypes.CDLL(None).memcmp
     fn.restype, fn.argtypes = ctypes.c_int, (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
     return fn
@@ -837,11 +840,6 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
     >>> round(rep.summary["max error (ulp)"], 6), rep.summary["not correctly rounded"]
     (0.5, 0)
     """
-    from ..fusion.delta import intended_pieces  # here: diff itself needs no adapter code
-    from ..io.adapters.base import Adapter
-    from ..io.adapters.load import load_adapter
-    from ..io.naming import bind, bindings_by_tensor
-
     sf, sb = open_source(fused), open_source(base)
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
     by_tensor = bindings_by_tensor(bind(ad, sb))

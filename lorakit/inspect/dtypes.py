@@ -23,6 +23,7 @@ from ..io.safetensors import FLOAT_CODES
 from ..io.source import open_source
 from ..layers import LORA_PARTS, layer_kind_cells, split_name
 from ..report import Report
+from .plots import dtype_heatmap
 
 __all__ = ["DtypeMap", "dtype_map"]
 
@@ -80,7 +81,6 @@ class DtypeMap(Report):
 
     def plot(self, ax=None, part: str = "weight"):
         """Heatmap of dtypes, layers x tensor kinds; flagged cells outlined. Returns a Figure."""
-        from .plots import dtype_heatmap
 
         return dtype_heatmap(self, ax=ax, part=part)
 
