@@ -404,9 +404,10 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
             takes).
         max_bin: top of the last power-of-two histogram bin.
         names: compare only these tensor names.
-        chunk_bytes: bytes read per piece and side.
+        chunk_bytes: bytes compared per piece and side.
         threads: pieces compared at once (numpy releases the GIL); default
-            ``min(4, cpu_count)``. Memory stays about ``threads * 12 * chunk_bytes``.
+            ``min(4, cpu_count)``. Memory: the pieces in flight, and under 32 MB per
+            file of compared bytes still mapped.
         progress: a progress bar over A's bytes (tqdm.auto: a widget in notebooks, a
             bar in terminals, nothing when stderr is not a terminal), or a callable
             ``progress(done_bytes, total_bytes)``.
