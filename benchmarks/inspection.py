@@ -5,48 +5,35 @@ Writes a random checkpoint with Qwen3-1.7B's tensor names and shapes (bf16,
 checkpoints to compare it with; then times
 
 * ``dtype_map`` (headers only; target < 50 ms);
-* ``diff(A, B)`` against ``cat A/*.safetensors B/*.safetensors > /dev/null``
-  (target < 3x), with the diff's peak RSS (target < 1 GB), for three pairs:
-  an identical copy, base vs fused (112 of 311 tensors differ on most elements),
-  and lorakit's fuse vs mlx-lm's order (the same tensors differ on a few percent).
+* the whole command ``lorakit diff --json A B`` against ``cat A/*.safetensors
+  B/*.safetensors > /dev/null`` (target <= 3x), with the diff's peak RSS (target < 1 GB),
+  for three pairs: an identical copy, base vs fused (112 of 310 tensors differ on most
+  elements), and lorakit's fuse vs mlx-lm's order (the same tensors differ on a few
+  percent).
 
-Each repeat runs ``cat`` and then the diff on each ulp path (``--paths``: the C
-kernel and the numpy path, side by side) with the files in the page cache (``cat``
-and the diff read the same warm files), or, with ``--cold``, with the two
-checkpoints' files evicted from the cache before every run (both read the disk).
-Reported: best times, and the median over repeats of each diff's time over the
-``cat`` just before it. The diff runs in a fresh process whose peak RSS is read from
-``wait4``; its time is measured inside that process around the ``parity`` call.
+Each repeat runs ``cat`` and then the diff on each ulp path (``--paths``: the C kernel and
+the numpy path, side by side) with the files in the page cache (``cat`` and the diff read
+the same warm files), or, with ``--cold``, with the two checkpoints' files evicted from the
+cache before every run (both read the disk). Reported: the median over repeats of each
+diff's time over the ``cat`` just before it, and best over best; CPU and peak RSS from
+``wait4``. The one-tensor table times ``lorakit.diff`` in this process.
 
-    python benchmarks/inspection.py [--out bench-out/inspect] [--repeat 3] [--threads N]
-                                 [--paths kernel,numpy] [--cold] [--skip-tensors]
-                                 [--json out.json]
+    python benchmarks/inspection.py [--out bench-out/inspect] [--repeat 3]
+                                    [--paths kernel,numpy] [--cold] [--skip-tensors]
+                                    [--json benchmarks/results/inspection.json]
 """
 from __future__ import annotations
 
-import argparse  # noqa: E402
-import json  # noqa: E402
+import argparse
+import json
 import os
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
+import shutil
+import statistics
+import subprocess
 import sys
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Dict, List, Tuple  # noqa: E402
-
-_CHILD = r"""
-import sys, time, json
-from lorakit.inspect.diff import diff
-t = time.perf_counter()
-rep = diff(sys.argv[1], sys.argv[2], threads=int(sys.argv[3]) or None)
-dt = time.perf_counter() - t
-from lorakit.inspect.ulp_count import scale_kernel
-print(json.dumps({"seconds": dt, "identical": rep.identical, "kernel": scale_kernel() is not None,
-                  "elements": rep.summary["elements compared"],
-                  "differing": rep.summary["elements differing"],
-                  "tensors_differing": rep.summary["tensors differing"]}))
-"""
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
 
 
 def shards(path: Path) -> List[str]:
@@ -74,22 +61,21 @@ def time_cat(a: Path, b: Path) -> Tuple[float, float]:
     return time.perf_counter() - t, usage.ru_utime + usage.ru_stime
 
 
-def time_diff(a: Path, b: Path, threads: int = 0, path: str = "kernel"
-              ) -> Tuple[float, float, float, int, dict]:
-    """(parity seconds inside the child, child wall seconds, child CPU seconds, peak RSS
-    bytes, result). ``path``: ``kernel`` (the C ulp kernel) or ``numpy``."""
+def time_diff(a: Path, b: Path, path: str = "kernel") -> Tuple[float, float, int, dict]:
+    """(wall seconds, CPU user+sys seconds, peak RSS bytes, the report's summary) of the
+    whole command ``lorakit diff --json A B``. ``path``: ``kernel`` (the C ulp kernel) or
+    ``numpy``."""
     env = dict(os.environ, LORAKIT_KERNELS="0" if path == "numpy" else "1")
     t = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(a), str(b), str(threads)],
+    proc = subprocess.Popen([sys.executable, "-m", "lorakit", "diff", "--json", str(a), str(b)],
                             stdout=subprocess.PIPE, env=env)
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t
-    if os.waitstatus_to_exitcode(status):
+    if os.waitstatus_to_exitcode(status) not in (0, 1):
         raise SystemExit(f"diff failed with status {os.waitstatus_to_exitcode(status)}")
-    res = json.loads(out)
-    return (res["seconds"], wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024,
-            res)
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, \
+        json.loads(out)["diff"]["summary"]
 
 
 def prepare(out: Path) -> Dict[str, Path]:
@@ -142,7 +128,7 @@ def bench_tensor_pairs(out: Path, pairs, tensor: str, repeat: int = 10) -> List[
                 t = time.perf_counter()
                 rep = diff(files[0], files[1], threads=threads)
                 times.append(time.perf_counter() - t)
-            key = "parity_1t_s" if threads == 1 else "parity_s"
+            key = "diff_1t_s" if threads == 1 else "diff_s"
             row[key] = min(times)
         row["elements"] = rep.summary["elements compared"]
         row["differing"] = rep.summary["elements differing"]
@@ -166,8 +152,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench-out/inspect", help="working directory (~14 GB)")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0,
-                    help="parity's worker threads (0: its default, min(4, cores))")
     ap.add_argument("--cold", action="store_true",
                     help="evict the two checkpoints' files from the page cache before each "
                     "timed run (cat and diff then read from disk)")
@@ -178,7 +162,7 @@ def main() -> None:
     args = ap.parse_args()
     p = prepare(Path(args.out))
     results: Dict[str, object] = {"dtype_map": bench_dtype_map(p["base"]),
-                                  "cpus": os.cpu_count(), "load_avg": os.getloadavg()}
+                                  "cpus": os.cpu_count(), "load_avg_before": os.getloadavg()}
     pairs = [("identical copy", p["base"], p["copy"]),
              ("base vs fused", p["base"], p["fused"]),
              ("lorakit vs mlx-lm fuse", p["fused"], p["fused_mlx"])]
@@ -190,65 +174,63 @@ def main() -> None:
     rows = []
     for label, a, b in pairs:
         # side by side in one loop: cat, then each path, repeat; ratios per repeat
-        cats, cat_cpu = [], []
-        runs: Dict[str, Dict[str, list]] = {x: {"s": [], "wall": [], "cpu": [], "rss": [],
-                                                 "ratio": []} for x in paths}
+        cats: List[float] = []
+        runs: Dict[str, Dict[str, list]] = {x: {"s": [], "cpu": [], "rss": [], "ratio": []}
+                                            for x in paths}
         for _ in range(args.repeat):
             if args.cold:
                 evict(a, b)
-            c, cc = time_cat(a, b)
+            c = time_cat(a, b)[0]
             cats.append(c)
-            cat_cpu.append(cc)
             for x in paths:
                 if args.cold:
                     evict(a, b)
-                d, w, cpu, r, res = time_diff(a, b, args.threads, x)
-                if res["kernel"] != (x == "kernel"):
-                    raise SystemExit(f"the {x} path did not run")
-                for k, v in (("s", d), ("wall", w), ("cpu", cpu), ("rss", r), ("ratio", d / c)):
+                w, cpu, r, summary = time_diff(a, b, x)
+                for k, v in (("s", w), ("cpu", cpu), ("rss", r), ("ratio", w / c)):
                     runs[x][k].append(v)
         size = sum(os.path.getsize(f) for f in shards(a) + shards(b))
         row = {"pair": label, "bytes_read": size, "cat_s": min(cats),
-               "cat_median_s": statistics.median(cats), "cat_cpu_s": min(cat_cpu),
-               "elements": res["elements"], "differing": res["differing"],
-               "tensors_differing": res["tensors_differing"]}
+               "cat_median_s": statistics.median(cats),
+               "elements": summary["elements compared"],
+               "differing": summary["elements differing"],
+               "tensors_differing": summary["tensors differing"], "all_cat_s": cats}
         for x in paths:
             rr = runs[x]
-            row[x] = {"parity_s": min(rr["s"]), "parity_median_s": statistics.median(rr["s"]),
+            row[x] = {"diff_s": min(rr["s"]), "diff_median_s": statistics.median(rr["s"]),
                       "ratio_best": min(rr["s"]) / min(cats),
                       "ratio_median": statistics.median(rr["ratio"]),
-                      "command_s": min(rr["wall"]), "command_cpu_s": min(rr["cpu"]),
+                      "cpu_median_s": statistics.median(rr["cpu"]),
                       "peak_rss_mb": max(rr["rss"]) / 2 ** 20, "all_s": rr["s"],
                       "all_ratios": rr["ratio"]}
-        row["all_cat_s"] = cats
         rows.append(row)
     results["diff"] = rows
+    results["load_avg_after"] = os.getloadavg()
     tensor = "model.layers.27.mlp.up_proj.weight"
     results["tensor_pairs"] = [] if args.skip_tensors else \
         bench_tensor_pairs(Path(args.out), pairs, tensor)
     dm = results["dtype_map"]
-    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"{os.cpu_count()} CPUs, load average {results['load_avg_before'][0]:.1f} before the "
+          f"diffs, {results['load_avg_after'][0]:.1f} after")
     print(f"dtype_map, {dm['tensors']} tensors: best {dm['best_ms']:.2f} ms, "
           f"median {dm['median_ms']:.2f} ms")
     print()
-    print("Ratios: best parity / best cat, and the median over repeats of parity / the cat "
-          "run just before it.")
+    print("`lorakit diff --json A B`, the whole process, against `cat` of both run just before "
+          "it; ratios: the median over repeats of diff / that cat, and best / best.")
     print()
-    head = "| pair | GB read | elements differing | cat best / median (s) |"
+    head = "| pair | GB read | elements differing | cat median (s) |"
     line = "|---|---:|---|---:|"
     for x in paths:
-        head += f" {x}: parity best / median (s) | {x}: ratio best / median | {x}: CPU (s) |"
+        head += (f" {x}: diff median (s) | {x}: x cat, median / best | {x}: CPU median (s) |")
         line += "---:|---:|---:|"
     print(head + " peak RSS (MB) |")
     print(line + "---:|")
     for r in rows:
         cells = (f"| {r['pair']} | {r['bytes_read'] / 1e9:.2f} | {r['differing']:,} of "
-                 f"{r['elements']:,} | {r['cat_s']:.2f} / {r['cat_median_s']:.2f} |")
+                 f"{r['elements']:,} | {r['cat_median_s']:.2f} |")
         for x in paths:
             q = r[x]
-            cells += (f" {q['parity_s']:.2f} / {q['parity_median_s']:.2f} | "
-                      f"{q['ratio_best']:.2f}x / {q['ratio_median']:.2f}x | "
-                      f"{q['command_cpu_s']:.2f} |")
+            cells += (f" {q['diff_median_s']:.2f} | **{q['ratio_median']:.2f}x** / "
+                      f"{q['ratio_best']:.2f}x | {q['cpu_median_s']:.2f} |")
         print(cells + f" {max(r[x]['peak_rss_mb'] for x in paths):.0f} |")
     if not results["tensor_pairs"]:
         if args.json:
@@ -257,14 +239,14 @@ def main() -> None:
     print()
     print(f"One tensor, {tensor} (25 MB per side), files in the page cache, best of 10:")
     print()
-    print("| pair | elements differing | cat (ms) | parity, 1 thread (ms) | parity (ms) | "
-          "parity / cat | ns per element |")
+    print("| pair | elements differing | cat (ms) | diff, 1 thread (ms) | diff (ms) | "
+          "diff / cat | ns per element |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in results["tensor_pairs"]:
         print(f"| {r['pair']} | {r['differing']:,} of {r['elements']:,} | "
-              f"{r['cat_s'] * 1e3:.1f} | {r['parity_1t_s'] * 1e3:.1f} | "
-              f"{r['parity_s'] * 1e3:.1f} | {r['parity_s'] / r['cat_s']:.2f}x | "
-              f"{r['parity_s'] / r['elements'] * 1e9:.2f} |")
+              f"{r['cat_s'] * 1e3:.1f} | {r['diff_1t_s'] * 1e3:.1f} | "
+              f"{r['diff_s'] * 1e3:.1f} | {r['diff_s'] / r['cat_s']:.2f}x | "
+              f"{r['diff_s'] / r['elements'] * 1e9:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -52,7 +53,8 @@ def _diff(args: argparse.Namespace) -> int:
         raise ArgumentError.bad("--adapter-path, --model", (args.adapter, args.base),
                                 "both or neither: --adapter-path and --model go together",
                                 hint="give both to measure each side against the exact fuse")
-    rep = diff(args.a, args.b)
+    # a bar only on a terminal: a pipe or log need not import tqdm
+    rep = diff(args.a, args.b, progress=bool(sys.stderr and sys.stderr.isatty()))
     reports: Dict[str, Any] = {"diff": rep}
     if args.adapter:
         from ..inspect.diff import ulp_vs_reference

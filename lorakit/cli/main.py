@@ -24,12 +24,11 @@ _COMMANDS: Dict[str, Command] = {}
 
 
 def _keep_freed_memory() -> None:
-    """Ask glibc to reuse freed memory instead of returning it to the OS at once.
+    """Ask glibc to keep freed memory for reuse instead of returning it to the OS.
 
-    A fuse allocates and frees tensor-sized buffers over and over; above glibc's
-    mmap threshold (32 MB at most) each one is a fresh mapping whose pages fault in
-    one by one. Raising the thresholds halves the CPU time of a 1.7B fuse
-    (BENCHMARKS.md). Only the CLI does this: the process ends when the fuse does.
+    A fuse allocates and frees tensor-sized buffers over and over; above glibc's mmap
+    threshold each one is a fresh mapping whose pages fault in one by one (BENCHMARKS.md,
+    "Freed memory kept"). Only the CLI does this: the process ends when the fuse does.
     """
     if not sys.platform.startswith("linux"):
         return
@@ -174,11 +173,11 @@ def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
 def _one_line_warnings(command: str) -> None:
     """lorakit's own warnings as one line on stderr, as its errors are ("lorakit fuse:
     warning: ..."), not Python's "file:line: Category" form with a source line."""
-    from ..io.output import OutputWarning
-
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
+        from ..io.output import OutputWarning  # here: most commands never warn
+
         if issubclass(category, OutputWarning):
             print(f"{command}: warning: {message}", file=sys.stderr)
         else:

@@ -54,13 +54,15 @@ in ulps of the fused tensor's own format: a correctly rounded fuse is never abov
 """
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import os
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -83,7 +85,6 @@ from .ulp_count import (
     DEFAULT_MAX_BIN,
     NEAR_ZERO_LOG2,
     Accumulator,
-    Scratch,
     TensorDiff,
     TensorScale,
     bin_labels,
@@ -245,80 +246,98 @@ def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
 # Two tensor sources compared tensor by tensor, streaming, one TensorDiff each.
 
 
-_PREADV = hasattr(os, "preadv")
+class _Mapped:
+    """The checkpoints' files mapped read-only: a piece of a tensor is a view of the page
+    cache, compared and measured where it lies (no copy). Compared bytes leave this
+    process's map in runs of 32 MB (they stay in the page cache), so memory stays bounded."""
 
+    RUN = 32 << 20
 
-class _Reader:
-    """Reads byte ranges of files into one reusable buffer (no per-piece allocation)."""
+    def __init__(self) -> None:
+        self.files: Dict[str, Tuple[int, Any, np.ndarray]] = {}
+        self.done: Dict[Tuple[str, str], Tuple[int, int]] = {}
+        self.lock = threading.Lock()
 
-    def __init__(self, size: int) -> None:
-        self.buf = bytearray(size)
-        self.view = memoryview(self.buf)
-        self.fds: Dict[str, int] = {}
-
-    def _fd(self, info: TensorInfo) -> int:
+    def _file(self, info: TensorInfo) -> Tuple[int, Any, np.ndarray]:
         key = str(info.file)
-        fd = self.fds.get(key)
-        if fd is None:
-            fd = self.fds[key] = os.open(key, os.O_RDONLY)
-            if hasattr(os, "posix_fadvise"):  # larger kernel readahead for a cold file
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        return fd
+        with self.lock:
+            got = self.files.get(key)
+            if got is None:
+                fd = os.open(key, os.O_RDONLY)
+                try:
+                    size = os.fstat(fd).st_size
+                    mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b""
+                except BaseException:
+                    os.close(fd)
+                    raise
+                if size and hasattr(mmap, "MADV_SEQUENTIAL"):  # larger readahead, cold file
+                    mm.madvise(mmap.MADV_SEQUENTIAL)
+                got = self.files[key] = (fd, mm, np.frombuffer(mm, np.uint8))
+        return got
 
-    def read(self, info: TensorInfo, offset: int, n: int) -> None:
-        fd = self._fd(info)
-        got = 0
-        while got < n:
-            pos = info.begin + offset + got
-            if _PREADV:
-                k = os.preadv(fd, [self.view[got:n]], pos)
-            else:  # macOS builds without preadv: this reader's fd is its own, seek is safe
-                os.lseek(fd, pos, os.SEEK_SET)
-                k = os.readv(fd, [self.view[got:n]])
-            if k <= 0:
-                raise FormatError("file ended before the tensor's data", file=info.file,
-                                  tensor=info.name)
-            got += k
+    def piece(self, info: TensorInfo, off: int, n: int, storage: np.dtype) -> np.ndarray:
+        """Bytes [off, off + n) of a tensor as its storage bits."""
+        data = self._file(info)[2]
+        start = info.begin + off
+        if start + n > data.size:
+            raise FormatError("file ended before the tensor's data", file=info.file,
+                              tensor=info.name)
+        x = data[start:start + n]
+        return (x.copy() if start % storage.itemsize else x).view(storage)  # kernels: aligned
+
+    def release(self, info: TensorInfo, off: int, n: int, reader: str) -> None:
+        """``reader`` is done with bytes [off, off + n) of a tensor (each reader in file
+        order): its contiguous done bytes are unmapped 32 MB at a time (a page someone
+        still reads is mapped again from the page cache)."""
+        key, start = (reader, str(info.file)), info.begin + off
+        with self.lock:
+            lo, hi = self.done.get(key, (start, start))
+            if start != hi:
+                self._unmap(key[1], lo, hi)
+                lo = start
+            hi = start + n
+            if hi - lo >= self.RUN:
+                self._unmap(key[1], lo, hi)
+                lo = hi
+            self.done[key] = (lo, hi)
+
+    def _unmap(self, file: str, lo: int, hi: int) -> None:
+        if hi > lo and hasattr(mmap, "MADV_DONTNEED"):
+            page = lo // mmap.PAGESIZE * mmap.PAGESIZE
+            self.files[file][1].madvise(mmap.MADV_DONTNEED, page, hi - page)
 
     def prefetch(self, info: TensorInfo) -> None:
         """Ask the kernel to start reading a tensor's bytes now (overlaps disk and compute)."""
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self._fd(info), info.begin, info.nbytes, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(self._file(info)[0], info.begin, info.nbytes, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
-        for fd in self.fds.values():
+        for fd, _, _ in self.files.values():
             os.close(fd)
-        self.fds.clear()
+        self.files.clear()  # each map goes with the last view of it
 
 
-class _Local(threading.local):
-    """Per-thread buffers: two readers and the numpy scratch arrays."""
-
-    def __init__(self, size: int, registry: List["_Reader"]) -> None:
-        self.ra, self.rb = _Reader(size), _Reader(size)
-        self.work = Scratch(size // 2)
-        registry += [self.ra, self.rb]
+def _memcmp() -> Callable[[int, int, int], int]:
+    """The C library's ``memcmp`` (ctypes releases the GIL while it runs)."""
+    fn = ctypes.CDLL(None).memcmp
+    fn.restype, fn.argtypes = ctypes.c_int, (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    return fn
 
 
-def _file_piece(local: _Local, ia: TensorInfo, ib: TensorInfo, off: int, n: int, code: str,
-                max_bin: int, scale: Optional[TensorScale] = None) -> Union[int, Accumulator]:
+def _file_piece(files: _Mapped, memcmp: Callable[[int, int, int], int], work: threading.local,
+                ia: TensorInfo, ib: TensorInfo, off: int, n: int, code: str, max_bin: int,
+                scale: Optional[TensorScale] = None) -> Union[int, Accumulator]:
     """Compare bytes [off, off + n) of two tensors: the element count when the bytes are
-    equal (memcmp), else a partial :class:`Accumulator` of the piece."""
-    ra, rb = local.ra, local.rb
-    ra.read(ia, off, n)
-    rb.read(ib, off, n)
-    if n < len(ra.buf):  # equal tails make whole-buffer memcmp valid for a short piece
-        ra.buf[n:] = rb.buf[n:]
+    equal (memcmp), else a partial :class:`Accumulator` of the piece. ``work`` keeps the
+    thread's numpy scratch arrays."""
     storage = bits_dtype(code)
-    k = n // storage.itemsize
-    if ra.buf == rb.buf:
-        return k
-    acc = Accumulator(code, max_bin, local.work, scale)
-    acc.add(np.frombuffer(ra.buf, storage, count=k), np.frombuffer(rb.buf, storage, count=k))
-    acc.work = None  # the scratch arrays stay with the thread
+    x, y = files.piece(ia, off, n, storage), files.piece(ib, off, n, storage)
+    if memcmp(x.ctypes.data, y.ctypes.data, n) == 0:
+        return x.size
+    acc = Accumulator(code, max_bin, getattr(work, "scratch", None), scale)
+    acc.add(x, y)
+    work.scratch, acc.work = acc.work, None
     return acc
-
-
 
 
 def _compare_mixed(sa: TensorSource, sb: TensorSource, name_a: str, name_b: str,
@@ -346,35 +365,29 @@ def _compare_mixed(sa: TensorSource, sb: TensorSource, name_a: str, name_b: str,
     return td
 
 
-def _file_scale(info: TensorInfo, code: str, chunk: int, threads: int) -> TensorScale:
-    """rms(A) of a tensor on disk, read on first use (its first differing piece) by
-    ``threads`` readers of its own (the stream's threads wait for it; the pieces'
-    sums are added in order, so the result does not depend on the threads)."""
+def _file_scale(files: _Mapped, info: TensorInfo, code: str, chunk: int,
+                threads: int) -> TensorScale:
+    """rms(A) of a tensor on disk, read on first use (its first differing piece) on
+    ``threads`` threads of its own (the stream's threads wait for it; the pieces' sums
+    are added in order, so the result does not depend on the threads)."""
     storage = bits_dtype(code)
-    local = threading.local()
 
     def piece(off: int) -> float:
-        r = getattr(local, "r", None)
-        if r is None:
-            r = local.r = _Reader(chunk)
-            readers.append(r)
-        n = min(chunk, info.nbytes - off)
-        r.read(info, off, n)
-        return sumsq(np.frombuffer(r.buf, storage, count=n // storage.itemsize), code,
+        return sumsq(files.piece(info, off, min(chunk, info.nbytes - off), storage), code,
                      scale_kernel())
-
-    readers: List[_Reader] = []
 
     def total() -> float:
         offs = range(0, info.nbytes, chunk)
+        pool = ThreadPoolExecutor(threads) if threads > 1 and len(offs) > 1 else None
         try:
-            if threads > 1 and len(offs) > 1:
-                with ThreadPoolExecutor(threads) as pool:
-                    return math.fsum(pool.map(piece, offs))
-            return math.fsum(piece(off) for off in offs)
+            sums = []
+            for off, s in zip(offs, map(piece, offs) if pool is None else pool.map(piece, offs)):
+                sums.append(s)
+                files.release(info, off, min(chunk, info.nbytes - off), "scale")
+            return math.fsum(sums)
         finally:
-            for r in readers:
-                r.close()
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
 
     return TensorScale(code, info.nbytes // storage.itemsize, total)
 
@@ -392,9 +405,10 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
             takes).
         max_bin: top of the last power-of-two histogram bin.
         names: compare only these tensor names.
-        chunk_bytes: bytes read per piece and side.
+        chunk_bytes: bytes compared per piece and side.
         threads: pieces compared at once (numpy releases the GIL); default
-            ``min(4, cpu_count)``. Memory stays about ``threads * 12 * chunk_bytes``.
+            ``min(4, cpu_count)``. Memory: the pieces in flight, and under 32 MB per
+            file of compared bytes still mapped.
         progress: a progress bar over A's bytes (tqdm.auto: a widget in notebooks, a
             bar in terminals, nothing when stderr is not a terminal), or a callable
             ``progress(done_bytes, total_bytes)``.
@@ -410,10 +424,9 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     order = [n for n in sa.tensors if wanted is None or n in wanted]
     if all(sa.file_info(n) is not None for n in order):  # read A's files front to back
         order.sort(key=lambda n: (str(sa.tensors[n].file), sa.tensors[n].begin))
-    readers: List[_Reader] = []
-    local = _Local(chunk, readers)
+    files, memcmp, work = _Mapped(), _memcmp(), threading.local()
     pool = ThreadPoolExecutor(threads) if threads > 1 else None
-    pending: Deque[Tuple[Accumulator, Any, int]] = deque()
+    pending: Deque[Tuple[Accumulator, Any, TensorInfo, TensorInfo, int, int]] = deque()
     window = 4 * threads  # pieces in flight: bounds memory, keeps every thread busy
     out: List[TensorDiff] = []
     finish: List[Tuple[Accumulator, TensorDiff]] = []
@@ -424,9 +437,11 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
 
     def drain(limit: int) -> None:
         while len(pending) > limit:
-            acc, fut, nbytes = pending.popleft()
+            acc, fut, ia, ib, off, n = pending.popleft()
             acc.merge(fut.result() if pool is not None else fut)
-            bar.update(nbytes)
+            files.release(ia, off, n, "a")
+            files.release(ib, off, n, "b")
+            bar.update(n)
 
     prefetched: set = set()
     try:
@@ -450,7 +465,7 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                 if ia is None or ib is None:  # in memory already: compare in place
                     storage = bits_dtype(ma.dtype)
                     xa = sa.read(name).view(storage)
-                    acc = Accumulator(ma.dtype, max_bin, local.work,
+                    acc = Accumulator(ma.dtype, max_bin, None,
                                       TensorScale.of(xa, ma.dtype, scale_kernel()))
                     finish.append((acc, td))
                     for x, y, _ in pieces_in_memory(xa, sb.read(name).view(storage),
@@ -459,7 +474,7 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                         bar.update(x.nbytes)
                     acc.work = None
                     continue
-                scale = _file_scale(ia, ma.dtype, chunk, threads)
+                scale = _file_scale(files, ia, ma.dtype, chunk, threads)
                 acc = Accumulator(ma.dtype, max_bin, None, scale)
                 finish.append((acc, td))
                 for nxt in order[i:i + 2]:  # this tensor and the next: disk runs ahead
@@ -467,16 +482,17 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                         prefetched.add(nxt)
                         fa_, fb_ = sa.file_info(nxt), sb.file_info(nxt)
                         if fa_ is not None and fb_ is not None:
-                            local.ra.prefetch(fa_)
-                            local.rb.prefetch(fb_)
+                            files.prefetch(fa_)
+                            files.prefetch(fb_)
                 for off in range(0, ia.nbytes, chunk):
                     n = min(chunk, ia.nbytes - off)
                     if pool is None:
-                        pending.append((acc, _file_piece(local, ia, ib, off, n, ma.dtype,
-                                                         max_bin, scale), n))
+                        fut = _file_piece(files, memcmp, work, ia, ib, off, n, ma.dtype,
+                                          max_bin, scale)
                     else:
-                        pending.append((acc, pool.submit(_file_piece, local, ia, ib, off, n,
-                                                         ma.dtype, max_bin, scale), n))
+                        fut = pool.submit(_file_piece, files, memcmp, work, ia, ib, off, n,
+                                          ma.dtype, max_bin, scale)
+                    pending.append((acc, fut, ia, ib, off, n))
                     drain(window)
         drain(0)
         for acc, td in finish:
@@ -487,8 +503,7 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        for r in readers:
-            r.close()
+        files.close()
         bar.close()
     return out
 

@@ -11,8 +11,11 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import missing_modules
 
-pytest.importorskip("mlx_lm")
+# skipif, not importorskip: importing mlx-lm (transformers) while collecting cost every
+# worker of the fast tier about a second for a test only the whole suite runs
+pytestmark = pytest.mark.skipif(bool(missing_modules("mlx_lm")), reason="mlx-lm is not installed")
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "architectures.json"
