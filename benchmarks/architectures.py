@@ -585,7 +585,7 @@ def _forward_mlx_lm(path: Path, adapter: Optional[Path] = None) -> Dict[str, Any
 def run_one(module: str, cfg: Dict[str, Any], work: Path) -> Dict[str, Any]:
     """All steps for one architecture; a failing step ends the row with its error."""
     import lorakit
-    from lorakit.io.checkpoint import Checkpoint
+    from lorakit.io.formats.checkpoint import Checkpoint
 
     row: Dict[str, Any] = {"module": module, "steps": {}, "config": cfg}
     st = row["steps"]

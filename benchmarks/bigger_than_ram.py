@@ -35,8 +35,8 @@ import numpy as np  # noqa: E402
 
 from lorakit.fusion.core import fuse_weight  # noqa: E402
 from lorakit.io.adapters.load import load_adapter  # noqa: E402
-from lorakit.io.checkpoint import Checkpoint  # noqa: E402
-from lorakit.io.naming import bind  # noqa: E402
+from lorakit.io.adapters.naming import bind  # noqa: E402
+from lorakit.io.formats.checkpoint import Checkpoint  # noqa: E402
 from lorakit.synth import PRESETS, parse_size, plan_checkpoint, synth_adapter, synth_checkpoint  # noqa: E402
 
 PRESET = "qwen3-8b"

@@ -118,7 +118,7 @@ def _compare(a: np.ndarray, b: np.ndarray, bound: float) -> dict:
 
 
 def _raw(folder: Path) -> dict:
-    from lorakit.io.safetensors import read_header, read_raw
+    from lorakit.io.formats.safetensors import read_header, read_raw
 
     out = {}
     for p in sorted(Path(folder).glob("*.safetensors")):

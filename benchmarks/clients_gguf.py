@@ -238,7 +238,7 @@ def tokenizer_check(work: Path) -> Dict[str, Any]:
     from llama_cpp import Llama
     from tokenizers import Tokenizer
 
-    from lorakit.io.gguf import write_model_gguf
+    from lorakit.io.outputs.gguf import write_model_gguf
 
     text = next((ROOT / "data" / "corpora").rglob("*.jsonl")).read_text(
         encoding="utf-8")[:4000] + TRICKY
@@ -269,9 +269,9 @@ def tokenizer_check(work: Path) -> Dict[str, Any]:
 
 def run(work: Path, families=tuple(FAMILIES), controls: bool = True) -> Dict[str, Any]:
     import lorakit
-    import lorakit.io.gguf as lg
+    import lorakit.io.outputs.gguf as lg
     from lorakit.algebra import convert
-    from lorakit.io.gguf import write_model_gguf
+    from lorakit.io.outputs.gguf import write_model_gguf
 
     ids = tokens()
     res: Dict[str, Any] = {"tokens": len(ids), "rel_bound": REL_BOUND,

@@ -54,7 +54,7 @@ import lorakit  # noqa: E402
 from lorakit import numerics as nm  # noqa: E402
 from lorakit.algebra import lowrank  # noqa: E402
 from lorakit.io.adapters.base import Adapter, LoraTarget  # noqa: E402
-from lorakit.io.checkpoint import Checkpoint  # noqa: E402
+from lorakit.io.formats.checkpoint import Checkpoint  # noqa: E402
 
 CHILD = """
 import json, sys, time, numpy as np, lorakit

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-from lorakit.io.checkpoint import Checkpoint  # noqa: E402
+from lorakit.io.formats.checkpoint import Checkpoint  # noqa: E402
 from lorakit.synth import synth_adapter, synth_checkpoint  # noqa: E402
 
 PY = sys.executable
@@ -307,7 +307,7 @@ def main() -> int:
 def _count_elements(a_dir: Path, b_dir: Path, base_dir: Path, adapter: Path) -> Dict[str, float]:
     """How many fused elements two roundings disagree on, and how many the fuse changed."""
     from lorakit.io.adapters.load import load_adapter
-    from lorakit.io.naming import bind
+    from lorakit.io.adapters.naming import bind
 
     a, b, base = Checkpoint(a_dir), Checkpoint(b_dir), Checkpoint(base_dir)
     fused = sorted({x.tensor for x in bind(load_adapter(adapter), base)})

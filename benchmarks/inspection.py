@@ -102,9 +102,9 @@ def bench_tensor_pairs(out: Path, pairs, tensor: str, repeat: int = 10) -> List[
     """One adapted tensor per pair, copied to its own small files: small enough to stay
     in the page cache, so the ratio to ``cat`` shows compute cost, not disk luck."""
     from lorakit.inspect.diff import diff
-    from lorakit.io.checkpoint import Checkpoint
-    from lorakit.io.safetensors import TensorSpec
-    from lorakit.io.safetensors_write import SafetensorsWriter
+    from lorakit.io.formats.checkpoint import Checkpoint
+    from lorakit.io.formats.safetensors import TensorSpec
+    from lorakit.io.outputs.safetensors_write import SafetensorsWriter
 
     rows = []
     for label, a, b in pairs:

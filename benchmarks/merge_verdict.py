@@ -34,9 +34,9 @@ sys.path.insert(0, str(REPO))
 
 import lorakit  # noqa: E402
 from lorakit.inspect.check import check  # noqa: E402
-from lorakit.io.checkpoint import Checkpoint  # noqa: E402
-from lorakit.io.safetensors import TensorSpec
-from lorakit.io.safetensors_write import SafetensorsWriter  # noqa: E402
+from lorakit.io.formats.checkpoint import Checkpoint  # noqa: E402
+from lorakit.io.formats.safetensors import TensorSpec
+from lorakit.io.outputs.safetensors_write import SafetensorsWriter  # noqa: E402
 
 DATA = REPO / "data"
 CASES = {"lora (bf16)": (DATA / "tiny-qwen3", DATA / "adapters" / "lora"),

@@ -36,7 +36,7 @@ import lorakit  # noqa: E402
 from lorakit import numerics as nm  # noqa: E402
 from lorakit.fusion.quant import dequantize_raw, intended_change  # noqa: E402
 from lorakit.io.adapters.load import load_adapter  # noqa: E402
-from lorakit.io.naming import bind, bindings_by_tensor  # noqa: E402
+from lorakit.io.adapters.naming import bind, bindings_by_tensor  # noqa: E402
 
 BASE = "data/tiny-qwen3-4bit"
 FLOAT = "data/tiny-qwen3"

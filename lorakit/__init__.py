@@ -41,7 +41,7 @@ VERBS = {
     "fuse": ("lorakit.fusion.fuse", "fuse"),
     "check": ("lorakit.inspect.check", "check"),
     "diff": ("lorakit.inspect.diff", "diff"),
-    "open": ("lorakit.io.source", "open"),
+    "open": ("lorakit.io.formats.source", "open"),
     "load_adapter": ("lorakit.io.adapters.load", "load_adapter"),
     "combine": ("lorakit.algebra.combine", "combine"),
     "extract": ("lorakit.inspect.extraction", "extract"),

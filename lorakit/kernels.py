@@ -12,7 +12,7 @@ import os
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, Optional
 
-__all__ = ["KERNELS", "enabled", "use_kernels", "load"]
+__all__ = ["use_kernels", "load"]
 
 #: every kernel pyproject.toml builds (CI, ``LORAKIT_REQUIRE_KERNEL=1``, checks each loads)
 KERNELS = ("lorakit.inspect._ulpkernel", "lorakit.inspect._checkkernel")

@@ -16,8 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["KIND_ORDER", "KIND_LABELS", "split_name", "kind_label", "model_order",
-           "layer_kind_cells"]
+__all__ = ["split_name", "kind_label", "model_order", "layer_kind_cells"]
 
 # Last module-path component -> short kind. Unknown names keep their own component.
 _KIND = {

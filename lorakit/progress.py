@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union
 
-__all__ = ["Progress", "ProgressBar", "progress_bar"]
+__all__ = ["Progress", "progress_bar"]
 
 #: what a ``progress=`` parameter accepts
 Progress = Union[bool, None, Callable[[int, int], None]]

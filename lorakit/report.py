@@ -39,7 +39,7 @@ from typing import (
 
 from .layers import model_order
 
-__all__ = ['Markup', 'Cell', 'escape', 'table', 'facts_table', 'head_cells', 'collapsible', 'LEFT', 'FLAGGED', 'COLLAPSE_ROWS']
+__all__ = ["Markup", "Cell", "escape", "table", "facts_table", "head_cells", "LEFT", "FLAGGED"]
 
 
 def _numpy() -> Any:

@@ -23,7 +23,7 @@ import numpy as np
 from model_factory import make_adapter, make_model
 from safetensors.numpy import load_file, save_file
 
-from lorakit.io.output import TMP_MARK
+from lorakit.io.outputs.directory import TMP_MARK
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data"

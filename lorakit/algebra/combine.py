@@ -57,14 +57,14 @@ import numpy as np
 
 from ..errors import AdapterError, ArgumentError, LorakitError, PathLike
 from ..fusion.delta import SumTarget, intended, tensor_pieces
-from ..io import source
 from ..io.adapters.base import Adapter, LoraTarget
 from ..io.adapters.layout import expert_modules
 from ..io.adapters.load import load_adapter
+from ..io.adapters.naming import bind
 from ..io.adapters.write import save_adapter
-from ..io.gguf import write_lora_gguf
-from ..io.naming import bind
-from ..io.weights import weight_f64
+from ..io.formats import source
+from ..io.formats.weights import weight_f64
+from ..io.outputs.gguf import write_lora_gguf
 from ..report import Report
 from .lowrank import factor_svd
 from .peft_like import (
@@ -79,7 +79,7 @@ from .peft_like import (
 METHODS = ("exact", "cat", "linear", "svd", "ties", "ties_svd", "magnitude_prune",
            "dare_linear", "dare_ties")
 
-__all__ = ["combine", "CombineOptions", "convert", "Combination", "METHODS"]
+__all__ = ["combine", "CombineOptions", "convert"]
 
 
 class Combination(Report):
@@ -454,7 +454,7 @@ def convert(adapter: Union[PathLike, Adapter], save_path: PathLike, *, to: str =
     """Write ``adapter`` in format ``to`` (``"peft"`` or ``"mlx-lm"``), its factors in
     their own dtype, bit for bit (see :func:`lorakit.io.adapters.write.save_adapter`);
     or, with ``to="gguf-lora"``, as llama.cpp's LoRA GGUF file ``save_path``
-    (:func:`lorakit.io.gguf.write_lora_gguf`; ``base``: the model directory whose
+    (:func:`lorakit.io.outputs.gguf.write_lora_gguf`; ``base``: the model directory whose
     config.json names the architecture, default the adapter's recorded model;
     ``outtype``: ``f32`` or ``f16``).
 

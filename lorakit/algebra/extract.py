@@ -61,13 +61,13 @@ from .. import numerics as nm
 from ..errors import ArgumentError, FormatError, FuseError
 from ..fusion.core import fuse_weight
 from ..fusion.delta import intended, target_pieces
-from ..io import source
 from ..io.adapters.base import EMBEDDING_HINTS, Adapter, LoraTarget, Replacement
 from ..io.adapters.load import load_adapter
+from ..io.adapters.naming import bind
 from ..io.adapters.write import save_adapter
-from ..io.naming import bind
-from ..io.source import TensorSource
-from ..io.weights import weight_f64
+from ..io.formats import source
+from ..io.formats.source import TensorSource
+from ..io.formats.weights import weight_f64
 from ..progress import Progress, progress_bar
 from ..report import Report
 from .lowrank import (
@@ -81,7 +81,7 @@ from .lowrank import (
     split_factors,
 )
 
-__all__ = ["ExtractOptions", "ExtractReport", "extract", "ResizeReport", "resize"]
+__all__ = ["ExtractOptions", "ExtractReport", "extract", "resize"]
 
 
 FLOAT_CODES = ("BF16", "F16", "F32", "F64")

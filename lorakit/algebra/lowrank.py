@@ -31,8 +31,7 @@ import numpy as np
 from ..errors import ArgumentError
 from ..io.adapters.base import Adapter, LoraTarget
 
-__all__ = ["EXACT_MAX", "OVERSAMPLE", "POWER_ITERS", "choose_rank", "matrix_svd",
-           "factor_svd", "split_factors", "delta_gram"]
+__all__ = ["factor_svd", "delta_gram"]
 
 #: largest min(out, in) for which the exact SVD is used
 EXACT_MAX = 64

@@ -72,14 +72,13 @@ import numpy as np
 
 from ..errors import AdapterError, ArgumentError
 from ..fusion.core import peft_delta, torch_row_norm
-from ..io import source
 from ..io.adapters.base import Adapter, LoraTarget
-from ..io.naming import bind
-from ..io.weights import weight_f64
+from ..io.adapters.naming import bind
+from ..io.formats import source
+from ..io.formats.weights import weight_f64
 from ..numerics import round_to_format, to_float32
 
-__all__ = ["LIKE_PEFT", "peft_plan", "like_peft_target", "peft_dora_magnitudes", "RANDOM",
-           "magnitude_mask", "merge"]
+__all__ = []
 
 LIKE_PEFT = ("linear", "cat", "ties", "magnitude_prune", "svd", "ties_svd")
 _FMT = {"BF16": "bfloat16", "F16": "float16"}

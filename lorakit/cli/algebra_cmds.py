@@ -9,7 +9,7 @@ from typing import Any, List, Optional
 from ..errors import ArgumentError
 from .written import wrote
 
-__all__ = ["add_combination_flags", "fuse_adapter", "add"]
+__all__ = []
 
 _METHODS = ("exact", "cat", "linear", "svd", "ties", "ties_svd", "magnitude_prune",
             "dare_linear", "dare_ties")
@@ -81,7 +81,7 @@ def fuse_adapter(args: argparse.Namespace) -> Any:
             and args.like is None:
         return paths[0]
     if args.like == "peft":
-        from ..io import source
+        from ..io.formats import source
 
         if args.rounding not in ("nearest", "round-once"):
             raise ArgumentError.bad("--rounding", args.rounding, "round-once (implied by "

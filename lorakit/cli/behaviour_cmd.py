@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-__all__ = ["add"]
+__all__ = []
 
 
 def _run(args: argparse.Namespace) -> int:

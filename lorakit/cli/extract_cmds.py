@@ -11,7 +11,7 @@ import os
 
 from .written import wrote
 
-__all__ = ["add"]
+__all__ = []
 
 
 def _rank_or_energy(p: argparse.ArgumentParser) -> None:

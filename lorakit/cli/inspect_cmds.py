@@ -15,7 +15,7 @@ from typing import Any, Dict, List
 
 from ..errors import ArgumentError
 
-__all__ = ["add"]
+__all__ = []
 
 
 def _emit(args: argparse.Namespace, reports: Dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional
 from ..errors import LorakitError
 from .written import written, wrote
 
-__all__ = ["Command", "build_parser", "main"]
+__all__ = ["main"]
 
 Command = Callable[[argparse.Namespace], int]
 _COMMANDS: Dict[str, Command] = {}
@@ -48,7 +48,7 @@ def _fuse(args: argparse.Namespace) -> int:
 
     _keep_freed_memory()
 
-    from ..io.export import check_upload, upload
+    from ..io.outputs.export import check_upload, upload
 
     if args.upload_repo is not None:
         check_upload(args.upload_repo)
@@ -176,7 +176,7 @@ def _one_line_warnings(command: str) -> None:
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        from ..io.output import OutputWarning  # here: most commands never warn
+        from ..io.outputs.directory import OutputWarning  # here: most commands never warn
 
         if issubclass(category, OutputWarning):
             print(f"{command}: warning: {message}", file=sys.stderr)

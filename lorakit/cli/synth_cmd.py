@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 from ..errors import ArgumentError
 from .written import wrote
 
-__all__ = ["add"]
+__all__ = []
 
 _FORCE_HELP = ("replace an existing output, but only an empty directory or a previous lorakit "
                "output (listed in its lorakit.json); anything else is refused and kept")
@@ -50,7 +50,7 @@ def _size(path) -> str:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from ..io.checkpoint import Checkpoint
+    from ..io.formats.checkpoint import Checkpoint
     from ..synth import synth_checkpoint
 
     if (args.preset is None) == (args.config is None):

@@ -8,7 +8,7 @@ from typing import List
 
 from ..errors import LorakitError
 
-__all__ = ["add"]
+__all__ = []
 
 DEFAULT_VARIANTS = "base,unfused,promoted,fused,mlx-lm-fused"
 

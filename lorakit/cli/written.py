@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
-__all__ = ["wrote", "written"]
+__all__ = []
 
 
 def wrote(args: argparse.Namespace, path: Any) -> None:

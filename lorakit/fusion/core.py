@@ -41,9 +41,9 @@ import numpy as np
 
 from .. import numerics as nm
 from ..errors import ArgumentError, FuseError
-from ..io.dtypes import code_of
-from ..io.naming import Binding
-from ..io.safetensors import NUMPY_STORAGE
+from ..io.adapters.naming import Binding
+from ..io.formats.dtypes import code_of
+from ..io.formats.safetensors import NUMPY_STORAGE
 from . import mlx_order
 from .delta import dora_factor, tensor_pieces
 from .finite import cast_raw, check_result
@@ -51,7 +51,7 @@ from .nearest import _fuse_nearest
 from .options import DTYPE_POLICIES, MLX_ROUNDINGS, ROUNDINGS
 from .sum_fuse import fuse_sum
 
-__all__ = ["output_code", "peft_delta", "torch_row_norm", "fuse_weight", "fuse_bindings"]
+__all__ = ["peft_delta", "torch_row_norm", "fuse_weight"]
 
 
 def output_code(base_code: str, dtype_policy: str) -> str:
@@ -205,7 +205,7 @@ def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale
             raise ArgumentError.bad("rounding", rounding, " | ".join(ROUNDINGS))
     except FuseError as e:  # e.g. DoRA's zero-norm row: name the weight
         raise e.where(tensor=name or None) from None
-    # the same storage convention as lorakit.io.safetensors.read_raw: float16/float32
+    # the same storage convention as lorakit.io.formats.safetensors.read_raw: float16/float32
     # arrays for F16/F32, uint16 bits for BF16
     out = out.view(NUMPY_STORAGE[code_out])
     check_result(out, code_out, w, code_in, name)

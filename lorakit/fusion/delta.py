@@ -35,12 +35,11 @@ import numpy as np
 from .. import numerics as nm
 from ..errors import FuseError
 from ..io.adapters.base import LoraTarget
-from ..io.naming import Binding
-from ..io.source import TensorSource
-from ..io.weights import weight_f64
+from ..io.adapters.naming import Binding
+from ..io.formats.source import TensorSource
+from ..io.formats.weights import weight_f64
 
-__all__ = ["Piece", "SumTarget", "target_pieces", "tensor_pieces", "lowrank", "intended",
-           "intended_pieces", "intended_blocks", "WeightReader"]
+__all__ = ["Piece", "SumTarget", "target_pieces", "tensor_pieces", "intended", "intended_pieces", "intended_blocks", "WeightReader"]
 
 
 @dataclass(repr=False)

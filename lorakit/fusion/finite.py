@@ -17,9 +17,9 @@ import numpy as np
 
 from .. import numerics as nm
 from ..errors import FuseError
-from ..io.safetensors import NUMPY_STORAGE, mx_to_raw
+from ..io.formats.safetensors import NUMPY_STORAGE, mx_to_raw
 
-__all__ = ["check_result", "cast_raw"]
+__all__ = []
 
 _PIECE = 1 << 18  # elements scanned per step of the any-non-finite check
 

@@ -22,7 +22,7 @@ piece, whatever the checkpoint's size.
 
 Safety: the output is built in a hidden temporary sibling of the output path and
 renamed into place at the end, so an interrupted fuse leaves nothing at the
-output path (``lorakit.io.output``). The base and adapter directories are only
+output path (``lorakit.io.outputs.directory``). The base and adapter directories are only
 ever read.
 
 What a fuse did: :class:`FuseResult`, a report with an HTML view and a text twin.
@@ -44,18 +44,18 @@ import numpy as np
 
 from .. import __version__
 from ..errors import ArgumentError, FuseError, LorakitError, PathLike
-from ..io import source
 from ..io.adapters.base import Adapter, Replacement
 from ..io.adapters.load import load_adapter
-from ..io.checkpoint import INDEX_NAME, Checkpoint
-from ..io.export import check_gguf_export
-from ..io.export import export_gguf as write_gguf
-from ..io.hf_layout import check_layout, is_stacked, layout_note, to_transformers
-from ..io.model_card import CARD_NAME, write_model_card
-from ..io.naming import Binding, bind, bind_replacements, bindings_by_tensor
-from ..io.output import OutputDirectory, check_output_path
-from ..io.safetensors import FLOAT_CODES, TensorInfo, TensorSpec
-from ..io.safetensors_write import SafetensorsWriter
+from ..io.adapters.naming import Binding, bind, bind_replacements, bindings_by_tensor
+from ..io.formats import source
+from ..io.formats.checkpoint import INDEX_NAME, Checkpoint
+from ..io.formats.safetensors import FLOAT_CODES, TensorInfo, TensorSpec
+from ..io.outputs.directory import OutputDirectory, check_output_path
+from ..io.outputs.export import check_gguf_export
+from ..io.outputs.export import export_gguf as write_gguf
+from ..io.outputs.hf_layout import check_layout, is_stacked, layout_note, to_transformers
+from ..io.outputs.model_card import CARD_NAME, write_model_card
+from ..io.outputs.safetensors_write import SafetensorsWriter
 from ..progress import progress_bar
 from ..report import Report, escape, facts_table, table
 from .core import fuse_bindings as _fuse_float
@@ -109,7 +109,7 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
         float_base: fuse a QLoRA adapter trained on the quantized ``model`` into this
             float original of it instead (float weights written).
         layout: a MoE checkpoint's experts: ``mlx-lm`` (stacked, default) or
-            ``transformers`` (one tensor per expert; :mod:`lorakit.io.hf_layout`).
+            ``transformers`` (one tensor per expert; :mod:`lorakit.io.outputs.hf_layout`).
 
     Returns:
         A :class:`~lorakit.fusion.fuse.FuseResult` for a checkpoint; the model itself
@@ -226,7 +226,7 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
         force: replace an existing empty directory or previous lorakit output
             (recognised by its ``lorakit.json``); anything else is refused.
         export_gguf: also write this GGUF file (a plain name) into the output, one
-            llama.cpp loads (:mod:`lorakit.io.gguf`: llama, mistral, mixtral, qwen2,
+            llama.cpp loads (:mod:`lorakit.io.outputs.gguf`: llama, mistral, mixtral, qwen2,
             qwen3, qwen3_moe; checked before any work).
         progress: show a progress bar (tqdm.auto); or a callable
             ``progress(done_bytes, total_bytes)`` called as tensors are written

@@ -12,18 +12,18 @@ from typing import Optional
 import numpy as np
 
 from ..errors import ArgumentError
-from ..io.dtypes import mx_dtype
-from ..io.safetensors import mx_to_raw, raw_to_mx
+from ..io.formats.dtypes import mx_dtype
+from ..io.formats.safetensors import mx_to_raw, raw_to_mx
 from .delta import check_dora_norm
 
-__all__ = ["fuse_mlx", "fuse_mlx_array"]
+__all__ = []
 
 
 def fuse_mlx(w, code_in: str, A: np.ndarray, B: np.ndarray, scale: float,
              magnitude: Optional[np.ndarray], code_out: str, rounding: str,
              promote: bool) -> np.ndarray:
     """One weight fused in mlx-lm's order: raw storage of ``code_out`` (the convention
-    of lorakit.io.safetensors.read_raw). ``w`` is raw storage, or an ``mx.array``."""
+    of lorakit.io.formats.safetensors.read_raw). ``w`` is raw storage, or an ``mx.array``."""
     import mlx.core as mx  # lazy: MLX only when computing
 
     weight = raw_to_mx(w, code_in) if isinstance(w, np.ndarray) else w  # or already MLX's

@@ -24,15 +24,15 @@ from mlx.utils import tree_unflatten
 from ..errors import AdapterError, ArgumentError, PathLike
 from ..io.adapters.base import MLX_WEIGHTS, PEFT_WEIGHTS, Adapter, LoraTarget
 from ..io.adapters.load import load_adapter
-from ..io.checkpoint import QuantParams
-from ..io.naming import bind, bind_replacements, bindings_by_tensor
-from ..io.safetensors import mx_to_raw, raw_to_mx
-from ..io.source import ModelSource
+from ..io.adapters.naming import bind, bind_replacements, bindings_by_tensor
+from ..io.formats.checkpoint import QuantParams
+from ..io.formats.safetensors import mx_to_raw, raw_to_mx
+from ..io.formats.source import ModelSource
 from .core import fuse_bindings, output_code
 from .finite import cast_raw
 from .options import FuseOptions
 
-__all__ = ["fuse_model", "attach_adapter", "load_unfused"]
+__all__ = ["attach_adapter", "load_unfused"]
 
 
 def _lora_targets(model: Any) -> Tuple[List[LoraTarget], List[Tuple[str, Any]]]:

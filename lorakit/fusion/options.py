@@ -17,8 +17,7 @@ from typing import Any, Optional
 
 from ..errors import ArgumentError
 
-__all__ = ["LAYOUTS", "LAYOUT_HELP", "ROUNDINGS", "ROUNDING_HELP", "DORA_PARITY", "MLX_ROUNDINGS", "DTYPE_POLICIES", "POLICIES", "FuseOptions", "Choice", "REQUANT",
-           "parse_policy", "parse_method", "METHODS", "REFUSED"]
+__all__ = ["LAYOUTS", "LAYOUT_HELP", "ROUNDINGS", "ROUNDING_HELP", "DTYPE_POLICIES", "FuseOptions"]
 
 #: rounding orders: correctly rounded (default), PEFT's merge_and_unload, mlx-lm's
 #: fuse, and mlx-lm's order with the scale applied after the product
@@ -37,7 +36,7 @@ ROUNDING_HELP = {
 MLX_ROUNDINGS = ("mlx-lm", "scale-after")
 #: what dtype the fused tensors are written in
 DTYPE_POLICIES = ("preserve", "promote", "bfloat16", "float16", "float32")
-#: how a fused MoE checkpoint lays out its experts (``layout=``; lorakit/io/hf_layout.py)
+#: how a fused MoE checkpoint lays out its experts (``layout=``; lorakit/io/outputs/hf_layout.py)
 LAYOUTS = ("mlx-lm", "transformers")
 #: each layout in words (the CLI's help)
 LAYOUT_HELP = {

@@ -50,20 +50,17 @@ import numpy as np
 
 from .. import numerics as nm
 from ..errors import FuseError
-from ..io import source
-from ..io.checkpoint import Checkpoint, QuantParams
-from ..io.corpus import CALIBRATION_CORPUS, encode_text, read_corpus
-from ..io.dtypes import mx_dtype, storage_code
-from ..io.naming import Binding
-from ..io.safetensors import mx_to_raw, raw_to_mx
+from ..io.adapters.naming import Binding
+from ..io.formats import source
+from ..io.formats.checkpoint import Checkpoint, QuantParams
+from ..io.formats.corpus import CALIBRATION_CORPUS, encode_text, read_corpus
+from ..io.formats.dtypes import mx_dtype, storage_code
+from ..io.formats.safetensors import mx_to_raw, raw_to_mx
 from .core import fuse_bindings
 from .delta import intended, lowrank, tensor_pieces
 from .options import Choice, FuseOptions, parse_method, parse_policy
 
-__all__ = ["RequantStat", "dequantize_raw", "quantize_raw", "unpack_codes", "requant_survival",
-           "intended_change", "survival_overall", "survival_rows", "survival_text", "pack_codes",
-           "module_parts", "resolve", "plan_leaf", "policy_summary", "per_layer_config",
-           "check_float_base", "calibration_tokens"]
+__all__ = ["dequantize_raw", "survival_overall"]
 
 SUPPORTED_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 

@@ -20,11 +20,11 @@ import numpy as np
 
 from .. import numerics as nm
 from ..errors import FuseError
-from ..io.safetensors import NUMPY_STORAGE
+from ..io.formats.safetensors import NUMPY_STORAGE
 from .delta import Piece, intended
 from .finite import check_result
 
-__all__ = ["fuse_sum"]
+__all__ = []
 
 _ROWS_ELEMENTS = 1 << 20  # float64 elements per block of rows
 

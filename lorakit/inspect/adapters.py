@@ -27,10 +27,10 @@ import numpy as np
 
 from ..algebra.lowrank import factor_svd
 from ..fusion.delta import target_pieces
-from ..io import source
 from ..io.adapters.base import Adapter, LoraTarget
 from ..io.adapters.load import load_adapter
-from ..io.naming import strip_prefix
+from ..io.adapters.naming import strip_prefix
+from ..io.formats import source
 from ..layers import split_name
 from ..report import Report
 from . import plots
@@ -41,7 +41,7 @@ from .deltas import (
     weight_slots,
 )
 
-__all__ = ["AdapterComparison", "compare_adapters", "delta_inner", "principal_angles"]
+__all__ = ["AdapterComparison", "compare_adapters"]
 
 def delta_inner(A1: np.ndarray, B1: np.ndarray, s1: float, A2: np.ndarray, B2: np.ndarray,
                 s2: float) -> float:

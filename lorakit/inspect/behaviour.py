@@ -50,14 +50,14 @@ import numpy as np
 
 from ..errors import ArgumentError, LorakitError, PathLike
 from ..fusion.model import attach_adapter
-from ..io.corpus import DEFAULT_CORPUS, encode_text, read_corpus
-from ..io.paths import resolve_model_path
+from ..io.formats.corpus import encode_text, read_corpus
+from ..io.formats.paths import resolve_model_path
 from ..progress import Progress, progress_bar
 from ..report import Report, jsonable
 from . import plots
 from .moe_cpu import float32_if_refused
 
-__all__ = ['DEFAULT_CORPUS', 'Side', 'read_corpus', 'windows', 'score_windows', 'compare_outputs', 'BehaviourReport', 'STAT_KEYS']
+__all__ = ["compare_outputs"]
 
 #: positions x vocab above which a window's math is done in chunks of positions
 CHUNK_ELEMENTS = 1 << 28

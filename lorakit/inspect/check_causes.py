@@ -30,7 +30,7 @@ import numpy as np
 
 from ..fusion.delta import Piece, intended
 
-__all__ = ["Candidate", "candidates", "CauseStats", "diagnose", "scaled"]
+__all__ = []
 
 #: (name, detail, build(W, rows) -> T_h, piece whose bound applies or None, bound factor)
 Candidate = Tuple[str, str, Callable[[np.ndarray, Optional[slice]], np.ndarray],

@@ -23,18 +23,17 @@ import numpy as np
 from .. import numerics as nm
 from ..algebra.lowrank import factor_svd
 from ..fusion.delta import target_pieces
-from ..io import source
 from ..io.adapters.base import Adapter
 from ..io.adapters.load import load_adapter
-from ..io.naming import bind
-from ..io.source import TensorSource
-from ..io.weights import weight_f64
+from ..io.adapters.naming import bind
+from ..io.formats import source
+from ..io.formats.source import TensorSource
+from ..io.formats.weights import weight_f64
 from ..layers import layer_kind_cells, split_name
 from ..report import Report
 from . import plots
 
-__all__ = ["effective_rank", "numerical_rank", "DeltaNorms",
-           "delta_norms", "layer_kind_grid"]
+__all__ = ["delta_norms"]
 
 _EPS32 = float(np.finfo(np.float32).eps)
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
 from ..errors import FormatError
-from ..io import source as sources
-from ..io.dtypes import QUANT_SUFFIXES, config_dtype
-from ..io.safetensors import FLOAT_CODES
+from ..io.formats import source as sources
+from ..io.formats.dtypes import QUANT_SUFFIXES, config_dtype
+from ..io.formats.safetensors import FLOAT_CODES
 from ..layers import LORA_PARTS, layer_kind_cells, split_name
 from ..report import Report
 from .plots import dtype_heatmap
@@ -89,7 +89,7 @@ def dtype_map(source: Any) -> DtypeMap:
 
     Args:
         source: checkpoint directory, adapter directory, ``.safetensors`` file,
-            :class:`~lorakit.io.checkpoint.Checkpoint`, or an in-memory mlx-lm model.
+            :class:`~lorakit.io.formats.checkpoint.Checkpoint`, or an in-memory mlx-lm model.
 
     Returns:
         A :class:`DtypeMap`. A float tensor whose dtype differs from the majority float

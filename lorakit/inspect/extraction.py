@@ -17,7 +17,7 @@ from ..progress import Progress
 from .behaviour import compare_outputs
 from .check import CONTEXT, DEFAULT_TOKENS, KEYS, behaviour_line
 
-__all__ = ["extract", "add_behaviour"]
+__all__ = ["extract"]
 
 
 def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,

@@ -30,7 +30,7 @@ from . import plots
 from .moe_cpu import NOTE as MOE_NOTE
 from .moe_cpu import float32_if_refused, moe_float32_on_cpu
 
-__all__ = ["Divergence", "Generation", "GenerationReport", "compare_generations"]
+__all__ = ["GenerationReport", "compare_generations"]
 
 
 @dataclass

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from typing import Any, List
 
-__all__ = ["NOTE", "F32_NOTE", "moe_float32_on_cpu", "float32_if_refused", "run_or_float32",
-           "refuses_dtype"]
+__all__ = ["NOTE", "moe_float32_on_cpu", "float32_if_refused"]
 
 MOE_BLOCKS = ("SwitchGLU", "SwitchMLP")
 NOTE = ("MoE expert layers ({n}) ran in float32 on CPU: MLX's CPU GatherMM supports "

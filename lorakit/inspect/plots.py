@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["dtype_heatmap", "value_heatmap", "histogram_bars", "spectra", "grouped_bars",
-           "margin_lines", "kl_figure"]
+__all__ = ["histogram_bars"]
 
 # One fixed colour per dtype, so maps of different checkpoints read the same.
 DTYPE_COLORS = {

@@ -65,9 +65,9 @@ import numpy as np
 
 from .. import kernels
 from .. import numerics as nm
-from ..io.safetensors import FLOAT_CODES, NUMPY_STORAGE
+from ..io.formats.safetensors import FLOAT_CODES, NUMPY_STORAGE
 
-__all__ = ['DEFAULT_MAX_BIN', 'CHUNK_BYTES', 'bits_dtype', 'TensorDiff', 'Scratch', 'Accumulator', 'bin_labels', 'hist_text', 'pieces_in_memory', 'NEAR_ZERO_LOG2', 'SCALE_FIELDS', 'ScaleStats', 'TensorScale', 'binades', 'ulp_at']
+__all__ = ["bits_dtype", "binades"]
 
 
 DEFAULT_MAX_BIN = 1023

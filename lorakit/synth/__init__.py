@@ -16,7 +16,7 @@ How they are made:
   ``switch_mlp``). The HF names are checked by running mlx-lm's ``sanitize`` on
   them, so they load back to exactly the model's parameters.
 * Tensors are generated and written one at a time, in pieces of a few MB, through
-  :class:`~lorakit.io.safetensors.SafetensorsWriter`: peak memory is a few hundred
+  :class:`~lorakit.io.formats.safetensors.SafetensorsWriter`: peak memory is a few hundred
   MB whatever the model's size.
 * Matrices are drawn from N(0, std^2) (std 0.02, the usual initialiser), norm
   weights are 1 and biases 0, so activations stay finite through any depth. For
@@ -30,7 +30,7 @@ How they are made:
 Modules: ``presets`` (named shapes, adapter keys), ``planning`` (sizes, configs,
 the tensor list), ``sampler`` (random values), ``tokenizer``, ``checkpoint`` (the
 checkpoint writer), ``sites`` (where an adapter goes) and ``adapter`` (the mlx-lm
-and PEFT adapter writers). Outputs go through :mod:`lorakit.io.output`: built
+and PEFT adapter writers). Outputs go through :mod:`lorakit.io.outputs.directory`: built
 hidden, published whole, with a ``lorakit.json`` provenance; ``force`` replaces
 only an empty directory or a previous lorakit output.
 

@@ -9,10 +9,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..errors import AdapterError, PathLike
-from ..io import source
 from ..io.adapters.base import Adapter, LoraTarget
 from ..io.adapters.write import save_adapter
-from ..io.output import SYNTH_MARK, check_output_path
+from ..io.formats import source
+from ..io.outputs.directory import SYNTH_MARK, check_output_path
 from .presets import DEFAULT_KEYS
 from .sites import _find_sites, _layer_prefix, _row_norms, _Site
 

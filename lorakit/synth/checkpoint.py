@@ -9,9 +9,9 @@ import numpy as np
 
 from .. import numerics as nm
 from ..errors import FormatError, PathLike
-from ..io.output import SYNTH_MARK, OutputDirectory, check_output_path
-from ..io.safetensors import TensorSpec
-from ..io.safetensors_write import SafetensorsWriter
+from ..io.formats.safetensors import TensorSpec
+from ..io.outputs.directory import SYNTH_MARK, OutputDirectory, check_output_path
+from ..io.outputs.safetensors_write import SafetensorsWriter
 from ..progress import progress_bar
 from .planning import parse_size, plan_checkpoint, resolve_config
 from .sampler import _fill_kind, _Sampler

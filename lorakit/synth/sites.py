@@ -10,7 +10,7 @@ import numpy as np
 from .. import numerics as nm
 from ..errors import AdapterError, FormatError
 from ..fusion.quant import dequantize_raw
-from ..io.naming import logical_shape
+from ..io.adapters.naming import logical_shape
 from .presets import _KEY_ALIASES, _MIXTRAL
 
 __all__ = []

@@ -25,7 +25,7 @@ from ..errors import LorakitError
 from ..report import Report
 from .table import VARIANTS, DecodeTiming
 
-__all__ = ["RESULTS", "load_benchmark", "load_seed", "side_by_side"]
+__all__ = ["load_benchmark", "load_seed", "side_by_side"]
 
 # the committed benchmark results of this source tree
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"

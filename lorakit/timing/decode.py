@@ -39,8 +39,8 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from ..errors import ArgumentError, LorakitError, PathLike
 from ..fusion.fuse import fuse
-from ..io import source
-from ..io.safetensors import read_header
+from ..io.formats import source
+from ..io.formats.safetensors import read_header
 from ..progress import progress_bar
 from .kl_column import kl_tokens, kl_vs_unfused
 from .table import ADAPTER_FILES, FUSED_VARIANTS, VARIANTS, DecodeTiming, VariantTiming

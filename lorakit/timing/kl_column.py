@@ -14,7 +14,7 @@ from ..errors import ArgumentError
 from ..fusion.model import attach_adapter
 from ..inspect.behaviour import compare_outputs
 
-__all__ = ["DEFAULT_KL_TOKENS", "kl_tokens", "kl_vs_unfused"]
+__all__ = []
 
 #: corpus tokens per variant when ``behaviour=True`` / ``--kl`` (two windows of 256)
 DEFAULT_KL_TOKENS = 512

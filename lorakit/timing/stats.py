@@ -35,8 +35,7 @@ import random
 import statistics
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["CONFIDENCE", "SPEED_THRESHOLD", "BYTES_THRESHOLD", "MIN_ROUNDS", "ratio_interval",
-           "noise_band", "speed_verdict", "bytes_verdict", "human_bytes"]
+__all__ = []
 
 CONFIDENCE = 0.95
 RESAMPLES = 2000

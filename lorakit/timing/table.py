@@ -26,8 +26,7 @@ from .stats import (
     speed_verdict,
 )
 
-__all__ = ["VARIANTS", "FUSED_VARIANTS", "ADAPTER_FILES", "VariantTiming",
-           "DecodeTiming"]
+__all__ = ["VARIANTS", "VariantTiming", "DecodeTiming"]
 
 VARIANTS = ("base", "unfused", "promoted", "fused", "mlx-lm-fused")
 FUSED_VARIANTS = ("promoted", "fused", "mlx-lm-fused")

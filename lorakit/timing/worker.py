@@ -35,8 +35,7 @@ from mlx.utils import tree_flatten
 from ..fusion.model import load_unfused
 from ..inspect.moe_cpu import float32_if_refused, moe_float32_on_cpu
 
-__all__ = ["emit", "rss_peak_bytes", "load_tokenizer", "vocab_size", "param_bytes", "main",
-           "MARK", "TOKENIZER_FILES"]
+__all__ = []
 
 # mlx_lm's modules are imported inside the functions that use them: mlx_lm.generate
 # creates its generation stream on the default device when imported, and the device

@@ -8,7 +8,7 @@ from typing import Dict, Optional
 
 from ..errors import PathLike
 
-__all__ = ["ENV", "find_data", "checkpoints", "adapters"]
+__all__ = ["find_data"]
 ENV = "LORAKIT_DATA"
 _MARKER = "tiny-qwen3"
 

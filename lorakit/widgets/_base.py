@@ -16,7 +16,7 @@ import ipywidgets as W
 
 from ..report import FLAGGED, LEFT, Report, escape, facts_table, format_value, head_cells, table
 
-__all__ = ["hook", "FigureView", "summary_html", "rows_html", "facts_html", "ErrorBox"]
+__all__ = []
 
 #: Prefix of the CSS classes that tests select on (``widget.add_class("t-...")``).
 HOOK = "t-"

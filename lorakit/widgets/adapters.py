@@ -20,7 +20,7 @@ from ..errors import ArgumentError, PathLike
 from ..inspect.adapters import AdapterComparison, compare_adapters
 from ._base import ErrorBox, FigureView, hook, summary_html
 
-__all__ = ["VIEWS", "AdapterCompare"]
+__all__ = ["AdapterCompare"]
 VIEWS = (("delta norms", "norms"), ("cosine", "cosine"), ("column overlap", "col_overlap"),
          ("row overlap", "row_overlap"))
 

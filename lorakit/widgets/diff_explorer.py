@@ -25,11 +25,11 @@ from ..errors import ArgumentError, PathLike
 from ..inspect.diff import UlpReport, diff, ulp_vs_reference
 from ..inspect.plots import histogram_bars
 from ..inspect.ulp_count import binades, bits_dtype
-from ..io import source
+from ..io.formats import source
 from ..report import Report
 from ._base import ErrorBox, FigureView, facts_html, hook, rows_html, summary_html
 
-__all__ = ["REFERENCE", "VIEWS", "DiffExplorer"]
+__all__ = ["DiffExplorer"]
 #: the B choice meaning "the exact fuse of base + adapter, in float64"
 REFERENCE = "exact fuse (float64)"
 VIEWS = ("overall", "layers", "layer", "tensor")

@@ -21,7 +21,7 @@ from ..errors import ArgumentError, PathLike
 from ..fusion.fuse import FuseResult, fuse
 from ..fusion.options import DTYPE_POLICIES, ROUNDINGS
 from ..fusion.quant import survival_overall
-from ..io import source
+from ..io.formats import source
 from . import _assets
 from ._base import ErrorBox, hook
 from .dtype_view import DtypeMapView

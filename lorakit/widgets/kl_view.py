@@ -12,7 +12,7 @@ import html
 import math
 from typing import Any
 
-__all__ = ["KLTextView", "kl_html"]
+__all__ = ["KLTextView"]
 
 
 def _shade(kl: float, top: float) -> str:

@@ -196,7 +196,7 @@ def test_in_memory_fuse_of_dora_combination_equals_checkpoint_fuse(tmp_path):
     from mlx_lm import load
 
     import lorakit
-    from lorakit.io.safetensors import mx_to_raw
+    from lorakit.io.formats.safetensors import mx_to_raw
 
     rep = combine([DORA, LORA], [0.6, -0.4])
     model, _ = load(str(BASE))

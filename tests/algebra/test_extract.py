@@ -24,7 +24,7 @@ from lorakit import numerics as nm
 from lorakit.algebra.extract import ExtractOptions, extract, resize
 from lorakit.errors import ArgumentError, LorakitError
 from lorakit.inspect.check import behaviour_line
-from lorakit.io.checkpoint import Checkpoint
+from lorakit.io.formats.checkpoint import Checkpoint
 
 BASE, LORA = DATA / "tiny-qwen3", DATA / "adapters" / "lora"
 

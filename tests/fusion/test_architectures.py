@@ -15,7 +15,7 @@ from helpers import run_mlx_lm_fuse
 
 import lorakit
 from lorakit.inspect.diff import diff
-from lorakit.io.checkpoint import Checkpoint
+from lorakit.io.formats.checkpoint import Checkpoint
 
 pytestmark = pytest.mark.slow  # ten mlx-lm architectures, each fused twice and run
 

@@ -22,9 +22,9 @@ from lorakit.fusion.quant import RequantStat, dequantize_raw, quantize_raw, requ
 from lorakit.inspect.deltas import delta_norms
 from lorakit.io.adapters.base import LoraTarget
 from lorakit.io.adapters.load import load_adapter
-from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.naming import bind, bindings_by_tensor
-from lorakit.io.weights import weight_f64
+from lorakit.io.adapters.naming import bind, bindings_by_tensor
+from lorakit.io.formats.checkpoint import Checkpoint
+from lorakit.io.formats.weights import weight_f64
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 CASES = [("tiny-qwen3", "lora"), ("tiny-qwen3", "dora"), ("tiny-qwen3", "lora-embed"),
@@ -97,7 +97,7 @@ def test_requant_survival_projects_on_intended_minus_base():
     # recompute from the intended weight and MLX's own dequantization of the new codes
     import mlx.core as mx
 
-    from lorakit.io.safetensors import raw_to_mx
+    from lorakit.io.formats.safetensors import raw_to_mx
 
     new = np.array(mx.dequantize(mx.array(parts["weight"]), raw_to_mx(parts["scales"], fcode),
                                  raw_to_mx(parts["biases"], fcode), group_size=q.group_size,

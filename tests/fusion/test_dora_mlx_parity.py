@@ -57,7 +57,7 @@ def fuses(tmp_path_factory):
 
 @pytest.mark.slow  # two fuses and mlx-lm's (~4 s with imports)
 def test_dora_mlx_lm_rounding_keeps_dtype_with_mlx_lm_values(fuses):
-    from lorakit.io.checkpoint import Checkpoint
+    from lorakit.io.formats.checkpoint import Checkpoint
 
     mlx, ours, base = _tensors(fuses / "mlx"), _tensors(fuses / "kept"), Checkpoint(BASE)
     assert set(ours) == set(mlx)

@@ -15,8 +15,8 @@ from helpers import run_mlx_lm_fuse
 import lorakit
 from lorakit import numerics as nm
 from lorakit.fusion.core import fuse_weight
-from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.safetensors import NUMPY_STORAGE
+from lorakit.io.formats.checkpoint import Checkpoint
+from lorakit.io.formats.safetensors import NUMPY_STORAGE
 
 BF16 = nm.float_format("BF16")
 

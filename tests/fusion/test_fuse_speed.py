@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from lorakit.fusion import fuse as stream
-from lorakit.io import safetensors_write as sw
-from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.safetensors import TensorSpec, read_header, read_raw
-from lorakit.io.safetensors_write import SafetensorsWriter
+from lorakit.io.formats.checkpoint import Checkpoint
+from lorakit.io.formats.safetensors import TensorSpec, read_header, read_raw
+from lorakit.io.outputs import safetensors_write as sw
+from lorakit.io.outputs.safetensors_write import SafetensorsWriter
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "data" / "tiny-qwen3"

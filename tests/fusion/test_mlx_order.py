@@ -11,8 +11,8 @@ import pytest
 from lorakit import numerics as nm
 from lorakit.errors import FuseError
 from lorakit.fusion.core import fuse_weight, output_code
-from lorakit.io.dtypes import mx_dtype
-from lorakit.io.safetensors import mx_to_raw, raw_to_mx
+from lorakit.io.formats.dtypes import mx_dtype
+from lorakit.io.formats.safetensors import mx_to_raw, raw_to_mx
 
 mx = pytest.importorskip("mlx.core")
 lora = pytest.importorskip("mlx_lm.tuner.lora")

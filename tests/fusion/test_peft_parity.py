@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import lorakit
-from lorakit.io.checkpoint import Checkpoint
+from lorakit.io.formats.checkpoint import Checkpoint
 
 ROOT = Path(__file__).resolve().parents[1] / "fixtures" / "peft"
 FIXTURES = sorted(p.name for p in ROOT.iterdir() if (p / "merged").is_dir())

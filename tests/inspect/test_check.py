@@ -12,9 +12,9 @@ import pytest
 
 import lorakit
 from lorakit.inspect.check import check
-from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.safetensors import TensorSpec
-from lorakit.io.safetensors_write import SafetensorsWriter
+from lorakit.io.formats.checkpoint import Checkpoint
+from lorakit.io.formats.safetensors import TensorSpec
+from lorakit.io.outputs.safetensors_write import SafetensorsWriter
 
 
 def scaled_adapter(src: Path, dst: Path, factor: float) -> Path:

@@ -22,9 +22,9 @@ from safetensors.numpy import load_file, save_file
 
 import lorakit
 from lorakit import numerics as nm
-from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.safetensors import TensorSpec
-from lorakit.io.safetensors_write import SafetensorsWriter
+from lorakit.io.formats.checkpoint import Checkpoint
+from lorakit.io.formats.safetensors import TensorSpec
+from lorakit.io.outputs.safetensors_write import SafetensorsWriter
 
 BASE, BASE_MOE, BASE_Q4 = DATA / "tiny-qwen3", DATA / "tiny-qwen3-moe", DATA / "tiny-qwen3-4bit"
 LORA, DORA, EMBED = DATA / "adapters" / "lora", DATA / "adapters" / "dora", \

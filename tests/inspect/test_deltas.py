@@ -12,7 +12,7 @@ import pytest
 from lorakit import numerics as nm
 from lorakit.algebra.lowrank import factor_svd
 from lorakit.inspect.deltas import delta_norms, effective_rank, numerical_rank
-from lorakit.io.checkpoint import Checkpoint
+from lorakit.io.formats.checkpoint import Checkpoint
 
 
 def orthonormal(rng, n: int, k: int) -> np.ndarray:

@@ -20,9 +20,9 @@ from lorakit.inspect.diff import (
 )
 from lorakit.inspect.ulp_count import Accumulator as _Acc
 from lorakit.inspect.ulp_count import TensorDiff, bin_labels
-from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.safetensors import TensorSpec
-from lorakit.io.safetensors_write import SafetensorsWriter
+from lorakit.io.formats.checkpoint import Checkpoint
+from lorakit.io.formats.safetensors import TensorSpec
+from lorakit.io.outputs.safetensors_write import SafetensorsWriter
 
 BF16 = nm.float_format("bf16")
 
@@ -237,7 +237,7 @@ def test_plots_smoke(fused: dict) -> None:
 def test_progress_callable_sees_every_byte(fused: dict, tmp_path: Path) -> None:
     """parity reports progress over A's bytes: a callable gets (done, total) after each
     piece, ending at total; progress=False calls nothing."""
-    from lorakit.io.checkpoint import Checkpoint as Ck
+    from lorakit.io.formats.checkpoint import Checkpoint as Ck
 
     a, b = fused["nearest"], fused["mlx"]
     calls = []

@@ -13,9 +13,9 @@ import pytest
 import lorakit
 from lorakit import numerics as nm
 from lorakit.inspect.dtypes import dtype_map
-from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.safetensors import TensorSpec
-from lorakit.io.safetensors_write import SafetensorsWriter
+from lorakit.io.formats.checkpoint import Checkpoint
+from lorakit.io.formats.safetensors import TensorSpec
+from lorakit.io.outputs.safetensors_write import SafetensorsWriter
 from lorakit.layers import split_name
 
 

@@ -170,7 +170,7 @@ def test_reference_error_leads_with_relative_error(qwen3_paths):
     from lorakit.fusion.delta import intended_pieces
     from lorakit.inspect.diff import ulp_vs_reference
     from lorakit.io.adapters.load import load_adapter
-    from lorakit.io.naming import bind, bindings_by_tensor
+    from lorakit.io.adapters.naming import bind, bindings_by_tensor
 
     base, ad, near, mlx = qwen3_paths
     rn, rm = ulp_vs_reference(near, base, ad), ulp_vs_reference(mlx, base, ad)

@@ -13,7 +13,7 @@ from lorakit.io.adapters.base import Adapter, LoraTarget
 from lorakit.io.adapters.layout import alpha_for
 from lorakit.io.adapters.load import load_adapter
 from lorakit.io.adapters.write import save_adapter
-from lorakit.io.safetensors import read_header
+from lorakit.io.formats.safetensors import read_header
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data" / "adapters"

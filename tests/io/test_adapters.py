@@ -26,7 +26,7 @@ from safetensors.numpy import load_file, save_file
 from lorakit.errors import AdapterError, FormatError
 from lorakit.io.adapters.load import check_runtime_scope, load_adapter
 from lorakit.io.adapters.peft import PeftSettings
-from lorakit.io.checkpoint import Checkpoint
+from lorakit.io.formats.checkpoint import Checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 Q = "model.layers.{}.self_attn.q_proj"

@@ -27,9 +27,9 @@ import pytest
 
 from lorakit.errors import LorakitError
 from lorakit.io.adapters.load import load_adapter
-from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.naming import bind
-from lorakit.io.safetensors import ITEMSIZE, read_header, read_raw
+from lorakit.io.adapters.naming import bind
+from lorakit.io.formats.checkpoint import Checkpoint
+from lorakit.io.formats.safetensors import ITEMSIZE, read_header, read_raw
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -392,9 +392,9 @@ def _atheris_main() -> None:  # pragma: no cover - runs in its own process
     import atheris
 
     import lorakit.io.adapters.load as adapter_mod
-    import lorakit.io.checkpoint as checkpoint_mod
-    import lorakit.io.naming as naming_mod
-    import lorakit.io.safetensors as safetensors_mod
+    import lorakit.io.adapters.naming as naming_mod
+    import lorakit.io.formats.checkpoint as checkpoint_mod
+    import lorakit.io.formats.safetensors as safetensors_mod
     from lorakit.errors import LorakitError as Err
 
     # lorakit is already imported (this file imports it at the top): instrument its

@@ -15,7 +15,7 @@ from helpers import REPO as ROOT
 import lorakit
 from lorakit.algebra import convert
 from lorakit.errors import AdapterError, FormatError, OutputExistsError
-from lorakit.io.gguf import write_lora_gguf, write_model_gguf
+from lorakit.io.outputs.gguf import write_lora_gguf, write_model_gguf
 
 BASE = ROOT / "data" / "tiny-qwen3"
 ADAPTER = ROOT / "data" / "adapters" / "lora"
@@ -128,7 +128,7 @@ def test_moe_experts_stacked_router_f32(tmp_path: Path) -> None:
 
 
 def test_fuse_export_gguf_is_the_new_writer_and_listed(tmp_path: Path) -> None:
-    from lorakit.io.provenance import foreign_entries
+    from lorakit.io.outputs.provenance import foreign_entries
 
     r = lorakit.fuse(BASE, ADAPTER, tmp_path / "out", export_gguf="m.gguf", progress=False)
     _, f, t = _fields(r.output / "m.gguf")
@@ -193,7 +193,7 @@ def test_pre_tokenizer_named_by_its_split_regex(tmp_path: Path, rx: str, want) -
     ({"decoder_sparse_step": 2}, "no dense layers"),
 ])
 def test_qwen3_moe_graphs_llama_cpp_lacks_are_refused(change: dict, says: str) -> None:
-    from lorakit.io.gguf import check_gguf_model
+    from lorakit.io.outputs.gguf import check_gguf_model
 
     cfg = json.loads((ROOT / "data" / "tiny-qwen3-moe" / "config.json").read_text())
     assert check_gguf_model(cfg) == "qwen3moe"

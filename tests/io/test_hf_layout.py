@@ -1,4 +1,4 @@
-"""The transformers (per-expert) layout of a fused MoE checkpoint (lorakit/io/hf_layout.py):
+"""The transformers (per-expert) layout of a fused MoE checkpoint (lorakit/io/outputs/hf_layout.py):
 every expert tensor is the stacked fuse's slice, bit for bit; the names are the ones
 transformers saves (``synth_checkpoint(layout="hf")``, itself checked against mlx-lm's
 ``sanitize()``); mlx-lm reads it back; unknown families and quantized experts are refused
@@ -16,8 +16,8 @@ from helpers import DATA
 import lorakit
 from lorakit.errors import ArgumentError, FuseError
 from lorakit.fusion.options import FuseOptions
-from lorakit.io.hf_layout import FAMILIES, LAYOUT_NOTES
-from lorakit.io.safetensors import read_header, read_raw
+from lorakit.io.formats.safetensors import read_header, read_raw
+from lorakit.io.outputs.hf_layout import FAMILIES, LAYOUT_NOTES
 from lorakit.synth import synth_adapter, synth_checkpoint
 
 MOE = DATA / "tiny-qwen3-moe"

@@ -20,7 +20,7 @@ from helpers import REPO, build_kill_inputs, cli, temporaries, tree_hash
 from helpers import cli_env as _env
 
 from lorakit.fusion.fuse import fuse
-from lorakit.io.checkpoint import Checkpoint
+from lorakit.io.formats.checkpoint import Checkpoint
 
 pytestmark = pytest.mark.slow  # fuse processes killed at timed points
 

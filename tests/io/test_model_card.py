@@ -9,7 +9,7 @@ import pytest
 from helpers import REPO as ROOT
 
 import lorakit
-from lorakit.io.provenance import foreign_entries
+from lorakit.io.outputs.provenance import foreign_entries
 
 BASE = ROOT / "data" / "tiny-qwen3"
 ADAPTER = ROOT / "data" / "adapters" / "lora"
@@ -72,7 +72,7 @@ def test_export_gguf_refusals_write_nothing(tmp_path: Path, why: str, kwargs: di
 
     from lorakit.errors import FormatError
 
-    # phi3: not an architecture the GGUF writer converts (lorakit.io.gguf.GGUF_ARCHS)
+    # phi3: not an architecture the GGUF writer converts (lorakit.io.outputs.gguf.GGUF_ARCHS)
     base = make_model(tmp_path / "base", "llama" if why == "path" else "phi3")
     adapter = make_adapter(base, tmp_path / "ad", keys=("self_attn.o_proj",))
     with pytest.raises(FormatError, match=says):

@@ -12,10 +12,10 @@ import pytest
 
 import lorakit
 from lorakit.errors import AdapterError
-from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.naming import bind
-from lorakit.io.safetensors import TensorSpec
-from lorakit.io.safetensors_write import SafetensorsWriter
+from lorakit.io.adapters.naming import bind
+from lorakit.io.formats.checkpoint import Checkpoint
+from lorakit.io.formats.safetensors import TensorSpec
+from lorakit.io.outputs.safetensors_write import SafetensorsWriter
 
 
 def rewrite(src: Path, dst: Path, rename) -> Path:

@@ -1,4 +1,4 @@
-"""The output-directory lifecycle (lorakit.io.output): --force replaces only what
+"""The output-directory lifecycle (lorakit.io.outputs.directory): --force replaces only what
 lorakit wrote, SIGTERM/SIGHUP leave nothing behind, stale temporaries are found by
 exact name, and parents created for a failed write are removed.
 """
@@ -19,7 +19,7 @@ from model_factory import make_adapter, make_model
 
 from lorakit.errors import OutputExistsError
 from lorakit.fusion.fuse import fuse
-from lorakit.io.output import (
+from lorakit.io.outputs.directory import (
     PROVENANCE,
     Interrupted,
     OutputDirectory,
@@ -352,7 +352,7 @@ def test_an_output_published_between_check_and_rename_is_explained(
     """The other fuse renames its output into place after this one saw the path free
     but before its own rename (ENOTEMPTY / ENOTDIR): the same one error saying what
     happened and what is safe, not "I/O error: Directory not empty"."""
-    import lorakit.io.output as output
+    import lorakit.io.outputs.directory as output
 
     out = check_output_path(tmp_path / "o", protected=[], force=False)
     real = output._lstat

@@ -13,8 +13,8 @@ import pytest
 
 import lorakit
 from lorakit.errors import FormatError
-from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.paths import resolve_model_path
+from lorakit.io.formats.checkpoint import Checkpoint
+from lorakit.io.formats.paths import resolve_model_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -147,8 +147,8 @@ def _tiny_checkpoint(d: Path) -> Path:
 
     import numpy as np
 
-    from lorakit.io.safetensors import TensorSpec
-    from lorakit.io.safetensors_write import SafetensorsWriter
+    from lorakit.io.formats.safetensors import TensorSpec
+    from lorakit.io.outputs.safetensors_write import SafetensorsWriter
 
     d.mkdir()
     names = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(40)]
@@ -190,8 +190,8 @@ def test_cli_os_errors_on_other_paths_are_one_message(here: Path) -> None:
 
     import numpy as np
 
-    from lorakit.io.safetensors import TensorSpec
-    from lorakit.io.safetensors_write import SafetensorsWriter
+    from lorakit.io.formats.safetensors import TensorSpec
+    from lorakit.io.outputs.safetensors_write import SafetensorsWriter
 
     ck = _tiny_checkpoint(here / "tiny")
     ad = here / "ad"  # a rank-1 mlx-lm LoRA on the last layer's up_proj

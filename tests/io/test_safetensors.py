@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st
 
 from lorakit.errors import FormatError, LorakitError  # noqa: E402
-from lorakit.io.safetensors import read_header, read_raw  # noqa: E402
+from lorakit.io.formats.safetensors import read_header, read_raw  # noqa: E402
 
 #: every dtype code of safetensors 0.8 and its bits per element (the spec, written
 #: out here rather than imported, so the test does not trust lorakit's own table).

@@ -92,7 +92,7 @@ def test_open_gives_one_source_face():
     ck = lorakit.open(ROOT / "data" / "tiny-qwen3")
     ad = lorakit.open(ROOT / "data" / "adapters" / "lora")
     f = lorakit.open(ROOT / "data" / "adapters" / "lora" / "adapters.safetensors")
-    from lorakit.io.source import TensorSource
+    from lorakit.io.formats.source import TensorSource
 
     for src, kind in ((ck, "checkpoint"), (ad, "adapter"), (f, "file")):
         assert isinstance(src, TensorSource)

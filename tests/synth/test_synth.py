@@ -18,10 +18,10 @@ from lorakit import numerics as nm
 from lorakit.cli.main import main
 from lorakit.errors import AdapterError, FormatError, OutputExistsError
 from lorakit.io.adapters.load import load_adapter
-from lorakit.io.checkpoint import Checkpoint
-from lorakit.io.naming import bind
-from lorakit.io.output import PROVENANCE
-from lorakit.io.safetensors import read_header
+from lorakit.io.adapters.naming import bind
+from lorakit.io.formats.checkpoint import Checkpoint
+from lorakit.io.formats.safetensors import read_header
+from lorakit.io.outputs.directory import PROVENANCE
 from lorakit.synth import PRESETS, parse_size, plan_checkpoint, synth_adapter, synth_checkpoint
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

@@ -11,7 +11,7 @@ import pytest
 from model_factory import make_adapter, make_model
 
 from lorakit.errors import ArgumentError
-from lorakit.io.safetensors import read_header
+from lorakit.io.formats.safetensors import read_header
 from lorakit.timing.decode import time_decode
 from lorakit.timing.table import VARIANTS, DecodeTiming, VariantTiming
 

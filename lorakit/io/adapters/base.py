@@ -38,11 +38,9 @@ import numpy as np
 
 from ...errors import AdapterError
 from ...numerics import float_format, to_float32
-from ..safetensors import TensorInfo, read_header, read_raw
+from ..formats.safetensors import TensorInfo, read_header, read_raw
 
-__all__ = ["MLX_WEIGHTS", "PEFT_WEIGHTS", "CONFIG", "PEFT_PREFIX", "EMBEDDING_HINTS",
-           "LoraTarget", "Replacement", "Adapter", "AdapterTensors", "number", "whole",
-           "check_magnitude", "problems"]
+__all__ = ["MLX_WEIGHTS", "PEFT_WEIGHTS", "EMBEDDING_HINTS", "LoraTarget", "Replacement", "Adapter"]
 
 MLX_WEIGHTS = "adapters.safetensors"
 PEFT_WEIGHTS = "adapter_model.safetensors"

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ...errors import AdapterError
 
-__all__ = ["alpha_for", "expert_modules", "restack", "mlx_scope", "layer_gaps"]
+__all__ = ["expert_modules"]
 
 #: Mixtral names its experts' projections w1/w2/w3 (mlx-lm: gate/down/up_proj).
 MIXTRAL = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 from ...errors import AdapterError, PathLike
-from ..paths import load_json, safe_member, user_path
+from ..formats.paths import load_json, safe_member, user_path
 from .base import (
     CONFIG,
     MLX_WEIGHTS,
@@ -27,7 +27,7 @@ from .base import (
 from .mlx import check_layer_scope, load_mlx
 from .peft import check_targets_exist, load_peft
 
-__all__ = ["load_adapter", "check_runtime_scope", "model_layer_count"]
+__all__ = ["load_adapter"]
 
 
 def _weights_of(path: Path, cfg: Dict[str, Any]) -> Tuple[str, Path]:
@@ -130,7 +130,7 @@ def check_runtime_scope(adapter: Adapter, ck: Any) -> None:
     """Refuse what the adapter's own runtime refuses on base ``ck`` (a Checkpoint or
     anything with ``config`` and ``tensors``): for mlx-lm, tensors outside the last
     ``num_layers`` of the model's blocks; for PEFT, ``target_modules`` that match no
-    module of the model. :func:`lorakit.io.naming.bind` calls it first; checks that
+    module of the model. :func:`lorakit.io.adapters.naming.bind` calls it first; checks that
     need no model already ran in :func:`load_adapter`."""
     names = list(getattr(ck, "tensors", None) or getattr(ck, "params", None) or ())
     config = getattr(ck, "config", None) or {}

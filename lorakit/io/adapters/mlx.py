@@ -41,7 +41,7 @@ from .base import (
     whole,
 )
 
-__all__ = ["MlxScope", "load_mlx", "check_layer_scope"]
+__all__ = []
 
 #: ``<prefix>.<layer index>.<path inside the block>``: the first numbered segment is
 #: the block index in ``model.layers`` (``model.layers.3.mlp.switch_mlp.up_proj``).

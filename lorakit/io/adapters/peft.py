@@ -42,7 +42,7 @@ from .base import (
     whole,
 )
 
-__all__ = ["Names", "PeftSettings", "load_peft", "check_targets_exist"]
+__all__ = []
 
 _LEAVES = {
     "lora_A.weight": "A", "lora_B.weight": "B",

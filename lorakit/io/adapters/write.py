@@ -2,7 +2,7 @@
 
 :func:`save_adapter` is the one adapter writer: convert, combine, extract, resize
 and ``synth_adapter`` all save through it. The output is built in a hidden sibling
-and published whole (:class:`~lorakit.io.output.OutputDirectory`, with provenance);
+and published whole (:class:`~lorakit.io.outputs.directory.OutputDirectory`, with provenance);
 an existing path is replaced only with ``force`` and only when it is a previous
 lorakit output. :func:`lorakit.load_adapter` reads back exactly what was written
 (every factor bit, every scale, each DoRA magnitude).
@@ -42,9 +42,9 @@ import numpy as np
 
 from ...errors import AdapterError, PathLike
 from ...numerics import round_to_format, to_float32
-from ..output import TMP_MARK, OutputDirectory, check_output_path
-from ..safetensors import TensorSpec, read_header
-from ..safetensors_write import SafetensorsWriter
+from ..formats.safetensors import TensorSpec, read_header
+from ..outputs.directory import TMP_MARK, OutputDirectory, check_output_path
+from ..outputs.safetensors_write import SafetensorsWriter
 from .base import (
     CONFIG,
     MLX_WEIGHTS,
@@ -55,7 +55,7 @@ from .base import (
 )
 from .layout import alpha_for, expert_modules, layer_gaps, mlx_scope, restack
 
-__all__ = ["save_adapter", "peft_config", "FORMATS"]
+__all__ = ["save_adapter"]
 
 FORMATS = ("mlx-lm", "peft")
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}

@@ -3,7 +3,7 @@ users write (``"bfloat16"``, ``"torch.bfloat16"``), MLX dtypes, and the majority
 float dtype of a set of tensors.
 
 The byte sizes and numpy storage of every code are the format's own tables
-(:data:`lorakit.io.safetensors.ITEMSIZE`, :data:`~lorakit.io.safetensors.NUMPY_STORAGE`).
+(:data:`lorakit.io.formats.safetensors.ITEMSIZE`, :data:`~lorakit.io.formats.safetensors.NUMPY_STORAGE`).
 
 >>> code_of("torch.bfloat16"), code_of("float32"), code_of("int8")
 ('BF16', 'F32', None)
@@ -15,8 +15,7 @@ from typing import Any, Dict, Iterable, Optional
 
 from .safetensors import FLOAT_CODES
 
-__all__ = ["NAME_CODES", "NAME_ALIASES", "QUANT_SUFFIXES", "code_of", "config_dtype", "majority_dtype",
-           "mx_dtype", "storage_code"]
+__all__ = ["QUANT_SUFFIXES", "code_of", "config_dtype", "mx_dtype", "storage_code"]
 
 #: float dtype names (as config.json, torch and ``--dtype`` spell them) -> safetensors code
 NAME_CODES: Dict[str, str] = {"bfloat16": "BF16", "float16": "F16", "float32": "F32",

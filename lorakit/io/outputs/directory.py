@@ -49,12 +49,10 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Type
 
-from ..errors import OutputExistsError, PathLike
+from ...errors import OutputExistsError, PathLike
 from .provenance import IGNORABLE, PROVENANCE, foreign_entries, write_provenance
 
-__all__ = ["check_output_path", "OutputDirectory", "Interrupted", "OutputWarning", "PROVENANCE",
-           "TMP_MARK", "SYNTH_MARK", "foreign_entries", "write_provenance", "stale_temporaries",
-           "live_temporaries", "clean_stale_temporaries", "temp_owner"]
+__all__ = ["check_output_path", "OutputDirectory", "OutputWarning", "SYNTH_MARK"]
 
 
 TMP_MARK = ".lorakit-tmp-"

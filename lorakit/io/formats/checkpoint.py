@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 if TYPE_CHECKING:
     import numpy as np
 
-from ..errors import FormatError, PathLike
+from ...errors import FormatError, PathLike
 from .dtypes import majority_dtype
 from .paths import (
     check_model_dir,
@@ -93,7 +93,7 @@ def _check_packing(w: TensorInfo, s: TensorInfo, gs: int, bits: int, mode: str,
 
 class Checkpoint:
     """A base checkpoint directory, opened lazily: the directory implementation of
-    :class:`~lorakit.io.source.TensorSource` (``kind == "checkpoint"``).
+    :class:`~lorakit.io.formats.source.TensorSource` (``kind == "checkpoint"``).
 
     Attributes:
         path: the directory.

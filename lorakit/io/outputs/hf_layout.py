@@ -28,12 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Tuple
 
-from ..errors import FuseError
-from .safetensors import TensorSpec, read_header, read_raw
+from ...errors import FuseError
+from ..formats.safetensors import TensorSpec, read_header, read_raw
 from .safetensors_write import SafetensorsWriter
 
-__all__ = ["FAMILIES", "Family", "LAYOUT_NOTES", "check_layout", "is_stacked", "layout_note",
-           "to_transformers"]
+__all__ = ["check_layout", "is_stacked", "layout_note", "to_transformers"]
 
 _STACKED = re.compile(r"^(?P<pre>.*\.)(?P<block>mlp|block_sparse_moe)\.switch_mlp\."
                       r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<leaf>weight|bias)$")

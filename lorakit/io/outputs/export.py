@@ -1,5 +1,5 @@
 """Where a fused checkpoint goes after lorakit writes it: a GGUF file llama.cpp loads
-(``--export-gguf``, written by :mod:`lorakit.io.gguf` on llama.cpp's own ``gguf``
+(``--export-gguf``, written by :mod:`lorakit.io.outputs.gguf` on llama.cpp's own ``gguf``
 writer), the hub through ``huggingface_hub`` (``--upload-repo``). Both are checked
 before the fuse starts, so a refusal costs nothing.
 
@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import ArgumentError, FormatError, LorakitError
+from ...errors import ArgumentError, FormatError, LorakitError
 from .gguf import GGUF_ARCHS, check_gguf_model, write_model_gguf
 
 __all__ = ["check_gguf_export", "export_gguf", "check_upload", "upload"]

@@ -40,10 +40,9 @@ from typing import (
 
 from safetensors import SafetensorError, safe_open
 
-from ..errors import ArgumentError, FormatError, PathLike
+from ...errors import ArgumentError, FormatError, PathLike
 
-__all__ = ["ITEMSIZE", "NUMPY_STORAGE", "FLOAT_CODES", "TensorSpec", "TensorInfo",
-           "SafetensorsHeader", "read_header", "read_raw", "raw_to_mx", "mx_to_raw", "MX_CODES"]
+__all__ = ["ITEMSIZE", "NUMPY_STORAGE", "FLOAT_CODES", "TensorSpec", "TensorInfo", "read_header", "raw_to_mx", "mx_to_raw"]
 
 #: bits per element of every dtype the reference (safetensors 0.8) knows.
 DTYPE_BITS: Dict[str, int] = {
@@ -318,7 +317,7 @@ def read_header(path: PathLike) -> SafetensorsHeader:
 
     A header the reference (``safetensors.safe_open``) refuses, or one naming a tensor
     twice, raises :class:`~lorakit.errors.FormatError` naming the file, the tensor and
-    the broken rule (see :mod:`lorakit.io.safetensors`).
+    the broken rule (see :mod:`lorakit.io.formats.safetensors`).
 
     >>> read_header("data/tiny-qwen3/model.safetensors").tensors["model.norm.weight"].shape
     (256,)

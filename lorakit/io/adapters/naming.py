@@ -21,11 +21,11 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from ..errors import AdapterError
-from .adapters.base import Adapter, LoraTarget, Replacement
-from .adapters.load import check_runtime_scope
-from .checkpoint import QuantParams
-from .source import TensorSource
+from ...errors import AdapterError
+from ..formats.checkpoint import QuantParams
+from ..formats.source import TensorSource
+from .base import Adapter, LoraTarget, Replacement
+from .load import check_runtime_scope
 
 __all__ = ["Binding", "strip_prefix", "logical_shape", "bind", "bindings_by_tensor",
            "bind_replacements"]

@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
-from ..errors import LorakitError, PathLike
+from ...errors import LorakitError, PathLike
 
 __all__ = ["DEFAULT_CORPUS", "CALIBRATION_CORPUS", "read_corpus", "encode_text"]
 
-_CORPORA = Path(__file__).resolve().parents[2] / "data" / "corpora" / "fortunes"
+_CORPORA = Path(__file__).resolve().parents[3] / "data" / "corpora" / "fortunes"
 #: the embedded validation text (held out from the embedded adapters' training text)
 DEFAULT_CORPUS = _CORPORA / "valid.jsonl"
 #: the embedded training text: calibration that stays apart from the scored text

@@ -13,9 +13,9 @@ import stat
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
-from .. import __version__
+from ... import __version__
 
-__all__ = ["PROVENANCE", "IGNORABLE", "foreign_entries", "write_provenance"]
+__all__ = []
 
 #: the provenance file lorakit writes into every output it makes
 PROVENANCE = "lorakit.json"

@@ -32,12 +32,11 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..errors import AdapterError, FormatError, OutputExistsError
-from ..numerics import to_float32
-from . import source
+from ...errors import AdapterError, FormatError, OutputExistsError
+from ...numerics import to_float32
+from ..formats import source
 
-__all__ = ["GGUF_ARCHS", "GGUF_OUTTYPES", "check_gguf_model", "write_model_gguf",
-           "write_lora_gguf", "gguf_tensor_name"]
+__all__ = ["write_lora_gguf"]
 
 #: config.json model_type -> llama.cpp architecture (convert_hf_to_gguf.py's classes)
 GGUF_ARCHS: Dict[str, str] = {"llama": "llama", "mistral": "llama", "mixtral": "llama",

@@ -18,10 +18,10 @@ from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..errors import FormatError, PathLike
-from .safetensors import TensorInfo, TensorSpec
+from ...errors import FormatError, PathLike
+from ..formats.safetensors import TensorInfo, TensorSpec
 
-__all__ = ["SafetensorsWriter", "WRITEBACK_BYTES", "start_writeback"]
+__all__ = ["SafetensorsWriter"]
 
 
 class SafetensorsWriter:
@@ -32,7 +32,7 @@ class SafetensorsWriter:
 
     >>> with SafetensorsWriter("w.safetensors", [TensorSpec("w", "BF16", (2, 2))]) as w:
     ...     w.write("w", np.zeros((2, 2), np.uint16))
-    >>> from lorakit.io.safetensors import read_header
+    >>> from lorakit.io.formats.safetensors import read_header
     >>> read_header("w.safetensors").tensors["w"].dtype
     'BF16'
     """

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from .. import __version__
+from ... import __version__
 
 __all__ = ["CARD_NAME", "write_model_card"]
 

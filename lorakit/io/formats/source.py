@@ -1,11 +1,11 @@
 """Tensor sources: one face for everything that holds named tensors.
 
-A *source* is a checkpoint directory (:class:`~lorakit.io.checkpoint.Checkpoint`),
+A *source* is a checkpoint directory (:class:`~lorakit.io.formats.checkpoint.Checkpoint`),
 one ``.safetensors`` file or adapter directory (:class:`FileSource`), or an mlx-lm
 model in memory (:class:`ModelSource`). All of them satisfy the :class:`TensorSource`
 protocol: names with dtype codes and shapes read without touching data, one tensor's
 raw storage on request, the model config, the majority float dtype and, for
-quantized modules, their packing. Binding an adapter (:func:`lorakit.io.naming.bind`),
+quantized modules, their packing. Binding an adapter (:func:`lorakit.io.adapters.naming.bind`),
 fusing, inspecting and timing all take a source; :func:`open`, the one door every
 verb reads its inputs through, makes one from whatever the user passed.
 
@@ -29,7 +29,7 @@ from typing import (
 if TYPE_CHECKING:
     import numpy as np
 
-from ..errors import FormatError, PathLike
+from ...errors import FormatError, PathLike
 from .checkpoint import Checkpoint, QuantParams
 from .dtypes import majority_dtype
 from .paths import load_json, resolve_model_path, safe_member, stat_path, user_path
@@ -42,7 +42,7 @@ from .safetensors import (
     read_raw,
 )
 
-__all__ = ["TensorSource", "FileSource", "ModelSource", "open"]
+__all__ = ["TensorSource", "ModelSource", "open"]
 
 # adapter directories hold one of these (see lorakit.io.adapters.load)
 _ADAPTER_CONFIG = "adapter_config.json"
@@ -86,7 +86,7 @@ class TensorSource(Protocol):
     @property
     def dtype(self) -> str:
         """The majority float dtype by element count
-        (:func:`~lorakit.io.dtypes.majority_dtype`)."""
+        (:func:`~lorakit.io.formats.dtypes.majority_dtype`)."""
         ...
 
     def __contains__(self, name: object) -> bool: ...

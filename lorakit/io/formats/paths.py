@@ -17,11 +17,10 @@ import stat
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import FormatError, PathLike, UnsafePathError
+from ...errors import FormatError, PathLike, UnsafePathError
 from .safetensors import _file_kind
 
-__all__ = ["load_json", "is_hub_blob", "safe_member", "user_path", "check_model_dir",
-           "resolve_model_path"]
+__all__ = ["resolve_model_path"]
 
 
 #: a JSON config larger than this is refused before it is read (real ones are KBs).

@@ -1,6 +1,6 @@
 """A weight's values as float64, from any tensor source (dequantizing packed weights).
 
-Split from :mod:`lorakit.io.source` so that opening a source and reading its headers
+Split from :mod:`lorakit.io.formats.source` so that opening a source and reading its headers
 loads no numpy (``lorakit inspect`` of a checkpoint starts fast).
 """
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Optional
 
 import numpy as np
 
-from .. import numerics as nm
-from ..errors import FormatError
+from ... import numerics as nm
+from ...errors import FormatError
 from .safetensors import FLOAT_CODES, raw_to_mx
 from .source import TensorSource
 

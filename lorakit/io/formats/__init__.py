@@ -1,0 +1,1 @@
+"""File formats read: safetensors, checkpoints, the one door (``open``), dtypes, paths, corpora."""

@@ -1,0 +1,1 @@
+"""Outputs written safely: the output directory's life, the streaming writer, provenance, model cards, GGUF, exports."""
