@@ -7,5 +7,6 @@
 # from a busy one, so the few minute-long tests do not leave a core idle at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE  # keep compiled modules between workers and runs
 bash tools/setup.sh
 exec .venv/bin/python -m pytest -q -n "${LORAKIT_TEST_WORKERS:-auto}" --dist worksteal "$@"
