@@ -144,6 +144,24 @@ def test_clone_shares_the_untouched_bytes(cow: Path, monkeypatch) -> None:
     _same_model(cow / "share" / "clone", cow / "share" / "whole")
 
 
+@pytest.mark.parametrize("base, adapter, kw", [
+    ("tiny-qwen3-4bit", "lora-4bit", {}),  # re-quantized with the same bits: same layout
+    ("tiny-qwen3-4bit", "lora-4bit", {"dequantize": True}),  # new shapes: written whole
+    ("tiny-qwen3", "dora", {}), ("tiny-qwen3", "peft-lora", {}),
+    ("tiny-qwen3-moe", "moe-lora", {}), ("tiny-qwen3", "lora", {"rounding": "mlx-lm"})])
+def test_every_kind_of_fuse_is_the_same_model(cow: Path, monkeypatch, base: str, adapter: str,
+                                              kw: Dict[str, object]) -> None:
+    where = cow / f"kind-{base}-{adapter}-{'-'.join(kw)}"
+    shutil.copytree(DATA / base, where / "base")
+    shutil.copytree(DATA / "adapters" / adapter, where / "ad")
+    r = lorakit.fuse(where / "base", where / "ad", where / "clone", progress=False, **kw)
+    want = f"{WRITTEN}: tensors change dtype, shape or order" if kw.get("dequantize") else CLONED
+    assert set(r.shards.values()) == {want}, r.shards
+    monkeypatch.setenv("LORAKIT_CLONE", "0")
+    lorakit.fuse(where / "base", where / "ad", where / "whole", progress=False, **kw)
+    _same_model(where / "clone", where / "whole")
+
+
 def test_a_header_with_room_keeps_the_base_layout(cow: Path, monkeypatch) -> None:
     base, ad = _inputs(cow, "room")
     _pad_header(base / "model.safetensors", 4096)
