@@ -49,7 +49,8 @@ from lorakit.io.adapters.load import load_adapter  # noqa: E402
 from lorakit.io.checkpoint import Checkpoint  # noqa: E402
 from lorakit.io.naming import bind, bindings_by_tensor  # noqa: E402
 
-TODAY, CLONE = "lorakit fuse, today's writer (LORAKIT_CLONE=0)", "lorakit fuse, clone and patch"
+TODAY = "lorakit fuse, LORAKIT_CLONE=0 (today's writer)"
+CLONE = "lorakit fuse (clone and patch where it can)"
 NEVER, ALWAYS = "cp -r --reflink=never", "cp -r --reflink=always"
 
 #: forks and execs the command; waits without reaping (``WNOWAIT``) so the child's

@@ -13,7 +13,9 @@ writer writes the whole shard as before. ``LORAKIT_CLONE=0`` turns cloning off.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
 import os
 import struct
 import sys
@@ -74,16 +76,12 @@ def _clone(src: Path, dst: Path, start: int, base_start: int) -> BinaryIO:
     """``dst``, created as a clone of ``src`` whose data begins at ``start`` (the base's
     at ``base_start``), open for writing in place."""
     if sys.platform == "darwin":  # clonefile(2): whole files only, the output not there yet
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.clonefile(os.fsencode(str(src)), os.fsencode(str(dst)), 0) != 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
         os.chmod(dst, 0o644)  # the clone has the base's mode, which may be read-only
         return open(dst, "r+b", buffering=0)
-    import fcntl  # lazy: POSIX only
-
     f = open(dst, "w+b", buffering=0)
     try:
         with open(src, "rb") as s:
