@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a development environment in .venv: lorakit (editable) with the notebook,
 # test and browser-test dependencies. Safe to run again. On Linux as root it also
-# installs Debian's chromium for the real-browser tests (skipped elsewhere).
+# installs Debian's chromium for the real-browser tests and xfsprogs for the
+# copy-on-write tests (skipped elsewhere).
 #
 # Output is one progress line per step. What the tools print (pip's notices,
 # setuptools' build banners, apt's lists) goes to a log that is shown only when its
@@ -50,6 +51,10 @@ step "installing lorakit (editable) and its dependencies" \
   .venv/bin/python -m pip install -q -e '.[dev]'
 if [ "$(uname -s)" = "Linux" ] && [ "$(id -u)" = "0" ] && ! command -v chromium >/dev/null 2>&1; then
   step "installing chromium for the browser tests (apt-get)" apt_install chromium
+fi
+# mkfs.xfs makes the loop XFS image (reflink) that the copy-on-write fuse tests mount
+if [ "$(uname -s)" = "Linux" ] && [ "$(id -u)" = "0" ] && ! command -v mkfs.xfs >/dev/null 2>&1; then
+  step "installing xfsprogs for the copy-on-write tests (apt-get)" apt_install xfsprogs
 fi
 # the kernel spec is a convenience: a failure here must not fail the set-up
 step "registering the Jupyter kernel" \

@@ -288,6 +288,9 @@ def _relayout(result: "FuseResult", tmp: Path, ck: Checkpoint, layout: str) -> N
     names = list(ck.tensors)
     if layout == "transformers" and any(is_stacked(n) for n in names):
         names, dtypes, result.bytes_written = to_transformers(tmp, ck.config, INDEX_NAME)
+        result.bytes_shared = 0  # every shard rewritten, one tensor per expert
+        result.shards = {k: "written whole: the transformers layout splits the experts"
+                         for k in result.shards}
         result.tensors_total, result.dtypes_written = len(names), dict(dtypes)
     result.layout, result.layout_note = layout, layout_note(layout, names)
 
@@ -302,7 +305,8 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
     fused_names: List[str] = []
     replaced_names: List[str] = []
     weight_map: Dict[str, str] = {}
-    total_bytes = 0
+    total_bytes = shared = 0
+    paths: Dict[str, str] = {}  # shard -> clone and patch, or written whole and why
     meta_extra = {
         "lorakit.version": __version__,
         "lorakit.adapter_sha256": adapter.sha256,
@@ -322,7 +326,8 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
             jobs = _Jobs(ck, items, by_tensor, opts, choices)
             # re-quantized parts of the module being written, until all three are out
             pending: Dict[str, Dict[str, np.ndarray]] = {}
-            with SafetensorsWriter(tmp / shard, [i.plan for i in items], meta) as w, jobs:
+            with SafetensorsWriter(tmp / shard, [i.plan for i in items], meta,
+                                   clone_of=ck.headers[shard]) as w, jobs:
                 for k, it in enumerate(items):
                     jobs.pump(k)
                     src = it.source
@@ -348,6 +353,7 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
                     weight_map[it.name] = shard
                     bar.update(src.nbytes if src is not None else 0)
             total_bytes += (tmp / shard).stat().st_size
+            shared, paths[shard] = shared + w.shared, w.how
     except LorakitError as e:
         if e.file is not None or it is None:
             raise
@@ -359,6 +365,7 @@ def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]]
     return FuseResult(output=out, base=ck.path, adapter=adapter.path, options=opts,
                       tensors_fused=len(fused_names), tensors_total=len(weight_map),
                       dtypes_written=dict(dtypes), bytes_written=total_bytes,
+                      bytes_shared=shared, shards=paths,
                       seconds=time.perf_counter() - t0,
                       dequantized=opts.dequantize and ck.quantization is not None,
                       requant=requant, fused_names=fused_names, replaced_names=replaced_names,
@@ -534,6 +541,10 @@ class FuseResult(Report):
     tensors_total: int = 0
     dtypes_written: Dict[str, int] = field(default_factory=dict)
     bytes_written: int = 0
+    #: of those, the bytes a clone shares with the base (written: the rest)
+    bytes_shared: int = 0
+    #: shard -> how it was written: "clone and patch", or "written whole: why"
+    shards: Dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     dequantized: bool = False
     requant: List[RequantStat] = field(default_factory=list)
@@ -570,7 +581,7 @@ class FuseResult(Report):
                              "adapter": str(self.adapter), "rounding": self.rounding,
                              "dtype_policy": self.dtype_policy}
         for k in ("tensors_fused", "tensors_total", "dtypes_written", "bytes_written",
-                  "seconds", "dequantized"):
+                  "bytes_shared", "shards", "seconds", "dequantized"):
             d[k] = getattr(self, k)
         d["requant"] = [r.__dict__ for r in self.requant]
         d["fused_names"], d["replaced_names"] = self.fused_names, self.replaced_names
@@ -587,7 +598,8 @@ class FuseResult(Report):
                 ("tensors fused", f"{self.tensors_fused} of {self.tensors_total}"),
                 ("dtypes written", ", ".join(f"{k}: {v}" for k, v in
                                              sorted(self.dtypes_written.items()))),
-                ("bytes written", f"{self.bytes_written / 1e9:.3f} GB"),
+                ("output size", f"{self.bytes_written / 1e9:.3f} GB"),
+                ("disk writes", self._disk()),
                 ("time", f"{self.seconds:.2f} s")]
         if self.layout_note:
             rows.append(("layout", self.layout_note))
@@ -607,6 +619,16 @@ class FuseResult(Report):
         if self.dequantized:
             rows.append(("quantization", "dequantized (float weights written)"))
         return rows
+
+    def _disk(self) -> str:
+        """Bytes written and shared with the base, and which path each shard took."""
+        ways: Dict[str, List[str]] = {}
+        for shard, how in self.shards.items():
+            ways.setdefault(how, []).append(shard)
+        said = "; ".join(how + (" (every shard)" if len(ways) == 1 else f" ({', '.join(n)})")
+                         for how, n in ways.items())
+        return (f"{(self.bytes_written - self.bytes_shared) / 1e9:.3f} GB written, "
+                f"{self.bytes_shared / 1e9:.3f} GB shared with the base; {said}")
 
     def __str__(self) -> str:
         rows = self._rows()

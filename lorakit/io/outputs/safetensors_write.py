@@ -3,6 +3,8 @@
 The header is written first from a plan (:class:`TensorSpec`), so no tensor waits
 in memory for the others and a checkpoint larger than RAM can be written;
 :func:`copy_range` copies an untouched tensor's bytes inside the kernel where it can.
+Given the base shard (``clone_of``), a writer whose plan keeps the base's layout
+clones it and writes only the tensors it is given (:mod:`lorakit.io.outputs.clone`).
 The files are plain safetensors that ``mx.load``, ``safetensors`` and ``mlx_lm.load``
 open.
 """
@@ -19,7 +21,8 @@ from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from ...errors import FormatError, PathLike
-from ..formats.safetensors import TensorInfo, TensorSpec
+from ..formats.safetensors import SafetensorsHeader, TensorInfo, TensorSpec
+from .clone import CLONED, WRITTEN, clone_shard
 
 __all__ = ["SafetensorsWriter"]
 
@@ -38,7 +41,8 @@ class SafetensorsWriter:
     """
 
     def __init__(self, path: PathLike, plan: Sequence[TensorSpec],
-                 metadata: Optional[Mapping[str, str]] = None) -> None:
+                 metadata: Optional[Mapping[str, str]] = None,
+                 clone_of: Optional[SafetensorsHeader] = None) -> None:
         self.path = Path(path)
         self.plan = list(plan)
         header: Dict[str, object] = {}
@@ -52,13 +56,22 @@ class SafetensorsWriter:
         self.total = off
         blob = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
         blob += b" " * (-len(blob) % 8)  # data aligned to 8 bytes, as the reference writer does
-        # unbuffered: a tensor goes to the kernel in one call, with no copy through a
-        # Python buffer (BENCHMARKS.md, "fuse steps")
-        self._f = open(self.path, "wb", buffering=0)
-        _write_all(self._f, struct.pack("<Q", len(blob)) + blob)
+        #: how the shard was written: clone.CLONED, or clone.WRITTEN and why not cloned
+        self.how, self.shared = WRITTEN, 0
+        f, start = None, 0
+        if clone_of is not None:  # a clone of the base shard, patched in place (io/outputs/clone.py)
+            f, start, why = clone_shard(clone_of, self.path, self.plan, blob)
+            self.how = CLONED if f is not None else f"{WRITTEN}: {why}"
+        if f is None:
+            # unbuffered: a tensor goes to the kernel in one call, with no copy through a
+            # Python buffer (BENCHMARKS.md, "fuse steps")
+            f = open(self.path, "wb", buffering=0)
+            _write_all(f, struct.pack("<Q", len(blob)) + blob)
+            start = 8 + len(blob)
+        self._f, self.cloned = f, self.how == CLONED
         self._next = 0
         self.bytes_written = 0
-        self._pos = self._synced = 8 + len(blob)
+        self._pos = self._synced = start
 
     def _expect(self, name: str) -> TensorSpec:
         if self._next >= len(self.plan) or self.plan[self._next].name != name:
@@ -75,6 +88,8 @@ class SafetensorsWriter:
         if data.nbytes != p.nbytes or tuple(data.shape) != p.shape:
             raise RuntimeError(f"{name}: planned {p.dtype}{list(p.shape)} ({p.nbytes} bytes), "
                                f"got {data.dtype}{list(data.shape)} ({data.nbytes} bytes)")
+        if self.cloned:
+            self._f.seek(self._pos)
         _write_all(self._f, memoryview(data.reshape(-1)).cast("B"))
         self._advance(p.nbytes)
 
@@ -82,6 +97,8 @@ class SafetensorsWriter:
         """Write the next tensor from consecutive pieces of its raw storage."""
         p = self._expect(name)
         n = 0
+        if self.cloned:
+            self._f.seek(self._pos)
         for c in chunks:
             c = np.ascontiguousarray(c)
             _write_all(self._f, memoryview(c.reshape(-1)).cast("B"))
@@ -95,6 +112,10 @@ class SafetensorsWriter:
         p = self._expect(name)
         if src.nbytes != p.nbytes:
             raise RuntimeError(f"{name}: planned {p.nbytes} bytes, source has {src.nbytes}")
+        if self.cloned:  # the clone holds these bytes already, shared with the base
+            self.shared += p.nbytes
+            self._pos = self._synced = self._pos + p.nbytes
+            return
         copy_range(src.file, src.begin, src.nbytes, self._f)
         self._advance(p.nbytes)
 
