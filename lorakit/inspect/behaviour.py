@@ -263,7 +263,7 @@ def compare_outputs(reference: Any, test: Any, corpus: Optional[PathLike] = None
                     tokens: Optional[int] = None, context: int = 512,
                     ref_adapter: Optional[PathLike] = None,
                     test_adapter: Optional[PathLike] = None, top_k: int = 5,
-                    detail: int = 256, progress: Progress = None):
+                    detail: int = 256, progress: Progress = None, base: Any = None):
     """How differently two models behave on a corpus: per-token KL(P_ref || P_test),
     top-1 agreement and both perplexities (the module docstring has the exact rules).
 
@@ -273,7 +273,14 @@ def compare_outputs(reference: Any, test: Any, corpus: Optional[PathLike] = None
     :func:`lorakit.fusion.attach_adapter`). ``corpus``: a text or ``.jsonl`` file (default: the
     embedded validation text). ``tokens``: use only the first N tokens. ``context``:
     window length. ``top_k`` / ``detail``: both models' top candidates kept for the
-    first ``detail`` scored tokens. Returns a
+    first ``detail`` scored tokens. ``base`` (a model as ``reference``; usually the
+    reference is base + adapter and the test its fuse): also score KL(P_ref ||
+    P_base) and report the *effect kept*, 1 - KL(ref || test) / KL(ref || base), per
+    token (``arrays["effect_kept"]``) and in total (``effect_kept``, on the summed
+    KLs): 1 when the test behaves as the reference, 0 when as the base (a second
+    pass of both reference and base). Every mean has a 95% bootstrap interval over
+    windows (``mean_kl_interval``...; :func:`lorakit.timing.stats.window_intervals`).
+    Returns a
     :class:`~lorakit.inspect.behaviour.BehaviourReport` (``mean_kl``,
     ``top1_agreement``, ``ppl_ref``... and the raw per-token arrays).
     """
@@ -283,12 +290,17 @@ def compare_outputs(reference: Any, test: Any, corpus: Optional[PathLike] = None
     ids = encode_text(ref.tokenizer, text)
     wins = windows(ids, context, tokens)
     # a model whose dtype MLX's CPU refuses for some op (bf16 GatherMM...): float32
-    notes = {side: float32_if_refused(s.model) for side, s in (("reference", ref), ("test", tst))}
+    bse = _side(base, None, "base") if base is not None else None
+    sides = (("reference", ref), ("test", tst)) + ((("base", bse),) if bse else ())
+    notes = {side: float32_if_refused(s.model) for side, s in sides}
     arrays = score_windows(ref.model, tst.model, wins, top_k=top_k, detail=detail,
                            progress=progress)
+    if bse is not None:
+        arrays["base_kl"] = score_windows(ref.model, bse.model, wins, top_k=0, detail=0)["kl"]
     rep = BehaviourReport.build(arrays, reference=ref.label, test=tst.label, corpus=name,
                                 corpus_sha256=sha, context=context,
-                                corpus_tokens=len(ids), tokenizer=ref.tokenizer)
+                                corpus_tokens=len(ids), tokenizer=ref.tokenizer,
+                                base=bse.label if bse else None)
     return with_float32_note(rep, notes)
 
 
@@ -321,6 +333,55 @@ def _shown(piece: str) -> str:
     at an end or unprintable characters."""
     plain = piece and piece.isprintable() and piece.strip() == piece
     return piece if plain else repr(piece)
+
+
+def kl_stats(arrays: Dict[str, np.ndarray], per: int) -> Dict[str, Any]:
+    """The summary numbers of per-token arrays (``kl``, ``top1_agree``, ``ref_top1``,
+    ``test_top1``, ``ref_nll``, ``test_nll``; with ``base_kl`` also the effect kept),
+    each mean with its 95% bootstrap interval over windows of ``per`` scored tokens
+    (``<name>_interval``). Adds ``arrays["effect_kept"]`` per token when ``base_kl``
+    is there (NaN where the base's KL is 0)."""
+    from ..timing.stats import window_intervals  # pure Python; no mlx
+
+    kl = arrays["kl"].astype(np.float64)
+    n = int(kl.size)
+    w = max(n // max(per, 1), 1)
+    sums = lambda a: a[: w * (n // w)].astype(np.float64).reshape(w, -1).sum(1)  # noqa: E731
+    cols = {"kl": sums(kl), "agree": sums(arrays["top1_agree"]), "nr": sums(arrays["ref_nll"]),
+            "nt": sums(arrays["test_nll"]), "n": np.full(w, n // w, np.float64)}
+    means = {"mean_kl": lambda t: t["kl"] / t["n"], "top1_agreement": lambda t: t["agree"] / t["n"],
+             "ppl_ref": lambda t: math.exp(t["nr"] / t["n"]),
+             "ppl_test": lambda t: math.exp(t["nt"] / t["n"])}
+    base = arrays.get("base_kl")
+    if base is not None:
+        b = base.astype(np.float64)
+        cols["base"] = sums(b)
+        means["effect_kept"] = lambda t: 1 - t["kl"] / t["base"] if t["base"] > 0 else math.nan
+        with np.errstate(divide="ignore", invalid="ignore"):
+            arrays["effect_kept"] = np.where(b > 0, 1 - kl / b, np.nan)
+    spans = window_intervals(cols, means)
+    stats: Dict[str, Any] = {
+        "mean_kl": float(kl.mean()), "mean_kl_interval": list(spans["mean_kl"]),
+        "median_kl": float(np.median(kl)),
+        "p90_kl": float(np.percentile(kl, 90)),
+        "p99_kl": float(np.percentile(kl, 99)),
+        "p999_kl": float(np.percentile(kl, 99.9)),
+        "max_kl": float(kl.max()),
+        "top1_agreement": float(np.mean(arrays["top1_agree"])),
+        "top1_agreement_interval": list(spans["top1_agreement"]),
+        "top1_agreement_strict": float(np.mean(arrays["ref_top1"] == arrays["test_top1"])),
+        "ppl_ref": math.exp(float(arrays["ref_nll"].astype(np.float64).mean())),
+        "ppl_ref_interval": list(spans["ppl_ref"]),
+        "ppl_test": math.exp(float(arrays["test_nll"].astype(np.float64).mean())),
+        "ppl_test_interval": list(spans["ppl_test"]),
+        "tokens": n,
+    }
+    if base is not None:
+        total = float(cols["base"].sum())
+        stats.update(mean_kl_base=float(b.mean()),
+                     effect_kept=1 - float(kl.sum()) / total if total > 0 else math.nan,
+                     effect_kept_interval=list(spans["effect_kept"]))
+    return stats
 
 
 @dataclass(repr=False)
@@ -365,22 +426,10 @@ class BehaviourReport(Report):
     @classmethod
     def build(cls, arrays: Dict[str, np.ndarray], *, reference: str, test: str, corpus: str,
               corpus_sha256: str, context: int, corpus_tokens: int, tokenizer: Any = None,
-              worst: int = 10) -> "BehaviourReport":
+              worst: int = 10, base: Optional[str] = None) -> "BehaviourReport":
         kl = arrays["kl"].astype(np.float64)
         n = int(kl.size)
-        stats: Dict[str, Any] = {
-            "mean_kl": float(kl.mean()),
-            "median_kl": float(np.median(kl)),
-            "p90_kl": float(np.percentile(kl, 90)),
-            "p99_kl": float(np.percentile(kl, 99)),
-            "p999_kl": float(np.percentile(kl, 99.9)),
-            "max_kl": float(kl.max()),
-            "top1_agreement": float(np.mean(arrays["top1_agree"])),
-            "top1_agreement_strict": float(np.mean(arrays["ref_top1"] == arrays["test_top1"])),
-            "ppl_ref": math.exp(float(arrays["ref_nll"].astype(np.float64).mean())),
-            "ppl_test": math.exp(float(arrays["test_nll"].astype(np.float64).mean())),
-            "tokens": n,
-        }
+        stats = kl_stats(arrays, context - 1)
         dec = (lambda i: _piece(tokenizer, i)) if tokenizer is not None else str
         order = np.argsort(-kl, kind="stable")[:worst]
         rows = []
@@ -394,7 +443,8 @@ class BehaviourReport(Report):
         pieces = [dec(t) for t in arrays["target"][:m]]
         rtp = [[dec(t) for t in r] for r in arrays.get("ref_top_ids", ())]
         ttp = [[dec(t) for t in r] for r in arrays.get("test_top_ids", ())]
-        summary = {"reference": reference, "test": test, "corpus": corpus,
+        summary = {"reference": reference, "test": test, **({"base": base} if base else {}),
+                   "corpus": corpus,
                    "corpus_sha256": corpus_sha256, "corpus_tokens": corpus_tokens,
                    "context": context, "windows": n // max(context - 1, 1), **stats}
         return cls(title=f"behaviour: KL(reference || test) over {n} tokens", rows=rows,

@@ -818,8 +818,8 @@ DEFAULT_TOKENS = 1024
 #: window length (shorter when fewer tokens are asked for)
 CONTEXT = 256
 #: the numbers kept from the behaviour report
-KEYS = ("mean_kl", "median_kl", "p99_kl", "max_kl", "top1_agreement",
-        "top1_agreement_strict", "ppl_ref", "ppl_test", "tokens")
+KEYS = ("mean_kl", "mean_kl_interval", "median_kl", "p99_kl", "max_kl", "top1_agreement",
+        "top1_agreement_interval", "top1_agreement_strict", "ppl_ref", "ppl_test", "tokens")
 
 
 def behaviour_tokens(behaviour: Union[bool, int, None]) -> Optional[int]:
@@ -859,13 +859,16 @@ def fused_vs_unfused(fused: Any, base: Any, adapter: Any, tokens: int, *,
 
 
 def behaviour_line(stats: Dict[str, Any]) -> str:
-    """``mean KL 3.8e-05, top-1 100% (argmax alone 99.12%; 1020 tokens)``: the second
+    """``mean KL 3.8e-05 [95% 3.1e-05, 4.6e-05], top-1 100% [100, 100] (argmax alone
+    99.12%; 1020 tokens)``: bootstrap intervals over windows in brackets; the argmax
     figure only where exact logit ties make the two rules differ."""
     top, strict = stats["top1_agreement"], stats.get("top1_agreement_strict", stats["top1_agreement"])
     alone = f"argmax alone {100 * strict:.4g}%; " if strict != top else ""
     f32 = "; computed in float32 (MLX's CPU refused the model's dtype)" \
         if stats.get("float32") else ""
-    return (f"mean KL {stats['mean_kl']:.2g}, top-1 {100 * top:.4g}% "
+    (kl_lo, kl_hi), (t_lo, t_hi) = stats["mean_kl_interval"], stats["top1_agreement_interval"]
+    return (f"mean KL {stats['mean_kl']:.2g} [95% {kl_lo:.2g}, {kl_hi:.2g}], "
+            f"top-1 {100 * top:.4g}% [{100 * t_lo:.4g}, {100 * t_hi:.4g}] "
             f"({alone}{stats['tokens']} tokens{f32})")
 
 
