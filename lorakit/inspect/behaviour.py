@@ -48,6 +48,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..bootstrap import window_intervals
 from ..errors import ArgumentError, LorakitError, PathLike
 from ..fusion.model import attach_adapter
 from ..io.formats.corpus import encode_text, read_corpus
@@ -279,7 +280,7 @@ def compare_outputs(reference: Any, test: Any, corpus: Optional[PathLike] = None
     token (``arrays["effect_kept"]``) and in total (``effect_kept``, on the summed
     KLs): 1 when the test behaves as the reference, 0 when as the base (a second
     pass of both reference and base). Every mean has a 95% bootstrap interval over
-    windows (``mean_kl_interval``...; :func:`lorakit.timing.stats.window_intervals`).
+    windows (``mean_kl_interval``...; :func:`lorakit.bootstrap.window_intervals`).
     Returns a
     :class:`~lorakit.inspect.behaviour.BehaviourReport` (``mean_kl``,
     ``top1_agreement``, ``ppl_ref``... and the raw per-token arrays).
@@ -341,8 +342,6 @@ def kl_stats(arrays: Dict[str, np.ndarray], per: int) -> Dict[str, Any]:
     each mean with its 95% bootstrap interval over windows of ``per`` scored tokens
     (``<name>_interval``). Adds ``arrays["effect_kept"]`` per token when ``base_kl``
     is there (NaN where the base's KL is 0)."""
-    from ..timing.stats import window_intervals  # pure Python; no mlx
-
     kl = arrays["kl"].astype(np.float64)
     n = int(kl.size)
     w = max(n // max(per, 1), 1)

@@ -251,3 +251,31 @@ def kl_figure(kl: np.ndarray, context: int, *, title: str, ax=None):
     along.legend(fontsize="small")
     fig.suptitle(title)
     return fig
+
+
+def dose_response(scales: Sequence[float], kl: Dict[str, Sequence[Tuple[float, float, float]]],
+                  agreement: Dict[str, Sequence[float]], *, title: str, ax=None):
+    """Mean KL per scale, one line per reference with its (mean, low, high) interval as
+    error bars (symlog: 0 at the reference itself), top-1 agreement on a second axis."""
+    import numpy as np  # lazy: the dtype map's header path starts without numpy
+
+    fig, ax = _new(ax, (6.5, 3.5))
+    x = np.asarray(scales, dtype=float)
+    for label, pts in kl.items():
+        m, lo, hi = (np.asarray(c, dtype=float) for c in zip(*pts))
+        err = np.nan_to_num(np.vstack([m - lo, hi - m]).clip(0))
+        ax.errorbar(x, m, yerr=err, marker="o", ms=4, capsize=3, label=label)
+    ax.set_yscale("symlog", linthresh=1e-3)
+    ax.set_xlabel("scale (times the trained scale)")
+    ax.set_ylabel("mean KL per token (nats)")
+    right = ax.twinx()
+    for label, vals in agreement.items():
+        right.plot(x, np.asarray(vals, dtype=float), ls=":", marker=".", label=label)
+    right.set_ylim(0, 1.02)
+    right.set_ylabel("top-1 agreement")
+    handles = ax.get_legend_handles_labels()
+    more = right.get_legend_handles_labels()
+    ax.legend(handles[0] + more[0], handles[1] + more[1], fontsize="small",
+              loc="upper left", bbox_to_anchor=(1.12, 1.0))
+    ax.set_title(title)
+    return fig

@@ -30,8 +30,8 @@ def test_intervals_cover_a_known_mean(monkeypatch) -> None:
     """Per-token KL drawn from an exponential of mean 0.5 (top-1 agreement then has
     mean 1 - exp(-2)): the 95% intervals over 20 windows hold the true means in about
     95% of 100 corpora."""
+    from lorakit.bootstrap import window_intervals
     from lorakit.inspect.behaviour import kl_stats
-    from lorakit.timing.stats import window_intervals
 
     rng = np.random.default_rng(0)
     hits = {"mean_kl": 0, "top1_agreement": 0}
@@ -63,7 +63,7 @@ def test_effect_kept_known_answers() -> None:
 def test_window_intervals_pair_the_columns() -> None:
     """A ratio of two columns that move together has a narrow interval: both are
     drawn from the same windows."""
-    from lorakit.timing.stats import window_intervals
+    from lorakit.bootstrap import window_intervals
 
     a = [1.0, 10.0, 100.0, 1000.0]
     spans = window_intervals({"a": a, "b": [2 * x for x in a]},

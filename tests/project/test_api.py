@@ -16,7 +16,7 @@ VERBS = ["fuse", "check", "diff", "open", "load_adapter", "combine", "extract", 
          "compare_outputs"]
 #: package -> the verbs it exports besides the top-level ones
 PACKAGE_VERBS = {"inspect": ["dtype_map", "delta_norms", "compare_adapters", "compare_generations",
-                             "ulp_vs_reference"],
+                             "ulp_vs_reference", "scale_sweep", "layer_effects"],
                  "algebra": ["convert", "resize"],
                  "fusion": ["attach_adapter", "FuseOptions", "FuseResult"]}
 #: names that are gone: synonyms and deprecated spellings of the verbs above
