@@ -158,3 +158,27 @@ def human_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.3g} {unit}"
     return f"{int(n)} B"
+
+
+def bytes_explain(ratio: float, interval: Tuple[float, float], bytes_ratio: float, *,
+                  noise: Optional[Tuple[float, float]] = None) -> Tuple[float, str]:
+    """(predicted ratio, words): why a variant decodes at ``ratio`` times base. A
+    decode step reads every weight once, so where weight reads bound it (large models
+    on GPUs) the bytes alone predict ``1 / bytes_ratio``. "bytes explain it" when the
+    prediction lies inside the measured ratio's interval widened by the base against
+    itself (``noise``); else "not the bytes": a slower path (measured below the
+    prediction) or a bound other than the weight reads (above it: kernel launches or
+    compute, as for a tiny model or on a CPU). ``""`` without an interval."""
+    if math.isnan(bytes_ratio) or bytes_ratio <= 0:
+        return math.nan, ""
+    pred = 1 / bytes_ratio
+    lo, hi = interval
+    if math.isnan(ratio) or math.isnan(lo):
+        return pred, ""
+    n_lo, n_hi = noise if noise is not None and not math.isnan(noise[0]) else (1.0, 1.0)
+    if lo * min(n_lo, 1.0) <= pred <= hi * max(n_hi, 1.0):
+        return pred, f"bytes explain it (they predict {pred:.2f}x)"
+    if ratio < pred:
+        return pred, f"not the bytes: a slower path (bytes predict {pred:.2f}x)"
+    return pred, (f"not the bytes: bound by launches or compute, not weight reads "
+                  f"(bytes predict {pred:.2f}x)")

@@ -19,6 +19,7 @@ from .stats import (
     BYTES_THRESHOLD,
     CONFIDENCE,
     SPEED_THRESHOLD,
+    bytes_explain,
     bytes_verdict,
     human_bytes,
     noise_band,
@@ -188,6 +189,11 @@ class DecodeTiming(Report):
                          "embedded corpus (0 = same next-token distributions)",
         "95% interval": "bootstrap interval of decode x base, paired by round (none for one run)",
         "weights x base": "weight bytes over base's, exact from the headers (> 1.02 is flagged)",
+        "bytes predict": "the decode ratio the weight bytes predict (base bytes / these): a "
+                         "decode step reads every weight once",
+        "weights GB/s": "weight bytes read per second at the median decode speed",
+        "why": "bytes explain it (the prediction inside the interval, widened by the base's "
+               "noise) or not the bytes (a slower path; or launches/compute bound it)",
         "verdict": "flagged for bytes, or for speed when the ratio is below 0.90, its whole "
                    "interval below 1 and below base-against-itself noise",
     }
@@ -286,9 +292,11 @@ class DecodeTiming(Report):
             bf, bw = bytes_verdict(br, v.weight_bytes.get("F32", 0))
             if v.variant == "unfused" and bw:  # its extra bytes are the adapter: expected
                 bf, bw = False, bw + " (base + adapter)"
+            pred, why = bytes_explain(dr, ci, br, noise=band)
             out[v.variant] = {"decode_ratio": dr, "interval": list(ci), "speed_flag": sf,
                               "speed": sw, "bytes_ratio": br, "bytes_flag": bf,
-                              "bytes": bw, "f32_bytes": v.weight_bytes.get("F32", 0)}
+                              "bytes": bw, "f32_bytes": v.weight_bytes.get("F32", 0),
+                              "bytes_predicted": pred, "why": why}
         return out
 
     def refresh(self) -> None:
@@ -356,6 +364,8 @@ class DecodeTiming(Report):
                 "decode x base": dr,
                 f"{CONFIDENCE:.0%} interval": "" if math.isnan(ci[0]) else
                 f"{ci[0]:.2f}-{ci[1]:.2f}",
+                "bytes predict": vd.get("bytes_predicted", 1.0),
+                "weights GB/s": v.decode_median * v.weights_total / 1e9,
                 "TTFT ms": v.ttft_median * 1e3,
                 "peak GB": _gb(v.peak_bytes),
                 "peak x base": pr,
@@ -364,6 +374,7 @@ class DecodeTiming(Report):
                 "weights x base": vd.get("bytes_ratio", 1.0),
                 "verdict": "; ".join(w for w in (vd.get("bytes"), vd.get("speed")) if w)
                 if vd else "reference",
+                "why": vd.get("why", ""),
             }
             if v.kl_vs_unfused is not None:
                 row["KL vs unfused"] = v.kl_vs_unfused
@@ -375,8 +386,9 @@ class DecodeTiming(Report):
         self.rows = rows
         self.flagged = flagged
         cols = ["variant", "prefill tok/s", "decode tok/s", "decode min-max", "decode x base",
-                f"{CONFIDENCE:.0%} interval", "TTFT ms", "peak GB", "peak x base",
-                "weights GB", "weights x base", "weight dtypes", "verdict"]
+                f"{CONFIDENCE:.0%} interval", "bytes predict", "weights GB/s", "TTFT ms",
+                "peak GB", "peak x base", "weights GB", "weights x base", "weight dtypes",
+                "verdict", "why"]
         if ref is not None:
             cols.append("= unfused tokens")
         if any(v.kl_vs_unfused is not None for v in self.variants):

@@ -107,6 +107,7 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
     from lorakit.inspect.diff import diff, ulp_tensors, ulp_vs_reference
     from lorakit.inspect.dtypes import dtype_map
     from lorakit.inspect.generation import compare_generations
+    from lorakit.inspect.lab import layer_effects, scale_sweep
 
     return {
         "FuseResult": _fuse_result,
@@ -131,12 +132,16 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
         "GenerationReport": _in(lambda: compare_generations(
             {"base": BASE, "adapter": (BASE, LORA), "fused": "fused"},
             ["And it came to pass"], max_tokens=8)),
+        "ScaleSweep": _in(lambda: scale_sweep(BASE, LORA, scales=(0, 0.5, 1), tokens=256,
+                                              prompt="And it came to pass", max_tokens=8)),
+        "LayerEffects": _in(lambda: layer_effects(BASE, LORA, tokens=256, by="layer")),
     }
 
 
 NAMES = ["FuseResult", "DecodeTiming", "DtypeMap", "DiffReport", "UlpReport",
          "UlpReport-tensors", "RefUlpReport", "CheckReport", "DeltaNorms", "AdapterComparison",
-         "GenerationReport", "ExtractReport", "ResizeReport", "Combination", "BehaviourReport"]
+         "GenerationReport", "ExtractReport", "ResizeReport", "Combination", "BehaviourReport",
+         "ScaleSweep", "LayerEffects"]
 
 
 @pytest.fixture(scope="module")
