@@ -13,7 +13,7 @@ def _run(args: argparse.Namespace) -> int:
 
     rep = compare_outputs(args.reference, args.test, args.corpus, tokens=args.tokens,
                           context=args.context, ref_adapter=args.ref_adapter,
-                          test_adapter=args.test_adapter,
+                          test_adapter=args.test_adapter, base=args.base,
                           progress=not (args.json or args.quiet))
     if args.json:
         print(json.dumps(rep.to_dict(per_token=args.per_token), indent=1))
@@ -35,6 +35,8 @@ def add(sub) -> None:
     p.add_argument("test", help="test checkpoint (folder or hub id)")
     p.add_argument("--ref-adapter", help="adapter attached unfused to the reference")
     p.add_argument("--test-adapter", help="adapter attached unfused to the test model")
+    p.add_argument("--base", help="the model without the adapter: also report the effect "
+                   "kept, 1 - KL(ref || test) / KL(ref || base)")
     p.add_argument("--corpus", help="UTF-8 text or .jsonl (each line's text field); "
                    "default: the embedded validation text")
     p.add_argument("--tokens", type=int, default=None, help="use only the first N tokens")

@@ -135,7 +135,7 @@ def _registered_adders() -> List[Callable]:
     adders: List[Callable] = [_add_fuse]
     for mod in ("lorakit.cli.inspect_cmds", "lorakit.cli.timing_cmd", "lorakit.cli.synth_cmd",
                 "lorakit.cli.extract_cmds",
-                "lorakit.cli.algebra_cmds", "lorakit.cli.behaviour_cmd"):
+                "lorakit.cli.algebra_cmds", "lorakit.cli.behaviour_cmd", "lorakit.cli.lab_cmd"):
         try:
             m = __import__(mod, fromlist=["add"])
         except ModuleNotFoundError as e:

@@ -2,10 +2,12 @@
 prints a URL, and opening that URL in a browser shows the walkthrough notebook itself,
 not JupyterLab's Launcher.
 
-The script runs as written from a temporary copy of ``tools/`` and ``notebooks/`` (Lab
-may save what it opens; the repository stays as it is), on the environment that runs
-the tests (``LORAKIT_VENV``; set-up skipped), with temporary Jupyter folders. The URL
-is the one the script prints, token and all; the browser is the suite's Chromium.
+The script runs as written from a temporary copy of ``tools/`` and ``notebooks/``, on
+the environment that runs the tests (``LORAKIT_VENV``; set-up skipped), with temporary
+Jupyter folders. It serves a copy of the notebooks in ``scratch/walkthrough/`` (Lab
+saves what it opens) and says so; the notebooks it was given stay byte for byte as
+they were. The URL is the one the script prints, token and all; the browser is the
+suite's Chromium.
 """
 from __future__ import annotations
 
@@ -81,6 +83,12 @@ def printed_url(tmp_path):
     try:
         assert found, "walkthrough.sh printed no URL:\n" + "".join(lines)[-3000:]
         yield found[0]
+        # it served a copy, said so, and left the tracked notebooks as they were
+        assert any("opening a copy of notebooks/ in scratch/walkthrough/notebooks" in x
+                   for x in lines), "".join(lines)[-3000:]
+        assert (root / "scratch" / "walkthrough" / "notebooks" / NOTEBOOK).is_file()
+        for nb in (REPO / "notebooks").glob("*.ipynb"):
+            assert (root / "notebooks" / nb.name).read_bytes() == nb.read_bytes(), nb.name
     finally:
         token = found[0].rsplit("token=", 1)[1] if found else ""
         try:
