@@ -225,8 +225,8 @@ def scale_sweep(model: Any, adapter: Any = None,
     ``model``: a checkpoint path or hub id, ``(path, adapter)`` or a loaded ``(model,
     tokenizer)``; ``adapter``: a path or :class:`~lorakit.io.adapters.base.Adapter`
     (None: the model's own LoRA layers). ``corpus`` / ``tokens`` / ``context`` as for
-    :func:`lorakit.compare_outputs`. Cost: ``len(scales)`` forward passes over the
-    ``tokens`` (s = 0 and s = 1 are the references, computed once). Returns a
+    :func:`lorakit.compare_outputs`. Cost: one forward pass over the ``tokens`` per
+    distinct scale, 0 and 1 included (the references; 8 for the default scales). Returns a
     :class:`ScaleSweep`; ``.plot()`` draws the dose-response curve.
 
     >>> sw = scale_sweep("data/tiny-qwen3", "data/adapters/lora", scales=(0, 1), tokens=256)
@@ -348,9 +348,10 @@ def layer_effects(model: Any, adapter: Any = None, corpus: Optional[PathLike] = 
     (KL(adapter || base), KL(base || adapter)): the interaction gap.
 
     Cost: ``2 * groups + 2`` forward passes of the whole model over ``tokens`` corpus
-    tokens (the windows of a batch in one pass). On the embedded model (4 layers,
-    28 LoRA layers, 256 tokens) about 0.3 s by layer and 2 s by module on 2 CPU cores
-    (``benchmarks/lab.py``, BENCHMARKS.md "The adapter lab").
+    tokens (the windows of a batch in one pass), and nothing more measurable. On the
+    embedded model (4 layers, 28 LoRA layers, 256 tokens; a pass 0.4-1.8 s on 2 shared
+    CPU cores) by layer 10 passes, 8 s; by module 58 passes, 65 s (medians;
+    ``benchmarks/lab.py``, BENCHMARKS.md "The adapter lab").
 
     Arguments as for :func:`scale_sweep`. Returns a :class:`LayerEffects`; ``.plot()``
     draws the layer x kind heatmap.
