@@ -73,8 +73,8 @@ def add(sub) -> None:
                        "The report gives each module's kept energy, residual and the share "
                        "a re-fuse reproduces, and the tuned model against base + the "
                        "adapter on the embedded corpus (KL, top-1).")
-    p.add_argument("--base", required=True, help="base checkpoint directory")
-    p.add_argument("--tuned", required=True, help="fused or fine-tuned checkpoint directory")
+    p.add_argument("--base", required=True, help="base checkpoint directory or hub id")
+    p.add_argument("--tuned", required=True, help="fused or fine-tuned checkpoint directory or hub id")
     _rank_or_energy(p)
     p.add_argument("--modules", nargs="+", default=None, metavar="NAME",
                    help="only these modules (q_proj, self_attn.o_proj, model.layers.1*)")

@@ -85,7 +85,7 @@ def add(sub) -> None:
                        description="Per-tensor dtypes and bytes from the safetensors headers "
                        "(tensors whose dtype differs from the majority are marked with !). "
                        "For an adapter directory, also each delta's norms and ranks.")
-    p.add_argument("path", help="checkpoint directory, adapter directory or .safetensors file")
+    p.add_argument("path", help="checkpoint or adapter (directory or hub id) or .safetensors file")
     p.add_argument("--model", dest="base",
                    help="adapter only: base model, for ||dW|| / ||W|| (as fuse's --model)")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -100,8 +100,8 @@ def add(sub) -> None:
                        "sign, max ulp and abs difference, dtype/shape mismatches, "
                        "tensors on one side only. With --adapter-path and --model, also each "
                        "side's ulp error against the exact float64 fuse.")
-    p.add_argument("a", help="first checkpoint (directory or .safetensors file)")
-    p.add_argument("b", help="second checkpoint")
+    p.add_argument("a", help="first checkpoint (directory, hub id or .safetensors file)")
+    p.add_argument("b", help="second checkpoint (the same)")
     # fuse's vocabulary, as check's
     p.add_argument("--adapter-path", dest="adapter",
                    help="adapter both were fused with (as fuse's --adapter-path)")
@@ -133,9 +133,9 @@ def add(sub) -> None:
                        "     than the base (bytes doubled)")
     # fuse's vocabulary: --model (the base), --adapter-path, --save-path (the fused output)
     p.add_argument("--save-path", dest="fused", required=True,
-                   help="the fused checkpoint (as fuse's --save-path)")
+                   help="the fused checkpoint, directory or hub id (as fuse's --save-path)")
     p.add_argument("--model", dest="base", required=True,
-                   help="the base checkpoint (as fuse's --model)")
+                   help="the base checkpoint, directory or hub id (as fuse's --model)")
     p.add_argument("--adapter-path", dest="adapter", required=True,
                    help="the adapter directory (as fuse's --adapter-path)")
     p.add_argument("--skip-untouched", action="store_true",
