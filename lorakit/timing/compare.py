@@ -1,11 +1,5 @@
-"""Decode timings side by side: a live run here beside a committed benchmark run.
-
-``side_by_side({"this machine": live, "H200": loaded})`` gives one row per variant
-and, for each run, its decode ratio to base with its interval, its weight bytes
-ratio and its verdict, so a notebook shows what this machine can show next to what
-a GPU run showed, both computed by the same verdict code (nothing typed by hand).
-:func:`load_benchmark` reads a committed ``benchmarks/results/*.json`` and keeps
-the command that produced it.
+"""Decode timings side by side: a live run here beside a committed benchmark run
+(``benchmarks/results/*.json``), both judged by the same verdict code.
 
 >>> from pathlib import Path
 >>> h200 = load_benchmark("h200-qwen3-8b.json")  # a bare name: from RESULTS
@@ -81,10 +75,9 @@ def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
         row: Dict[str, object] = {"variant": n}
         hit = False
         for label, t in runs.items():
-            verdicts = t.verdicts()
             if not _has(t, n):
                 continue
-            d = verdicts.get(n, {})
+            d = t.verdicts().get(n, {})
             lo, hi = t.interval(n)
             row[f"{label} decode x base"] = _round(t.ratio(n, "decode"))
             row[f"{label} interval"] = "" if math.isnan(lo) else f"{lo:.2f}-{hi:.2f}"
