@@ -1,12 +1,6 @@
-"""Pieces every lorakit widget shares: figure images, report HTML, error display,
-test hooks.
-
-Figures are shown as PNG bytes in an ``ipywidgets.Image`` rather than through an
-``Output`` widget: the bytes are widget state, so a handler run outside a kernel (a
-test) or from a background thread (``DecodeRace``) updates them the same way as a
-click in JupyterLab, and the widget keeps the matplotlib ``Figure`` for anyone who
-wants to look closer (``widget.figure``).
-"""
+"""Pieces every lorakit widget shares: figure images, report HTML, error display, test
+hooks. Figures are PNG bytes in an ``ipywidgets.Image`` (widget state, so a handler run
+from a test or a background thread updates them as a click does)."""
 from __future__ import annotations
 
 import io

@@ -1,12 +1,6 @@
-"""DecodeRace: decode timing variants measured live, without freezing the notebook.
-
-:func:`lorakit.time_decode` runs in a background thread (every variant decodes in
-a process of its own, so the kernel stays free); each variant's result arrives
-through its ``on_result`` hook and the widget redraws the tok/s and peak-memory
-bars (:meth:`DecodeTiming.plot`) and the table as it comes.
-
-In a notebook, show the widget and click Start (or call ``race.start()``; then
-``race.wait()`` returns the :class:`DecodeTiming`):
+"""DecodeRace: :func:`lorakit.time_decode` in a background thread, the chart and table
+redrawn as each variant's result arrives (``race.start()``; ``race.wait()`` returns the
+:class:`DecodeTiming`).
 
 >>> from lorakit.widgets import DecodeRace
 >>> race = DecodeRace("data/tiny-qwen3", "data/adapters/lora")
@@ -34,20 +28,10 @@ __all__ = ["DecodeRace"]
 class DecodeRace(W.VBox):
     """Live decode timing of base / unfused / promoted / fused / mlx-lm-fused.
 
-    Args:
-        model, adapter: checkpoint and adapter directories.
-        options: a :class:`~lorakit.timing.decode.DecodeOptions` (default: its own, with
-            64 tokens and a 64-token prompt); ``**settings`` (its field names) replace its
-            values. ``variants``: those checked at the start (default: all); the
-            variants, tokens, prompt tokens and repeats can be changed in the form.
-
-    Attributes:
-        timing: the live :class:`DecodeTiming` (grows one variant at a time).
-        options: the settings the next Start runs with (the form's values replace
-            variants, tokens, prompt_tokens and repeats).
-        result: what ``time_decode`` returned, once it has finished.
-        updates: how many times the chart was redrawn.
-    """
+    ``options`` (a :class:`~lorakit.timing.decode.DecodeOptions`, default 64 tokens and a
+    64-token prompt) and ``**settings`` set what Start runs; the form's variants, tokens,
+    prompt tokens and repeats replace them. ``timing`` grows one variant at a time;
+    ``result`` is what ``time_decode`` returned; ``updates`` counts chart redraws."""
 
     def __init__(self, model: PathLike, adapter: Optional[PathLike] = None, *,
                  options: Optional[DecodeOptions] = None, **settings: Any) -> None:

@@ -1,12 +1,6 @@
-"""DiffExplorer: how far apart are two checkpoints, overall, per layer, per tensor?
-
-Pick A and B among checkpoints (for example the outputs of several fuses), or the
-exact float64 fuse as B; the widget calls :func:`lorakit.diff` (or
-:func:`lorakit.inspect.diff.ulp_vs_reference` for the exact fuse) and shows the
-report's histograms: overall, layers x bins, one layer, or one tensor, with the
-numbers behind them (relative error, max ulp at typical magnitudes and overall,
-elements near zero, differing elements, and for a tensor its differing elements by
-magnitude: the large ulp distances sit near zero).
+"""DiffExplorer: how far apart two checkpoints are, overall, per layer, per tensor: the
+histograms and numbers of :func:`lorakit.diff` (or of ``ulp_vs_reference`` against the
+exact float64 fuse).
 
 >>> import lorakit
 >>> from lorakit.widgets import DiffExplorer
@@ -40,19 +34,10 @@ TENSOR_FACTS = ("status", "dtype", "elements", "differing", "rel_err", "max_ulp_
 
 
 class DiffExplorer(W.VBox):
-    """Ulp histograms of checkpoint A against checkpoint B (or the exact fuse).
-
-    Args:
-        checkpoints: label -> checkpoint directory: the choices for A and B.
-        a, b: initial labels (default: the first two choices).
-        base, adapter: when both are given, B may also be ``REFERENCE``: the exact
-            ``W + scale * B @ A`` in float64, measured in ulps of A's format.
-
-    Attributes:
-        report: the last report (:class:`UlpReport`, or :class:`RefUlpReport` against
-            the exact fuse); ``view`` / ``layer`` / ``tensor`` select what is drawn.
-        compared: how many comparisons ran.
-    """
+    """Ulp histograms of checkpoint A against B, chosen among ``checkpoints`` (label ->
+    directory); with ``base`` and ``adapter``, B may be ``REFERENCE`` (the exact float64
+    fuse). ``report`` is the last report; ``view`` / ``layer`` / ``tensor`` select what is
+    drawn; ``compared`` counts comparisons."""
 
     def __init__(self, checkpoints: Mapping[str, PathLike], *, a: Optional[str] = None,
                  b: Optional[str] = None, base: Optional[PathLike] = None,

@@ -1,9 +1,7 @@
-"""FusePanel: pick a base and an adapter, choose how to fuse, run, see the result.
-
-Every choice maps onto one argument of :func:`lorakit.fuse`; the result is the
-:class:`~lorakit.fusion.fuse.FuseResult` summary and the fused checkpoint's
-dtype map (:class:`DtypeMapView`). Outputs go to a temporary directory (or
-``out_dir``), never into the base or adapter folders.
+"""FusePanel: pick a base and an adapter, choose how to fuse, run, see the
+:class:`~lorakit.fusion.fuse.FuseResult` and the fused checkpoint's dtype map. Every
+choice is one argument of :func:`lorakit.fuse`; outputs go to a temporary directory
+(or ``out_dir``).
 
 >>> from lorakit.widgets import FusePanel
 >>> panel = FusePanel()  # choices from the repository's data/
@@ -40,18 +38,10 @@ def _choices(found: dict) -> list:
 class FusePanel(W.VBox):
     """A form over :func:`lorakit.fuse` with a progress bar, summary and dtype map.
 
-    Args:
-        data: folder to offer checkpoints (its subfolders) and adapters
-            (``data/adapters/*``) from; default: the repository's ``data/``.
-        out_dir: where fused checkpoints are written (default: a new temporary
-            directory, removed with the panel or when Python exits). Each run writes ``<base>+<adapter>-<rounding>-<dtype>`` there,
-            replacing an earlier run with the same settings.
-        base, adapter: initial selections (names in ``data`` or paths).
-
-    Attributes:
-        result: the last :class:`FuseResult` (None before the first run).
-        runs: how many fuses finished.
-    """
+    ``data``: the folder offering checkpoints and ``adapters/*`` (default: the repository's
+    ``data/``). ``out_dir``: where ``<base>+<adapter>-<rounding>-<dtype>`` is written
+    (default: a temporary directory removed with the panel). ``result`` is the last
+    :class:`FuseResult`; ``runs`` counts finished fuses."""
 
     def __init__(self, data: Optional[PathLike] = None, out_dir: Optional[PathLike] = None,
                  base: Optional[str] = None, adapter: Optional[str] = None) -> None:
