@@ -1,8 +1,5 @@
-"""``lorakit extract`` and ``lorakit resize``: thin wrappers over :func:`lorakit.extract`
-(its flags become one :class:`~lorakit.algebra.extract.ExtractOptions`) and
-:func:`lorakit.algebra.extract.resize`.
-Each prints the report's text twin (or its JSON with ``--json``); exit status 0, 2 for
-bad input."""
+"""``lorakit extract`` and ``lorakit resize``: thin callers of :func:`lorakit.extract` and
+:func:`lorakit.algebra.extract.resize`, printing the report (or ``--json``)."""
 from __future__ import annotations
 
 import argparse

@@ -1,10 +1,6 @@
-"""``lorakit inspect``, ``lorakit diff`` and ``lorakit check``: thin wrappers over
-:mod:`lorakit.inspect`. Each prints a report's text twin, or its JSON with ``--json``.
-
-Exit status: 0 when all is well; ``diff`` returns 1 when the checkpoints differ
-(as diff(1) does); ``check`` returns 1 for a wrong merge and 3 for a merge that is
-numerically right but promoted to a wider dtype; 2 for bad input.
-"""
+"""``lorakit inspect``, ``diff`` and ``check``: thin callers of :mod:`lorakit.inspect`
+printing a report (or ``--json``). Exit status: ``diff`` 1 when the checkpoints differ,
+``check`` 1 for a wrong merge and 3 for a right but promoted one, 2 for bad input."""
 from __future__ import annotations
 
 import argparse

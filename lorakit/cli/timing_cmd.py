@@ -1,6 +1,4 @@
-"""``lorakit time-decode``: the decode timing table (base, unfused, promoted, fused,
-mlx-lm-fused) for a model and an adapter. A thin caller of
-:func:`lorakit.timing.decode.time_decode`."""
+"""``lorakit time-decode``: a thin caller of :func:`lorakit.timing.decode.time_decode`."""
 from __future__ import annotations
 
 import argparse

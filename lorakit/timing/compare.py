@@ -36,9 +36,8 @@ def _path(path: Union[str, Path]) -> Path:
 
 
 def load_benchmark(path: Union[str, Path]) -> DecodeTiming:
-    """A committed decode-timing result (``benchmarks/decode.py --out``), re-judged by
-    this version's verdict code; ``settings["command"]`` is what produced it. A bare
-    file name is looked up in :data:`RESULTS`."""
+    """A committed decode-timing result (a bare name is looked up in :data:`RESULTS`),
+    re-judged by this version's verdict code."""
     return DecodeTiming.from_json(_path(path).read_text())
 
 

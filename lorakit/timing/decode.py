@@ -50,9 +50,8 @@ def weight_bytes(model: PathLike, adapter_path: Optional[PathLike] = None) -> Di
 
 
 def auto_rounds(weight_bytes: int) -> int:
-    """Interleaved rounds a decode timing can afford by default: every round starts
-    each variant's process again, so small checkpoints get more rounds (a better
-    estimate of the noise between processes), large ones fewer."""
+    """Default interleaved rounds: more for small checkpoints (each round restarts every
+    variant's process), fewer for large ones."""
     return 5 if weight_bytes < 1e9 else 3 if weight_bytes < 20e9 else 2
 
 
