@@ -52,17 +52,16 @@ class DecodeRace(W.VBox):
         self.checks = {v: hook(W.Checkbox(value=v in chosen, description=v, indent=False,
                                           layout=W.Layout(width="9em")), f"race-{v}")
                        for v in offered}
-        style = {"description_width": "7em"}
-        self.tokens = hook(W.BoundedIntText(o.tokens, min=1, max=4096, description="tokens",
-                                            style=style, layout=W.Layout(width="14em")),
-                           "race-tokens")
-        self.prompt_tokens = hook(W.BoundedIntText(o.prompt_tokens, min=1, max=8192,
-                                                   description="prompt tokens", style=style,
-                                                   layout=W.Layout(width="14em")),
-                                  "race-prompt-tokens")
-        self.repeats = hook(W.BoundedIntText(o.repeats, min=1, max=50, description="repeats",
-                                             style=style, layout=W.Layout(width="14em")),
-                            "race-repeats")
+
+        def box(value: int, top: int, label: str) -> W.BoundedIntText:
+            return hook(W.BoundedIntText(value, min=1, max=top, description=label,
+                                         style={"description_width": "7em"},
+                                         layout=W.Layout(width="14em")),
+                        "race-" + label.replace(" ", "-"))
+
+        self.tokens = box(o.tokens, 4096, "tokens")
+        self.prompt_tokens = box(o.prompt_tokens, 8192, "prompt tokens")
+        self.repeats = box(o.repeats, 50, "repeats")
         self.start_button = hook(W.Button(description="Start", button_style="primary",
                                           icon="play"), "race-start")
         self.stop_button = hook(W.Button(description="Stop", icon="stop", disabled=True),
