@@ -37,8 +37,7 @@ def _print(args: argparse.Namespace, rep) -> None:
 
 
 def _extract(args: argparse.Namespace) -> int:
-    # one BLAS thread per module in flight (numpy is not imported yet): OpenBLAS pools
-    # of two modules on the same cores measured 3.7x slower (BENCHMARKS.md, "Extract")
+    # one BLAS thread per module in flight, set before numpy loads (BENCHMARKS.md, "Extract")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from ..algebra.extract import ExtractOptions
     from ..inspect.extraction import extract

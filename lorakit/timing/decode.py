@@ -30,7 +30,6 @@ from .table import ADAPTER_FILES, FUSED_VARIANTS, VARIANTS, DecodeTiming, Varian
 from .worker import MARK, TOKENIZER_FILES
 
 __all__ = ["weight_bytes", "auto_rounds", "DecodeOptions", "time_decode"]
-# -- running ---------------------------------------------------------------------------
 
 def weight_bytes(model: PathLike, adapter_path: Optional[PathLike] = None) -> Dict[str, int]:
     """Bytes by dtype code of a checkpoint's tensors (plus an adapter's, if given),

@@ -27,10 +27,9 @@ __all__ = ["DiffExplorer"]
 #: the B choice meaning "the exact fuse of base + adapter, in float64"
 REFERENCE = "exact fuse (float64)"
 VIEWS = ("overall", "layers", "layer", "tensor")
-TENSOR_FACTS = ("status", "dtype", "elements", "differing", "rel_err", "max_ulp_at_rms",
-                "max_ulp_typ", "near_zero", "zero_one_side", "sign_changes", "rms_a",
-                "max_ulp", "mean_ulp", "nan_mismatch", "max_err_typ", "max_err", "mean_err",
-                "not_nearest", "not_nearest_near_zero", "hist")
+TENSOR_FACTS = tuple("""status dtype elements differing rel_err max_ulp_at_rms max_ulp_typ
+    near_zero zero_one_side sign_changes rms_a max_ulp mean_ulp nan_mismatch max_err_typ max_err
+    mean_err not_nearest not_nearest_near_zero hist""".split())
 
 
 class DiffExplorer(W.VBox):
