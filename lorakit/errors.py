@@ -36,8 +36,7 @@ class LorakitError(Exception):
 
     def where(self, file: Optional[PathLike] = None, tensor: Optional[str] = None
               ) -> "LorakitError":
-        """This error with ``file`` and ``tensor`` filled in where it named none (a
-        caller that knows more than the code that raised)."""
+        """This error with ``file`` and ``tensor`` filled in where it named none."""
         return type(self)(self.message, file=self.file if self.file is not None else file,
                           tensor=self.tensor or tensor, expected=self.expected,
                           found=self.found, hint=self.hint)

@@ -33,8 +33,7 @@ def use_kernels(flag: bool) -> Iterator[None]:
 
 
 def load(name: str) -> Optional[Any]:
-    """The kernel module ``name`` (one of :data:`KERNELS`) where it is built and kernels are
-    enabled, else None (the caller takes its numpy twin)."""
+    """The kernel module ``name`` where built and enabled, else None (take the numpy twin)."""
     if not _state["on"]:
         return None
     if name not in _modules:

@@ -79,8 +79,7 @@ def split_name(name: str) -> Tuple[Optional[int], str, Optional[int], str]:
 
 
 def kind_label(kind: str) -> str:
-    """A reader's name for a kind (``norm_attn`` -> ``post-attn norm``); unknown kinds
-    are shown as they are."""
+    """A reader's name for a kind (``norm_attn`` -> ``post-attn norm``), else the kind."""
     return KIND_LABELS.get(kind, kind)
 
 

@@ -19,8 +19,7 @@ __all__ = ["lazy_exports"]
 def lazy_exports(package: str, names: Dict[str, Tuple[str, str]],
                  subpackages: Iterable[str] = ()) -> Tuple[Callable[[str], Any],
                                                            Callable[[], list]]:
-    """``__getattr__`` and ``__dir__`` for ``package``: ``names`` maps a public name to
-    (module, attribute); ``subpackages`` are imported when first named."""
+    """``__getattr__`` and ``__dir__`` for ``package``: name -> (module, attribute)."""
     subs = tuple(subpackages)
 
     def __getattr__(name: str) -> Any:

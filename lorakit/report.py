@@ -105,8 +105,7 @@ class Report:
 
     # -- display order -------------------------------------------------------------------
     def _order(self) -> List[int]:
-        """Row indices in display order: model order when a column names tensors or modules,
-        else as stored."""
+        """Row indices in display order: model order when rows name tensors or modules."""
         key = next((c for c in ("tensor", "module") if c in self.cols()), None)
         if key is None:
             return list(range(len(self.rows)))

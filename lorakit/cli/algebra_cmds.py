@@ -71,8 +71,7 @@ def combination_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
 
 
 def fuse_adapter(args: argparse.Namespace) -> Any:
-    """What ``lorakit fuse`` fuses: the one --adapter-path as given, or the combination
-    of several (a second --adapter-path used to replace the first silently)."""
+    """What ``lorakit fuse`` fuses: the one --adapter-path, or the combination of several."""
     paths = args.adapter_path or ["adapters"]
     args.adapter_path = paths
     if len(paths) == 1 and args.weights is None and args.method == "exact" \

@@ -150,8 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
-    """A flag is spelled one way: argparse's prefix matching (``--adapter`` for
-    ``--adapter-path``) is turned off in every subcommand."""
+    """Turn off argparse's prefix matching (``--adapter``) in every subcommand."""
     parser.allow_abbrev = False
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -160,8 +159,7 @@ def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
 
 
 def _one_line_warnings(command: str) -> None:
-    """lorakit's own warnings as one line on stderr, as its errors are ("lorakit fuse:
-    warning: ..."), not Python's "file:line: Category" form with a source line."""
+    """lorakit's own warnings as one line on stderr ("lorakit fuse: warning: ...")."""
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -193,8 +191,7 @@ def _quiet_broken_pipe() -> int:
 
 
 def _wrote_but_stdout_closed(command: str, path) -> int:
-    """The output is whole; only the summary was lost. Say so on stderr (if it is
-    still there) and exit 0, as ``lorakit fuse ... >&-`` does."""
+    """Only the summary was lost: say so on stderr and exit 0 (the output is whole)."""
     _quiet_broken_pipe()
     try:
         print(f"{command}: note: stdout was closed before the summary was printed; the "

@@ -36,14 +36,12 @@ def _path(path: Union[str, Path]) -> Path:
 
 
 def load_benchmark(path: Union[str, Path]) -> DecodeTiming:
-    """A committed decode-timing result (a bare name is looked up in :data:`RESULTS`),
-    re-judged by this version's verdict code."""
+    """A committed result (a bare name: from :data:`RESULTS`), judged by this verdict code."""
     return DecodeTiming.from_json(_path(path).read_text())
 
 
 def load_seed(path: Union[str, Path] = "seed-report.json") -> Report:
-    """The seed report's table (a run reported by a user, not measured here), from
-    its committed JSON: decode tok/s and peak memory per variant."""
+    """The seed report's table (a user's run, not measured here) from its committed JSON."""
     d = json.loads(_path(path).read_text())
     rows = [{"variant": n, "decode tok/s": v.get("decode_tps", "-".join(
                  str(x) for x in v.get("decode_tps_range", [])) or None),
@@ -61,8 +59,7 @@ def _where(t: DecodeTiming) -> str:
 
 
 def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
-    """One row per variant; per run: decode x base, its interval, weights x base and
-    the verdict. Flagged rows: flagged in any run."""
+    """One row per variant, per run its ratios and verdict; flagged if flagged in any run."""
     names = [n for n in VARIANTS if any(_has(t, n) for t in runs.values())]
     rows: List[Dict[str, object]] = []
     flagged: List[int] = []

@@ -32,8 +32,7 @@ from .worker import MARK, TOKENIZER_FILES
 __all__ = ["weight_bytes", "auto_rounds", "DecodeOptions", "time_decode"]
 
 def weight_bytes(model: PathLike, adapter_path: Optional[PathLike] = None) -> Dict[str, int]:
-    """Bytes by dtype code of a checkpoint's tensors (plus an adapter's, if given),
-    read from the safetensors headers only."""
+    """Bytes by dtype of a checkpoint's tensors (plus an adapter's), from the headers only."""
     c: Counter = Counter()
     for t in source.open(model, checkpoint=True).tensors.values():
         c[t.dtype] += t.nbytes
@@ -49,8 +48,7 @@ def weight_bytes(model: PathLike, adapter_path: Optional[PathLike] = None) -> Di
 
 
 def auto_rounds(weight_bytes: int) -> int:
-    """Default interleaved rounds: more for small checkpoints (each round restarts every
-    variant's process), fewer for large ones."""
+    """Default interleaved rounds: more for small checkpoints, fewer for large ones."""
     return 5 if weight_bytes < 1e9 else 3 if weight_bytes < 20e9 else 2
 
 
@@ -197,17 +195,12 @@ def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """What a decode timing measures, checked once (``time_decode``'s keywords, the
-    CLI's flags and ``DecodeRace``'s fields all build one).
-
-    ``variants`` default to all (``base`` alone without an adapter); ``tokens`` are decoded
-    per run (end-of-sequence never stops one); ``repeats`` timed runs follow ``warmup``
-    untimed ones. ``rounds``: the variant list runs that often, rotated, each variant in a
-    fresh process, runs pooled (fused checkpoints kept until the end); None picks
-    :func:`auto_rounds`. ``workdir``: where fused checkpoints go (default: system temp).
-    ``behaviour``: True (512 tokens) or a token count adds a "KL vs unfused" column,
-    computed after all timing. ``timeout``: seconds per variant's process.
-    """
+    """What a decode timing measures, checked once (``time_decode``'s keywords, the CLI's
+    flags and ``DecodeRace``'s fields all build one). ``variants`` default to all (``base``
+    alone without an adapter); end-of-sequence never stops a run. ``rounds``: the variant
+    list runs that often, rotated, each variant in a fresh process, runs pooled (None:
+    :func:`auto_rounds`). ``behaviour``: True (512 tokens) or a token count adds a "KL vs
+    unfused" column after all timing. ``timeout``: seconds per variant's process."""
 
     variants: Optional[Tuple[str, ...]] = None
     prompt_tokens: int = 128

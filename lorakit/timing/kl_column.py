@@ -18,8 +18,7 @@ CONTEXT = 256
 
 
 def kl_tokens(behaviour: Union[bool, int, None]) -> Optional[int]:
-    """``False``/``None``: no column; ``True``: :data:`DEFAULT_KL_TOKENS`; an int: that
-    many corpus tokens."""
+    """Corpus tokens of the KL column: None (no column), 512 for ``True``, or the int given."""
     if behaviour is None or behaviour is False:
         return None
     if behaviour is True:

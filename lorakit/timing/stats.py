@@ -33,8 +33,7 @@ MIN_ROUNDS = 3
 
 def by_round(values: Sequence[float], rounds: Optional[Sequence[int]],
              per_round: Optional[int] = None) -> Dict[int, List[float]]:
-    """Runs grouped by round; without labels, in consecutive groups of ``per_round``
-    (the ``repeats`` setting), or as one round."""
+    """Runs grouped by round; without labels, by ``per_round`` consecutive runs, or as one."""
     vals = [float(x) for x in values]
     if rounds is not None and len(rounds) == len(vals):
         labels = [int(r) for r in rounds]

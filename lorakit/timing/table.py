@@ -37,13 +37,9 @@ ADAPTER_FILES = ("adapters.safetensors", "adapter_model.safetensors")
 
 @dataclass
 class VariantTiming:
-    """One variant's raw measurements; lists hold one value per repeat.
-
-    ``prefill_tps`` / ``decode_tps`` are mlx-lm's ``prompt_tps`` / ``generation_tps``;
-    ``peak_bytes`` is MLX's peak on a GPU, peak RSS on CPU (``peak_source``);
-    ``weight_bytes`` are on disk by dtype (base plus adapter for ``unfused``); ``tokens``
-    are the last repeat's; ``error`` says why the variant could not run.
-    """
+    """One variant's raw measurements (lists: one value per repeat); ``peak_bytes`` is MLX's
+    peak on a GPU, peak RSS on CPU (``peak_source``); ``weight_bytes`` are on disk by dtype
+    (base plus adapter for ``unfused``); ``error`` says why the variant could not run."""
 
     variant: str
     prefill_tps: List[float] = field(default_factory=list)
@@ -89,8 +85,7 @@ class VariantTiming:
         return sum(self.weight_bytes.values())
 
     def merge(self, other: "VariantTiming") -> "VariantTiming":
-        """Pool another round of the same variant into this one (in place): its runs
-        join these, peaks are the larger, an error in either is kept."""
+        """Pool another round of the same variant into this one (in place)."""
         if other.variant != self.variant:
             raise ValueError(f"cannot pool {other.variant!r} into {self.variant!r}")
         error, prepare_s = self.error or other.error, self.prepare_s + other.prepare_s
@@ -198,8 +193,7 @@ class DecodeTiming(Report):
         return v if v is not None and v.ok else None
 
     def ratio(self, name: str, what: str = "decode") -> float:
-        """``name``'s median decode (or prefill) tok/s or peak memory (``what="peak"``)
-        over base's; nan when either is missing."""
+        """``name``'s median tok/s (or peak memory) over base's; nan when either is missing."""
         base, v = self._ok("base"), self._ok(name)
         if base is None or v is None:
             return math.nan
@@ -212,8 +206,7 @@ class DecodeTiming(Report):
         raise ArgumentError.bad("what", what, "decode, peak or prefill")
 
     def interval(self, name: str) -> tuple:
-        """The bootstrap interval (lo, hi) of ``name``'s decode ratio to base, paired
-        by round; (nan, nan) if missing."""
+        """The paired bootstrap interval of ``name``'s decode ratio to base (nan if missing)."""
         base, v = self._ok("base"), self._ok(name)
         if base is None or v is None:
             return math.nan, math.nan
@@ -240,8 +233,7 @@ class DecodeTiming(Report):
         return len(set(base.run_rounds)) if base.run_rounds else 1
 
     def verdicts(self) -> Dict[str, Dict[str, Any]]:
-        """Per variant: decode ratio and interval, weight-bytes ratio, the words and
-        whether each is flagged (``speed_flag``, ``bytes_flag``)."""
+        """Per variant: the ratios, their words and flags (``speed_flag``, ``bytes_flag``)."""
         out: Dict[str, Dict[str, Any]] = {}
         base, band = self._ok("base"), self.noise_band()
         for v in self.variants:

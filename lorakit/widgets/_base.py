@@ -58,8 +58,7 @@ def summary_html(report: Report, title: bool = True) -> str:
 
 def rows_html(rows: list, columns: list, flagged: Optional[set] = None,
               help: Optional[Dict[str, str]] = None) -> str:
-    """Rows (dicts) as an HTML table with the given columns; flagged rows shaded;
-    ``help``: the report's column explanations (header hover text)."""
+    """Rows (dicts) as an HTML table of ``columns``, flagged rows shaded, ``help`` on hover."""
     return table([[format_value(r.get(c, "")) for c in columns] for r in rows],
                  head=head_cells(columns, help or {}),
                  row_styles={i: FLAGGED for i in flagged or ()})

@@ -22,8 +22,7 @@ def _shade(kl: float, top: float) -> str:
 
 
 def kl_html(report: Any, max_tokens: int = 256) -> str:
-    """HTML of the detailed tokens: a span per token, background by KL, a hover title
-    with both models' top candidates."""
+    """A span per detailed token, shaded by KL, both models' top candidates on hover."""
     kl = report.arrays["kl"]
     n = min(max_tokens, len(report.pieces))
     top = float(max(kl[:n].max(), 0)) if n else 0.0

@@ -131,8 +131,7 @@ class AdapterMixer(W.VBox):
         return self.stats
 
     def mix(self) -> Adapter:
-        """The weighted sum as one adapter: ``lorakit.combine``'s ``cat`` (concatenated
-        factors, each adapter's weight and scale folded into its B columns)."""
+        """The weighted sum as one adapter (``lorakit.combine``'s ``cat``)."""
         return combine(self.adapters, self.weights, method="cat").adapter
 
     def generate(self) -> Optional[GenerationReport]:
@@ -155,8 +154,7 @@ class AdapterMixer(W.VBox):
         return rep
 
     def write(self) -> Any:
-        """Write the combination to the save path with ``lorakit.combine`` (what the
-        button does)."""
+        """Write the exact combination to the save path (what the button does)."""
         self.error.show(None)
         try:
             if not self.save_path.value.strip():
