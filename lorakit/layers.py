@@ -19,34 +19,26 @@ from typing import Any, Dict, List, Optional, Tuple
 __all__ = ["split_name", "kind_label", "model_order", "layer_kind_cells"]
 
 # Last module-path component -> short kind. Unknown names keep their own component.
-_KIND = {
-    "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "qkv_proj": "qkv",
-    "query_key_value": "qkv", "c_attn": "qkv", "dense": "o", "out_proj": "o",
-    "gate_proj": "gate", "up_proj": "up", "down_proj": "down", "gate_up_proj": "gate_up",
-    "w1": "gate", "w3": "up", "w2": "down", "fc1": "up", "fc2": "down",
-    "q_norm": "q_norm", "k_norm": "k_norm", "input_layernorm": "norm_in",
-    "post_attention_layernorm": "norm_attn", "pre_feedforward_layernorm": "norm_pre_ff",
-    "post_feedforward_layernorm": "norm_post_ff", "norm": "norm",
-    "embed_tokens": "embed", "wte": "embed", "word_embeddings": "embed", "tok_embeddings": "embed",
-    "lm_head": "head", "output": "head",
-}
+_KIND = dict(pair.split(":") for pair in """
+    q_proj:q k_proj:k v_proj:v o_proj:o qkv_proj:qkv query_key_value:qkv c_attn:qkv dense:o
+    out_proj:o gate_proj:gate up_proj:up down_proj:down gate_up_proj:gate_up w1:gate w3:up
+    w2:down fc1:up fc2:down q_norm:q_norm k_norm:k_norm input_layernorm:norm_in
+    post_attention_layernorm:norm_attn pre_feedforward_layernorm:norm_pre_ff
+    post_feedforward_layernorm:norm_post_ff norm:norm embed_tokens:embed wte:embed
+    word_embeddings:embed tok_embeddings:embed lm_head:head output:head""".split())
 #: Column order of the kinds in tables and heatmaps (others follow, sorted).
-KIND_ORDER = ["embed", "q", "k", "v", "qkv", "o", "q_norm", "k_norm", "norm_in", "norm_attn",
-              "router", "gate", "up", "gate_up", "down", "experts.gate", "experts.up",
-              "experts.down", "norm_pre_ff", "norm_post_ff", "norm", "head"]
+KIND_ORDER = """embed q k v qkv o q_norm k_norm norm_in norm_attn router gate up gate_up down
+    experts.gate experts.up experts.down norm_pre_ff norm_post_ff norm head""".split()
 #: What each kind is, for a reader: column headers and hover text.
-KIND_LABELS = {
-    "embed": "embedding", "q": "q proj", "k": "k proj", "v": "v proj", "qkv": "qkv proj",
-    "o": "out proj", "q_norm": "q norm", "k_norm": "k norm", "norm_in": "input norm",
-    "norm_attn": "post-attn norm", "router": "router", "gate": "gate proj",
-    "up": "up proj", "gate_up": "gate+up proj", "down": "down proj",
-    "experts.gate": "expert gate", "experts.up": "expert up", "experts.down": "expert down",
-    "norm_pre_ff": "pre-MLP norm", "norm_post_ff": "post-MLP norm", "norm": "final norm",
-    "head": "LM head",
-}
-_LEAVES = ("weight", "bias", "scales", "biases", "lora_a", "lora_b", "m", "lora_A", "lora_B",
-           "lora_magnitude_vector")
+KIND_LABELS = dict(pair.split("=") for pair in (
+    "embed=embedding, q=q proj, k=k proj, v=v proj, qkv=qkv proj, o=out proj, q_norm=q norm, "
+    "k_norm=k norm, norm_in=input norm, norm_attn=post-attn norm, router=router, "
+    "gate=gate proj, up=up proj, gate_up=gate+up proj, down=down proj, "
+    "experts.gate=expert gate, experts.up=expert up, experts.down=expert down, "
+    "norm_pre_ff=pre-MLP norm, norm_post_ff=post-MLP norm, norm=final norm, head=LM head"
+).split(", "))
 LORA_PARTS = ("lora_a", "lora_b", "m", "lora_A", "lora_B", "lora_magnitude_vector")
+_LEAVES = ("weight", "bias", "scales", "biases") + LORA_PARTS
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
@@ -87,8 +79,7 @@ def split_name(name: str) -> Tuple[Optional[int], str, Optional[int], str]:
 
 
 def kind_label(kind: str) -> str:
-    """A reader's name for a kind (``norm_attn`` -> ``post-attn norm``); unknown kinds
-    are shown as they are."""
+    """A reader's name for a kind (``norm_attn`` -> ``post-attn norm``), else the kind."""
     return KIND_LABELS.get(kind, kind)
 
 
@@ -99,10 +90,8 @@ def _natural(s: str) -> Tuple[Any, ...]:
 
 
 def model_order(names: List[str]) -> List[int]:
-    """Indices of ``names`` (tensors or modules) in model order: the embedding, then the
-    blocks by layer number (numerically: 2 before 10) and within a block by kind
-    (:data:`KIND_ORDER`: q, k, v, o, norms, gate, up, down), expert and part, then the
-    rest (final norm, head). Every report table shows its rows in this order."""
+    """Indices of ``names`` in model order: the embedding, the blocks by layer number (2
+    before 10) and within a block by :data:`KIND_ORDER`, expert and part, then the rest."""
     rank = {k: i for i, k in enumerate(KIND_ORDER)}
 
     def key(i: int) -> Tuple[Any, ...]:
@@ -120,11 +109,8 @@ def _order_kinds(kinds) -> List[str]:
 
 
 def layer_kind_cells(rows) -> Tuple[List[str], List[str], Dict[Tuple[str, str], List[Dict[str, Any]]]]:
-    """Group report rows by (layer label, kind): the cells of a layer x kind grid.
-
-    Returns the row labels (``"-"`` first for layer-less tensors such as the embedding,
-    then layers in order), the kinds in display order, and the rows of each cell.
-    """
+    """Report rows grouped by (layer label, kind): the row labels (``"-"`` first for
+    layer-less tensors), the kinds in display order and the rows of each cell."""
     cells: Dict[Tuple[str, str], List[Dict[str, Any]]] = {}
     layers: set = set()
     has_global = False

@@ -7,14 +7,12 @@ import json
 from typing import Any, List, Optional
 
 from ..errors import ArgumentError
-from .written import wrote
+from .written import FORCE_HELP, wrote
 
 __all__ = []
 
 _METHODS = ("exact", "cat", "linear", "svd", "ties", "ties_svd", "magnitude_prune",
             "dare_linear", "dare_ties")
-_FORCE_HELP = ("replace an existing output, but only an empty directory or a previous lorakit "
-               "output (listed in its lorakit.json); anything else is refused and kept")
 
 
 def _weights(text: Optional[str]) -> Optional[List[float]]:
@@ -73,8 +71,7 @@ def combination_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
 
 
 def fuse_adapter(args: argparse.Namespace) -> Any:
-    """What ``lorakit fuse`` fuses: the one --adapter-path as given, or the combination
-    of several (a second --adapter-path used to replace the first silently)."""
+    """What ``lorakit fuse`` fuses: the one --adapter-path, or the combination of several."""
     paths = args.adapter_path or ["adapters"]
     args.adapter_path = paths
     if len(paths) == 1 and args.weights is None and args.method == "exact" \
@@ -137,7 +134,7 @@ def add(sub) -> None:
     p.add_argument("--base", default=None, help="with --method svd and DoRA adapters: the "
                    "checkpoint their W-dependent change is evaluated on")
     p.add_argument("--save-path", required=True, help="output adapter directory")
-    p.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_combine)
 
@@ -159,6 +156,6 @@ def add(sub) -> None:
     c.add_argument("--num-layers", type=int, default=None,
                    help="mlx-lm's num_layers (default: the source's, or lowest to highest "
                    "adapted block)")
-    c.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    c.add_argument("--force", action="store_true", help=FORCE_HELP)
     c.add_argument("--json", action="store_true", help="print the result as JSON")
     c.set_defaults(run=_convert)

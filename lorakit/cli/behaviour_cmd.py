@@ -31,8 +31,8 @@ def add(sub) -> None:
                        "mean, median, p90, p99, p99.9, max; top-1 agreement; both "
                        "perplexities. The corpus is tokenized once with the reference's "
                        "tokenizer and cut into consecutive windows (a last partial one dropped).")
-    p.add_argument("reference", help="reference checkpoint (folder or hub id)")
-    p.add_argument("test", help="test checkpoint (folder or hub id)")
+    p.add_argument("reference", help="reference checkpoint directory or hub id")
+    p.add_argument("test", help="test checkpoint directory or hub id")
     p.add_argument("--ref-adapter", help="adapter attached unfused to the reference")
     p.add_argument("--test-adapter", help="adapter attached unfused to the test model")
     p.add_argument("--corpus", help="UTF-8 text or .jsonl (each line's text field); "

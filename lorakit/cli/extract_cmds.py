@@ -1,8 +1,5 @@
-"""``lorakit extract`` and ``lorakit resize``: thin wrappers over :func:`lorakit.extract`
-(its flags become one :class:`~lorakit.algebra.extract.ExtractOptions`) and
-:func:`lorakit.algebra.extract.resize`.
-Each prints the report's text twin (or its JSON with ``--json``); exit status 0, 2 for
-bad input."""
+"""``lorakit extract`` and ``lorakit resize``: thin callers of :func:`lorakit.extract` and
+:func:`lorakit.algebra.extract.resize`, printing the report (or ``--json``)."""
 from __future__ import annotations
 
 import argparse
@@ -40,8 +37,7 @@ def _print(args: argparse.Namespace, rep) -> None:
 
 
 def _extract(args: argparse.Namespace) -> int:
-    # one BLAS thread per module in flight (numpy is not imported yet): OpenBLAS pools
-    # of two modules on the same cores measured 3.7x slower (BENCHMARKS.md, "Extract")
+    # one BLAS thread per module in flight, set before numpy loads (BENCHMARKS.md, "Extract")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from ..algebra.extract import ExtractOptions
     from ..inspect.extraction import extract
@@ -73,8 +69,8 @@ def add(sub) -> None:
                        "The report gives each module's kept energy, residual and the share "
                        "a re-fuse reproduces, and the tuned model against base + the "
                        "adapter on the embedded corpus (KL, top-1).")
-    p.add_argument("--base", required=True, help="base checkpoint directory")
-    p.add_argument("--tuned", required=True, help="fused or fine-tuned checkpoint directory")
+    p.add_argument("--base", required=True, help="base checkpoint directory or hub id")
+    p.add_argument("--tuned", required=True, help="fused or fine-tuned checkpoint directory or hub id")
     _rank_or_energy(p)
     p.add_argument("--modules", nargs="+", default=None, metavar="NAME",
                    help="only these modules (q_proj, self_attn.o_proj, model.layers.1*)")

@@ -1,10 +1,6 @@
-"""``lorakit`` command line. Each subcommand parses flags and calls one library verb;
-no math lives here. Errors lorakit raises on purpose print as one message and exit
-with status 2 (set ``LORAKIT_DEBUG=1`` for the traceback); so do paths the system
-refuses. When the reader of stdout goes away (``lorakit inspect ... | head``) the
-command stops quietly with status 141, as Unix tools ended by SIGPIPE do; a command
-whose output directory is already in place (``fuse ... | true``) says so on stderr
-and exits 0, as it would with no stdout at all."""
+"""``lorakit`` command line: each subcommand parses flags and calls one library verb.
+A lorakit error prints as one message with status 2 (``LORAKIT_DEBUG=1``: traceback);
+stdout closing early stops quietly with 141, or 0 with a note once the output is whole."""
 from __future__ import annotations
 
 import argparse
@@ -12,24 +8,17 @@ import json
 import os
 import sys
 import warnings
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 from ..errors import LorakitError
 from .written import written, wrote
 
 __all__ = ["main"]
 
-Command = Callable[[argparse.Namespace], int]
-_COMMANDS: Dict[str, Command] = {}
-
 
 def _keep_freed_memory() -> None:
-    """Ask glibc to keep freed memory for reuse instead of returning it to the OS.
-
-    A fuse allocates and frees tensor-sized buffers over and over; above glibc's mmap
-    threshold each one is a fresh mapping whose pages fault in one by one (BENCHMARKS.md,
-    "Freed memory kept"). Only the CLI does this: the process ends when the fuse does.
-    """
+    """Ask glibc to keep freed memory for reuse: a fuse frees and reallocates tensor-sized
+    buffers, each otherwise a fresh mapping faulted in page by page (CLI only)."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -161,8 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
-    """A flag is spelled one way: argparse's prefix matching (``--adapter`` for
-    ``--adapter-path``) is turned off in every subcommand."""
+    """Turn off argparse's prefix matching (``--adapter``) in every subcommand."""
     parser.allow_abbrev = False
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -171,8 +159,7 @@ def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
 
 
 def _one_line_warnings(command: str) -> None:
-    """lorakit's own warnings as one line on stderr, as its errors are ("lorakit fuse:
-    warning: ..."), not Python's "file:line: Category" form with a source line."""
+    """lorakit's own warnings as one line on stderr ("lorakit fuse: warning: ...")."""
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -192,11 +179,8 @@ EXIT_BROKEN_PIPE = 141
 
 
 def _quiet_broken_pipe() -> int:
-    """Stop quietly after the reader of stdout went away, as Unix tools do.
-
-    Python's recipe: point stdout at /dev/null so that the interpreter's final
-    flush does not fail a second time and print "Exception ignored ...".
-    """
+    """Stop quietly after the reader of stdout went away: stdout points at /dev/null so the
+    final flush does not fail again."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -207,8 +191,7 @@ def _quiet_broken_pipe() -> int:
 
 
 def _wrote_but_stdout_closed(command: str, path) -> int:
-    """The output is whole; only the summary was lost. Say so on stderr (if it is
-    still there) and exit 0, as ``lorakit fuse ... >&-`` does."""
+    """Only the summary was lost: say so on stderr and exit 0 (the output is whole)."""
     _quiet_broken_pipe()
     try:
         print(f"{command}: note: stdout was closed before the summary was printed; the "
@@ -226,10 +209,8 @@ def _flush() -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Run one command. Exit status: 0 success, 2 a lorakit error (one message on
-    stderr), 130 interrupted, 141 stdout closed early (``| head``; 0 with a note on
-    stderr once a command's output directory is complete); commands that report a
-    verdict (``diff``, ``check``) use 1 for "differs"."""
+    """Run one command. Exit status: 0 success (1 "differs" for ``diff`` / ``check``), 2 a
+    lorakit error, 130 interrupted, 141 stdout closed early."""
     command = "lorakit"
     args: Optional[argparse.Namespace] = None
     try:

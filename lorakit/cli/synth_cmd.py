@@ -7,12 +7,10 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..errors import ArgumentError
-from .written import wrote
+from .written import FORCE_HELP, wrote
 
 __all__ = []
 
-_FORCE_HELP = ("replace an existing output, but only an empty directory or a previous lorakit "
-               "output (listed in its lorakit.json); anything else is refused and kept")
 
 
 def _value(text: str) -> Any:
@@ -117,7 +115,7 @@ def add(sub) -> None:
     c.add_argument("--std", type=float, default=0.02, help="std of weight entries")
     c.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a config field (repeatable), e.g. num_hidden_layers=4")
-    c.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    c.add_argument("--force", action="store_true", help=FORCE_HELP)
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     c.set_defaults(run=_checkpoint)
 
@@ -136,7 +134,7 @@ def add(sub) -> None:
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--delta-std", type=float, default=1e-3,
                    help="std of each element of scale * B @ A (default 1e-3)")
-    a.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    a.add_argument("--force", action="store_true", help=FORCE_HELP)
     a.set_defaults(run=_adapter)
 
     pr = ss.add_parser("presets", help="list the named shapes")

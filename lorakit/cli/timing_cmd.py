@@ -1,6 +1,4 @@
-"""``lorakit time-decode``: the decode timing table (base, unfused, promoted, fused,
-mlx-lm-fused) for a model and an adapter. A thin caller of
-:func:`lorakit.timing.decode.time_decode`."""
+"""``lorakit time-decode``: a thin caller of :func:`lorakit.timing.decode.time_decode`."""
 from __future__ import annotations
 
 import argparse
@@ -50,7 +48,7 @@ def add(sub) -> None:
         "ratio to base comes with a 95% bootstrap interval over interleaved rounds; a row "
         "is flagged only for weight bytes over 1.02x base or a ratio below 0.90 outside "
         "the interval and the base's own noise, from at least 3 rounds.")
-    p.add_argument("--model", required=True, help="base model directory")
+    p.add_argument("--model", required=True, help="base model directory or hub id")
     p.add_argument("--adapter-path", help="adapter directory (needed by all but 'base')")
     p.add_argument("--variants", default=None,
                    help=f"comma-separated, in run order (default: {DEFAULT_VARIANTS})")

@@ -1,11 +1,5 @@
-"""Decode timings side by side: a live run here beside a committed benchmark run.
-
-``side_by_side({"this machine": live, "H200": loaded})`` gives one row per variant
-and, for each run, its decode ratio to base with its interval, its weight bytes
-ratio and its verdict, so a notebook shows what this machine can show next to what
-a GPU run showed, both computed by the same verdict code (nothing typed by hand).
-:func:`load_benchmark` reads a committed ``benchmarks/results/*.json`` and keeps
-the command that produced it.
+"""Decode timings side by side: a live run here beside a committed benchmark run
+(``benchmarks/results/*.json``), both judged by the same verdict code.
 
 >>> from pathlib import Path
 >>> h200 = load_benchmark("h200-qwen3-8b.json")  # a bare name: from RESULTS
@@ -42,15 +36,12 @@ def _path(path: Union[str, Path]) -> Path:
 
 
 def load_benchmark(path: Union[str, Path]) -> DecodeTiming:
-    """A committed decode-timing result (``benchmarks/decode.py --out``), re-judged by
-    this version's verdict code; ``settings["command"]`` is what produced it. A bare
-    file name is looked up in :data:`RESULTS`."""
+    """A committed result (a bare name: from :data:`RESULTS`), judged by this verdict code."""
     return DecodeTiming.from_json(_path(path).read_text())
 
 
 def load_seed(path: Union[str, Path] = "seed-report.json") -> Report:
-    """The seed report's table (a run reported by a user, not measured here), from
-    its committed JSON: decode tok/s and peak memory per variant."""
+    """The seed report's table (a user's run, not measured here) from its committed JSON."""
     d = json.loads(_path(path).read_text())
     rows = [{"variant": n, "decode tok/s": v.get("decode_tps", "-".join(
                  str(x) for x in v.get("decode_tps_range", [])) or None),
@@ -68,8 +59,7 @@ def _where(t: DecodeTiming) -> str:
 
 
 def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
-    """One row per variant; per run: decode x base, its interval, weights x base and
-    the verdict. Flagged rows: flagged in any run."""
+    """One row per variant, per run its ratios and verdict; flagged if flagged in any run."""
     names = [n for n in VARIANTS if any(_has(t, n) for t in runs.values())]
     rows: List[Dict[str, object]] = []
     flagged: List[int] = []
@@ -81,10 +71,9 @@ def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
         row: Dict[str, object] = {"variant": n}
         hit = False
         for label, t in runs.items():
-            verdicts = t.verdicts()
             if not _has(t, n):
                 continue
-            d = verdicts.get(n, {})
+            d = t.verdicts().get(n, {})
             lo, hi = t.interval(n)
             row[f"{label} decode x base"] = _round(t.ratio(n, "decode"))
             row[f"{label} interval"] = "" if math.isnan(lo) else f"{lo:.2f}-{hi:.2f}"

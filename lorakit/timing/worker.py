@@ -1,20 +1,9 @@
-"""One variant's decode timing, run in a process of its own.
-
-``time_decode`` starts ``python -m lorakit.timing.worker SPEC_JSON`` once per
-variant, so each variant's peak memory starts from an empty process. The worker
-loads the checkpoint the way ``mlx_lm.load`` does (``load_model``, then
-``load_adapters`` for the unfused variant; lorakit's ``attach_adapter`` for a PEFT
-adapter, which mlx-lm cannot load), decodes greedily through
-``mlx_lm.generate.stream_generate`` and prints JSON lines, each prefixed with
-``MARK`` so that anything a library prints to stdout cannot be mistaken for one:
-
-- ``{"event": "loaded", ...}`` once the weights are in memory,
-- ``{"event": "run", "warmup": bool, ...}`` after each generation,
-- ``{"event": "result", ...}`` at the end, or ``{"event": "error", ...}``.
-
-What :func:`~lorakit.timing.decode.time_decode` and its worker process share, with
-nothing heavy imported: the mark that prefixes the worker's JSON lines on stdout (so
-that what a library prints cannot be taken for one) and the files that make a tokenizer.
+"""One variant's decode timing, run in a process of its own
+(``python -m lorakit.timing.worker SPEC_JSON``), so its peak memory starts from an empty
+process. It loads the checkpoint as ``mlx_lm.load`` does (lorakit's loader for a PEFT
+adapter), decodes greedily through ``stream_generate`` and prints JSON events
+(``loaded``, ``run`` per generation, then ``result`` or ``error``), each line prefixed
+with ``MARK`` so nothing a library prints can be taken for one.
 """
 from __future__ import annotations
 
@@ -42,12 +31,8 @@ __all__ = []
 # must be chosen first (select_device)
 
 
-#: what :func:`~lorakit.timing.decode.time_decode` and its worker process share: the
-#: line prefix of the worker's events on stdout, and the tokenizer files a variant needs
 MARK = "@@lorakit-timing "
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
 
 def emit(event: str, **data: Any) -> None:
     sys.stdout.write(MARK + json.dumps(dict(event=event, **data)) + "\n")
@@ -124,20 +109,15 @@ class _NullDetokenizer:
 
 
 def load_tokenizer(model_path: Path, config: Dict[str, Any]):
-    """The checkpoint's tokenizer as mlx-lm loads it, with no end-of-sequence ids.
-
-    Timing needs exactly ``tokens`` decode steps, so EOS must not stop generation:
-    mlx-lm's wrapper lets the set be replaced. A checkpoint without tokenizer files
-    (synthetic weights) gets a wrapper whose detokenizer keeps no text.
-    """
+    """The checkpoint's tokenizer as mlx-lm loads it, with no end-of-sequence ids (a
+    timing decodes exactly ``tokens`` steps); without tokenizer files, one that keeps no
+    text."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper  # lazy: after select_device
 
     if any((model_path / f).exists() for f in TOKENIZER_FILES):
-        from mlx_lm.utils import (
-            load_tokenizer as mlx_load_tokenizer,  # lazy: after select_device
-        )
+        from mlx_lm.utils import load_tokenizer as mlx_load  # lazy: after select_device
 
-        tok = mlx_load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
+        tok = mlx_load(model_path, eos_token_ids=config.get("eos_token_id"))
         tok.eos_token_ids = []
         return tok, True
 

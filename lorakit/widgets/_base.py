@@ -1,12 +1,6 @@
-"""Pieces every lorakit widget shares: figure images, report HTML, error display,
-test hooks.
-
-Figures are shown as PNG bytes in an ``ipywidgets.Image`` rather than through an
-``Output`` widget: the bytes are widget state, so a handler run outside a kernel (a
-test) or from a background thread (``DecodeRace``) updates them the same way as a
-click in JupyterLab, and the widget keeps the matplotlib ``Figure`` for anyone who
-wants to look closer (``widget.figure``).
-"""
+"""Pieces every lorakit widget shares: figure images, report HTML, error display, test
+hooks. Figures are PNG bytes in an ``ipywidgets.Image`` (widget state, so a handler run
+from a test or a background thread updates them as a click does)."""
 from __future__ import annotations
 
 import io
@@ -64,8 +58,7 @@ def summary_html(report: Report, title: bool = True) -> str:
 
 def rows_html(rows: list, columns: list, flagged: Optional[set] = None,
               help: Optional[Dict[str, str]] = None) -> str:
-    """Rows (dicts) as an HTML table with the given columns; flagged rows shaded;
-    ``help``: the report's column explanations (header hover text)."""
+    """Rows (dicts) as an HTML table of ``columns``, flagged rows shaded, ``help`` on hover."""
     return table([[format_value(r.get(c, "")) for c in columns] for r in rows],
                  head=head_cells(columns, help or {}),
                  row_styles={i: FLAGGED for i in flagged or ()})

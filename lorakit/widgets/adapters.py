@@ -1,9 +1,5 @@
-"""AdapterCompare: two adapters of one base, side by side.
-
-Calls :func:`lorakit.inspect.compare_adapters` and shows its figures: delta norms per
-target (relative to the base weight when a base is given), and layer x kind maps
-of the deltas' cosine similarity and of the overlap of their column and row
-subspaces (principal angles), with the per-module table.
+"""AdapterCompare: two adapters of one base side by side
+(:func:`lorakit.inspect.compare_adapters`'s figures and per-module table).
 
 >>> from lorakit.widgets import AdapterCompare
 >>> w = AdapterCompare({"lora": "data/adapters/lora", "dora": "data/adapters/dora"},
@@ -26,16 +22,9 @@ VIEWS = (("delta norms", "norms"), ("cosine", "cosine"), ("column overlap", "col
 
 
 class AdapterCompare(W.VBox):
-    """Delta norms, cosine similarity and subspace overlap of two adapters.
-
-    Args:
-        adapters: label -> adapter directory: the choices for A and B.
-        a, b: initial labels (default: the first two).
-        base: optional base checkpoint (norms relative to ``||W||``).
-
-    Attributes:
-        report: the last :class:`AdapterComparison`.
-    """
+    """Delta norms, cosine similarity and subspace overlap of two adapters, chosen among
+    ``adapters`` (label -> directory); ``base`` makes norms relative to ``||W||``;
+    ``report`` is the last :class:`AdapterComparison`."""
 
     def __init__(self, adapters: Mapping[str, PathLike], *, a: Optional[str] = None,
                  b: Optional[str] = None, base: Optional[PathLike] = None,

@@ -1,12 +1,6 @@
-"""DecodeRace: decode timing variants measured live, without freezing the notebook.
-
-:func:`lorakit.time_decode` runs in a background thread (every variant decodes in
-a process of its own, so the kernel stays free); each variant's result arrives
-through its ``on_result`` hook and the widget redraws the tok/s and peak-memory
-bars (:meth:`DecodeTiming.plot`) and the table as it comes.
-
-In a notebook, show the widget and click Start (or call ``race.start()``; then
-``race.wait()`` returns the :class:`DecodeTiming`):
+"""DecodeRace: :func:`lorakit.time_decode` in a background thread, the chart and table
+redrawn as each variant's result arrives (``race.start()``; ``race.wait()`` returns the
+:class:`DecodeTiming`).
 
 >>> from lorakit.widgets import DecodeRace
 >>> race = DecodeRace("data/tiny-qwen3", "data/adapters/lora")
@@ -34,20 +28,10 @@ __all__ = ["DecodeRace"]
 class DecodeRace(W.VBox):
     """Live decode timing of base / unfused / promoted / fused / mlx-lm-fused.
 
-    Args:
-        model, adapter: checkpoint and adapter directories.
-        options: a :class:`~lorakit.timing.decode.DecodeOptions` (default: its own, with
-            64 tokens and a 64-token prompt); ``**settings`` (its field names) replace its
-            values. ``variants``: those checked at the start (default: all); the
-            variants, tokens, prompt tokens and repeats can be changed in the form.
-
-    Attributes:
-        timing: the live :class:`DecodeTiming` (grows one variant at a time).
-        options: the settings the next Start runs with (the form's values replace
-            variants, tokens, prompt_tokens and repeats).
-        result: what ``time_decode`` returned, once it has finished.
-        updates: how many times the chart was redrawn.
-    """
+    ``options`` (a :class:`~lorakit.timing.decode.DecodeOptions`, default 64 tokens and a
+    64-token prompt) and ``**settings`` set what Start runs; the form's variants, tokens,
+    prompt tokens and repeats replace them. ``timing`` grows one variant at a time;
+    ``result`` is what ``time_decode`` returned; ``updates`` counts chart redraws."""
 
     def __init__(self, model: PathLike, adapter: Optional[PathLike] = None, *,
                  options: Optional[DecodeOptions] = None, **settings: Any) -> None:
@@ -68,17 +52,16 @@ class DecodeRace(W.VBox):
         self.checks = {v: hook(W.Checkbox(value=v in chosen, description=v, indent=False,
                                           layout=W.Layout(width="9em")), f"race-{v}")
                        for v in offered}
-        style = {"description_width": "7em"}
-        self.tokens = hook(W.BoundedIntText(o.tokens, min=1, max=4096, description="tokens",
-                                            style=style, layout=W.Layout(width="14em")),
-                           "race-tokens")
-        self.prompt_tokens = hook(W.BoundedIntText(o.prompt_tokens, min=1, max=8192,
-                                                   description="prompt tokens", style=style,
-                                                   layout=W.Layout(width="14em")),
-                                  "race-prompt-tokens")
-        self.repeats = hook(W.BoundedIntText(o.repeats, min=1, max=50, description="repeats",
-                                             style=style, layout=W.Layout(width="14em")),
-                            "race-repeats")
+
+        def box(value: int, top: int, label: str) -> W.BoundedIntText:
+            return hook(W.BoundedIntText(value, min=1, max=top, description=label,
+                                         style={"description_width": "7em"},
+                                         layout=W.Layout(width="14em")),
+                        "race-" + label.replace(" ", "-"))
+
+        self.tokens = box(o.tokens, 4096, "tokens")
+        self.prompt_tokens = box(o.prompt_tokens, 8192, "prompt tokens")
+        self.repeats = box(o.repeats, 50, "repeats")
         self.start_button = hook(W.Button(description="Start", button_style="primary",
                                           icon="play"), "race-start")
         self.stop_button = hook(W.Button(description="Stop", icon="stop", disabled=True),

@@ -1,12 +1,6 @@
-"""DiffExplorer: how far apart are two checkpoints, overall, per layer, per tensor?
-
-Pick A and B among checkpoints (for example the outputs of several fuses), or the
-exact float64 fuse as B; the widget calls :func:`lorakit.diff` (or
-:func:`lorakit.inspect.diff.ulp_vs_reference` for the exact fuse) and shows the
-report's histograms: overall, layers x bins, one layer, or one tensor, with the
-numbers behind them (relative error, max ulp at typical magnitudes and overall,
-elements near zero, differing elements, and for a tensor its differing elements by
-magnitude: the large ulp distances sit near zero).
+"""DiffExplorer: how far apart two checkpoints are, overall, per layer, per tensor: the
+histograms and numbers of :func:`lorakit.diff` (or of ``ulp_vs_reference`` against the
+exact float64 fuse).
 
 >>> import lorakit
 >>> from lorakit.widgets import DiffExplorer
@@ -33,26 +27,16 @@ __all__ = ["DiffExplorer"]
 #: the B choice meaning "the exact fuse of base + adapter, in float64"
 REFERENCE = "exact fuse (float64)"
 VIEWS = ("overall", "layers", "layer", "tensor")
-TENSOR_FACTS = ("status", "dtype", "elements", "differing", "rel_err", "max_ulp_at_rms",
-                "max_ulp_typ", "near_zero", "zero_one_side", "sign_changes", "rms_a",
-                "max_ulp", "mean_ulp", "nan_mismatch", "max_err_typ", "max_err", "mean_err",
-                "not_nearest", "not_nearest_near_zero", "hist")
+TENSOR_FACTS = tuple("""status dtype elements differing rel_err max_ulp_at_rms max_ulp_typ
+    near_zero zero_one_side sign_changes rms_a max_ulp mean_ulp nan_mismatch max_err_typ max_err
+    mean_err not_nearest not_nearest_near_zero hist""".split())
 
 
 class DiffExplorer(W.VBox):
-    """Ulp histograms of checkpoint A against checkpoint B (or the exact fuse).
-
-    Args:
-        checkpoints: label -> checkpoint directory: the choices for A and B.
-        a, b: initial labels (default: the first two choices).
-        base, adapter: when both are given, B may also be ``REFERENCE``: the exact
-            ``W + scale * B @ A`` in float64, measured in ulps of A's format.
-
-    Attributes:
-        report: the last report (:class:`UlpReport`, or :class:`RefUlpReport` against
-            the exact fuse); ``view`` / ``layer`` / ``tensor`` select what is drawn.
-        compared: how many comparisons ran.
-    """
+    """Ulp histograms of checkpoint A against B, chosen among ``checkpoints`` (label ->
+    directory); with ``base`` and ``adapter``, B may be ``REFERENCE`` (the exact float64
+    fuse). ``report`` is the last report; ``view`` / ``layer`` / ``tensor`` select what is
+    drawn; ``compared`` counts comparisons."""
 
     def __init__(self, checkpoints: Mapping[str, PathLike], *, a: Optional[str] = None,
                  b: Optional[str] = None, base: Optional[PathLike] = None,

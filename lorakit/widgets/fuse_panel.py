@@ -1,9 +1,7 @@
-"""FusePanel: pick a base and an adapter, choose how to fuse, run, see the result.
-
-Every choice maps onto one argument of :func:`lorakit.fuse`; the result is the
-:class:`~lorakit.fusion.fuse.FuseResult` summary and the fused checkpoint's
-dtype map (:class:`DtypeMapView`). Outputs go to a temporary directory (or
-``out_dir``), never into the base or adapter folders.
+"""FusePanel: pick a base and an adapter, choose how to fuse, run, see the
+:class:`~lorakit.fusion.fuse.FuseResult` and the fused checkpoint's dtype map. Every
+choice is one argument of :func:`lorakit.fuse`; outputs go to a temporary directory
+(or ``out_dir``).
 
 >>> from lorakit.widgets import FusePanel
 >>> panel = FusePanel()  # choices from the repository's data/
@@ -40,18 +38,10 @@ def _choices(found: dict) -> list:
 class FusePanel(W.VBox):
     """A form over :func:`lorakit.fuse` with a progress bar, summary and dtype map.
 
-    Args:
-        data: folder to offer checkpoints (its subfolders) and adapters
-            (``data/adapters/*``) from; default: the repository's ``data/``.
-        out_dir: where fused checkpoints are written (default: a new temporary
-            directory, removed with the panel or when Python exits). Each run writes ``<base>+<adapter>-<rounding>-<dtype>`` there,
-            replacing an earlier run with the same settings.
-        base, adapter: initial selections (names in ``data`` or paths).
-
-    Attributes:
-        result: the last :class:`FuseResult` (None before the first run).
-        runs: how many fuses finished.
-    """
+    ``data``: the folder offering checkpoints and ``adapters/*`` (default: the repository's
+    ``data/``). ``out_dir``: where ``<base>+<adapter>-<rounding>-<dtype>`` is written
+    (default: a temporary directory removed with the panel). ``result`` is the last
+    :class:`FuseResult`; ``runs`` counts finished fuses."""
 
     def __init__(self, data: Optional[PathLike] = None, out_dir: Optional[PathLike] = None,
                  base: Optional[str] = None, adapter: Optional[str] = None) -> None:
@@ -65,26 +55,28 @@ class FusePanel(W.VBox):
         style = {"description_width": "8em"}
         wide = W.Layout(width="32em")
         cks, ads = _choices(_assets.checkpoints(self.data)), _choices(_assets.adapters(self.data))
-        self.base = hook(W.Dropdown(options=cks, description="base", style=style, layout=wide),
-                         "fuse-base")
-        self.base_path = hook(W.Text(placeholder="or a checkpoint path", description="",
-                                     layout=W.Layout(width="24em")), "fuse-base-path")
-        self.adapter = hook(W.Dropdown(options=ads, description="adapter", style=style,
-                                       layout=wide), "fuse-adapter")
-        self.adapter_path = hook(W.Text(placeholder="or an adapter path", description="",
-                                        layout=W.Layout(width="24em")), "fuse-adapter-path")
-        self.rounding = hook(W.Dropdown(options=list(ROUNDINGS), value="nearest",
-                                        description="rounding", style=style), "fuse-rounding")
-        self.dtype = hook(W.Dropdown(options=list(DTYPE_POLICIES), value="preserve",
-                                     description="dtype policy", style=style), "fuse-dtype")
+
+        def pick(name: str, label: str, options: list, **kw: Any) -> W.Dropdown:
+            return hook(W.Dropdown(options=options, description=label, style=style, **kw),
+                        f"fuse-{name}")
+
+        def path(name: str, what: str) -> W.Text:
+            return hook(W.Text(placeholder=f"or {what} path", description="",
+                               layout=W.Layout(width="24em")), f"fuse-{name}-path")
+
+        self.base = pick("base", "base", cks, layout=wide)
+        self.base_path = path("base", "a checkpoint")
+        self.adapter = pick("adapter", "adapter", ads, layout=wide)
+        self.adapter_path = path("adapter", "an adapter")
+        self.rounding = pick("rounding", "rounding", list(ROUNDINGS), value="nearest")
+        self.dtype = pick("dtype", "dtype policy", list(DTYPE_POLICIES), value="preserve")
         self.quant = hook(W.ToggleButtons(options=list(QUANT_CHOICES), value=False,
                                           description="quantized", style=style,
                                           tooltips=["dequantize, fuse, re-quantize with the "
                                                     "same bits and group size",
                                                     "write float weights"]), "fuse-quant")
-        self.quant_policy = hook(W.Dropdown(options=list(QUANT_POLICIES), value="requant",
-                                            description="quant policy", style=style),
-                                 "fuse-quant-policy")
+        self.quant_policy = pick("quant-policy", "quant policy", list(QUANT_POLICIES),
+                                 value="requant")
         self.quant.observe(self._on_quant, names="value")
         self.button = hook(W.Button(description="Fuse", button_style="primary",
                                     icon="compress"), "fuse-run")

@@ -1,10 +1,6 @@
-"""GenerationCompare: the same prompts through several models, text side by side.
-
-Models are loaded once (``mlx_lm.load``) and kept, so new prompts run quickly. The
-widget calls :func:`lorakit.inspect.compare_generations` (greedy, reproducible) and shows
-each model's continuation in a column, the first token where it parts from the
-reference model (the first one) highlighted, and the report's per-step logit
-margins for one prompt.
+"""GenerationCompare: the same prompts through several models, greedy text side by side
+(:func:`lorakit.inspect.compare_generations`), the first token that parts from the first
+model highlighted. Models are loaded once and kept.
 
 >>> from lorakit.widgets import GenerationCompare
 >>> g = GenerationCompare({"base": "data/tiny-qwen3",
@@ -35,17 +31,9 @@ TEXT_STYLE = "vertical-align:top;text-align:left;white-space:pre-wrap;max-width:
 class GenerationCompare(W.VBox):
     """Greedy outputs of several models side by side, first divergent token marked.
 
-    Args:
-        models: label -> model directory, ``(path, adapter_path or None)``, or a
-            loaded ``(model, tokenizer)``. The first is the reference.
-        prompts: initial prompts (one per line in the text box).
-        max_tokens: tokens generated per prompt and model.
-        run: generate at once (otherwise wait for the button).
-
-    Attributes:
-        report: the last :class:`GenerationReport`.
-        loaded: label -> (model, tokenizer), loaded on first use.
-    """
+    ``models``: label -> model directory, ``(path, adapter_path or None)`` or a loaded
+    ``(model, tokenizer)``; the first is the reference. ``run``: generate at once.
+    ``report`` is the last :class:`GenerationReport`; ``loaded`` the models kept."""
 
     def __init__(self, models: Mapping[str, Any], prompts: Sequence[str] = (),
                  max_tokens: int = 24, run: bool = False) -> None:

@@ -1,13 +1,7 @@
-"""AdapterMixer: two or three LoRA adapters, a weight slider each.
-
-Live (on every slider move, from the factors only): the norm of the mixed delta
-``sum_i w_i delta_i`` per module and in total, and against each parent its distance
-``||mix - delta_i||`` and cosine, all from the per-module Gram matrix of the deltas
-(:func:`lorakit.algebra.lowrank.delta_gram`: ``||sum w_i delta_i||^2 = w^T G w``).
-On request: greedy text of the base, the mix (its exact sum as one adapter,
-:func:`lorakit.combine` with ``method="cat"``, attached unfused) and each parent
-(:func:`lorakit.inspect.compare_generations`), and a button that writes the combination
-(``lorakit.combine`` with method ``exact``).
+"""AdapterMixer: two or three LoRA adapters, a weight slider each. Live norms of the mix
+and its distance and cosine to each parent come from the deltas' Gram matrices
+(``||sum w_i delta_i||^2 = w^T G w``); on request, greedy text of base, mix and parents,
+and a button writing the combination (``lorakit.combine``, method ``exact``).
 
 >>> from lorakit.widgets import AdapterMixer
 >>> w = AdapterMixer({"lora": "data/adapters/lora", "peft": "data/adapters/peft-lora"},
@@ -61,20 +55,9 @@ def mix_stats(gram: Mapping[str, np.ndarray], labels: Sequence[str],
 
 
 class AdapterMixer(W.VBox):
-    """Mix two or three LoRA adapters of one base with a weight slider each.
-
-    Args:
-        adapters: label -> adapter directory (or loaded Adapter); two or three.
-        base: the base checkpoint (greedy text; the write button's base).
-        weights: initial weights (default 1/n each).
-        prompt: the prompt of the greedy-text comparison.
-        max_tokens: tokens generated per model.
-
-    Attributes:
-        stats: the live numbers (:func:`mix_stats`).
-        generations: the last :class:`~lorakit.inspect.generation.GenerationReport`.
-        written: what the last write returned.
-    """
+    """Mix two or three LoRA adapters (label -> directory or Adapter) of one ``base`` with a
+    weight slider each (initial ``weights`` default 1/n). ``stats`` holds the live numbers
+    (:func:`mix_stats`), ``generations`` the last greedy text, ``written`` the last write."""
 
     def __init__(self, adapters: Mapping[str, Union[PathLike, Adapter]], base: PathLike, *,
                  weights: Optional[Sequence[float]] = None,
@@ -148,8 +131,7 @@ class AdapterMixer(W.VBox):
         return self.stats
 
     def mix(self) -> Adapter:
-        """The weighted sum as one adapter: ``lorakit.combine``'s ``cat`` (concatenated
-        factors, each adapter's weight and scale folded into its B columns)."""
+        """The weighted sum as one adapter (``lorakit.combine``'s ``cat``)."""
         return combine(self.adapters, self.weights, method="cat").adapter
 
     def generate(self) -> Optional[GenerationReport]:
@@ -172,8 +154,7 @@ class AdapterMixer(W.VBox):
         return rep
 
     def write(self) -> Any:
-        """Write the combination to the save path with ``lorakit.combine`` (what the
-        button does)."""
+        """Write the exact combination to the save path (what the button does)."""
         self.error.show(None)
         try:
             if not self.save_path.value.strip():
