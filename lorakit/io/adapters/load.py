@@ -1,14 +1,8 @@
-"""LoRA / DoRA adapters in the mlx-lm and PEFT formats, as one description.
+"""LoRA / DoRA adapters in the mlx-lm and PEFT formats, as one :class:`Adapter`.
 
-:func:`load_adapter` tells the format from the files present and returns an
-:class:`Adapter` of :class:`LoraTarget` (see :mod:`lorakit.io.adapters.base` for the
-orientation ``delta = scale * (B @ A)``). Each format's reader refuses what its
-own runtime would refuse, so that a fuse never applies a tensor the unfused
-adapter does not: :mod:`lorakit.io.adapters.mlx` (``num_layers``,
-``lora_parameters.keys``, rank) and :mod:`lorakit.io.adapters.peft`
-(``target_modules``, ``layers_to_transform``, ``exclude_modules``, rank and alpha
-patterns). :func:`check_runtime_scope` finishes the checks that need the base
-model (its layer count, its module names).
+:func:`load_adapter` tells the format from the files present; each format's reader
+refuses what its own runtime would refuse, so a fuse never applies a tensor the unfused
+adapter does not. :func:`check_runtime_scope` finishes the checks that need the base.
 """
 from __future__ import annotations
 

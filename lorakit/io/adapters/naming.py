@@ -1,19 +1,10 @@
 """Where each adapter target lands in a checkpoint.
 
-Adapters name modules the way their trainer saw the model: mlx-lm names after its
-``sanitize`` (MoE experts stacked under ``switch_mlp``), PEFT names as in the HF
-model (one module per expert). Checkpoints come in either layout. This module
-finds, for each target, the checkpoint tensor(s) it changes, for the common
-families (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma, phi3, ...):
-
-* the same path plus ``.weight`` (most cases, both layouts);
-* the path with a ``model.`` / ``language_model.`` prefix added or removed;
-* a stacked expert target (``switch_mlp.gate_proj``) onto per-expert tensors
-  (``experts.{e}.gate_proj`` / mixtral's ``experts.{e}.w1``), one slice each;
-* a per-expert target (``experts.3.gate_proj``) onto one slice of a stacked tensor.
-
-Every target must land somewhere and every shape must agree; all problems are
-reported in one :class:`~lorakit.errors.AdapterError`.
+A target lands on the same path plus ``.weight``, with a ``model.`` / ``language_model.``
+prefix added or removed, or across the two MoE layouts (mlx-lm's stacked ``switch_mlp``
+and the per-expert ``experts.{e}``, mixtral's ``w1``/``w2``/``w3``). Every target must
+land somewhere with agreeing shapes; all problems come in one
+:class:`~lorakit.errors.AdapterError`.
 """
 from __future__ import annotations
 

@@ -1,34 +1,11 @@
 """Writing an :class:`~lorakit.io.adapters.base.Adapter` as mlx-lm or PEFT saves one.
 
-:func:`save_adapter` is the one adapter writer: convert, combine, extract, resize
-and ``synth_adapter`` all save through it. The output is built in a hidden sibling
-and published whole (:class:`~lorakit.io.outputs.directory.OutputDirectory`, with provenance);
-an existing path is replaced only with ``force`` and only when it is a previous
-lorakit output. :func:`lorakit.load_adapter` reads back exactly what was written
-(every factor bit, every scale, each DoRA magnitude).
-
-What each format can hold:
-
-==========================  ==========================  ==============================
-                            mlx-lm                      PEFT
-==========================  ==========================  ==============================
-factors                     lora_a (in, r), lora_b      lora_A.weight (r, in),
-                            (r, out); embedding:        lora_B.weight (out, r);
-                            lora_a (vocab, r)           lora_embedding_A (r, vocab),
-                                                        lora_embedding_B (dims, r)
-scale                       lora_parameters.scale,      lora_alpha / r per module
-                            one for the whole adapter   (alpha_pattern, rank_pattern)
-rank                        one (lower ones zero-padded) per module (rank_pattern)
-DoRA                        ``.m``; none on experts     lora_magnitude_vector
-MoE experts                 stacked (switch_mlp)        one module per expert
-whole tensors               none                        modules_to_save
-==========================  ==========================  ==============================
-
-What a format cannot hold is refused with the reason, never approximated: per-module
-scales in mlx-lm (a scale that differs by a power of two is folded into ``lora_b``
-exactly; per-module ranks are padded to the largest with zeros, which leaves every
-delta unchanged), a scale no float64 ``lora_alpha`` gives as ``alpha / r``,
-factors that the requested dtype cannot hold exactly.
+:func:`save_adapter` is the one adapter writer (convert, combine, extract, resize,
+``synth_adapter``): built in a hidden sibling and published whole, with provenance;
+``lorakit.load_adapter`` reads back every bit. What a format cannot hold is refused
+with the reason, never approximated: per-module scales in mlx-lm (a power-of-two ratio
+is folded into ``lora_b`` exactly; lower ranks are zero-padded), a scale no float64
+``lora_alpha`` gives as ``alpha / r``, factors the requested dtype cannot hold exactly.
 """
 from __future__ import annotations
 

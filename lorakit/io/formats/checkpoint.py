@@ -1,13 +1,9 @@
 """Base checkpoints in the HF and mlx-lm layouts, read lazily.
 
-A checkpoint is a directory with ``config.json`` and either one
-``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
-Opening one reads the config, the index and every shard's header (a few KB
-each); tensor data is read only when asked for, one tensor at a time.
-
-Names in an index are untrusted: a shard name must be a plain file inside the
-directory. Hub snapshots, whose files are links into the cache's ``blobs``
-folder, are accepted; any other link out of the directory is refused.
+A checkpoint is a directory with ``config.json`` and one ``model.safetensors`` or shards
+listed in ``model.safetensors.index.json``; opening one reads only the headers. Shard
+names are untrusted: a plain file inside the directory, or a hub snapshot's link into
+the cache's ``blobs``; any other link out is refused.
 """
 from __future__ import annotations
 

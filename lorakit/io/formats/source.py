@@ -1,13 +1,10 @@
 """Tensor sources: one face for everything that holds named tensors.
 
-A *source* is a checkpoint directory (:class:`~lorakit.io.formats.checkpoint.Checkpoint`),
-one ``.safetensors`` file or adapter directory (:class:`FileSource`), or an mlx-lm
-model in memory (:class:`ModelSource`). All of them satisfy the :class:`TensorSource`
-protocol: names with dtype codes and shapes read without touching data, one tensor's
-raw storage on request, the model config, the majority float dtype and, for
-quantized modules, their packing. Binding an adapter (:func:`lorakit.io.adapters.naming.bind`),
-fusing, inspecting and timing all take a source; :func:`open`, the one door every
-verb reads its inputs through, makes one from whatever the user passed.
+A checkpoint directory, one ``.safetensors`` file or adapter directory (:class:`FileSource`)
+or an mlx-lm model in memory (:class:`ModelSource`) satisfies :class:`TensorSource`: names,
+dtype codes and shapes without touching data, one tensor's raw storage on request, the
+config, the majority float dtype and the quantized modules' packing. :func:`open` is the
+one door every verb reads its inputs through.
 
 >>> src = open("data/tiny-qwen3")
 >>> src.kind, src.dtype, "model.norm.weight" in src

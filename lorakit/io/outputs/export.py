@@ -1,11 +1,6 @@
 """Where a fused checkpoint goes after lorakit writes it: a GGUF file llama.cpp loads
-(``--export-gguf``, written by :mod:`lorakit.io.outputs.gguf` on llama.cpp's own ``gguf``
-writer), the hub through ``huggingface_hub`` (``--upload-repo``). Both are checked
-before the fuse starts, so a refusal costs nothing.
-
-Unlike ``mlx_lm fuse --export-gguf`` (whose writer labels a byte-level BPE vocabulary
-SentencePiece, writes UINT32 token types and F16 norms, and knows llama-arch models
-only), the file follows llama.cpp's ``convert_hf_to_gguf.py``: llama.cpp loads it.
+(``--export-gguf``, :mod:`lorakit.io.outputs.gguf`) or the hub (``--upload-repo``). Both
+are checked before the fuse starts, so a refusal costs nothing.
 
 >>> check_gguf_export({"model_type": "gemma"}, False, "ggml-model-f16.gguf")
 Traceback (most recent call last):

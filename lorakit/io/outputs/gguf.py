@@ -1,24 +1,10 @@
 """GGUF files llama.cpp loads, written with llama.cpp's own Python writer (``gguf``).
 
-Two writers, following llama.cpp's ``convert_hf_to_gguf.py`` and
-``convert_lora_to_gguf.py`` family by family:
-
-- :func:`write_model_gguf`: a float checkpoint directory (a fused output) as a model GGUF:
-  weights in the checkpoint's own dtype (or ``outtype``), norms and routers F32,
-  llama.cpp's tensor names (``gguf.TensorNameMap``), q/k rows permuted for llama-arch
-  models (llama, mistral, mixtral) and not for qwen, the architecture's metadata
-  (context, heads, kv heads, rope theta and scaling, rms eps, experts) and the
-  tokenizer's real model (``gpt2`` byte-level BPE with merges, INT32 token types,
-  special ids, chat template) and the pre-tokenizer whose split regex is the
-  tokenizer's own (``gpt-2``, ``qwen2``, ``llama-bpe``; any other is refused).
-- :func:`write_lora_gguf`: an unfused LoRA adapter as llama.cpp's LoRA GGUF
-  (``general.type = adapter``, ``adapter.type = lora``, ``adapter.lora.alpha``,
-  ``<tensor>.lora_a`` (r, in) and ``<tensor>.lora_b`` (out, r) in numpy order), which
-  ``llama-cli --lora`` and ``Llama(..., lora_path=...)`` apply at ``alpha / r``.
-
->>> check_gguf_model({"model_type": "gemma"})
-Traceback (most recent call last):
-lorakit.errors.FormatError: llama.cpp GGUF export does not support this architecture ...
+Both writers follow llama.cpp's converters family by family: :func:`write_model_gguf`
+(``convert_hf_to_gguf.py``: its tensor names, q/k rows permuted for llama-arch models,
+norms and routers F32, the tokenizer's byte-level BPE with the pre-tokenizer whose regex
+is the tokenizer's own) and :func:`write_lora_gguf` (``convert_lora_to_gguf.py``:
+``lora_a`` (r, in), ``lora_b`` (out, r), applied at ``alpha / r``).
 """
 from __future__ import annotations
 

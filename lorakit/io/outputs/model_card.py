@@ -1,17 +1,7 @@
-"""The model card (``README.md``) a fused checkpoint carries, as ``mlx_lm fuse`` writes
-it: the same metadata (through ``huggingface_hub``'s ``ModelCard``: the base's own card
-kept where the base has one, ``library_name: mlx``, ``pipeline_tag``, the ``mlx`` tag,
-``base_model`` for a hub base), and below it lorakit's provenance: the adapter's
-sha256, the rounding order and the dtype policy.
-
->>> import tempfile, pathlib
->>> d = pathlib.Path(tempfile.mkdtemp())
->>> p = write_model_card(d, None, None, "fused", {"adapter_sha256": "ab" * 32,
-...     "adapter_format": "mlx-lm", "rounding": "nearest", "dtype_policy": "preserve",
-...     "dequantize": False})
->>> text = p.read_text()
->>> "library_name: mlx" in text, "rounding: `nearest`" in text
-(True, True)
+"""The model card (``README.md``) a fused checkpoint carries, as ``mlx_lm fuse`` writes it
+(the base's card kept, ``library_name: mlx``, ``base_model``, through ``huggingface_hub``'s
+``ModelCard``), with lorakit's provenance below: the adapter's sha256, the rounding order
+and the dtype policy.
 """
 from __future__ import annotations
 
