@@ -84,15 +84,8 @@ class LoraTarget:
 @dataclass
 class Replacement:
     """A whole tensor the adapter carries in place of the base's: PEFT's
-    ``modules_to_save`` (a trained copy of e.g. ``lm_head`` or a norm), which
-    ``merge_and_unload()`` puts into the merged model as it is.
-
-    Attributes:
-        module: module path (``lm_head``, ``model.norm``).
-        leaf: ``weight`` or ``bias``.
-        raw: the tensor's storage as saved (float bits), ``code`` its dtype.
-        name: the tensor's name in the adapter file (for messages).
-    """
+    ``modules_to_save`` (``module`` + ``leaf``, raw storage ``raw`` of dtype ``code``, file
+    tensor ``name``), which ``merge_and_unload()`` puts into the merged model as it is."""
 
     module: str
     leaf: str
@@ -106,16 +99,9 @@ class Replacement:
 
 @dataclass
 class Adapter:
-    """An adapter read from disk, in lorakit's one description.
-
-    Attributes:
-        path: the adapter directory.
-        format: ``"mlx-lm"`` or ``"peft"``.
-        targets: one :class:`LoraTarget` per adapted module, in file order.
-        config: the raw adapter_config.json.
-        weights_file: the safetensors file the tensors came from.
-        replacements: whole tensors that replace the base's (PEFT ``modules_to_save``).
-    """
+    """An adapter read from disk, in lorakit's one description: one :class:`LoraTarget` per
+    adapted module in file order, the raw adapter_config.json, the weights file, and
+    ``replacements`` (PEFT ``modules_to_save``)."""
 
     path: Path
     format: str

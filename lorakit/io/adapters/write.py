@@ -45,25 +45,12 @@ def save_adapter(adapter: Adapter, path: PathLike, *, format: str = "mlx-lm",
                  config: Optional[Mapping[str, Any]] = None, mark: str = TMP_MARK) -> Path:
     """Write ``adapter`` to directory ``path`` in ``format`` (``"mlx-lm"`` or ``"peft"``).
 
-    Args:
-        adapter: the adapter (read by :func:`lorakit.load_adapter` or built in memory).
-        path: the output directory (created whole, or not at all).
-        format: ``"mlx-lm"`` (adapters.safetensors) or ``"peft"`` (adapter_model.safetensors).
-        force: replace a previous lorakit output at ``path`` (anything else is refused).
-        provenance: extra facts recorded in the output's ``lorakit.json``.
-        dtype: ``"F32"``, ``"BF16"`` or ``"F16"`` for the factors; None: the dtype of
-            ``adapter.weights_file`` when it exists, else F32. A factor the dtype cannot
-            hold exactly is refused.
-        num_layers: mlx-lm's ``num_layers``; None: the source's own (an mlx-lm adapter),
-            else counted from the lowest adapted block to the highest.
-        protected: more input directories the output must stay out of.
-        verb: the provenance's kind.
-        config: entries laid over the written adapter_config.json (training settings,
-            or a narrower scope that selects the same modules).
-        mark: the temporary directory's mark (``synth_adapter`` uses its own).
-
-    Returns:
-        The output directory.
+    ``path`` is created whole or not at all; ``force`` replaces only a previous lorakit
+    output. ``dtype`` (F32, BF16, F16) defaults to that of ``adapter.weights_file``, else
+    F32; a factor it cannot hold exactly is refused. ``num_layers`` defaults to the
+    source's own, else the span of adapted blocks. ``config`` is laid over the written
+    adapter_config.json; ``provenance`` and ``verb`` go to ``lorakit.json``; ``protected``
+    names more inputs the output must stay out of. Returns the output directory.
 
     >>> from lorakit import load_adapter
     >>> ad = load_adapter("data/adapters/lora")

@@ -208,9 +208,6 @@ def open(x: Any, label: Optional[str] = None, *,  # noqa: A001  (lorakit.open)
     source already, or an mlx-lm model in memory. ``checkpoint=True`` accepts only a
     checkpoint (what a fuse or a timing run needs).
 
-    Returns names, dtypes and shapes without reading data; ``read(name)`` gives one
-    tensor's raw storage.
-
     >>> import lorakit
     >>> src = lorakit.open("data/tiny-qwen3")
     >>> src.model_type, src.tensors["model.norm.weight"].dtype

@@ -13,12 +13,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ...errors import ArgumentError, FormatError, LorakitError
-from .gguf import GGUF_ARCHS, check_gguf_model, write_model_gguf
+from .gguf import check_gguf_model, write_model_gguf
 
 __all__ = ["check_gguf_export", "export_gguf", "check_upload", "upload"]
 
-#: architectures the GGUF export converts (config.json model_type)
-GGUF_MODEL_TYPES = tuple(GGUF_ARCHS)
 #: mlx_lm fuse's default GGUF file name
 GGUF_DEFAULT = "ggml-model-f16.gguf"
 
