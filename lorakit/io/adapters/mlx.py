@@ -41,10 +41,8 @@ _LEAVES = ("lora_a", "lora_b", "m")
 class MlxScope:
     """Which modules mlx-lm puts LoRA layers on, from ``adapter_config.json``.
 
-    Attributes:
-        num_layers: ``num_layers`` as written (``<= 0``: every block).
-        keys: ``lora_parameters.keys``, or None (every Linear/Embedding/SwitchLinear
-            of the adapted blocks).
+    ``num_layers`` as written (``<= 0``: every block); ``keys`` is ``lora_parameters.keys``
+    or None (every Linear/Embedding/SwitchLinear of the adapted blocks).
     """
 
     num_layers: int

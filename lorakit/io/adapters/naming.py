@@ -28,17 +28,9 @@ _MIXTRAL = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 
 @dataclass(frozen=True)
 class Binding:
-    """One target (or one expert of it) landing on one checkpoint weight.
-
-    Attributes:
-        target: the adapter target.
-        tensor: the checkpoint weight's name (``....weight``).
-        module: ``tensor`` without ``.weight`` (where ``.scales``/``.biases`` live).
-        shape: the weight's logical shape (dequantized), whole tensor.
-        target_expert: which expert of a stacked target this is (None: whole target).
-        weight_expert: which slice of a stacked weight this target changes (None: whole).
-        quant: packing parameters if the weight is quantized.
-    """
+    """One target (or one expert of it, ``target_expert``) landing on checkpoint weight
+    ``tensor`` (or its slice ``weight_expert``); ``module`` is ``tensor`` without
+    ``.weight``, ``shape`` the whole weight's dequantized shape, ``quant`` its packing."""
 
     target: LoraTarget
     tensor: str

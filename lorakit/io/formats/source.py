@@ -48,16 +48,9 @@ _ADAPTER_WEIGHTS = ("adapters.safetensors", "adapter_model.safetensors")
 
 @runtime_checkable
 class TensorSource(Protocol):
-    """What every tensor source offers.
-
-    Attributes:
-        kind: ``"checkpoint"``, ``"adapter"``, ``"file"`` or ``"model"``.
-        label: a short name for tables.
-        path: the directory or file (a placeholder path for in-memory models).
-        config: the model config (``{}`` when there is none).
-        tensors: name -> metadata (``.name``, ``.dtype`` code, ``.shape``, ``.numel``,
-            ``.nbytes``), in file order, read without touching data.
-    """
+    """What every tensor source offers: ``kind`` (checkpoint, adapter, file, model), a
+    ``label`` for tables, ``path``, ``config`` (``{}`` when none) and ``tensors`` (name ->
+    dtype code and shape, in file order, read without touching data)."""
 
     kind: str
     label: str
