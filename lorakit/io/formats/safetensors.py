@@ -406,7 +406,7 @@ def read_raw(info: TensorInfo, rows: Optional[slice] = None) -> np.ndarray:
 def raw_to_mx(raw: np.ndarray, dtype: str):
     """Turn raw storage from :func:`read_raw` into an ``mx.array`` of the right dtype."""
     import mlx.core as mx  # lazy: MLX only when computing
-    import numpy as np
+    import numpy as np  # lazy: header-only paths start without numpy
 
     if dtype == "BF16":
         return mx.array(raw.view(np.uint16)).view(mx.bfloat16)
@@ -416,7 +416,7 @@ def raw_to_mx(raw: np.ndarray, dtype: str):
 def mx_to_raw(arr) -> Tuple[np.ndarray, str]:
     """Turn an ``mx.array`` into (numpy storage, safetensors dtype code)."""
     import mlx.core as mx  # lazy: MLX only when computing
-    import numpy as np
+    import numpy as np  # lazy: header-only paths start without numpy
 
     code = MX_CODES[arr.dtype]
     if arr.dtype == mx.bfloat16:
