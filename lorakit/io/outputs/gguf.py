@@ -249,7 +249,7 @@ def _tokenizer(w, directory: Path, config: Mapping[str, Any]) -> None:
         w.add_chat_template(tmpl)
 
 
-def _hf_name(name: str, config: Mapping[str, Any]) -> str:
+def _hf_name(name: str) -> str:
     """mlx-lm's stacked expert names as the HF merged names TensorNameMap knows."""
     return (name.replace(".block_sparse_moe.switch_mlp.", ".mlp.experts.")
             .replace(".mlp.switch_mlp.", ".mlp.experts.")
@@ -360,11 +360,9 @@ def write_model_gguf(directory: Path, out: Path, *, outtype: str = "auto",
     tied = bool(config.get("tie_word_embeddings"))
     plan: List[Tuple[str, str, List[str]]] = []  # (gguf name, first source name, members)
     for n in names:
-        if n in grouped or (tied and n == "lm_head.weight"):
+        if n in grouped or (tied and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq"):
             continue
-        if n.endswith(("rotary_emb.inv_freq",)):
-            continue
-        g = gguf_tensor_name(arch, n_blocks, _hf_name(n, config))
+        g = gguf_tensor_name(arch, n_blocks, _hf_name(n))
         if g is None:
             raise FormatError("a tensor llama.cpp's names do not cover", file=directory,
                               tensor=n, expected=f"a {arch} tensor gguf.TensorNameMap maps",
@@ -454,7 +452,6 @@ def write_lora_gguf(adapter: Any, config: Mapping[str, Any], out: Path, *,
     alphas = {float(s) * t.rank for s, t in zip(scales, adapter.targets) if s.ndim == 0}
     uniform = len(alphas) == 1 and all(s.ndim == 0 for s in scales)
     alpha = alphas.pop() if uniform else 0.0
-    heads_cfg = config
     plan = []
     for t, s in zip(adapter.targets, scales):
         g = gguf_tensor_name(arch, n_blocks, t.module + ".weight")
@@ -466,7 +463,7 @@ def write_lora_gguf(adapter: Any, config: Mapping[str, Any], out: Path, *,
         B = np.asarray(t.B, dtype=np.float32)
         if not uniform:
             B = (B.astype(np.float64) * s).astype(np.float32)
-        heads = _qk_heads(t.module, heads_cfg)
+        heads = _qk_heads(t.module, config)
         if arch in _PERMUTE and heads is not None:
             B = _permute(B, heads)
         if outtype == "f16":
