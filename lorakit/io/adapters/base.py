@@ -1,30 +1,11 @@
 """What an adapter is to lorakit, whatever its format: the shared types and helpers.
 
-The two formats are read by :mod:`lorakit.io.adapters.mlx` and
-:mod:`lorakit.io.adapters.peft`; :func:`lorakit.io.adapters.load.load_adapter` picks one.
-
-Whatever the format, an adapter becomes a list of :class:`LoraTarget`, one per
-adapted module, each holding ``A`` (…, r, in), ``B`` (…, out, r), a float
-``scale`` and an optional DoRA ``magnitude``, so that the intended change of the
-module's weight (as stored in the checkpoint) is::
-
-    delta = scale * (B @ A)
-
-The orientation is chosen so that this holds for every layer type:
-
-========================  ==========================  ==========================
-layer / format            B                           A
-========================  ==========================  ==========================
-mlx-lm Linear             lora_b.T        (out, r)     lora_a.T        (r, in)
-mlx-lm Embedding          lora_a          (vocab, r)   lora_b          (r, dims)
-mlx-lm SwitchLinear       lora_b   (experts, out, r)   lora_a   (experts, r, in)
-PEFT Linear               lora_B.weight   (out, r)     lora_A.weight   (r, in)
-PEFT fan_in_fan_out       lora_A.weight.T (in, r)      lora_B.weight.T (r, out)
-PEFT Embedding            lora_embedding_A.T           lora_embedding_B.T
-========================  ==========================  ==========================
-
-mlx-lm's own fuse computes ``(scale * B) @ A`` in every case, which lets
-:mod:`lorakit.fusion` reproduce its rounding exactly from this one form.
+An adapter is a list of :class:`LoraTarget`, one per adapted module, holding ``A``
+(…, r, in), ``B`` (…, out, r), a float ``scale`` and an optional DoRA ``magnitude``, so
+that the change of the module's stored weight is ``delta = scale * (B @ A)`` for every
+layer type and format (mlx-lm's ``lora_b.T @ lora_a.T``, PEFT's ``lora_B @ lora_A``, the
+embedding and fan_in_fan_out forms transposed to fit). mlx-lm's own fuse computes
+``(scale * B) @ A``, which lets :mod:`lorakit.fusion` reproduce its rounding exactly.
 """
 from __future__ import annotations
 
@@ -103,15 +84,8 @@ class LoraTarget:
 @dataclass
 class Replacement:
     """A whole tensor the adapter carries in place of the base's: PEFT's
-    ``modules_to_save`` (a trained copy of e.g. ``lm_head`` or a norm), which
-    ``merge_and_unload()`` puts into the merged model as it is.
-
-    Attributes:
-        module: module path (``lm_head``, ``model.norm``).
-        leaf: ``weight`` or ``bias``.
-        raw: the tensor's storage as saved (float bits), ``code`` its dtype.
-        name: the tensor's name in the adapter file (for messages).
-    """
+    ``modules_to_save`` (``module`` + ``leaf``, raw storage ``raw`` of dtype ``code``, file
+    tensor ``name``), which ``merge_and_unload()`` puts into the merged model as it is."""
 
     module: str
     leaf: str
@@ -125,16 +99,9 @@ class Replacement:
 
 @dataclass
 class Adapter:
-    """An adapter read from disk, in lorakit's one description.
-
-    Attributes:
-        path: the adapter directory.
-        format: ``"mlx-lm"`` or ``"peft"``.
-        targets: one :class:`LoraTarget` per adapted module, in file order.
-        config: the raw adapter_config.json.
-        weights_file: the safetensors file the tensors came from.
-        replacements: whole tensors that replace the base's (PEFT ``modules_to_save``).
-    """
+    """An adapter read from disk, in lorakit's one description: one :class:`LoraTarget` per
+    adapted module in file order, the raw adapter_config.json, the weights file, and
+    ``replacements`` (PEFT ``modules_to_save``)."""
 
     path: Path
     format: str

@@ -1,14 +1,8 @@
-"""LoRA / DoRA adapters in the mlx-lm and PEFT formats, as one description.
+"""LoRA / DoRA adapters in the mlx-lm and PEFT formats, as one :class:`Adapter`.
 
-:func:`load_adapter` tells the format from the files present and returns an
-:class:`Adapter` of :class:`LoraTarget` (see :mod:`lorakit.io.adapters.base` for the
-orientation ``delta = scale * (B @ A)``). Each format's reader refuses what its
-own runtime would refuse, so that a fuse never applies a tensor the unfused
-adapter does not: :mod:`lorakit.io.adapters.mlx` (``num_layers``,
-``lora_parameters.keys``, rank) and :mod:`lorakit.io.adapters.peft`
-(``target_modules``, ``layers_to_transform``, ``exclude_modules``, rank and alpha
-patterns). :func:`check_runtime_scope` finishes the checks that need the base
-model (its layer count, its module names).
+:func:`load_adapter` tells the format from the files present; each format's reader
+refuses what its own runtime would refuse, so a fuse never applies a tensor the unfused
+adapter does not. :func:`check_runtime_scope` finishes the checks that need the base.
 """
 from __future__ import annotations
 
@@ -63,13 +57,10 @@ def _not_read(named: Path, reads: Optional[Path]) -> AdapterError:
 def load_adapter(path: PathLike) -> Adapter:
     """Read an adapter directory in mlx-lm or PEFT format.
 
-    The format is told by the files present: ``adapters.safetensors`` (mlx-lm) or
-    ``adapter_model.safetensors`` (PEFT). Every tensor is checked (known suffix, a
-    module the format's runtime adapts, matching ranks, finite values); all problems
-    are reported in one error. ``path`` may also name the weights file itself, but
-    only the one that would be read from its directory: like mlx-lm and PEFT,
-    lorakit never reads another ``.safetensors`` file (a training checkpoint such as
-    ``0000100_adapters.safetensors``) in its place.
+    The format is told by the files present (``adapters.safetensors`` or
+    ``adapter_model.safetensors``); every tensor is checked and all problems come in one
+    error. ``path`` may name the weights file itself, but only the one its directory would
+    give: never another ``.safetensors`` (a training checkpoint) in its place.
 
     >>> ad = load_adapter("data/adapters/lora")
     >>> ad.format, len(ad.targets)
@@ -101,14 +92,6 @@ def load_adapter(path: PathLike) -> Adapter:
 
 
 _IN_LAYER = re.compile(r"^(.+?)\.(\d+)\.")
-
-
-def model_layer_count(config: Dict[str, Any], tensor_names: Iterable[str],
-                      prefix: str = "layers") -> Optional[int]:
-    """How many blocks ``model.layers`` of a model has: config.json's
-    ``num_hidden_layers`` (or ``n_layer`` / ``num_layers``, also under ``text_config``),
-    else one more than the highest block index among tensors under ``*.<prefix>.``."""
-    return _layer_counts(config, tensor_names, prefix)[0]
 
 
 def _layer_counts(config: Dict[str, Any], tensor_names: Iterable[str], prefix: str

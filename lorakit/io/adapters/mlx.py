@@ -1,22 +1,10 @@
 """mlx-lm adapters (``adapters.safetensors`` + ``adapter_config.json``), read as mlx-lm runs them.
 
-mlx-lm (``tuner/utils.py``: ``linear_to_lora_layers``, ``load_adapters``) puts LoRA
-layers on the last ``num_layers`` blocks of ``model.layers`` (``num_layers <= 0``:
-all of them), on the modules named by ``lora_parameters.keys`` (a path inside a
-block, ``self_attn.q_proj``, or a whole path, ``model.embed_tokens``, which adapts
-that module wherever it is), or on every Linear / Embedding / SwitchLinear of
-those blocks when ``keys`` is absent. Each LoRA layer has rank
-``lora_parameters.rank``. ``load_adapters`` then refuses a file holding any tensor
-that is not a parameter of those layers, or of another shape, listing each one
-("contains incompatible tensors").
-
-lorakit refuses the same files, with every offending tensor listed, instead of
-fusing tensors the unfused adapter never applies. :func:`load_mlx` refuses, without
-reading them, tensors for blocks outside the last ``num_layers`` of any model that
-holds the blocks the adapter names. Modules outside ``keys`` are refused by
-:func:`check_layer_scope` once the base model is known (after binding, so that a
-module the model does not have at all is reported as such), together with blocks
-outside the last ``num_layers`` of that model.
+mlx-lm puts LoRA layers on the last ``num_layers`` blocks (``<= 0``: all), on the modules
+``lora_parameters.keys`` names (or every Linear / Embedding / SwitchLinear when absent),
+at rank ``lora_parameters.rank``, and refuses a file holding any other tensor. lorakit
+refuses the same files, every offending tensor listed: :func:`load_mlx` the blocks out
+of range, :func:`check_layer_scope` the modules outside ``keys`` once the base is known.
 """
 from __future__ import annotations
 
@@ -53,10 +41,8 @@ _LEAVES = ("lora_a", "lora_b", "m")
 class MlxScope:
     """Which modules mlx-lm puts LoRA layers on, from ``adapter_config.json``.
 
-    Attributes:
-        num_layers: ``num_layers`` as written (``<= 0``: every block).
-        keys: ``lora_parameters.keys``, or None (every Linear/Embedding/SwitchLinear
-            of the adapted blocks).
+    ``num_layers`` as written (``<= 0``: every block); ``keys`` is ``lora_parameters.keys``
+    or None (every Linear/Embedding/SwitchLinear of the adapted blocks).
     """
 
     num_layers: int

@@ -1,19 +1,10 @@
 """Where each adapter target lands in a checkpoint.
 
-Adapters name modules the way their trainer saw the model: mlx-lm names after its
-``sanitize`` (MoE experts stacked under ``switch_mlp``), PEFT names as in the HF
-model (one module per expert). Checkpoints come in either layout. This module
-finds, for each target, the checkpoint tensor(s) it changes, for the common
-families (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma, phi3, ...):
-
-* the same path plus ``.weight`` (most cases, both layouts);
-* the path with a ``model.`` / ``language_model.`` prefix added or removed;
-* a stacked expert target (``switch_mlp.gate_proj``) onto per-expert tensors
-  (``experts.{e}.gate_proj`` / mixtral's ``experts.{e}.w1``), one slice each;
-* a per-expert target (``experts.3.gate_proj``) onto one slice of a stacked tensor.
-
-Every target must land somewhere and every shape must agree; all problems are
-reported in one :class:`~lorakit.errors.AdapterError`.
+A target lands on the same path plus ``.weight``, with a ``model.`` / ``language_model.``
+prefix added or removed, or across the two MoE layouts (mlx-lm's stacked ``switch_mlp``
+and the per-expert ``experts.{e}``, mixtral's ``w1``/``w2``/``w3``). Every target must
+land somewhere with agreeing shapes; all problems come in one
+:class:`~lorakit.errors.AdapterError`.
 """
 from __future__ import annotations
 
@@ -37,17 +28,9 @@ _MIXTRAL = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 
 @dataclass(frozen=True)
 class Binding:
-    """One target (or one expert of it) landing on one checkpoint weight.
-
-    Attributes:
-        target: the adapter target.
-        tensor: the checkpoint weight's name (``....weight``).
-        module: ``tensor`` without ``.weight`` (where ``.scales``/``.biases`` live).
-        shape: the weight's logical shape (dequantized), whole tensor.
-        target_expert: which expert of a stacked target this is (None: whole target).
-        weight_expert: which slice of a stacked weight this target changes (None: whole).
-        quant: packing parameters if the weight is quantized.
-    """
+    """One target (or one expert of it, ``target_expert``) landing on checkpoint weight
+    ``tensor`` (or its slice ``weight_expert``); ``module`` is ``tensor`` without
+    ``.weight``, ``shape`` the whole weight's dequantized shape, ``quant`` its packing."""
 
     target: LoraTarget
     tensor: str

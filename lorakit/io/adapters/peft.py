@@ -1,20 +1,11 @@
 """PEFT LoRA adapters (``adapter_model.safetensors``, ``adapter_config.json``), as PEFT runs them.
 
-PEFT (``tuners_utils.check_target_module_exists``) puts a LoRA layer on a module
-whose full name ``key`` (``model.layers.0.self_attn.q_proj``)
-
-* is not excluded: ``exclude_modules`` (a regex that full-matches ``key``, or names
-  equal to ``key`` or to a ``.``-suffix of it) and the ``modules_to_save`` modules;
-* is matched by ``target_modules``: a regex string full-matching ``key``, or a list
-  whose entries equal ``key`` (then no layer filter applies) or a ``.``-suffix of it;
-* lies in ``layers_to_transform`` (when given and non-empty), the layer index being
-  the first number after ``.<layers_pattern>.`` (or after any ``.<name>.``).
-
-Its rank and alpha come from the first ``rank_pattern`` / ``alpha_pattern`` key that
-matches ``(.*\\.)?(key)$``, else ``r`` / ``lora_alpha``. PEFT raises when
-``target_modules`` matches nothing. lorakit refuses tensors for modules PEFT would
-not adapt (it would drop them unused), every one listed, and ranks that disagree
-with the config.
+PEFT adapts a module when ``target_modules`` matches its full name (a full-match regex,
+or list entries equal to it or to a ``.``-suffix), it is not excluded
+(``exclude_modules``, ``modules_to_save``) and its layer lies in ``layers_to_transform``;
+rank and alpha come from the first matching ``rank_pattern`` / ``alpha_pattern`` key.
+lorakit refuses tensors for modules PEFT would not adapt, every one listed, and ranks
+that disagree with the config.
 """
 from __future__ import annotations
 

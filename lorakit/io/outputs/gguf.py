@@ -1,24 +1,10 @@
 """GGUF files llama.cpp loads, written with llama.cpp's own Python writer (``gguf``).
 
-Two writers, following llama.cpp's ``convert_hf_to_gguf.py`` and
-``convert_lora_to_gguf.py`` family by family:
-
-- :func:`write_model_gguf`: a float checkpoint directory (a fused output) as a model GGUF:
-  weights in the checkpoint's own dtype (or ``outtype``), norms and routers F32,
-  llama.cpp's tensor names (``gguf.TensorNameMap``), q/k rows permuted for llama-arch
-  models (llama, mistral, mixtral) and not for qwen, the architecture's metadata
-  (context, heads, kv heads, rope theta and scaling, rms eps, experts) and the
-  tokenizer's real model (``gpt2`` byte-level BPE with merges, INT32 token types,
-  special ids, chat template) and the pre-tokenizer whose split regex is the
-  tokenizer's own (``gpt-2``, ``qwen2``, ``llama-bpe``; any other is refused).
-- :func:`write_lora_gguf`: an unfused LoRA adapter as llama.cpp's LoRA GGUF
-  (``general.type = adapter``, ``adapter.type = lora``, ``adapter.lora.alpha``,
-  ``<tensor>.lora_a`` (r, in) and ``<tensor>.lora_b`` (out, r) in numpy order), which
-  ``llama-cli --lora`` and ``Llama(..., lora_path=...)`` apply at ``alpha / r``.
-
->>> check_gguf_model({"model_type": "gemma"})
-Traceback (most recent call last):
-lorakit.errors.FormatError: llama.cpp GGUF export does not support this architecture ...
+Both writers follow llama.cpp's converters family by family: :func:`write_model_gguf`
+(``convert_hf_to_gguf.py``: its tensor names, q/k rows permuted for llama-arch models,
+norms and routers F32, the tokenizer's byte-level BPE with the pre-tokenizer whose regex
+is the tokenizer's own) and :func:`write_lora_gguf` (``convert_lora_to_gguf.py``:
+``lora_a`` (r, in), ``lora_b`` (out, r), applied at ``alpha / r``).
 """
 from __future__ import annotations
 
@@ -263,7 +249,7 @@ def _tokenizer(w, directory: Path, config: Mapping[str, Any]) -> None:
         w.add_chat_template(tmpl)
 
 
-def _hf_name(name: str, config: Mapping[str, Any]) -> str:
+def _hf_name(name: str) -> str:
     """mlx-lm's stacked expert names as the HF merged names TensorNameMap knows."""
     return (name.replace(".block_sparse_moe.switch_mlp.", ".mlp.experts.")
             .replace(".mlp.switch_mlp.", ".mlp.experts.")
@@ -374,11 +360,9 @@ def write_model_gguf(directory: Path, out: Path, *, outtype: str = "auto",
     tied = bool(config.get("tie_word_embeddings"))
     plan: List[Tuple[str, str, List[str]]] = []  # (gguf name, first source name, members)
     for n in names:
-        if n in grouped or (tied and n == "lm_head.weight"):
+        if n in grouped or (tied and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq"):
             continue
-        if n.endswith(("rotary_emb.inv_freq",)):
-            continue
-        g = gguf_tensor_name(arch, n_blocks, _hf_name(n, config))
+        g = gguf_tensor_name(arch, n_blocks, _hf_name(n))
         if g is None:
             raise FormatError("a tensor llama.cpp's names do not cover", file=directory,
                               tensor=n, expected=f"a {arch} tensor gguf.TensorNameMap maps",
@@ -468,7 +452,6 @@ def write_lora_gguf(adapter: Any, config: Mapping[str, Any], out: Path, *,
     alphas = {float(s) * t.rank for s, t in zip(scales, adapter.targets) if s.ndim == 0}
     uniform = len(alphas) == 1 and all(s.ndim == 0 for s in scales)
     alpha = alphas.pop() if uniform else 0.0
-    heads_cfg = config
     plan = []
     for t, s in zip(adapter.targets, scales):
         g = gguf_tensor_name(arch, n_blocks, t.module + ".weight")
@@ -480,7 +463,7 @@ def write_lora_gguf(adapter: Any, config: Mapping[str, Any], out: Path, *,
         B = np.asarray(t.B, dtype=np.float32)
         if not uniform:
             B = (B.astype(np.float64) * s).astype(np.float32)
-        heads = _qk_heads(t.module, heads_cfg)
+        heads = _qk_heads(t.module, config)
         if arch in _PERMUTE and heads is not None:
             B = _permute(B, heads)
         if outtype == "f16":

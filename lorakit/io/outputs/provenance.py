@@ -78,11 +78,9 @@ def _sha256(p: Path) -> str:
 def write_provenance(directory: Path, kind: str, info: Mapping[str, Any]) -> Path:
     """Write ``lorakit.json``: what made this output and every file it holds.
 
-    Args:
-        directory: the (temporary) output directory, complete but for this file.
-        kind: what wrote it (``fuse``, ``synth-checkpoint``, ``synth-adapter``).
-        info: JSON-serialisable facts (settings, hashes), stored under ``settings``;
-            no paths or times, so the same inputs give the same bytes.
+    ``directory`` is complete but for this file; ``kind`` is what wrote it; ``info``
+    (settings, hashes; no paths or times, so the same inputs give the same bytes) is
+    stored under ``settings``.
     """
     files: Dict[str, Dict[str, Any]] = {}
     for name in sorted(os.listdir(directory)):
