@@ -68,7 +68,8 @@ def _check(args: argparse.Namespace) -> int:
 
     rep = check(args.fused, args.base, args.adapter,
                       check_untouched=not args.skip_untouched,
-                      behaviour=(args.tokens or True) if args.kl else False)
+                      behaviour=(args.tokens or True) if args.kl else False,
+                      initial_adapter=args.initial_adapter)
     rep.max_rows = args.max_rows
     _emit(args, {"check": rep})
     return rep.exit_code()
@@ -134,6 +135,10 @@ def add(sub) -> None:
                    help="the base checkpoint, directory or hub id (as fuse's --model)")
     p.add_argument("--adapter-path", dest="adapter", required=True,
                    help="the adapter directory (as fuse's --adapter-path)")
+    p.add_argument("--initial-adapter", default=None, metavar="DIR",
+                   help="as fuse's --initial-adapter: the adapter a PiSSA/OLoRA/CorDA/"
+                   "LoRA-GA adapter was saved as before training (without it such an adapter "
+                   "fails the check: residual-base adapter)")
     p.add_argument("--skip-untouched", action="store_true",
                    help="do not verify that unadapted tensors are bit-identical")
     p.add_argument("--kl", action="store_true",

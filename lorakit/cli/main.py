@@ -48,7 +48,7 @@ def _fuse(args: argparse.Namespace) -> int:
                   export_gguf=args.gguf_path if args.export_gguf else None,
                   progress=not args.quiet, quant_policy=args.quant_policy,
                   quant_budget=args.quant_budget, float_base=args.float_base,
-                  layout=args.layout)
+                  layout=args.layout, initial_adapter=args.initial_adapter)
     if args.upload_repo is None:
         wrote(args, result.output)
     if args.json:
@@ -92,6 +92,11 @@ def _add_fuse(sub) -> None:
     p.add_argument("--float-base", default=None, metavar="PATH",
                    help="fuse a QLoRA adapter of the quantized --model into this float "
                    "original of it instead (float weights written)")
+    p.add_argument("--initial-adapter", default=None, metavar="DIR",
+                   help="a PEFT adapter made on a changed base (init_lora_weights pissa, "
+                   "olora, corda, lora_ga): the adapter saved before training; the trained "
+                   "one is converted as PEFT's path_initial_model_for_weight_conversion does "
+                   "and fused exactly")
     p.add_argument("--layout", choices=LAYOUTS, default="mlx-lm",
                    help="a MoE model's experts: " + "; ".join(f"{k}: {v}" for k, v in
                                                              LAYOUT_HELP.items()) +

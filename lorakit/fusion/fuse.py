@@ -87,7 +87,8 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
          export_gguf: Optional[str] = None,
          progress: Union[bool, Callable[[int, int], None]] = True,
          quant_policy: str = "requant", quant_budget: Optional[float] = None,
-         float_base: Optional[PathLike] = None, layout: str = "mlx-lm") -> Any:
+         float_base: Optional[PathLike] = None, layout: str = "mlx-lm",
+         initial_adapter: Optional[PathLike] = None) -> Any:
     """Fuse an adapter: ``W' = W + scale * B @ A`` for every adapted weight, rounded as
     ``rounding`` says and written in the weight's own dtype unless ``dtype`` says otherwise.
 
@@ -110,6 +111,9 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
             float original of it instead (float weights written).
         layout: a MoE checkpoint's experts: ``mlx-lm`` (stacked, default) or
             ``transformers`` (one tensor per expert; :mod:`lorakit.io.outputs.hf_layout`).
+        initial_adapter: for a PEFT adapter made on a changed base (PiSSA, OLoRA, ...),
+            the adapter saved before training: the trained one is converted as PEFT does
+            (:func:`lorakit.load_adapter`) and fused exactly.
 
     Returns:
         A :class:`~lorakit.fusion.fuse.FuseResult` for a checkpoint; the model itself
@@ -118,6 +122,11 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
     options = FuseOptions(rounding=rounding, dtype=dtype, dequantize=dequantize,
                           quant_policy=quant_policy, quant_budget=quant_budget,
                           layout=layout)
+    if initial_adapter is not None:
+        if adapter_path is None or isinstance(adapter_path, Adapter):
+            raise ArgumentError.bad("adapter_path", adapter_path, "an adapter directory: "
+                                    "initial_adapter converts the one adapter read from it")
+        adapter_path = load_adapter(adapter_path, initial_adapter)
     if hasattr(model, "parameters") and hasattr(model, "named_modules"):
         if save_path is not None:
             raise ArgumentError.bad("save_path", save_path, "None: a model in memory is fused "

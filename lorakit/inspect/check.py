@@ -122,6 +122,7 @@ from ..fusion.delta import Piece, WeightReader, intended, intended_blocks, tenso
 from ..io.adapters.base import Adapter
 from ..io.adapters.load import load_adapter
 from ..io.adapters.naming import bind, bind_replacements, bindings_by_tensor
+from ..io.adapters.peft import residual_init
 from ..io.formats import source
 from ..io.formats.safetensors import ITEMSIZE, raw_to_mx
 from ..io.formats.source import TensorSource
@@ -514,7 +515,8 @@ def _adapted_rows(sf, sb, by_tensor, conversion: Optional[str]) -> List[Dict[str
 
 
 def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
-                progress: Any = True, behaviour: Any = False) -> CheckReport:
+                progress: Any = True, behaviour: Any = False,
+                initial_adapter: Any = None) -> CheckReport:
     """Check that a fused checkpoint is its base with its adapter merged, tensor by tensor.
 
     Args:
@@ -528,6 +530,10 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
         behaviour: True (1024 tokens) or a token count: also run the fused model against
             the base with the adapter attached unfused on the embedded corpus (mean KL,
             top-1 agreement: ``.behaviour`` and a summary line); never changes the verdict.
+        initial_adapter: for a PEFT adapter made on a changed base (PiSSA, OLoRA, ...),
+            the adapter saved before training, as :func:`lorakit.fuse` takes it. Without
+            it such an adapter is measured as saved and the check fails with the cause
+            ``residual-base adapter`` (a row for adapter_config.json).
 
     Returns:
         A :class:`CheckReport` (``.status``, ``.ok``, ``.exit_code()``, ``.verdicts()``,
@@ -535,7 +541,8 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
     """
     n_kl = behaviour_tokens(behaviour)
     sf, sb = source.open(fused), source.open(base)
-    ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
+    ad = adapter if isinstance(adapter, Adapter) else \
+        load_adapter(adapter, initial_adapter, residual_ok=True)
     by_tensor = bindings_by_tensor(bind(ad, sb))
     adapted = {t[: -len(".weight")] for t in by_tensor}
     replaced = bind_replacements(ad, sb, dequantize=True)
@@ -561,7 +568,7 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
                 r.update(verdict="different base", detail=r["detail"] + ": another base")
     for r in rows:
         r.pop("base_like", None)
-    rows += extra_rows(sf, sb)
+    rows += extra_rows(sf, sb) + residual_rows(ad)
     rep = CheckReport(title=f"merge check of {sf.label}", rows=rows,
                      columns=["tensor", "dtype", "distance", "max_ulp", "beyond", "survived",
                               "expected", "fit", "corr", "status", "verdict", "detail"],
@@ -780,6 +787,22 @@ def extra_rows(sf: TensorSource, sb: TensorSource) -> List[Dict[str, Any]]:
         out.append(row(n, meta.dtype, "wrong", "extra tensor",
                        detail="in the fused checkpoint, not in the base"))
     return out
+
+
+def residual_rows(ad: Adapter) -> List[Dict[str, Any]]:
+    """A wrong row for an adapter whose config says PEFT changed the base when it made
+    it (PiSSA, OLoRA, CorDA, LoRA-GA, LoftQ): fused into the original base its delta is
+    not the trained change, whatever the tensors show (they are measured against the
+    same base)."""
+    res = residual_init(ad.config) if ad.format == "peft" else None
+    if res is None:
+        return []
+    key, val = res
+    return [row("adapter_config.json", "-", "wrong", "residual-base adapter",
+                detail=f"{key}={val!r}: PEFT made this adapter on a changed base (W - scale "
+                "* B0 @ A0); the merge is wrong unless it was fused into that base. Convert "
+                "it: --initial-adapter DIR (the adapter saved before training), or PEFT's "
+                "save_pretrained(path_initial_model_for_weight_conversion=...)")]
 
 
 def replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) -> Dict[str, Any]:

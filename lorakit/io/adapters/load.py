@@ -19,7 +19,7 @@ from .base import (
     Adapter,
 )
 from .mlx import check_layer_scope, load_mlx
-from .peft import check_targets_exist, load_peft
+from .peft import check_targets_exist, convert_residual, load_peft
 
 __all__ = ["load_adapter"]
 
@@ -54,7 +54,8 @@ def _not_read(named: Path, reads: Optional[Path]) -> AdapterError:
         "that name")
 
 
-def load_adapter(path: PathLike) -> Adapter:
+def load_adapter(path: PathLike, initial_adapter: Optional[PathLike] = None, *,
+                 residual_ok: bool = False) -> Adapter:
     """Read an adapter directory in mlx-lm or PEFT format.
 
     The format is told by the files present (``adapters.safetensors`` or
@@ -65,7 +66,16 @@ def load_adapter(path: PathLike) -> Adapter:
     >>> ad = load_adapter("data/adapters/lora")
     >>> ad.format, len(ad.targets)
     ('mlx-lm', 28)
+
+    A PEFT adapter made on a changed base (``init_lora_weights`` pissa, olora, corda,
+    lora_ga; ``loftq_config``) is refused unless ``initial_adapter`` names the adapter
+    saved before training: it is then converted as PEFT's
+    ``path_initial_model_for_weight_conversion`` does (rank 2r, delta
+    ``scale * (B @ A - B0 @ A0)``). ``residual_ok`` reads it unconverted (``check``).
     """
+    if initial_adapter is not None:
+        return convert_residual(load_adapter(path, residual_ok=True),
+                                load_adapter(initial_adapter, residual_ok=True))
     path = user_path(path, "adapter path")
     named: Optional[Path] = None
     if path.is_file() and path.suffix == ".safetensors":
@@ -88,7 +98,8 @@ def load_adapter(path: PathLike) -> Adapter:
     fmt, file = _weights_of(path, cfg)
     if named is not None and named.name != file.name:
         raise _not_read(named, file)
-    return load_mlx(path, cfg, file) if fmt == "mlx-lm" else load_peft(path, cfg, file)
+    return load_mlx(path, cfg, file) if fmt == "mlx-lm" else \
+        load_peft(path, cfg, file, residual_ok)
 
 
 _IN_LAYER = re.compile(r"^(.+?)\.(\d+)\.")

@@ -33,7 +33,7 @@ from .base import (
     whole,
 )
 
-__all__ = []
+__all__ = ["residual_init"]
 
 _LEAVES = {
     "lora_A.weight": "A", "lora_B.weight": "B",
@@ -43,15 +43,72 @@ _LEAVES = {
     # base model's (e.g. after resizing the vocabulary): it is the weight to fuse into
     "base_layer.weight": "W",
 }
-_UNSUPPORTED = {
-    "use_qalora": "QA-LoRA", "lora_bias": "LoRA bias", "use_bdlora": "BD-LoRA",
+_EMPTY = "false / absent"
+_READ, _IGNORED, _REFUSED = "read", "ignored", "refused"
+#: Every field PEFT 0.21.2's LoraConfig (and PeftConfig) writes -- the newest PEFT source
+#: adds none -- as field -> (default, how lorakit handles it, its meaning or the refusal).
+#: A refused field passes at its default (or empty); a field not listed passes only empty.
+FIELDS: Dict[str, Tuple[Any, str, str]] = {
+    "peft_type": ("LORA", _READ, "must be LORA"),
+    "task_type": (None, _IGNORED, "the model class the adapter was trained with"),
+    "auto_mapping": (None, _IGNORED, "the model class the adapter was trained with"),
+    "peft_version": (None, _IGNORED, "the PEFT version that saved it"),
+    "base_model_name_or_path": (None, _IGNORED, "where the base came from"),
+    "revision": (None, _IGNORED, "where the base came from"),
+    "inference_mode": (False, _IGNORED, "training state"),
+    "r": (8, _READ, "the rank"),
+    "lora_alpha": (8, _READ, "scale = lora_alpha / r"),
+    "use_rslora": (False, _READ, "scale = lora_alpha / sqrt(r)"),
+    "rank_pattern": ({}, _READ, "per-module r"),
+    "alpha_pattern": ({}, _READ, "per-module lora_alpha"),
+    "target_modules": (None, _READ, "the adapted modules"),
+    "exclude_modules": (None, _READ, "modules never adapted"),
+    "layers_to_transform": (None, _READ, "the adapted layers"),
+    "layers_pattern": (None, _READ, "where layer indices are read"),
+    "modules_to_save": (None, _READ, "trained copies that replace the base's"),
+    "fan_in_fan_out": (False, _READ, "weights stored (in, out): the delta transposed"),
+    "use_dora": (False, _READ, "DoRA: the magnitude rescales the merged rows"),
+    "lora_dropout": (0.0, _IGNORED, "training only"),
+    "init_lora_weights": (True, _READ, "pissa, olora, corda, lora_ga and loftq changed the "
+                          "base weights: refused unless converted (initial_adapter)"),
+    "loftq_config": ({}, _READ, "LoftQ replaced the base by a quantized residual: refused"),
+    "eva_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
+    "corda_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
+    "lora_ga_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
+    "velora_config": (None, _IGNORED, "VeLoRA changes the backward pass only; PEFT merges "
+                      "it as LoRA"),
+    "megatron_core": ("megatron.core", _IGNORED, "the module megatron_config names"),
+    "qalora_group_size": (16, _IGNORED, "used only with use_qalora"),
+    "runtime_config": (None, _IGNORED, "runtime settings"),
+    "ensure_weight_tying": (False, _IGNORED, "ties the adapters of tied layers; the "
+                           "tensors are read as saved"),
+    "bias": ("none", _REFUSED, "trained biases: lorakit fuses weights only; merge it "
+             "with PEFT's merge_and_unload"),
+    "lora_bias": (False, _REFUSED, "LoRA bias: merge it with PEFT's merge_and_unload"),
+    "use_qalora": (False, _REFUSED, "QA-LoRA: its A works on pooled inputs of a GPTQ "
+                   "model; merge it with PEFT"),
+    "use_bdlora": (None, _REFUSED, "BD-LoRA: block-diagonal factors; merge it with PEFT"),
     # duplicated layers change the model's structure: no fuse into the base's tensors
-    "layer_replication": "layer_replication",
+    "layer_replication": (None, _REFUSED, "layer_replication"),
     # activated LoRA applies only after its invocation tokens: merging changes outputs
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "alora_invocation_tokens": (None, _REFUSED, "activated LoRA (alora_invocation_tokens): "
+                                "it applies after its invocation tokens only, no merge "
+                                "keeps that"),
     # LoRA on raw nn.Parameters (MoE expert tensors) is stored in another layout
-    "target_parameters": "LoRA on parameters (target_parameters)",
+    "target_parameters": (None, _REFUSED, "LoRA on parameters (target_parameters)"),
+    "trainable_token_indices": (None, _REFUSED, "trainable tokens "
+                                "(trainable_token_indices): merge it with PEFT"),
+    "megatron_config": (None, _REFUSED, "Megatron tensor-parallel layers (megatron_config): "
+                        "save the adapter of the gathered model with PEFT"),
+    "monteclora_config": (None, _REFUSED, "MonteCLoRA: sampled factors; merge it with PEFT"),
+    "arrow_config": (None, _REFUSED, "Arrow routing among adapters: no single merge"),
+    "kasa_config": (None, _REFUSED, "KaSA: it truncates the base's singular values and "
+                    "adds lora_diag; merge it with PEFT"),
 }
+#: init_lora_weights values that leave the base as it was (PEFT's LoraLayer.update_layer)
+_KEEPS_BASE = (True, False, "gaussian", "eva", "orthogonal", "mica")
+#: init_lora_weights prefixes that change the base weights when the adapter is made
+_CHANGES_BASE = ("pissa", "olora", "corda", "lora_ga", "loftq")
 _ALL_LINEAR = "all-linear"
 
 Names = Union[str, List[str], None]  # a regex, a list of names, or absent
@@ -184,13 +241,7 @@ def peft_settings(cfg: Dict[str, Any], cfg_path: Path) -> PeftSettings:
     if str(ptype).upper() != "LORA":
         raise AdapterError("unsupported PEFT method", file=cfg_path, tensor="peft_type",
                            expected="LORA", found=repr(ptype))
-    for key, what in _UNSUPPORTED.items():
-        if cfg.get(key):
-            raise AdapterError(f"unsupported PEFT feature: {what}", file=cfg_path, tensor=key,
-                               expected="false / absent", found=repr(cfg.get(key)))
-    if cfg.get("bias", "none") not in ("none", None):
-        raise AdapterError("unsupported PEFT feature: trained biases", file=cfg_path,
-                           tensor="bias", expected='"none"', found=repr(cfg.get("bias")))
+    check_fields(cfg, cfg_path)
     s = PeftSettings(_positive(cfg_path, "r", cfg.get("r"), True),
                      float(_positive(cfg_path, "lora_alpha", cfg.get("lora_alpha"), False)),
                      bool(cfg.get("use_rslora", False)), bool(cfg.get("use_dora", False)),
@@ -360,7 +411,8 @@ def _replacement(name: str, module: str, leaf: str, ts: AdapterTensors
     return Replacement(module, leaf, raw, dt, name), None
 
 
-def load_peft(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None) -> Adapter:
+def load_peft(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None,
+              residual_ok: bool = False) -> Adapter:
     """Read a PEFT LoRA adapter directory whose config is ``cfg``.
 
     Names, scope (what PEFT adapts), dtypes, shapes and ranks are checked from the
@@ -369,6 +421,7 @@ def load_peft(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None) -> A
     cfg_path = path / CONFIG
     file = file or path / PEFT_WEIGHTS
     s = peft_settings(cfg, cfg_path)
+    check_init(cfg, cfg_path, residual_ok)
     ts = AdapterTensors(file)
     found = _sort_names(ts.names, s)
     errors = found.errors
@@ -403,6 +456,9 @@ def load_peft(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None) -> A
                            expected="base_model.model.<module>.lora_A.weight / .lora_B.weight",
                            found="none")
     targets = [_target(p, ts, s.fan_in_fan_out) for p in plans]
+    if str(cfg.get("init_lora_weights")).lower() == "mica":  # PEFT's MiCA merge rounds
+        for t in targets:  # the delta to the weight's dtype before adding it
+            t.round_delta = True
     return Adapter(path, "peft", targets, cfg, file, "dora" if s.dora else "lora",
                    replacements=replacements)
 
@@ -422,3 +478,117 @@ def check_targets_exist(adapter: Adapter, modules: Sequence[str], source: Path) 
                            expected=f"module names of the model at {source}",
                            found=repr(s.target_modules)[:120],
                            hint="PEFT refuses this adapter on this model too")
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v is False or (isinstance(v, (str, list, dict)) and not v)
+
+
+def check_fields(cfg: Dict[str, Any], cfg_path: Path) -> None:
+    """Refuse, by name, a set field that :data:`FIELDS` refuses or that PEFT has not."""
+    for key, val in cfg.items():
+        default, how, text = FIELDS.get(key, (None, "unknown", ""))
+        if how in (_READ, _IGNORED) or _empty(val) or val == default:
+            continue
+        if how == "unknown":
+            raise AdapterError("unknown PEFT config field", file=cfg_path, tensor=key,
+                               expected=f"a field of PEFT's LoraConfig, or {key} empty",
+                               found=repr(val)[:80],
+                               hint="lorakit reads every field of PEFT 0.21's LoraConfig and "
+                               "refuses a field whose meaning it does not know; if a newer "
+                               "PEFT wrote it, merge with that PEFT's merge_and_unload")
+        what, _, todo = text.partition(": ")
+        raise AdapterError(f"unsupported PEFT feature: {what}", file=cfg_path, tensor=key,
+                           expected=repr(default).replace("'", '"') if default else _EMPTY,
+                           found=repr(val)[:80], hint=todo or None)
+
+
+def residual_init(cfg: Dict[str, Any]) -> Optional[Tuple[str, Any]]:
+    """``(field, value)`` when a PEFT config says its adapter was made on a changed base
+    (PiSSA, OLoRA, CorDA, LoRA-GA, LoftQ), else None."""
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_CHANGES_BASE):
+        return "init_lora_weights", init
+    if not _empty(cfg.get("loftq_config")):
+        return "loftq_config", cfg["loftq_config"]
+    return None
+
+
+def check_init(cfg: Dict[str, Any], cfg_path: Path, residual_ok: bool) -> None:
+    """Refuse an unknown ``init_lora_weights`` and (unless ``residual_ok``) a
+    residual-base adapter, naming the field, its value and the fix."""
+    init = cfg.get("init_lora_weights", True)
+    if (init.lower() if isinstance(init, str) else init) not in _KEEPS_BASE and not (isinstance(init, str) and
+                                        init.lower().startswith(_CHANGES_BASE)):
+        raise AdapterError("unknown init_lora_weights", file=cfg_path,
+                           tensor="init_lora_weights", found=repr(init)[:80],
+                           expected=f"one of {list(_KEEPS_BASE)} or {list(_CHANGES_BASE)}")
+    res = residual_init(cfg)
+    if res is not None and not residual_ok:
+        key, val = res
+        raise AdapterError(
+            f"residual-base adapter: {key}={val!r} changed the base weights when PEFT made "
+            "this adapter (W_res = W - scale * B0 @ A0); fused into the original base it is "
+            "wrong", file=cfg_path, tensor=key, found=repr(val)[:80],
+            expected="a plain LoRA (init_lora_weights true)",
+            hint="re-save it with PEFT's save_pretrained(..., "
+            "path_initial_model_for_weight_conversion=<the adapter saved before training>), "
+            "or give lorakit that initial adapter: --initial-adapter DIR (API: "
+            "initial_adapter=)" + ("; LoftQ's base is its quantized residual: merge with "
+                                   "PEFT" if key == "loftq_config" or
+                                   str(val).lower() == "loftq" else ""))
+
+
+def converted_config(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The config PEFT's ``save_pretrained(path_initial_model_for_weight_conversion=...)``
+    writes: init true, r and rank_pattern doubled, lora_alpha doubled (times sqrt(2) with
+    rsLoRA), alpha_pattern doubled."""
+    out = dict(cfg, init_lora_weights=True, r=2 * cfg["r"])
+    out["lora_alpha"] = cfg["lora_alpha"] * (2 ** 0.5 if cfg.get("use_rslora") else 2)
+    for key in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            out[key] = {k: 2 * v for k, v in cfg[key].items()}
+    return out
+
+
+def convert_residual(trained: Adapter, initial: Adapter) -> Adapter:
+    """A residual-base adapter as the plain LoRA PEFT's conversion makes of it: per module
+    ``A' = cat(A, A0)``, ``B' = cat(B, -B0)`` (rank 2r), the scale of
+    :func:`converted_config` (PEFT refuses rsLoRA with patterns; here its scale is that
+    of the doubled rank and alpha * sqrt(2), as without patterns). The delta is
+    ``scale * (B @ A - B0 @ A0)``."""
+    if trained.format != "peft" or initial.format != "peft":
+        raise AdapterError("an initial adapter converts PEFT adapters only",
+                           file=trained.path if trained.format != "peft" else initial.path,
+                           expected="PEFT adapters (adapter_model.safetensors)",
+                           found="mlx-lm format")
+    cfg = converted_config(trained.config)
+    s = peft_settings(cfg, trained.path / CONFIG)
+    init = {t.module: t for t in initial.targets}
+    errors: List[str] = []
+    targets: List[LoraTarget] = []
+    for t in trained.targets:
+        t0 = init.pop(t.module, None)
+        if t.kind != "linear" or t.is_dora:
+            errors.append(f"  {t.module}: a {'DoRA' if t.is_dora else t.kind} module (expected "
+                          "LoRA on linear layers: PEFT's conversion keeps lora_A/lora_B only)")
+        elif t0 is None or t0.A.shape != t.A.shape or t0.B.shape != t.B.shape or \
+                t0.scale != t.scale:
+            found = "absent" if t0 is None else \
+                f"A {list(t0.A.shape)}, B {list(t0.B.shape)}, scale {t0.scale:g}"
+            errors.append(f"  {t.module}: initial adapter does not match (expected A "
+                          f"{list(t.A.shape)}, B {list(t.B.shape)}, scale {t.scale:g}, "
+                          f"found {found})")
+        else:
+            r, alpha = s.rank_alpha(t.module)
+            scale = float(alpha) / (math.sqrt(r) if s.rslora else r)
+            targets.append(LoraTarget(
+                t.module, t.kind, np.concatenate([t.A, t0.A], axis=0),
+                np.concatenate([t.B, -t0.B], axis=1), scale, None, t.names + t0.names))
+    errors += [f"  {m}: in the initial adapter only (expected the same modules as the "
+               "trained one)" for m in init]
+    if errors:
+        raise problems(initial.weights_file, errors, "the adapter the trained one started "
+                       "from: the same modules, ranks and scales")
+    return Adapter(trained.path, "peft", targets, cfg, trained.weights_file,
+                   trained.fine_tune_type, replacements=trained.replacements)
