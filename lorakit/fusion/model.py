@@ -1,15 +1,9 @@
 """Fuse an adapter into an mlx-lm model already in memory (for notebooks).
 
-Two ways in, one core (:func:`lorakit.fusion.core.fuse_bindings`):
-
-* a model loaded with its adapter (``mlx_lm.load(path, adapter_path=...)``): its
-  LoRA / DoRA layers are read back into targets and replaced by plain layers;
-* a plain model plus an adapter (directory or :class:`~lorakit.io.adapters.load.Adapter`,
-  mlx-lm or PEFT format): the adapter's targets are bound to the model's
-  parameters by name, as for a checkpoint on disk.
-
-Quantized layers are dequantized, fused and re-quantized with the same bits,
-group size and mode (or left in float with ``dequantize=True``).
+A model loaded with its adapter has its LoRA / DoRA layers read back into targets; a
+plain model plus an adapter (mlx-lm or PEFT) is bound by parameter name, as on disk.
+Both go through :func:`lorakit.fusion.core.fuse_bindings`; quantized layers are
+dequantized, fused and re-quantized alike (or left in float with ``dequantize=True``).
 """
 from __future__ import annotations
 
@@ -67,12 +61,8 @@ def _f32():
 def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None,
                options: Optional[FuseOptions] = None) -> Any:
     """Fuse an adapter into an in-memory mlx-lm model, in place; returns the model.
-
-    Args:
-        model: an mlx-lm model, with LoRA layers attached (``adapter`` None) or plain.
-        adapter: adapter directory or :class:`Adapter` for a plain model.
-        options: rounding, dtype and ``dequantize`` (leave fused quantized layers in
-            float), as for :func:`lorakit.fuse` (default: correctly rounded, dtypes kept).
+    ``adapter``: None for a model with LoRA layers attached, else a directory or an
+    :class:`Adapter`; ``options`` as for :func:`lorakit.fuse`.
 
     >>> import mlx_lm
     >>> model, tok = mlx_lm.load("data/tiny-qwen3", adapter_path="data/adapters/lora")
