@@ -28,18 +28,10 @@ NAN_MISMATCH: int = int(np.iinfo(np.int64).max)
 
 @dataclass(frozen=True)
 class FloatFormat:
-    """One binary floating-point storage format.
-
-    Attributes:
-        name: canonical name ("bfloat16", "float16", "float32").
-        safetensors: the dtype code in a safetensors header ("BF16", "F16", "F32").
-        bits: storage width in bits (16 or 32).
-        precision: significand bits p, implicit bit included (8, 11, 24).
-        emin: exponent of the smallest normal number, 2**emin.
-        emax: exponent of the largest binade; max finite is (2 - 2**(1-p)) * 2**emax.
-        storage: numpy unsigned dtype that holds the bits.
-        itemsize: bytes per element.
-    """
+    """One binary floating-point storage format: its canonical name, safetensors code,
+    storage ``bits``, ``precision`` p (implicit bit included: 8, 11, 24), ``emin`` (the
+    smallest normal is 2**emin), ``emax`` (the largest binade's exponent), the unsigned
+    numpy ``storage`` dtype and ``itemsize``."""
 
     name: str
     safetensors: str

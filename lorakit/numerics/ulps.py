@@ -11,9 +11,6 @@ from .values import _as_bits, isnan_bits, round_to_format, to_float64  # noqa: F
 
 __all__ = ["ulp", "ulp_error_vs_reference", "ulp_distance", "nan_mismatch", "ulp_histogram"]
 
-# ---------------------------------------------------------------------------
-# ulps
-
 
 def ulp(x: Any, fmt: Any) -> np.ndarray:
     """Spacing of `fmt` at each value of `x`, as float64.
@@ -41,11 +38,6 @@ def ulp_error_vs_reference(bits: Any, reference: Any, fmt: Any) -> np.ndarray:
     A correctly rounded value is always <= 0.5, and exactly 0.5 only when the
     reference is a tie. NaN against NaN and equal infinities count 0; NaN
     against a number gives NaN; an overflow to inf from a finite reference is inf.
-
-    Args:
-        bits: storage bits (or exact float array) of `fmt`.
-        reference: exact values (float64, or anything that widens to it).
-        fmt: the format of `bits`.
 
     >>> ref = np.array([1 + 2**-8, 1 + 2**-9])
     >>> ulp_error_vs_reference(round_to_format(ref, "bf16"), ref, "bf16").tolist()
@@ -135,16 +127,9 @@ def nan_mismatch(a_bits: Any, b_bits: Any, fmt: Any) -> np.ndarray:
 
 
 def ulp_histogram(distances: Any, max_bin: int = 1023) -> tuple[list[str], np.ndarray]:
-    """Count ulp distances into bins 0, 1, 2, 3, 4-7, 8-15, ..., >max_bin, nan.
-
-    Args:
-        distances: int array from :func:`ulp_distance` (NAN_MISMATCH counts as "nan").
-        max_bin: top of the last power-of-two bin; 2**k - 1 with k >= 2.
-
-    Returns:
-        (labels, counts): labels as strings, counts an int64 array of the same
-        length. The bins do not depend on the data, so histograms of different
-        tensors line up.
+    """Count ulp distances into bins 0, 1, 2, 3, 4-7, 8-15, ..., >max_bin, nan
+    (``max_bin`` = 2**k - 1, k >= 2; NAN_MISMATCH counts as nan). Returns (labels, int64
+    counts); the bins do not depend on the data, so histograms of tensors line up.
 
     >>> labels, counts = ulp_histogram(np.array([0, 0, 1, 5, 9, 40, NAN_MISMATCH]), 15)
     >>> list(zip(labels, counts.tolist()))

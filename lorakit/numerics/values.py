@@ -22,9 +22,6 @@ from .formats import (
 __all__ = ["to_float32", "to_float64", "from_storage", "isnan_bits", "round_to_format", "fma_f32",
            "to_storage"]
 
-# ---------------------------------------------------------------------------
-# bits <-> values
-
 
 def _as_bits(x: Any, fmt: FloatFormat) -> np.ndarray:
     """Storage bits of `x`: integer arrays are taken as bits, floats must be exact."""
@@ -82,9 +79,6 @@ def isnan_bits(bits: Any, fmt: Any) -> np.ndarray:
     b = _as_bits(bits, fmt)
     return (b & fmt.storage.type(fmt.abs_mask)) > fmt.storage.type(fmt.inf_bits)
 
-
-# ---------------------------------------------------------------------------
-# correct rounding
 
 
 def _round_consts(fmt: FloatFormat) -> dict[str, Any]:
@@ -216,15 +210,8 @@ def round_to_format(x: Any, fmt: Any, out: Optional[np.ndarray] = None) -> np.nd
     passed through float32 first (that double rounding gives the wrong bfloat16
     for about one random input in 2**17). Subnormal results, signed zeros and
     overflow follow IEEE 754: a magnitude >= max + half an ulp becomes inf.
-    NaN becomes the canonical quiet NaN of `fmt`, sign kept.
-
-    Args:
-        x: float array (float64, float32, float16 or ml_dtypes bfloat16), any shape.
-        fmt: target format (anything :func:`float_format` accepts).
-        out: optional C-contiguous array of `fmt.storage` with x's shape to fill.
-
-    Returns:
-        Array of `fmt.storage` bits with x's shape (`out` if given).
+    NaN becomes the canonical quiet NaN of `fmt`, sign kept. ``x``: any float array
+    (bfloat16 from ml_dtypes too); ``out``: a C-contiguous `fmt.storage` array to fill.
 
     >>> round_to_format(np.array([65519.0, 65520.0, -0.0]), "float16").tolist()
     [31743, 31744, 32768]
@@ -258,9 +245,6 @@ def round_to_format(x: Any, fmt: Any, out: Optional[np.ndarray] = None) -> np.nd
     return out
 
 
-# ---------------------------------------------------------------------------
-# float32 fused multiply-add, emulated exactly
-
 
 def fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     """Correctly rounded float32 ``a*b + c`` (one rounding), broadcasting like ``a*b+c``.
@@ -292,10 +276,7 @@ def to_storage(values: Any, fmt: Any) -> np.ndarray:
 
     A float16/float32 array of its own format is a zero-copy view. Any other
     float array (e.g. float32 holding bfloat16 values) must be exactly
-    representable, NaN aside; use :func:`round_to_format` to round instead.
-
-    Raises:
-        FormatError: a value is not exactly representable in `fmt`.
+    representable, NaN aside (else a FormatError; :func:`round_to_format` rounds).
     """
     fmt = float_format(fmt)
     arr = np.asarray(values)
