@@ -199,12 +199,11 @@ def _factor_merge(method: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[
     ws = [float(w[i]) * float(t.scale) for i, t in parts]
     wa = [np.sqrt(abs(x)) * (1 if x >= 0 else -1) for x in ws]
     wb = [np.sqrt(abs(x)) for x in ws]
-    As, Bs = [t.A for _, t in parts], [t.B for _, t in parts]
     if parts[0][1].kind == "embedding":  # PEFT's lora_embedding_A is lorakit's B.T
-        return (merge(method, As, wb, density=density, rng=rng, sign_method=sign_method),
-                merge(method, Bs, wa, density=density, rng=rng, sign_method=sign_method))
-    return (merge(method, As, wa, density=density, rng=rng, sign_method=sign_method),
-            merge(method, Bs, wb, density=density, rng=rng, sign_method=sign_method))
+        wa, wb = wb, wa
+    kw = dict(density=density, rng=rng, sign_method=sign_method)
+    return (merge(method, [t.A for _, t in parts], wa, **kw),
+            merge(method, [t.B for _, t in parts], wb, **kw))
 
 
 @dataclass(frozen=True)

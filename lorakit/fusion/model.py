@@ -19,7 +19,6 @@ from ..errors import AdapterError, ArgumentError, PathLike
 from ..io.adapters.base import MLX_WEIGHTS, PEFT_WEIGHTS, Adapter, LoraTarget
 from ..io.adapters.load import load_adapter
 from ..io.adapters.naming import bind, bind_replacements, bindings_by_tensor
-from ..io.formats.checkpoint import QuantParams
 from ..io.formats.safetensors import mx_to_raw, raw_to_mx
 from ..io.formats.source import ModelSource
 from .core import fuse_bindings, output_code
@@ -38,9 +37,9 @@ def _lora_targets(model: Any) -> Tuple[List[LoraTarget], List[Tuple[str, Any]]]:
         if cls not in ("LoRALinear", "DoRALinear", "LoRASwitchLinear", "LoRAEmbedding",
                        "DoRAEmbedding"):
             continue
-        a = np.array(m.lora_a.astype(_f32()))
-        b = np.array(m.lora_b.astype(_f32()))
-        mag = np.array(m.m.astype(_f32())) if "m" in m else None
+        a = np.array(m.lora_a.astype(mx.float32))
+        b = np.array(m.lora_b.astype(mx.float32))
+        mag = np.array(m.m.astype(mx.float32)) if "m" in m else None
         if cls == "LoRASwitchLinear":
             kind, A, B, inner = "switch", a, b, m.linear
         elif cls in ("LoRAEmbedding", "DoRAEmbedding"):
@@ -51,11 +50,6 @@ def _lora_targets(model: Any) -> Tuple[List[LoraTarget], List[Tuple[str, Any]]]:
                                   float(m.scale), mag, (f"{name}.lora_a", f"{name}.lora_b")))
         plain.append((name, inner))
     return targets, plain
-
-
-def _f32():
-
-    return mx.float32
 
 
 def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None,
@@ -102,7 +96,7 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None,
         fw = raw_to_mx(fused, fcode)
         plain_mod = _float_module(mod, fw)
         if not dequantize:
-            plain_mod = _requantize(plain_mod, q)
+            plain_mod = plain_mod.to_quantized(group_size=q.group_size, bits=q.bits, mode=q.mode)
         new_modules.append((module, plain_mod))
     for tensor, r in bind_replacements(ad, src).items():  # PEFT modules_to_save copies
         code = mx_to_raw(src.arrays[tensor])[1]
@@ -134,10 +128,6 @@ def _float_module(qmod: Any, weight: Any) -> Any:
     return m
 
 
-def _requantize(m: Any, q: QuantParams) -> Any:
-    return m.to_quantized(group_size=q.group_size, bits=q.bits, mode=q.mode)
-
-
 def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
     """Attach an adapter to an mlx-lm model unfused, in place: every target becomes
     mlx-lm's own LoRA/DoRA layer (``LoRALinear``, ``DoRALinear``, ``LoRAEmbedding``,
@@ -145,9 +135,7 @@ def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
     PEFT ``modules_to_save`` copies replace their tensors. This runs adapters that
     ``mlx_lm.utils.load_adapters`` cannot load (PEFT's format, per-module ranks and
     scales from ``rank_pattern`` / ``alpha_pattern`` / rsLoRA); for an mlx-lm adapter
-    it builds the same layers as ``load_adapters``.
-
-    Returns the model (in eval mode).
+    it builds the same layers as ``load_adapters``. Returns the model (in eval mode).
 
     >>> import mlx_lm
     >>> model, tok = mlx_lm.load("data/tiny-qwen3")
