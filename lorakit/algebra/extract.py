@@ -127,13 +127,9 @@ def svd_note(exact_max: int = EXACT_MAX) -> str:
 
 @dataclass(repr=False)
 class ExtractReport(Report):
-    """Rows: module, shape, rank, method, fro (``||D||_F``), residual, rel_error, energy
-    (kept), noise, within (``residual <= noise``), reproduced (share of a re-fuse
-    equal to the tuned bits), note. ``adapter``: the extracted
-    :class:`~lorakit.io.adapters.base.Adapter` (fuse it, compare it, save it);
-    ``singular_values[module]``: the spectrum each rank was chosen from;
-    ``behaviour``: the tuned model against base + the adapter (KL, top-1; filled by
-    :func:`lorakit.extract`), or None."""
+    """One row per module (``column_help``); ``adapter``: the extracted Adapter;
+    ``singular_values[module]``: each rank's spectrum; ``behaviour``: KL and top-1 of
+    the tuned model against base + adapter (filled by :func:`lorakit.extract`) or None."""
     column_help = {
         "module": "the module the LoRA factors belong to",
         "shape": "the weight's shape (out, in)",
@@ -368,9 +364,7 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
                          "rel_error": 0.0, "energy": 1.0, "noise": "-", "within": "-",
                          "reproduced": 1.0,
                          "note": f"saved in full: {diff['changed']} elements differ"})
-    h = hashlib.sha256()
-    for tg in targets:
-        h.update(tg.module.encode() + tg.A.tobytes() + tg.B.tobytes())
+    h = _factors_hash(hashlib.sha256(), targets)
     for r in replacements:
         h.update(r.name.encode() + r.raw.tobytes())
     adapter = Adapter(Path(getattr(t, "path", "tuned")), opts.format, targets,
@@ -390,9 +384,7 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
     }
     flagged = [i for i, r in enumerate(rows) if r["within"] == "no"]
     rep = ExtractReport(f"extract: {t.label or t.path} - {b.label or b.path}", rows,
-                        columns=["module", "shape", "rank", "method", "fro", "residual",
-                                 "rel_error", "energy", "noise", "within", "reproduced",
-                                 "note"],
+                        columns=list(ExtractReport.column_help),
                         summary=summary, flagged=flagged, adapter=adapter,
                         singular_values=spectra)
     if save_path is not None:
@@ -401,6 +393,12 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
                                             "target": opts.target})
         rep.summary["saved to"] = str(rep.saved)
     return rep
+
+
+def _factors_hash(h, targets: List[LoraTarget]):
+    for t in targets:
+        h.update(t.module.encode() + t.A.tobytes() + t.B.tobytes())
+    return h
 
 
 def _reproduced_note(low: List[Dict[str, Any]]) -> str:
@@ -422,10 +420,8 @@ def save_result(adapter: Adapter, path: Any, *, format: str, force: bool,
 
 @dataclass(repr=False)
 class ResizeReport(Report):
-    """Rows: module, expert count, rank_before, rank, fro (``||delta||_F``), error
-    (``||delta - delta_k||_F``, exact), rel_error, energy kept, dora_error (DoRA with a
-    base). ``adapter``: the resized :class:`~lorakit.io.adapters.base.Adapter`;
-    ``singular_values[module]``: each module's spectrum (per expert for MoE)."""
+    """One row per module (``column_help``); ``adapter``: the resized Adapter;
+    ``singular_values[module]``: each module's spectra (one per MoE expert)."""
     column_help = {
         "module": "the adapted module",
         "experts": "number of stacked MoE experts (1 for a plain module)",
@@ -503,10 +499,7 @@ def resize(adapter: Any, *, rank: Optional[int] = None, energy: Optional[float] 
         rows.append(row)
     out = replace(ad, targets=targets, _sha256=None)
     out.config = dict(ad.config, resized={"rank": rank, "energy": energy})
-    h = hashlib.sha256(str(ad.path).encode())
-    for t in targets:
-        h.update(t.module.encode() + t.A.tobytes() + t.B.tobytes())
-    out._sha256 = h.hexdigest()
+    out._sha256 = _factors_hash(hashlib.sha256(str(ad.path).encode()), targets).hexdigest()
     summary: Dict[str, Any] = {
         "adapter": str(ad.path), "target": f"rank {rank}" if rank is not None
         else f"energy {energy}", "modules": len(rows),

@@ -103,11 +103,9 @@ FORMATS: dict[str, FloatFormat] = {
     "float32": _make("float32", "F32", 32, 24, 127),
 }
 
-_ALIASES = {
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "f16": "float16", "fp16": "float16", "half": "float16",
-    "float32": "float32", "f32": "float32", "fp32": "float32", "single": "float32",
-}
+_ALIASES = {alias: name for name, more in (("bfloat16", "bf16"), ("float16", "f16 fp16 half"),
+                                          ("float32", "f32 fp32 single"))
+            for alias in (name, *more.split())}
 
 
 def float_format(spec: Any) -> FloatFormat:

@@ -13,12 +13,9 @@ __all__ = ["ulp", "ulp_error_vs_reference", "ulp_distance", "nan_mismatch", "ulp
 
 
 def ulp(x: Any, fmt: Any) -> np.ndarray:
-    """Spacing of `fmt` at each value of `x`, as float64.
-
-    ulp(x) = 2**(floor(log2|x|) - p + 1) for |x| >= 2**emin, and the subnormal
-    spacing 2**(emin - p + 1) below (zero included). Beyond the largest binade
-    (and for inf/NaN) the top binade's spacing is used, so an overflow shows as
-    a large but finite number of ulps.
+    """Spacing of `fmt` at each value of `x`, as float64: 2**(floor(log2|x|) - p + 1),
+    the subnormal spacing below 2**emin (zero included) and the top binade's beyond it
+    (inf/NaN too, so an overflow is a large but finite number of ulps).
 
     >>> ulp(np.array([1.0, 1.99, 2.0, 0.0]), "bfloat16").tolist()
     [0.0078125, 0.0078125, 0.015625, 9.183549615799121e-41]
@@ -84,13 +81,9 @@ def _ordered(bits: np.ndarray, fmt: FloatFormat) -> tuple[np.ndarray, np.ndarray
 
 
 def ulp_distance(a_bits: Any, b_bits: Any, fmt: Any) -> np.ndarray:
-    """Exact number of `fmt` steps between two arrays of the same format, as int64.
-
-    Values are placed on one integer line: consecutive floats are 1 apart, +0
-    and -0 are the same point, the line crosses zero through the subnormals
-    (so +min_subnormal and -min_subnormal are 2 apart), and inf sits one past
-    the largest finite value. NaN against NaN is 0 (both sides agree); NaN
-    against anything else is :data:`NAN_MISMATCH` (see :func:`nan_mismatch`).
+    """Exact number of `fmt` steps between two arrays of the same format, as int64: on
+    one integer line (+0 == -0, +-min_subnormal 2 apart, inf one past the largest finite
+    value); NaN against NaN is 0, NaN against anything else :data:`NAN_MISMATCH`.
 
     >>> bf = round_to_format(np.array([1.0, -0.0, 2.0**-133]), "bf16")
     >>> neg = round_to_format(np.array([1.0 + 2**-7, 0.0, -2.0**-133]), "bf16")

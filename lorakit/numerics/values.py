@@ -206,12 +206,9 @@ def _quiet_nans(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
 def round_to_format(x: Any, fmt: Any, out: Optional[np.ndarray] = None) -> np.ndarray:
     """Round values to `fmt`, correctly (nearest, ties to even), returning storage bits.
 
-    One rounding straight from the exact input value: float64 input is never
-    passed through float32 first (that double rounding gives the wrong bfloat16
-    for about one random input in 2**17). Subnormal results, signed zeros and
-    overflow follow IEEE 754: a magnitude >= max + half an ulp becomes inf.
-    NaN becomes the canonical quiet NaN of `fmt`, sign kept. ``x``: any float array
-    (bfloat16 from ml_dtypes too); ``out``: a C-contiguous `fmt.storage` array to fill.
+    One rounding from the exact input (never through float32 first); subnormals, signed
+    zeros and overflow to inf as IEEE 754 says; NaN becomes `fmt`'s quiet NaN, sign
+    kept. ``x``: any float array; ``out``: a C-contiguous `fmt.storage` array to fill.
 
     >>> round_to_format(np.array([65519.0, 65520.0, -0.0]), "float16").tolist()
     [31743, 31744, 32768]
@@ -247,12 +244,9 @@ def round_to_format(x: Any, fmt: Any, out: Optional[np.ndarray] = None) -> np.nd
 
 
 def fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """Correctly rounded float32 ``a*b + c`` (one rounding), broadcasting like ``a*b+c``.
-
-    numpy has no fma. The product of two float32 is exact in float64; the float64
-    sum ``s`` is corrected to round-to-odd with an error-free two-sum, which makes
-    the final cast to float32 a single correct rounding (53 >= 2*24 + 2 bits).
-    Used to reproduce BLAS kernels that accumulate with fma (torch's CPU matmul).
+    """Correctly rounded float32 ``a*b + c`` (one rounding), broadcasting like ``a*b+c``:
+    the float64 sum of the exact product is made round-to-odd by an error-free two-sum,
+    so the cast to float32 rounds once (53 >= 2*24 + 2 bits). For torch's CPU matmul.
 
     >>> fma_f32(np.float32(1 + 2**-23), np.float32(1 - 2**-23), np.float32(-1)).item()
     -1.4210854715202004e-14
