@@ -169,10 +169,8 @@ def _delta(t: LoraTarget, w: float) -> np.ndarray:
 
 def _svd(D: np.ndarray, rank: int, factors: Optional[Tuple[np.ndarray, np.ndarray]] = None
          ) -> Tuple[np.ndarray, np.ndarray, float]:
-    """(A (…, R, in), B (…, out, R)) float32 of D's rank-R truncation, and its relative
-    Frobenius error measured with the float32 factors. ``factors`` (Bs, A) with
-    ``D = Bs @ A`` (low rank): the SVD of D from the QR factors of Bs and A^T (an
-    r x r SVD instead of an out x in one)."""
+    """(A, B) float32 of D's rank-R truncation and its relative Frobenius error with
+    those factors; given ``factors`` (Bs, A) with ``D = Bs @ A``, by :func:`factor_svd`."""
     if factors is None:
         U, S, Vh = np.linalg.svd(D, full_matrices=False)
     else:
@@ -208,8 +206,7 @@ def _factor_merge(method: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[
 
 @dataclass(frozen=True)
 class CombineOptions:
-    """How :func:`combine` combines, checked once (its keywords and the CLI's flags).
-
+    """How :func:`combine` combines, checked once (its keywords and the CLI's flags):
     ``method``: one of :data:`METHODS`; ``rank``: of ``svd``/``ties_svd`` (default the
     largest input rank); ``density`` (ties, magnitude_prune, dare_*) and ``seed``
     (dare_*); ``like="peft"``: PEFT's ``add_weighted_adapter`` bit for bit, its factors
@@ -398,17 +395,9 @@ def convert(adapter: Union[PathLike, Adapter], save_path: PathLike, *, to: str =
             force: bool = False, num_layers: Optional[int] = None,
             base: Optional[PathLike] = None, outtype: str = "f32") -> Path:
     """Write ``adapter`` in format ``to`` (``"peft"`` or ``"mlx-lm"``), its factors in
-    their own dtype, bit for bit (see :func:`lorakit.io.adapters.write.save_adapter`);
-    or, with ``to="gguf-lora"``, as llama.cpp's LoRA GGUF file ``save_path``
-    (:func:`lorakit.io.outputs.gguf.write_lora_gguf`; ``base``: the model directory whose
-    config.json names the architecture, default the adapter's recorded model;
-    ``outtype``: ``f32`` or ``f16``).
-
-    >>> import tempfile, os
-    >>> out = convert("data/adapters/lora", os.path.join(tempfile.mkdtemp(), "p"), to="peft")
-    >>> sorted(p.name for p in out.iterdir())
-    ['adapter_config.json', 'adapter_model.safetensors', 'lorakit.json']
-    """
+    their own dtype, bit for bit; or, with ``to="gguf-lora"``, as llama.cpp's LoRA GGUF
+    file ``save_path`` (``base``: the model directory whose config.json names the
+    architecture, default the adapter's recorded model; ``outtype``: f32 or f16)."""
     ad = _load(adapter)
     if to == "gguf-lora":
         return _to_gguf_lora(ad, Path(save_path), base, outtype, force)

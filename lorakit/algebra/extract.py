@@ -65,15 +65,11 @@ _POLICY = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 @dataclass(frozen=True)
 class ExtractOptions:
-    """An extract's settings, checked once (the CLI builds it from its flags).
-
-    ``rank`` or ``energy`` (exactly one: a rank for every module, or per module the
-    fewest singular values holding that share of ``||T - W||_F^2``); ``modules``: names
-    or patterns (default all); ``format``: ``"peft"`` or ``"mlx-lm"``; ``exact_max``:
-    largest ``min(out, in)`` given the exact SVD; ``seed``: the randomized sketch's;
-    ``threads``: modules in flight (default ``min(2, cores)``; the result does not
-    depend on it); ``behaviour``: :func:`lorakit.extract`'s KL line, True (1024
-    tokens), a token count, or False.
+    """An extract's settings, checked once (the CLI builds it from its flags): ``rank``
+    or ``energy`` (exactly one), ``modules`` (names or patterns; default all),
+    ``format`` (peft or mlx-lm), ``exact_max`` (largest ``min(out, in)`` given the exact
+    SVD), ``seed``, ``threads`` (modules in flight, default ``min(2, cores)``; the result
+    does not depend on it), ``behaviour`` (True: 1024 tokens, a token count, or False).
 
     >>> ExtractOptions(rank=8).target
     'rank 8'
@@ -236,11 +232,8 @@ def _check_pair(b: TensorSource, t: TensorSource) -> None:
 
 def _lowrank_row(name: str, raw_b: np.ndarray, code_b: str, raw_t: np.ndarray, code_t: str,
                  opts: ExtractOptions):
-    """One low-rank module: the truncated SVD of ``D = T - W`` and its numbers.
-
-    ``D`` is built a row chunk at a time (float64, exact; the noise from the same rows
-    of ``T``), factored, and read again for the residual of the float32 factors; the
-    re-fuse is lorakit's own (``nearest``) on the stored base bits."""
+    """One low-rank module: the truncated SVD of ``D = T - W`` (float64, built a row chunk
+    at a time with the noise of ``T``), the residual of the float32 factors, the re-fuse."""
     shape = raw_b.shape
     D = np.empty(shape, np.float64)
     total = noise_sq = 0.0

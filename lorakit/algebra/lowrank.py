@@ -106,9 +106,8 @@ def matrix_svd(D: np.ndarray, rank: Optional[int] = None, energy: Optional[float
 
 def factor_svd(A: np.ndarray, B: np.ndarray, scale: float = 1.0
                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Thin SVD of ``scale * B @ A`` (B (out, r), A (r, in)) from QR of ``B`` and
-    ``A^T`` and the SVD of the r x r core, in float64, never forming the product.
-    Stacked factors give one SVD per expert. Returns (U, S, Vt), k = min(r, out, in).
+    """Thin SVD (U, S, Vt) of ``scale * B @ A`` from QR of ``B`` and ``A^T`` and the SVD
+    of the r x r core, in float64, never forming the product (one per stacked expert).
 
     >>> rng = np.random.default_rng(1)
     >>> A, B = rng.normal(size=(4, 30)), rng.normal(size=(20, 4))

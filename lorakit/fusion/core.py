@@ -50,13 +50,9 @@ _PIECE = 1 << 16  # elements per piece of the round-once path
 
 def _fuse_round_once(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: float,
                      magnitude: Optional[np.ndarray], fmt_out, kind: str = "linear") -> np.ndarray:
-    """PEFT 0.21 ``merge_and_unload`` on torch's CPU, bit for bit (see peft_delta).
-
-    Linear: ``round(f32(W) + delta)``, one rounding. Embedding: PEFT casts the delta to
-    the weight's dtype before adding (``weight += delta.to(dtype)``), two roundings.
-    DoRA: ``round((m / ||f32(W) + delta||_row) * (f32(W) + delta))`` with torch's
-    8-lane f32 row norm.
-    """
+    """PEFT 0.21 ``merge_and_unload`` on torch's CPU, bit for bit: ``round(f32(W) +
+    delta)``; an embedding's delta is cast to the weight's dtype first (two roundings);
+    DoRA rescales by ``m / ||f32(W) + delta||_row`` with torch's 8-lane f32 row norm."""
     rows, cols = w.shape
     out = np.empty((rows, cols), dtype=fmt_out.storage)
     A32 = np.ascontiguousarray(A, dtype=np.float32)
@@ -78,14 +74,10 @@ def _fuse_round_once(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale:
 
 
 def peft_delta(B32: np.ndarray, A32: np.ndarray, s32: np.float32) -> np.ndarray:
-    """PEFT's f32 delta ``(lora_B @ lora_A) * scaling`` as torch's CPU matmul computes it.
-
-    torch (MKL sgemm) evaluates each element as one chain of fused multiply-adds over
-    the rank in ascending order (``acc = fma(B[i,k], A[k,j], acc)``); for ranks above
-    192 it splits the rank into blocks (r/2 wide up to 384, then 192) whose chains are
-    added left to right. The python-float scaling is cast to f32 before the multiply.
-    Checked bit for bit against PEFT 0.21 / torch 2.13 on x86-64 (tests/fixtures/peft).
-    """
+    """PEFT's f32 delta ``(lora_B @ lora_A) * scaling`` as torch's CPU matmul computes it
+    (bit for bit, tests/fixtures/peft): per element one fma chain over the rank in
+    ascending order; ranks above 192 in blocks (r/2 wide up to 384, then 192) added
+    left to right; the scaling cast to f32 before the multiply."""
     r = A32.shape[0]
     if r <= 192:
         blocks = [(0, r)]

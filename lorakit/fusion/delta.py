@@ -109,11 +109,9 @@ def lowrank(p: Piece, rows: Optional[slice] = None) -> np.ndarray:
 
 
 def intended(W: np.ndarray, p: Piece, rows: Optional[slice] = None) -> np.ndarray:
-    """The exact intended weight (float64) of a piece on ``W`` (the float64 base slice,
-    restricted to ``rows`` when given): ``W + scale * B @ A``, DoRA-normalised by rows
-    to the magnitudes when the piece has them. For a :class:`SumTarget`'s piece:
-    ``(1 - sum_i w_i) W + sum_i w_i T_i`` (each ``T_i`` this function's result for
-    part ``i``), which is ``T_1`` itself for one part of weight 1."""
+    """The exact intended weight (float64) of a piece on the float64 base slice ``W``
+    (its ``rows`` when given): ``W + scale * B @ A``, DoRA-normalised by rows where the
+    piece has magnitudes; for a :class:`SumTarget`: ``(1 - sum_i w_i) W + sum_i w_i T_i``."""
     parts = getattr(p.target, "parts", None)
     if parts:
         T = (1.0 - math.fsum(w for w, _ in parts)) * W

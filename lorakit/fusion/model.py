@@ -129,13 +129,10 @@ def _float_module(qmod: Any, weight: Any) -> Any:
 
 
 def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
-    """Attach an adapter to an mlx-lm model unfused, in place: every target becomes
-    mlx-lm's own LoRA/DoRA layer (``LoRALinear``, ``DoRALinear``, ``LoRAEmbedding``,
-    ``DoRAEmbedding``, ``LoRASwitchLinear``) with the target's own rank and scale, and
+    """Attach an adapter to an mlx-lm model unfused, in place (returned, in eval mode):
+    every target becomes mlx-lm's own LoRA/DoRA layer with its own rank and scale, and
     PEFT ``modules_to_save`` copies replace their tensors. This runs adapters that
-    ``mlx_lm.utils.load_adapters`` cannot load (PEFT's format, per-module ranks and
-    scales from ``rank_pattern`` / ``alpha_pattern`` / rsLoRA); for an mlx-lm adapter
-    it builds the same layers as ``load_adapters``. Returns the model (in eval mode).
+    ``mlx_lm.utils.load_adapters`` cannot (PEFT's format, per-module ranks and scales).
 
     >>> import mlx_lm
     >>> model, tok = mlx_lm.load("data/tiny-qwen3")

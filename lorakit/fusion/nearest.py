@@ -34,18 +34,11 @@ _U64 = np.uint64
 def _near_ties(x: np.ndarray, fmt_out,
                cancel: Optional[Tuple[np.ndarray, np.ndarray]] = None,
                error: Optional[Any] = None) -> np.ndarray:
-    """Flat indices of f64 values that may round the wrong way in ``fmt_out``.
-
-    Those within 2**-20 ulp of a rounding tie. And, given ``cancel`` = (per row,
-    per column) factors whose product is, per element, a magnitude that ``|x|`` must
-    exceed for the f64 error to stay under 2**-21 ulp (see :func:`_fuse_nearest`):
-    among the elements below it (their terms cancelled),
-    those whose distance to the nearest tie is within their own error bound
-    (``error(flat indices)``). Without cancellation the f64 sum is within ~2**-44
-    ulp, so everything else is already correct. Given ``error``, also the results
-    that round to zero whose |x| is within its error bound (the sign of the zero is
-    the exact value's; an exact zero is +0, as the f64 sum gives it).
-    """
+    """Flat indices of f64 values that may round the wrong way in ``fmt_out``: those
+    within 2**-20 ulp of a tie; given ``cancel`` (per-row and per-column factors of the
+    magnitude ``|x|`` must pass for an f64 error under 2**-21 ulp), the cancelled ones
+    below it whose distance to a tie is within ``error(flat indices)``; given ``error``,
+    also results rounding to zero within their error bound (the zero's sign)."""
     drop = 53 - fmt_out.precision  # f64 fraction bits below the output's last bit
     half = _U64(1 << (drop - 1))
     tol = _U64(1 << (drop - 20))

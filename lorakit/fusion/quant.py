@@ -143,8 +143,7 @@ def survival_of(old: np.ndarray, new: np.ndarray, binds: List[Binding], name: st
 
 
 def survival_overall(stats: List[RequantStat]) -> Dict[str, float]:
-    """Survival over all re-quantized tensors: ``codes_changed`` (changed codes over all
-    codes compared) and ``survived`` (``sum <real, delta> / sum <delta, delta>``: the
+    """Survival over all re-quantized tensors: ``codes_changed`` and ``survived`` (the
     projection over the whole model, each tensor weighted by its delta's squared norm).
 
     >>> survival_overall([RequantStat("a", 1.0, 0.5, 10, 3.0), RequantStat("b", 0.0, 1.0, 30, 1.0)])
@@ -306,12 +305,10 @@ def resolve(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], opts: FuseOptio
 
 def resolve_auto(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], mods: List[str],
                  rounding: str, dtype_policy: str, budget: float) -> Dict[str, Choice]:
-    """The auto rule. Each module starts at the base's bits, as whichever of
-    ``same-grid`` / ``requant`` keeps more of its delta (same bytes). Modules that keep
-    less than :data:`KEEP` are upgraded, worst survival first, to the cheapest step of
-    :data:`AUTO_LADDER` that reaches KEEP (else the best step), while the checkpoint's
-    total bytes stay within ``budget`` x the quantized base's; a module that does not
-    fit keeps its base-bits choice."""
+    """The auto rule: each module starts as the better of ``same-grid`` / ``requant``;
+    those keeping less than :data:`KEEP` go, worst first, to the cheapest step of
+    :data:`AUTO_LADDER` reaching KEEP (else the best), while the total bytes stay within
+    ``budget`` x the quantized base's."""
     limit = budget * ck.nbytes
     total = float(ck.nbytes)
     out: Dict[str, Choice] = {}

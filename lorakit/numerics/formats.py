@@ -141,10 +141,8 @@ def _is_native(dtype: np.dtype, fmt: FloatFormat) -> bool:
 
 
 def chunks(n_rows: int, row_elems: int, target_elems: int = 1 << 20) -> Iterator[slice]:
-    """Row slices covering ``range(n_rows)``, each about `target_elems` elements.
-
-    Every slice holds at least one row, so a row longer than `target_elems`
-    comes alone.
+    """Row slices covering ``range(n_rows)``, each about `target_elems` elements (at
+    least one row).
 
     >>> list(chunks(5, 3, target_elems=6))
     [slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)]
