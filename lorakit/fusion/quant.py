@@ -431,10 +431,8 @@ def learned_parts(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], mods: Lis
                   rounding: str, dtype_policy: str, policy: str = "learned",
                   corpus: Optional[Path] = None, progress: Any = True
                   ) -> Dict[str, Dict[str, np.ndarray]]:
-    """Module -> raw ``weight`` / ``scales`` / ``biases`` chosen by mlx-lm's GPTQ for
-    the fused weight of every adapted module in ``mods`` (the base's bits/group size).
-    ``progress=True`` shows mlx-lm's own tqdm bars (Hessians, quantizing); otherwise
-    they are silenced."""
+    """Module -> raw ``weight`` / ``scales`` / ``biases`` mlx-lm's GPTQ picks for each fused
+    module of ``mods`` at the base's bits (mlx-lm's bars only with ``progress=True``)."""
     import mlx.core as mx  # lazy: MLX only when computing
     import mlx.nn as nn  # lazy: MLX only when computing
     from mlx.utils import tree_unflatten  # lazy: MLX only when computing

@@ -33,10 +33,8 @@ def synth_checkpoint(path: PathLike, preset_or_config: Union[str, PathLike, Mapp
     ``preset_or_config``: a name from :data:`PRESETS`, a config.json (or its directory)
     or a dict, with ``overrides`` applied. ``layout``: ``"mlx"`` (MoE experts stacked
     under ``switch_mlp``, always an index) or ``"hf"`` (one tensor per expert, an index
-    only for several shards). ``shard_size``: bytes or ``"2GB"``; a new shard starts
-    when the next tensor would pass it (mlx-lm's rule). The same ``seed`` writes the
-    same bytes; ``std``: of the matrices' entries. ``force`` replaces only a previous
-    lorakit output.
+    only for several shards). ``shard_size``: bytes or ``"2GB"`` (mlx-lm's rule). The
+    same ``seed`` writes the same bytes. ``force`` replaces only a lorakit output.
     """
     if dtype not in _DTYPES:
         raise FormatError("unsupported dtype", expected=" / ".join(_DTYPES), found=repr(dtype))
