@@ -2,30 +2,17 @@
 
 The keywords become one :class:`~lorakit.fusion.options.FuseOptions`, checked before
 anything is read. A path (or hub repo id) goes through the streaming fuse
-(:func:`fuse_checkpoint`: a new checkpoint written beside, the base never touched); an
-mlx-lm model in memory is fused in place (:func:`lorakit.fusion.model.fuse_model`).
-Both round through the same core.
+(:func:`fuse_checkpoint`: the input's shard layout and names, untouched tensors copied
+byte for byte, one adapted tensor in memory at a time, built in a hidden sibling and
+renamed into place); an mlx-lm model in memory is fused in place
+(:func:`lorakit.fusion.model.fuse_model`). Both round through the same core; what a
+fuse did is a :class:`FuseResult`.
 
 >>> import lorakit, tempfile, os
 >>> out = os.path.join(tempfile.mkdtemp(), "fused")
 >>> r = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", out, progress=False)
 >>> r.rounding, r.dtype_policy
 ('nearest', 'preserve')
-
-Fuse an adapter into a checkpoint on disk, one tensor in memory at a time.
-
-The output directory has the input's shard layout and the same tensor names, so
-``mlx_lm.load`` opens it and ``mlx_lm generate`` runs it. Untouched tensors are
-copied byte for byte by the kernel; only adapted weights pass through the fusion
-core. Peak memory is about one (the largest) adapted tensor plus its f64 working
-piece, whatever the checkpoint's size.
-
-Safety: the output is built in a hidden temporary sibling of the output path and
-renamed into place at the end, so an interrupted fuse leaves nothing at the
-output path (``lorakit.io.outputs.directory``). The base and adapter directories are only
-ever read.
-
-What a fuse did: :class:`FuseResult`, a report with an HTML view and a text twin.
 """
 from __future__ import annotations
 

@@ -1,43 +1,12 @@
 """Quantized bases: dequantize -> fuse -> re-quantize with MLX's own kernels.
 
-mlx-lm stores a quantized weight as ``.weight`` (packed uint32), ``.scales`` and
-(affine mode) ``.biases``. lorakit dequantizes with ``mx.dequantize``, fuses in the
-scales' dtype, and re-quantizes with ``mx.quantize`` using the same bits, group size
-and mode, exactly as ``mlx_lm fuse`` does, then measures how much of the intended
-delta the new codes still carry: at 4 bits a small adapter can vanish entirely.
-
-Quantization policies for a fuse into a quantized base (``quant_policy=``).
-
-Per adapted module, one :class:`Choice`:
-
-- ``requant``: dequantize, fuse, re-quantize with ``mx.quantize`` (as ``mlx_lm fuse``);
-- ``same-grid``: keep each group's scale and bias, re-round only the codes
-  (``code' = clip(round(code + (W' - W) / scale))``: unchanged wherever the adapter
-  adds nothing);
-- ``bits:N``: re-quantize the fused weight at N bits (affine, the base's group size),
-  recorded as mlx-lm's per-layer ``config["quantization"][module]``;
-- ``float``: keep the fused weight in the scales' float dtype
-  (``config["quantization"][module] = false``);
-- ``learned`` (``learned:gptq``): fuse, then mlx-lm's GPTQ picks the codes at the
-  base's bits on calibration text (:mod:`lorakit.fusion.quant`; AWQ and DWQ are
-  refused with the reason there);
-- ``auto``: per module the cheapest choice that keeps the adapter, under a byte budget
-  (the rule in :func:`resolve_auto`).
-
-``--quant-policy learned``: re-quantize the fused weights with mlx-lm's own GPTQ.
-
-``learned`` (alias ``learned:gptq``): every adapted module is fused by lorakit in the
-dequantized base (:func:`lorakit.fusion.core.fuse_bindings`, correctly rounded), then
-quantized back at the base's bits and group size by ``mlx_lm.quant.gptq.gptq_quantize``
-(mlx-lm's code, not a rewrite): the quantized base is loaded with ``mlx_lm.load``, the
-adapted modules are swapped for float ``nn.Linear`` layers holding the fused weights,
-and GPTQ collects each one's input Hessian on calibration text (by default the embedded
-*training* text ``data/corpora/fortunes/train.jsonl``, so the validation text KL is
-scored on stays held out) and picks codes that minimise the layer's output error.
-Modules that are not adapted stay quantized as in the base (GPTQ skips them, their
-bytes are copied). The result has the base's layout, so ``mlx_lm.load`` reads it.
-
-``learned:awq`` and ``learned:dwq`` are refused with the reason (:data:`lorakit.fusion.options.REFUSED`).
+mlx-lm stores a quantized weight as ``.weight`` (packed uint32), ``.scales`` and (affine)
+``.biases``. Per adapted module a ``quant_policy`` picks one :class:`Choice`:
+``requant`` (``mx.quantize`` at the same bits and group size, as ``mlx_lm fuse``),
+``same-grid`` (the base's scales and biases, only the codes re-rounded), ``bits:N``,
+``float``, ``learned`` (mlx-lm's own GPTQ on the embedded training text) or ``auto``
+(:func:`resolve_auto`). The survival stats measure how much of the intended delta the
+new codes still carry: at 4 bits a small adapter can vanish entirely.
 """
 from __future__ import annotations
 
@@ -131,13 +100,8 @@ def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
 def requant_survival(base_raw: np.ndarray, code: str, parts: Dict[str, np.ndarray],
                      fused_code: str, q: QuantParams, binds: List[Binding],
                      name: str, base_codes: Optional[np.ndarray] = None) -> RequantStat:
-    """Fraction of the intended delta that survives re-quantization.
-
-    ``survived = <W_q' - W_q, delta> / <delta, delta>``: the projection of the change
-    the re-quantized weight really makes onto the change the adapter asked for
-    (:func:`lorakit.fusion.delta.intended` minus the base: DoRA's rescaling included).
-    1.0 means all of it, 0.0 means the fused model is the base.
-    """
+    """Fraction of the intended delta that survives re-quantization: ``<W_q' - W_q,
+    delta> / <delta, delta>`` (DoRA's rescaling included; 1.0 all of it, 0.0 none)."""
     import mlx.core as mx  # lazy: mlx is heavy and optional at import
 
     w = mx.array(parts["weight"])
@@ -179,8 +143,7 @@ def survival_of(old: np.ndarray, new: np.ndarray, binds: List[Binding], name: st
 
 
 def survival_overall(stats: List[RequantStat]) -> Dict[str, float]:
-    """Survival over all re-quantized tensors: ``codes_changed`` (changed codes over all
-    codes compared) and ``survived`` (``sum <real, delta> / sum <delta, delta>``: the
+    """Survival over all re-quantized tensors: ``codes_changed`` and ``survived`` (the
     projection over the whole model, each tensor weighted by its delta's squared norm).
 
     >>> survival_overall([RequantStat("a", 1.0, 0.5, 10, 3.0), RequantStat("b", 0.0, 1.0, 30, 1.0)])
@@ -207,9 +170,6 @@ def survival_text(stats: List[RequantStat], indent: str = "") -> List[str]:
     w0, w1 = (max(len(r[i]) for r in per) for i in (0, 1))
     return [f"{indent}{a:<{w0}}  {b:>{w1}}  {c:>14}" for a, b, c in per]
 
-
-# ---------------------------------------------------------------------------
-# Quantization policies for a fuse into a quantized base (``quant_policy=``).
 
 
 KEEP = 0.9  # auto: a module "keeps the adapter" when >= 90% of its intended delta survives
@@ -345,12 +305,10 @@ def resolve(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], opts: FuseOptio
 
 def resolve_auto(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], mods: List[str],
                  rounding: str, dtype_policy: str, budget: float) -> Dict[str, Choice]:
-    """The auto rule. Each module starts at the base's bits, as whichever of
-    ``same-grid`` / ``requant`` keeps more of its delta (same bytes). Modules that keep
-    less than :data:`KEEP` are upgraded, worst survival first, to the cheapest step of
-    :data:`AUTO_LADDER` that reaches KEEP (else the best step), while the checkpoint's
-    total bytes stay within ``budget`` x the quantized base's; a module that does not
-    fit keeps its base-bits choice."""
+    """The auto rule: each module starts as the better of ``same-grid`` / ``requant``;
+    those keeping less than :data:`KEEP` go, worst first, to the cheapest step of
+    :data:`AUTO_LADDER` reaching KEEP (else the best), while the total bytes stay within
+    ``budget`` x the quantized base's."""
     limit = budget * ck.nbytes
     total = float(ck.nbytes)
     out: Dict[str, Choice] = {}
@@ -449,9 +407,6 @@ def check_float_base(quantized: Any, float_base: Any) -> Any:
     return f.path
 
 
-# ---------------------------------------------------------------------------
-# ``--quant-policy learned``: re-quantize the fused weights with mlx-lm's own GPTQ.
-
 
 SEQUENCE_LENGTH = 256
 SAMPLES = 16
@@ -476,10 +431,8 @@ def learned_parts(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], mods: Lis
                   rounding: str, dtype_policy: str, policy: str = "learned",
                   corpus: Optional[Path] = None, progress: Any = True
                   ) -> Dict[str, Dict[str, np.ndarray]]:
-    """Module -> raw ``weight`` / ``scales`` / ``biases`` chosen by mlx-lm's GPTQ for
-    the fused weight of every adapted module in ``mods`` (the base's bits/group size).
-    ``progress=True`` shows mlx-lm's own tqdm bars (Hessians, quantizing); otherwise
-    they are silenced."""
+    """Module -> raw ``weight`` / ``scales`` / ``biases`` mlx-lm's GPTQ picks for each fused
+    module of ``mods`` at the base's bits (mlx-lm's bars only with ``progress=True``)."""
     import mlx.core as mx  # lazy: MLX only when computing
     import mlx.nn as nn  # lazy: MLX only when computing
     from mlx.utils import tree_unflatten  # lazy: MLX only when computing

@@ -24,37 +24,16 @@ def synth_adapter(path: PathLike, checkpoint_path: PathLike, *, rank: int = 8,
                   keys: Sequence[str] = DEFAULT_KEYS, kind: str = "lora",
                   format: str = "mlx-lm", seed: int = 0, delta_std: float = 1e-3,
                   force: bool = False) -> Path:
-    """Write a random LoRA/DoRA adapter for a checkpoint, as ``mlx_lm lora`` or PEFT saves it.
+    """Write a random LoRA/DoRA adapter for a checkpoint (any layout, quantized too), as
+    ``mlx_lm lora`` or PEFT saves it; returns the output directory.
 
     ``lora_a`` is drawn as the trainers initialise it (uniform in +-1/sqrt(in));
-    ``lora_b`` is non-zero, drawn so that each element of ``scale * B @ A`` has
-    standard deviation ``delta_std`` (1e-3 is about 5% of a 0.02-scale weight, a
-    few bf16 ulps: every fused element moves). DoRA magnitudes are the base
-    weight's row norms, perturbed by 1%.
-
-    Args:
-        path: output directory.
-        checkpoint_path: the base checkpoint (any layout; quantized works).
-        rank: LoRA rank.
-        scale: multiplier of ``B @ A``; default 20.0 (``mlx_lm lora``'s) for mlx-lm,
-            2.0 (lora_alpha = 2 * r) for PEFT. PEFT's lora_alpha is scale * rank.
-        layers: the last N layers (mlx-lm's ``num_layers``), or a list of layer indices.
-        keys: modules in each block: q, k, v, o, gate, up, down (MoE experts where
-            the block has them), or paths inside a block (``self_attn.q_proj``).
-        kind: ``"lora"`` or ``"dora"``.
-        format: ``"mlx-lm"`` (adapters.safetensors) or ``"peft"`` (adapter_model.safetensors).
-        seed: random seed.
-        delta_std: standard deviation of each element of the delta.
-        force: replace an existing previous lorakit output (anything else is refused).
-
-    Returns:
-        The output directory.
-
-    >>> from lorakit.synth import synth_checkpoint
-    >>> small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=600)
-    >>> ck = synth_checkpoint("out/base", "qwen3-1.7b", overrides=small, progress=False)
-    >>> synth_adapter("out/lora-2", ck, rank=8, layers=2).name
-    'lora-2'
+    ``lora_b`` so that each element of ``scale * B @ A`` has standard deviation
+    ``delta_std`` (1e-3: a few bf16 ulps of a 0.02-scale weight, every fused element
+    moves). DoRA magnitudes are the base's row norms, perturbed by 1%. ``scale``:
+    default 20.0 for mlx-lm, 2.0 (lora_alpha = 2 r) for PEFT. ``layers``: the last N, or
+    a list of indices; ``keys``: q, k, v, o, gate, up, down or paths inside a block.
+    ``force`` replaces only a previous lorakit output.
     """
     if kind not in ("lora", "dora"):
         raise AdapterError("unknown adapter kind", expected="lora or dora", found=repr(kind))
