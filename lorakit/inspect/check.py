@@ -1,107 +1,17 @@
 """Did the merge work? A fused checkpoint measured against the exact intended result.
 
 For each adapted weight, ``T`` is the exact intended result in float64
-(``W + scale * B @ A``, DoRA-normalised when the adapter has magnitudes:
-:func:`lorakit.fusion.delta.intended`, the one definition). The check measures,
-element by element, ``|F - T|`` against what rounding to the stored dtype can
-explain (:mod:`lorakit.inspect.check`: half an ulp for a correctly rounded
-fuse, the double rounding of the mlx-lm and PEFT orders, the quantization step of each
-group for a re-quantized weight). ``distance`` is the largest ratio: at most 1 for a
-correct merge made in any of those orders, whatever the tool.
-
-Status per tensor and overall:
-
-``ok``
-    every element within the bound; the verdict is ``ok``, or ``rounding-limited`` /
-    ``partially lost to quantization`` / ``lost to quantization`` when even a correct
-    fuse keeps under 80% (20%) of the delta (right, but the fused model behaves more
-    like the base), ``replaced`` for a PEFT ``modules_to_save`` copy.
-``promoted``
-    numerically right but stored in a wider dtype than the base without the fuse being
-    asked to convert (the f32 promotion of a missing cast: bytes doubled).
-``wrong``
-    with the cause where it can be named (:mod:`lorakit.inspect.check_causes`):
-    ``not applied``, ``applied twice``, ``wrong scale`` (the factor and what it looks
-    like), ``another adapter``, ``transposed``, ``DoRA magnitude missing``,
-    ``different base``, ``changed otherwise``, ``dtype changed``, ``missing``,
-    ``extra tensor``, ``changed without adapter`` (a tensor the adapter does not touch
-    is not bit for bit the base, or its documented conversion), ``replacement
-    differs``.
-
-:meth:`CheckReport.exit_code` is the CLI's status: 0 ok, 1 a wrong merge, 3 right but
-promoted (2 stays bad input).
+(:func:`lorakit.fusion.delta.intended`). The check measures ``|F - T|`` element by
+element against what rounding to the stored dtype can explain (:func:`float_bound`,
+:func:`quant_bound`); ``distance`` is the largest ratio, at most 1 for a correct merge in
+any order a correct tool fuses in. A wrong merge gets a cause where one can be named
+(:mod:`lorakit.inspect.check_causes`); untouched tensors must be bit for bit the base or
+its requested conversion. :meth:`CheckReport.exit_code`: 0 ok, 1 wrong, 3 promoted.
 
 >>> import lorakit
 >>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")
 >>> check("fused", "data/tiny-qwen3", "data/adapters/lora").status
 'ok'
-
-What rounding can explain: per element, how far a correct fuse may land from the
-exact intended weight.
-
-``T`` is the exact intended result in float64 (:func:`lorakit.fusion.delta.intended`).
-A correct fuse stores ``F`` with ``|F - T| <= bound``, element by element, where the
-bound covers every order a correct tool fuses in (``lorakit.fusion.core``'s four
-modes, ``mlx_lm fuse``, PEFT's ``merge_and_unload``):
-
-``nearest``
-    ``F = round_out(T)``: ``|F - T| <= ulp_out(T) / 2``.
-``round-once`` (PEFT)
-    ``F = round_out(fl32(W + d32))``: the f32 delta's own error ``e32`` plus one f32
-    addition, then one rounding.
-``mlx-lm`` / ``scale-after`` (and PEFT's embedding order)
-    ``F = round_w(W + round_w(d32))``: the f32 delta rounded to the weight's format
-    ``w`` first, then the sum rounded again.
-
-so for LoRA, with ``D = T - W`` and ``u(x) = ulp_w(x) / 2`` the half-spacing of the
-working format (the base weight's dtype)::
-
-    bound = u(D) + u(T) + e32 + 2**-24 |T|        (+ ulp_out(T) / 2 if out != w)
-    e32   = (r + 2) 2**-24 |scale| (|B| @ |A|)    (an f32 dot product of length r)
-
-The magnitudes are taken one bound above ``|T|`` and ``|D|`` (a value may round up
-into the next binade). DoRA rescales rows by ``s = m / ||X||`` with ``X = W + D``
-(mlx-lm normalises the already rounded ``X``, and its norm comes back in ``X``'s dtype),
-so the element term is scaled by ``s`` and the row norm's own error adds
-``|T| ((||e||_row + ulp_w(||X||_row) / 2) / ||X||_row + (n + 16) 2**-24)``.
-
-A re-quantized (affine) weight adds the quantization of each group: one step
-``|scale_g|`` (``mx.quantize`` fits the scale so that the group's larger edge is a code
-and clips at the other end, which costs up to a whole step, not half; 5% slack for a
-group whose range moved by the fuse's rounding), the storage rounding of the scale
-(``2**bits`` codes times its half-ulp) and of the bias, and the rounding of the
-dequantized value. Other quantization modes use twice the
-largest error a correct re-quantization of the same group shows.
-
-A wrong merge whose distance stays inside this bound everywhere cannot be told from a
-correct one: that is the detection limit (measured in ``tests/inspect/test_check_verdicts.py``).
-
-A plain LoRA on a float fused weight (the common case) is measured in one pass per
-block of rows straight from the storage bits: ``check_lora`` of the optional C
-kernel ``_checkkernel.c`` beside this module (the rank-r sum, the bound, the ratios, the
-reference rounding and the sums per element, the GIL released, two tensors in flight),
-or without it (``LORAKIT_KERNELS=0``) its numpy twin
-:func:`_lora_numpy`, which gives the same numbers bit for bit: ``D`` and ``S`` are
-summed product by product in rank order, and every sum in one fixed order
-(tests/inspect/test_check_kernel.py). Blocks holding inf or NaN, DoRA, exact sums of
-adapters, re-quantized and transposed weights take the general path above.
-
-The rest of a merge check: tensors the adapter does not touch, whole-tensor
-replacements (PEFT ``modules_to_save``), tensors only one side has, and which dtype
-conversion the fuse was asked for.
-
-Untouched tensors must come through bit for bit, or, when the fuse converted every
-float tensor to another dtype (``lorakit fuse --dtype float16``), be exactly the base
-converted with one correct rounding (verdict ``converted``).
-
-The behaviour line of a merge check: the fused model against the base with the
-adapter attached unfused, on the default corpus (a thin caller of
-:func:`lorakit.compare_outputs`; the KL math lives there once).
-
-It adds to a :class:`~lorakit.inspect.check.CheckReport` one summary line,
-``fused vs unfused: mean KL 3.8e-05, top-1 99.1% (1020 tokens)``, and the numbers
-under ``behaviour`` (in ``to_dict()`` / ``--json``). It never changes the verdict or
-the exit code: behaviour is evidence, the per-tensor check is the verdict.
 """
 from __future__ import annotations
 
@@ -135,9 +45,6 @@ from .diff import compare_sources
 __all__ = ["CheckReport", "check"]
 
 
-#: verdicts of a right merge
-VERDICTS_OK = ("ok", "rounding-limited", "partially lost to quantization", "lost to quantization",
-               "replaced")
 #: overall status -> CLI exit code
 EXIT_CODES = {"ok": 0, "wrong": 1, "promoted": 3}
 _LIMITED = 0.8  # a correct fuse keeping less than this of the delta is "limited"
@@ -515,24 +422,13 @@ def _adapted_rows(sf, sb, by_tensor, conversion: Optional[str]) -> List[Dict[str
 
 def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
                 progress: Any = True, behaviour: Any = False) -> CheckReport:
-    """Check that a fused checkpoint is its base with its adapter merged, tensor by tensor.
+    """Check that ``fused`` (directory, Checkpoint or model) is ``base`` with ``adapter``
+    merged, tensor by tensor; a :class:`CheckReport`.
 
-    Args:
-        fused: the fused checkpoint (directory, Checkpoint or in-memory model).
-        base: the base it was fused from.
-        adapter: the adapter directory (or a loaded Adapter).
-        check_untouched: also verify that every tensor the adapter does not change is
-            bit-identical in the fused checkpoint (reads both checkpoints fully).
-        progress: a progress bar over that comparison (tqdm.auto; none when stderr is
-            not a terminal), a callable ``progress(done_bytes, total_bytes)``, or False.
-        behaviour: True (1024 tokens) or a token count: also run the fused model against
-            the base with the adapter attached unfused on the embedded corpus (mean KL,
-            top-1 agreement: ``.behaviour`` and a summary line); never changes the verdict.
-
-    Returns:
-        A :class:`CheckReport` (``.status``, ``.ok``, ``.exit_code()``, ``.verdicts()``,
-        ``.causes()``, rows with the numbers).
-    """
+    ``check_untouched``: also verify every tensor the adapter does not change (reads both
+    checkpoints fully; ``progress``: tqdm, a callable ``(done, total)`` or False).
+    ``behaviour``: True (1024 tokens) or a token count adds fused vs unfused KL on the
+    embedded corpus (``.behaviour``); it never changes the verdict."""
     n_kl = behaviour_tokens(behaviour)
     sf, sb = source.open(fused), source.open(base)
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
@@ -592,7 +488,7 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
 
 
 # ---------------------------------------------------------------------------
-# What rounding can explain: per element, how far a correct fuse may land from the
+# What rounding can explain: per element, how far a correct fuse may land from T
 
 
 _U32 = 2.0 ** -24
@@ -634,7 +530,15 @@ def _products(p: Piece, rows: Optional[slice]):
 def float_bound(T: np.ndarray, W: np.ndarray, p: Piece, rows: Optional[slice],
                 fmt_work: Any, fmt_out: Any) -> np.ndarray:
     """Per element, the largest ``|F - T|`` a correct fuse of piece ``p`` can leave
-    (see the module docstring). ``T`` and ``W`` are the float64 target and base rows."""
+    (``T``, ``W``: the float64 target and base rows), in any of the orders: rounded once
+    (``nearest``), PEFT's ``round_out(fl32(W + d32))``, or mlx-lm's
+    ``round_w(W + round_w(d32))``. With ``D = T - W`` and ``u = ulp_w / 2``::
+
+        bound = u(D) + u(T) + e32 + 2**-24 |T|        (+ ulp_out(T) / 2 if out != w)
+        e32   = (r + 2) 2**-24 |scale| (|B| @ |A|)    (an f32 dot product of length r)
+
+    magnitudes taken one spacing up (a value may round into the next binade). DoRA
+    scales the element term by ``m / ||X||`` and adds the row norm's own error."""
     S1, BA = _products(p, rows)
     scale = p.scale if np.ndim(p.scale) == 0 else 1.0  # else folded into the products
     S = abs(scale) * S1
@@ -686,7 +590,7 @@ def quant_bound(T: np.ndarray, F: np.ndarray, Q: np.ndarray, pre: np.ndarray, q:
 
 
 # ---------------------------------------------------------------------------
-# The rest of a merge check: tensors the adapter does not touch, whole-tensor
+# Tensors the adapter does not touch, whole-tensor replacements, one-sided tensors
 
 
 #: the float formats a fuse reads and writes (``--dtype`` converts between them); F64 and
@@ -810,7 +714,7 @@ def replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) -> 
 
 
 # ---------------------------------------------------------------------------
-# The behaviour line of a merge check: the fused model against the base with the
+# The behaviour line (--kl): the fused model against base + adapter unfused; never the verdict
 
 
 #: corpus tokens scored when ``behaviour=True`` / ``--kl`` has no ``--tokens``

@@ -1,56 +1,15 @@
 """``lorakit.diff``: are two checkpoints the same, and where and by how much not?
 
-The question after a fuse is usually "does lorakit's output equal ``mlx_lm
-fuse``'s (or PEFT's, or yesterday's)?". :func:`diff` answers with one table:
-first what matters for behaviour, the relative error ``rms(A - B) / rms(A)`` and the
-largest ulp distance at typical magnitudes, then elements compared and differing,
-those near zero (where ulp distances are huge and mean little: see
-:mod:`lorakit.inspect.ulp_count`), the largest ulp and absolute difference, per
-tensor and in total, plus every dtype or shape mismatch and every tensor present
-on one side only. It streams both checkpoints (see
-:func:`lorakit.inspect.diff.compare_sources`): memory stays bounded and
-identical bytes are skipped at ``memcmp`` speed.
-
-:meth:`DiffReport.ulp_report` is the same comparison seen as ulp histograms.
-
-``lorakit diff A B [--json]`` prints the same report.
+:func:`diff` streams both checkpoints (:func:`compare_sources`: fixed-size pieces
+compared as raw bytes first, only differing pieces decoded by an
+:class:`~lorakit.inspect.ulp_count.Accumulator`, on a few threads) and returns one
+table: relative error, ulp distances, near-zero elements, mismatches, tensors on one
+side only. :meth:`DiffReport.ulp_report` shows the same comparison as ulp histograms
+(:class:`UlpReport`); :func:`ulp_vs_reference` measures a fused checkpoint against the
+exact float64 fuse in ulps of its format (a correctly rounded fuse is never above 0.5).
 
 >>> diff("data/tiny-qwen3", "data/tiny-qwen3").identical
 True
-
-Two tensor sources compared tensor by tensor, streaming, one TensorDiff each.
-
-:func:`compare_sources` reads two checkpoints (or adapters, files, in-memory models)
-in fixed-size pieces (a few MB each, whatever the tensor's size): each piece is
-first compared as raw bytes (``memcmp`` speed) and only a piece whose bytes differ
-is decoded, by an :class:`~lorakit.inspect.ulp_count.Accumulator`. Pieces are
-compared on a few threads (numpy and the C kernel release the GIL) while the kernel
-reads ahead, so memory stays bounded whatever the checkpoints' size.
-:func:`lorakit.diff` turns the diffs into a report.
-
->>> sorted({d.status for d in compare_sources("data/tiny-qwen3", "data/tiny-qwen3")})
-['equal']
-
-Ulp histograms as a report: per tensor, per layer and overall.
-
-:class:`UlpReport` is what :meth:`DiffReport.ulp_report` (two checkpoints) and :func:`ulp_tensors` (two arrays) return: a row
-per tensor with its histogram in a few words, the histograms themselves
-(``counts``, ``per_layer``, ``overall``) and plots of them.
-
->>> bits_a = np.array([0x3F80, 0x0000, 0x8001], np.uint16)  # bf16 1.0, +0, -min_subnormal
->>> bits_b = np.array([0x3F81, 0x8000, 0x0001], np.uint16)  # next float up, -0, +min_sub.
->>> ulp_tensors(bits_a, bits_b, "bf16").rows[0]["max_ulp"]
-2
-
-A fused checkpoint against the exact fuse, in (fractional) ulps of its format.
-
-:func:`ulp_vs_reference` measures each fused weight against ``W + scale * B @ A``
-computed in float64 (the intended change of :func:`~lorakit.fusion.delta.intended_pieces`),
-in ulps of the fused tensor's own format: a correctly rounded fuse is never above
-0.5. :class:`RefUlpReport` holds the rows and the error histograms.
-
->>> error_histogram(np.array([0.0, 0.25, 0.5, 0.75, 3.0, np.nan]))[:6].tolist()
-[1, 2, 1, 0, 1, 0]
 """
 from __future__ import annotations
 
@@ -158,23 +117,11 @@ class DiffReport(Report):
 def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
            names: Optional[Sequence[str]] = None, threads: Optional[int] = None,
            progress: Progress = True) -> DiffReport:
-    """Compare two checkpoints (or adapters, files, in-memory models) tensor by tensor.
-
-    Args:
-        a, b: anything :func:`lorakit.open` accepts.
-        max_bin: top ulp histogram bin.
-        names: restrict to these tensors.
-        threads: pieces compared in parallel (default ``min(4, cpu_count)``).
-        progress: a progress bar (tqdm.auto; none when stderr is not a terminal), or a
-            callable ``progress(done_bytes, total_bytes)``; False for neither.
-
-    Returns:
-        A :class:`DiffReport`; ``.identical`` says whether A and B are bit-identical.
-        Float tensors of the same dtype get exact ulp distances; tensors whose dtypes
-        differ (a float32 "fused" weight against a bfloat16 one) are compared by value
-        and listed as ``dtype mismatch``; integer tensors (packed quantized weights)
-        by equality.
-    """
+    """Compare two checkpoints (anything :func:`lorakit.open` accepts) tensor by tensor:
+    a :class:`DiffReport` (``.identical``: bit for bit). Same-dtype floats get exact ulp
+    distances, a dtype mismatch is compared by value, integer tensors by equality.
+    ``names``: only these tensors; ``threads``: default ``min(4, cpu_count)``;
+    ``progress``: tqdm, a callable ``(done_bytes, total_bytes)``, or False."""
     sa, sb = source.open(a), source.open(b)
     diffs = compare_sources(sa, sb, max_bin=max_bin, names=names, threads=threads,
                             progress=progress)
@@ -397,24 +344,9 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                     chunk_bytes: int = CHUNK_BYTES, threads: Optional[int] = None,
                     progress: Progress = False
                     ) -> List[TensorDiff]:
-    """Compare every tensor of two sources, streaming; one :class:`TensorDiff` each.
-
-    Args:
-        a, b: checkpoint/adapter directories, .safetensors files, Checkpoints or
-            in-memory mlx-lm models (anything :func:`lorakit.open`
-            takes).
-        max_bin: top of the last power-of-two histogram bin.
-        names: compare only these tensor names.
-        chunk_bytes: bytes compared per piece and side.
-        threads: pieces compared at once (numpy releases the GIL); default
-            ``min(4, cpu_count)``. Memory: the pieces in flight, and under 32 MB per
-            file of compared bytes still mapped.
-        progress: a progress bar over A's bytes (tqdm.auto: a widget in notebooks, a
-            bar in terminals, nothing when stderr is not a terminal), or a callable
-            ``progress(done_bytes, total_bytes)``.
-
-    Rows come in A's order, then tensors only in B.
-    """
+    """Compare every tensor of two sources, streaming, in pieces of ``chunk_bytes`` per
+    side; one :class:`TensorDiff` each, in A's order, then tensors only in B. Memory: the
+    pieces in flight and under 32 MB per file still mapped."""
     if max_bin < 3 or (max_bin + 1) & max_bin:
         raise ArgumentError.bad("max_bin", max_bin, "2**k - 1 with k >= 2")
     sa, sb = source.open(a), source.open(b)
@@ -678,13 +610,8 @@ def _as_bits(x: Any, fmt: Optional[str]) -> Tuple[np.ndarray, str]:
 
 def ulp_tensors(a: Any, b: Any, fmt: Optional[str] = None, *, name: str = "tensor",
                 max_bin: int = DEFAULT_MAX_BIN) -> UlpReport:
-    """Ulp distance histogram between two tensors of one format.
-
-    Args:
-        a, b: numpy float arrays (float16/float32), mlx arrays, or storage bits
-            (uint16/uint32) together with ``fmt``.
-        fmt: the format (``"bf16"``, ``"f16"``, ``"f32"``) when passing bits.
-    """
+    """Ulp distance histogram between two tensors of one format: numpy or mlx float
+    arrays, or storage bits (uint16/uint32) with ``fmt`` (``"bf16"``, ``"f16"``, ``"f32"``)."""
     xa, ca = _as_bits(a, fmt)
     xb, cb = _as_bits(b, fmt)
     if ca != cb or xa.shape != xb.shape:
@@ -699,7 +626,7 @@ def ulp_tensors(a: Any, b: Any, fmt: Optional[str] = None, *, name: str = "tenso
 
 
 # ---------------------------------------------------------------------------
-# A fused checkpoint against the exact fuse, in (fractional) ulps of its format.
+# A fused checkpoint against the exact fuse, in (fractional) ulps of its format
 
 
 _ERR_EDGES = np.array([0.5] + [2.0 ** k for k in range(0, 11)])
@@ -830,18 +757,9 @@ def _scale_summary(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
-    """Ulp error of each fused weight against the exact ``W + scale * B @ A`` (float64).
-
-    The error is measured with :func:`numerics.ulp_error_vs_reference` in ulps of
-    the fused tensor's own format: <= 0.5 everywhere means correctly rounded.
-    Quantized fused weights are listed but not measured (see :func:`check`).
-
-    >>> import lorakit
-    >>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")
-    >>> rep = ulp_vs_reference("fused", "data/tiny-qwen3", "data/adapters/lora")
-    >>> round(rep.summary["max error (ulp)"], 6), rep.summary["not correctly rounded"]
-    (0.5, 0)
-    """
+    """Ulp error of each fused weight against the exact ``W + scale * B @ A`` (float64),
+    in ulps of the fused tensor's own format: <= 0.5 everywhere means correctly rounded.
+    Quantized fused weights are listed but not measured (see :func:`check`)."""
     sf, sb = source.open(fused), source.open(base)
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
     by_tensor = bindings_by_tensor(bind(ad, sb))

@@ -1,58 +1,19 @@
 """Exact ulp distances of two pieces of storage, counted into histograms.
 
-An ulp distance counts how many representable values of the format lie between
-two values (:func:`lorakit.numerics.ulp_distance`: +0 and -0 are the same point,
-the line runs through the subnormals, inf is one past the largest finite value,
-NaN against NaN is 0 and NaN against a number is a mismatch). Histograms use the
-bins of :func:`lorakit.numerics.ulp_histogram` (0, 1, 2, 3, 4-7, 8-15, ...), so
-tensors, layers and checkpoints line up.
-
-:class:`Accumulator` folds pieces of one tensor's raw storage (as bits) into a
-histogram and totals, and :meth:`Accumulator.result` writes them into a
-:class:`TensorDiff`. Decoding runs in the optional C kernel (``_ulpkernel.c``: one
-vectorised pass per block of 256 elements, built at install where a C compiler is
-found) or, without it, in numpy: for 16-bit formats a few integer passes over the
-bits (:func:`_positions16`), where few elements differ only those; pieces holding a
-NaN, and float32 tensors, go through ``numerics.ulp_distance`` itself. Both paths
-give the same numbers, bit for bit (tests/inspect/test_ulp_count.py).
+An ulp distance counts the representable values between two values
+(:func:`lorakit.numerics.ulp_distance`); histograms use the bins of
+:func:`lorakit.numerics.ulp_histogram`. :class:`Accumulator` folds pieces of one
+tensor's storage bits into a histogram and totals, in the optional C kernel
+(``_ulpkernel.c``) or in numpy: the same numbers, bit for bit
+(tests/inspect/test_ulp_count.py). :class:`ScaleStats` puts the differences at the
+tensor's scale (relative error, zero crossings, near-zero elements), since ulp
+distances near zero are huge and mean little.
 
 >>> acc = Accumulator("BF16", DEFAULT_MAX_BIN)
 >>> acc.add(np.array([0x3F80, 0x0000], np.uint16), np.array([0x3F81, 0x8000], np.uint16))
 >>> td = acc.result(TensorDiff("t", "", "BF16", "BF16", (2,), (2,)))
 >>> (td.differing, td.max_ulp, hist_text(bin_labels(), td.counts))
 (2, 1, '0:50% 1:50%')
-
-What an ulp distance means at the tensor's scale: relative error, zero crossings.
-
-An ulp distance counts representable values between two numbers, so it is huge for
-values near zero: bf16 ``0`` against ``-0.00087`` is 14,949 steps apart although the
-two differ by less than a hundredth of a typical weight. Beside the exact ulp
-histogram of :class:`~lorakit.inspect.ulp_count.Accumulator`,
-:class:`ScaleStats` gathers what puts a difference at the tensor's scale:
-
-- ``rms_a``: the rms of A's values over the whole tensor (A is the first source of a
-  comparison: "the tensor's typical magnitude"), and ``rel_rms = rms(a - b) / rms_a``;
-- ``sign_changes``: differing elements of opposite signs, both non-zero, and
-  ``to_zero``: zero on one side only (together: the zero crossings);
-- ``near_zero``: differing elements with ``min(|a|, |b|) < near_zero_below =
-  2**(floor(log2 rms_a) + NEAR_ZERO_LOG2)`` (zeros and subnormals always count);
-- ``max_ulp_typical``: the largest ulp distance among differing elements with
-  ``min(|a|, |b|) >= typical_from = 2**floor(log2 rms_a)``: the figure to set beside
-  the rounding of a fuse (0.5 ulp, a few ulps for double rounding).
-
-The thresholds need rms(A) before the first differing piece of a tensor is compared:
-:class:`TensorScale` computes it once, on demand (a tensor whose bytes are all equal
-never needs it), so that each piece then costs one branch-free pass (the C kernel's
-``scale``, or numpy: the same numbers up to the order of float sums).
-:func:`binades` lists one tensor's differing elements by magnitude, for a closer look.
-
->>> a = np.array([0x3F80, 0x3F80, 0x3727, 0x3F00], np.uint16)  # 1, 1, ~1e-5, 0.5
->>> b = np.array([0x3F81, 0x3F80, 0xBA64, 0x3F00], np.uint16)  # 1.0078, 1, ~-0.00087, 0.5
->>> s = ScaleStats("BF16", TensorScale.of(a, "BF16"))
->>> s.add(a, b)
->>> r = s.finish(4, max_abs=0.0078125)
->>> r["sign_changes"], r["near_zero"], r["max_ulp_typical"]
-(1, 1, 1)
 """
 from __future__ import annotations
 
@@ -444,7 +405,6 @@ NEAR_ZERO_LOG2 = -10
 SCALE_FIELDS = ("rms_a", "rel_rms", "max_rel", "max_ulp_at_rms", "sign_changes", "to_zero",
                 "near_zero", "near_zero_below", "typical_from", "max_ulp_typical")
 _FLOAT = {"BF16", "F16", "F32"}
-_KERNEL_FMT = {"BF16": 0, "F16": 1, "F32": 2}
 
 
 def ulp_at(value: float, code: str) -> float:
@@ -524,7 +484,11 @@ class TensorScale:
 
 
 class ScaleStats:
-    """Scale statistics of one tensor's comparison (see the module docstring)."""
+    """Scale statistics of one tensor's comparison: ``rms_a`` and ``rel_rms = rms(a - b)
+    / rms_a``; ``sign_changes`` and ``to_zero`` (zero on one side only); ``near_zero``:
+    differing elements with ``min(|a|, |b|) < near_zero_below`` (2**NEAR_ZERO_LOG2 of
+    rms(A), rounded down to a power of two); ``max_ulp_typical``: the largest ulp
+    distance where ``min(|a|, |b|) >= typical_from`` (rms(A) rounded down likewise)."""
 
     def __init__(self, code: str, tensor: Optional[TensorScale] = None) -> None:
         self.code = code
