@@ -1,17 +1,8 @@
 """Adapter against adapter: do two fine-tunes change the same weights the same way?
 
-For each module both adapters touch (experts one by one), from the factors only:
-
-* the delta norms side by side (and relative to the base weight, given a base);
-* the cosine similarity of the deltas, ``<dW1, dW2>_F / (|dW1| |dW2|)``, where
-  ``<dW1, dW2>_F = s1 s2 trace((B1^T B2)(A2 A1^T))`` costs an r1 x r2 product;
-* the principal angles between their column spaces (what the deltas write) and
-  row spaces (what they read): the singular values of ``U1^T U2`` are the cosines
-  of the angles, with U the left (or right) singular vectors of each delta kept to
-  its numerical rank.
-
-Two trainings of one recipe with different seeds typically show small cosines but
-a few small principal angles: they share directions, not matrices.
+Per module both adapters touch, from the factors only: the delta norms, the cosine of
+the deltas (``s1 s2 trace((B1^T B2)(A2 A1^T))``: an r1 x r2 product) and the principal
+angles between their column and row spaces.
 
 >>> c = compare_adapters("data/adapters/lora", "data/adapters/dora", "data/tiny-qwen3")
 >>> c.summary["modules in both"], round(c.summary["overall cosine"], 2)

@@ -1,24 +1,12 @@
 """Why a merge is wrong: the fused weight tested against the weights other mistakes make.
 
-A tensor that fails the rounding bound (:mod:`lorakit.inspect.check`) is read
-again and compared with the exact result of each named mistake, in units of the same
-bound: the base itself (``not applied``), the adapter applied twice, the delta at
-another scale (a factor of 2 or 1/2; ``alpha`` where ``alpha / r`` was meant, or the
-reverse; rsLoRA's ``alpha / sqrt(r)`` against ``alpha / r``; the scale left out; the
-delta subtracted), the delta transposed (square weights), and DoRA without its
-magnitude rescaling. The mistake whose RMS distance is within the bound (at most 1)
-names the cause, the nearest first.
-
-When none fits, the change the fuse made (``R = F - W``) is fitted as ``k`` times the
-intended delta ``D`` (weighted by the bound) and the rest ``E = R - k D`` is read:
-
-* ``E`` within the bound: ``wrong scale`` with the fitted factor ``k``;
-* ``E`` of low rank (the top ``2r`` singular values carry 90% of it, r the adapter's
-  rank, on a sample of rows): ``another adapter`` (``k`` is then how much of the
-  intended delta it shares);
-* ``E`` of full rank while ``k`` is near 1 in most adapted tensors, or most untouched
-  tensors differ too: ``different base`` (the delta is there, on another weight);
-* otherwise ``changed otherwise``.
+A tensor past the rounding bound (:mod:`lorakit.inspect.check`) is compared, in the
+same bound's units, with the exact result of each named mistake (not applied, applied
+twice, a wrong scale, transposed, DoRA without its magnitude); the nearest within the
+bound names the cause. When none fits, ``F - W`` is fitted as ``k`` times the intended
+delta and the rest read: within the bound ``wrong scale`` (factor ``k``), of low rank
+``another adapter``, of full rank with ``k`` near 1 ``different base``, else
+``changed otherwise``.
 """
 from __future__ import annotations
 

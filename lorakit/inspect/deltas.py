@@ -1,16 +1,8 @@
 """How large each adapter delta is: norms, spectra and ranks, from the factors alone.
 
-A LoRA delta ``dW = s * B @ A`` (``B`` out x r, ``A`` r x in) has rank <= r, so
-everything about its size comes from an r x r problem: with ``B = Qb Rb`` and
-``A^T = Qa Ra`` (thin QR), ``dW = Qb (s Rb Ra^T) Qa^T`` and the singular values of
-dW are those of the r x r core. The out x in matrix is never formed, so a
-152k x 2048 embedding delta costs what a 2048 x 2048 one does.
-
->>> rng = np.random.default_rng(0)
->>> A, B = rng.normal(size=(4, 50)), rng.normal(size=(30, 4))
->>> _, s, _ = factor_svd(A, B, 2.0)
->>> bool(np.allclose(s, np.linalg.svd(2.0 * B @ A, compute_uv=False)[:4]))
-True
+``dW = s * B @ A`` has rank <= r: with thin QRs ``B = Qb Rb`` and ``A^T = Qa Ra``, its
+singular values are those of the r x r core ``s Rb Ra^T``, so the out x in matrix is
+never formed.
 """
 from __future__ import annotations
 

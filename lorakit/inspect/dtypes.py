@@ -1,13 +1,12 @@
 """Per-layer dtype maps, from headers only.
 
-:func:`dtype_map` takes any tensor source (:func:`lorakit.open`) and reads headers only (a checkpoint's tensors are never touched):
-one row per tensor with its layer, kind (q, k, v, o, gate, up, down, norms,
-embed, head, ...), dtype and bytes, flagging every float tensor whose dtype is not
-the checkpoint's majority. That is where a fuse that forgot its cast lights up.
+:func:`dtype_map` lists every tensor of a source (:func:`lorakit.open`) with its layer,
+kind, dtype and bytes, flagging float tensors whose dtype is not the checkpoint's
+majority: where a fuse that forgot its cast lights up.
 
 >>> import lorakit
 >>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused-f32", dtype="promote")
->>> dm = dtype_map("fused-f32"); dm.flagged_names()[:2]
+>>> dtype_map("fused-f32").flagged_names()[:2]
 ['model.layers.3.mlp.up_proj.weight', 'model.layers.3.mlp.down_proj.weight']
 """
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""``lorakit.extract``: the extract of :mod:`lorakit.algebra.extract` with its behaviour
-line: the tuned model against base + the extracted adapter (attached unfused) on the
-embedded corpus, by :func:`lorakit.compare_outputs` (mean KL, top-1 agreement).
-
-The line needs both checkpoints as model folders (``config.json`` beside the weights);
-elsewhere the summary says it was not measured. ``behaviour=False`` (``--no-behaviour``)
-skips it.
+"""``lorakit.extract``: :mod:`lorakit.algebra.extract` with its behaviour line, the
+tuned model against base + the extracted adapter (unfused) on the embedded corpus
+(:func:`lorakit.compare_outputs`). Both checkpoints must be model folders, else the
+summary says it was not measured; ``behaviour=False`` skips it.
 """
 from __future__ import annotations
 

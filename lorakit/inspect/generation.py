@@ -1,13 +1,9 @@
 """Greedy outputs of several models side by side: where do they part ways, and how close was it?
 
-Bits are not behaviour: two fused checkpoints that differ by one ulp here and
-there may generate the same text, or part at the first near-tie. This helper
-decodes the same prompts greedily (argmax, no sampling, so every run gives the
-same tokens) through mlx-lm's own models and KV caches, all models in lockstep,
-and records per step each model's chosen token and its top1 - top2 logit margin.
-When two models first choose different tokens it also records how far apart
-those two tokens were in each model's logits: a divergence at a margin of 0.01
-is a coin toss that rounding decided, one at a margin of 5 is a real difference.
+The same prompts decoded greedily through mlx-lm's own models, all in lockstep,
+recording per step each model's token and its top1 - top2 logit margin; where two
+models first part, how far apart the two tokens were in each model's logits (a
+divergence at a margin of 0.01 is a coin toss that rounding decided).
 
 >>> rep = compare_generations({"base": ("data/tiny-qwen3", None),
 ...                            "adapter": ("data/tiny-qwen3", "data/adapters/lora")},

@@ -1,19 +1,10 @@
-"""Mixture-of-experts layers on MLX's CPU: run them in float32.
+"""Models whose dtype MLX's CPU refuses for an op: run them in float32.
 
-MLX's CPU ``GatherMM`` (the kernel behind mlx-lm's ``SwitchLinear`` and
-``LoRASwitchLinear``) supports float32 only today; a bf16 MoE checkpoint fails on
-its first forward pass with ``[GatherMM::eval] Currently only supports float32``.
-:func:`moe_float32_on_cpu` wraps each expert block (``SwitchGLU`` / ``SwitchMLP``)
-of a loaded model so that on CPU it computes in float32 (its weights cast once) and
-hands its output back in the input's dtype; everything else keeps its dtype.
-Generation (``compare_generations``) and decode timing call it and say so in their
-reports. On a GPU, or for quantized experts (``gather_qmm``), it changes nothing.
-
-Other ops of other models (hybrid / SSM layers, a future kernel) may be refused the same
-way. :func:`float32_if_refused` finds those by trying: one short forward pass; if MLX
-refuses it with its "only supports float32" error, the model's float parameters are cast
-to float32 (in place) and the caller's report says so (:data:`F32_NOTE`). No list of
-model names is kept.
+MLX's CPU ``GatherMM`` (mlx-lm's ``SwitchLinear``) supports float32 only:
+:func:`moe_float32_on_cpu` wraps each expert block to compute in float32 on CPU and
+hand its output back in the input's dtype. :func:`float32_if_refused` tries one short
+forward pass and, if MLX refuses it, casts the model's float parameters to float32 in
+place; the caller's report says so (:data:`F32_NOTE`).
 """
 from __future__ import annotations
 

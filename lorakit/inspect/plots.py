@@ -1,10 +1,7 @@
-"""Every matplotlib figure the inspection reports draw.
+"""Every matplotlib figure the inspection reports draw (from their ``plot()`` methods).
 
-Reports call these from their ``plot()`` methods; matplotlib is imported inside
-each function, so importing lorakit (or any report module) never imports it.
-Figures are made with ``matplotlib.figure.Figure`` rather than pyplot: no global
-state, no GUI backend, and Jupyter still renders a returned Figure inline. Pass
-``ax=`` to draw into an axes of your own; the axes' figure is returned.
+matplotlib is imported inside each function and figures are ``matplotlib.figure.Figure``
+(no pyplot state); pass ``ax=`` to draw into your own axes (its figure is returned).
 """
 from __future__ import annotations
 
