@@ -160,17 +160,9 @@ class DeltaNorms(Report):
 
 def delta_norms(adapter: Any, checkpoint: Any = None, *, rtol: Optional[float] = None
                 ) -> DeltaNorms:
-    """Norms, spectra and ranks of every delta ``dW = scale * B @ A`` of an adapter.
-
-    Args:
-        adapter: adapter directory or a loaded :class:`~lorakit.io.adapters.load.Adapter`.
-        checkpoint: optional base (directory, Checkpoint or in-memory mlx-lm model):
-            adds ``||W||_F`` and the relative size ``||dW||_F / ||W||_F``.
-        rtol: relative tolerance of the numerical rank (see :func:`numerical_rank`).
-
-    Returns:
-        A :class:`DeltaNorms` report. For DoRA the norms are those of the low-rank
-        part; the magnitude vector rescales rows on top of it.
+    """Norms, spectra and ranks of every delta ``dW = scale * B @ A`` of an adapter (for
+    DoRA, of the low-rank part). A base ``checkpoint`` adds ``||W||_F`` and
+    ``||dW||_F / ||W||_F``; ``rtol``: the numerical rank's tolerance.
 
     >>> n = delta_norms("data/adapters/lora", "data/tiny-qwen3")
     >>> n.summary["targets"], n.summary["largest ||dW||_F"]

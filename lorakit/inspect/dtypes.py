@@ -84,18 +84,10 @@ class DtypeMap(Report):
 
 
 def dtype_map(source: Any) -> DtypeMap:
-    """Dtype and bytes of every tensor, per layer and kind, from headers only.
-
-    Args:
-        source: checkpoint directory, adapter directory, ``.safetensors`` file,
-            :class:`~lorakit.io.formats.checkpoint.Checkpoint`, or an in-memory mlx-lm model.
-
-    Returns:
-        A :class:`DtypeMap`. A float tensor whose dtype differs from the majority float
-        dtype is flagged. Quantized parts (packed ``.weight``, ``.scales``,
-        ``.biases``) are never flagged for that; their scales and biases are flagged
-        only when their dtype differs from the other scales' (as after a DoRA fuse of
-        a quantized model that wrote float32 scales).
+    """Dtype and bytes of every tensor of ``source`` (anything :func:`lorakit.open` takes),
+    per layer and kind, from headers only. A float tensor whose dtype differs from the
+    majority is flagged; quantization scales and biases only when they differ from the
+    other scales' (a DoRA fuse of a quantized model that wrote float32 scales).
 
     >>> dm = dtype_map("data/tiny-qwen3")
     >>> dm.summary["expected dtype"], dm.summary["flagged"]

@@ -21,17 +21,9 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
             save_path: Any = None, force: bool = False, progress: Progress = True,
             **settings: Any) -> ExtractReport:
     """Extract a LoRA adapter from a tuned checkpoint and its base (a truncated SVD per
-    module) and score how it behaves.
-
-    Args and settings as :func:`lorakit.algebra.extract.extract` (``rank=`` or
-    ``energy=``, ``modules=``, ...: the fields of
-    :class:`~lorakit.algebra.extract.ExtractOptions`), plus ``behaviour``: True (1024
-    corpus tokens, the default), a token count, or False.
-
-    Returns:
-        An :class:`~lorakit.algebra.extract.ExtractReport`: ``.adapter``, the rows, and
-        ``.behaviour`` (the numbers of the summary's ``behaviour`` line).
-    """
+    module) and score how it behaves: :func:`lorakit.algebra.extract.extract`'s arguments
+    (``rank=`` or ``energy=``, ``modules=``...), ``behaviour`` True (1024 tokens, the
+    default), a token count or False. An ``ExtractReport`` with ``.behaviour``."""
     opts = ExtractOptions.of(options, settings)
     rep = extract_lowrank(base, tuned, opts, save_path=save_path, force=force,
                           progress=progress)

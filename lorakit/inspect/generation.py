@@ -209,18 +209,11 @@ def compare_generations(models: Mapping[str, Any], prompts: Sequence[str] | str,
                         max_tokens: int = 32, *, chat: bool = False) -> GenerationReport:
     """Greedy-decode ``prompts`` with every model and report where outputs part.
 
-    Args:
-        models: label -> a model directory, ``(path, adapter_path or None)`` (loaded
-            with ``mlx_lm.load``), or an already loaded ``(model, tokenizer)``.
-            The first model is the reference the table measures divergence against.
-        prompts: one prompt or several.
-        max_tokens: tokens generated per prompt and model (fewer on EOS).
-        chat: wrap each prompt in the tokenizer's chat template when it has one.
-
-    Returns:
-        A :class:`GenerationReport`: text side by side, the first divergent token of
-        each model against the reference with both models' logit margins there, and
-        per-step margins (``generations``) for plots.
+    ``models``: label -> a model directory, ``(path, adapter_path or None)`` or a loaded
+    ``(model, tokenizer)``; the first is the reference. ``max_tokens`` per prompt and
+    model (fewer on EOS); ``chat``: use the tokenizer's chat template. A
+    :class:`GenerationReport`: text side by side, each model's first divergence from the
+    reference with both logit margins there, per-step margins in ``generations``.
     """
     if len(models) < 2:
         raise ArgumentError.bad("models", f"{len(models)} model(s)", "at least two models")
