@@ -52,10 +52,8 @@ def principal_angles(U1: np.ndarray, U2: np.ndarray) -> np.ndarray:
 
 @dataclass(repr=False)
 class AdapterComparison(Report):
-    """Rows: module, expert, status, fro_a, fro_b (rel_a, rel_b with a base), cosine,
-    col_angle (smallest principal angle between column spaces, degrees), col_overlap
-    (mean cos^2 of the column angles: 1 = same subspace, 0 = orthogonal), row_angle,
-    row_overlap. ``col_angles[i]`` / ``row_angles[i]``: all angles of row i."""
+    """A row per module; ``col_angles[i]`` / ``row_angles[i]``: all principal angles of
+    row i."""
 
     column_help = {
         "module": "the adapted module",

@@ -91,13 +91,8 @@ class _Bound:
 
 @dataclass(repr=False)
 class CheckReport(Report):
-    """Per adapted tensor: distance (largest |F - T| over the rounding bound; <= 1 is
-    right), max_ulp, beyond (share of elements past the bound), survived, expected, fit,
-    corr, changed, delta_ulps, status, verdict and detail (the cause).
-
-    ``status`` overall: ``ok``, ``wrong`` or ``promoted``; ``ok`` is True for ``ok``;
-    :meth:`exit_code` maps it to 0 / 1 / 3. ``behaviour``: fused vs unfused on a corpus
-    (``mean_kl``, ``top1_agreement``...) when asked for, else None; never the verdict."""
+    """A row per adapted tensor. ``status`` overall: ``ok``, ``wrong`` or ``promoted``
+    (:meth:`exit_code`: 0 / 1 / 3); ``behaviour``: fused vs unfused KL when asked for."""
 
     column_help = {
         "tensor": "the adapted (or changed) tensor's name",
@@ -222,11 +217,9 @@ def _seq_sum(x: np.ndarray, carry: float) -> float:
 
 def _lora_numpy(W: np.ndarray, F: np.ndarray, Bs: np.ndarray, A: np.ndarray, c32: float,
                 fw: Any, fo: Any, carry: Tuple[float, ...]):
-    """One block of a plain LoRA's measure (W, F float64 rows x cols; ``Bs``: B times
-    the scale, rows x r; ``A`` r x cols): (dist, max_ulp, beyond, changed, sums). The
-    bound is :func:`float_bound`'s, with ``D`` and ``S = |scale| |B| @ |A|`` summed
-    product by product in rank order from -0.0 (the kernel's order, so that both give
-    the same bits)."""
+    """One block of a plain LoRA's measure: (dist, max_ulp, beyond, changed, sums), the
+    bound :func:`float_bound`'s with ``D`` and ``S`` summed in rank order from -0.0 (the
+    kernel's order, so that both give the same bits)."""
     D = np.full(F.shape, -0.0)
     S = np.full(F.shape, -0.0)
     for k in range(A.shape[0]):
@@ -252,10 +245,8 @@ def _lora_numpy(W: np.ndarray, F: np.ndarray, Bs: np.ndarray, A: np.ndarray, c32
 
 
 def _measure_lora(sf, sb, tensor, binds, bound: _Bound) -> Dict[str, Any]:
-    """:func:`_measure` of a plain LoRA on a float fused weight, block by block straight
-    from the storage bits: T = W + D with D the rank-r sum, the bound of
-    :func:`float_bound` (the same formula, D and S summed in the kernel's order), in
-    the C kernel where it is built, else :func:`_lora_numpy` (the same numbers)."""
+    """:func:`_measure` of a plain LoRA on a float fused weight, block by block from the
+    storage bits: the C kernel where it is built, else :func:`_lora_numpy` (the same bits)."""
     fw, fo = bound.fmt_work, bound.fmt_out
     wb, wf = WeightReader(sb, tensor), WeightReader(sf, tensor)
     kernel = kernels.load("lorakit.inspect._checkkernel")
@@ -401,10 +392,8 @@ WORKERS = max(1, min(2, os.cpu_count() or 1))
 
 
 def _adapted_rows(sf, sb, by_tensor, conversion: Optional[str]) -> List[Dict[str, Any]]:
-    """The adapted tensors' rows, in order, up to :data:`WORKERS` tensors in flight (as
-    the fuse does). Each tensor's numbers are computed exactly as one at a time; a
-    quantized weight (MLX's quantize in the reference) is measured in the calling
-    thread."""
+    """The adapted tensors' rows, in order, up to :data:`WORKERS` tensors in flight
+    (quantized weights, MLX's quantize in the reference, one at a time)."""
     items = list(by_tensor.items())
 
     def one(tb):
@@ -459,8 +448,8 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
         r.pop("base_like", None)
     rows += extra_rows(sf, sb)
     rep = CheckReport(title=f"merge check of {sf.label}", rows=rows,
-                     columns=["tensor", "dtype", "distance", "max_ulp", "beyond", "survived",
-                              "expected", "fit", "corr", "status", "verdict", "detail"],
+                     columns="tensor dtype distance max_ulp beyond survived expected fit corr status "
+                     "verdict detail".split(),
                      flagged=[i for i, r in enumerate(rows) if r["status"] != "ok"])
     counts: Dict[str, int] = {}
     for r in rows:
@@ -567,12 +556,9 @@ def float_bound(T: np.ndarray, W: np.ndarray, p: Piece, rows: Optional[slice],
 
 def quant_bound(T: np.ndarray, F: np.ndarray, Q: np.ndarray, pre: np.ndarray, q: Any,
                 scales: np.ndarray, biases: Optional[np.ndarray], fmt_scales: Any) -> np.ndarray:
-    """Per element, the largest ``|F - T|`` a correct re-quantized fuse can leave.
-
-    ``pre`` is the float bound of the value before quantization (:func:`float_bound`),
-    ``Q`` a correct re-quantization of ``T`` (dequantized, float64), ``scales`` /
-    ``biases`` its groups' parameters as float64 (rows, in / group_size).
-    """
+    """Per element, the largest ``|F - T|`` a correct re-quantized fuse can leave: ``pre``
+    (:func:`float_bound`) plus each group's quantization error (affine: one step and the
+    storage rounding of scale and bias; else twice a correct re-quantization's, ``Q``)."""
     g = q.group_size
     rows, cols = T.shape
     grp = np.abs(Q - T).reshape(rows, cols // g, g).max(axis=2)  # a correct fuse's worst

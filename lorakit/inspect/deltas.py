@@ -31,13 +31,8 @@ _EPS32 = float(np.finfo(np.float32).eps)
 
 
 def effective_rank(S: np.ndarray) -> float:
-    """Entropy effective rank exp(H(p)), p = S / sum(S) (Roy & Vetterli, 2007).
-
-    Equals k for k equal non-zero singular values, less when they decay.
-
-    >>> effective_rank(np.array([3.0, 3.0, 0.0]))
-    2.0
-    """
+    """Entropy effective rank exp(H(p)), p = S / sum(S) (Roy & Vetterli, 2007): k for k
+    equal non-zero singular values, less when they decay."""
     S = np.asarray(S, np.float64)
     total = S.sum()
     if total <= 0:
@@ -115,9 +110,7 @@ def layer_kind_grid(rows: List[Dict[str, Any]], num: str, den: Optional[str] = N
 
 @dataclass(repr=False)
 class DeltaNorms(Report):
-    """Per-target delta norms. ``rows``: module, layer, kind, expert, shape, rank, fro,
-    rel (``fro / ||W||_F``, with a base), spectral, erank (entropy effective rank),
-    nrank (numerical rank). ``singular_values[i]`` holds row i's spectrum."""
+    """Per-target delta norms; ``singular_values[i]`` holds row i's spectrum."""
 
     column_help = {
         "module": "the adapted module (the delta dW = scale x B @ A lands on its weight)",

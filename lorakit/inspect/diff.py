@@ -57,31 +57,32 @@ from .ulp_count import (
 __all__ = ["diff", "UlpReport", "ulp_vs_reference"]
 
 
+#: the columns DiffReport and UlpReport share, explained once
+_HELP = {
+    "tensor": "the tensor's name",
+    "dtype": "stored dtype (A/B when they differ)",
+    "elements": "number of elements compared",
+    "differing": "elements whose bits differ",
+    "max_ulp": "largest distance in units in the last place (ulp) of the dtype",
+    "rel_err": "rms(A - B) / rms(A): the error at the tensor's own scale (what behaviour feels)",
+    "max_ulp_typ": "largest ulp distance among elements of typical magnitude (>= the tensor's rms, "
+                   "rounded down to a power of two)",
+    "near_zero": "differing elements below 2^-10 of the tensor's scale: their ulps are tiny, "
+                 "so large ulp distances there mean little",
+}
+
+
 @dataclass(repr=False)
 class DiffReport(Report):
-    """Rows: tensor, status, dtype, shape, elements, differing, frac, max_ulp, max_abs.
-
-    ``identical`` is True when every tensor matches bit for bit and both sides hold
-    the same names. ``labels`` / ``overall``: the ulp histogram over all tensors
-    compared as same-dtype floats; ``diffs``: the per-tensor :class:`TensorDiff`;
-    ``sources``: the labels of A and B.
-    """
+    """A row per tensor; ``identical``: bit for bit with the same names on both sides;
+    ``overall``: the ulp histogram over all tensors; ``diffs``: the :class:`TensorDiff` s."""
 
     column_help = {
-        "tensor": "the tensor's name",
+        **_HELP,
         "status": "equal (bit for bit), differs, or a mismatch of name, dtype or shape",
-        "dtype": "stored dtype (A/B when they differ)",
         "shape": "the tensor's shape",
-        "elements": "number of elements compared",
-        "differing": "elements whose bits differ",
         "frac": "differing / elements",
-        "max_ulp": "largest distance in units in the last place (ulp) of the dtype",
         "max_abs": "largest absolute difference |A - B|",
-        "rel_err": "rms(A - B) / rms(A): the error at the tensor's own scale (what behaviour feels)",
-        "max_ulp_typ": "largest ulp distance among elements of typical magnitude (>= the tensor's rms, "
-                       "rounded down to a power of two)",
-        "near_zero": "differing elements below 2^-10 of the tensor's scale: their ulps are tiny, "
-                     "so large ulp distances there mean little",
     }
 
     identical: bool = False
@@ -182,9 +183,8 @@ def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                     f"{summary['max ulp at typical magnitudes (|a|, |b| >= rms(A))']} ulp at "
                     "typical magnitudes")
     return DiffReport(title=f"diff {sa.label} vs {sb.label}: {verdict}", rows=rows,
-                        columns=["tensor", "status", "dtype", "shape", "elements", "differing",
-                                 "frac", "rel_err", "max_ulp_typ", "near_zero", "max_ulp",
-                                 "max_abs"],
+                        columns="tensor status dtype shape elements differing frac rel_err "
+                        "max_ulp_typ near_zero max_ulp max_abs".split(),
                         summary=summary, flagged=flagged, identical=identical, labels=labels,
                         overall=overall, diffs=diffs, sources=(sa.label, sb.label))
 
@@ -233,9 +233,7 @@ class _Mapped:
         return (x.copy() if start % storage.itemsize else x).view(storage)  # kernels: aligned
 
     def release(self, info: TensorInfo, off: int, n: int, reader: str) -> None:
-        """``reader`` is done with bytes [off, off + n) of a tensor (each reader in file
-        order): its contiguous done bytes are unmapped 32 MB at a time (a page someone
-        still reads is mapped again from the page cache)."""
+        """``reader`` is done with bytes [off, off + n): unmapped 32 MB at a time."""
         key, start = (reader, str(info.file)), info.begin + off
         with self.lock:
             lo, hi = self.done.get(key, (start, start))
@@ -274,9 +272,8 @@ def _memcmp() -> Callable[[int, int, int], int]:
 def _file_piece(files: _Mapped, memcmp: Callable[[int, int, int], int], work: threading.local,
                 ia: TensorInfo, ib: TensorInfo, off: int, n: int, code: str, max_bin: int,
                 scale: Optional[TensorScale] = None) -> Union[int, Accumulator]:
-    """Compare bytes [off, off + n) of two tensors: the element count when the bytes are
-    equal (memcmp), else a partial :class:`Accumulator` of the piece. ``work`` keeps the
-    thread's numpy scratch arrays."""
+    """Bytes [off, off + n) of two tensors: the element count when equal, else the piece's
+    :class:`Accumulator` (``work``: the thread's scratch arrays)."""
     storage = bits_dtype(code)
     x, y = files.piece(ia, off, n, storage), files.piece(ib, off, n, storage)
     if memcmp(x.ctypes.data, y.ctypes.data, n) == 0:
@@ -314,9 +311,8 @@ def _compare_mixed(sa: TensorSource, sb: TensorSource, name_a: str, name_b: str,
 
 def _file_scale(files: _Mapped, info: TensorInfo, code: str, chunk: int,
                 threads: int) -> TensorScale:
-    """rms(A) of a tensor on disk, read on first use (its first differing piece) on
-    ``threads`` threads of its own (the stream's threads wait for it; the pieces' sums
-    are added in order, so the result does not depend on the threads)."""
+    """rms(A) of a tensor on disk, read at its first differing piece on ``threads`` threads
+    of its own (the sums added in order: the result does not depend on the threads)."""
     storage = bits_dtype(code)
 
     def piece(off: int) -> float:
@@ -418,12 +414,8 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                             files.prefetch(fb_)
                 for off in range(0, ia.nbytes, chunk):
                     n = min(chunk, ia.nbytes - off)
-                    if pool is None:
-                        fut = _file_piece(files, memcmp, work, ia, ib, off, n, ma.dtype,
-                                          max_bin, scale)
-                    else:
-                        fut = pool.submit(_file_piece, files, memcmp, work, ia, ib, off, n,
-                                          ma.dtype, max_bin, scale)
+                    args = (files, memcmp, work, ia, ib, off, n, ma.dtype, max_bin, scale)
+                    fut = _file_piece(*args) if pool is None else pool.submit(_file_piece, *args)
                     pending.append((acc, fut, ia, ib, off, n))
                     drain(window)
         drain(0)
@@ -445,10 +437,7 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
 
 
 def scale_row(d: TensorDiff) -> Dict[str, Any]:
-    """A diff's figures at the tensor's scale, for a report row (0 for an equal tensor):
-    ``rel_err`` = rms(a - b) / rms(A), ``max_ulp_typ`` = the largest ulp distance among
-    elements whose magnitudes are at least ``2**floor(log2 rms(A))``, ``near_zero`` =
-    differing elements below ``2**-10`` of that (zeros and subnormals included)."""
+    """A diff's figures at the tensor's scale, for a report row (0 for an equal tensor)."""
     eq = d.status == "equal"
     return {"rel_err": 0.0 if eq else d.rel_rms,
             "max_ulp_typ": 0 if eq else d.max_ulp_typical,
@@ -460,9 +449,8 @@ def scale_row(d: TensorDiff) -> Dict[str, Any]:
 
 
 def scale_summary(diffs: Sequence[TensorDiff]) -> Dict[str, Any]:
-    """Summary lines that put the ulp distances at the tensors' scale (first: the
-    figure that matters for behaviour, the relative error), over the tensors that
-    differ with ulps measured. Empty when none does."""
+    """Summary lines that put the ulp distances at the tensors' scale, relative error first
+    (empty when no differing tensor has ulps)."""
     ds = [d for d in diffs if d.differing and d.rel_rms is not None]
     if not ds:
         return {}
@@ -490,29 +478,16 @@ def scale_summary(diffs: Sequence[TensorDiff]) -> Dict[str, Any]:
 
 @dataclass(repr=False)
 class UlpReport(Report):
-    """Ulp histograms of two sources, per tensor, per layer and overall.
-
-    ``rows``: tensor, layer, kind, dtype, elements, differing, max_ulp, mean_ulp,
-    hist. ``labels``: histogram bins. ``counts``: one histogram per row
-    (``counts[i]``, zeros for rows without ulps). ``overall`` / ``per_layer``: sums.
-    """
+    """Ulp histograms of two sources: ``counts[i]`` per row, ``per_layer`` and ``overall``
+    (bins ``labels``)."""
 
     column_help = {
-        "tensor": "the tensor's name",
+        **_HELP,
         "layer": "transformer block number (None: outside the blocks)",
         "kind": "what the tensor is (q/k/v/o projection, mlp part, norm, ...)",
-        "dtype": "stored dtype (A/B when they differ)",
         "status": "equal (bit for bit), differs, or why it was not compared",
-        "elements": "number of elements compared",
-        "differing": "elements whose bits differ",
-        "max_ulp": "largest distance in units in the last place (ulp) of the dtype",
         "mean_ulp": "mean distance in ulp over all elements",
         "hist": "share of elements per ulp distance (largest bins)",
-        "rel_err": "rms(A - B) / rms(A): the error at the tensor's own scale (what behaviour feels)",
-        "max_ulp_typ": "largest ulp distance among elements of typical magnitude (>= the tensor's rms, "
-                       "rounded down to a power of two)",
-        "near_zero": "differing elements below 2^-10 of the tensor's scale: their ulps are tiny, "
-                     "so large ulp distances there mean little",
     }
 
     labels: List[str] = field(default_factory=list)
@@ -585,8 +560,8 @@ def ulp_report(title: str, diffs: Sequence[TensorDiff], labels: Sequence[str],
         "histogram": hist_text(labels, overall, top=6),
     })
     return UlpReport(title=title, rows=rows, summary=summary, flagged=flagged,
-                     columns=["tensor", "dtype", "status", "elements", "differing", "rel_err",
-                              "max_ulp_typ", "near_zero", "max_ulp", "mean_ulp", "hist"],
+                     columns="tensor dtype status elements differing rel_err max_ulp_typ near_zero "
+                     "max_ulp mean_ulp hist".split(),
                      labels=labels, counts=counts, overall=overall, per_layer=per_layer,
                      diffs=list(diffs))
 
@@ -655,12 +630,8 @@ def error_histogram(err: np.ndarray) -> np.ndarray:
 
 @dataclass(repr=False)
 class RefUlpReport(Report):
-    """Ulp error of a fused checkpoint against the float64 fuse, per adapted tensor.
-
-    ``rows``: tensor, dtype, elements, max_err, mean_err, not_nearest (elements more
-    than 0.5 ulp off: not the correctly rounded value), hist. ``labels`` /
-    ``counts`` / ``overall``: histograms of the error.
-    """
+    """Ulp error of a fused checkpoint against the float64 fuse, per adapted tensor, with
+    histograms of the error (``labels`` / ``counts`` / ``overall``)."""
 
     column_help = {
         "tensor": "the adapted tensor's name",
@@ -692,10 +663,8 @@ class RefUlpReport(Report):
 
 
 class _RefScale:
-    """The error at the tensor's scale: rms(F - T) / rms(T), and per binade of |T|
-    the largest ulp error and the elements not correctly rounded, so that the error at
-    typical magnitudes (|T| >= 2**floor(log2 rms(T))) and near zero can be told apart
-    once rms(T) is known (see :mod:`lorakit.inspect.ulp_count`)."""
+    """rms(F - T) / rms(T), and per binade of |T| the largest ulp error and the elements
+    not correctly rounded (typical magnitudes and near zero told apart at the end)."""
 
     _LO = -200  # binade index offset: exponents of float64 |T| clipped to [-200, 200)
 
@@ -815,7 +784,7 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
         "histogram": hist_text(labels, overall, top=6),
     }
     return RefUlpReport(title=f"ulp error of {sf.label} vs exact fuse", rows=rows,
-                        columns=["tensor", "dtype", "status", "elements", "rel_err", "max_err_typ",
-                                 "max_err", "mean_err", "not_nearest", "hist"],
+                        columns="tensor dtype status elements rel_err max_err_typ max_err mean_err "
+                        "not_nearest hist".split(),
                         summary=summary, flagged=flagged, labels=labels, counts=counts_arr,
                         overall=overall)

@@ -28,12 +28,8 @@ __all__ = ["DtypeMap", "dtype_map"]
 
 @dataclass(repr=False)
 class DtypeMap(Report):
-    """Per-tensor dtypes and bytes of one source.
-
-    ``rows``: tensor, layer, kind, part, dtype, shape, bytes, flag. ``summary``:
-    majority dtype, bytes by dtype, tensors flagged. :meth:`grid` gives the
-    layer x kind table behind :meth:`plot`'s heatmap.
-    """
+    """Per-tensor dtypes and bytes of one source; :meth:`grid` gives the layer x kind
+    table behind :meth:`plot`'s heatmap."""
 
     column_help = {
         "tensor": "the tensor's name in the checkpoint",

@@ -31,13 +31,9 @@ __all__ = ["GenerationReport", "compare_generations"]
 
 @dataclass
 class Divergence:
-    """Where two greedy decodes first chose different tokens.
-
-    ``step``: index of the first differing generated token. ``token_a`` /
-    ``token_b``: the tokens chosen there. ``margin_a`` / ``margin_b``: each model's
-    top1 - top2 logit at that step. ``gap_a``: logit_a[token_a] - logit_a[token_b]
-    (how much model A preferred its token over B's); ``gap_b`` likewise.
-    """
+    """Where two greedy decodes first chose different tokens: the ``step``, both tokens,
+    each model's top1 - top2 ``margin`` there, and ``gap_a`` = logit_a[token_a] -
+    logit_a[token_b] (how much A preferred its token over B's; ``gap_b`` likewise)."""
 
     a: str
     b: str
@@ -65,11 +61,8 @@ class Generation:
 
 @dataclass(repr=False)
 class GenerationReport(Report):
-    """Rows: prompt, model, tokens, diverges_at (vs the first model), margin, gap, text.
-
-    ``generations[p][m]``: the :class:`Generation` of prompt ``p`` by model ``m``;
-    ``divergences[p]``: the :class:`Divergence` of every pair of models that parted.
-    """
+    """``generations[p][m]``: the :class:`Generation` of prompt ``p`` by model ``m``;
+    ``divergences[p]``: the :class:`Divergence` of every pair of models that parted."""
 
     column_help = {
         "prompt": "prompt number",
@@ -260,6 +253,5 @@ def compare_generations(models: Mapping[str, Any], prompts: Sequence[str] | str,
             next(n for n in f32.values() if n)
     return GenerationReport(title=f"greedy outputs of {len(labels)} models",
                             rows=rows, summary=summary, flagged=flagged,
-                            columns=["prompt", "model", "tokens", "diverges_at", "margin",
-                                     "ref_margin", "gap", "text"],
+                            columns="prompt model tokens diverges_at margin ref_margin gap text".split(),
                             generations=all_gens, divergences=all_divs)

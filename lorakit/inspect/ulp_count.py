@@ -54,26 +54,17 @@ _BITS = {"BF16": np.dtype("<u2"), "F16": np.dtype("<u2"), "F32": np.dtype("<u4")
 
 def bits_dtype(code: str) -> np.dtype:
     """numpy dtype holding a tensor's storage as plain bits (unsigned ints for floats;
-    bytes for the packed sub-byte codes, F4 / F6_*, compared byte by byte).
-
-    >>> bits_dtype("BF16"), bits_dtype("I8"), bits_dtype("F4")
-    (dtype('uint16'), dtype('int8'), dtype('uint8'))
-    """
+    bytes for the packed sub-byte codes, F4 / F6_*, compared byte by byte)."""
     return _BITS.get(code) or NUMPY_STORAGE.get(code) or np.dtype("<u1")
 
 
 # -- per-tensor accumulation -------------------------------------------------------------
 @dataclass
 class TensorDiff:
-    """How two tensors of the same name compare.
-
-    ``status``: ``equal`` (bit for bit), ``differs``, ``dtype mismatch``, ``shape
-    mismatch``, ``only in A``, ``only in B``. ``differing`` counts elements whose
-    bits differ (for a dtype mismatch: whose values differ). ``counts`` is the ulp
-    histogram (bins of :func:`numerics.ulp_histogram`) for float tensors of one
-    dtype, None otherwise; ``max_ulp`` / ``ulp_sum`` leave NaN mismatches out
-    (they are counted in ``nan_mismatch``).
-    """
+    """How two tensors of the same name compare. ``status``: ``equal`` (bit for bit),
+    ``differs``, ``dtype mismatch``, ``shape mismatch``, ``only in A`` or ``only in B``;
+    ``counts``: the ulp histogram (same-dtype floats only); ``max_ulp`` / ``ulp_sum``
+    leave NaN mismatches out (``nan_mismatch``)."""
 
     name: str
     status: str
@@ -88,10 +79,7 @@ class TensorDiff:
     ulp_sum: float = 0.0
     max_abs: Optional[float] = None
     counts: Optional[np.ndarray] = None
-    #: at the tensor's scale (lorakit.inspect.ulp_count, fields SCALE_FIELDS): rms of A,
-    #: rms(a - b) / rms(A), max |a - b| / rms(A) and in ulps at rms(A), sign changes,
-    #: elements zero on one side, differing elements near zero and the largest ulp
-    #: distance at typical magnitudes
+    #: at the tensor's scale (SCALE_FIELDS, see ScaleStats)
     rms_a: Optional[float] = None
     rel_rms: Optional[float] = None
     max_rel: Optional[float] = None
@@ -140,12 +128,8 @@ class Scratch:
 
 
 def _positions16(x: np.ndarray, out: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """Sign-magnitude 16-bit floats -> int16 positions on the ulp line, in place.
-
-    ``pos = x`` for a positive sign, ``-(x & 0x7FFF)`` for a negative one: +0 and -0
-    both land on 0 and neighbouring floats are 1 apart (NaNs are handled by the caller).
-    Four int16 passes, no table lookups: a gather costs ten times more per element.
-    """
+    """Sign-magnitude 16-bit floats -> int16 positions on the ulp line (``-(x & 0x7FFF)``
+    for a negative sign: +0 and -0 both at 0), in place, in four int16 passes."""
     xv = x.view(np.int16)
     np.right_shift(xv, 15, out=s)  # -1 for negative, 0 otherwise
     np.bitwise_and(s, 0x7FFF, out=out)
@@ -181,12 +165,8 @@ class Accumulator:
             self.raw[0] += n
 
     def _count(self, d: np.ndarray) -> None:
-        """Add non-negative distances (no NaN sentinels) to the histogram and totals.
-
-        Distances above ``max_bin`` are capped to ``max_bin + 1`` before counting, so
-        ``np.bincount`` fills at most ``max_bin + 2`` counters whatever the distances
-        (a count vector as long as the largest distance costs more than the counting).
-        """
+        """Add non-negative distances to the histogram and totals (capped to ``max_bin +
+        1`` first, so that ``np.bincount`` fills at most ``max_bin + 2`` counters)."""
         if not d.size:
             return
         k = d.size
@@ -457,10 +437,8 @@ def _thresholds(rms: float, code: str) -> Tuple[int, int, float, float]:
 
 
 class TensorScale:
-    """rms(A) of one tensor and the thresholds it sets, computed once on first use.
-
-    ``sumsq_fn`` returns the sum of squares of A's values over the whole tensor of
-    ``n`` elements. Shared by the pieces of a tensor (thread-safe)."""
+    """rms(A) of one tensor of ``n`` elements and the thresholds it sets, computed once on
+    first use by ``sumsq_fn`` (thread-safe: shared by the tensor's pieces)."""
 
     def __init__(self, code: str, n: int, sumsq_fn: Callable[[], float]) -> None:
         self.code, self.n, self._fn = code, n, sumsq_fn
@@ -573,11 +551,7 @@ class ScaleStats:
 
 def binades(a: np.ndarray, b: np.ndarray, code: str) -> List[List[Any]]:
     """One tensor's differing elements by binade of ``min(|a|, |b|)``: ``[[exponent,
-    count, max ulp], ...]`` (exponent None for zeros and subnormals; NaN left out).
-
-    >>> binades(np.array([0x3F80, 0x0000], np.uint16), np.array([0x3F81, 0x3727], np.uint16), "bf16")
-    [[None, 1, 14119], [0, 1, 1]]
-    """
+    count, max ulp], ...]`` (exponent None for zeros and subnormals; NaN left out)."""
     f = nm.float_format(code)
     x, y = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
     ne = x != y
