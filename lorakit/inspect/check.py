@@ -354,7 +354,7 @@ def _adapted_row(sf, sb, tensor, binds, conversion: Optional[str]) -> Dict[str, 
             return row(tensor, dtype, "wrong", "shape mismatch",
                        detail=f"expected {list(want)}, found {list(have)}")
     for code, src in ((base_code, sb), (fused_code, sf)):
-        if code not in ("BF16", "F16", "F32"):  # a merge is checked in a fuse's formats
+        if code not in FUSE_CODES:  # a merge is checked in a fuse's formats
             raise FormatError("cannot check a merge of this dtype", file=src.path,
                               tensor=tensor, expected="a BF16, F16 or F32 weight",
                               found=code, hint="lorakit fuse and mlx_lm fuse write "
@@ -429,10 +429,8 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
     rows += [replacement_row(sf, sb, t, r) for t, r in replaced.items()]
     untouched_changed = None
     if check_untouched:
-        names = [n for n in sb.tensors
-                 if n.rsplit(".", 1)[0] not in adapted and n not in replaced and not
-                 (sb.quant_params(n.rsplit(".", 1)[0]) is not None and
-                  sf.quant_params(n.rsplit(".", 1)[0]) is None)]
+        names = [n for n in sb.tensors if n.rsplit(".", 1)[0] not in adapted
+                 and n not in replaced and not _skipped(sb, sf, n)]
         extra, untouched_changed = untouched_rows(sf, sb, names, progress)
         rows += extra
         if untouched_changed > len(names) // 2:  # most of the base differs
@@ -584,13 +582,14 @@ def quant_bound(T: np.ndarray, F: np.ndarray, Q: np.ndarray, pre: np.ndarray, q:
 FUSE_CODES = ("BF16", "F16", "F32")
 
 
+_NUMBERS = "distance max_ulp beyond survived expected fit corr changed delta_ulps".split()
+
+
 def row(tensor: str, dtype: str, status: str, verdict: str, **values: Any) -> Dict[str, Any]:
     """A table row with every column, the numbers None unless given."""
     layer, kind, _, _ = split_name(tensor)
-    r: Dict[str, Any] = {"tensor": tensor, "layer": layer, "kind": kind, "dtype": dtype,
-                         "distance": None, "max_ulp": None, "beyond": None, "survived": None,
-                         "expected": None, "fit": None, "corr": None, "changed": None,
-                         "delta_ulps": None, "status": status, "verdict": verdict, "detail": ""}
+    r = dict(tensor=tensor, layer=layer, kind=kind, dtype=dtype, **dict.fromkeys(_NUMBERS))
+    r.update(status=status, verdict=verdict, detail="")
     r.update(values)
     return r
 
@@ -611,7 +610,7 @@ def requested_conversion(sf: TensorSource, sb: TensorSource, adapted: set) -> Op
     for n, meta in sb.tensors.items():
         module = n.rsplit(".", 1)[0]
         if module in adapted or meta.dtype not in FUSE_CODES or n not in sf.tensors or \
-                sb.quant_params(module) is not None or _skipped(sb, sf, n):
+                sb.quant_params(module) is not None:
             continue
         codes.add((meta.dtype == sf.tensors[n].dtype, sf.tensors[n].dtype))
     if len(codes) == 1:
@@ -685,7 +684,7 @@ def replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) -> 
         return out
     if meta.dtype != base_code:
         out["dtype"] = f"{base_code}->{meta.dtype}"
-    if sf.quant_params(module) is not None or meta.dtype not in ("BF16", "F16", "F32") or \
+    if sf.quant_params(module) is not None or meta.dtype not in FUSE_CODES or \
             tuple(meta.shape) != tuple(r.raw.shape):
         out.update(status="wrong", verdict="replacement not written")
         return out
@@ -708,8 +707,8 @@ DEFAULT_TOKENS = 1024
 #: window length (shorter when fewer tokens are asked for)
 CONTEXT = 256
 #: the numbers kept from the behaviour report
-KEYS = ("mean_kl", "median_kl", "p99_kl", "max_kl", "top1_agreement",
-        "top1_agreement_strict", "ppl_ref", "ppl_test", "tokens")
+KEYS = ("mean_kl median_kl p99_kl max_kl top1_agreement top1_agreement_strict ppl_ref ppl_test "
+        "tokens").split()
 
 
 def behaviour_tokens(behaviour: Union[bool, int, None]) -> Optional[int]:
