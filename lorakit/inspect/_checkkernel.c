@@ -81,7 +81,7 @@ static ALWAYS_INLINE void check_run(MJob *jb, const int fin, const int fout, con
     const size_t cols = jb->cols, rank = jb->rank;
     const double c32 = jb->c32, u32 = ldexp(1.0, -24);
     double d[TILE], sa[TILE];
-    double p0[TILE], p1[TILE], p2[TILE], p3[TILE], p4[TILE];
+    double prod[NSUM][TILE]; /* the five products summed along each row */
     int64_t dmax = 0, umaxb = 0; /* the bits of +0.0 */
     int64_t beyond = 0, changed = 0;
     for (size_t j0 = 0; j0 < cols; j0 += TILE) {
@@ -157,11 +157,11 @@ static ALWAYS_INLINE void check_run(MJob *jb, const int fin, const int fout, con
                        (uint64_t)((xa & EXP) == EXP);
                 double Q = from_bits(o, fout) - W;
                 double u = ulp_c(W, olo, ohi, oms);
-                p0[t] = R * Dm;
-                p1[t] = R * R;
-                p2[t] = Dm * Dm;
-                p3[t] = Q * Dm;
-                p4[t] = u * u;
+                prod[0][t] = R * Dm;
+                prod[1][t] = R * R;
+                prod[2][t] = Dm * Dm;
+                prod[3][t] = Q * Dm;
+                prod[4][t] = u * u;
             }
             if (any) { /* the scalar rules: non-finite values, results out of the normal range */
                 for (size_t t = 0; t < m; t++) {
@@ -180,7 +180,7 @@ static ALWAYS_INLINE void check_run(MJob *jb, const int fin, const int fout, con
                             jb->special = 1;
                             return;
                         }
-                        p3[t] = (q - W) * (X - W);
+                        prod[3][t] = (q - W) * (X - W);
                     }
                 }
             }
@@ -193,21 +193,10 @@ static ALWAYS_INLINE void check_run(MJob *jb, const int fin, const int fout, con
             memcpy(acc, rs, sizeof acc);
             size_t t = 0;
             for (; t + LANES <= m; t += LANES)
-                for (int q = 0; q < LANES; q++) {
-                    acc[0][q] += p0[t + q];
-                    acc[1][q] += p1[t + q];
-                    acc[2][q] += p2[t + q];
-                    acc[3][q] += p3[t + q];
-                    acc[4][q] += p4[t + q];
-                }
-            for (; t < m; t++) {
-                int q = (int)(t % LANES);
-                acc[0][q] += p0[t];
-                acc[1][q] += p1[t];
-                acc[2][q] += p2[t];
-                acc[3][q] += p3[t];
-                acc[4][q] += p4[t];
-            }
+                for (int q = 0; q < LANES; q++)
+                    for (int c = 0; c < NSUM; c++) acc[c][q] += prod[c][t + q];
+            for (; t < m; t++)
+                for (int c = 0; c < NSUM; c++) acc[c][t % LANES] += prod[c][t];
             memcpy(rs, acc, sizeof acc);
         }
     }
@@ -265,19 +254,9 @@ static PyObject *check_lora(PyObject *Py_UNUSED(self), PyObject *args) {
         goto done;
     }
     for (size_t i = 0; i < rows * NSUM * LANES; i++) rowsum[i] = -0.0;
-    MJob jb;
-    memset(&jb, 0, sizeof jb);
-    jb.w = w.buf;
-    jb.f = f.buf;
-    jb.bs = (const double *)bs.buf;
-    jb.a = (const double *)a.buf;
-    jb.c32 = c32;
-    jb.rows = rows;
-    jb.cols = (size_t)cols;
-    jb.rank = rank;
-    jb.fwork = fwork;
-    jb.fout = fout;
-    jb.rowsum = rowsum;
+    MJob jb = {.w = w.buf, .f = f.buf, .bs = (const double *)bs.buf, .a = (const double *)a.buf,
+               .c32 = c32, .rows = rows, .cols = (size_t)cols, .rank = rank, .fwork = fwork,
+               .fout = fout, .rowsum = rowsum};
     Py_BEGIN_ALLOW_THREADS
     CRUNS[fin][fout](&jb);
     if (!jb.special) /* each row's lanes in order, then the rows in order */
