@@ -118,9 +118,8 @@ def _window_math():
         import mlx.core as mx  # lazy: mlx is heavy
 
         def step(lr, lt, y):
-            # KL = sum_v p_ref (lr - lt) - (lse_ref - lse_test): no [positions x vocab]
-            # log-probabilities materialised; argmax and the target's logit read the
-            # logits as they come (float32 conversion of bf16/f16 is exact).
+            # KL = sum_v p_ref (lr - lt) - (lse_ref - lse_test): no log-probabilities
+            # materialised (float32 conversion of bf16/f16 is exact)
             r32 = lr.astype(mx.float32)
             t32 = lt.astype(mx.float32)
             lser = mx.logsumexp(r32, axis=-1)
@@ -149,8 +148,7 @@ def _topk(logits, k: int):
 
     lp = logits.astype(mx.float32)
     lse = mx.logsumexp(lp, axis=-1, keepdims=True)
-    # k rounds of argmax (lowest id on ties) and masking: k reductions, no sort of the
-    # vocabulary (a sort of [rows x vocab] costs more than both forward passes' tail)
+    # k rounds of argmax (lowest id on ties) and masking: no sort of the vocabulary
     ids, vals, cols = [], [], mx.arange(lp.shape[-1])[None]
     for _ in range(min(k, lp.shape[-1])):
         i = mx.argmax(lp, axis=-1, keepdims=True)
@@ -257,9 +255,7 @@ def compare_outputs(reference: Any, test: Any, corpus: Optional[PathLike] = None
 
 
 def with_float32_note(rep: Any, notes: Dict[str, str]) -> Any:
-    """Say which models ran in float32 and why: ``rep.float32`` (the sides that did,
-    also in ``to_dict()``) and the summary's ``note`` (the line the text and HTML views
-    show)."""
+    """Say which models ran in float32 and why: ``rep.float32`` and the summary's ``note``."""
     f32 = [side for side, n in notes.items() if n]
     rep.float32 = f32
     if f32:
@@ -355,9 +351,8 @@ class BehaviourReport(Report):
                    ref_top_pieces=rtp, test_top_pieces=ttp, context=context)
 
     def to_dict(self, per_token: bool = False) -> Dict[str, Any]:
-        """The summary keys flat (``mean_kl``, ..., ``tokens``, ``context``, ``corpus``,
-        ``corpus_sha256``, ``reference``, ``test``), the worst tokens as ``rows``, and
-        with ``per_token=True`` the raw per-token arrays."""
+        """The summary keys flat, the worst tokens as ``rows``, and with ``per_token=True``
+        the raw per-token arrays."""
         d = dict(self.summary)
         d["models"] = {"reference": self.summary["reference"], "test": self.summary["test"]}
         d["title"] = self.title

@@ -205,8 +205,7 @@ _LANES = 8  # the kernel's LANES
 
 def _seq_sum(x: np.ndarray, carry: float) -> float:
     """``carry`` plus the elements of ``x`` in the C kernel's order: per row, lane ``q``
-    sums the columns ``j = q (mod 8)`` in order from -0.0, the lanes are added in order
-    from -0.0, and the rows to ``carry`` in order (``np.cumsum`` is sequential)."""
+    sums the columns ``j = q (mod 8)`` from -0.0, then the lanes, then the rows in order."""
     if x.size == 0:
         return carry
     row = np.full(x.shape[0], -0.0)
@@ -490,15 +489,12 @@ def _up(mag: np.ndarray, fmt: Any) -> np.ndarray:
     return mag + nm.ulp(mag, fmt)
 
 
-_CACHE = threading.local()  # .last: (A, B, rows, |B| @ |A|, B @ A) of one chunk, reused by
-# the candidates of a failing tensor, which differ from the piece only by their scale; one
-# per thread (adapted tensors are measured two at a time)
+#: .last: (A, B, rows, |B| @ |A|, B @ A) of one chunk, per thread, reused by the candidates
+_CACHE = threading.local()
 
 
 def _products(p: Piece, rows: Optional[slice]):
-    """``(|B| @ |A|, B @ A)`` of the piece's rows, with a scale per rank column (an
-    exact combination, fusion/algebra.py) folded into B's columns; then the caller's
-    scale is 1."""
+    """``(|B| @ |A|, B @ A)`` of the piece's rows, a scale per rank column folded into B."""
     key = (rows.start, rows.stop) if rows is not None else None
     per_column = np.ndim(p.scale) > 0
     last = getattr(_CACHE, "last", None)
@@ -577,8 +573,7 @@ def quant_bound(T: np.ndarray, F: np.ndarray, Q: np.ndarray, pre: np.ndarray, q:
 # Tensors the adapter does not touch, whole-tensor replacements, one-sided tensors
 
 
-#: the float formats a fuse reads and writes (``--dtype`` converts between them); F64 and
-#: the integer codes are not among them (io.safetensors.FLOAT_CODES: every float code)
+#: the float formats a fuse reads and writes (``--dtype`` converts between them)
 FUSE_CODES = ("BF16", "F16", "F32")
 
 
@@ -735,9 +730,7 @@ def _path(src: Any, role: str) -> str:
 
 def fused_vs_unfused(fused: Any, base: Any, adapter: Any, tokens: int, *,
                      corpus: Any = None, progress: Any = None) -> Dict[str, Any]:
-    """Mean KL, top-1 agreement... of ``fused`` against ``base`` + ``adapter`` (unfused),
-    as a dict of :data:`KEYS`. ``fused`` / ``base``: tensor sources or paths;
-    ``adapter``: a path or a loaded Adapter (with its ``path``)."""
+    """:data:`KEYS` of ``fused`` against ``base`` + ``adapter`` (unfused): sources or paths."""
     ad = str(getattr(adapter, "path", adapter))
     rep = compare_outputs((_path(base, "base") if not isinstance(base, str) else base, ad),
                           _path(fused, "fused checkpoint") if not isinstance(fused, str) else fused,

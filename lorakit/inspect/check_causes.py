@@ -136,12 +136,9 @@ def _low_rank(E: np.ndarray, rank: int) -> Optional[bool]:
 def diagnose(st: CauseStats,
              scaled_rms: Optional[Callable[[float], Tuple[float, float]]] = None,
              k_scale: Optional[float] = None) -> Tuple[str, str, Dict[str, float]]:
-    """(verdict, detail, numbers) for a tensor that failed its bound.
-
-    For DoRA, where the change is not linear in the scale: ``k_scale`` the fitted
-    factor of the scale (from the derivative of the result in the scale) and
-    ``scaled_rms(k)`` the RMS distance (in bound units) from the intended result at
-    a factor refined from ``k``, and that factor."""
+    """(verdict, detail, numbers) for a tensor that failed its bound. DoRA (not linear in
+    the scale) passes ``k_scale``, the fitted factor, and ``scaled_rms(k)``: the RMS
+    distance at a factor refined from ``k``, and that factor."""
     n = max(1, st.n)
     rms = np.sqrt(st.sq / n)
     common = np.where(rms <= 1.0, np.sqrt(st.sq_common / n), np.inf)

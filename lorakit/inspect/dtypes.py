@@ -51,8 +51,7 @@ class DtypeMap(Report):
 
     def grid(self, part: str = "weight") -> Tuple[List[str], List[str], List[List[str]]]:
         """(row labels, kinds, cells): each cell the dtype of that layer's tensor of that
-        kind (``"Q4"`` for a 4-bit packed weight, ``"mixed"``, or ``""`` when absent).
-        Layer-less tensors (embed, head, final norm) form the row ``"-"``."""
+        kind (``"Q4"``, ``"mixed"``, ``""`` when absent); layer-less tensors in row ``"-"``."""
         labels, ks, groups = layer_kind_cells(r for r in self.rows if r["part"] in (part, ""))
         cells = {key: {r.get("stored_as") or r["dtype"] for r in rs} for key, rs in groups.items()}
 
@@ -92,8 +91,7 @@ def dtype_map(source: Any) -> DtypeMap:
     src = sources.open(source)
     metas = list(src.tensors.values())
     names = src.tensors
-    # the dtype the model is meant to have: config.json's, else the majority by elements
-    # (after a careless fuse the promoted f32 projections can be the majority)
+    # config.json's dtype, else the majority (a careless fuse's f32 may be the majority)
     majority = config_dtype(src.config) or src.dtype
     # a module is quantized when it has .scales next to an integer .weight
     qmods = {n[: -len(".scales")] for n in names if n.endswith(".scales")

@@ -38,9 +38,8 @@ def _float_dtype(model: Any) -> str:
 
 
 def run_or_float32(model: Any, fn: Any) -> Any:
-    """``fn()`` evaluated; if MLX's CPU refuses an op's dtype, cast ``model``'s float
-    parameters to float32 (in place) and run it again. Returns ``(result, note)``:
-    ``note`` is "" when nothing changed, else :data:`F32_NOTE` filled in."""
+    """``(fn(), note)``; if MLX's CPU refuses an op's dtype, ``model`` is cast to float32 in
+    place and ``fn`` run again (``note``: :data:`F32_NOTE` filled in, else "")."""
     import mlx.core as mx  # lazy: MLX only when a model is loaded
 
     try:
@@ -58,10 +57,8 @@ def run_or_float32(model: Any, fn: Any) -> Any:
 
 
 def float32_if_refused(model: Any, vocab: int = 2) -> str:
-    """On MLX's CPU, one short forward pass of ``model`` (token ids 0 and 1, fewer when
-    ``vocab`` is 1); where MLX refuses an op in the model's dtype, the model's float
-    parameters are cast to float32 in place. Returns the note for the report ("" when
-    the model ran as it is, and always on a GPU)."""
+    """On MLX's CPU, one short forward pass of ``model``; where MLX refuses an op in its
+    dtype, it is cast to float32 in place. The report's note ("" when it ran as it is)."""
     import mlx.core as mx  # lazy: MLX only when a model is loaded
 
     if mx.default_device().type != mx.cpu:  # MLX's GPU kernels take every float dtype
@@ -83,9 +80,8 @@ def _needs_f32(block: Any) -> bool:
 
 
 def moe_float32_on_cpu(model: Any) -> List[str]:
-    """Make ``model``'s MoE expert blocks compute in float32 when MLX's default device
-    is the CPU (in place). Returns the paths of the blocks changed (empty: nothing to
-    do)."""
+    """Make ``model``'s MoE expert blocks compute in float32 on MLX's CPU (in place); the
+    paths of the blocks changed."""
     import mlx.core as mx  # lazy: MLX only when a model is loaded
 
     if mx.default_device().type != mx.cpu:

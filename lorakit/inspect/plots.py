@@ -200,9 +200,8 @@ def margin_lines(series: Dict[str, Sequence[float]], *, title: str, diverge: Opt
 
 
 def kl_figure(kl: np.ndarray, context: int, *, title: str, ax=None):
-    """Per-token KL: its distribution (log-spaced histogram) and its course along the
-    text (per-window mean, window boundaries every ``context - 1`` scored tokens).
-    With ``ax``: only the course, drawn there."""
+    """Per-token KL: its distribution and its course along the text (per-window means);
+    with ``ax`` only the course, drawn there."""
     import numpy as np  # lazy: the dtype map's header path starts without numpy
 
     kl = np.asarray(kl, dtype=np.float64)

@@ -8,12 +8,6 @@ tensor's storage bits into a histogram and totals, in the optional C kernel
 (tests/inspect/test_ulp_count.py). :class:`ScaleStats` puts the differences at the
 tensor's scale (relative error, zero crossings, near-zero elements), since ulp
 distances near zero are huge and mean little.
-
->>> acc = Accumulator("BF16", DEFAULT_MAX_BIN)
->>> acc.add(np.array([0x3F80, 0x0000], np.uint16), np.array([0x3F81, 0x8000], np.uint16))
->>> td = acc.result(TensorDiff("t", "", "BF16", "BF16", (2,), (2,)))
->>> (td.differing, td.max_ulp, hist_text(bin_labels(), td.counts))
-(2, 1, '0:50% 1:50%')
 """
 from __future__ import annotations
 
@@ -43,8 +37,7 @@ def scale_kernel():
     return kernels.load("lorakit.inspect._ulpkernel")
 
 
-#: bytes per piece and side: big enough that syscalls are cheap, small enough that
-#: the int32 temporaries of a fully differing piece stay in the CPU's caches.
+#: bytes per piece and side: the int32 temporaries of a differing piece stay in cache
 CHUNK_BYTES = 1 << 20
 _ULP16 = ("BF16", "F16")
 #: float tensors are compared as their bits (NaN payloads included), never as floats
@@ -99,8 +92,8 @@ class TensorDiff:
 
 
 class Scratch:
-    """Scratch arrays reused by every piece: numpy ops write into them (``out=``), so a
-    fully differing piece allocates (almost) nothing and stays in the CPU caches."""
+    """Scratch arrays reused by every piece (numpy's ``out=``): a differing piece allocates
+    almost nothing."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -204,7 +197,6 @@ class Accumulator:
         fmt = _KERNEL_FMT.get(self.code)
         kernel = scale_kernel() if fmt is not None else None
         if kernel is not None and x.dtype.isnative and y.dtype.isnative:
-            # one pass in C: the same numbers as the numpy path below, 3-4x faster
             diff, nan, top, total, mabs = kernel.accumulate(
                 np.ascontiguousarray(x), np.ascontiguousarray(y), fmt, self.raw)
             self.n += n
@@ -217,8 +209,7 @@ class Accumulator:
         w = self.work = (self.work or Scratch(n)).fit(n)
         per = 8 // x.itemsize
         if n % per == 0:
-            # Find differing 8-byte words first: a quarter of the elements to scan (for
-            # 16-bit data), and where few differ only those words are looked at again.
+            # differing 8-byte words first: where few differ, only those are looked at again
             words = np.not_equal(x.view(np.uint64), y.view(np.uint64), out=w.mask[:n // per])
             nwords = int(np.count_nonzero(words))
             if nwords == 0:
@@ -378,8 +369,7 @@ def hist_text(labels: Sequence[str], counts: Optional[np.ndarray], top: int = 3)
 # What an ulp distance means at the tensor's scale: relative error, zero crossings.
 
 
-#: differing elements whose smaller magnitude is below 2**NEAR_ZERO_LOG2 * rms(A)
-#: (rounded down to a power of two) are "near zero": their ulp distances say little
+#: "near zero": min(|a|, |b|) below 2**NEAR_ZERO_LOG2 * rms(A) (a power of two)
 NEAR_ZERO_LOG2 = -10
 #: what :meth:`ScaleStats.finish` returns (and TensorDiff carries)
 SCALE_FIELDS = ("rms_a", "rel_rms", "max_rel", "max_ulp_at_rms", "sign_changes", "to_zero",
@@ -414,8 +404,7 @@ def sumsq(x: np.ndarray, code: str, kernel: Any = None) -> float:
     """Sum of squares of a piece's values (storage bits); inf or NaN give inf or NaN."""
     if kernel is not None and hasattr(kernel, "sumsq"):
         return kernel.sumsq(np.ascontiguousarray(x), _KERNEL_FMT[code])
-    # float64 sums (a float32 dot's rounding depends on the BLAS build: 1e-6 relative at
-    # 50k elements on some), a million values at a time so memory stays a piece's
+    # float64 sums (a float32 dot's rounding depends on the BLAS build), 2**20 at a time
     v, total = _values32(x, code).reshape(-1), 0.0
     with np.errstate(over="ignore", invalid="ignore"):
         for s in range(0, v.size, 1 << 20):
@@ -477,8 +466,7 @@ class ScaleStats:
         self.sign_changes = self.to_zero = self.near_zero = self.max_ulp_typical = 0
 
     def add(self, x: np.ndarray, y: np.ndarray, kernel: Any = None) -> None:
-        """One piece of both tensors (storage bits). ``kernel``: the C ulp kernel (its
-        ``scale``), or None for numpy."""
+        """One piece of both tensors (storage bits), in the C kernel or numpy."""
         if not self.on or x.size == 0:
             return
         _, th = self.tensor.get()
@@ -531,9 +519,8 @@ class ScaleStats:
         self.max_ulp_typical = max(self.max_ulp_typical, o.max_ulp_typical)
 
     def finish(self, n: int, max_abs: Optional[float]) -> Dict[str, Any]:
-        """The figures of a tensor of ``n`` elements (``max_abs``: largest |a - b|);
-        all None unless a differing piece was measured against a finite, non-zero
-        rms(A)."""
+        """The figures of a tensor of ``n`` elements; all None unless a differing piece was
+        measured against a finite, non-zero rms(A)."""
         out: Dict[str, Any] = dict.fromkeys(SCALE_FIELDS)
         if not self.seen or not n:
             return out
