@@ -25,14 +25,11 @@ from ..io.formats import source
 from ..layers import split_name
 from ..report import Report
 from . import plots
-from .deltas import (
-    _weight_norm,
-    layer_kind_grid,
-    numerical_rank,
-    weight_slots,
-)
+from .deltas import _weight_norm, layer_kind_grid, numerical_rank, weight_slots
 
 __all__ = ["AdapterComparison", "compare_adapters"]
+
+_NUMBERS = "fro_a fro_b cosine col_angle col_overlap row_angle row_overlap".split()
 
 def delta_inner(A1: np.ndarray, B1: np.ndarray, s1: float, A2: np.ndarray, B2: np.ndarray,
                 s2: float) -> float:
@@ -143,10 +140,8 @@ def compare_adapters(a: Any, b: Any, checkpoint: Any = None, *,
     for key in keys:
         module, expert = key
         layer, kind, _, _ = split_name(module)
-        row: Dict[str, Any] = {"module": module, "layer": layer, "kind": kind, "expert": expert,
-                               "status": "both", "fro_a": None, "fro_b": None,
-                               "cosine": None, "col_angle": None, "col_overlap": None,
-                               "row_angle": None, "row_overlap": None}
+        row: Dict[str, Any] = dict(module=module, layer=layer, kind=kind, expert=expert,
+                                   status="both", **dict.fromkeys(_NUMBERS))
         ca = ra = np.zeros(0)
         svds = {}
         for side, parts in (("a", pa), ("b", pb)):
@@ -169,12 +164,10 @@ def compare_adapters(a: Any, b: Any, checkpoint: Any = None, *,
                 den = row["fro_a"] * row["fro_b"]
                 row["cosine"] = inner / den if den > 0 else None
                 ca, ra = principal_angles(U1, U2), principal_angles(V1, V2)
-                if ca.size:
-                    row["col_angle"] = float(ca[0])
-                    row["col_overlap"] = float((np.cos(np.radians(ca)) ** 2).mean())
-                if ra.size:
-                    row["row_angle"] = float(ra[0])
-                    row["row_overlap"] = float((np.cos(np.radians(ra)) ** 2).mean())
+                for space, ang in (("col", ca), ("row", ra)):
+                    if ang.size:
+                        row[f"{space}_angle"] = float(ang[0])
+                        row[f"{space}_overlap"] = float((np.cos(np.radians(ang)) ** 2).mean())
         if src is not None:
             t = (svds.get("a") or svds.get("b"))[0]
             owner = ada if "a" in svds else adb
@@ -205,8 +198,7 @@ def compare_adapters(a: Any, b: Any, checkpoint: Any = None, *,
         num = sum(r["cosine"] * r["fro_a"] * r["fro_b"] for r in both)
         den = math.sqrt(sum(r["fro_a"] ** 2 for r in both) * sum(r["fro_b"] ** 2 for r in both))
         summary["overall cosine"] = num / den if den > 0 else None
-    cols = ["module", "status", "fro_a", "fro_b", "cosine", "col_angle", "col_overlap",
-            "row_angle", "row_overlap"]
+    cols = ["module", "status", *_NUMBERS]
     if any(r["expert"] is not None for r in rows):
         cols.insert(1, "expert")
     if src is not None:
