@@ -173,13 +173,13 @@ def _decode_lockstep(models: Dict[str, Tuple[Any, Any]], prompt: str, max_tokens
             if ta is None and tb is None:
                 continue  # both stopped on the same tokens
             if ta != tb:
-                la, lb = logits[a], logits[b]
-                divs.append(Divergence(
-                    a, b, step, -1 if ta is None else ta, -1 if tb is None else tb,
-                    gens[a].margin[step] if ta is not None else float("nan"),
-                    gens[b].margin[step] if tb is not None else float("nan"),
-                    float(la[ta] - la[tb]) if ta is not None and tb is not None else float("nan"),
-                    float(lb[tb] - lb[ta]) if ta is not None and tb is not None else float("nan")))
+                la, lb, nan = logits[a], logits[b], float("nan")
+                ma = gens[a].margin[step] if ta is not None else nan
+                mb = gens[b].margin[step] if tb is not None else nan
+                both = ta is not None and tb is not None
+                ga, gb = (float(la[ta] - la[tb]), float(lb[tb] - lb[ta])) if both else (nan, nan)
+                ia, ib = -1 if ta is None else ta, -1 if tb is None else tb
+                divs.append(Divergence(a, b, step, ia, ib, ma, mb, ga, gb))
                 in_sync.discard((a, b))
         for m, t in chosen.items():
             model, tok = models[m]

@@ -41,8 +41,7 @@ def scale_kernel():
 CHUNK_BYTES = 1 << 20
 _ULP16 = ("BF16", "F16")
 #: float tensors are compared as their bits (NaN payloads included), never as floats
-_BITS = {"BF16": np.dtype("<u2"), "F16": np.dtype("<u2"), "F32": np.dtype("<u4"),
-         "F64": np.dtype("<u8")}
+_BITS = dict(BF16=np.dtype("<u2"), F16=np.dtype("<u2"), F32=np.dtype("<u4"), F64=np.dtype("<u8"))
 
 
 def bits_dtype(code: str) -> np.dtype:
@@ -372,8 +371,8 @@ def hist_text(labels: Sequence[str], counts: Optional[np.ndarray], top: int = 3)
 #: "near zero": min(|a|, |b|) below 2**NEAR_ZERO_LOG2 * rms(A) (a power of two)
 NEAR_ZERO_LOG2 = -10
 #: what :meth:`ScaleStats.finish` returns (and TensorDiff carries)
-SCALE_FIELDS = ("rms_a", "rel_rms", "max_rel", "max_ulp_at_rms", "sign_changes", "to_zero",
-                "near_zero", "near_zero_below", "typical_from", "max_ulp_typical")
+SCALE_FIELDS = ("rms_a rel_rms max_rel max_ulp_at_rms sign_changes to_zero near_zero "
+                "near_zero_below typical_from max_ulp_typical").split()
 _FLOAT = {"BF16", "F16", "F32"}
 
 
@@ -421,8 +420,8 @@ def _thresholds(rms: float, code: str) -> Tuple[int, int, float, float]:
     nb = 1 << f.exponent_bits
     tn = min(max(rms_exp + NEAR_ZERO_LOG2 + f.emax, 1), nb - 1)
     tt = min(max(rms_exp + f.emax, 1), nb - 1)
-    return (tn << f.mantissa_bits, tt << f.mantissa_bits, 2.0 ** (tn - f.emax),
-            2.0 ** (tt - f.emax))
+    m, e = f.mantissa_bits, f.emax
+    return tn << m, tt << m, 2.0 ** (tn - e), 2.0 ** (tt - e)
 
 
 class TensorScale:
