@@ -3,10 +3,6 @@
 Per module both adapters touch, from the factors only: the delta norms, the cosine of
 the deltas (``s1 s2 trace((B1^T B2)(A2 A1^T))``: an r1 x r2 product) and the principal
 angles between their column and row spaces.
-
->>> c = compare_adapters("data/adapters/lora", "data/adapters/dora", "data/tiny-qwen3")
->>> c.summary["modules in both"], round(c.summary["overall cosine"], 2)
-(28, 0.72)
 """
 from __future__ import annotations
 
@@ -49,8 +45,7 @@ def principal_angles(U1: np.ndarray, U2: np.ndarray) -> np.ndarray:
 
 @dataclass(repr=False)
 class AdapterComparison(Report):
-    """A row per module; ``col_angles[i]`` / ``row_angles[i]``: all principal angles of
-    row i."""
+    """A row per module; ``col_angles[i]`` / ``row_angles[i]``: row i's principal angles."""
 
     column_help = {
         "module": "the adapted module",

@@ -1,11 +1,9 @@
 """Behaviour on a corpus: per-token KL(P_ref || P_test), top-1 agreement and perplexity.
 
-The definition is llama.cpp's ``llama-perplexity --kl-divergence`` with its choices
-made explicit (docs/behaviour.md): the corpus tokenized once with the reference's
-tokenizer, consecutive windows of ``context`` tokens (a last partial one dropped),
-log-softmax in float32, natural logs; top-1 agreement counts exact logit ties as
-agreement (``top1_agreement_strict``: argmax alone). The math runs in MLX, one compiled
-pass per window, queued ahead so the device never waits; memory is one window's logits.
+llama.cpp's ``llama-perplexity --kl-divergence`` with its choices made explicit
+(docs/behaviour.md): windows of ``context`` tokens, log-softmax in float32, natural logs;
+top-1 agreement counts exact logit ties as agreement (``top1_agreement_strict``: argmax
+alone). One compiled MLX pass per window, queued ahead; memory is one window's logits.
 
 >>> rep = compare_outputs("data/tiny-qwen3", ("data/tiny-qwen3", "data/adapters/lora"),
 ...                       tokens=512, context=128)

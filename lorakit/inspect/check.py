@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -137,8 +138,7 @@ class CheckReport(Report):
         return {r["tensor"]: r["verdict"] for r in self.rows if r["status"] != "ok"}
 
     def plot(self, ax=None):
-        """Each adapted tensor's distance from the exact result, in units of its
-        rounding bound (1 = the most rounding can explain)."""
+        """Each adapted tensor's distance from the exact result, in rounding bounds."""
         rows = [r for r in self.rows if r.get("distance") is not None]
         return plots.grouped_bars([r["tensor"].replace(".weight", "") for r in rows],
                                   {"distance": [min(r["distance"], 1e3) for r in rows],
@@ -176,8 +176,7 @@ def _measure(sf, sb, tensor, binds, bound: _Bound, transposed: bool) -> Dict[str
 
 
 def _numbers(s: Dict[str, Any], float_out: bool) -> Dict[str, Any]:
-    """A tensor's row numbers from its totals (``dist``, ``ulp``, ``beyond``, ``n``,
-    ``changed`` and the sums ``RD``, ``RR``, ``DD``, ``QD``, ``uu``)."""
+    """A tensor's row numbers from its totals and sums."""
     dd = s["DD"]
     return dict(distance=s["dist"], max_ulp=s["ulp"] if float_out else None,
                 beyond=s["beyond"] / max(1, s["n"]),
@@ -448,9 +447,7 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
                      columns="tensor dtype distance max_ulp beyond survived expected fit corr status "
                      "verdict detail".split(),
                      flagged=[i for i, r in enumerate(rows) if r["status"] != "ok"])
-    counts: Dict[str, int] = {}
-    for r in rows:
-        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+    counts = Counter(r["verdict"] for r in rows)
     dists = [r["distance"] for r in rows if r["distance"] is not None]
     rep.summary = {
         "fused": str(sf.path or sf.label), "base": str(sb.path or sb.label),
@@ -651,8 +648,7 @@ def untouched_rows(sf: TensorSource, sb: TensorSource, names: List[str],
 
 
 def extra_rows(sf: TensorSource, sb: TensorSource) -> List[Dict[str, Any]]:
-    """Tensors the fused checkpoint has and the base does not (adapter factors saved
-    into the model, another architecture's names)."""
+    """Tensors the fused checkpoint has and the base does not."""
     out = []
     for n, meta in sf.tensors.items():
         if n in sb.tensors:
@@ -667,9 +663,7 @@ def extra_rows(sf: TensorSource, sb: TensorSource) -> List[Dict[str, Any]]:
 
 
 def replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) -> Dict[str, Any]:
-    """A PEFT modules_to_save copy: the fused tensor must be the copy, rounded once to
-    the fused tensor's dtype (verdict ``replaced``), bit for bit."""
-
+    """A PEFT modules_to_save copy: the fused tensor must be it, rounded once, bit for bit."""
     base_code = sb.tensors[tensor].dtype
     out = row(tensor, base_code, "ok", "replaced")
     meta = sf.tensors.get(tensor)
@@ -707,8 +701,7 @@ KEYS = ("mean_kl median_kl p99_kl max_kl top1_agreement top1_agreement_strict pp
 
 
 def behaviour_tokens(behaviour: Union[bool, int, None]) -> Optional[int]:
-    """``False``/``None``/0: no behaviour line; ``True``: :data:`DEFAULT_TOKENS`; an int:
-    that many corpus tokens."""
+    """No behaviour line (None), :data:`DEFAULT_TOKENS` for True, or that many tokens."""
     if behaviour is None or behaviour is False:
         return None
     if behaviour is True:

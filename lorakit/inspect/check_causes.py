@@ -1,12 +1,10 @@
 """Why a merge is wrong: the fused weight tested against the weights other mistakes make.
 
-A tensor past the rounding bound (:mod:`lorakit.inspect.check`) is compared, in the
-same bound's units, with the exact result of each named mistake (not applied, applied
-twice, a wrong scale, transposed, DoRA without its magnitude); the nearest within the
-bound names the cause. When none fits, ``F - W`` is fitted as ``k`` times the intended
-delta and the rest read: within the bound ``wrong scale`` (factor ``k``), of low rank
-``another adapter``, of full rank with ``k`` near 1 ``different base``, else
-``changed otherwise``.
+A tensor past the rounding bound is compared, in the bound's units, with the exact
+result of each named mistake; the nearest within the bound names the cause. When none
+fits, ``F - W`` is fitted as ``k`` times the intended delta and the rest read: within
+the bound ``wrong scale``, of low rank ``another adapter``, of full rank with ``k`` near
+1 ``different base``, else ``changed otherwise``.
 """
 from __future__ import annotations
 

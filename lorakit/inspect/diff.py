@@ -1,12 +1,10 @@
 """``lorakit.diff``: are two checkpoints the same, and where and by how much not?
 
-:func:`diff` streams both checkpoints (:func:`compare_sources`: fixed-size pieces
-compared as raw bytes first, only differing pieces decoded by an
-:class:`~lorakit.inspect.ulp_count.Accumulator`, on a few threads) and returns one
-table: relative error, ulp distances, near-zero elements, mismatches, tensors on one
-side only. :meth:`DiffReport.ulp_report` shows the same comparison as ulp histograms
-(:class:`UlpReport`); :func:`ulp_vs_reference` measures a fused checkpoint against the
-exact float64 fuse in ulps of its format (a correctly rounded fuse is never above 0.5).
+:func:`diff` streams both checkpoints in pieces compared as raw bytes first, only
+differing pieces decoded (:func:`compare_sources`), into one table: relative error, ulp
+distances, near-zero elements, mismatches. :meth:`DiffReport.ulp_report` shows it as ulp
+histograms; :func:`ulp_vs_reference` measures a fused checkpoint against the exact
+float64 fuse in ulps of its format (a correctly rounded fuse is never above 0.5).
 
 >>> diff("data/tiny-qwen3", "data/tiny-qwen3").identical
 True
@@ -18,7 +16,7 @@ import math
 import mmap
 import os
 import threading
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
@@ -148,9 +146,7 @@ def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
         })
         if d.status != "equal":
             flagged.append(i)
-    by_status: Dict[str, List[str]] = {}
-    for d in diffs:
-        by_status.setdefault(d.status, []).append(d.name)
+    by_status = Counter(d.status for d in diffs)
     ulps = [d.max_ulp for d in diffs if d.max_ulp is not None]
     abss = [d.max_abs for d in diffs if d.max_abs is not None]
     elements = int(sum(d.elements for d in diffs))
@@ -161,7 +157,7 @@ def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
         "identical": identical,
         **scale_summary(diffs),
         "tensors": len(diffs),
-        "tensors differing": len(by_status.get("differs", [])),
+        "tensors differing": by_status["differs"],
         "elements compared": elements,
         "elements differing": differing,
         "fraction differing": differing / elements if elements else 0.0,
@@ -171,8 +167,8 @@ def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     for status, key in (("dtype mismatch", "dtype mismatches"), ("shape mismatch",
                         "shape mismatches"), ("only in A", "only in A"),
                         ("only in B", "only in B")):
-        if by_status.get(status):
-            summary[key] = len(by_status[status])
+        if by_status[status]:
+            summary[key] = by_status[status]
     nan = sum(d.nan_mismatch for d in diffs)
     if nan:
         summary["NaN mismatches"] = nan
@@ -478,8 +474,7 @@ def scale_summary(diffs: Sequence[TensorDiff]) -> Dict[str, Any]:
 
 @dataclass(repr=False)
 class UlpReport(Report):
-    """Ulp histograms of two sources: ``counts[i]`` per row, ``per_layer`` and ``overall``
-    (bins ``labels``)."""
+    """Ulp histograms of two sources: ``counts[i]`` per row, ``per_layer``, ``overall``."""
 
     column_help = {
         **_HELP,

@@ -3,11 +3,6 @@
 :func:`dtype_map` lists every tensor of a source (:func:`lorakit.open`) with its layer,
 kind, dtype and bytes, flagging float tensors whose dtype is not the checkpoint's
 majority: where a fuse that forgot its cast lights up.
-
->>> import lorakit
->>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused-f32", dtype="promote")
->>> dtype_map("fused-f32").flagged_names()[:2]
-['model.layers.3.mlp.up_proj.weight', 'model.layers.3.mlp.down_proj.weight']
 """
 from __future__ import annotations
 
@@ -28,8 +23,7 @@ __all__ = ["DtypeMap", "dtype_map"]
 
 @dataclass(repr=False)
 class DtypeMap(Report):
-    """Per-tensor dtypes and bytes of one source; :meth:`grid` gives the layer x kind
-    table behind :meth:`plot`'s heatmap."""
+    """Per-tensor dtypes and bytes of one source (:meth:`grid`: the layer x kind table)."""
 
     column_help = {
         "tensor": "the tensor's name in the checkpoint",

@@ -4,12 +4,6 @@ The same prompts decoded greedily through mlx-lm's own models, all in lockstep,
 recording per step each model's token and its top1 - top2 logit margin; where two
 models first part, how far apart the two tokens were in each model's logits (a
 divergence at a margin of 0.01 is a coin toss that rounding decided).
-
->>> rep = compare_generations({"base": ("data/tiny-qwen3", None),
-...                            "adapter": ("data/tiny-qwen3", "data/adapters/lora")},
-...                           ["And it came to pass"], max_tokens=8)
->>> rep.first_divergence().step, rep.rows[0]["text"]
-(0, ', that the LORD spake unto the LORD')
 """
 from __future__ import annotations
 

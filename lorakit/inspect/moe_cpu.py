@@ -80,8 +80,7 @@ def _needs_f32(block: Any) -> bool:
 
 
 def moe_float32_on_cpu(model: Any) -> List[str]:
-    """Make ``model``'s MoE expert blocks compute in float32 on MLX's CPU (in place); the
-    paths of the blocks changed."""
+    """Make ``model``'s MoE blocks compute in float32 on MLX's CPU; the blocks changed."""
     import mlx.core as mx  # lazy: MLX only when a model is loaded
 
     if mx.default_device().type != mx.cpu:

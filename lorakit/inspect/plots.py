@@ -67,7 +67,6 @@ def _fit(n_rows: int, n_cols: int, base: Tuple[float, float] = (4.0, 2.5)) -> Tu
 def dtype_heatmap(dm, ax=None, part: str = "weight"):
     """Layers x kinds, one colour per dtype; flagged tensors outlined in black."""
     import numpy as np  # lazy: the dtype map's header path starts without numpy
-
     from matplotlib.colors import ListedColormap  # lazy: matplotlib only when drawing
     from matplotlib.patches import Patch, Rectangle  # lazy: matplotlib only when drawing
 

@@ -32,8 +32,7 @@ _KERNEL_FMT = {"BF16": 0, "F16": 1, "F32": 2}
 
 
 def scale_kernel():
-    """The C ulp kernel (``_ulpkernel.c``) where it is built and kernels are on, else None
-    (the numpy path: the same numbers)."""
+    """The C ulp kernel where it is built and kernels are on, else None (numpy)."""
     return kernels.load("lorakit.inspect._ulpkernel")
 
 
@@ -91,8 +90,7 @@ class TensorDiff:
 
 
 class Scratch:
-    """Scratch arrays reused by every piece (numpy's ``out=``): a differing piece allocates
-    almost nothing."""
+    """Scratch arrays reused by every piece (numpy's ``out=``)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -111,8 +109,7 @@ class Scratch:
         return self if n <= self.n else Scratch(n)
 
     def cap16(self, value: int, k: int) -> np.ndarray:
-        """``k`` copies of ``value`` as int16: ``np.minimum`` against an array runs in
-        SIMD, against a Python scalar it is six times slower."""
+        """``k`` copies of ``value`` as int16 (``np.minimum`` against an array is SIMD)."""
         c = self._caps.get(value)
         if c is None:
             c = self._caps[value] = np.full(self.n, value, np.int16)
