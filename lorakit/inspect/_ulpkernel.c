@@ -418,13 +418,10 @@ static PyObject *scale(PyObject *Py_UNUSED(self), PyObject *args) {
     size_t n = (size_t)ba.len / item;
     uint32_t n32 = nb > UINT32_MAX ? UINT32_MAX : (uint32_t)nb;
     uint32_t t32 = tb > UINT32_MAX ? UINT32_MAX : (uint32_t)tb;
+    static void (*const SCALES[3])(const void *, const void *, size_t, uint32_t, uint32_t,
+                                   Scale *) = {scale_bf16, scale_f16, scale_f32};
     Py_BEGIN_ALLOW_THREADS
-    if (fmt == 0)
-        scale_bf16(ba.buf, bb.buf, n, n32, t32, &st);
-    else if (fmt == 1)
-        scale_f16(ba.buf, bb.buf, n, n32, t32, &st);
-    else
-        scale_f32(ba.buf, bb.buf, n, n32, t32, &st);
+    SCALES[fmt](ba.buf, bb.buf, n, n32, t32, &st);
     Py_END_ALLOW_THREADS
     res = Py_BuildValue("dLLLL", st.d2, (long long)st.sc, (long long)st.tz,
                         (long long)st.near, (long long)st.typ);
