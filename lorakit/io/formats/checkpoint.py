@@ -17,21 +17,8 @@ if TYPE_CHECKING:
 
 from ...errors import FormatError, PathLike
 from .dtypes import majority_dtype
-from .paths import (
-    check_model_dir,
-    is_hub_blob,
-    load_json,
-    safe_member,
-    user_path,
-)
-from .safetensors import (
-    FLOAT_CODES,
-    TensorInfo,
-    _file_kind,
-    raw_to_mx,
-    read_header,
-    read_raw,
-)
+from .paths import check_model_dir, is_hub_blob, load_json, safe_member, user_path
+from .safetensors import FLOAT_CODES, TensorInfo, _file_kind, raw_to_mx, read_header, read_raw
 
 __all__ = ["INDEX_NAME", "QuantParams", "Checkpoint"]
 

@@ -200,9 +200,7 @@ def resolve_model_path(path_or_repo: PathLike) -> Path:
             os.environ.get("LORAKIT_OFFLINE") or _looks_local(text, p):
         check_model_dir(p)
         return p
-    from mlx_lm.utils import (
-        _download,  # lazy: mlx-lm is heavy (the hub path its users rely on)
-    )
+    from mlx_lm.utils import _download  # lazy: mlx-lm is heavy (the hub path its users rely on)
 
     try:
         return Path(_download(text))
