@@ -12,12 +12,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 
 from ...errors import AdapterError, PathLike
 from ..formats.paths import load_json, safe_member, user_path
-from .base import (
-    CONFIG,
-    MLX_WEIGHTS,
-    PEFT_WEIGHTS,
-    Adapter,
-)
+from .base import CONFIG, MLX_WEIGHTS, PEFT_WEIGHTS, Adapter
 from .mlx import check_layer_scope, load_mlx
 from .peft import check_targets_exist, convert_residual, load_peft
 

@@ -110,10 +110,8 @@ def mlx_settings(cfg: Dict[str, Any], cfg_path: Path) -> Tuple[str, float, int, 
                            hint="a 'full' fine-tune holds whole weights, not an adapter")
     params = cfg.get("lora_parameters")
     if not isinstance(params, dict):
-        raise AdapterError("adapter config has no lora_parameters", file=cfg_path,
-                           tensor="lora_parameters",
-                           expected='"lora_parameters": {"rank": ..., "scale": ...}',
-                           found=repr(params)[:80])
+        raise _bad_config(cfg_path, "lora_parameters", "adapter config has no lora_parameters",
+                          '"lora_parameters": {"rank": ..., "scale": ...}', params)
     scale = number(params.get("scale"))
     if scale is None:
         hint = " (mlx-lm uses 'scale', not 'alpha')" if "alpha" in params else ""

@@ -22,14 +22,7 @@ from ...numerics import round_to_format, to_float32
 from ..formats.safetensors import TensorSpec, read_header
 from ..outputs.directory import TMP_MARK, OutputDirectory, check_output_path
 from ..outputs.safetensors_write import SafetensorsWriter
-from .base import (
-    CONFIG,
-    MLX_WEIGHTS,
-    PEFT_PREFIX,
-    PEFT_WEIGHTS,
-    Adapter,
-    LoraTarget,
-)
+from .base import CONFIG, MLX_WEIGHTS, PEFT_PREFIX, PEFT_WEIGHTS, Adapter, LoraTarget
 from .layout import alpha_for, expert_modules, layer_gaps, mlx_scope, restack
 
 __all__ = ["save_adapter"]

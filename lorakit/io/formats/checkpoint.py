@@ -17,21 +17,8 @@ if TYPE_CHECKING:
 
 from ...errors import FormatError, PathLike
 from .dtypes import majority_dtype
-from .paths import (
-    check_model_dir,
-    is_hub_blob,
-    load_json,
-    safe_member,
-    user_path,
-)
-from .safetensors import (
-    FLOAT_CODES,
-    TensorInfo,
-    _file_kind,
-    raw_to_mx,
-    read_header,
-    read_raw,
-)
+from .paths import check_model_dir, is_hub_blob, load_json, safe_member, user_path
+from .safetensors import FLOAT_CODES, TensorInfo, _file_kind, raw_to_mx, read_header, read_raw
 
 __all__ = ["INDEX_NAME", "QuantParams", "Checkpoint"]
 
@@ -73,18 +60,16 @@ def _check_packing(w: TensorInfo, s: TensorInfo, gs: int, bits: int, mode: str,
             found=f"weight U32{list(w.shape)}: {found_bits}-bit codes at group_size={gs}",
             hint=f"fix config.json's quantization (or add a per-module entry "
             f"\"{w.name[:-len('.weight')]}\": {{\"group_size\": ..., \"bits\": ...}})")
-    if mode == "affine" and (s.dtype not in FLOAT_CODES or biases is None):
+    affine = mode == "affine"
+    if (s.dtype not in FLOAT_CODES or biases is None) if affine else \
+            mode in _FP_MODES and (s.dtype != "U8" or biases is not None):
         raise FormatError(
             "quantization config disagrees with the packed weight", file=s.file, tensor=s.name,
-            expected="affine mode: float scales and a .biases tensor beside them",
+            expected="affine mode: float scales and a .biases tensor beside them" if affine
+            else f"{mode} mode: uint8 scales and no biases",
             found=f"scales {s.dtype}, {'no biases' if biases is None else 'biases present'}",
             hint="set config.json's quantization mode to the one the weights were packed "
-            "with (mxfp4 / nvfp4 / mxfp8 keep uint8 scales and no biases)")
-    if mode in _FP_MODES and (s.dtype != "U8" or biases is not None):
-        raise FormatError(
-            "quantization config disagrees with the packed weight", file=s.file, tensor=s.name,
-            expected=f"{mode} mode: uint8 scales and no biases",
-            found=f"scales {s.dtype}, {'no biases' if biases is None else 'biases present'}")
+            "with (mxfp4 / nvfp4 / mxfp8 keep uint8 scales and no biases)" if affine else None)
 
 
 class Checkpoint:

@@ -69,12 +69,8 @@ def safe_member(directory: Path, name: Any, *, source: Path, what: str,
     separators, and links whose target lies outside the directory (except hub
     snapshot links into the cache's blobs).
     """
-    if not isinstance(name, str) or not name or name in (".", ".."):
-        raise UnsafePathError(f"unsafe {what} name", file=source, tensor=tensor,
-                              found=repr(name)[:80],
-                              expected="a plain file name inside the directory")
-    p = Path(name)
-    if p.is_absolute() or ".." in p.parts or len(p.parts) != 1 or "\x00" in name or "\\" in name:
+    p = Path(name) if isinstance(name, str) and "\x00" not in name and "\\" not in name else None
+    if p is None or len(p.parts) != 1 or p.is_absolute() or name == "..":
         raise UnsafePathError(f"unsafe {what} name", file=source, tensor=tensor,
                               found=repr(name)[:80],
                               expected="a plain file name inside the directory")
@@ -200,9 +196,7 @@ def resolve_model_path(path_or_repo: PathLike) -> Path:
             os.environ.get("LORAKIT_OFFLINE") or _looks_local(text, p):
         check_model_dir(p)
         return p
-    from mlx_lm.utils import (
-        _download,  # lazy: mlx-lm is heavy (the hub path its users rely on)
-    )
+    from mlx_lm.utils import _download  # lazy: mlx-lm is heavy (the hub path its users rely on)
 
     try:
         return Path(_download(text))

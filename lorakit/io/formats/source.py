@@ -13,15 +13,7 @@ one door every verb reads its inputs through.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Dict,
-    Mapping,
-    Optional,
-    Protocol,
-    runtime_checkable,
-)
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -30,14 +22,7 @@ from ...errors import FormatError, PathLike
 from .checkpoint import Checkpoint, QuantParams
 from .dtypes import majority_dtype
 from .paths import load_json, resolve_model_path, safe_member, stat_path, user_path
-from .safetensors import (
-    MX_CODES,
-    TensorInfo,
-    TensorSpec,
-    mx_to_raw,
-    read_header,
-    read_raw,
-)
+from .safetensors import MX_CODES, TensorInfo, TensorSpec, mx_to_raw, read_header, read_raw
 
 __all__ = ["TensorSource", "ModelSource", "open"]
 

@@ -125,16 +125,12 @@ def _metadata(w, arch: str, config: Mapping[str, Any]) -> None:
     rs = _rope_scaling(c)
     if rs is not None:
         kind, factor = rs.get("rope_type"), rs.get("factor")
-        if kind == "linear" and factor:
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        if kind in ("linear", "yarn") and factor:
+            w.add_rope_scaling_type(gguf.RopeScalingType[kind.upper()])
             w.add_rope_scaling_factor(float(factor))
-        elif kind == "yarn" and factor:
-            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-            w.add_rope_scaling_factor(float(factor))
-            w.add_rope_scaling_orig_ctx_len(int(rs["original_max_position_embeddings"]))
-        elif kind in ("llama3", "default", None):
-            pass  # llama3: the rope_freqs tensor, written with the weights
-        else:
+            if kind == "yarn":
+                w.add_rope_scaling_orig_ctx_len(int(rs["original_max_position_embeddings"]))
+        elif kind not in ("llama3", "default", None):  # llama3: the rope_freqs tensor
             raise FormatError("llama.cpp GGUF export does not support this rope scaling",
                               tensor="config.json: rope_scaling", expected="linear, yarn, "
                               "llama3 or none", found=repr(kind))
@@ -209,18 +205,10 @@ def _tokenizer(w, directory: Path, config: Mapping[str, Any]) -> None:
         vocab[a["content"]] = a["id"]
     n = max(int(config["vocab_size"]), max(vocab.values()) + 1)
     rev = {i: s for s, i in vocab.items()}
-    tokens, types = [], []
-    for i in range(n):
-        if i not in rev:
-            tokens.append(f"[PAD{i}]")
-            types.append(int(gguf.TokenType.UNUSED))
-            continue
-        s = rev[i]
-        tokens.append(s)
-        a = added.get(s)
-        types.append(int(gguf.TokenType.NORMAL) if a is None else
-                     int(gguf.TokenType.CONTROL) if a.get("special") else
-                     int(gguf.TokenType.USER_DEFINED))
+    T = gguf.TokenType
+    kinds = {s: T.CONTROL if a.get("special") else T.USER_DEFINED for s, a in added.items()}
+    tokens = [rev.get(i, f"[PAD{i}]") for i in range(n)]
+    types = [int(kinds.get(rev[i], T.NORMAL)) if i in rev else int(T.UNUSED) for i in range(n)]
     merges = [" ".join(x) if isinstance(x, list) else x for x in m.get("merges", [])]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre_name)
