@@ -26,7 +26,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -116,11 +116,6 @@ class ExtractOptions:
         return cls(**settings) if options is None else replace(options, **settings)
 
 
-def svd_note(exact_max: int = EXACT_MAX) -> str:
-    return (f"exact f64 SVD where min(out, in) <= {exact_max}, else randomized f32 "
-            f"(oversampling {OVERSAMPLE}, {POWER_ITERS} power iterations)")
-
-
 @dataclass(repr=False)
 class ExtractReport(Report):
     """One row per module (``column_help``); ``adapter``: the extracted Adapter;
@@ -164,20 +159,6 @@ class ExtractReport(Report):
         ax.set_ylabel("||D - BA|| / ||D||")
         ax.set_title(self.title)
         return ax.figure
-
-
-def _selected(module: str, patterns: Optional[Sequence[str]]) -> bool:
-    if not patterns:
-        return True
-    return any(module == p or module.endswith("." + p) or fnmatch.fnmatchcase(module, p)
-               for p in patterns)
-
-
-def _lowrank_candidate(name: str, shape: Sequence[int]) -> bool:
-    module, _, leaf = name.rpartition(".")
-    last = module.rsplit(".", 1)[-1]
-    return (leaf == "weight" and len(shape) == 2 and last not in EMBEDDING_HINTS
-            and last != "lm_head")
 
 
 def _f64(raw: np.ndarray, code: str) -> np.ndarray:
@@ -319,10 +300,13 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
 
         for name, info in b.tensors.items():
             module, _, leaf = name.rpartition(".")
-            if not _selected(module, opts.modules):
+            last = module.rsplit(".", 1)[-1]
+            if opts.modules and not any(module == p or module.endswith("." + p)
+                                        or fnmatch.fnmatchcase(module, p) for p in opts.modules):
                 skipped += 1
                 bar.update(info.nbytes)
-            elif _lowrank_candidate(name, info.shape):
+            elif (leaf == "weight" and len(info.shape) == 2 and last not in EMBEDDING_HINTS
+                  and last != "lm_head"):
                 fut = pool.submit(lowrank, name)
                 fut.nbytes = info.nbytes
                 slots.append(("lowrank", fut))
@@ -365,6 +349,9 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
                       Path(getattr(t, "path", "tuned")), "lora", replacements,
                       _sha256=h.hexdigest())
     low = [r for r in rows if r["method"] != "full"]
+    counted = [r for r in low if r["reproduced"] != "-"]
+    n = sum(math.prod(r["shape"]) for r in counted)
+    same = sum(round(r["reproduced"] * math.prod(r["shape"])) for r in counted)
     summary: Dict[str, Any] = {
         "base": str(b.path), "tuned": str(t.path), "target": opts.target,
         "low-rank modules": len(low), "saved in full": len(replacements),
@@ -372,8 +359,10 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
         "ranks": sorted({r["rank"] for r in low}),
         "max rel_error": max((r["rel_error"] for r in low), default=0.0),
         "within rounding noise": f"{sum(r['within'] == 'yes' for r in low)} of {len(low)}",
-        "svd": svd_note(opts.exact_max),
-        "re-fuse reproduces": _reproduced_note(low),
+        "svd": f"exact f64 SVD where min(out, in) <= {opts.exact_max}, else randomized f32 "
+               f"(oversampling {OVERSAMPLE}, {POWER_ITERS} power iterations)",
+        # what fusing the adapter again gives back bit for bit (where lorakit can fuse)
+        "re-fuse reproduces": f"{same:,} of {n:,} adapted elements ({same / n:.4%})" if n else "-",
     }
     flagged = [i for i, r in enumerate(rows) if r["within"] == "no"]
     rep = ExtractReport(f"extract: {t.label or t.path} - {b.label or b.path}", rows,
@@ -381,9 +370,9 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
                         summary=summary, flagged=flagged, adapter=adapter,
                         singular_values=spectra)
     if save_path is not None:
-        rep.saved = save_result(adapter, save_path, format=opts.format, force=force,
-                                provenance={"base": str(b.path), "tuned": str(t.path),
-                                            "target": opts.target})
+        prov = {"base": str(b.path), "tuned": str(t.path), "target": opts.target}
+        rep.saved = save_adapter(adapter, save_path, format=opts.format, force=force,
+                                 dtype="F32", verb="extract", provenance=prov)
         rep.summary["saved to"] = str(rep.saved)
     return rep
 
@@ -392,23 +381,6 @@ def _factors_hash(h, targets: List[LoraTarget]):
     for t in targets:
         h.update(t.module.encode() + t.A.tobytes() + t.B.tobytes())
     return h
-
-
-def _reproduced_note(low: List[Dict[str, Any]]) -> str:
-    """``"a of n adapted elements (share)"``: what fusing the adapter again gives back
-    bit for bit (the modules lorakit can fuse into)."""
-    counted = [r for r in low if r["reproduced"] != "-"]
-    n = sum(math.prod(r["shape"]) for r in counted)
-    same = sum(round(r["reproduced"] * math.prod(r["shape"])) for r in counted)
-    return f"{same:,} of {n:,} adapted elements ({same / n:.4%})" if n else "-"
-
-
-def save_result(adapter: Adapter, path: Any, *, format: str, force: bool,
-                verb: str = "extract", provenance: Optional[Dict[str, Any]] = None) -> Path:
-    """Write a computed adapter with lorakit's adapter writer, factors in float32 (the
-    precision they were computed to)."""
-    return save_adapter(adapter, path, format=format, force=force, dtype="F32", verb=verb,
-                        provenance=provenance)
 
 
 @dataclass(repr=False)
@@ -504,8 +476,8 @@ def resize(adapter: Any, *, rank: Optional[int] = None, energy: Optional[float] 
     rep = ResizeReport(f"resize: {ad.path.name}", rows, summary=summary, adapter=out,
                        singular_values=spectra)
     if save_path is not None:
-        rep.saved = save_result(out, save_path, format=format, force=force, verb="resize",
-                                provenance={"source": str(ad.path),
-                                            "target": summary["target"]})
+        prov = {"source": str(ad.path), "target": summary["target"]}
+        rep.saved = save_adapter(out, save_path, format=format, force=force, dtype="F32",
+                                 verb="resize", provenance=prov)
         rep.summary["saved to"] = str(rep.saved)
     return rep

@@ -34,7 +34,8 @@ __all__ = []
 
 LIKE_PEFT = ("linear", "cat", "ties", "magnitude_prune", "svd", "ties_svd")
 _FMT = {"BF16": "bfloat16", "F16": "float16"}
-_SAME_RANK = ("linear", "ties", "magnitude_prune", "dare_linear", "dare_ties")
+FACTOR_METHODS = ("linear", "ties", "magnitude_prune", "dare_linear", "dare_ties")
+RANDOM = ("dare_linear", "dare_ties")
 
 
 def config_rank(ad: Adapter) -> int:
@@ -50,7 +51,7 @@ def peft_plan(ads: Sequence[Adapter], method: str, rank: Optional[int]) -> Tuple
     """(new rank, new scaling) of PEFT's ``add_weighted_adapter`` new adapter; PEFT's
     refusal of unequal ranks for the factor methods as a :class:`LorakitError`."""
     ranks = [config_rank(a) for a in ads]
-    if method in _SAME_RANK:
+    if method in FACTOR_METHODS:
         if len(set(ranks)) != 1:
             raise AdapterError(f"PEFT's {method} needs adapters of one rank (PEFT raises "
                                "ValueError: All adapters must have the same r value)",
@@ -109,22 +110,15 @@ def _svd_target(module: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[fl
 
 
 def like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget]],
-                     *args, **kw) -> LoraTarget:
-    """The target PEFT's ``add_weighted_adapter(..., combination_type=method)`` makes,
-    with the base weight a PEFT adapter saved (an embedding's, ``save_embedding_layers``):
-    PEFT loads each into the model, so the last adapter's copy is the one merged into."""
-    t = _like_peft_target(method, module, parts, *args, **kw)
-    saved = [p.base_weight for _, p in parts if p.base_weight is not None]
-    return dataclasses.replace(t, base_weight=saved[-1]) if saved else t
-
-
-def _like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget]],
                      w: Sequence[float], density: Optional[float], base_code: str,
                      rank: Optional[int] = None, *, scale: float = 1.0,
                      majority_sign_method: str = "total",
                      svd_clamp: Optional[float] = None, fan_in_fan_out: bool = False
                      ) -> LoraTarget:
-    """(``rank``, ``scale``: the new adapter's, from :func:`peft_plan`)."""
+    """The target PEFT's ``add_weighted_adapter(..., combination_type=method)`` makes
+    (``rank``, ``scale``: the new adapter's, from :func:`peft_plan`), with the base weight
+    a PEFT adapter saved (an embedding's, ``save_embedding_layers``): PEFT loads each into
+    the model, so the last adapter's copy is the one merged into."""
     t0 = parts[0][1]
     # PEFT's lora_A is lorakit's B.T for an embedding and a fan_in_fan_out (Conv1D) layer
     swap = t0.kind == "embedding" or fan_in_fan_out
@@ -139,30 +133,33 @@ def _like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarge
             (As if swap else Bs).append(t.A if swap else t.B)
         A = _in_model_dtype(np.concatenate(As, axis=-2), base_code)
         B = _in_model_dtype(np.concatenate(Bs, axis=-1), base_code)
-        return LoraTarget(module, t0.kind, A, B, scale, None, t0.names,
-                          round_delta=base_code in _FMT)
-    if method in ("svd", "ties_svd"):
-        return _svd_target(module, parts, w, rank or max(t.rank for _, t in parts), scale,
-                           svd_clamp, None if method == "svd" else dict(
-                               density=density, sign_method=majority_sign_method))
-    ranks = sorted({t.rank for _, t in parts})
-    if len(ranks) > 1:  # torch.stack of factors of different shapes (rank_pattern)
-        raise AdapterError(f"PEFT's {method} stacks the factors, which differ in rank here "
-                           "(PEFT raises RuntimeError: stack expects each tensor to be "
-                           "equal size)", tensor=module, expected="one rank per module",
-                           found=f"ranks {ranks}", hint="use method cat or svd")
-    wa = [float(np.sqrt(abs(x))) * (1 if x >= 0 else -1) for x in ws]
-    wb = [float(np.sqrt(abs(x))) for x in ws]
+        t = LoraTarget(module, t0.kind, A, B, scale, None, t0.names,
+                       round_delta=base_code in _FMT)
+    elif method in ("svd", "ties_svd"):
+        t = _svd_target(module, parts, w, rank or max(t.rank for _, t in parts), scale,
+                        svd_clamp, None if method == "svd" else dict(
+                            density=density, sign_method=majority_sign_method))
+    else:
+        ranks = sorted({t.rank for _, t in parts})
+        if len(ranks) > 1:  # torch.stack of factors of different shapes (rank_pattern)
+            raise AdapterError(f"PEFT's {method} stacks the factors, which differ in rank here "
+                               "(PEFT raises RuntimeError: stack expects each tensor to be "
+                               "equal size)", tensor=module, expected="one rank per module",
+                               found=f"ranks {ranks}", hint="use method cat or svd")
+        wa = [float(np.sqrt(abs(x))) * (1 if x >= 0 else -1) for x in ws]
+        wb = [float(np.sqrt(abs(x))) for x in ws]
 
-    def peft(x: np.ndarray) -> np.ndarray:  # lorakit's orientation <-> PEFT's, both ways
-        return np.ascontiguousarray(np.swapaxes(x, -1, -2)) if swap else x
+        def peft(x: np.ndarray) -> np.ndarray:  # lorakit's orientation <-> PEFT's, both ways
+            return np.ascontiguousarray(np.swapaxes(x, -1, -2)) if swap else x
 
-    kw = dict(density=density, exact=False, sign_method=majority_sign_method)
-    # merged in PEFT's orientation: the flattening order decides ties in pruning
-    pa = merge(method, [peft(t.B if swap else t.A) for _, t in parts], wa, **kw)
-    pb = merge(method, [peft(t.A if swap else t.B) for _, t in parts], wb, **kw)
-    A, B = (peft(pb), peft(pa)) if swap else (pa, pb)
-    return LoraTarget(module, t0.kind, A, B, scale, None, t0.names)
+        kw = dict(density=density, exact=False, sign_method=majority_sign_method)
+        # merged in PEFT's orientation: the flattening order decides ties in pruning
+        pa = merge(method, [peft(t.B if swap else t.A) for _, t in parts], wa, **kw)
+        pb = merge(method, [peft(t.A if swap else t.B) for _, t in parts], wb, **kw)
+        A, B = (peft(pb), peft(pa)) if swap else (pa, pb)
+        t = LoraTarget(module, t0.kind, A, B, scale, None, t0.names)
+    saved = [p.base_weight for _, p in parts if p.base_weight is not None]
+    return dataclasses.replace(t, base_weight=saved[-1]) if saved else t
 
 
 def peft_dora_magnitudes(targets: List[LoraTarget], ads: Sequence[Adapter], base,
@@ -193,11 +190,6 @@ def peft_dora_magnitudes(targets: List[LoraTarget], ads: Sequence[Adapter], base
         out.append(dataclasses.replace(t, magnitude=_in_model_dtype(torch_row_norm(W),
                                                                     base_code)))
     return out
-
-
-
-FACTOR_METHODS = ("linear", "ties", "magnitude_prune", "dare_linear", "dare_ties")
-RANDOM = ("dare_linear", "dare_ties")
 
 
 def magnitude_mask(x: np.ndarray, density: float, like_torch: bool = False) -> np.ndarray:

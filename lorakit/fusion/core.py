@@ -171,30 +171,19 @@ def fuse_bindings(raw: np.ndarray, code: str, binds: List[Binding], rounding: st
     each piece of the intended change (:func:`lorakit.fusion.delta.tensor_pieces`) on
     its slice, the other slices converted as the dtype policy says."""
     pieces = tensor_pieces(binds)
+
+    def one(r: np.ndarray, p, nm: str, kind: str = "linear") -> Tuple[np.ndarray, str]:
+        if getattr(p.target, "parts", None):  # an exact combination with DoRA parts (sum_fuse)
+            return fuse_sum(r, code, output_code(code, dtype_policy), p, rounding, nm)
+        return fuse_weight(r, code, p.A, p.B, p.scale, magnitude=p.magnitude, rounding=rounding,
+                           dtype_policy=dtype_policy, name=nm, kind=kind)
+
     if raw.ndim == 3:
         out_code = output_code(code, dtype_policy)
         by_slot = {p.slot: p for p in pieces}
-        parts = []
-        for e in range(raw.shape[0]):
-            p = by_slot.get(e)
-            if p is None:
-                parts.append(cast_raw(raw[e], code, out_code))
-                continue
-            part, _ = (fuse_sum(raw[e], code, out_code, p, rounding, f"{name}[{e}]")
-                       if _is_sum(p) else
-                       fuse_weight(raw[e], code, p.A, p.B, p.scale, magnitude=p.magnitude,
-                                   rounding=rounding, dtype_policy=dtype_policy,
-                                   name=f"{name}[{e}]"))
-            parts.append(part)
-        return np.stack(parts), out_code
+        return np.stack([one(raw[e], by_slot[e], f"{name}[{e}]")[0] if e in by_slot
+                         else cast_raw(raw[e], code, out_code)
+                         for e in range(raw.shape[0])]), out_code
     (p,) = pieces
-    if _is_sum(p):  # an exact combination with DoRA parts (fusion/sum_fuse.py)
-        return fuse_sum(raw, code, output_code(code, dtype_policy), p, rounding, name)
     # round-once rounds an embedding's delta first; so does PEFT for round_delta targets
-    kind = "embedding" if p.target.round_delta else p.kind
-    return fuse_weight(raw, code, p.A, p.B, p.scale, magnitude=p.magnitude, rounding=rounding,
-                       dtype_policy=dtype_policy, name=name, kind=kind)
-
-
-def _is_sum(p) -> bool:
-    return bool(getattr(p.target, "parts", None))
+    return one(raw, p, name, "embedding" if p.target.round_delta else p.kind)

@@ -94,7 +94,19 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None,
         fused, fcode = fuse_bindings(raw, code, bs, rounding,
                                      dtype if dequantize else "preserve", tensor)
         fw = raw_to_mx(fused, fcode)
-        plain_mod = _float_module(mod, fw)
+        cls = type(mod).__name__
+        if cls == "QuantizedEmbedding":
+            plain_mod = nn.Embedding(*fw.shape)
+        elif cls == "QuantizedSwitchLinear":
+            from mlx_lm.models.switch_layers import SwitchLinear  # lazy: mlx-lm is heavy
+
+            e, o, i = fw.shape
+            plain_mod = SwitchLinear(i, o, e, bias="bias" in mod)
+        else:
+            plain_mod = nn.Linear(fw.shape[1], fw.shape[0], bias="bias" in mod)
+        plain_mod.weight = fw
+        if "bias" in mod:
+            plain_mod.bias = mod.bias
         if not dequantize:
             plain_mod = plain_mod.to_quantized(group_size=q.group_size, bits=q.bits, mode=q.mode)
         new_modules.append((module, plain_mod))
@@ -110,24 +122,6 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None,
     return model
 
 
-def _float_module(qmod: Any, weight: Any) -> Any:
-
-    cls = type(qmod).__name__
-    if cls == "QuantizedEmbedding":
-        m = nn.Embedding(*weight.shape)
-    elif cls == "QuantizedSwitchLinear":
-        from mlx_lm.models.switch_layers import SwitchLinear  # lazy: mlx-lm is heavy
-
-        e, o, i = weight.shape
-        m = SwitchLinear(i, o, e, bias="bias" in qmod)
-    else:
-        m = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in qmod)
-    m.weight = weight
-    if "bias" in qmod:
-        m.bias = qmod.bias
-    return m
-
-
 def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
     """Attach an adapter to an mlx-lm model unfused, in place (returned, in eval mode):
     every target becomes mlx-lm's own LoRA/DoRA layer with its own rank and scale, and
@@ -141,11 +135,7 @@ def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
     'LoRALinear'
     """
     from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear  # lazy: mlx-lm is heavy
-    from mlx_lm.tuner.lora import (  # lazy: mlx-lm is heavy
-        LoRAEmbedding,
-        LoRALinear,
-        LoRASwitchLinear,
-    )
+    from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear  # lazy: mlx-lm
 
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
     src = ModelSource(model)

@@ -46,13 +46,6 @@ class RequantStat:
     policy: str = "requant"  # the quantization policy that wrote the module
 
 
-def _mx_parts(ck: Checkpoint, module: str):
-    w = ck.read_mx(f"{module}.weight")
-    s = ck.read_mx(f"{module}.scales")
-    b = ck.read_mx(f"{module}.biases") if f"{module}.biases" in ck.tensors else None
-    return w, s, b
-
-
 def dequantize_raw(ck: Checkpoint, module: str, out_code: Optional[str]) -> np.ndarray:
     """Dequantize ``module`` of ``ck`` to raw float storage (in the scales' dtype,
     or ``out_code``)."""
@@ -65,7 +58,8 @@ def dequantize_raw(ck: Checkpoint, module: str, out_code: Optional[str]) -> np.n
         raise FuseError("unsupported quantization mode", file=ck.path / "config.json",
                         tensor=f"{module}.weight", expected=" / ".join(SUPPORTED_MODES),
                         found=repr(q.mode))
-    w, s, b = _mx_parts(ck, module)
+    w, s = ck.read_mx(f"{module}.weight"), ck.read_mx(f"{module}.scales")
+    b = ck.read_mx(f"{module}.biases") if f"{module}.biases" in ck.tensors else None
     try:
         x = mx.dequantize(w, s, b, group_size=q.group_size, bits=q.bits, mode=q.mode)
         mx.eval(x)
@@ -188,19 +182,6 @@ def _float32(raw: np.ndarray, code: str) -> np.ndarray:
     return nm.to_float32(raw, nm.float_format(code))
 
 
-def _from_float32(x: np.ndarray, code: str) -> np.ndarray:
-    """float32 values -> raw storage of ``code`` (round to nearest, through MLX)."""
-    import mlx.core as mx  # lazy: MLX only when computing
-
-    return mx_to_raw(mx.array(x.astype(np.float32)).astype(mx_dtype(code)))[0]
-
-
-def _check_affine(ck: Checkpoint, module: str, q: QuantParams, what: str) -> None:
-    if q.mode != "affine":
-        raise FuseError(f"quant policy {what} needs affine quantization", file=ck.path,
-                        tensor=f"{module}.weight", expected="mode affine", found=q.mode)
-
-
 def module_parts(ck: Checkpoint, module: str, binds: List[Binding], rounding: str,
                  dtype_policy: str, choice: Choice) -> Tuple[Dict[str, np.ndarray], RequantStat]:
     """The tensors (weight[, scales, biases]) one adapted quantized module is written as."""
@@ -211,6 +192,9 @@ def module_parts(ck: Checkpoint, module: str, binds: List[Binding], rounding: st
     base = dequantize_raw(ck, module, None)
     fused, fcode = fuse_bindings(base, code, binds, rounding, dtype_policy, name)
     base_codes = ck.read(name)
+    if choice.kind in ("bits", "same-grid") and q.mode != "affine":
+        raise FuseError(f"quant policy {choice.label} needs affine quantization", file=ck.path,
+                        tensor=name, expected="mode affine", found=q.mode)
     if choice.kind == "requant":
         parts = quantize_raw(fused, fcode, q)
         stat = requant_survival(base, code, parts, fcode, q, binds, name, base_codes)
@@ -218,41 +202,34 @@ def module_parts(ck: Checkpoint, module: str, binds: List[Binding], rounding: st
         parts = {"weight": fused}
         stat = survival_of(_float32(base, code), _float32(fused, fcode), binds, name)
     elif choice.kind == "bits":
-        _check_affine(ck, module, q, choice.label)
         qn = QuantParams(q.group_size, choice.bits, q.mode)
         parts = quantize_raw(fused, fcode, qn)
         stat = requant_survival(base, code, parts, fcode, qn, binds, name)
     elif choice.kind == "learned":
         parts = choice.parts
         stat = requant_survival(base, code, parts, fcode, q, binds, name, base_codes)
-    elif choice.kind == "same-grid":
-        _check_affine(ck, module, q, choice.label)
-        parts, stat = _same_grid(ck, module, q, base, code, fused, fcode, binds, base_codes)
+    elif choice.kind == "same-grid":  # the base's scales and biases, the codes re-rounded
+        import mlx.core as mx  # lazy: MLX only when computing
+
+        s = ck.read(f"{module}.scales")
+        old = _float32(base, code).astype(np.float64)
+        step = np.repeat(_float32(s, code).astype(np.float64), q.group_size, axis=-1)
+        change = _float32(fused, fcode).astype(np.float64) - old
+        codes = unpack_codes(base_codes, q.bits).reshape(old.shape).astype(np.int64)
+        new = np.clip(np.rint(codes + change / step), 0, (1 << q.bits) - 1)
+        new = np.where(change == 0, codes, new)  # nothing asked, nothing moves
+        packed = pack_codes(new.reshape(-1, old.shape[-1]), q.bits).reshape(base_codes.shape)
+        parts = {"weight": packed, "scales": s}
+        if f"{module}.biases" in ck.tensors:
+            parts["biases"] = ck.read(f"{module}.biases")
+        if fcode != code:  # an explicit dtype policy casts scales and biases too (nearest)
+            parts.update({k: mx_to_raw(mx.array(_float32(v, code)).astype(mx_dtype(fcode)))[0]
+                          for k, v in parts.items() if k != "weight"})
+        stat = requant_survival(base, code, parts, fcode, q, binds, name, base_codes)
     else:
         raise FuseError("quant policy is not a per-module choice", tensor=name,
                         found=choice.label)
     stat.policy = choice.label
-    return parts, stat
-
-
-def _same_grid(ck: Checkpoint, module: str, q: QuantParams, base: np.ndarray, code: str,
-               fused: np.ndarray, fcode: str, binds: List[Binding], base_codes: np.ndarray):
-    s = ck.read(f"{module}.scales")
-    sf = _float32(s, code).astype(np.float64)
-    old = _float32(base, code).astype(np.float64)
-    step = np.repeat(sf, q.group_size, axis=-1)
-    change = _float32(fused, fcode).astype(np.float64) - old
-    codes = unpack_codes(base_codes, q.bits).reshape(old.shape).astype(np.int64)
-    new = np.clip(np.rint(codes + change / step), 0, (1 << q.bits) - 1)
-    new = np.where(change == 0, codes, new)  # nothing asked, nothing moves
-    packed = pack_codes(new.reshape(-1, old.shape[-1]), q.bits).reshape(base_codes.shape)
-    parts = {"weight": packed, "scales": s}
-    if f"{module}.biases" in ck.tensors:
-        parts["biases"] = ck.read(f"{module}.biases")
-    if fcode != code:  # an explicit dtype policy casts scales and biases too
-        parts.update({k: _from_float32(_float32(v, code), fcode)
-                      for k, v in parts.items() if k != "weight"})
-    stat = requant_survival(base, code, parts, fcode, q, binds, f"{module}.weight", base_codes)
     return parts, stat
 
 
@@ -269,15 +246,6 @@ def module_bytes(ck: Checkpoint, module: str, choice: Choice) -> int:
     bits = choice.bits if choice.kind == "bits" else q.bits
     nparts = 2 if f"{module}.biases" in ck.tensors else 1
     return rows * n_in * bits // 8 + nparts * rows * (n_in // q.group_size) * fbytes
-
-
-def config_entry(choice: Choice, q: QuantParams):
-    """mlx-lm's per-layer quantization entry for ``choice`` (None: the top level holds)."""
-    if choice.kind == "float":
-        return False
-    if choice.kind == "bits" and choice.bits != q.bits:
-        return {"group_size": q.group_size, "bits": choice.bits, "mode": q.mode}
-    return None
 
 
 def resolve(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], opts: FuseOptions,
@@ -378,7 +346,10 @@ def policy_summary(policy: str, stats: List[RequantStat]) -> List[Tuple[str, str
 def per_layer_config(config: dict, ck: Checkpoint, choices: Optional[Dict[str, Choice]]) -> dict:
     """Record each choice in mlx-lm's per-layer ``quantization`` (and its HF twin)."""
     for m, ch in (choices or {}).items():
-        entry = config_entry(ch, ck.quant_params(m))
+        q = ck.quant_params(m)  # float: False; new bits: their entry; else the top level holds
+        entry = False if ch.kind == "float" else None
+        if ch.kind == "bits" and ch.bits != q.bits:
+            entry = {"group_size": q.group_size, "bits": ch.bits, "mode": q.mode}
         for key in ("quantization", "quantization_config"):
             if entry is not None and isinstance(config.get(key), dict):
                 config[key][m] = entry

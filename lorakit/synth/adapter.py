@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import zlib
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -69,8 +69,19 @@ def synth_adapter(path: PathLike, checkpoint_path: PathLike, *, rank: int = 8,
     targets = _targets(ck, sites, rank, float(scale), kind, format, seed, delta_std)
     adapter = Adapter(ck.path, format, targets, {}, ck.path / "none", kind)
     if format == "mlx-lm":
-        cfg = _mlx_training_config(out, ck, rank, float(scale), n_layers - min(layer_list),
-                                   kind, seed, [s.rel for s in sites])
+        cfg = {  # the rest of the adapter_config.json that ``mlx_lm lora`` writes
+            "adapter_path": str(out),
+            "batch_size": 4, "config": None, "data": "synthetic", "fine_tune_type": kind,
+            "grad_accumulation_steps": 1, "grad_checkpoint": False, "iters": 1000,
+            "learning_rate": 1e-05, "lora_parameters": {
+                "rank": rank, "dropout": 0.0, "scale": float(scale),
+                "keys": list(dict.fromkeys(s.rel for s in sites))},
+            "lr_schedule": None, "mask_prompt": False, "max_seq_length": 2048,
+            "model": str(ck.path), "num_layers": n_layers - min(layer_list), "optimizer": "adam",
+            "resume_adapter_file": None, "save_every": 100, "seed": seed, "steps_per_eval": 200,
+            "steps_per_report": 10, "test": False, "test_batches": 500, "train": True,
+            "val_batches": 25,
+        }
     else:
         all_layers = layer_list == list(range(n_layers))
         cfg = {"base_model_name_or_path": str(ck.path),
@@ -85,28 +96,18 @@ def synth_adapter(path: PathLike, checkpoint_path: PathLike, *, rank: int = 8,
     return out
 
 
-def _lora_pair(rng: np.random.Generator, n_in: int, n_out: int, rank: int, scale: float,
-               delta_std: float, lead: Tuple[int, ...] = ()) -> Tuple[np.ndarray, np.ndarray]:
-    """(A (…, r, in), B (…, out, r)) in f32 with std(scale * B @ A) = delta_std."""
-    bound = 1.0 / math.sqrt(n_in)
-    A = rng.uniform(-bound, bound, size=lead + (rank, n_in)).astype(np.float32)
-    b_std = delta_std / (abs(scale) * math.sqrt(rank) * bound / math.sqrt(3.0))
-    B = (rng.standard_normal(size=lead + (n_out, rank)) * b_std).astype(np.float32)
-    return A, B
-
-
-def _site_rng(seed: int, site: _Site) -> np.random.Generator:
-    return np.random.default_rng([seed, zlib.crc32(site.module.encode())])
-
-
 def _targets(ck, sites: List[_Site], rank: int, scale: float, kind: str, format: str,
              seed: int, delta_std: float) -> List[LoraTarget]:
     """One target per site (PEFT: one per expert of a stacked site), drawn per site."""
     out: List[LoraTarget] = []
     for site in sites:
-        rng = _site_rng(seed, site)
+        rng = np.random.default_rng([seed, zlib.crc32(site.module.encode())])
         lead, (n_out, n_in) = tuple(site.shape[:-2]), site.shape[-2:]
-        A, B = _lora_pair(rng, n_in, n_out, rank, scale, delta_std, lead)
+        # A (…, r, in), B (…, out, r) in f32 with std(scale * B @ A) = delta_std
+        bound = 1.0 / math.sqrt(n_in)
+        A = rng.uniform(-bound, bound, size=lead + (rank, n_in)).astype(np.float32)
+        b_std = delta_std / (abs(scale) * math.sqrt(rank) * bound / math.sqrt(3.0))
+        B = (rng.standard_normal(size=lead + (n_out, rank)) * b_std).astype(np.float32)
         if format == "mlx-lm":
             m = None
             if kind == "dora":
@@ -125,21 +126,3 @@ def _targets(ck, sites: List[_Site], rank: int, scale: float, kind: str, format:
                 m = nrm * (1 + 0.01 * rng.standard_normal(n_out)).astype(np.float32)
             out.append(LoraTarget(module, "linear", a, b, scale, m))
     return out
-
-
-def _mlx_training_config(out: Path, ck, rank: int, scale: float, num_layers: int, kind: str,
-                         seed: int, rels: List[str]) -> Dict[str, Any]:
-    """The rest of the adapter_config.json that ``mlx_lm lora`` writes."""
-    return {
-        "adapter_path": str(out),
-        "batch_size": 4, "config": None, "data": "synthetic", "fine_tune_type": kind,
-        "grad_accumulation_steps": 1, "grad_checkpoint": False, "iters": 1000,
-        "learning_rate": 1e-05, "lora_parameters": {"rank": rank, "dropout": 0.0,
-                                                    "scale": scale,
-                                                    "keys": list(dict.fromkeys(rels))},
-        "lr_schedule": None, "mask_prompt": False, "max_seq_length": 2048,
-        "model": str(ck.path), "num_layers": num_layers, "optimizer": "adam",
-        "resume_adapter_file": None, "save_every": 100, "seed": seed, "steps_per_eval": 200,
-        "steps_per_report": 10, "test": False, "test_batches": 500, "train": True,
-        "val_batches": 25,
-    }
