@@ -481,9 +481,8 @@ class FuseResult(Report):
         return self.options.quant_policy
 
     def to_dict(self) -> Dict[str, Any]:
-        d: Dict[str, Any] = {"output": str(self.output), "base": str(self.base),
-                             "adapter": str(self.adapter), "rounding": self.rounding,
-                             "dtype_policy": self.dtype_policy}
+        d: Dict[str, Any] = {k: str(getattr(self, k)) for k in ("output", "base", "adapter")}
+        d.update(rounding=self.rounding, dtype_policy=self.dtype_policy)
         for k in ("tensors_fused", "tensors_total", "dtypes_written", "bytes_written",
                   "bytes_shared", "shards", "seconds", "dequantized"):
             d[k] = getattr(self, k)
