@@ -132,14 +132,10 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
                     save_path: PathLike, options: Optional[FuseOptions] = None, *,
                     force: bool = False, export_gguf: Optional[str] = None,
                     progress: Union[bool, Callable[[int, int], None]] = True) -> FuseResult:
-    """Fuse an adapter into a checkpoint and write a new checkpoint, a :class:`FuseResult`.
-
-    ``save_path`` must not lie in or around an input, and must not exist unless ``force``
-    (which replaces only an empty directory or a previous lorakit output). ``export_gguf``
-    also writes this GGUF file (a plain name) into the output, for llama.cpp
-    (:mod:`lorakit.io.outputs.gguf`, checked before any work). ``progress``: a bar, or a
-    callable ``progress(done_bytes, total_bytes)`` called as tensors are written.
-    """
+    """Fuse an adapter into a checkpoint and write a new one (:func:`fuse`'s path for
+    checkpoints). ``force`` replaces only an empty directory or a previous lorakit output;
+    ``export_gguf`` also writes this GGUF file (a plain name) into the output for llama.cpp;
+    ``progress`` is a bar, or a callable ``progress(done_bytes, total_bytes)``."""
     t0 = time.perf_counter()
     opts = options if options is not None else FuseOptions()
     hub_id = None if isinstance(model, Path) or os.path.exists(model) else str(model)
@@ -160,7 +156,14 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
     try:
         with OutputDirectory(out, force=force) as od:
             result = fz.write(od.tmp, out, progress, t0)
-            _relayout(result, od.tmp, ck, opts.layout)
+            names = list(ck.tensors)  # the transformers layout: stacked experts split, bytes kept
+            if opts.layout == "transformers" and any(is_stacked(n) for n in names):
+                names, dtypes, size = to_transformers(od.tmp, ck.config, INDEX_NAME)
+                how = "written whole: the transformers layout splits the experts"
+                result.bytes_written, result.bytes_shared = size, 0
+                result.shards = {k: how for k in result.shards}
+                result.tensors_total, result.dtypes_written = len(names), dict(dtypes)
+            result.layout, result.layout_note = opts.layout, layout_note(opts.layout, names)
             settings = {"adapter_sha256": adapter.sha256, "adapter_format": adapter.format,
                         **opts.settings()}
             settings.update({"quant_policy": opts.quant_policy} if fz.choices else {})
@@ -178,19 +181,6 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
     result.seconds = time.perf_counter() - t0
     result.summary = dict(result._rows())
     return result
-
-
-def _relayout(result: "FuseResult", tmp: Path, ck: Checkpoint, layout: str) -> None:
-    """The transformers layout, if asked for: the written shards' stacked experts split
-    into one tensor per expert (bytes unchanged); the report says which layout it is."""
-    names = list(ck.tensors)
-    if layout == "transformers" and any(is_stacked(n) for n in names):
-        names, dtypes, result.bytes_written = to_transformers(tmp, ck.config, INDEX_NAME)
-        result.bytes_shared = 0  # every shard rewritten, one tensor per expert
-        how = "written whole: the transformers layout splits the experts"
-        result.shards = {k: how for k in result.shards}
-        result.tensors_total, result.dtypes_written = len(names), dict(dtypes)
-    result.layout, result.layout_note = layout, layout_note(layout, names)
 
 
 @dataclass
@@ -277,11 +267,9 @@ class _Fuse:
         ck, opts, adapter = self.ck, self.opts, self.adapter
         dtypes: Counter = Counter()
         requant: List[RequantStat] = []
-        fused_names: List[str] = []
-        replaced_names: List[str] = []
-        weight_map: Dict[str, str] = {}
-        total_bytes = shared = 0
+        fused_names, replaced_names, weight_map = [], [], {}
         paths: Dict[str, str] = {}  # shard -> clone and patch, or written whole and why
+        total_bytes = shared = 0
         meta_extra = {"lorakit.version": __version__, "lorakit.adapter_sha256": adapter.sha256,
                       "lorakit.adapter_format": adapter.format, "lorakit.rounding": opts.rounding,
                       "lorakit.dtype_policy": opts.dtype,
