@@ -79,16 +79,13 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
     ``rounding`` says (:data:`~lorakit.fusion.options.ROUNDINGS`) and written in the
     weight's own dtype unless ``dtype`` says otherwise.
 
-    ``model`` is a base checkpoint directory or hub repo id, written to ``save_path``
-    (:func:`fuse_checkpoint`; a :class:`FuseResult` returned), or an mlx-lm model in
-    memory, fused in place (with its LoRA layers when ``adapter_path`` is None) and
-    returned. A quantized base is re-quantized as ``quant_policy`` says
-    (:mod:`lorakit.fusion.quant`; ``quant_budget`` caps auto's bytes) or written as float
-    with ``dequantize``; ``float_base`` takes a QLoRA adapter of the quantized ``model``
-    into its float original instead. ``layout`` places a MoE output's experts
-    (:mod:`lorakit.io.outputs.hf_layout`). ``initial_adapter``, the PEFT adapter saved
-    before training on a changed base (PiSSA, OLoRA, ...), converts the trained one as
-    PEFT does (:func:`lorakit.load_adapter`) so it fuses exactly.
+    ``model``: a checkpoint directory or hub repo id, written to ``save_path``
+    (:func:`fuse_checkpoint`, a :class:`FuseResult` returned), or an mlx-lm model in memory
+    fused in place (with its LoRA layers when ``adapter_path`` is None) and returned. A
+    quantized base is stored as ``quant_policy`` says (:mod:`lorakit.fusion.quant`) or as
+    float with ``dequantize``; ``float_base``: fuse a QLoRA adapter into the float original
+    instead. ``initial_adapter``: the PEFT adapter saved before training on a changed base
+    (PiSSA, OLoRA, ...), so the trained one is converted as PEFT does and fuses exactly.
     """
     options = FuseOptions(rounding, dtype, dequantize, quant_policy, quant_budget, layout)
     if initial_adapter is not None:
