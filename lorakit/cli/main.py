@@ -8,7 +8,7 @@ import json
 import os
 import sys
 import warnings
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 from ..errors import LorakitError
 from .written import written, wrote
@@ -43,18 +43,14 @@ def _fuse(args: argparse.Namespace) -> int:
         check_upload(args.upload_repo)
     from .algebra_cmds import fuse_adapter
 
-    result = fuse(args.model, fuse_adapter(args), args.save_path, rounding=args.rounding,
-                  dtype=args.dtype, dequantize=args.dequantize, force=args.force,
-                  export_gguf=args.gguf_path if args.export_gguf else None,
-                  progress=not args.quiet, quant_policy=args.quant_policy,
-                  quant_budget=args.quant_budget, float_base=args.float_base,
-                  layout=args.layout, initial_adapter=args.initial_adapter)
+    adapter = fuse_adapter(args)  # first: --like peft sets the rounding
+    names = ("rounding", "dtype", "dequantize", "force", "quant_policy", "quant_budget")
+    kw = {k: getattr(args, k) for k in names + ("float_base", "layout", "initial_adapter")}
+    result = fuse(args.model, adapter, args.save_path, progress=not args.quiet,
+                  export_gguf=args.gguf_path if args.export_gguf else None, **kw)
     if args.upload_repo is None:
         wrote(args, result.output)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(result)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
     if args.upload_repo is not None:
         url = upload(result.output, args.upload_repo)
         wrote(args, result.output)  # asked for an upload: done only once it is
@@ -66,58 +62,53 @@ def _add_fuse(sub) -> None:
     from ..fusion.options import DTYPE_POLICIES, LAYOUT_HELP, LAYOUTS, ROUNDING_HELP, ROUNDINGS
 
     p = sub.add_parser("fuse", help="fuse an adapter into a base checkpoint",
-                       description="Fuse a LoRA/DoRA adapter (mlx-lm or PEFT format) into a "
-                       "base checkpoint, one tensor in memory at a time, keeping dtypes.")
-    p.add_argument("--model", default="mlx_model",
-                   help="base model directory or hub repo id (default, as mlx_lm fuse: "
-                   "mlx_model)")
-    p.add_argument("--adapter-path", action="append", default=None,
-                   help="adapter directory, mlx-lm or PEFT format (default: adapters); "
-                   "repeat it to fuse a combination (--weights, --combine)")
+                       description="Fuse a LoRA/DoRA adapter (mlx-lm or PEFT format) into a base "
+                       "checkpoint, one tensor in memory at a time, keeping dtypes.")
+    p.add_argument("--model", default="mlx_model", help="base model directory or hub repo id "
+                   "(default, as mlx_lm fuse: mlx_model)")
+    p.add_argument("--adapter-path", action="append",
+                   help="adapter directory, mlx-lm or PEFT format (default: adapters); repeat it "
+                   "to fuse a combination (--weights, --combine)")
     p.add_argument("--save-path", default="fused_model",
                    help="output directory, must not exist (default: fused_model)")
+    rounding = "; ".join(f"{k}: {v}" for k, v in ROUNDING_HELP.items())
     p.add_argument("--rounding", choices=ROUNDINGS, default="nearest",
-                   help="; ".join(f"{k}: {v}" for k, v in ROUNDING_HELP.items()) +
-                   " (default: nearest)")
-    p.add_argument("--dtype", choices=DTYPE_POLICIES, default="preserve",
-                   help="dtype of fused weights (promote = float32, as a fuse that forgets "
-                   "the cast writes)")
+                   help=rounding + " (default: nearest)")
+    p.add_argument("--dtype", choices=DTYPE_POLICIES, default="preserve", help="dtype of fused "
+                   "weights (promote = float32, as a fuse that forgets the cast writes)")
     p.add_argument("--dequantize", action="store_true",
                    help="quantized base: write float weights instead of re-quantizing")
     p.add_argument("--quant-policy", default="requant", metavar="POLICY",
                    help="quantized base: requant (default, as mlx_lm fuse), same-grid, bits:N, "
                    "float, auto, learned (mlx-lm's GPTQ on calibration text)")
-    p.add_argument("--quant-budget", type=float, default=None, metavar="X",
+    p.add_argument("--quant-budget", type=float, metavar="X",
                    help="auto: at most X times the quantized base's bytes (default 1.15)")
-    p.add_argument("--float-base", default=None, metavar="PATH",
-                   help="fuse a QLoRA adapter of the quantized --model into this float "
-                   "original of it instead (float weights written)")
-    p.add_argument("--initial-adapter", default=None, metavar="DIR",
-                   help="a PEFT adapter made on a changed base (init_lora_weights pissa, "
-                   "olora, corda, lora_ga): the adapter saved before training; the trained "
-                   "one is converted as PEFT's path_initial_model_for_weight_conversion does "
-                   "and fused exactly")
+    p.add_argument("--float-base", metavar="PATH", help="fuse a QLoRA adapter of the quantized "
+                   "--model into this float original of it instead (float weights written)")
+    p.add_argument("--initial-adapter", metavar="DIR",
+                   help="a PEFT adapter made on a changed base (init_lora_weights pissa, olora, "
+                   "corda, lora_ga): the adapter saved before training; the trained one is "
+                   "converted as PEFT's path_initial_model_for_weight_conversion does and fused "
+                   "exactly")
+    layout = "; ".join(f"{k}: {v}" for k, v in LAYOUT_HELP.items())
     p.add_argument("--layout", choices=LAYOUTS, default="mlx-lm",
-                   help="a MoE model's experts: " + "; ".join(f"{k}: {v}" for k, v in
-                                                             LAYOUT_HELP.items()) +
-                   " (default: mlx-lm)")
+                   help=f"a MoE model's experts: {layout} (default: mlx-lm)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing output, but only an empty directory or a previous "
-                   "lorakit output (every file listed, unchanged, in its lorakit.json); "
-                   "anything else is refused and kept. The new output is complete before "
-                   "the old one is swapped out")
+                   "lorakit output (every file listed, unchanged, in its lorakit.json); anything "
+                   "else is refused and kept. The new output is complete before the old one is "
+                   "swapped out")
     p.add_argument("--export-gguf", action="store_true",
-                   help="also write a GGUF file llama.cpp loads into the output (llama, "
-                   "mistral, mixtral, qwen2, qwen3, qwen3_moe; float weights in the "
-                   "checkpoint's dtype, norms F32)")
+                   help="also write a GGUF file llama.cpp loads into the output (llama, mistral, "
+                   "mixtral, qwen2, qwen3, qwen3_moe; float weights in the checkpoint's dtype, "
+                   "norms F32)")
     p.add_argument("--gguf-path", default="ggml-model-f16.gguf",
                    help="the GGUF file's name inside the output (default: ggml-model-f16.gguf)")
-    p.add_argument("--upload-repo", default=None, metavar="OWNER/NAME",
-                   help="upload the finished output to this Hugging Face repo "
-                   "(huggingface_hub; needs a login and the network)")
+    p.add_argument("--upload-repo", metavar="OWNER/NAME", help="upload the finished output to "
+                   "this Hugging Face repo (huggingface_hub; needs a login and the network)")
     p.add_argument("--trust-remote-code", action="store_true",
-                   help="accepted as mlx_lm fuse accepts it; lorakit's fuse reads tensors "
-                   "and never runs a model's code, so it changes nothing here")
+                   help="accepted as mlx_lm fuse accepts it; lorakit's fuse reads tensors and "
+                   "never runs a model's code, so it changes nothing here")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     from .algebra_cmds import add_combination_flags
@@ -125,31 +116,18 @@ def _add_fuse(sub) -> None:
     p.set_defaults(run=_fuse)
 
 
-def _registered_adders() -> List[Callable]:
-    adders: List[Callable] = [_add_fuse]
-    for mod in ("lorakit.cli.inspect_cmds", "lorakit.cli.timing_cmd", "lorakit.cli.synth_cmd",
-                "lorakit.cli.extract_cmds",
-                "lorakit.cli.algebra_cmds", "lorakit.cli.behaviour_cmd"):
-        try:
-            m = __import__(mod, fromlist=["add"])
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-            continue
-        adders.append(m.add)
-    return adders
-
-
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
+    from . import algebra_cmds, behaviour_cmd, extract_cmds, inspect_cmds, synth_cmd, timing_cmd
 
     parser = argparse.ArgumentParser(
         prog="lorakit", description="Fuse, inspect, compare and time LoRA adapters for MLX.")
     parser.add_argument("--version", action="version", version=f"lorakit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for add in _registered_adders():
-        add(sub)
+    _add_fuse(sub)
+    for m in (inspect_cmds, timing_cmd, synth_cmd, extract_cmds, algebra_cmds, behaviour_cmd):
+        m.add(sub)
     _no_abbreviations(parser)
     return parser
 
@@ -178,8 +156,7 @@ def _one_line_warnings(command: str) -> None:
     warnings.showwarning = show
 
 
-#: exit status when the reader of stdout goes away (``lorakit inspect ... | head``):
-#: 128 + SIGPIPE, what a shell reports for a Unix tool that SIGPIPE ended.
+#: exit status when the reader of stdout goes away (``... | head``): 128 + SIGPIPE, as a shell says
 EXIT_BROKEN_PIPE = 141
 
 
