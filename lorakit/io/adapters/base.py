@@ -216,6 +216,13 @@ def check_finite(file: Path, name: str, x: np.ndarray) -> None:
                            expected="finite values", found=f"{bad} non-finite of {x.size}")
 
 
+def bad_config(cfg_path: Path, key: str, message: str, expected: str, found: Any,
+               hint: Optional[str] = None, n: Optional[int] = 80) -> AdapterError:
+    """The error for config entry ``key``: ``found`` is the value, its repr cut to ``n``."""
+    return AdapterError(message, file=cfg_path, tensor=key, expected=expected,
+                        found=repr(found)[:n], hint=hint)
+
+
 def problems(file: Path, errors: Iterable[str], expected: str,
              headline: str = "problem(s) in the adapter's tensors",
              hint: Optional[str] = None) -> AdapterError:
