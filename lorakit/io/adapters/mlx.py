@@ -40,11 +40,8 @@ _LEAVES = ("lora_a", "lora_b", "m")
 
 @dataclass(frozen=True)
 class MlxScope:
-    """Which modules mlx-lm puts LoRA layers on, from ``adapter_config.json``.
-
-    ``num_layers`` as written (``<= 0``: every block); ``keys`` is ``lora_parameters.keys``
-    or None (every Linear/Embedding/SwitchLinear of the adapted blocks).
-    """
+    """Which modules mlx-lm puts LoRA layers on: ``num_layers`` (``<= 0``: every block) and
+    ``lora_parameters.keys`` (None: every Linear/Embedding/SwitchLinear)."""
 
     num_layers: int
     keys: Optional[FrozenSet[str]]
@@ -55,10 +52,8 @@ class MlxScope:
 
     def refusal(self, module: str, n_layers: Optional[int], keys: bool = True
                 ) -> Optional[str]:
-        """Why mlx-lm puts no LoRA layer on ``module`` (None: it does, or may).
-
-        ``n_layers``: the model's block count. ``keys=False``: check only the block
-        index, leaving modules that ``keys`` does not name alone.
+        """Why mlx-lm puts no LoRA layer on ``module`` (None: it does, or may) in a model of
+        ``n_layers`` blocks; ``keys=False`` checks only the block index.
 
         >>> MlxScope(2, frozenset({"self_attn.q_proj"})).refusal(
         ...     "model.layers.1.self_attn.q_proj", 8)
@@ -155,12 +150,8 @@ def _group(names: List[str]) -> Tuple[Dict[str, Dict[str, str]], List[str]]:
 
 def _scope_errors(groups: Dict[str, Dict[str, str]], scope: MlxScope,
                   n_layers: Optional[int]) -> List[str]:
-    """A line per tensor mlx-lm would refuse as "not an adapter parameter in the model".
-
-    Without the model's block count (``n_layers`` None) only block indices are
-    checked, for the smallest model that holds every block the adapter names: what
-    that model refuses, every model does.
-    """
+    """A line per tensor mlx-lm would refuse as "not an adapter parameter in the model";
+    ``n_layers`` None: the smallest model holding every block named (block indices only)."""
     keys = n_layers is not None
     if n_layers is None:
         idx = [int(m.group(2)) for m in map(_IN_LAYER.match, groups) if m]
@@ -236,11 +227,8 @@ def _target(p: _Plan, ts: AdapterTensors, scale: float) -> LoraTarget:
 
 
 def load_mlx(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None) -> Adapter:
-    """Read an mlx-lm adapter directory whose config is ``cfg``.
-
-    Every tensor is checked from the header first (names, scope, dtypes, shapes,
-    ranks); only then are the tensors read, so nothing refused is read into memory.
-    """
+    """Read an mlx-lm adapter directory whose config is ``cfg``, every tensor checked from
+    the header before any is read."""
     cfg_path = path / CONFIG
     file = file or path / MLX_WEIGHTS
     ftype, scale, rank, scope = mlx_settings(cfg, cfg_path)
@@ -271,11 +259,9 @@ def load_mlx(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None) -> Ad
 
 def check_layer_scope(adapter: Adapter, n_layers: int, *, source: Optional[str] = None,
                       conflict: Optional[str] = None) -> None:
-    """Refuse an mlx-lm adapter holding tensors for blocks mlx-lm leaves alone in a
-    model of ``n_layers`` blocks (the last ``num_layers`` carry LoRA), or for blocks
-    past its end, listing each. ``source`` says where ``n_layers`` came from (e.g.
-    ``num_hidden_layers=4 in .../config.json``); ``conflict``, if given, how the
-    model's config disagrees with its tensors (then the likelier culprit)."""
+    """Refuse an mlx-lm adapter with tensors for blocks mlx-lm leaves alone in a model of
+    ``n_layers`` blocks (``source``: where that came from; ``conflict``: how the model's
+    config disagrees with its tensors)."""
     if adapter.format != "mlx-lm":
         return
     _, _, _, scope = mlx_settings(adapter.config, adapter.path / CONFIG)

@@ -272,12 +272,8 @@ def peft_settings(cfg: Dict[str, Any], cfg_path: Path) -> PeftSettings:
 
 
 def _saved_module(key: str, saved: List[str]) -> Optional[Tuple[str, str]]:
-    """(module, leaf) when ``key`` is a modules_to_save tensor, else None.
-
-    PEFT saves the trained copy of a ``modules_to_save`` module under the module's
-    own name (``lm_head.weight``; older versions kept ``.modules_to_save.<adapter>``
-    in it) and matches the configured names as PEFT does: a plain suffix of the module
-    path (``"norm"`` matches ``model.norm`` and every ``*_layernorm``)."""
+    """(module, leaf) when ``key`` is a modules_to_save tensor (a configured name is a
+    plain suffix of the module path, as in PEFT), else None."""
     key = re.sub(r"\.modules_to_save\.[^.]+\.", ".", key)
     module, _, leaf = key.rpartition(".")
     if leaf not in ("weight", "bias") or not module or re.search(
@@ -405,11 +401,8 @@ def _replacement(name: str, module: str, leaf: str, ts: AdapterTensors
 
 def load_peft(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None,
               residual_ok: bool = False) -> Adapter:
-    """Read a PEFT LoRA adapter directory whose config is ``cfg``.
-
-    Names, scope (what PEFT adapts), dtypes, shapes and ranks are checked from the
-    header; only tensors that pass are read. All problems are reported in one error.
-    """
+    """Read a PEFT LoRA adapter directory whose config is ``cfg``, every tensor checked
+    from the header before any is read; all problems in one error."""
     cfg_path = path / CONFIG
     file = file or path / PEFT_WEIGHTS
     s = peft_settings(cfg, cfg_path)
@@ -538,10 +531,7 @@ def converted_config(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 def convert_residual(trained: Adapter, initial: Adapter) -> Adapter:
     """A residual-base adapter as the plain LoRA PEFT's conversion makes of it: per module
-    ``A' = cat(A, A0)``, ``B' = cat(B, -B0)`` (rank 2r), the scale of
-    :func:`converted_config` (PEFT refuses rsLoRA with patterns; here its scale is that
-    of the doubled rank and alpha * sqrt(2), as without patterns). The delta is
-    ``scale * (B @ A - B0 @ A0)``."""
+    ``A' = cat(A, A0)``, ``B' = cat(B, -B0)`` (rank 2r) at :func:`converted_config`'s scale."""
     if trained.format != "peft" or initial.format != "peft":
         raise AdapterError("an initial adapter converts PEFT adapters only",
                            file=trained.path if trained.format != "peft" else initial.path,
