@@ -36,17 +36,9 @@ FLOAT_ADAPTER_CODES = ("F32", "F16", "BF16", "F64")
 class LoraTarget:
     """The low-rank change to one module's weight: ``delta = scale * (B @ A)``.
 
-    Attributes:
-        module: module path in the model, without format prefixes
-            (``model.layers.3.self_attn.q_proj``).
-        kind: ``"linear"``, ``"embedding"`` or ``"switch"`` (stacked MoE experts).
-        A: float32 (…, r, in). B: float32 (…, out, r).
-        scale: the multiplier applied to ``B @ A``; for an exact combination of
-            adapters (:func:`lorakit.combine`), one per rank column (an array (r,)).
-        magnitude: DoRA's learned row norms (out,), or None for plain LoRA.
-        names: the adapter tensor names this target came from (for messages).
-        base_weight: a copy of the base weight saved with the adapter (PEFT does this
-            for embedding LoRA); it replaces the checkpoint's weight when fusing.
+    ``kind`` is linear, embedding or switch (stacked MoE experts); ``scale`` may be one per
+    rank column (an exact :func:`lorakit.combine`); ``magnitude`` is DoRA's row norms;
+    ``base_weight`` a base weight PEFT saved with the adapter, fused in its place.
     """
 
     module: str
@@ -140,14 +132,8 @@ class Adapter:
 
 
 class AdapterTensors:
-    """An adapter's weights file, read lazily: the header at once, each tensor's data
-    only when :meth:`read` asks for it (so a tensor that is refused or unused is never
-    read into memory).
-
-    >>> t = AdapterTensors(Path("data/adapters/lora/adapters.safetensors"))
-    >>> len(t.names), sorted(t.names)[0]
-    (56, 'model.layers.0.mlp.down_proj.lora_a')
-    """
+    """An adapter's weights file, read lazily: the header at once, a tensor's data only
+    when asked for (a refused or unused tensor is never read)."""
 
     def __init__(self, file: Path) -> None:
         self.file = file
@@ -214,6 +200,13 @@ def check_finite(file: Path, name: str, x: np.ndarray) -> None:
         bad = int((~np.isfinite(x)).sum())
         raise AdapterError("adapter tensor holds NaN or Inf", file=file, tensor=name,
                            expected="finite values", found=f"{bad} non-finite of {x.size}")
+
+
+def bad_config(cfg_path: Path, key: str, message: str, expected: str, found: Any,
+               hint: Optional[str] = None, n: Optional[int] = 80) -> AdapterError:
+    """The error for config entry ``key``: ``found`` is the value, its repr cut to ``n``."""
+    return AdapterError(message, file=cfg_path, tensor=key, expected=expected,
+                        found=repr(found)[:n], hint=hint)
 
 
 def problems(file: Path, errors: Iterable[str], expected: str,

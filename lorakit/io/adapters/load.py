@@ -51,22 +51,12 @@ def _not_read(named: Path, reads: Optional[Path]) -> AdapterError:
 
 def load_adapter(path: PathLike, initial_adapter: Optional[PathLike] = None, *,
                  residual_ok: bool = False) -> Adapter:
-    """Read an adapter directory in mlx-lm or PEFT format.
+    """Read an mlx-lm or PEFT adapter directory (or the weights file it would read).
 
-    The format is told by the files present (``adapters.safetensors`` or
-    ``adapter_model.safetensors``); every tensor is checked and all problems come in one
-    error. ``path`` may name the weights file itself, but only the one its directory would
-    give: never another ``.safetensors`` (a training checkpoint) in its place.
-
-    >>> ad = load_adapter("data/adapters/lora")
-    >>> ad.format, len(ad.targets)
-    ('mlx-lm', 28)
-
-    A PEFT adapter made on a changed base (``init_lora_weights`` pissa, olora, corda,
-    lora_ga; ``loftq_config``) is refused unless ``initial_adapter`` names the adapter
-    saved before training: it is then converted as PEFT's
-    ``path_initial_model_for_weight_conversion`` does (rank 2r, delta
-    ``scale * (B @ A - B0 @ A0)``). ``residual_ok`` reads it unconverted (``check``).
+    Every tensor is checked and all problems come in one error. A residual-base PEFT
+    adapter (pissa, olora, corda, lora_ga, loftq) is refused unless ``initial_adapter``
+    names the adapter saved before training (then converted as PEFT does, rank 2r);
+    ``residual_ok`` reads it unconverted.
     """
     if initial_adapter is not None:
         return convert_residual(load_adapter(path, residual_ok=True),
@@ -116,11 +106,8 @@ def _layer_counts(config: Dict[str, Any], tensor_names: Iterable[str], prefix: s
 
 
 def check_runtime_scope(adapter: Adapter, ck: Any) -> None:
-    """Refuse what the adapter's own runtime refuses on base ``ck`` (a Checkpoint or
-    anything with ``config`` and ``tensors``): for mlx-lm, tensors outside the last
-    ``num_layers`` of the model's blocks; for PEFT, ``target_modules`` that match no
-    module of the model. :func:`lorakit.io.adapters.naming.bind` calls it first; checks that
-    need no model already ran in :func:`load_adapter`."""
+    """Refuse what the adapter's own runtime refuses on base ``ck``: for mlx-lm, tensors
+    outside the last ``num_layers`` blocks; for PEFT, ``target_modules`` matching nothing."""
     names = list(getattr(ck, "tensors", None) or getattr(ck, "params", None) or ())
     config = getattr(ck, "config", None) or {}
     if adapter.format == "mlx-lm":

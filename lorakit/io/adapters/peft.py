@@ -27,6 +27,7 @@ from .base import (
     AdapterTensors,
     LoraTarget,
     Replacement,
+    bad_config,
     check_magnitude,
     number,
     problems,
@@ -88,13 +89,10 @@ FIELDS: Dict[str, Tuple[Any, str, str]] = {
     "use_qalora": (False, _REFUSED, "QA-LoRA: its A works on pooled inputs of a GPTQ "
                    "model; merge it with PEFT"),
     "use_bdlora": (None, _REFUSED, "BD-LoRA: block-diagonal factors; merge it with PEFT"),
-    # duplicated layers change the model's structure: no fuse into the base's tensors
     "layer_replication": (None, _REFUSED, "layer_replication"),
-    # activated LoRA applies only after its invocation tokens: merging changes outputs
     "alora_invocation_tokens": (None, _REFUSED, "activated LoRA (alora_invocation_tokens): "
                                 "it applies after its invocation tokens only, no merge "
                                 "keeps that"),
-    # LoRA on raw nn.Parameters (MoE expert tensors) is stored in another layout
     "target_parameters": (None, _REFUSED, "LoRA on parameters (target_parameters)"),
     "trainable_token_indices": (None, _REFUSED, "trainable tokens "
                                 "(trainable_token_indices): merge it with PEFT"),
@@ -194,8 +192,8 @@ def _names(cfg: Dict[str, Any], key: str, cfg_path: Path) -> Names:
         return v
     if isinstance(v, list) and all(isinstance(x, str) and x for x in v):
         return list(v)
-    raise AdapterError(f"{key} must be a regex or a list of module names", file=cfg_path,
-                       tensor=key, expected='"<regex>" or ["q_proj", ...]', found=repr(v)[:80])
+    raise bad_config(cfg_path, key, f"{key} must be a regex or a list of module names",
+                     '"<regex>" or ["q_proj", ...]', v)
 
 
 def _check_regexes(cfg_path: Path, key: str, patterns: Sequence[str]) -> None:
@@ -211,26 +209,22 @@ def _check_regexes(cfg_path: Path, key: str, patterns: Sequence[str]) -> None:
 def _positive(cfg_path: Path, key: str, val: Any, integer: bool) -> Any:
     v = number(val)
     if v is None or v <= 0:
-        raise AdapterError(f"PEFT config needs a positive {key}", file=cfg_path, tensor=key,
-                           expected="a positive number", found=repr(val)[:80])
+        raise bad_config(cfg_path, key, f"PEFT config needs a positive {key}",
+                         "a positive number", val)
     if integer and whole(val) is None:
-        raise AdapterError(f"PEFT config's {key} must be a whole number", file=cfg_path,
-                           tensor=key, expected="a positive integer (a rank)",
-                           found=repr(val)[:80])
+        raise bad_config(cfg_path, key, f"PEFT config's {key} must be a whole number",
+                         "a positive integer (a rank)", val)
     return val
 
 
 def _patterns(cfg: Dict[str, Any], key: str, cfg_path: Path, integer: bool) -> Dict[str, Any]:
     pat = cfg.get(key) or {}
     if not isinstance(pat, dict) or any(number(v) is None or v <= 0 for v in pat.values()):
-        raise AdapterError(f"{key} must map module names to positive numbers",
-                           file=cfg_path, tensor=key,
-                           expected='{"<module>": <positive number>, ...}',
-                           found=repr(pat)[:80])
+        raise bad_config(cfg_path, key, f"{key} must map module names to positive numbers",
+                         '{"<module>": <positive number>, ...}', pat)
     if integer and any(whole(v) is None for v in pat.values()):
-        raise AdapterError(f"{key} values must be whole numbers (ranks)", file=cfg_path,
-                           tensor=key, expected='{"<module>": <positive integer>, ...}',
-                           found=repr(pat)[:80])
+        raise bad_config(cfg_path, key, f"{key} values must be whole numbers (ranks)",
+                         '{"<module>": <positive integer>, ...}', pat)
     _check_regexes(cfg_path, key, list(pat))
     return dict(pat)
 
@@ -239,8 +233,7 @@ def peft_settings(cfg: Dict[str, Any], cfg_path: Path) -> PeftSettings:
     """The checked :class:`PeftSettings` of a PEFT adapter config (one error per problem)."""
     ptype = cfg.get("peft_type", "LORA")
     if str(ptype).upper() != "LORA":
-        raise AdapterError("unsupported PEFT method", file=cfg_path, tensor="peft_type",
-                           expected="LORA", found=repr(ptype))
+        raise bad_config(cfg_path, "peft_type", "unsupported PEFT method", "LORA", ptype, n=None)
     check_fields(cfg, cfg_path)
     s = PeftSettings(_positive(cfg_path, "r", cfg.get("r"), True),
                      float(_positive(cfg_path, "lora_alpha", cfg.get("lora_alpha"), False)),
@@ -256,9 +249,9 @@ def peft_settings(cfg: Dict[str, Any], cfg_path: Path) -> PeftSettings:
         layers = [layers]
     if layers is not None and not (isinstance(layers, list)
                                    and all(type(i) is int for i in layers)):
-        raise AdapterError("layers_to_transform must be a layer index or a list of them",
-                           file=cfg_path, tensor="layers_to_transform",
-                           expected="an integer or a list of integers", found=repr(layers)[:80])
+        raise bad_config(cfg_path, "layers_to_transform",
+                         "layers_to_transform must be a layer index or a list of them",
+                         "an integer or a list of integers", layers)
     s.layers_to_transform = layers
     lp = _names(cfg, "layers_pattern", cfg_path)
     s.layers_pattern = [lp] if isinstance(lp, str) else lp
@@ -268,9 +261,8 @@ def peft_settings(cfg: Dict[str, Any], cfg_path: Path) -> PeftSettings:
     if isinstance(saved, str):
         saved = [saved]
     if not isinstance(saved, list) or not all(isinstance(m, str) and m for m in saved):
-        raise AdapterError("modules_to_save must be a list of module names", file=cfg_path,
-                           tensor="modules_to_save", expected='["lm_head", ...]',
-                           found=repr(saved)[:80])
+        raise bad_config(cfg_path, "modules_to_save", "modules_to_save must be a list of module "
+                         "names", '["lm_head", ...]', saved)
     s.modules_to_save = saved
     for key, val in (("target_modules", s.target_modules), ("exclude_modules", s.exclude_modules),
                      ("layers_pattern", s.layers_pattern), ("modules_to_save", saved)):
@@ -280,12 +272,8 @@ def peft_settings(cfg: Dict[str, Any], cfg_path: Path) -> PeftSettings:
 
 
 def _saved_module(key: str, saved: List[str]) -> Optional[Tuple[str, str]]:
-    """(module, leaf) when ``key`` is a modules_to_save tensor, else None.
-
-    PEFT saves the trained copy of a ``modules_to_save`` module under the module's
-    own name (``lm_head.weight``; older versions kept ``.modules_to_save.<adapter>``
-    in it) and matches the configured names as PEFT does: a plain suffix of the module
-    path (``"norm"`` matches ``model.norm`` and every ``*_layernorm``)."""
+    """(module, leaf) when ``key`` is a modules_to_save tensor (a configured name is a
+    plain suffix of the module path, as in PEFT), else None."""
     key = re.sub(r"\.modules_to_save\.[^.]+\.", ".", key)
     module, _, leaf = key.rpartition(".")
     if leaf not in ("weight", "bias") or not module or re.search(
@@ -413,11 +401,8 @@ def _replacement(name: str, module: str, leaf: str, ts: AdapterTensors
 
 def load_peft(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None,
               residual_ok: bool = False) -> Adapter:
-    """Read a PEFT LoRA adapter directory whose config is ``cfg``.
-
-    Names, scope (what PEFT adapts), dtypes, shapes and ranks are checked from the
-    header; only tensors that pass are read. All problems are reported in one error.
-    """
+    """Read a PEFT LoRA adapter directory whose config is ``cfg``, every tensor checked
+    from the header before any is read; all problems in one error."""
     cfg_path = path / CONFIG
     file = file or path / PEFT_WEIGHTS
     s = peft_settings(cfg, cfg_path)
@@ -472,12 +457,9 @@ def check_targets_exist(adapter: Adapter, modules: Sequence[str], source: Path) 
     if s.target_modules is None:
         return
     if not any(s.refusal(m) is None for m in modules):
-        raise AdapterError("target_modules match no module of the model",
-                           file=adapter.path / CONFIG,
-                           tensor="target_modules",
-                           expected=f"module names of the model at {source}",
-                           found=repr(s.target_modules)[:120],
-                           hint="PEFT refuses this adapter on this model too")
+        raise bad_config(adapter.path / CONFIG, "target_modules", "target_modules match no "
+                         "module of the model", f"module names of the model at {source}",
+                         s.target_modules, "PEFT refuses this adapter on this model too", 120)
 
 
 def _empty(v: Any) -> bool:
@@ -491,16 +473,14 @@ def check_fields(cfg: Dict[str, Any], cfg_path: Path) -> None:
         if how in (_READ, _IGNORED) or _empty(val) or val == default:
             continue
         if how == "unknown":
-            raise AdapterError("unknown PEFT config field", file=cfg_path, tensor=key,
-                               expected=f"a field of PEFT's LoraConfig, or {key} empty",
-                               found=repr(val)[:80],
-                               hint="lorakit reads every field of PEFT 0.21's LoraConfig and "
-                               "refuses a field whose meaning it does not know; if a newer "
-                               "PEFT wrote it, merge with that PEFT's merge_and_unload")
+            raise bad_config(cfg_path, key, "unknown PEFT config field",
+                             f"a field of PEFT's LoraConfig, or {key} empty", val,
+                             "lorakit reads every field of PEFT 0.21's LoraConfig and refuses "
+                             "a field whose meaning it does not know; if a newer PEFT wrote "
+                             "it, merge with that PEFT's merge_and_unload")
         what, _, todo = text.partition(": ")
-        raise AdapterError(f"unsupported PEFT feature: {what}", file=cfg_path, tensor=key,
-                           expected=repr(default).replace("'", '"') if default else _EMPTY,
-                           found=repr(val)[:80], hint=todo or None)
+        raise bad_config(cfg_path, key, f"unsupported PEFT feature: {what}",
+                         repr(default).replace("'", '"') if default else _EMPTY, val, todo or None)
 
 
 def residual_init(cfg: Dict[str, Any]) -> Optional[Tuple[str, Any]]:
@@ -520,18 +500,16 @@ def check_init(cfg: Dict[str, Any], cfg_path: Path, residual_ok: bool) -> None:
     init = cfg.get("init_lora_weights", True)
     if (init.lower() if isinstance(init, str) else init) not in _KEEPS_BASE and not (isinstance(init, str) and
                                         init.lower().startswith(_CHANGES_BASE)):
-        raise AdapterError("unknown init_lora_weights", file=cfg_path,
-                           tensor="init_lora_weights", found=repr(init)[:80],
-                           expected=f"one of {list(_KEEPS_BASE)} or {list(_CHANGES_BASE)}")
+        raise bad_config(cfg_path, "init_lora_weights", "unknown init_lora_weights",
+                         f"one of {list(_KEEPS_BASE)} or {list(_CHANGES_BASE)}", init)
     res = residual_init(cfg)
     if res is not None and not residual_ok:
         key, val = res
-        raise AdapterError(
-            f"residual-base adapter: {key}={val!r} changed the base weights when PEFT made "
-            "this adapter (W_res = W - scale * B0 @ A0); fused into the original base it is "
-            "wrong", file=cfg_path, tensor=key, found=repr(val)[:80],
-            expected="a plain LoRA (init_lora_weights true)",
-            hint="re-save it with PEFT's save_pretrained(..., "
+        raise bad_config(
+            cfg_path, key, f"residual-base adapter: {key}={val!r} changed the base weights when "
+            "PEFT made this adapter (W_res = W - scale * B0 @ A0); fused into the original base "
+            "it is wrong", "a plain LoRA (init_lora_weights true)", val,
+            "re-save it with PEFT's save_pretrained(..., "
             "path_initial_model_for_weight_conversion=<the adapter saved before training>), "
             "or give lorakit that initial adapter: --initial-adapter DIR (API: "
             "initial_adapter=)" + ("; LoftQ's base is its quantized residual: merge with "
@@ -553,10 +531,7 @@ def converted_config(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 def convert_residual(trained: Adapter, initial: Adapter) -> Adapter:
     """A residual-base adapter as the plain LoRA PEFT's conversion makes of it: per module
-    ``A' = cat(A, A0)``, ``B' = cat(B, -B0)`` (rank 2r), the scale of
-    :func:`converted_config` (PEFT refuses rsLoRA with patterns; here its scale is that
-    of the doubled rank and alpha * sqrt(2), as without patterns). The delta is
-    ``scale * (B @ A - B0 @ A0)``."""
+    ``A' = cat(A, A0)``, ``B' = cat(B, -B0)`` (rank 2r) at :func:`converted_config`'s scale."""
     if trained.format != "peft" or initial.format != "peft":
         raise AdapterError("an initial adapter converts PEFT adapters only",
                            file=trained.path if trained.format != "peft" else initial.path,

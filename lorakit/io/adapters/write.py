@@ -36,14 +36,9 @@ def save_adapter(adapter: Adapter, path: PathLike, *, format: str = "mlx-lm",
                  dtype: Optional[str] = None, num_layers: Optional[int] = None,
                  protected: Sequence[PathLike] = (), verb: str = "save-adapter",
                  config: Optional[Mapping[str, Any]] = None, mark: str = TMP_MARK) -> Path:
-    """Write ``adapter`` to directory ``path`` in ``format`` (``"mlx-lm"`` or ``"peft"``).
-
-    ``path`` is created whole or not at all; ``force`` replaces only a previous lorakit
-    output. ``dtype`` (F32, BF16, F16) defaults to that of ``adapter.weights_file``, else
-    F32; a factor it cannot hold exactly is refused. ``num_layers`` defaults to the
-    source's own, else the span of adapted blocks. ``config`` is laid over the written
-    adapter_config.json; ``provenance`` and ``verb`` go to ``lorakit.json``; ``protected``
-    names more inputs the output must stay out of. Returns the output directory.
+    """Write ``adapter`` to directory ``path`` (created whole or not at all) as mlx-lm or
+    PEFT. ``dtype`` defaults to the source file's, else F32; a factor it cannot hold exactly
+    is refused. ``config`` is laid over the written adapter_config.json.
 
     >>> from lorakit import load_adapter
     >>> ad = load_adapter("data/adapters/lora")

@@ -153,11 +153,8 @@ _PRE_REGEX = {
 
 
 def _bpe_pre(pre: Any, file: Path) -> str:
-    """llama.cpp's pre-tokenizer name for a tokenizer.json ``pre_tokenizer``: the one
-    whose split regex is the tokenizer's own (``gpt-2`` for a plain ByteLevel with its
-    GPT-2 regex), or one clear refusal. Chosen from the tokenizer, never from the model
-    family: a qwen3 model may carry a GPT-2 vocabulary, and llama.cpp's ``qwen2`` regex
-    would then split digits the tokenizer keeps together."""
+    """llama.cpp's pre-tokenizer name whose split regex is the tokenizer's own (never
+    chosen from the model family), or one clear refusal."""
     steps = pre.get("pretokenizers", []) if isinstance(pre, dict) and \
         pre.get("type") == "Sequence" else [pre]
     steps = [x for x in steps if isinstance(x, dict)]
@@ -324,12 +321,8 @@ def _atomic_write(w_build, out: Path, force: bool) -> Path:
 
 def write_model_gguf(directory: Path, out: Path, *, outtype: str = "auto",
                      force: bool = False) -> Path:
-    """Write the float checkpoint in ``directory`` as a GGUF model llama.cpp loads.
-
-    ``outtype``: ``"auto"`` keeps each weight's dtype (F32/F16/BF16), or one of
-    ``f32``/``f16``/``bf16``; norms and MoE routers are F32 always (as llama.cpp's
-    converter writes them). Returns ``out``.
-    """
+    """Write the float checkpoint in ``directory`` as a GGUF model llama.cpp loads
+    (``outtype`` auto keeps each weight's dtype; norms and routers are F32 always)."""
     gguf = _gguf()
     if outtype not in GGUF_OUTTYPES:
         raise FormatError("unknown GGUF outtype", expected=", ".join(GGUF_OUTTYPES),
@@ -400,16 +393,9 @@ def write_model_gguf(directory: Path, out: Path, *, outtype: str = "auto",
 
 def write_lora_gguf(adapter: Any, config: Mapping[str, Any], out: Path, *,
                     outtype: str = "f32", force: bool = False) -> Path:
-    """Write the unfused LoRA ``adapter`` (an :class:`lorakit.io.adapters.base.Adapter`)
-    for a base of ``config`` as llama.cpp's LoRA GGUF.
-
-    Each target's ``delta = scale * (B @ A)`` becomes ``lora_a`` = A (r, in) and
-    ``lora_b`` = B (out, r) (q/k rows of B permuted for llama-arch bases), with
-    ``adapter.lora.alpha = scale * r`` when that is one number for every target (the
-    factors then as stored); otherwise each B is multiplied by its scale and alpha is 0,
-    which llama.cpp applies at scale 1. ``outtype``: ``f32`` (default, exact for
-    bf16/f16/f32 factors) or ``f16``.
-    """
+    """Write the unfused LoRA ``adapter`` for a base of ``config`` as llama.cpp's LoRA GGUF:
+    ``lora_a`` = A, ``lora_b`` = B, alpha = scale * r when one for every target, else each B
+    times its scale and alpha 0 (applied at scale 1)."""
     gguf = _gguf()
     arch = check_gguf_model(config, "GGUF-LoRA export")
     if outtype not in ("f32", "f16"):

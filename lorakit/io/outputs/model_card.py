@@ -17,13 +17,8 @@ CARD_NAME = "README.md"
 
 def write_model_card(directory: Path, base_card: Optional[Path], hub_id: Optional[str],
                      title: str, settings: Mapping[str, Any], rounding_words: str = "") -> Path:
-    """Write ``directory/README.md`` for a fused checkpoint.
-
-    ``base_card`` is the base's ``README.md`` (its metadata kept, as mlx-lm keeps the hub
-    card's), ``hub_id`` the base's repo id (``base_model``), ``title`` the heading (never the
-    output path, so the same fuse writes the same bytes anywhere), ``settings`` the fuse's
-    provenance, ``rounding_words`` the rounding order in words.
-    """
+    """Write ``directory/README.md`` for a fused checkpoint, keeping ``base_card``'s
+    metadata as mlx-lm does; ``title`` is never the output path (same bytes anywhere)."""
     from huggingface_hub import (  # lazy: only a fuse writes a card
         ModelCard,
         ModelCardData,
