@@ -20,7 +20,7 @@ import ipywidgets as W
 from ..errors import ArgumentError, PathLike
 from ..timing.decode import DecodeOptions, auto_rounds, time_decode, weight_bytes
 from ..timing.table import VARIANTS, DecodeTiming, VariantTiming
-from ._base import ErrorBox, FigureView, hook
+from ._base import ErrorBox, FigureView, button, hook, htmls
 
 __all__ = ["DecodeRace"]
 
@@ -62,15 +62,12 @@ class DecodeRace(W.VBox):
         self.tokens = box(o.tokens, 4096, "tokens")
         self.prompt_tokens = box(o.prompt_tokens, 8192, "prompt tokens")
         self.repeats = box(o.repeats, 50, "repeats")
-        self.start_button = hook(W.Button(description="Start", button_style="primary",
-                                          icon="play"), "race-start")
-        self.stop_button = hook(W.Button(description="Stop", icon="stop", disabled=True),
-                                "race-stop")
+        self.start_button = button("race-start", "Start", "play")
+        self.stop_button = button("race-stop", "Stop", "stop", "", disabled=True)
         self.progress = hook(W.IntProgress(0, min=0, max=1, layout=W.Layout(width="16em")),
                              "race-progress")
-        self.status = hook(W.HTML(""), "race-status")
+        self.status, self.table = htmls("race", "status", "table")
         self.chart = FigureView("race-chart")
-        self.table = hook(W.HTML(""), "race-table")
         self.error = ErrorBox("race-error")
         self.start_button.on_click(lambda _b: self.start())
         self.stop_button.on_click(lambda _b: self.stop())

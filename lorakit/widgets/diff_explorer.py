@@ -21,7 +21,17 @@ from ..inspect.plots import histogram_bars
 from ..inspect.ulp_count import binades, bits_dtype
 from ..io.formats import source
 from ..report import Report
-from ._base import ErrorBox, FigureView, facts_html, hook, rows_html, summary_html
+from ._base import (
+    ErrorBox,
+    FigureView,
+    button,
+    dropdown,
+    facts_html,
+    hook,
+    htmls,
+    rows_html,
+    summary_html,
+)
 
 __all__ = ["DiffExplorer"]
 #: the B choice meaning "the exact fuse of base + adapter, in float64"
@@ -52,22 +62,16 @@ class DiffExplorer(W.VBox):
         self.compared = 0
         self._quiet = False
         style = {"description_width": "5em"}
-        self.a = hook(W.Dropdown(options=labels, value=a or labels[0], description="A",
-                                 style=style), "ulp-a")
+        self.a = dropdown("ulp-a", "A", labels, value=a or labels[0], style=style)
         default_b = b or (b_labels[1] if len(b_labels) > 1 else b_labels[0])
-        self.b = hook(W.Dropdown(options=b_labels, value=default_b, description="B",
-                                 style=style), "ulp-b")
-        self.button = hook(W.Button(description="Compare", button_style="primary",
-                                    icon="balance-scale"), "ulp-compare")
+        self.b = dropdown("ulp-b", "B", b_labels, value=default_b, style=style)
+        self.button = button("ulp-compare", "Compare", "balance-scale")
         self.view = hook(W.ToggleButtons(options=list(VIEWS), value="overall",
                                          description="show", style=style), "ulp-view")
-        self.layer = hook(W.Dropdown(options=[], description="layer", style=style),
-                          "ulp-layer")
-        self.tensor = hook(W.Dropdown(options=[], description="tensor", style=style,
-                                      layout=W.Layout(width="34em")), "ulp-tensor")
-        self.status = hook(W.HTML(""), "ulp-status")
-        self.summary = hook(W.HTML(""), "ulp-summary")
-        self.facts = hook(W.HTML(""), "ulp-facts")
+        self.layer = dropdown("ulp-layer", "layer", [], style=style)
+        self.tensor = dropdown("ulp-tensor", "tensor", [], style=style,
+                               layout=W.Layout(width="34em"))
+        self.status, self.summary, self.facts = htmls("ulp", "status", "summary", "facts")
         self.figure = FigureView("ulp-figure")
         self.error = ErrorBox("ulp-error")
         self.button.on_click(lambda _b: self.compare())
@@ -84,17 +88,12 @@ class DiffExplorer(W.VBox):
     # -- computing -----------------------------------------------------------------------
     def compare(self) -> Optional[Report]:
         """Compare the chosen A and B (what the button does)."""
-        self.error.show(None)
         self.status.value = "comparing..."
-        a = self.checkpoints[self.a.value]
-        try:
-            if self.b.value == REFERENCE:
-                rep: Report = ulp_vs_reference(a, self.base, self.adapter)
-            else:
-                rep = diff(a, self.checkpoints[self.b.value]).ulp_report()
-        except Exception as e:  # shown in the widget; the user picks other inputs
-            self.status.value = "failed"
-            self.error.show(e)
+        a, b = self.checkpoints[self.a.value], self.b.value
+        rep = self.error.attempt(lambda: ulp_vs_reference(a, self.base, self.adapter)
+                                 if b == REFERENCE else diff(a, self.checkpoints[b]).ulp_report(),
+                                 self.status)
+        if rep is None:
             return None
         self.report = rep
         self.compared += 1

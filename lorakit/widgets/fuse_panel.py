@@ -21,7 +21,7 @@ from ..fusion.options import DTYPE_POLICIES, ROUNDINGS
 from ..fusion.quant import survival_overall
 from ..io.formats import source
 from . import _assets
-from ._base import ErrorBox, hook
+from ._base import ErrorBox, button, dropdown, hook, htmls
 from .dtype_view import DtypeMapView
 
 __all__ = ["FusePanel"]
@@ -33,6 +33,12 @@ QUANT_POLICIES = ("requant", "same-grid", "bits:5", "bits:6", "bits:8", "float",
 
 def _choices(found: dict) -> list:
     return [(name, str(path)) for name, path in found.items()]
+
+
+def _chosen(typed: W.Text, picked: W.Dropdown) -> Optional[Path]:
+    """A typed path if any, else the picked choice (None for none)."""
+    text = typed.value.strip()
+    return Path(text).expanduser() if text else Path(picked.value) if picked.value else None
 
 
 class FusePanel(W.VBox):
@@ -57,8 +63,7 @@ class FusePanel(W.VBox):
         cks, ads = _choices(_assets.checkpoints(self.data)), _choices(_assets.adapters(self.data))
 
         def pick(name: str, label: str, options: list, **kw: Any) -> W.Dropdown:
-            return hook(W.Dropdown(options=options, description=label, style=style, **kw),
-                        f"fuse-{name}")
+            return dropdown(f"fuse-{name}", label, options, style=style, **kw)
 
         def path(name: str, what: str) -> W.Text:
             return hook(W.Text(placeholder=f"or {what} path", description="",
@@ -78,12 +83,10 @@ class FusePanel(W.VBox):
         self.quant_policy = pick("quant-policy", "quant policy", list(QUANT_POLICIES),
                                  value="requant")
         self.quant.observe(self._on_quant, names="value")
-        self.button = hook(W.Button(description="Fuse", button_style="primary",
-                                    icon="compress"), "fuse-run")
+        self.button = button("fuse-run", "Fuse", "compress")
         self.progress = hook(W.FloatProgress(value=0.0, min=0.0, max=1.0, description="",
                                              layout=W.Layout(width="20em")), "fuse-progress")
-        self.status = hook(W.HTML(""), "fuse-status")
-        self.summary = hook(W.HTML(""), "fuse-summary")
+        self.status, self.summary = htmls("fuse", "status", "summary")
         self.error = ErrorBox("fuse-error")
         self.view = DtypeMapView()
         self.view.layout.display = "none"
@@ -113,14 +116,10 @@ class FusePanel(W.VBox):
 
     # -- the chosen inputs ------------------------------------------------------------
     def base_dir(self) -> Optional[Path]:
-        text = self.base_path.value.strip()
-        return Path(text).expanduser() if text else (Path(self.base.value)
-                                                      if self.base.value else None)
+        return _chosen(self.base_path, self.base)
 
     def adapter_dir(self) -> Optional[Path]:
-        text = self.adapter_path.value.strip()
-        return Path(text).expanduser() if text else (Path(self.adapter.value)
-                                                      if self.adapter.value else None)
+        return _chosen(self.adapter_path, self.adapter)
 
     def output_dir(self) -> Path:
         """Where the current settings' fuse goes."""

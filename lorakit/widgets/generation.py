@@ -18,7 +18,7 @@ import ipywidgets as W
 from ..errors import ArgumentError
 from ..inspect.generation import GenerationReport, compare_generations, load_pair
 from ..report import LEFT, Cell, Markup, escape, table
-from ._base import ErrorBox, FigureView, hook, summary_html
+from ._base import ErrorBox, FigureView, button, dropdown, hook, htmls, summary_html
 
 __all__ = ["GenerationCompare"]
 
@@ -48,12 +48,9 @@ class GenerationCompare(W.VBox):
                             "gen-prompts")
         self.max_tokens = hook(W.IntSlider(max_tokens, min=1, max=256, description="tokens"),
                                "gen-tokens")
-        self.button = hook(W.Button(description="Generate", button_style="primary",
-                                    icon="play"), "gen-run")
-        self.status = hook(W.HTML(""), "gen-status")
-        self.summary = hook(W.HTML(""), "gen-summary")
-        self.table = hook(W.HTML(""), "gen-table")
-        self.prompt = hook(W.Dropdown(options=[], description="margins of"), "gen-prompt")
+        self.button = button("gen-run", "Generate", "play")
+        self.status, self.summary, self.table = htmls("gen", "status", "summary", "table")
+        self.prompt = dropdown("gen-prompt", "margins of", [])
         self.figure = FigureView("gen-figure")
         self.error = ErrorBox("gen-error")
         self.button.on_click(lambda _b: self.run())
@@ -69,20 +66,9 @@ class GenerationCompare(W.VBox):
 
     def run(self) -> Optional[GenerationReport]:
         """Generate with every model (what the button does)."""
-        self.error.show(None)
         prompts = self.prompt_list()
-        try:
-            if not prompts:
-                raise ArgumentError.bad("prompts", "", "enter at least one prompt")
-            for label, spec in self.models.items():
-                if label not in self.loaded:
-                    self.status.value = f"loading {escape(label)}..."
-                    self.loaded[label] = load_pair(label, spec)
-            self.status.value = "generating..."
-            rep = compare_generations(self.loaded, prompts, max_tokens=self.max_tokens.value)
-        except Exception as e:  # shown in the widget
-            self.status.value = "failed"
-            self.error.show(e)
+        rep = self.error.attempt(lambda: self._generate(prompts), self.status)
+        if rep is None:
             return None
         self.report = rep
         self.status.value = "done"
@@ -92,6 +78,16 @@ class GenerationCompare(W.VBox):
         self.prompt.value = 0
         self._draw_margins()
         return rep
+
+    def _generate(self, prompts: List[str]) -> GenerationReport:
+        if not prompts:
+            raise ArgumentError.bad("prompts", "", "enter at least one prompt")
+        for label, spec in self.models.items():
+            if label not in self.loaded:
+                self.status.value = f"loading {escape(label)}..."
+                self.loaded[label] = load_pair(label, spec)
+        self.status.value = "generating..."
+        return compare_generations(self.loaded, prompts, max_tokens=self.max_tokens.value)
 
     def _draw_margins(self) -> None:
         if self.report is not None and self.prompt.value is not None:
