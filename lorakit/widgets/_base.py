@@ -27,9 +27,9 @@ def button(name: str, label: str, icon: str = "", style: str = "primary", **kw: 
     return hook(W.Button(description=label, button_style=style, icon=icon, **kw), name)
 
 
-def dropdown(name: str, label: str, options: Any, **kw: Any) -> W.Dropdown:
-    """A dropdown hooked ``t-<name>``."""
-    return hook(W.Dropdown(options=options, description=label, **kw), name)
+def choice(name: str, label: str, options: Any, kind: type = W.Dropdown, **kw: Any) -> Any:
+    """A dropdown (or another ``kind`` of selection widget) hooked ``t-<name>``."""
+    return hook(kind(options=options, description=label, **kw), name)
 
 
 def htmls(prefix: str, *names: str) -> List[W.HTML]:

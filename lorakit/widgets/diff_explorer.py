@@ -25,7 +25,7 @@ from ._base import (
     ErrorBox,
     FigureView,
     button,
-    dropdown,
+    choice,
     facts_html,
     hook,
     htmls,
@@ -62,14 +62,13 @@ class DiffExplorer(W.VBox):
         self.compared = 0
         self._quiet = False
         style = {"description_width": "5em"}
-        self.a = dropdown("ulp-a", "A", labels, value=a or labels[0], style=style)
+        self.a = choice("ulp-a", "A", labels, value=a or labels[0], style=style)
         default_b = b or (b_labels[1] if len(b_labels) > 1 else b_labels[0])
-        self.b = dropdown("ulp-b", "B", b_labels, value=default_b, style=style)
+        self.b = choice("ulp-b", "B", b_labels, value=default_b, style=style)
         self.button = button("ulp-compare", "Compare", "balance-scale")
-        self.view = hook(W.ToggleButtons(options=list(VIEWS), value="overall",
-                                         description="show", style=style), "ulp-view")
-        self.layer = dropdown("ulp-layer", "layer", [], style=style)
-        self.tensor = dropdown("ulp-tensor", "tensor", [], style=style,
+        self.view = choice("ulp-view", "show", VIEWS, W.ToggleButtons, value="overall", style=style)
+        self.layer = choice("ulp-layer", "layer", [], style=style)
+        self.tensor = choice("ulp-tensor", "tensor", [], style=style,
                                layout=W.Layout(width="34em"))
         self.status, self.summary, self.facts = htmls("ulp", "status", "summary", "facts")
         self.figure = FigureView("ulp-figure")
@@ -78,14 +77,13 @@ class DiffExplorer(W.VBox):
         self.view.observe(lambda _c: self.redraw(), names="value")
         self.layer.observe(self._on_layer, names="value")
         self.tensor.observe(lambda _c: self._on_tensor(), names="value")
-        super().__init__([
-            W.HBox([self.a, self.b, self.button, self.status]), self.error, self.summary,
-            self.view, W.HBox([self.layer, self.tensor]), self.facts, self.figure])
+        top = W.HBox([self.a, self.b, self.button, self.status])
+        picks = W.HBox([self.layer, self.tensor])
+        super().__init__([top, self.error, self.summary, self.view, picks, self.facts, self.figure])
         hook(self, "diff-explorer")
         if compare:
             self.compare()
 
-    # -- computing -----------------------------------------------------------------------
     def compare(self) -> Optional[Report]:
         """Compare the chosen A and B (what the button does)."""
         self.status.value = "comparing..."
@@ -136,7 +134,6 @@ class DiffExplorer(W.VBox):
         else:
             self.redraw()
 
-    # -- drawing -------------------------------------------------------------------------
     def redraw(self) -> None:
         """Draw the current view of the current report."""
         rep = self.report
@@ -147,11 +144,8 @@ class DiffExplorer(W.VBox):
             view = "overall"
         if view == "tensor" and not self.tensor.value:
             view = "overall"
-        if view == "overall":
-            fig = rep.plot()
-            self.facts.value = ""
-        elif view == "layers":
-            fig = rep.plot(level="layers")
+        if view in ("overall", "layers"):
+            fig = rep.plot(level="layers") if view == "layers" else rep.plot()
             self.facts.value = ""
         elif view == "layer":
             assert isinstance(rep, UlpReport)

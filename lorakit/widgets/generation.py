@@ -18,7 +18,7 @@ import ipywidgets as W
 from ..errors import ArgumentError
 from ..inspect.generation import GenerationReport, compare_generations, load_pair
 from ..report import LEFT, Cell, Markup, escape, table
-from ._base import ErrorBox, FigureView, button, dropdown, hook, htmls, summary_html
+from ._base import ErrorBox, FigureView, button, choice, hook, htmls, summary_html
 
 __all__ = ["GenerationCompare"]
 
@@ -50,13 +50,14 @@ class GenerationCompare(W.VBox):
                                "gen-tokens")
         self.button = button("gen-run", "Generate", "play")
         self.status, self.summary, self.table = htmls("gen", "status", "summary", "table")
-        self.prompt = dropdown("gen-prompt", "margins of", [])
+        self.prompt = choice("gen-prompt", "margins of", [])
         self.figure = FigureView("gen-figure")
         self.error = ErrorBox("gen-error")
         self.button.on_click(lambda _b: self.run())
         self.prompt.observe(lambda _c: self._draw_margins(), names="value")
-        super().__init__([self.prompts, W.HBox([self.max_tokens, self.button, self.status]),
-                          self.error, self.summary, self.table, self.prompt, self.figure])
+        row = W.HBox([self.max_tokens, self.button, self.status])
+        views = [self.error, self.summary, self.table, self.prompt, self.figure]
+        super().__init__([self.prompts, row] + views)
         hook(self, "generation-compare")
         if run:
             self.run()
@@ -114,16 +115,14 @@ class GenerationCompare(W.VBox):
             cells = []
             for m in labels:
                 if m == ref:
-                    text = self._marked(m, gens[m].tokens, min(parted) if parted else None,
-                                        REF_MARK_STYLE)
-                    note = "reference"
+                    first = min(parted) if parted else None
+                    text, note = self._marked(m, gens[m].tokens, first, REF_MARK_STYLE), "reference"
                 else:
                     s = steps.get(m)
                     text = self._marked(m, gens[m].tokens, s, MARK_STYLE)
                     note = "same as reference" if s is None else f"parts at token {s}"
-                cells.append(Cell(Markup(f"{text}<br><small><i>{note}</i></small>"),
-                                  style=TEXT_STYLE))
-            body.append([Cell(f"prompt {p}: {gens[ref].prompt}", header=True, style=LEFT,
-                              colspan=len(labels))])
-            body.append(cells)
+                shown = Markup(f"{text}<br><small><i>{note}</i></small>")
+                cells.append(Cell(shown, style=TEXT_STYLE))
+            title = f"prompt {p}: {gens[ref].prompt}"
+            body += [[Cell(title, header=True, style=LEFT, colspan=len(labels))], cells]
         return table(body, head=[Cell(m, header=True, style=LEFT) for m in labels])

@@ -94,9 +94,10 @@ class AdapterMixer(W.VBox):
         self.generate_button.on_click(lambda _b: self.generate())
         self.write_button.on_click(lambda _b: self.write())
         details = W.Accordion([self.table], titles=("per-module norms",), selected_index=None)
-        super().__init__([W.VBox(self.sliders), self.error, self.summary, details,
-                          W.HBox([self.prompt, self.generate_button]), self.text,
-                          W.HBox([self.save_path, self.write_button]), self.status])
+        gen = W.HBox([self.prompt, self.generate_button])
+        save = W.HBox([self.save_path, self.write_button])
+        views = [self.error, self.summary, details]
+        super().__init__([W.VBox(self.sliders), *views, gen, self.text, save, self.status])
         hook(self, "adapter-mixer")
         self.refresh()
 
