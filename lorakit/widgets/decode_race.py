@@ -54,10 +54,9 @@ class DecodeRace(W.VBox):
                        for v in offered}
 
         def box(value: int, top: int, label: str) -> W.BoundedIntText:
-            return hook(W.BoundedIntText(value, min=1, max=top, description=label,
-                                         style={"description_width": "7em"},
-                                         layout=W.Layout(width="14em")),
-                        "race-" + label.replace(" ", "-"))
+            look = {"style": {"description_width": "7em"}, "layout": W.Layout(width="14em")}
+            w = W.BoundedIntText(value, min=1, max=top, description=label, **look)
+            return hook(w, "race-" + label.replace(" ", "-"))
 
         self.tokens = box(o.tokens, 4096, "tokens")
         self.prompt_tokens = box(o.prompt_tokens, 8192, "prompt tokens")

@@ -66,8 +66,8 @@ class FusePanel(W.VBox):
             return choice(f"fuse-{name}", label, options, style=style, **kw)
 
         def path(name: str, what: str) -> W.Text:
-            return hook(W.Text(placeholder=f"or {what} path", description="",
-                               layout=W.Layout(width="24em")), f"fuse-{name}-path")
+            w = W.Text(placeholder=f"or {what} path", description="", layout=W.Layout(width="24em"))
+            return hook(w, f"fuse-{name}-path")
 
         self.base = pick("base", "base", cks, layout=wide)
         self.base_path = path("base", "a checkpoint")
@@ -83,8 +83,9 @@ class FusePanel(W.VBox):
                                  value="requant")
         self.quant.observe(self._on_quant, names="value")
         self.button = button("fuse-run", "Fuse", "compress")
-        self.progress = hook(W.FloatProgress(value=0.0, min=0.0, max=1.0, description="",
-                                             layout=W.Layout(width="20em")), "fuse-progress")
+        width = W.Layout(width="20em")
+        bar = W.FloatProgress(value=0.0, min=0.0, max=1.0, description="", layout=width)
+        self.progress = hook(bar, "fuse-progress")
         self.status, self.summary = htmls("fuse", "status", "summary")
         self.error = ErrorBox("fuse-error")
         self.view = DtypeMapView()

@@ -42,10 +42,10 @@ class GenerationCompare(W.VBox):
         self.models = dict(models)
         self.loaded: Dict[str, Tuple[Any, Any]] = {}
         self.report: Optional[GenerationReport] = None
-        self.prompts = hook(W.Textarea("\n".join(prompts), placeholder="one prompt per line",
-                                       description="prompts",
-                                       layout=W.Layout(width="48em", height="6em")),
-                            "gen-prompts")
+        size = W.Layout(width="48em", height="6em")
+        area = W.Textarea("\n".join(prompts), description="prompts", layout=size,
+                          placeholder="one prompt per line")
+        self.prompts = hook(area, "gen-prompts")
         self.max_tokens = hook(W.IntSlider(max_tokens, min=1, max=256, description="tokens"),
                                "gen-tokens")
         self.button = button("gen-run", "Generate", "play")

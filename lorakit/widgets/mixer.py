@@ -75,10 +75,9 @@ class AdapterMixer(W.VBox):
         self.written: Any = None
         n = len(self.labels)
         init = list(weights) if weights is not None else [1.0 / n] * n
-        self.sliders = [hook(W.FloatSlider(value=v, min=-1.0, max=2.0, step=0.05,
-                                           description=lab, continuous_update=False),
-                             f"mixer-weight-{i}")
-                        for i, (lab, v) in enumerate(zip(self.labels, init))]
+        span = dict(min=-1.0, max=2.0, step=0.05, continuous_update=False)
+        sliders = [W.FloatSlider(value=v, description=k, **span) for k, v in zip(self.labels, init)]
+        self.sliders = [hook(s, f"mixer-weight-{i}") for i, s in enumerate(sliders)]
         self.summary, self.table, self.text, self.status = htmls(
             "mixer", "summary", "table", "text", "status")
         self.prompt = hook(W.Text(value=prompt, description="prompt"), "mixer-prompt")
