@@ -64,5 +64,5 @@ def progress_bar(progress: Progress, total: int, desc: str, unit: str = "B",
 
     # disable=None: no bar when stderr is not a terminal (logs, pipes, CI), so an
     # error there reads as one message; notebooks still show theirs
-    return ProgressBar(total, bar=tqdm(total=total, unit=unit, unit_scale=unit == "B",
-                                       desc=desc, disable=None, leave=leave))
+    bar = tqdm(total=total, unit=unit, unit_scale=unit == "B", desc=desc, disable=None, leave=leave)
+    return ProgressBar(total, bar=bar)

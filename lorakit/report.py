@@ -92,8 +92,7 @@ class Report:
         return [r.get(key) for r in self.rows]
 
     def to_dict(self) -> Dict[str, Any]:
-        return jsonable({"title": self.title, "summary": self.summary, "rows": self.rows,
-                          "flagged": self.flagged})
+        return jsonable({k: getattr(self, k) for k in ("title", "summary", "rows", "flagged")})
 
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), **kw)
@@ -149,9 +148,8 @@ class Report:
             lines += ["", "  " + "  ".join(h.ljust(w) for h, w in zip(cols, widths))]
             for kind, i in walk:
                 if kind == "row":
-                    mark = "!" if i in flag else " "
-                    lines.append(mark + " " + "  ".join(c.ljust(w) for c, w in
-                                                         zip(cells[i], widths)).rstrip())
+                    text = "  ".join(c.ljust(w) for c, w in zip(cells[i], widths)).rstrip()
+                    lines.append(("! " if i in flag else "  ") + text)
                 else:
                     lines.append(f"  ... {i} {'more ' if kind == 'more' else ''}rows ...")
             if len(cells) < n:
@@ -182,9 +180,8 @@ class Report:
                     body.append([format_value(self.rows[i].get(c, "")) for c in cols])
                 else:
                     more = " more rows (raise <code>max_rows</code> to show them)"
-                    body.append([Cell(Markup(f"&hellip; {i}" + (more if kind == "more"
-                                                                else " rows")),
-                                      colspan=len(cols))])
+                    text = Markup(f"&hellip; {i}" + (more if kind == "more" else " rows"))
+                    body.append([Cell(text, colspan=len(cols))])
             head = head_cells(cols, type(self).column_help)
             summary = f"{len(self.rows)} rows" + (f", {len(flag)} flagged" if flag else "")
             parts.append(collapsible(summary, table(body, head=head, row_styles=styles),

@@ -5,16 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 
+from . import flags
+
 __all__ = []
 
 
 def _run(args: argparse.Namespace) -> int:
     from ..inspect.behaviour import compare_outputs
 
-    rep = compare_outputs(args.reference, args.test, args.corpus, tokens=args.tokens,
-                          context=args.context, ref_adapter=args.ref_adapter,
-                          test_adapter=args.test_adapter,
-                          progress=not (args.json or args.quiet))
+    picked = flags(args, "tokens", "context", "ref_adapter", "test_adapter")
+    quiet = args.json or args.quiet
+    rep = compare_outputs(args.reference, args.test, args.corpus, **picked, progress=not quiet)
     if args.json:
         print(json.dumps(rep.to_dict(per_token=args.per_token), indent=1))
     else:

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 
+from . import flags
 from .written import wrote
 
 __all__ = []
@@ -42,11 +43,10 @@ def _extract(args: argparse.Namespace) -> int:
     from ..algebra.extract import ExtractOptions
     from ..inspect.extraction import extract
 
-    opts = ExtractOptions(rank=args.rank, energy=args.energy, modules=args.modules,
-                          format=args.format, threads=args.threads,
-                          behaviour=not args.no_behaviour)
-    rep = extract(args.base, args.tuned, opts, save_path=args.save_path, force=args.force,
-                  progress=not args.quiet)
+    picked = flags(args, "rank", "energy", "modules", "format", "threads")
+    opts = ExtractOptions(**picked, behaviour=not args.no_behaviour)
+    out = flags(args, "save_path", "force")
+    rep = extract(args.base, args.tuned, opts, **out, progress=not args.quiet)
     _print(args, rep)
     return 0
 
@@ -54,8 +54,8 @@ def _extract(args: argparse.Namespace) -> int:
 def _resize(args: argparse.Namespace) -> int:
     from ..algebra.extract import resize
 
-    rep = resize(args.adapter, rank=args.rank, energy=args.energy, base=args.base,
-                 save_path=args.save_path, format=args.format, force=args.force)
+    picked = flags(args, "rank", "energy", "base", "save_path", "format", "force")
+    rep = resize(args.adapter, **picked)
     _print(args, rep)
     return 0
 

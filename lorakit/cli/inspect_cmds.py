@@ -99,7 +99,6 @@ def add(sub) -> None:
                        "side's ulp error against the exact float64 fuse.")
     p.add_argument("a", help="first checkpoint (directory, hub id or .safetensors file)")
     p.add_argument("b", help="second checkpoint (the same)")
-    # fuse's vocabulary, as check's
     p.add_argument("--adapter-path", dest="adapter",
                    help="adapter both were fused with (as fuse's --adapter-path)")
     p.add_argument("--model", dest="base",

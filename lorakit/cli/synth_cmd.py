@@ -7,6 +7,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..errors import ArgumentError
+from . import flags
 from .written import FORCE_HELP, wrote
 
 __all__ = []
@@ -55,10 +56,9 @@ def _checkpoint(args: argparse.Namespace) -> int:
         raise ArgumentError.bad("--preset, --config", (args.preset, args.config), "exactly one: "
                                 "--preset qwen3-1.7b or --config path/to/config.json")
     t0 = time.perf_counter()
-    out = synth_checkpoint(args.path, args.preset or args.config, layout=args.layout,
-                           dtype=args.dtype, shard_size=args.shard_size, seed=args.seed,
-                           std=args.std, overrides=_overrides(args.set), force=args.force,
-                           progress=not args.quiet)
+    picked = flags(args, "layout", "dtype", "shard_size", "seed", "std", "force")
+    out = synth_checkpoint(args.path, args.preset or args.config, **picked,
+                           overrides=_overrides(args.set), progress=not args.quiet)
     wrote(args, out)
     ck = Checkpoint(out)
     params = sum(t.numel for t in ck.tensors.values())
@@ -74,10 +74,10 @@ def _adapter(args: argparse.Namespace) -> int:
     from ..synth import synth_adapter
 
     t0 = time.perf_counter()
-    out = synth_adapter(args.path, args.model, rank=args.rank, scale=args.scale,
-                        layers=_layers(args.layers), keys=args.keys.split(","),
-                        kind="dora" if args.dora else "lora", format=args.format,
-                        seed=args.seed, delta_std=args.delta_std, force=args.force)
+    picked = flags(args, "rank", "scale", "format", "seed", "delta_std", "force")
+    kind = "dora" if args.dora else "lora"
+    layers, keys = _layers(args.layers), args.keys.split(",")
+    out = synth_adapter(args.path, args.model, layers=layers, keys=keys, kind=kind, **picked)
     wrote(args, out)
     ad = load_adapter(out)
     print(f"Wrote {out}\n  {ad!r}\n  size  {_size(out)}\n"

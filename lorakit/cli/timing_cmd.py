@@ -5,6 +5,7 @@ import argparse
 from typing import List
 
 from ..errors import LorakitError
+from . import flags
 
 __all__ = []
 
@@ -18,12 +19,10 @@ def _variants(text: str) -> List[str]:
 def _time_decode(args: argparse.Namespace) -> int:
     from ..timing.decode import DecodeOptions, time_decode
 
+    fields = ("prompt_tokens", "tokens", "repeats", "warmup", "rounds", "device", "seed")
     opts = DecodeOptions(variants=None if args.variants is None else _variants(args.variants),
-                         prompt_tokens=args.prompt_tokens,
-                         tokens=args.tokens, repeats=args.repeats, warmup=args.warmup,
-                         rounds=args.rounds, device=args.device, seed=args.seed,
-                         timeout=args.timeout, workdir=args.workdir,
-                         behaviour=(args.kl_tokens or True) if args.kl else False)
+                         behaviour=(args.kl_tokens or True) if args.kl else False,
+                         **flags(args, *fields, "timeout", "workdir"))
     result = time_decode(args.model, args.adapter_path, options=opts, progress=not args.quiet)
     if args.json:
         print(result.to_json(indent=2))

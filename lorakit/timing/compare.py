@@ -17,7 +17,7 @@ from typing import Dict, List, Union
 
 from ..errors import LorakitError
 from ..report import Report
-from .table import VARIANTS, DecodeTiming
+from .table import VARIANTS, DecodeTiming, verdict_words
 
 __all__ = ["load_benchmark", "load_seed", "side_by_side"]
 
@@ -65,8 +65,8 @@ def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
     flagged: List[int] = []
     columns = ["variant"]
     for label in runs:
-        columns += [f"{label} decode x base", f"{label} interval",
-                    f"{label} weights x base", f"{label} verdict"]
+        columns += [f"{label} {c}" for c in ("decode x base", "interval", "weights x base")]
+        columns.append(f"{label} verdict")
     for i, n in enumerate(names):
         row: Dict[str, object] = {"variant": n}
         hit = False
@@ -78,8 +78,7 @@ def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
             row[f"{label} decode x base"] = _round(t.ratio(n, "decode"))
             row[f"{label} interval"] = "" if math.isnan(lo) else f"{lo:.2f}-{hi:.2f}"
             row[f"{label} weights x base"] = _round(d.get("bytes_ratio", 1.0))
-            row[f"{label} verdict"] = "; ".join(
-                w for w in (d.get("bytes"), d.get("speed")) if w) if d else "reference"
+            row[f"{label} verdict"] = verdict_words(d)
             hit = hit or bool(d.get("speed_flag") or d.get("bytes_flag"))
         rows.append(row)
         if hit:

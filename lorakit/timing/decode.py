@@ -31,6 +31,11 @@ from .worker import MARK, TOKENIZER_FILES
 
 __all__ = ["weight_bytes", "auto_rounds", "DecodeOptions", "time_decode"]
 
+_NOTES = {"base": "the checkpoint", "unfused": "mlx_lm load_model + load_adapters (LoRA layers)"}
+#: the least value of each int option
+_MINIMA = dict(prompt_tokens=1, tokens=1, repeats=1, warmup=0, rounds=1, seed=0)
+
+
 def weight_bytes(model: PathLike, adapter_path: Optional[PathLike] = None) -> Dict[str, int]:
     """Bytes by dtype of a checkpoint's tensors (plus an adapter's), from the headers only."""
     c: Counter = Counter()
@@ -68,9 +73,9 @@ def _child_env() -> Dict[str, str]:
 def _make_mlx_lm_fused(model: Path, adapter: Path, out: Path, python: str) -> str:
     """Run the ``mlx_lm fuse`` command; if it cannot run, say why and fall back."""
     if _has_tokenizer(model):
-        proc = subprocess.run([python, "-m", "mlx_lm", "fuse", "--model", str(model),
-                               "--adapter-path", str(adapter), "--save-path", str(out)],
-                              capture_output=True, text=True, env=_child_env())
+        args = ["--model", str(model), "--adapter-path", str(adapter), "--save-path", str(out)]
+        cmd = [python, "-m", "mlx_lm", "fuse", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
         if proc.returncode == 0:
             return "made by `mlx_lm fuse`"
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
@@ -86,7 +91,6 @@ def _make_mlx_lm_fused(model: Path, adapter: Path, out: Path, python: str) -> st
 
 
 def _prepare(variant: str, model: Path, adapter: Path, work: Path, python: str) -> str:
-
     out = work / variant
     if variant == "promoted":
         fuse(model, adapter, out, dtype="promote", progress=False)
@@ -127,9 +131,11 @@ def _run_worker(spec: Dict[str, Any], python: str, on_run: Callable[[Dict[str, A
         if result is None:
             err.seek(0)
             tail = err.read().strip().splitlines()[-3:]
-            why = ("cancelled" if cancel is not None and cancel.is_set() else
-                   "timed out" if timeout is not None and time.monotonic() - t0 > timeout
-                   else f"worker exited with status {proc.returncode}")
+            why = f"worker exited with status {proc.returncode}"
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                why = "timed out"
+            if cancel is not None and cancel.is_set():
+                why = "cancelled"
             return {"event": "error", "message": why + (": " + " | ".join(tail) if tail
                                                         else "")}
         return result
@@ -142,8 +148,7 @@ def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
     """Make a fused variant's checkpoint, time it in a worker and remove it again (with
     ``keep``, variant -> note, fused checkpoints stay for the next round)."""
     runs = spec["warmup"] + spec["repeats"]
-    v = VariantTiming(variant=n, note={"base": "the checkpoint", "unfused": "mlx_lm "
-                                       "load_model + load_adapters (LoRA layers)"}.get(n, ""))
+    v = VariantTiming(variant=n, note=_NOTES.get(n, ""))
     path = model
     if keep is not None and n in keep:
         v.note, path = keep[n], work / n
@@ -173,9 +178,8 @@ def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
                     done[0] += 1
                     bar.update(1)
 
-            ev = _run_worker(dict(spec, model=str(path), adapter_path=str(adapter)
-                                  if n == "unfused" else None),
-                             python, on_run, cancel, timeout)
+            job = dict(spec, model=str(path), adapter_path=str(adapter) if n == "unfused" else None)
+            ev = _run_worker(job, python, on_run, cancel, timeout)
             if bar is not None:
                 bar.update(runs - done[0])
             if ev["event"] == "error":
@@ -221,8 +225,7 @@ class DecodeOptions:
             if not v or len(set(v)) != len(v) or any(n not in VARIANTS for n in v):
                 raise ArgumentError.bad("variants", list(v), "one or more distinct names "
                                         "among " + ", ".join(VARIANTS))
-        for name, low in (("prompt_tokens", 1), ("tokens", 1), ("repeats", 1), ("warmup", 0),
-                          ("rounds", 1), ("seed", 0)):
+        for name, low in _MINIMA.items():
             x = getattr(self, name)
             if not (x is None and name == "rounds") and (
                     not isinstance(x, int) or isinstance(x, bool) or x < low):
@@ -238,9 +241,8 @@ class DecodeOptions:
 
     def settings(self) -> Dict[str, Any]:
         """What a :class:`DecodeTiming` records (variants and rounds as resolved)."""
-        return {"variants": list(self.variants or ()), "prompt_tokens": self.prompt_tokens,
-                "tokens": self.tokens, "repeats": self.repeats, "warmup": self.warmup,
-                "device": self.device, "seed": self.seed, "rounds": self.rounds}
+        keys = ("prompt_tokens", "tokens", "repeats", "warmup", "device", "seed", "rounds")
+        return {"variants": list(self.variants or ()), **{k: getattr(self, k) for k in keys}}
 
 
 def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,

@@ -108,9 +108,10 @@ def speed_verdict(ratio: float, interval: Tuple[float, float], *, rounds: int,
     """(flagged, words) for a decode ratio to base and its interval; fewer than
     :data:`MIN_ROUNDS` rounds, or a ratio inside the ``noise`` band, never flag."""
     lo, hi = interval
-    if math.isnan(ratio) or math.isnan(lo):
-        return False, (f"{ratio:.2f}x; no interval from one run (repeats or rounds >= 2)"
-                       if not math.isnan(ratio) else "no interval")
+    if math.isnan(ratio):
+        return False, "no interval"
+    if math.isnan(lo):
+        return False, f"{ratio:.2f}x; no interval from one run (repeats or rounds >= 2)"
     span = f"{ratio:.2f}x, {CONFIDENCE:.0%} interval {lo:.2f}-{hi:.2f}"
     if hi < 1 and ratio < 1 - threshold:
         if rounds < MIN_ROUNDS:

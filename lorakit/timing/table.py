@@ -126,13 +126,13 @@ def _dtypes_text(by_dtype: Dict[str, int]) -> str:
                       sorted(by_dtype.items(), key=lambda kv: -kv[1]))
 
 
+def verdict_words(vd: Dict[str, Any]) -> str:
+    """A variant's verdict cell from :meth:`DecodeTiming.verdicts` (none: the reference)."""
+    return "; ".join(w for w in (vd.get("bytes"), vd.get("speed")) if w) if vd else "reference"
+
+
 def _prefix_match(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @dataclass(repr=False)
@@ -257,15 +257,15 @@ class DecodeTiming(Report):
         self.title = (f"Decode timing: {Path(s.get('model', '?')).name}"
                       + (f" + {Path(s['adapter_path']).name}" if s.get("adapter_path") else ""))
         dev = next((v.device for v in self.variants if v.device), {})
+        peak = "MLX peak (mx.get_peak_memory)" if dev.get("kind") == "gpu" else "process peak RSS"
+        versions = f"mlx {dev.get('mlx')}, mlx-lm {dev.get('mlx_lm')}, python {dev.get('python')}"
         self.summary = {
             "model": s.get("model", ""), "adapter": s.get("adapter_path") or "-",
             "prompt / decode tokens": f"{s.get('prompt_tokens')} / {s.get('tokens')}",
             "repeats": f"{s.get('repeats')} after {s.get('warmup')} warm-up",
             "device": _device_text(dev),
-            "peak memory": ("MLX peak (mx.get_peak_memory)" if dev.get("kind") == "gpu"
-                            else "process peak RSS") if dev else "",
-            "versions": (f"mlx {dev.get('mlx')}, mlx-lm {dev.get('mlx_lm')}, "
-                         f"python {dev.get('python')}") if dev else "",
+            "peak memory": peak if dev else "",
+            "versions": versions if dev else "",
         }
         n_rounds, band = self.rounds_run(), self.noise_band()
         self.summary["noise"] = (
@@ -308,22 +308,21 @@ class DecodeTiming(Report):
             dr, pr = self.ratio(v.variant, "decode"), self.ratio(v.variant, "peak")
             vd = verdicts.get(v.variant, {})
             ci = vd.get("interval", [1.0, 1.0])
+            interval = "" if math.isnan(ci[0]) else f"{ci[0]:.2f}-{ci[1]:.2f}"
             row = {
                 "variant": v.variant,
                 "prefill tok/s": v.prefill_median,
                 "decode tok/s": v.decode_median,
                 "decode min-max": f"{min(v.decode_tps):.4g}-{max(v.decode_tps):.4g}",
                 "decode x base": dr,
-                f"{CONFIDENCE:.0%} interval": "" if math.isnan(ci[0]) else
-                f"{ci[0]:.2f}-{ci[1]:.2f}",
+                f"{CONFIDENCE:.0%} interval": interval,
                 "TTFT ms": v.ttft_median * 1e3,
                 "peak GB": _gb(v.peak_bytes),
                 "peak x base": pr,
                 "weights GB": _gb(v.weights_total),
                 "weight dtypes": _dtypes_text(v.weight_bytes),
                 "weights x base": vd.get("bytes_ratio", 1.0),
-                "verdict": "; ".join(w for w in (vd.get("bytes"), vd.get("speed")) if w)
-                if vd else "reference",
+                "verdict": verdict_words(vd),
             }
             if v.kl_vs_unfused is not None:
                 row["KL vs unfused"] = v.kl_vs_unfused
@@ -334,9 +333,9 @@ class DecodeTiming(Report):
                 flagged.append(i)
         self.rows = rows
         self.flagged = flagged
-        cols = ["variant", "prefill tok/s", "decode tok/s", "decode min-max", "decode x base",
-                f"{CONFIDENCE:.0%} interval", "TTFT ms", "peak GB", "peak x base",
-                "weights GB", "weights x base", "weight dtypes", "verdict"]
+        cols = ["variant", "prefill tok/s", "decode tok/s", "decode min-max", "decode x base"]
+        cols += [f"{CONFIDENCE:.0%} interval", "TTFT ms", "peak GB", "peak x base", "weights GB"]
+        cols += ["weights x base", "weight dtypes", "verdict"]
         if ref is not None:
             cols.append("= unfused tokens")
         if any(v.kl_vs_unfused is not None for v in self.variants):
@@ -399,10 +398,10 @@ class DecodeTiming(Report):
                 a.annotate(label, (i - (0.2 if a is a2 else 0), top), ha="center",
                            va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
         dev = next((v.device for v in ok if v.device), {})
-        where = " ".join(x for x in (dev.get("backend", ""), dev.get("device_info", {})
-                                     .get("device_name", "")) if x)
-        fig.suptitle(f"{Path(self.settings.get('model', '')).name}"
-                     + (f" on {where}" if where else ""), fontsize=10)
+        name = dev.get("device_info", {}).get("device_name", "")
+        where = " ".join(x for x in (dev.get("backend", ""), name) if x)
+        title = Path(self.settings.get("model", "")).name + (f" on {where}" if where else "")
+        fig.suptitle(title, fontsize=10)
         return fig
 
 

@@ -98,14 +98,10 @@ class _NullDetokenizer:
     last_segment = ""
     text = ""
 
-    def reset(self) -> None:
+    def _nothing(self, *_: Any) -> None:
         pass
 
-    def add_token(self, token: int) -> None:
-        pass
-
-    def finalize(self) -> None:
-        pass
+    reset = add_token = finalize = _nothing
 
 
 def load_tokenizer(model_path: Path, config: Dict[str, Any]):
@@ -179,8 +175,8 @@ def main(spec: Dict[str, Any]) -> Dict[str, Any]:
     mx.eval(model.parameters())
     tok, has_tokenizer = load_tokenizer(model_path, config)
     load_s = time.perf_counter() - t0
-    lora_modules = sum(1 for _, m in model.named_modules()
-                       if type(m).__name__.startswith(("LoRA", "DoRA")))
+    kinds = [type(m).__name__ for _, m in model.named_modules()]
+    lora_modules = sum(1 for k in kinds if k.startswith(("LoRA", "DoRA")))
     emit("loaded", load_s=load_s, lora_modules=lora_modules)
 
     # the same synthetic prompt in every variant's process
@@ -215,6 +211,6 @@ if __name__ == "__main__":
     try:
         emit("result", **main(json.loads(sys.argv[1])))
     except BaseException as e:  # report every failure to the parent as one event
-        emit("error", type=type(e).__name__, message=str(e),
-             traceback=traceback.format_exc(limit=8))
+        tb = traceback.format_exc(limit=8)
+        emit("error", type=type(e).__name__, message=str(e), traceback=tb)
         raise SystemExit(1)

@@ -4,7 +4,7 @@ from a test or a background thread updates them as a click does)."""
 from __future__ import annotations
 
 import io
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import ipywidgets as W
 
@@ -20,6 +20,21 @@ def hook(widget: W.DOMWidget, name: str) -> W.DOMWidget:
     """Tag ``widget`` with the test-hook class ``t-<name>`` and return it."""
     widget.add_class(HOOK + name)
     return widget
+
+
+def button(name: str, label: str, icon: str = "", style: str = "primary", **kw: Any) -> W.Button:
+    """A button hooked ``t-<name>``."""
+    return hook(W.Button(description=label, button_style=style, icon=icon, **kw), name)
+
+
+def choice(name: str, label: str, options: Any, kind: type = W.Dropdown, **kw: Any) -> Any:
+    """A dropdown (or another ``kind`` of selection widget) hooked ``t-<name>``."""
+    return hook(kind(options=options, description=label, **kw), name)
+
+
+def htmls(prefix: str, *names: str) -> List[W.HTML]:
+    """Empty HTML outputs hooked ``t-<prefix>-<name>``, one per name."""
+    return [hook(W.HTML(""), f"{prefix}-{n}") for n in names]
 
 
 def figure_png(fig: Any, dpi: int = 96) -> bytes:
@@ -86,3 +101,15 @@ class ErrorBox(W.HTML):
     def show(self, exc: Optional[BaseException]) -> None:
         self.value = error_html(exc) if exc is not None else ""
         self.layout.display = None if exc is not None else "none"
+
+    def attempt(self, action: Callable[[], Any], status: Optional[W.HTML] = None) -> Any:
+        """``action()`` with this box cleared first; an exception is shown here (``status``
+        then says "failed") and gives None: the user picks other inputs and retries."""
+        self.show(None)
+        try:
+            return action()
+        except Exception as e:
+            if status is not None:
+                status.value = "failed"
+            self.show(e)
+            return None

@@ -20,7 +20,7 @@ import ipywidgets as W
 from ..errors import ArgumentError, PathLike
 from ..timing.decode import DecodeOptions, auto_rounds, time_decode, weight_bytes
 from ..timing.table import VARIANTS, DecodeTiming, VariantTiming
-from ._base import ErrorBox, FigureView, hook
+from ._base import ErrorBox, FigureView, button, hook, htmls
 
 __all__ = ["DecodeRace"]
 
@@ -54,33 +54,27 @@ class DecodeRace(W.VBox):
                        for v in offered}
 
         def box(value: int, top: int, label: str) -> W.BoundedIntText:
-            return hook(W.BoundedIntText(value, min=1, max=top, description=label,
-                                         style={"description_width": "7em"},
-                                         layout=W.Layout(width="14em")),
-                        "race-" + label.replace(" ", "-"))
+            look = {"style": {"description_width": "7em"}, "layout": W.Layout(width="14em")}
+            w = W.BoundedIntText(value, min=1, max=top, description=label, **look)
+            return hook(w, "race-" + label.replace(" ", "-"))
 
         self.tokens = box(o.tokens, 4096, "tokens")
         self.prompt_tokens = box(o.prompt_tokens, 8192, "prompt tokens")
         self.repeats = box(o.repeats, 50, "repeats")
-        self.start_button = hook(W.Button(description="Start", button_style="primary",
-                                          icon="play"), "race-start")
-        self.stop_button = hook(W.Button(description="Stop", icon="stop", disabled=True),
-                                "race-stop")
+        self.start_button = button("race-start", "Start", "play")
+        self.stop_button = button("race-stop", "Stop", "stop", "", disabled=True)
         self.progress = hook(W.IntProgress(0, min=0, max=1, layout=W.Layout(width="16em")),
                              "race-progress")
-        self.status = hook(W.HTML(""), "race-status")
+        self.status, self.table = htmls("race", "status", "table")
         self.chart = FigureView("race-chart")
-        self.table = hook(W.HTML(""), "race-table")
         self.error = ErrorBox("race-error")
         self.start_button.on_click(lambda _b: self.start())
         self.stop_button.on_click(lambda _b: self.stop())
-        super().__init__([
-            W.HTML(f"<b>Decode race</b>: {self.model.name}"
-                   + (f" + {self.adapter.name}" if self.adapter else "")),
-            W.HBox(list(self.checks.values())),
-            W.HBox([self.prompt_tokens, self.tokens, self.repeats]),
-            W.HBox([self.start_button, self.stop_button, self.progress, self.status]),
-            self.error, self.chart, self.table])
+        name = self.model.name + (f" + {self.adapter.name}" if self.adapter else "")
+        sizes = W.HBox([self.prompt_tokens, self.tokens, self.repeats])
+        run = W.HBox([self.start_button, self.stop_button, self.progress, self.status])
+        head = [W.HTML(f"<b>Decode race</b>: {name}"), W.HBox(list(self.checks.values()))]
+        super().__init__(head + [sizes, run, self.error, self.chart, self.table])
         hook(self, "decode-race")
 
     @property
@@ -103,9 +97,9 @@ class DecodeRace(W.VBox):
         except ArgumentError as e:  # no variant checked, say: shown, not only raised
             self.error.show(e)
             raise
-        self.timing = DecodeTiming(title="", settings={
-            "model": str(self.model), "adapter_path": str(self.adapter) if self.adapter
-            else None, **opts.settings()})
+        adapter = str(self.adapter) if self.adapter else None
+        settings = {"model": str(self.model), "adapter_path": adapter, **opts.settings()}
+        self.timing = DecodeTiming(title="", settings=settings)
         self.result = None
         self._cancel.clear()
         self.error.show(None)
@@ -134,7 +128,6 @@ class DecodeRace(W.VBox):
             self._thread.join(timeout)
         return self.result
 
-    # -- the background thread -------------------------------------------------------
     def _on_result(self, v: VariantTiming) -> None:
         with self._lock:
             assert self.timing is not None
@@ -150,13 +143,12 @@ class DecodeRace(W.VBox):
     def _work(self, opts: DecodeOptions) -> None:
         t0 = time.perf_counter()
         try:
-            self.result = time_decode(self.model, self.adapter, options=opts,
-                                      progress=False, on_result=self._on_result,
-                                      cancel=self._cancel)
+            live = {"progress": False, "on_result": self._on_result, "cancel": self._cancel}
+            self.result = time_decode(self.model, self.adapter, options=opts, **live)
             stopped = self._cancel.is_set()
             self.progress.bar_style = "warning" if stopped else "success"
-            self.status.value = ("stopped" if stopped else "finished") + \
-                f" in {time.perf_counter() - t0:.1f} s"
+            took = f" in {time.perf_counter() - t0:.1f} s"
+            self.status.value = ("stopped" if stopped else "finished") + took
         except Exception as e:  # shown in the widget: a thread's exception is otherwise lost
             self.progress.bar_style = "danger"
             self.status.value = "failed"

@@ -21,7 +21,17 @@ from ..inspect.plots import histogram_bars
 from ..inspect.ulp_count import binades, bits_dtype
 from ..io.formats import source
 from ..report import Report
-from ._base import ErrorBox, FigureView, facts_html, hook, rows_html, summary_html
+from ._base import (
+    ErrorBox,
+    FigureView,
+    button,
+    choice,
+    facts_html,
+    hook,
+    htmls,
+    rows_html,
+    summary_html,
+)
 
 __all__ = ["DiffExplorer"]
 #: the B choice meaning "the exact fuse of base + adapter, in float64"
@@ -52,49 +62,36 @@ class DiffExplorer(W.VBox):
         self.compared = 0
         self._quiet = False
         style = {"description_width": "5em"}
-        self.a = hook(W.Dropdown(options=labels, value=a or labels[0], description="A",
-                                 style=style), "ulp-a")
+        self.a = choice("ulp-a", "A", labels, value=a or labels[0], style=style)
         default_b = b or (b_labels[1] if len(b_labels) > 1 else b_labels[0])
-        self.b = hook(W.Dropdown(options=b_labels, value=default_b, description="B",
-                                 style=style), "ulp-b")
-        self.button = hook(W.Button(description="Compare", button_style="primary",
-                                    icon="balance-scale"), "ulp-compare")
-        self.view = hook(W.ToggleButtons(options=list(VIEWS), value="overall",
-                                         description="show", style=style), "ulp-view")
-        self.layer = hook(W.Dropdown(options=[], description="layer", style=style),
-                          "ulp-layer")
-        self.tensor = hook(W.Dropdown(options=[], description="tensor", style=style,
-                                      layout=W.Layout(width="34em")), "ulp-tensor")
-        self.status = hook(W.HTML(""), "ulp-status")
-        self.summary = hook(W.HTML(""), "ulp-summary")
-        self.facts = hook(W.HTML(""), "ulp-facts")
+        self.b = choice("ulp-b", "B", b_labels, value=default_b, style=style)
+        self.button = button("ulp-compare", "Compare", "balance-scale")
+        self.view = choice("ulp-view", "show", VIEWS, W.ToggleButtons, value="overall", style=style)
+        self.layer = choice("ulp-layer", "layer", [], style=style)
+        self.tensor = choice("ulp-tensor", "tensor", [], style=style,
+                               layout=W.Layout(width="34em"))
+        self.status, self.summary, self.facts = htmls("ulp", "status", "summary", "facts")
         self.figure = FigureView("ulp-figure")
         self.error = ErrorBox("ulp-error")
         self.button.on_click(lambda _b: self.compare())
         self.view.observe(lambda _c: self.redraw(), names="value")
         self.layer.observe(self._on_layer, names="value")
         self.tensor.observe(lambda _c: self._on_tensor(), names="value")
-        super().__init__([
-            W.HBox([self.a, self.b, self.button, self.status]), self.error, self.summary,
-            self.view, W.HBox([self.layer, self.tensor]), self.facts, self.figure])
+        top = W.HBox([self.a, self.b, self.button, self.status])
+        picks = W.HBox([self.layer, self.tensor])
+        super().__init__([top, self.error, self.summary, self.view, picks, self.facts, self.figure])
         hook(self, "diff-explorer")
         if compare:
             self.compare()
 
-    # -- computing -----------------------------------------------------------------------
     def compare(self) -> Optional[Report]:
         """Compare the chosen A and B (what the button does)."""
-        self.error.show(None)
         self.status.value = "comparing..."
-        a = self.checkpoints[self.a.value]
-        try:
-            if self.b.value == REFERENCE:
-                rep: Report = ulp_vs_reference(a, self.base, self.adapter)
-            else:
-                rep = diff(a, self.checkpoints[self.b.value]).ulp_report()
-        except Exception as e:  # shown in the widget; the user picks other inputs
-            self.status.value = "failed"
-            self.error.show(e)
+        a, b = self.checkpoints[self.a.value], self.b.value
+        rep = self.error.attempt(lambda: ulp_vs_reference(a, self.base, self.adapter)
+                                 if b == REFERENCE else diff(a, self.checkpoints[b]).ulp_report(),
+                                 self.status)
+        if rep is None:
             return None
         self.report = rep
         self.compared += 1
@@ -137,7 +134,6 @@ class DiffExplorer(W.VBox):
         else:
             self.redraw()
 
-    # -- drawing -------------------------------------------------------------------------
     def redraw(self) -> None:
         """Draw the current view of the current report."""
         rep = self.report
@@ -148,11 +144,8 @@ class DiffExplorer(W.VBox):
             view = "overall"
         if view == "tensor" and not self.tensor.value:
             view = "overall"
-        if view == "overall":
-            fig = rep.plot()
-            self.facts.value = ""
-        elif view == "layers":
-            fig = rep.plot(level="layers")
+        if view in ("overall", "layers"):
+            fig = rep.plot(level="layers") if view == "layers" else rep.plot()
             self.facts.value = ""
         elif view == "layer":
             assert isinstance(rep, UlpReport)

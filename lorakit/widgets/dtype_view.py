@@ -43,9 +43,8 @@ class DtypeMapView(W.VBox):
         self.detail = hook(W.HTML("<i>click a cell for its tensors</i>"), "dtype-detail")
         self.figure = FigureView("dtype-figure")
         self.error = ErrorBox("dtype-error")
-        tabs = W.Tab([W.VBox([self.grid, self.detail]), self.figure])
-        tabs.set_title(0, "map (hover, click)")
-        tabs.set_title(1, "heatmap figure")
+        tabs = W.Tab([W.VBox([self.grid, self.detail]), self.figure],
+                     titles=("map (hover, click)", "heatmap figure"))
         super().__init__([self.summary, tabs, self.error])
         hook(self, "dtype-map-view")
         if source is not None:
@@ -53,12 +52,10 @@ class DtypeMapView(W.VBox):
 
     def show(self, source: Any) -> Optional[DtypeMap]:
         """Inspect ``source`` (or show a ready DtypeMap) and redraw everything."""
-        try:
-            rep = source if isinstance(source, DtypeMap) else dtype_map(source)
-        except Exception as e:  # shown to the user; the widget stays usable
-            self.error.show(e)
+        rep = self.error.attempt(
+            lambda: source if isinstance(source, DtypeMap) else dtype_map(source))
+        if rep is None:
             return None
-        self.error.show(None)
         self.report = rep
         self.selected = None
         self.summary.value = summary_html(rep)
