@@ -1,10 +1,7 @@
 """lorakit: fuse, inspect, compare and time LoRA adapters for MLX, correct to the last bit.
 
-The top level is nine verbs and the error type; everything else lives in the
-packages (``lorakit.io``, ``lorakit.fusion``, ``lorakit.algebra``, ``lorakit.inspect``,
-``lorakit.timing``, ``lorakit.synth``, ``lorakit.widgets``). Importing lorakit imports
-neither numpy, MLX, Jupyter, ipywidgets nor matplotlib; each verb loads what it needs
-when called.
+The top level is nine verbs and the error type; importing it loads neither numpy, MLX,
+ipywidgets nor matplotlib (each verb loads what it needs when called).
 
 ===================  ====================================================================
 ``fuse``             fuse an adapter into a checkpoint on disk (or a model in memory)
@@ -18,10 +15,8 @@ when called.
 ``compare_outputs``  behaviour on a corpus: per-token KL, top-1 agreement, perplexity
 ===================  ====================================================================
 
-More verbs live in their packages: ``lorakit.inspect.dtype_map``, ``delta_norms``,
-``compare_adapters``, ``compare_generations``, ``ulp_vs_reference``;
-``lorakit.algebra.convert`` and ``resize``; ``lorakit.fusion.attach_adapter``;
-``lorakit.synth.synth_checkpoint`` and ``synth_adapter``.
+More verbs live in the packages (``lorakit.inspect``, ``lorakit.algebra``,
+``lorakit.fusion``, ``lorakit.synth``, ``lorakit.widgets``).
 
 >>> import lorakit
 >>> sorted(lorakit.__all__)[:3]

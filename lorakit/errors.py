@@ -1,8 +1,5 @@
-"""Errors lorakit raises: one class per kind of failure, each naming what was wrong.
-
-Every error carries the file and tensor it concerns, what was expected and what
-was found, so a user can fix the input without reading a traceback.
-"""
+"""Errors lorakit raises: one class per kind of failure, each naming the file and tensor,
+what was expected and what was found."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,15 +12,9 @@ PathLike = Union[str, Path]
 
 
 class LorakitError(Exception):
-    """Base class of every error lorakit raises on purpose.
-
-    Args:
-        message: one line saying what went wrong.
-        file: the file concerned, if any.
-        tensor: the tensor (or config key) concerned, if any.
-        expected / found: what lorakit needed and what it found.
-        hint: how to fix it.
-    """
+    """Base class of every error lorakit raises on purpose: a one-line ``message``, the
+    ``file`` and ``tensor`` (or config key) concerned, ``expected`` / ``found`` and a
+    ``hint`` to fix it."""
 
     def __init__(
         self,
@@ -45,8 +36,7 @@ class LorakitError(Exception):
 
     def where(self, file: Optional[PathLike] = None, tensor: Optional[str] = None
               ) -> "LorakitError":
-        """This error with ``file`` and ``tensor`` filled in where it named none (a
-        caller that knows more than the code that raised)."""
+        """This error with ``file`` and ``tensor`` filled in where it named none."""
         return type(self)(self.message, file=self.file if self.file is not None else file,
                           tensor=self.tensor or tensor, expected=self.expected,
                           found=self.found, hint=self.hint)

@@ -1,10 +1,6 @@
-"""lorakit's optional C kernels and their one switch.
-
-Each kernel is a C extension beside the package that owns its idea (pyproject.toml builds
-it where a C compiler is found; ``lorakit/_kernel.h`` holds their common preamble) and has
-a numpy twin that gives the same bits. ``LORAKIT_KERNELS=0`` in the environment, or
-:func:`use_kernels` ``(False)``, sends every verb through the numpy twins.
-"""
+"""lorakit's optional C kernels and their one switch: each has a numpy twin giving the
+same bits, and ``LORAKIT_KERNELS=0`` (or :func:`use_kernels` ``(False)``) sends every
+verb through the twins."""
 from __future__ import annotations
 
 import importlib
@@ -37,8 +33,7 @@ def use_kernels(flag: bool) -> Iterator[None]:
 
 
 def load(name: str) -> Optional[Any]:
-    """The kernel module ``name`` (one of :data:`KERNELS`) where it is built and kernels are
-    enabled, else None (the caller takes its numpy twin)."""
+    """The kernel module ``name`` where built and enabled, else None (take the numpy twin)."""
     if not _state["on"]:
         return None
     if name not in _modules:

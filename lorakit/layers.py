@@ -44,9 +44,8 @@ KIND_LABELS = {
     "norm_pre_ff": "pre-MLP norm", "norm_post_ff": "post-MLP norm", "norm": "final norm",
     "head": "LM head",
 }
-_LEAVES = ("weight", "bias", "scales", "biases", "lora_a", "lora_b", "m", "lora_A", "lora_B",
-           "lora_magnitude_vector")
 LORA_PARTS = ("lora_a", "lora_b", "m", "lora_A", "lora_B", "lora_magnitude_vector")
+_LEAVES = ("weight", "bias", "scales", "biases") + LORA_PARTS
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
@@ -87,8 +86,7 @@ def split_name(name: str) -> Tuple[Optional[int], str, Optional[int], str]:
 
 
 def kind_label(kind: str) -> str:
-    """A reader's name for a kind (``norm_attn`` -> ``post-attn norm``); unknown kinds
-    are shown as they are."""
+    """A reader's name for a kind (``norm_attn`` -> ``post-attn norm``), else the kind."""
     return KIND_LABELS.get(kind, kind)
 
 
@@ -99,10 +97,8 @@ def _natural(s: str) -> Tuple[Any, ...]:
 
 
 def model_order(names: List[str]) -> List[int]:
-    """Indices of ``names`` (tensors or modules) in model order: the embedding, then the
-    blocks by layer number (numerically: 2 before 10) and within a block by kind
-    (:data:`KIND_ORDER`: q, k, v, o, norms, gate, up, down), expert and part, then the
-    rest (final norm, head). Every report table shows its rows in this order."""
+    """Indices of ``names`` in model order: the embedding, the blocks by layer number (2
+    before 10) and within a block by :data:`KIND_ORDER`, expert and part, then the rest."""
     rank = {k: i for i, k in enumerate(KIND_ORDER)}
 
     def key(i: int) -> Tuple[Any, ...]:
@@ -120,11 +116,8 @@ def _order_kinds(kinds) -> List[str]:
 
 
 def layer_kind_cells(rows) -> Tuple[List[str], List[str], Dict[Tuple[str, str], List[Dict[str, Any]]]]:
-    """Group report rows by (layer label, kind): the cells of a layer x kind grid.
-
-    Returns the row labels (``"-"`` first for layer-less tensors such as the embedding,
-    then layers in order), the kinds in display order, and the rows of each cell.
-    """
+    """Report rows grouped by (layer label, kind): the row labels (``"-"`` first for
+    layer-less tensors), the kinds in display order and the rows of each cell."""
     cells: Dict[Tuple[str, str], List[Dict[str, Any]]] = {}
     layers: set = set()
     has_global = False

@@ -1,8 +1,5 @@
-"""Lazy exports: a package names its verbs without importing the modules behind them.
-
-``import lorakit`` (or ``lorakit.inspect``) must not load numpy or MLX: each package
-maps a public name to the module that defines it, and the module is imported on first
-use of the name.
+"""Lazy exports: a package maps each public name to the module that defines it, imported
+on first use, so ``import lorakit`` (or ``lorakit.inspect``) loads no numpy or MLX.
 
 >>> import types, sys
 >>> pkg = types.ModuleType("demo_pkg"); sys.modules["demo_pkg"] = pkg
@@ -22,8 +19,7 @@ __all__ = ["lazy_exports"]
 def lazy_exports(package: str, names: Dict[str, Tuple[str, str]],
                  subpackages: Iterable[str] = ()) -> Tuple[Callable[[str], Any],
                                                            Callable[[], list]]:
-    """``__getattr__`` and ``__dir__`` for ``package``: ``names`` maps a public name to
-    (module, attribute); ``subpackages`` are imported when first named."""
+    """``__getattr__`` and ``__dir__`` for ``package``: name -> (module, attribute)."""
     subs = tuple(subpackages)
 
     def __getattr__(name: str) -> Any:

@@ -1,9 +1,6 @@
-"""The one progress bar of lorakit's long calls: tqdm, a callback, or nothing.
-
-Every ``progress=`` parameter (fuse, diff, merge check, decode timing) takes the same
-values: ``True`` for a tqdm.auto bar (a widget in notebooks, a bar in terminals, and
-none when stderr is not a terminal: logs and pipes stay clean), ``False`` / ``None``
-for nothing, or a callable ``progress(done, total)`` called after every step.
+"""The one progress bar of lorakit's long calls. Every ``progress=`` parameter takes
+``True`` (a tqdm.auto bar; none when stderr is not a terminal), ``False`` / ``None``
+(nothing) or a callable ``progress(done, total)`` called after every step.
 
 >>> seen = []
 >>> with progress_bar(lambda done, total: seen.append((done, total)), 10, "demo") as bar:
@@ -23,10 +20,8 @@ Progress = Union[bool, None, Callable[[int, int], None]]
 
 
 class ProgressBar:
-    """Counts steps towards ``total``: drives a tqdm bar, calls a callback, or neither.
-
-    ``update(n)`` after each step, ``close()`` at the end (or use it as a context
-    manager); ``set_postfix_str`` names the current step on a tqdm bar."""
+    """Counts steps towards ``total``: drives a tqdm bar, calls a callback, or neither
+    (``update(n)`` per step, ``close()`` or a ``with`` block at the end)."""
 
     def __init__(self, total: int, bar: Any = None,
                  callback: Optional[Callable[[int, int], None]] = None) -> None:
@@ -59,23 +54,15 @@ class ProgressBar:
 
 def progress_bar(progress: Progress, total: int, desc: str, unit: str = "B",
                  leave: bool = False) -> ProgressBar:
-    """A :class:`ProgressBar` for a ``progress=`` argument (see the module docstring).
-
-    Args:
-        progress: True (tqdm.auto), False/None (nothing) or ``progress(done, total)``.
-        total: steps (bytes for ``unit="B"``, shown scaled: kB, MB, GB).
-        desc: the bar's label.
-        leave: keep the finished bar on screen.
-    """
+    """A :class:`ProgressBar` for a ``progress=`` argument over ``total`` steps (bytes,
+    shown scaled, for ``unit="B"``); ``leave`` keeps the finished bar on screen."""
     if callable(progress):
         return ProgressBar(total, callback=progress)
     if not progress:
         return ProgressBar(total)
-    from tqdm.auto import (
-        tqdm,  # lazy: imports ipywidgets in a notebook; only with a bar
-    )
+    from tqdm.auto import tqdm  # lazy: imports ipywidgets in a notebook
 
     # disable=None: no bar when stderr is not a terminal (logs, pipes, CI), so an
     # error there reads as one message; notebooks still show theirs
-    return ProgressBar(total, bar=tqdm(total=total, unit=unit, unit_scale=unit == "B",
-                                       desc=desc, disable=None, leave=leave))
+    bar = tqdm(total=total, unit=unit, unit_scale=unit == "B", desc=desc, disable=None, leave=leave)
+    return ProgressBar(total, bar=bar)

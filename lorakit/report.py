@@ -1,16 +1,10 @@
-"""Report objects: what every inspection helper returns.
+"""Report objects (what every inspection helper returns) and the one HTML table builder
+behind every report, widget and result view.
 
-A report holds its raw numbers (``rows``: a list of dicts, one per table row, plus
-any arrays a subclass keeps), renders as an HTML table in notebooks
-(``_repr_html_``), as aligned text in terminals and tests (``str()``, the text twin),
-and as JSON for scripts (``to_dict()`` / ``to_json()``). Figures are made on
-request (``plot()``), so matplotlib is imported only then.
-
-The one HTML table builder behind every report, widget and result view.
-
-Cells are escaped here, once: a cell's content is text unless it is :class:`Markup`
-(HTML that lorakit built itself, e.g. a highlighted token), so callers never call
-``html.escape`` on table content. Standard library only: importing this costs nothing.
+A report holds its raw ``rows``, renders as HTML in notebooks, as aligned text in
+terminals (``str()``, the text twin) and as JSON (``to_dict()`` / ``to_json()``). Cells
+are escaped here, once: content is text unless it is :class:`Markup`. Standard library
+only.
 
 >>> facts_table([("a<b", 1)])
 "<table><tr><th style='text-align:left'>a&lt;b</th><td style='text-align:left'>1</td></tr></table>"
@@ -24,18 +18,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import (
-    Any,
-    ClassVar,
-    Dict,
-    Iterable,
-    List,
-    Mapping,
-    Optional,
-    Sequence,
-    Tuple,
-    Union,
-)
+from typing import Any, ClassVar, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .layers import model_order
 
@@ -43,8 +26,7 @@ __all__ = ["Markup", "Cell", "escape", "table", "facts_table", "head_cells", "LE
 
 
 def _numpy() -> Any:
-    """numpy if something loaded it, else None: a value can be a numpy scalar or array
-    only once numpy is imported, so a report of headers alone never loads it."""
+    """numpy if something loaded it, else None (a report of headers alone never loads it)."""
     return sys.modules.get("numpy")
 
 
@@ -86,20 +68,10 @@ def jsonable(v: Any) -> Any:
 
 @dataclass
 class Report:
-    """A table of results with a title, a summary and its raw rows.
-
-    Attributes:
-        title: one line naming what was inspected.
-        rows: one dict per table row (the raw numbers).
-        columns: which row keys the table shows, in order (default: all of the first row).
-        summary: ordered key -> value facts shown above the table.
-        flagged: row indices to highlight (e.g. tensors with an unexpected dtype).
-        max_rows: rows shown in text/HTML before eliding (the data keeps all).
-
-    Class attribute ``column_help``: a one-line explanation per column, set by each
-    report beside its column list; HTML shows it on hover over the header, the text
-    twin as a legend under the table.
-    """
+    """A table of results: a ``title``, ``summary`` facts shown above the table, raw
+    ``rows`` (one dict each), the ``columns`` shown (default: the first row's keys),
+    ``flagged`` row indices to highlight and ``max_rows`` shown before eliding. The class
+    attribute ``column_help`` explains each column (hover text in HTML, a legend in text)."""
 
     column_help: ClassVar[Dict[str, str]] = {}
 
@@ -120,8 +92,7 @@ class Report:
         return [r.get(key) for r in self.rows]
 
     def to_dict(self) -> Dict[str, Any]:
-        return jsonable({"title": self.title, "summary": self.summary, "rows": self.rows,
-                          "flagged": self.flagged})
+        return jsonable({k: getattr(self, k) for k in ("title", "summary", "rows", "flagged")})
 
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), **kw)
@@ -133,18 +104,15 @@ class Report:
 
     # -- display order -------------------------------------------------------------------
     def _order(self) -> List[int]:
-        """Row indices as tables show them: in model order (embeddings, blocks by layer
-        number and kind, then final norm and head) when a column names tensors or modules, else as
-        stored (timing variants, prompts). ``rows`` itself keeps the order it was made in."""
+        """Row indices in display order: model order when rows name tensors or modules."""
         key = next((c for c in ("tensor", "module") if c in self.cols()), None)
         if key is None:
             return list(range(len(self.rows)))
         return model_order([str(r.get(key) or "") for r in self.rows])
 
     def _shown(self) -> List[Tuple[int, int]]:
-        """(position in display order, row index) of the rows a table shows: the first
-        ``max_rows``, then flagged rows beyond them (up to ``max_rows`` more: a verdict
-        is not hidden behind unflagged rows)."""
+        """(position, row index) of the rows shown: the first ``max_rows``, then flagged rows
+        beyond them (up to ``max_rows`` more)."""
         flag = set(self.flagged)
         shown = []
         for pos, i in enumerate(self._order()):
@@ -155,40 +123,42 @@ class Report:
     def _help(self, col: str) -> str:
         return type(self).column_help.get(col, "")
 
+    def _walk(self) -> Iterable[Tuple[str, int]]:
+        """The shown rows in display order: ("row", index), ("gap", rows elided) between
+        them and ("more", rows elided) at the end."""
+        prev = -1
+        for pos, i in self._shown():
+            if pos != prev + 1:
+                yield "gap", pos - prev - 1
+            yield "row", i
+            prev = pos
+        if prev != len(self.rows) - 1:
+            yield "more", len(self.rows) - 1 - prev
+
     # -- text twin -----------------------------------------------------------------------
     def __str__(self) -> str:
-        lines = [self.title]
-        for k, v in self.summary.items():
-            lines.append(f"  {k}: {format_value(v)}")
+        lines = [self.title] + [f"  {k}: {format_value(v)}" for k, v in self.summary.items()]
         cols = self.cols()
         if cols and self.rows:
-            shown = self._shown()
-            n = len(self.rows)
-            table = [[c for c in cols]] + [[format_value(self.rows[i].get(c, "")) for c in cols]
-                                           for _, i in shown]
-            widths = [max(len(r[j]) for r in table) for j in range(len(cols))]
-            flag = set(self.flagged)
-            lines.append("")
-            lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(table[0], widths)))
-            prev = -1
-            for (pos, i), row in zip(shown, table[1:]):
-                if pos != prev + 1:
-                    lines.append(f"  ... {pos - prev - 1} rows ...")
-                mark = "!" if i in flag else " "
-                lines.append(mark + " " + "  ".join(c.ljust(w) for c, w in zip(row, widths))
-                             .rstrip())
-                prev = pos
-            if prev != n - 1:
-                lines.append(f"  ... {n - 1 - prev} more rows ...")
-            if len(shown) < n:
-                lines.append(f"  ({n - len(shown)} of {n} rows not shown: raise max_rows, "
+            n, flag, walk = len(self.rows), set(self.flagged), list(self._walk())
+            cells = {i: [format_value(self.rows[i].get(c, "")) for c in cols]
+                     for kind, i in walk if kind == "row"}
+            widths = [max([len(c)] + [len(r[j]) for r in cells.values()])
+                      for j, c in enumerate(cols)]
+            lines += ["", "  " + "  ".join(h.ljust(w) for h, w in zip(cols, widths))]
+            for kind, i in walk:
+                if kind == "row":
+                    text = "  ".join(c.ljust(w) for c, w in zip(cells[i], widths)).rstrip()
+                    lines.append(("! " if i in flag else "  ") + text)
+                else:
+                    lines.append(f"  ... {i} {'more ' if kind == 'more' else ''}rows ...")
+            if len(cells) < n:
+                lines.append(f"  ({n - len(cells)} of {n} rows not shown: raise max_rows, "
                              "or --max-rows in the CLI)")
             legend = [(c, self._help(c)) for c in cols if self._help(c)]
             if legend:
                 w = max(len(c) for c, _ in legend)
-                lines.append("")
-                lines.append("  columns:")
-                lines.extend(f"    {c.ljust(w)}  {h}" for c, h in legend)
+                lines += ["", "  columns:"] + [f"    {c.ljust(w)}  {h}" for c, h in legend]
         return "\n".join(lines)
 
     def __repr__(self) -> str:  # cheap
@@ -204,31 +174,23 @@ class Report:
             flag = set(self.flagged)
             body: List[List[Any]] = []
             styles: Dict[int, str] = {}
-            prev = -1
-            n = len(self.rows)
-            shown = self._shown()
-            for pos, i in shown:
-                if pos != prev + 1:
-                    body.append([Cell(Markup(f"&hellip; {pos - prev - 1} rows"),
-                                      colspan=len(cols))])
-                if i in flag:
-                    styles[len(body)] = FLAGGED
-                body.append([format_value(self.rows[i].get(c, "")) for c in cols])
-                prev = pos
-            if prev != n - 1:
-                body.append([Cell(Markup(f"&hellip; {n - 1 - prev} more rows (raise "
-                                         "<code>max_rows</code> to show them)"),
-                                  colspan=len(cols))])
+            for kind, i in self._walk():
+                if kind == "row":
+                    styles.update({len(body): FLAGGED} if i in flag else {})
+                    body.append([format_value(self.rows[i].get(c, "")) for c in cols])
+                else:
+                    more = " more rows (raise <code>max_rows</code> to show them)"
+                    text = Markup(f"&hellip; {i}" + (more if kind == "more" else " rows"))
+                    body.append([Cell(text, colspan=len(cols))])
             head = head_cells(cols, type(self).column_help)
-            summary = f"{n} rows" + (f", {len(flag)} flagged" if flag else "")
-            parts.append(collapsible(summary, table(body, head=head, row_styles=styles), n))
+            summary = f"{len(self.rows)} rows" + (f", {len(flag)} flagged" if flag else "")
+            parts.append(collapsible(summary, table(body, head=head, row_styles=styles),
+                                     len(self.rows)))
         parts.append("</div>")
         return "".join(parts)
 
 
-# ---------------------------------------------------------------------------
-# The one HTML table builder behind every report, widget and result view.
-
+# -- the HTML table builder ---------------------------------------------------
 
 #: style of left-aligned cells (key/value tables)
 LEFT = "text-align:left"

@@ -1,49 +1,12 @@
-"""Adapter algebra: weighted combinations of adapters, and conversion between formats.
+"""Adapter algebra: :func:`combine` (N adapters and weights into one) and :func:`convert`.
 
-:func:`combine` turns N adapters and N weights into one adapter (a
-:class:`Combination` report holding it). The intended change of the combination of
-adapters ``i`` with weights ``w_i`` on a module is
-
-    D = sum_i w_i * s_i * B_i @ A_i        (s_i: each adapter's own scale, resolved on
-                                            reading: mlx-lm's scale, alpha/r, rsLoRA
-                                            alpha/sqrt(r), rank and alpha patterns)
-
-Methods:
-
-* ``exact`` (default): ``D`` itself, held as the concatenated factors
-  ``[B_1 .. B_N]``, ``[A_1; ..; A_N]`` with one scale per rank column (``w_i * s_i``
-  in float64). Fused (``lorakit fuse`` with several ``--adapter-path``), it is rounded
-  once, like every lorakit fuse. Saved, the column scales are folded into ``B`` (see
-  ``cat``).
-* ``cat``: the same factors with the column scales folded into ``B`` and one scale
-  1.0: exact wherever each ``w_i * s_i`` is a power of two times the first (then the
-  fold only moves exponents); otherwise each folded ``B`` element is rounded once to
-  float32 (relative error <= 2**-24), and the report gives the measured error per
-  module (``fold_rel_err``).
-* ``svd``: ``D`` in float64, truncated to rank R (default: the largest input rank)
-  by its SVD; ``B = U S``, ``A = V^T`` rounded to float32; the report gives the
-  truncation error ``||D - B A||_F / ||D||_F`` per module.
-* ``linear``, ``ties``, ``magnitude_prune``, ``dare_linear``, ``dare_ties``: PEFT's
-  ``add_weighted_adapter`` definitions: the A factors and the B factors are merged
-  separately (:mod:`lorakit.algebra.peft_like`) with weights
-  ``sign(w s) sqrt(|w s|)`` on A and ``sqrt(|w s|)`` on B, so the product carries
-  cross terms ``B_i A_j`` between adapters (PEFT issue 3004); needs equal ranks.
-  lorakit evaluates each merge in float64 and rounds once to float32.
-* ``ties_svd``: PEFT's ``ties`` on the full deltas ``s_i B_i A_i`` with weights ``w_i``,
-  then ``svd``.
-
-DoRA adapters are combined by ``exact`` only: a DoRA change ``m * (W + d) / ||W + d|| - W``
-depends on the base weight and is not low rank, so a module with a DoRA part becomes a
-:class:`~lorakit.fusion.delta.SumTarget` (``W + sum_i w_i (T_i(W) - W)``, each ``T_i``
-the adapter's own intended result), which the fuse rounds once
-(:mod:`lorakit.fusion.sum_fuse`); such a combination is not an adapter and cannot be
-saved. ``svd`` with DoRA parts truncates that W-dependent sum ``T(W) - W`` per module
-(``base=``: the checkpoint it is evaluated on) to rank R: an ordinary LoRA adapter,
-with the truncation error in the report.
-``modules_to_save`` copies are refused too (PEFT refuses two of them on one module).
-
-:func:`convert` reads an adapter and writes it in the other format
-(:func:`lorakit.io.adapters.write.save_adapter`).
+The combination's intended change on a module is ``D = sum_i w_i s_i B_i A_i`` (``s_i``
+each adapter's own scale). ``exact`` holds ``D`` as concatenated factors with one scale
+per rank column (fused, rounded once; saved folded, as ``cat``); ``cat`` folds the
+scales into ``B`` (exact where they differ by powers of two, else ``fold_rel_err``);
+``svd`` truncates ``D`` to a rank; the PEFT methods (``linear``, ``ties``, ``dare_*``,
+...) merge A and B separately (:mod:`lorakit.algebra.peft_like`). A DoRA module becomes
+a :class:`~lorakit.fusion.delta.SumTarget`: fused only, never saved as an adapter.
 """
 from __future__ import annotations
 
@@ -128,8 +91,7 @@ def _check_inputs(ads: List[Adapter], weights: Sequence[float], method: str = "e
         raise ArgumentError.bad("weights", list(weights), f"{len(ads)} weights, one per adapter")
     for ad in ads:
         if ad.is_dora and method not in ("exact", "svd") and like is None:
-            raise AdapterError(f"DoRA adapters cannot be combined by {method}"
-                               + (f" like {like}" if like else ""), file=ad.path,
+            raise AdapterError(f"DoRA adapters cannot be combined by {method}", file=ad.path,
                                expected="LoRA adapters, or method exact (fused only) "
                                "or svd (with base=)",
                                found="DoRA (magnitude vectors)",
@@ -207,10 +169,8 @@ def _delta(t: LoraTarget, w: float) -> np.ndarray:
 
 def _svd(D: np.ndarray, rank: int, factors: Optional[Tuple[np.ndarray, np.ndarray]] = None
          ) -> Tuple[np.ndarray, np.ndarray, float]:
-    """(A (…, R, in), B (…, out, R)) float32 of D's rank-R truncation, and its relative
-    Frobenius error measured with the float32 factors. ``factors`` (Bs, A) with
-    ``D = Bs @ A`` (low rank): the SVD of D from the QR factors of Bs and A^T (an
-    r x r SVD instead of an out x in one)."""
+    """(A, B) float32 of D's rank-R truncation and its relative Frobenius error with
+    those factors; given ``factors`` (Bs, A) with ``D = Bs @ A``, by :func:`factor_svd`."""
     if factors is None:
         U, S, Vh = np.linalg.svd(D, full_matrices=False)
     else:
@@ -237,32 +197,21 @@ def _factor_merge(method: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[
     ws = [float(w[i]) * float(t.scale) for i, t in parts]
     wa = [np.sqrt(abs(x)) * (1 if x >= 0 else -1) for x in ws]
     wb = [np.sqrt(abs(x)) for x in ws]
-    As, Bs = [t.A for _, t in parts], [t.B for _, t in parts]
     if parts[0][1].kind == "embedding":  # PEFT's lora_embedding_A is lorakit's B.T
-        return (merge(method, As, wb, density=density, rng=rng, sign_method=sign_method),
-                merge(method, Bs, wa, density=density, rng=rng, sign_method=sign_method))
-    return (merge(method, As, wa, density=density, rng=rng, sign_method=sign_method),
-            merge(method, Bs, wb, density=density, rng=rng, sign_method=sign_method))
+        wa, wb = wb, wa
+    kw = dict(density=density, rng=rng, sign_method=sign_method)
+    return (merge(method, [t.A for _, t in parts], wa, **kw),
+            merge(method, [t.B for _, t in parts], wb, **kw))
 
 
 @dataclass(frozen=True)
 class CombineOptions:
-    """How :func:`combine` combines: one value, checked once (its keywords, the flags of
-    ``lorakit combine`` and ``lorakit fuse --adapter-path A --adapter-path B``).
-
-    Attributes:
-        method: one of :data:`METHODS` (see the module's docstring; default ``exact``).
-        rank: the rank of ``svd`` / ``ties_svd`` (default: the largest input rank).
-        density: the kept fraction for ``ties``, ``ties_svd``, ``magnitude_prune``,
-            ``dare_*`` (required there), 0 <= density <= 1.
-        seed: the random seed of ``dare_*`` (required there).
-        like: ``"peft"``: the adapter PEFT's ``add_weighted_adapter`` builds, bit for bit
-            (:mod:`lorakit.algebra.peft_like`; fuse it with ``rounding="round-once"``).
-        base_dtype: the model's dtype PEFT would build ``cat`` factors in (``like``):
-            ``BF16``, ``F16`` or ``F32``.
-        majority_sign_method: ``ties``' sign election, PEFT's ``"total"`` (default) or
-            ``"frequency"``.
-        svd_clamp: ``like="peft"`` ``svd`` only: PEFT's quantile clamp of the factors.
+    """How :func:`combine` combines, checked once (its keywords and the CLI's flags):
+    ``method``: one of :data:`METHODS`; ``rank``: of ``svd``/``ties_svd`` (default the
+    largest input rank); ``density`` (ties, magnitude_prune, dare_*) and ``seed``
+    (dare_*); ``like="peft"``: PEFT's ``add_weighted_adapter`` bit for bit, its factors
+    built in ``base_dtype``; ``majority_sign_method``: ``"total"`` or ``"frequency"``;
+    ``svd_clamp``: PEFT's quantile clamp (``like="peft"`` svd only).
     """
 
     method: str = "exact"
@@ -303,16 +252,10 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
             *, options: Optional[CombineOptions] = None, base: Any = None,
             save_path: Optional[PathLike] = None, format: str = "mlx-lm",
             force: bool = False, **settings: Any) -> Combination:
-    """Combine adapters with weights (negative allowed) into one adapter.
-
-    Args:
-        adapters: adapter directories (mlx-lm or PEFT) or loaded adapters.
-        weights: one per adapter (default: 1.0 each).
-        options: a :class:`CombineOptions`; ``**settings`` (its field names: ``method``,
-            ``rank``, ``density``, ``seed``, ``like``, ...) replace its values.
-        base: the checkpoint (path or source) ``svd`` evaluates DoRA parts on (and
-            ``like="peft"`` DoRA magnitudes).
-        save_path / format / force: also write the combination there.
+    """Combine adapters (directories or Adapters) with weights (default 1.0 each,
+    negative allowed) into one adapter. ``**settings`` (:class:`CombineOptions` fields)
+    replace the values of ``options``; ``base``: the checkpoint ``svd`` evaluates DoRA
+    parts on (and ``like="peft"`` DoRA magnitudes); ``save_path``: also write it there.
 
     >>> c = combine(["data/adapters/lora", "data/adapters/lora"], [0.5, 0.5])
     >>> c.adapter.targets[0].rank, c.summary["method"]
@@ -452,17 +395,9 @@ def convert(adapter: Union[PathLike, Adapter], save_path: PathLike, *, to: str =
             force: bool = False, num_layers: Optional[int] = None,
             base: Optional[PathLike] = None, outtype: str = "f32") -> Path:
     """Write ``adapter`` in format ``to`` (``"peft"`` or ``"mlx-lm"``), its factors in
-    their own dtype, bit for bit (see :func:`lorakit.io.adapters.write.save_adapter`);
-    or, with ``to="gguf-lora"``, as llama.cpp's LoRA GGUF file ``save_path``
-    (:func:`lorakit.io.outputs.gguf.write_lora_gguf`; ``base``: the model directory whose
-    config.json names the architecture, default the adapter's recorded model;
-    ``outtype``: ``f32`` or ``f16``).
-
-    >>> import tempfile, os
-    >>> out = convert("data/adapters/lora", os.path.join(tempfile.mkdtemp(), "p"), to="peft")
-    >>> sorted(p.name for p in out.iterdir())
-    ['adapter_config.json', 'adapter_model.safetensors', 'lorakit.json']
-    """
+    their own dtype, bit for bit; or, with ``to="gguf-lora"``, as llama.cpp's LoRA GGUF
+    file ``save_path`` (``base``: the model directory whose config.json names the
+    architecture, default the adapter's recorded model; ``outtype``: f32 or f16)."""
     ad = _load(adapter)
     if to == "gguf-lora":
         return _to_gguf_lora(ad, Path(save_path), base, outtype, force)

@@ -1,43 +1,16 @@
-"""``lorakit.extract``: a LoRA adapter from two checkpoints (tuned minus base).
+"""``lorakit.extract`` (a LoRA from tuned minus base) and ``lorakit.algebra.resize``.
 
-For every tensor the two checkpoints hold, streamed one at a time:
-
-* bit-identical tensors are untouched (compared as raw bytes);
-* a changed 2-D linear weight gives ``D = T - W`` (float64, exact) and its truncated
-  SVD (:func:`lorakit.algebra.lowrank.matrix_svd`: exact where ``min(out, in) <=
-  512``, else randomized in float32), kept at ``rank`` or at the fewest singular values
-  holding ``energy`` of ``||D||_F^2`` (per-module ranks), as mergekit and PEFT do;
-* any other changed tensor (embeddings, the head, norms, biases) is saved in full, as
-  PEFT's ``modules_to_save`` (lorakit's :class:`~lorakit.io.adapters.base.Replacement`).
-
-Each low-rank row reports the kept energy, ``residual = ||D - B A||_F`` of the stored
-float32 factors, ``noise`` (the Frobenius norm of half an ulp of every element of the
-tuned weight: what rounding ``W + delta`` to the tuned dtype may add; ``within`` says
-whether ``residual <= noise``, i.e. the rank explains the change up to rounding) and,
-as information, the share of elements that fusing the factors again (``nearest``,
-:func:`lorakit.fusion.core.fuse_weight`) gives back bit for bit. The truncation keeps
-the part of the rounding error that lies in the delta's row and column spaces, so a
-re-fuse does not give every element back. :func:`lorakit.extract` adds the behaviour
-line (:mod:`lorakit.inspect.extraction`).
+extract streams the tensors of two checkpoints: bit-identical ones are untouched, a
+changed 2-D linear weight gives the truncated SVD of ``D = T - W`` (float64, at ``rank``
+or per module at ``energy``), any other changed tensor is saved in full
+(``modules_to_save``). Each row reports the kept energy, the residual of the float32
+factors against the tuned weight's rounding noise, and the share a re-fuse gives back.
+resize truncates an adapter from its factors alone (QR of B and A^T, SVD of the core),
+with the exact Eckart-Young error; DoRA keeps its magnitudes.
 
 >>> r = extract("data/tiny-qwen3", "data/tiny-qwen3", rank=4, progress=False)
 >>> r.summary["low-rank modules"], r.summary["untouched tensors"]
 (0, 46)
-
-``lorakit.algebra.resize``: an adapter at a lower rank, from its factors alone.
-
-Each module's delta ``scale * B @ A`` (B (out, r), A (r, in)) is factored by QR of
-``B`` and ``A^T`` and the SVD of the r x r core (:func:`lorakit.algebra.lowrank.factor_svd`);
-the full delta is never formed. Its best rank-k approximation keeps the k largest
-singular values, and the error is exact from the discarded ones:
-``||delta - delta_k||_F = sqrt(sum_{i>k} s_i^2)`` (Eckart-Young). Stacked MoE
-targets keep one rank for all experts (the largest any expert needs).
-
-DoRA: the low-rank part is resized and the magnitudes are kept. The error in the
-rows is the low-rank part's; with ``base=`` each DoRA row also gets ``dora_error``,
-``||T_k - T||_F`` of the DoRA-normalised weights (``m * (W + delta) / ||W + delta||``
-by rows), which renormalising makes smaller or larger than the low-rank error.
-
 >>> r = resize("data/adapters/lora", rank=4)
 >>> r.summary["ranks"], r.rows[0]["rank_before"], r.rows[0]["rank"]
 ([4], 8, 4)
@@ -53,7 +26,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -92,26 +65,11 @@ _POLICY = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 @dataclass(frozen=True)
 class ExtractOptions:
-    """An extract's settings: one value, checked once (the CLI builds it from its flags).
-
-    Attributes:
-        rank: keep this rank in every module; or
-        energy: per module, the fewest singular values holding this fraction of
-            ``||T - W||_F^2`` (per-module ranks). Exactly one of the two.
-        modules: only modules matching these names or patterns (``q_proj``,
-            ``self_attn.o_proj``, ``model.layers.1*``); default all.
-        format: the adapter format written: ``"peft"`` (default: per-module ranks and
-            full copies fit) or ``"mlx-lm"``.
-        exact_max: largest ``min(out, in)`` that gets the exact SVD.
-        seed: seed of the randomized SVD's sketch.
-        threads: low-rank modules worked on at once (default ``min(2, cores)``; each
-            holds about 20 bytes an element of its weight); the result does not depend
-            on it (each module is computed alone, with its own seed). The CLI runs
-            OpenBLAS single-threaded (``OPENBLAS_NUM_THREADS=1`` unless set): the
-            modules in flight share the cores, not BLAS pools that wait on each other.
-        behaviour: :func:`lorakit.extract` also scores the tuned model against base +
-            the extracted adapter (KL, top-1) on the embedded corpus where both are
-            model folders: True (1024 tokens, the default), a token count, or False.
+    """An extract's settings, checked once (the CLI builds it from its flags): ``rank``
+    or ``energy`` (exactly one), ``modules`` (names or patterns; default all),
+    ``format`` (peft or mlx-lm), ``exact_max`` (largest ``min(out, in)`` given the exact
+    SVD), ``seed``, ``threads`` (modules in flight, default ``min(2, cores)``; the result
+    does not depend on it), ``behaviour`` (True: 1024 tokens, a token count, or False).
 
     >>> ExtractOptions(rank=8).target
     'rank 8'
@@ -158,20 +116,11 @@ class ExtractOptions:
         return cls(**settings) if options is None else replace(options, **settings)
 
 
-def svd_note(exact_max: int = EXACT_MAX) -> str:
-    return (f"exact f64 SVD where min(out, in) <= {exact_max}, else randomized f32 "
-            f"(oversampling {OVERSAMPLE}, {POWER_ITERS} power iterations)")
-
-
 @dataclass(repr=False)
 class ExtractReport(Report):
-    """Rows: module, shape, rank, method, fro (``||D||_F``), residual, rel_error, energy
-    (kept), noise, within (``residual <= noise``), reproduced (share of a re-fuse
-    equal to the tuned bits), note. ``adapter``: the extracted
-    :class:`~lorakit.io.adapters.base.Adapter` (fuse it, compare it, save it);
-    ``singular_values[module]``: the spectrum each rank was chosen from;
-    ``behaviour``: the tuned model against base + the adapter (KL, top-1; filled by
-    :func:`lorakit.extract`), or None."""
+    """One row per module (``column_help``); ``adapter``: the extracted Adapter;
+    ``singular_values[module]``: each rank's spectrum; ``behaviour``: KL and top-1 of
+    the tuned model against base + adapter (filled by :func:`lorakit.extract`) or None."""
     column_help = {
         "module": "the module the LoRA factors belong to",
         "shape": "the weight's shape (out, in)",
@@ -210,20 +159,6 @@ class ExtractReport(Report):
         ax.set_ylabel("||D - BA|| / ||D||")
         ax.set_title(self.title)
         return ax.figure
-
-
-def _selected(module: str, patterns: Optional[Sequence[str]]) -> bool:
-    if not patterns:
-        return True
-    return any(module == p or module.endswith("." + p) or fnmatch.fnmatchcase(module, p)
-               for p in patterns)
-
-
-def _lowrank_candidate(name: str, shape: Sequence[int]) -> bool:
-    module, _, leaf = name.rpartition(".")
-    last = module.rsplit(".", 1)[-1]
-    return (leaf == "weight" and len(shape) == 2 and last not in EMBEDDING_HINTS
-            and last != "lm_head")
 
 
 def _f64(raw: np.ndarray, code: str) -> np.ndarray:
@@ -278,11 +213,8 @@ def _check_pair(b: TensorSource, t: TensorSource) -> None:
 
 def _lowrank_row(name: str, raw_b: np.ndarray, code_b: str, raw_t: np.ndarray, code_t: str,
                  opts: ExtractOptions):
-    """One low-rank module: the truncated SVD of ``D = T - W`` and its numbers.
-
-    ``D`` is built a row chunk at a time (float64, exact; the noise from the same rows
-    of ``T``), factored, and read again for the residual of the float32 factors; the
-    re-fuse is lorakit's own (``nearest``) on the stored base bits."""
+    """One low-rank module: the truncated SVD of ``D = T - W`` (float64, built a row chunk
+    at a time with the noise of ``T``), the residual of the float32 factors, the re-fuse."""
     shape = raw_b.shape
     D = np.empty(shape, np.float64)
     total = noise_sq = 0.0
@@ -331,22 +263,13 @@ def _reproduced(raw_b: np.ndarray, code_b: str, raw_t: np.ndarray, code_t: str,
 def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
             save_path: Any = None, force: bool = False, progress: Progress = True,
             **settings: Any) -> ExtractReport:
-    """Extract a LoRA adapter from a tuned checkpoint (fused, or fully fine-tuned) and
-    its base, by a truncated SVD per module (no behaviour line: :func:`lorakit.extract`
-    adds it).
+    """Extract a LoRA adapter from a tuned checkpoint and its base (a truncated SVD per
+    module; :func:`lorakit.extract` adds the behaviour line).
 
-    Args:
-        base, tuned: checkpoint directories (or tensor sources) of the same model.
-        options: an :class:`ExtractOptions`; or its fields as keywords (``rank=8``,
-            ``energy=0.99``, ``modules=[...]``, ``format=``, ``exact_max=``, ``seed=``,
-            ``threads=``), which also override the fields of ``options``.
-        save_path: also write the adapter there (``lorakit.io.adapters.write``, float32
-            factors, scale 1).
-        force: replace a previous lorakit output at ``save_path``.
-        progress: True (a bar), False, or ``progress(done_bytes, total_bytes)``.
-
-    Returns:
-        An :class:`ExtractReport`; ``.adapter`` is the extracted adapter.
+    ``options``: an :class:`ExtractOptions`, whose fields keywords (``rank=8``, ...) also
+    set or override. ``save_path``: also write the adapter there (float32 factors, scale
+    1; ``force`` replaces an earlier lorakit output). ``progress``: True, False or
+    ``progress(done_bytes, total_bytes)``. ``.adapter`` of the report is the result.
     """
     opts = ExtractOptions.of(options, settings)
     b, t = source.open(base), source.open(tuned)
@@ -377,10 +300,13 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
 
         for name, info in b.tensors.items():
             module, _, leaf = name.rpartition(".")
-            if not _selected(module, opts.modules):
+            last = module.rsplit(".", 1)[-1]
+            if opts.modules and not any(module == p or module.endswith("." + p)
+                                        or fnmatch.fnmatchcase(module, p) for p in opts.modules):
                 skipped += 1
                 bar.update(info.nbytes)
-            elif _lowrank_candidate(name, info.shape):
+            elif (leaf == "weight" and len(info.shape) == 2 and last not in EMBEDDING_HINTS
+                  and last != "lm_head"):
                 fut = pool.submit(lowrank, name)
                 fut.nbytes = info.nbytes
                 slots.append(("lowrank", fut))
@@ -415,9 +341,7 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
                          "rel_error": 0.0, "energy": 1.0, "noise": "-", "within": "-",
                          "reproduced": 1.0,
                          "note": f"saved in full: {diff['changed']} elements differ"})
-    h = hashlib.sha256()
-    for tg in targets:
-        h.update(tg.module.encode() + tg.A.tobytes() + tg.B.tobytes())
+    h = _factors_hash(hashlib.sha256(), targets)
     for r in replacements:
         h.update(r.name.encode() + r.raw.tobytes())
     adapter = Adapter(Path(getattr(t, "path", "tuned")), opts.format, targets,
@@ -425,6 +349,9 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
                       Path(getattr(t, "path", "tuned")), "lora", replacements,
                       _sha256=h.hexdigest())
     low = [r for r in rows if r["method"] != "full"]
+    counted = [r for r in low if r["reproduced"] != "-"]
+    n = sum(math.prod(r["shape"]) for r in counted)
+    same = sum(round(r["reproduced"] * math.prod(r["shape"])) for r in counted)
     summary: Dict[str, Any] = {
         "base": str(b.path), "tuned": str(t.path), "target": opts.target,
         "low-rank modules": len(low), "saved in full": len(replacements),
@@ -432,53 +359,34 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
         "ranks": sorted({r["rank"] for r in low}),
         "max rel_error": max((r["rel_error"] for r in low), default=0.0),
         "within rounding noise": f"{sum(r['within'] == 'yes' for r in low)} of {len(low)}",
-        "svd": svd_note(opts.exact_max),
-        "re-fuse reproduces": _reproduced_note(low),
+        "svd": f"exact f64 SVD where min(out, in) <= {opts.exact_max}, else randomized f32 "
+               f"(oversampling {OVERSAMPLE}, {POWER_ITERS} power iterations)",
+        # what fusing the adapter again gives back bit for bit (where lorakit can fuse)
+        "re-fuse reproduces": f"{same:,} of {n:,} adapted elements ({same / n:.4%})" if n else "-",
     }
     flagged = [i for i, r in enumerate(rows) if r["within"] == "no"]
     rep = ExtractReport(f"extract: {t.label or t.path} - {b.label or b.path}", rows,
-                        columns=["module", "shape", "rank", "method", "fro", "residual",
-                                 "rel_error", "energy", "noise", "within", "reproduced",
-                                 "note"],
+                        columns=list(ExtractReport.column_help),
                         summary=summary, flagged=flagged, adapter=adapter,
                         singular_values=spectra)
     if save_path is not None:
-        rep.saved = save_result(adapter, save_path, format=opts.format, force=force,
-                                provenance={"base": str(b.path), "tuned": str(t.path),
-                                            "target": opts.target})
+        prov = {"base": str(b.path), "tuned": str(t.path), "target": opts.target}
+        rep.saved = save_adapter(adapter, save_path, format=opts.format, force=force,
+                                 dtype="F32", verb="extract", provenance=prov)
         rep.summary["saved to"] = str(rep.saved)
     return rep
 
 
-def _reproduced_note(low: List[Dict[str, Any]]) -> str:
-    """``"a of n adapted elements (share)"``: what fusing the adapter again gives back
-    bit for bit (the modules lorakit can fuse into)."""
-    counted = [r for r in low if r["reproduced"] != "-"]
-    n = sum(math.prod(r["shape"]) for r in counted)
-    same = sum(round(r["reproduced"] * math.prod(r["shape"])) for r in counted)
-    return f"{same:,} of {n:,} adapted elements ({same / n:.4%})" if n else "-"
-
-
-def save_result(adapter: Adapter, path: Any, *, format: str, force: bool,
-                verb: str = "extract", provenance: Optional[Dict[str, Any]] = None) -> Path:
-    """Write a computed adapter with lorakit's adapter writer, factors in float32 (the
-    precision they were computed to)."""
-    return save_adapter(adapter, path, format=format, force=force, dtype="F32", verb=verb,
-                        provenance=provenance)
-
-
-
-
-# ---------------------------------------------------------------------------
-# An adapter at a lower rank, from its factors alone
+def _factors_hash(h, targets: List[LoraTarget]):
+    for t in targets:
+        h.update(t.module.encode() + t.A.tobytes() + t.B.tobytes())
+    return h
 
 
 @dataclass(repr=False)
 class ResizeReport(Report):
-    """Rows: module, expert count, rank_before, rank, fro (``||delta||_F``), error
-    (``||delta - delta_k||_F``, exact), rel_error, energy kept, dora_error (DoRA with a
-    base). ``adapter``: the resized :class:`~lorakit.io.adapters.base.Adapter`;
-    ``singular_values[module]``: each module's spectrum (per expert for MoE)."""
+    """One row per module (``column_help``); ``adapter``: the resized Adapter;
+    ``singular_values[module]``: each module's spectra (one per MoE expert)."""
     column_help = {
         "module": "the adapted module",
         "experts": "number of stacked MoE experts (1 for a plain module)",
@@ -526,18 +434,11 @@ def _dora_error(old: LoraTarget, new: LoraTarget, binds: Dict[str, Any], src) ->
 def resize(adapter: Any, *, rank: Optional[int] = None, energy: Optional[float] = None,
            base: Any = None, save_path: Any = None, format: str = "peft",
            force: bool = False) -> ResizeReport:
-    """Resize an adapter to rank ``rank`` (or, per module, the fewest singular values
-    holding ``energy`` of ``||delta||_F^2``), with the exact error per module.
-
-    Args:
-        adapter: an adapter directory (mlx-lm or PEFT) or a loaded Adapter.
-        rank / energy: exactly one; a module already at or below ``rank`` keeps its
-            delta exactly (re-factored).
-        base: optional base checkpoint: DoRA rows then also report ``dora_error``.
-        save_path / format / force: also write the result (as :func:`lorakit.extract`).
-
-    Returns:
-        A :class:`ResizeReport`; ``.adapter`` is the resized adapter.
+    """Resize an adapter (a directory or an Adapter) to ``rank`` or, per module, the
+    fewest singular values holding ``energy`` of ``||delta||_F^2`` (exactly one), with
+    the exact error per module; a module at or below ``rank`` keeps its delta exactly.
+    ``base``: DoRA rows then also report ``dora_error``. ``save_path``/``format``/
+    ``force``: as :func:`extract`. ``.adapter`` of the report is the result.
     """
     check_target(rank, energy)
     if format not in FORMATS:
@@ -563,10 +464,7 @@ def resize(adapter: Any, *, rank: Optional[int] = None, energy: Optional[float] 
         rows.append(row)
     out = replace(ad, targets=targets, _sha256=None)
     out.config = dict(ad.config, resized={"rank": rank, "energy": energy})
-    h = hashlib.sha256(str(ad.path).encode())
-    for t in targets:
-        h.update(t.module.encode() + t.A.tobytes() + t.B.tobytes())
-    out._sha256 = h.hexdigest()
+    out._sha256 = _factors_hash(hashlib.sha256(str(ad.path).encode()), targets).hexdigest()
     summary: Dict[str, Any] = {
         "adapter": str(ad.path), "target": f"rank {rank}" if rank is not None
         else f"energy {energy}", "modules": len(rows),
@@ -578,8 +476,8 @@ def resize(adapter: Any, *, rank: Optional[int] = None, energy: Optional[float] 
     rep = ResizeReport(f"resize: {ad.path.name}", rows, summary=summary, adapter=out,
                        singular_values=spectra)
     if save_path is not None:
-        rep.saved = save_result(out, save_path, format=format, force=force, verb="resize",
-                                provenance={"source": str(ad.path),
-                                            "target": summary["target"]})
+        prov = {"source": str(ad.path), "target": summary["target"]}
+        rep.saved = save_adapter(out, save_path, format=format, force=force, dtype="F32",
+                                 verb="resize", provenance=prov)
         rep.summary["saved to"] = str(rep.saved)
     return rep

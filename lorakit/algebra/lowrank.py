@@ -1,18 +1,10 @@
 """Low-rank approximation: the arithmetic of extract and resize.
 
-* :func:`matrix_svd`: the leading singular triplets of a dense delta ``D`` (a tuned
-  weight minus its base): LAPACK's exact SVD in float64 when the matrix is small
-  (``min(out, in) <= EXACT_MAX``), else a randomized range finder in float32 (Halko,
-  Martinsson & Tropp 2011, Alg. 4.4): a Gaussian sketch of ``k + OVERSAMPLE`` columns,
-  ``POWER_ITERS`` power iterations re-orthonormalised by QR, then the SVD of the small
-  projection. With an energy target the sketch doubles until the target is met (or
-  the exact SVD takes over).
-* :func:`factor_svd`: a delta given as factors ``scale * B @ A``: QR of ``B`` and
-  ``A^T``, SVD of the r x r core; the full delta is never formed.
-* :func:`delta_gram`: the Gram matrix of adapters' deltas (norms of any mix).
-
-Ranks are chosen by :func:`choose_rank` (a fixed rank, or the fewest singular values
-holding a fraction of ``||D||_F^2``).
+:func:`matrix_svd` takes a dense delta: LAPACK's exact SVD in float64 where ``min(out,
+in) <= EXACT_MAX``, else a randomized range finder in float32 (Halko, Martinsson & Tropp
+2011, Alg. 4.4; the sketch doubles until an energy target is met). :func:`factor_svd`
+takes ``scale * B @ A`` from its factors without forming it; :func:`delta_gram` gives
+adapters' delta Gram matrices; :func:`choose_rank` picks a rank or an energy cut.
 
 >>> rng = np.random.default_rng(0)
 >>> D = rng.normal(size=(40, 3)) @ rng.normal(size=(3, 50))
@@ -114,13 +106,8 @@ def matrix_svd(D: np.ndarray, rank: Optional[int] = None, energy: Optional[float
 
 def factor_svd(A: np.ndarray, B: np.ndarray, scale: float = 1.0
                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Thin SVD of ``scale * B @ A`` (B (out, r), A (r, in)) from QR of ``B`` and
-    ``A^T`` and the SVD of the r x r core, in float64, never forming the product.
-    Stacked factors ((experts, out, r), (experts, r, in)) give one SVD per expert.
-
-    Returns:
-        (U (..., out, k), S (..., k), Vt (..., k, in)) with k = min(r, out, in), S
-        descending.
+    """Thin SVD (U, S, Vt) of ``scale * B @ A`` from QR of ``B`` and ``A^T`` and the SVD
+    of the r x r core, in float64, never forming the product (one per stacked expert).
 
     >>> rng = np.random.default_rng(1)
     >>> A, B = rng.normal(size=(4, 30)), rng.normal(size=(20, 4))

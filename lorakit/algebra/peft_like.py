@@ -1,61 +1,13 @@
-"""``--like peft``: PEFT 0.21.2's ``add_weighted_adapter`` (torch 2.13, CPU) step for step.
+"""``--like peft``: PEFT 0.21.2's ``add_weighted_adapter`` (torch 2.13, CPU) step for step,
+and PEFT's task-arithmetic merges (``merge_utils.py``) in numpy.
 
-What PEFT builds, for adapters loaded with ``PeftModel.from_pretrained`` (float32
-factors) on a model whose weights are ``base_code`` (BF16, F16 or F32):
-
-* ``linear``, ``ties``, ``magnitude_prune``: the A and the B factors merged separately
-  in float32 (:func:`lorakit.algebra.peft_like.merge` with ``exact=False``), weights
-  ``sign(w s) sqrt(|w s|)`` (A) and ``sqrt(|w s|)`` (B) cast to float32; the new
-  adapter's factors replace the layer's tensors, so they stay float32. Factors of an
-  embedding or a ``fan_in_fan_out`` (Conv1D) layer are merged in PEFT's orientation
-  (the flattening order decides ties in pruning: torch's ``topk`` choice, emulated).
-* ``cat``: ``lora_A * weight * scaling`` (two float32 products) stacked with the B
-  factors, *copied into* the new layer's tensors, which PEFT created in the model's
-  dtype: both factors are rounded to bf16/fp16. Merging such factors on the CPU, PEFT
-  computes the delta in float32 and rounds it to the model's dtype before adding it
-  (``round_delta``): two roundings.
-* ``svd``: the float32 deltas summed and truncated by torch's float32 SVD
-  (``svd_rank``; ``svd_clamp``: U S and V^T clipped at the clamp quantile of their
-  values); lorakit takes the SVD of the same float32 sum in float64, so its factors
-  differ from PEFT's by float32 rounding noise (measured in BENCHMARKS.md, "Adapter
-  algebra", and tests/algebra/test_peft_like_wide.py).
-* ``ties_svd``: PEFT's ``ties`` over the full float32 deltas (as ``ties``, float32
-  steps), then as ``svd``.
-* ``dare_*`` draw torch's random masks: refused (lorakit's own ``dare_*`` take a seed).
-
-The new adapter is PEFT's too (:func:`peft_plan`): the adapters' config ranks
-(``r``, or the largest of ``r`` and ``rank_pattern``) must be equal for the factor
-methods (else PEFT's ValueError); its rank is that rank, their sum (``cat``) or
-``svd_rank`` / the largest (``svd``); its ``lora_alpha`` is that rank, and it keeps
-the first adapter's ``use_rslora``, so its scaling is ``r / sqrt(r)`` when the first
-adapter is rsLoRA (PEFT's merge then comes out ``sqrt(r)`` times too large: reproduced).
-DoRA inputs: PEFT merges their LoRA factors and drops their magnitudes; the new adapter
-is DoRA when the first input is, with the magnitude it is created with (B = 0): the
-base weight's row norms in the model's dtype (:func:`peft_dora_magnitudes`, needs
-``base=``). ``cat`` of DoRA adapters on a bf16/fp16 model (PEFT's DoRA merge then runs
-in that dtype) is refused.
-
-The merge that follows is ``merge_and_unload`` (``rounding="round-once"``).
-
-PEFT's task-arithmetic merges (``peft/utils/merge_utils.py``, PEFT 0.21.2), in numpy.
-
-Each takes the task tensors of N adapters (same shape) and one weight per adapter:
-
-* ``linear``: ``sum_i w_i x_i``;
-* ``magnitude_prune``: each ``x_i`` keeps its ``int(density * size)`` largest
-  magnitudes (the rest zero), then ``linear``;
-* ``ties``: magnitude-prune each, elect a sign per element (``sign_method="total"``:
-  the sign of the sum of the pruned, unweighted tensors; ``"frequency"``: of the sum of
-  their signs; ``>= 0`` counting as +), keep the weighted values of that sign and
-  average them over how many agree (at least 1);
-* ``dare_linear`` / ``dare_ties``: a random mask keeps each element with probability
-  ``density`` (rescaled by ``1 / density``), then ``linear`` / ``ties``. PEFT draws the
-  mask with torch's generator; lorakit with numpy's, from ``seed``: the same
-  distribution, never the same mask.
-
-``exact=True`` evaluates in float64 and rounds the result once to float32 (lorakit's
-default); ``exact=False`` follows torch's float32 evaluation (each product and each
-partial sum rounded to float32, summed in adapter order), which ``--like peft`` needs.
+The factor methods merge A and B separately in float32 (weights ``sign(w s) sqrt(|w s|)``
+on A, ``sqrt(|w s|)`` on B); ``cat`` rounds its factors to the model's dtype; ``svd``
+truncates the float32 sum (in float64, so its factors differ from PEFT's by float32
+noise); ``dare_*`` (torch's random masks) is refused. The new adapter's rank, alpha and
+rsLoRA scaling are PEFT's (:func:`peft_plan`). :func:`merge`'s ``exact=True`` evaluates
+in float64 and rounds once (lorakit's default); ``exact=False`` follows torch's float32
+steps, which ``--like peft`` needs.
 
 >>> import numpy as np
 >>> xs = [np.array([1.0, -2.0, 3.0], np.float32), np.array([-1.0, 1.0, 1.0], np.float32)]
@@ -82,7 +34,8 @@ __all__ = []
 
 LIKE_PEFT = ("linear", "cat", "ties", "magnitude_prune", "svd", "ties_svd")
 _FMT = {"BF16": "bfloat16", "F16": "float16"}
-_SAME_RANK = ("linear", "ties", "magnitude_prune", "dare_linear", "dare_ties")
+FACTOR_METHODS = ("linear", "ties", "magnitude_prune", "dare_linear", "dare_ties")
+RANDOM = ("dare_linear", "dare_ties")
 
 
 def config_rank(ad: Adapter) -> int:
@@ -98,7 +51,7 @@ def peft_plan(ads: Sequence[Adapter], method: str, rank: Optional[int]) -> Tuple
     """(new rank, new scaling) of PEFT's ``add_weighted_adapter`` new adapter; PEFT's
     refusal of unequal ranks for the factor methods as a :class:`LorakitError`."""
     ranks = [config_rank(a) for a in ads]
-    if method in _SAME_RANK:
+    if method in FACTOR_METHODS:
         if len(set(ranks)) != 1:
             raise AdapterError(f"PEFT's {method} needs adapters of one rank (PEFT raises "
                                "ValueError: All adapters must have the same r value)",
@@ -157,22 +110,15 @@ def _svd_target(module: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[fl
 
 
 def like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget]],
-                     *args, **kw) -> LoraTarget:
-    """The target PEFT's ``add_weighted_adapter(..., combination_type=method)`` makes,
-    with the base weight a PEFT adapter saved (an embedding's, ``save_embedding_layers``):
-    PEFT loads each into the model, so the last adapter's copy is the one merged into."""
-    t = _like_peft_target(method, module, parts, *args, **kw)
-    saved = [p.base_weight for _, p in parts if p.base_weight is not None]
-    return dataclasses.replace(t, base_weight=saved[-1]) if saved else t
-
-
-def _like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget]],
                      w: Sequence[float], density: Optional[float], base_code: str,
                      rank: Optional[int] = None, *, scale: float = 1.0,
                      majority_sign_method: str = "total",
                      svd_clamp: Optional[float] = None, fan_in_fan_out: bool = False
                      ) -> LoraTarget:
-    """(``rank``, ``scale``: the new adapter's, from :func:`peft_plan`)."""
+    """The target PEFT's ``add_weighted_adapter(..., combination_type=method)`` makes
+    (``rank``, ``scale``: the new adapter's, from :func:`peft_plan`), with the base weight
+    a PEFT adapter saved (an embedding's, ``save_embedding_layers``): PEFT loads each into
+    the model, so the last adapter's copy is the one merged into."""
     t0 = parts[0][1]
     # PEFT's lora_A is lorakit's B.T for an embedding and a fan_in_fan_out (Conv1D) layer
     swap = t0.kind == "embedding" or fan_in_fan_out
@@ -187,30 +133,33 @@ def _like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarge
             (As if swap else Bs).append(t.A if swap else t.B)
         A = _in_model_dtype(np.concatenate(As, axis=-2), base_code)
         B = _in_model_dtype(np.concatenate(Bs, axis=-1), base_code)
-        return LoraTarget(module, t0.kind, A, B, scale, None, t0.names,
-                          round_delta=base_code in _FMT)
-    if method in ("svd", "ties_svd"):
-        return _svd_target(module, parts, w, rank or max(t.rank for _, t in parts), scale,
-                           svd_clamp, None if method == "svd" else dict(
-                               density=density, sign_method=majority_sign_method))
-    ranks = sorted({t.rank for _, t in parts})
-    if len(ranks) > 1:  # torch.stack of factors of different shapes (rank_pattern)
-        raise AdapterError(f"PEFT's {method} stacks the factors, which differ in rank here "
-                           "(PEFT raises RuntimeError: stack expects each tensor to be "
-                           "equal size)", tensor=module, expected="one rank per module",
-                           found=f"ranks {ranks}", hint="use method cat or svd")
-    wa = [float(np.sqrt(abs(x))) * (1 if x >= 0 else -1) for x in ws]
-    wb = [float(np.sqrt(abs(x))) for x in ws]
+        t = LoraTarget(module, t0.kind, A, B, scale, None, t0.names,
+                       round_delta=base_code in _FMT)
+    elif method in ("svd", "ties_svd"):
+        t = _svd_target(module, parts, w, rank or max(t.rank for _, t in parts), scale,
+                        svd_clamp, None if method == "svd" else dict(
+                            density=density, sign_method=majority_sign_method))
+    else:
+        ranks = sorted({t.rank for _, t in parts})
+        if len(ranks) > 1:  # torch.stack of factors of different shapes (rank_pattern)
+            raise AdapterError(f"PEFT's {method} stacks the factors, which differ in rank here "
+                               "(PEFT raises RuntimeError: stack expects each tensor to be "
+                               "equal size)", tensor=module, expected="one rank per module",
+                               found=f"ranks {ranks}", hint="use method cat or svd")
+        wa = [float(np.sqrt(abs(x))) * (1 if x >= 0 else -1) for x in ws]
+        wb = [float(np.sqrt(abs(x))) for x in ws]
 
-    def peft(x: np.ndarray) -> np.ndarray:  # lorakit's orientation <-> PEFT's, both ways
-        return np.ascontiguousarray(np.swapaxes(x, -1, -2)) if swap else x
+        def peft(x: np.ndarray) -> np.ndarray:  # lorakit's orientation <-> PEFT's, both ways
+            return np.ascontiguousarray(np.swapaxes(x, -1, -2)) if swap else x
 
-    kw = dict(density=density, exact=False, sign_method=majority_sign_method)
-    # merged in PEFT's orientation: the flattening order decides ties in pruning
-    pa = merge(method, [peft(t.B if swap else t.A) for _, t in parts], wa, **kw)
-    pb = merge(method, [peft(t.A if swap else t.B) for _, t in parts], wb, **kw)
-    A, B = (peft(pb), peft(pa)) if swap else (pa, pb)
-    return LoraTarget(module, t0.kind, A, B, scale, None, t0.names)
+        kw = dict(density=density, exact=False, sign_method=majority_sign_method)
+        # merged in PEFT's orientation: the flattening order decides ties in pruning
+        pa = merge(method, [peft(t.B if swap else t.A) for _, t in parts], wa, **kw)
+        pb = merge(method, [peft(t.A if swap else t.B) for _, t in parts], wb, **kw)
+        A, B = (peft(pb), peft(pa)) if swap else (pa, pb)
+        t = LoraTarget(module, t0.kind, A, B, scale, None, t0.names)
+    saved = [p.base_weight for _, p in parts if p.base_weight is not None]
+    return dataclasses.replace(t, base_weight=saved[-1]) if saved else t
 
 
 def peft_dora_magnitudes(targets: List[LoraTarget], ads: Sequence[Adapter], base,
@@ -241,14 +190,6 @@ def peft_dora_magnitudes(targets: List[LoraTarget], ads: Sequence[Adapter], base
         out.append(dataclasses.replace(t, magnitude=_in_model_dtype(torch_row_norm(W),
                                                                     base_code)))
     return out
-
-
-# ---------------------------------------------------------------------------
-# PEFT's task-arithmetic merges (``peft/utils/merge_utils.py``, PEFT 0.21.2), in numpy.
-
-
-FACTOR_METHODS = ("linear", "ties", "magnitude_prune", "dare_linear", "dare_ties")
-RANDOM = ("dare_linear", "dare_ties")
 
 
 def magnitude_mask(x: np.ndarray, density: float, like_torch: bool = False) -> np.ndarray:
@@ -374,7 +315,14 @@ def _weighted_sum(xs: Sequence[np.ndarray], ws: Sequence[float], exact: bool,
 def merge(method: str, xs: Sequence[np.ndarray], ws: Sequence[float], *,
           density: Optional[float] = None, rng: Optional[np.random.Generator] = None,
           exact: bool = True, sign_method: str = "total") -> np.ndarray:
-    """PEFT's ``method`` over task tensors ``xs`` with weights ``ws``: float32 result."""
+    """PEFT's ``method`` over task tensors ``xs`` with weights ``ws``: float32 result.
+
+    ``linear``: ``sum_i w_i x_i``; ``magnitude_prune``: each keeps its ``int(density *
+    size)`` largest magnitudes first; ``ties``: pruned, then a sign elected per element
+    (``"total"``: of the unweighted sum, ``"frequency"``: of the summed signs; ``>= 0``
+    is +) and the agreeing weighted values averaged; ``dare_*``: a random mask keeps each
+    element with probability ``density`` (rescaled), drawn from ``rng`` (numpy's, never
+    torch's mask)."""
     if method not in FACTOR_METHODS:
         raise ArgumentError.bad("method", method, " / ".join(FACTOR_METHODS))
     xs = [np.asarray(x) for x in xs]

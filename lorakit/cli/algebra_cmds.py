@@ -7,14 +7,12 @@ import json
 from typing import Any, List, Optional
 
 from ..errors import ArgumentError
-from .written import wrote
+from .written import FORCE_HELP, wrote
 
 __all__ = []
 
 _METHODS = ("exact", "cat", "linear", "svd", "ties", "ties_svd", "magnitude_prune",
             "dare_linear", "dare_ties")
-_FORCE_HELP = ("replace an existing output, but only an empty directory or a previous lorakit "
-               "output (listed in its lorakit.json); anything else is refused and kept")
 
 
 def _weights(text: Optional[str]) -> Optional[List[float]]:
@@ -29,39 +27,36 @@ def _weights(text: Optional[str]) -> Optional[List[float]]:
 
 def add_combination_flags(p: argparse.ArgumentParser, method_flag: str) -> None:
     """The flags shared by ``combine`` and ``fuse`` (``--method`` / ``--combine``)."""
-    p.add_argument("--weights", default=None, metavar="W1,W2,...",
+    p.add_argument("--weights", metavar="W1,W2,...",
                    help="one weight per --adapter-path, negative allowed (default: 1 each)")
     p.add_argument(method_flag, dest="method", choices=_METHODS, default="exact",
-                   help="exact (default): the exact weighted sum of the deltas (with DoRA "
-                   "adapters: fused only, not saved); cat: the same "
-                   "stored as one concatenated adapter; svd: truncated to --rank; linear, ties, "
-                   "magnitude_prune, dare_linear, dare_ties: PEFT's add_weighted_adapter "
-                   "definitions (factors merged separately: cross terms); ties_svd. DoRA adapters: "
-                   "exact, or svd (evaluated on the base)")
-    p.add_argument("--rank", type=int, default=None,
+                   help="exact (default): the exact weighted sum of the deltas (with DoRA adapters: "
+                   "fused only, not saved); cat: the same stored as one concatenated adapter; "
+                   "svd: truncated to --rank; linear, ties, magnitude_prune, dare_linear, "
+                   "dare_ties: PEFT's add_weighted_adapter definitions (factors merged "
+                   "separately: cross terms); ties_svd. DoRA adapters: exact, or svd (evaluated "
+                   "on the base)")
+    p.add_argument("--rank", type=int,
                    help="rank of svd / ties_svd (default: the largest input rank)")
-    p.add_argument("--density", type=float, default=None,
+    p.add_argument("--density", type=float,
                    help="fraction kept by ties, magnitude_prune, dare_*")
-    p.add_argument("--seed", type=int, default=None, help="random seed of dare_* (required)")
+    p.add_argument("--seed", type=int, help="random seed of dare_* (required)")
     p.add_argument("--majority-sign-method", choices=("total", "frequency"), default="total",
                    help="ties' sign election (PEFT's majority_sign_method)")
-    p.add_argument("--svd-clamp", type=float, default=None, metavar="Q",
+    p.add_argument("--svd-clamp", type=float, metavar="Q",
                    help="with --like peft --method svd: PEFT's svd_clamp quantile")
-    p.add_argument("--like", choices=("peft",), default=None,
-                   help="reproduce PEFT's add_weighted_adapter (+ merge_and_unload, which "
-                   "fuse then does with --rounding round-once) bit for bit: linear, cat, "
-                   "ties, magnitude_prune; svd, ties_svd within 1 ulp (bf16/fp16) on a few "
-                   "elements")
+    p.add_argument("--like", choices=("peft",),
+                   help="reproduce PEFT's add_weighted_adapter (+ merge_and_unload, which fuse "
+                   "then does with --rounding round-once) bit for bit: linear, cat, ties, "
+                   "magnitude_prune; svd, ties_svd within 1 ulp (bf16/fp16) on a few elements")
 
 
 def options_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
     """The :class:`~lorakit.algebra.combine.CombineOptions` the flags ask for."""
     from ..algebra.combine import CombineOptions
 
-    return CombineOptions(method=args.method, rank=args.rank, density=args.density,
-                          seed=args.seed, like=args.like, base_dtype=base_dtype,
-                          majority_sign_method=args.majority_sign_method,
-                          svd_clamp=args.svd_clamp)
+    names = ("method", "rank", "density", "seed", "like", "majority_sign_method", "svd_clamp")
+    return CombineOptions(base_dtype=base_dtype, **{k: getattr(args, k) for k in names})
 
 
 def combination_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
@@ -73,8 +68,7 @@ def combination_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
 
 
 def fuse_adapter(args: argparse.Namespace) -> Any:
-    """What ``lorakit fuse`` fuses: the one --adapter-path as given, or the combination
-    of several (a second --adapter-path used to replace the first silently)."""
+    """What ``lorakit fuse`` fuses: the one --adapter-path, or the combination of several."""
     paths = args.adapter_path or ["adapters"]
     args.adapter_path = paths
     if len(paths) == 1 and args.weights is None and args.method == "exact" \
@@ -134,31 +128,31 @@ def add(sub) -> None:
     p.add_argument("--model-dtype", choices=("BF16", "F16", "F32"), default="BF16",
                    help="with --like peft: the dtype of the model PEFT would build cat's "
                    "factors in (default: BF16)")
-    p.add_argument("--base", default=None, help="with --method svd and DoRA adapters: the "
+    p.add_argument("--base", help="with --method svd and DoRA adapters: the "
                    "checkpoint their W-dependent change is evaluated on")
     p.add_argument("--save-path", required=True, help="output adapter directory")
-    p.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_combine)
 
     c = sub.add_parser("convert", help="convert an adapter between mlx-lm and PEFT, or to "
                        "llama.cpp's LoRA GGUF",
-                       description="Write an adapter in the other format, bit for bit "
-                       "(LoRA, DoRA magnitudes, embeddings, per-module ranks, scales as "
-                       "alpha); or, with --to gguf-lora, as the LoRA GGUF file llama.cpp "
-                       "applies unfused (llama-cli --lora; Linear LoRA targets of llama, "
-                       "mistral, mixtral, qwen2, qwen3, qwen3_moe bases).")
+                       description="Write an adapter in the other format, bit for bit (LoRA, "
+                       "DoRA magnitudes, embeddings, per-module ranks, scales as alpha); or, "
+                       "with --to gguf-lora, as the LoRA GGUF file llama.cpp applies unfused "
+                       "(llama-cli --lora; Linear LoRA targets of llama, mistral, mixtral, "
+                       "qwen2, qwen3, qwen3_moe bases).")
     c.add_argument("adapter", help="adapter directory (mlx-lm or PEFT)")
     c.add_argument("--to", choices=("peft", "mlx-lm", "gguf-lora"), required=True)
     c.add_argument("--save-path", required=True, help="output adapter directory (a .gguf "
                    "file with --to gguf-lora)")
-    c.add_argument("--base", default=None, help="with --to gguf-lora: the base model "
+    c.add_argument("--base", help="with --to gguf-lora: the base model "
                    "directory (its config.json; default: the adapter's recorded model)")
     c.add_argument("--outtype", choices=("f32", "f16"), default="f32",
                    help="with --to gguf-lora: the factors' GGUF type (default: f32, exact)")
-    c.add_argument("--num-layers", type=int, default=None,
+    c.add_argument("--num-layers", type=int,
                    help="mlx-lm's num_layers (default: the source's, or lowest to highest "
                    "adapted block)")
-    c.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    c.add_argument("--force", action="store_true", help=FORCE_HELP)
     c.add_argument("--json", action="store_true", help="print the result as JSON")
     c.set_defaults(run=_convert)

@@ -5,16 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 
+from . import flags
+
 __all__ = []
 
 
 def _run(args: argparse.Namespace) -> int:
     from ..inspect.behaviour import compare_outputs
 
-    rep = compare_outputs(args.reference, args.test, args.corpus, tokens=args.tokens,
-                          context=args.context, ref_adapter=args.ref_adapter,
-                          test_adapter=args.test_adapter, base=args.base,
-                          progress=not (args.json or args.quiet))
+    picked = flags(args, "tokens", "context", "ref_adapter", "test_adapter", "base")
+    quiet = args.json or args.quiet
+    rep = compare_outputs(args.reference, args.test, args.corpus, **picked, progress=not quiet)
     if args.json:
         print(json.dumps(rep.to_dict(per_token=args.per_token), indent=1))
     else:
@@ -31,8 +32,8 @@ def add(sub) -> None:
                        "mean, median, p90, p99, p99.9, max; top-1 agreement; both "
                        "perplexities. The corpus is tokenized once with the reference's "
                        "tokenizer and cut into consecutive windows (a last partial one dropped).")
-    p.add_argument("reference", help="reference checkpoint (folder or hub id)")
-    p.add_argument("test", help="test checkpoint (folder or hub id)")
+    p.add_argument("reference", help="reference checkpoint directory or hub id")
+    p.add_argument("test", help="test checkpoint directory or hub id")
     p.add_argument("--ref-adapter", help="adapter attached unfused to the reference")
     p.add_argument("--test-adapter", help="adapter attached unfused to the test model")
     p.add_argument("--base", help="the model without the adapter: also report the effect "

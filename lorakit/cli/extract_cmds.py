@@ -1,14 +1,12 @@
-"""``lorakit extract`` and ``lorakit resize``: thin wrappers over :func:`lorakit.extract`
-(its flags become one :class:`~lorakit.algebra.extract.ExtractOptions`) and
-:func:`lorakit.algebra.extract.resize`.
-Each prints the report's text twin (or its JSON with ``--json``); exit status 0, 2 for
-bad input."""
+"""``lorakit extract`` and ``lorakit resize``: thin callers of :func:`lorakit.extract` and
+:func:`lorakit.algebra.extract.resize`, printing the report (or ``--json``)."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 
+from . import flags
 from .written import wrote
 
 __all__ = []
@@ -40,17 +38,15 @@ def _print(args: argparse.Namespace, rep) -> None:
 
 
 def _extract(args: argparse.Namespace) -> int:
-    # one BLAS thread per module in flight (numpy is not imported yet): OpenBLAS pools
-    # of two modules on the same cores measured 3.7x slower (BENCHMARKS.md, "Extract")
+    # one BLAS thread per module in flight, set before numpy loads (BENCHMARKS.md, "Extract")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from ..algebra.extract import ExtractOptions
     from ..inspect.extraction import extract
 
-    opts = ExtractOptions(rank=args.rank, energy=args.energy, modules=args.modules,
-                          format=args.format, threads=args.threads,
-                          behaviour=not args.no_behaviour)
-    rep = extract(args.base, args.tuned, opts, save_path=args.save_path, force=args.force,
-                  progress=not args.quiet)
+    picked = flags(args, "rank", "energy", "modules", "format", "threads")
+    opts = ExtractOptions(**picked, behaviour=not args.no_behaviour)
+    out = flags(args, "save_path", "force")
+    rep = extract(args.base, args.tuned, opts, **out, progress=not args.quiet)
     _print(args, rep)
     return 0
 
@@ -58,8 +54,8 @@ def _extract(args: argparse.Namespace) -> int:
 def _resize(args: argparse.Namespace) -> int:
     from ..algebra.extract import resize
 
-    rep = resize(args.adapter, rank=args.rank, energy=args.energy, base=args.base,
-                 save_path=args.save_path, format=args.format, force=args.force)
+    picked = flags(args, "rank", "energy", "base", "save_path", "format", "force")
+    rep = resize(args.adapter, **picked)
     _print(args, rep)
     return 0
 
@@ -73,8 +69,8 @@ def add(sub) -> None:
                        "The report gives each module's kept energy, residual and the share "
                        "a re-fuse reproduces, and the tuned model against base + the "
                        "adapter on the embedded corpus (KL, top-1).")
-    p.add_argument("--base", required=True, help="base checkpoint directory")
-    p.add_argument("--tuned", required=True, help="fused or fine-tuned checkpoint directory")
+    p.add_argument("--base", required=True, help="base checkpoint directory or hub id")
+    p.add_argument("--tuned", required=True, help="fused or fine-tuned checkpoint directory or hub id")
     _rank_or_energy(p)
     p.add_argument("--modules", nargs="+", default=None, metavar="NAME",
                    help="only these modules (q_proj, self_attn.o_proj, model.layers.1*)")

@@ -1,10 +1,6 @@
-"""``lorakit inspect``, ``lorakit diff`` and ``lorakit check``: thin wrappers over
-:mod:`lorakit.inspect`. Each prints a report's text twin, or its JSON with ``--json``.
-
-Exit status: 0 when all is well; ``diff`` returns 1 when the checkpoints differ
-(as diff(1) does); ``check`` returns 1 for a wrong merge and 3 for a merge that is
-numerically right but promoted to a wider dtype; 2 for bad input.
-"""
+"""``lorakit inspect``, ``diff`` and ``check``: thin callers of :mod:`lorakit.inspect`
+printing a report (or ``--json``). Exit status: ``diff`` 1 when the checkpoints differ,
+``check`` 1 for a wrong merge and 3 for a right but promoted one, 2 for bad input."""
 from __future__ import annotations
 
 import argparse
@@ -72,7 +68,8 @@ def _check(args: argparse.Namespace) -> int:
 
     rep = check(args.fused, args.base, args.adapter,
                       check_untouched=not args.skip_untouched,
-                      behaviour=(args.tokens or True) if args.kl else False)
+                      behaviour=(args.tokens or True) if args.kl else False,
+                      initial_adapter=args.initial_adapter)
     rep.max_rows = args.max_rows
     _emit(args, {"check": rep})
     return rep.exit_code()
@@ -85,7 +82,7 @@ def add(sub) -> None:
                        description="Per-tensor dtypes and bytes from the safetensors headers "
                        "(tensors whose dtype differs from the majority are marked with !). "
                        "For an adapter directory, also each delta's norms and ranks.")
-    p.add_argument("path", help="checkpoint directory, adapter directory or .safetensors file")
+    p.add_argument("path", help="checkpoint or adapter (directory or hub id) or .safetensors file")
     p.add_argument("--model", dest="base",
                    help="adapter only: base model, for ||dW|| / ||W|| (as fuse's --model)")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -100,9 +97,8 @@ def add(sub) -> None:
                        "sign, max ulp and abs difference, dtype/shape mismatches, "
                        "tensors on one side only. With --adapter-path and --model, also each "
                        "side's ulp error against the exact float64 fuse.")
-    p.add_argument("a", help="first checkpoint (directory or .safetensors file)")
-    p.add_argument("b", help="second checkpoint")
-    # fuse's vocabulary, as check's
+    p.add_argument("a", help="first checkpoint (directory, hub id or .safetensors file)")
+    p.add_argument("b", help="second checkpoint (the same)")
     p.add_argument("--adapter-path", dest="adapter",
                    help="adapter both were fused with (as fuse's --adapter-path)")
     p.add_argument("--model", dest="base",
@@ -133,11 +129,15 @@ def add(sub) -> None:
                        "     than the base (bytes doubled)")
     # fuse's vocabulary: --model (the base), --adapter-path, --save-path (the fused output)
     p.add_argument("--save-path", dest="fused", required=True,
-                   help="the fused checkpoint (as fuse's --save-path)")
+                   help="the fused checkpoint, directory or hub id (as fuse's --save-path)")
     p.add_argument("--model", dest="base", required=True,
-                   help="the base checkpoint (as fuse's --model)")
+                   help="the base checkpoint, directory or hub id (as fuse's --model)")
     p.add_argument("--adapter-path", dest="adapter", required=True,
                    help="the adapter directory (as fuse's --adapter-path)")
+    p.add_argument("--initial-adapter", default=None, metavar="DIR",
+                   help="as fuse's --initial-adapter: the adapter a PiSSA/OLoRA/CorDA/"
+                   "LoRA-GA adapter was saved as before training (without it such an adapter "
+                   "fails the check: residual-base adapter)")
     p.add_argument("--skip-untouched", action="store_true",
                    help="do not verify that unadapted tensors are bit-identical")
     p.add_argument("--kl", action="store_true",

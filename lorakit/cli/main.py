@@ -1,10 +1,6 @@
-"""``lorakit`` command line. Each subcommand parses flags and calls one library verb;
-no math lives here. Errors lorakit raises on purpose print as one message and exit
-with status 2 (set ``LORAKIT_DEBUG=1`` for the traceback); so do paths the system
-refuses. When the reader of stdout goes away (``lorakit inspect ... | head``) the
-command stops quietly with status 141, as Unix tools ended by SIGPIPE do; a command
-whose output directory is already in place (``fuse ... | true``) says so on stderr
-and exits 0, as it would with no stdout at all."""
+"""``lorakit`` command line: each subcommand parses flags and calls one library verb.
+A lorakit error prints as one message with status 2 (``LORAKIT_DEBUG=1``: traceback);
+stdout closing early stops quietly with 141, or 0 with a note once the output is whole."""
 from __future__ import annotations
 
 import argparse
@@ -12,24 +8,17 @@ import json
 import os
 import sys
 import warnings
-from typing import Callable, Dict, List, Optional
+from typing import List, Optional
 
 from ..errors import LorakitError
 from .written import written, wrote
 
 __all__ = ["main"]
 
-Command = Callable[[argparse.Namespace], int]
-_COMMANDS: Dict[str, Command] = {}
-
 
 def _keep_freed_memory() -> None:
-    """Ask glibc to keep freed memory for reuse instead of returning it to the OS.
-
-    A fuse allocates and frees tensor-sized buffers over and over; above glibc's mmap
-    threshold each one is a fresh mapping whose pages fault in one by one (BENCHMARKS.md,
-    "Freed memory kept"). Only the CLI does this: the process ends when the fuse does.
-    """
+    """Ask glibc to keep freed memory for reuse: a fuse frees and reallocates tensor-sized
+    buffers, each otherwise a fresh mapping faulted in page by page (CLI only)."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -54,18 +43,14 @@ def _fuse(args: argparse.Namespace) -> int:
         check_upload(args.upload_repo)
     from .algebra_cmds import fuse_adapter
 
-    result = fuse(args.model, fuse_adapter(args), args.save_path, rounding=args.rounding,
-                  dtype=args.dtype, dequantize=args.dequantize, force=args.force,
-                  export_gguf=args.gguf_path if args.export_gguf else None,
-                  progress=not args.quiet, quant_policy=args.quant_policy,
-                  quant_budget=args.quant_budget, float_base=args.float_base,
-                  layout=args.layout)
+    adapter = fuse_adapter(args)  # first: --like peft sets the rounding
+    names = ("rounding", "dtype", "dequantize", "force", "quant_policy", "quant_budget")
+    kw = {k: getattr(args, k) for k in names + ("float_base", "layout", "initial_adapter")}
+    result = fuse(args.model, adapter, args.save_path, progress=not args.quiet,
+                  export_gguf=args.gguf_path if args.export_gguf else None, **kw)
     if args.upload_repo is None:
         wrote(args, result.output)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(result)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
     if args.upload_repo is not None:
         url = upload(result.output, args.upload_repo)
         wrote(args, result.output)  # asked for an upload: done only once it is
@@ -77,53 +62,53 @@ def _add_fuse(sub) -> None:
     from ..fusion.options import DTYPE_POLICIES, LAYOUT_HELP, LAYOUTS, ROUNDING_HELP, ROUNDINGS
 
     p = sub.add_parser("fuse", help="fuse an adapter into a base checkpoint",
-                       description="Fuse a LoRA/DoRA adapter (mlx-lm or PEFT format) into a "
-                       "base checkpoint, one tensor in memory at a time, keeping dtypes.")
-    p.add_argument("--model", default="mlx_model",
-                   help="base model directory or hub repo id (default, as mlx_lm fuse: "
-                   "mlx_model)")
-    p.add_argument("--adapter-path", action="append", default=None,
-                   help="adapter directory, mlx-lm or PEFT format (default: adapters); "
-                   "repeat it to fuse a combination (--weights, --combine)")
+                       description="Fuse a LoRA/DoRA adapter (mlx-lm or PEFT format) into a base "
+                       "checkpoint, one tensor in memory at a time, keeping dtypes.")
+    p.add_argument("--model", default="mlx_model", help="base model directory or hub repo id "
+                   "(default, as mlx_lm fuse: mlx_model)")
+    p.add_argument("--adapter-path", action="append",
+                   help="adapter directory, mlx-lm or PEFT format (default: adapters); repeat it "
+                   "to fuse a combination (--weights, --combine)")
     p.add_argument("--save-path", default="fused_model",
                    help="output directory, must not exist (default: fused_model)")
+    rounding = "; ".join(f"{k}: {v}" for k, v in ROUNDING_HELP.items())
     p.add_argument("--rounding", choices=ROUNDINGS, default="nearest",
-                   help="; ".join(f"{k}: {v}" for k, v in ROUNDING_HELP.items()) +
-                   " (default: nearest)")
-    p.add_argument("--dtype", choices=DTYPE_POLICIES, default="preserve",
-                   help="dtype of fused weights (promote = float32, as a fuse that forgets "
-                   "the cast writes)")
+                   help=rounding + " (default: nearest)")
+    p.add_argument("--dtype", choices=DTYPE_POLICIES, default="preserve", help="dtype of fused "
+                   "weights (promote = float32, as a fuse that forgets the cast writes)")
     p.add_argument("--dequantize", action="store_true",
                    help="quantized base: write float weights instead of re-quantizing")
     p.add_argument("--quant-policy", default="requant", metavar="POLICY",
                    help="quantized base: requant (default, as mlx_lm fuse), same-grid, bits:N, "
                    "float, auto, learned (mlx-lm's GPTQ on calibration text)")
-    p.add_argument("--quant-budget", type=float, default=None, metavar="X",
+    p.add_argument("--quant-budget", type=float, metavar="X",
                    help="auto: at most X times the quantized base's bytes (default 1.15)")
-    p.add_argument("--float-base", default=None, metavar="PATH",
-                   help="fuse a QLoRA adapter of the quantized --model into this float "
-                   "original of it instead (float weights written)")
+    p.add_argument("--float-base", metavar="PATH", help="fuse a QLoRA adapter of the quantized "
+                   "--model into this float original of it instead (float weights written)")
+    p.add_argument("--initial-adapter", metavar="DIR",
+                   help="a PEFT adapter made on a changed base (init_lora_weights pissa, olora, "
+                   "corda, lora_ga): the adapter saved before training; the trained one is "
+                   "converted as PEFT's path_initial_model_for_weight_conversion does and fused "
+                   "exactly")
+    layout = "; ".join(f"{k}: {v}" for k, v in LAYOUT_HELP.items())
     p.add_argument("--layout", choices=LAYOUTS, default="mlx-lm",
-                   help="a MoE model's experts: " + "; ".join(f"{k}: {v}" for k, v in
-                                                             LAYOUT_HELP.items()) +
-                   " (default: mlx-lm)")
+                   help=f"a MoE model's experts: {layout} (default: mlx-lm)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing output, but only an empty directory or a previous "
-                   "lorakit output (every file listed, unchanged, in its lorakit.json); "
-                   "anything else is refused and kept. The new output is complete before "
-                   "the old one is swapped out")
+                   "lorakit output (every file listed, unchanged, in its lorakit.json); anything "
+                   "else is refused and kept. The new output is complete before the old one is "
+                   "swapped out")
     p.add_argument("--export-gguf", action="store_true",
-                   help="also write a GGUF file llama.cpp loads into the output (llama, "
-                   "mistral, mixtral, qwen2, qwen3, qwen3_moe; float weights in the "
-                   "checkpoint's dtype, norms F32)")
+                   help="also write a GGUF file llama.cpp loads into the output (llama, mistral, "
+                   "mixtral, qwen2, qwen3, qwen3_moe; float weights in the checkpoint's dtype, "
+                   "norms F32)")
     p.add_argument("--gguf-path", default="ggml-model-f16.gguf",
                    help="the GGUF file's name inside the output (default: ggml-model-f16.gguf)")
-    p.add_argument("--upload-repo", default=None, metavar="OWNER/NAME",
-                   help="upload the finished output to this Hugging Face repo "
-                   "(huggingface_hub; needs a login and the network)")
+    p.add_argument("--upload-repo", metavar="OWNER/NAME", help="upload the finished output to "
+                   "this Hugging Face repo (huggingface_hub; needs a login and the network)")
     p.add_argument("--trust-remote-code", action="store_true",
-                   help="accepted as mlx_lm fuse accepts it; lorakit's fuse reads tensors "
-                   "and never runs a model's code, so it changes nothing here")
+                   help="accepted as mlx_lm fuse accepts it; lorakit's fuse reads tensors and "
+                   "never runs a model's code, so it changes nothing here")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     from .algebra_cmds import add_combination_flags
@@ -131,38 +116,33 @@ def _add_fuse(sub) -> None:
     p.set_defaults(run=_fuse)
 
 
-def _registered_adders() -> List[Callable]:
-    adders: List[Callable] = [_add_fuse]
-    for mod in ("lorakit.cli.inspect_cmds", "lorakit.cli.timing_cmd", "lorakit.cli.synth_cmd",
-                "lorakit.cli.extract_cmds",
-                "lorakit.cli.algebra_cmds", "lorakit.cli.behaviour_cmd", "lorakit.cli.lab_cmd"):
-        try:
-            m = __import__(mod, fromlist=["add"])
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-            continue
-        adders.append(m.add)
-    return adders
-
-
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
+    from . import (
+        algebra_cmds,
+        behaviour_cmd,
+        extract_cmds,
+        inspect_cmds,
+        lab_cmd,
+        synth_cmd,
+        timing_cmd,
+    )
 
     parser = argparse.ArgumentParser(
         prog="lorakit", description="Fuse, inspect, compare and time LoRA adapters for MLX.")
     parser.add_argument("--version", action="version", version=f"lorakit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for add in _registered_adders():
-        add(sub)
+    _add_fuse(sub)
+    for m in (inspect_cmds, timing_cmd, synth_cmd, extract_cmds, algebra_cmds, behaviour_cmd,
+              lab_cmd):
+        m.add(sub)
     _no_abbreviations(parser)
     return parser
 
 
 def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
-    """A flag is spelled one way: argparse's prefix matching (``--adapter`` for
-    ``--adapter-path``) is turned off in every subcommand."""
+    """Turn off argparse's prefix matching (``--adapter``) in every subcommand."""
     parser.allow_abbrev = False
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -171,8 +151,7 @@ def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
 
 
 def _one_line_warnings(command: str) -> None:
-    """lorakit's own warnings as one line on stderr, as its errors are ("lorakit fuse:
-    warning: ..."), not Python's "file:line: Category" form with a source line."""
+    """lorakit's own warnings as one line on stderr ("lorakit fuse: warning: ...")."""
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -186,17 +165,13 @@ def _one_line_warnings(command: str) -> None:
     warnings.showwarning = show
 
 
-#: exit status when the reader of stdout goes away (``lorakit inspect ... | head``):
-#: 128 + SIGPIPE, what a shell reports for a Unix tool that SIGPIPE ended.
+#: exit status when the reader of stdout goes away (``... | head``): 128 + SIGPIPE, as a shell says
 EXIT_BROKEN_PIPE = 141
 
 
 def _quiet_broken_pipe() -> int:
-    """Stop quietly after the reader of stdout went away, as Unix tools do.
-
-    Python's recipe: point stdout at /dev/null so that the interpreter's final
-    flush does not fail a second time and print "Exception ignored ...".
-    """
+    """Stop quietly after the reader of stdout went away: stdout points at /dev/null so the
+    final flush does not fail again."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -207,8 +182,7 @@ def _quiet_broken_pipe() -> int:
 
 
 def _wrote_but_stdout_closed(command: str, path) -> int:
-    """The output is whole; only the summary was lost. Say so on stderr (if it is
-    still there) and exit 0, as ``lorakit fuse ... >&-`` does."""
+    """Only the summary was lost: say so on stderr and exit 0 (the output is whole)."""
     _quiet_broken_pipe()
     try:
         print(f"{command}: note: stdout was closed before the summary was printed; the "
@@ -226,10 +200,8 @@ def _flush() -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Run one command. Exit status: 0 success, 2 a lorakit error (one message on
-    stderr), 130 interrupted, 141 stdout closed early (``| head``; 0 with a note on
-    stderr once a command's output directory is complete); commands that report a
-    verdict (``diff``, ``check``) use 1 for "differs"."""
+    """Run one command. Exit status: 0 success (1 "differs" for ``diff`` / ``check``), 2 a
+    lorakit error, 130 interrupted, 141 stdout closed early."""
     command = "lorakit"
     args: Optional[argparse.Namespace] = None
     try:

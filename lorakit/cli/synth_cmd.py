@@ -7,12 +7,11 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..errors import ArgumentError
-from .written import wrote
+from . import flags
+from .written import FORCE_HELP, wrote
 
 __all__ = []
 
-_FORCE_HELP = ("replace an existing output, but only an empty directory or a previous lorakit "
-               "output (listed in its lorakit.json); anything else is refused and kept")
 
 
 def _value(text: str) -> Any:
@@ -57,10 +56,9 @@ def _checkpoint(args: argparse.Namespace) -> int:
         raise ArgumentError.bad("--preset, --config", (args.preset, args.config), "exactly one: "
                                 "--preset qwen3-1.7b or --config path/to/config.json")
     t0 = time.perf_counter()
-    out = synth_checkpoint(args.path, args.preset or args.config, layout=args.layout,
-                           dtype=args.dtype, shard_size=args.shard_size, seed=args.seed,
-                           std=args.std, overrides=_overrides(args.set), force=args.force,
-                           progress=not args.quiet)
+    picked = flags(args, "layout", "dtype", "shard_size", "seed", "std", "force")
+    out = synth_checkpoint(args.path, args.preset or args.config, **picked,
+                           overrides=_overrides(args.set), progress=not args.quiet)
     wrote(args, out)
     ck = Checkpoint(out)
     params = sum(t.numel for t in ck.tensors.values())
@@ -76,10 +74,10 @@ def _adapter(args: argparse.Namespace) -> int:
     from ..synth import synth_adapter
 
     t0 = time.perf_counter()
-    out = synth_adapter(args.path, args.model, rank=args.rank, scale=args.scale,
-                        layers=_layers(args.layers), keys=args.keys.split(","),
-                        kind="dora" if args.dora else "lora", format=args.format,
-                        seed=args.seed, delta_std=args.delta_std, force=args.force)
+    picked = flags(args, "rank", "scale", "format", "seed", "delta_std", "force")
+    kind = "dora" if args.dora else "lora"
+    layers, keys = _layers(args.layers), args.keys.split(",")
+    out = synth_adapter(args.path, args.model, layers=layers, keys=keys, kind=kind, **picked)
     wrote(args, out)
     ad = load_adapter(out)
     print(f"Wrote {out}\n  {ad!r}\n  size  {_size(out)}\n"
@@ -117,7 +115,7 @@ def add(sub) -> None:
     c.add_argument("--std", type=float, default=0.02, help="std of weight entries")
     c.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a config field (repeatable), e.g. num_hidden_layers=4")
-    c.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    c.add_argument("--force", action="store_true", help=FORCE_HELP)
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     c.set_defaults(run=_checkpoint)
 
@@ -136,7 +134,7 @@ def add(sub) -> None:
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--delta-std", type=float, default=1e-3,
                    help="std of each element of scale * B @ A (default 1e-3)")
-    a.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    a.add_argument("--force", action="store_true", help=FORCE_HELP)
     a.set_defaults(run=_adapter)
 
     pr = ss.add_parser("presets", help="list the named shapes")

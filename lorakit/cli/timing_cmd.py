@@ -1,12 +1,11 @@
-"""``lorakit time-decode``: the decode timing table (base, unfused, promoted, fused,
-mlx-lm-fused) for a model and an adapter. A thin caller of
-:func:`lorakit.timing.decode.time_decode`."""
+"""``lorakit time-decode``: a thin caller of :func:`lorakit.timing.decode.time_decode`."""
 from __future__ import annotations
 
 import argparse
 from typing import List
 
 from ..errors import LorakitError
+from . import flags
 
 __all__ = []
 
@@ -20,12 +19,10 @@ def _variants(text: str) -> List[str]:
 def _time_decode(args: argparse.Namespace) -> int:
     from ..timing.decode import DecodeOptions, time_decode
 
+    fields = ("prompt_tokens", "tokens", "repeats", "warmup", "rounds", "device", "seed")
     opts = DecodeOptions(variants=None if args.variants is None else _variants(args.variants),
-                         prompt_tokens=args.prompt_tokens,
-                         tokens=args.tokens, repeats=args.repeats, warmup=args.warmup,
-                         rounds=args.rounds, device=args.device, seed=args.seed,
-                         timeout=args.timeout, workdir=args.workdir,
-                         behaviour=(args.kl_tokens or True) if args.kl else False)
+                         behaviour=(args.kl_tokens or True) if args.kl else False,
+                         **flags(args, *fields, "timeout", "workdir"))
     result = time_decode(args.model, args.adapter_path, options=opts, progress=not args.quiet)
     if args.json:
         print(result.to_json(indent=2))
@@ -50,7 +47,7 @@ def add(sub) -> None:
         "ratio to base comes with a 95% bootstrap interval over interleaved rounds; a row "
         "is flagged only for weight bytes over 1.02x base or a ratio below 0.90 outside "
         "the interval and the base's own noise, from at least 3 rounds.")
-    p.add_argument("--model", required=True, help="base model directory")
+    p.add_argument("--model", required=True, help="base model directory or hub id")
     p.add_argument("--adapter-path", help="adapter directory (needed by all but 'base')")
     p.add_argument("--variants", default=None,
                    help=f"comma-separated, in run order (default: {DEFAULT_VARIANTS})")

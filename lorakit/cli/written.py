@@ -7,6 +7,9 @@ from typing import Any, Optional
 
 __all__ = []
 
+FORCE_HELP = ("replace an existing output, but only an empty directory or a previous lorakit "
+              "output (listed in its lorakit.json); anything else is refused and kept")
+
 
 def wrote(args: argparse.Namespace, path: Any) -> None:
     """Record that this command's output is complete at ``path``."""

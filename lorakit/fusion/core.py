@@ -1,37 +1,12 @@
 """The one per-tensor fusion core: W' = W + scale * (B @ A), rounded as asked.
 
-Every path that fuses (streaming checkpoint fuse, in-memory model fuse, the
-inspection helpers that need a reference) calls :func:`fuse_weight`.
-
-Rounding modes (how the f32 adapter lands in a bf16/fp16 weight):
-
-``nearest`` (default)
-    The exact sum, computed in float64 on the CPU, rounded once to the output
-    format (ties to even). On the rare elements whose f64 value sits within
-    rounding noise of a tie, or whose terms cancel so much that a proven bound on
-    the f64 error reaches 2**-21 ulp of the result, the sum is recomputed in exact
-    rational arithmetic. The result is the correctly rounded W + scale*(B@A):
-    0 ulp from the exact value by construction. No other tool fuses this way.
-``round-once``
-    PEFT's ``merge_and_unload`` semantics: W upcast to f32, the f32 delta
-    ``(B @ A) * scale`` added in f32, then one rounding to the output format.
-    Double rounding (f32, then bf16) makes it differ from ``nearest`` on about
-    1e-5 of elements.
-``mlx-lm``
-    mlx-lm's ``fuse`` exactly, through MLX: ``((scale * B) @ A)`` in f32, cast to the
-    weight's dtype, then added in that dtype. Two roundings: differs from ``nearest``
-    on a few percent of elements for typical adapters.
-``scale-after``
-    ``(B @ A)`` in f32, then ``* scale``, then as ``mlx-lm``.
-
-Why ``nearest`` is the default: measured against an f64 reference (see
-``tests/fusion/test_fuse.py`` and BENCHMARKS.md) it is the only mode that is never
-more than 0.5 ulp off; ``round-once`` is off by one ulp at double-rounding ties,
-``mlx-lm`` / ``scale-after`` on a few percent of elements.
-
-Dtype policies: ``preserve`` (the weight's own dtype, default), ``promote`` (what a
-fuse that forgets the cast writes: float32), or an explicit ``bfloat16`` /
-``float16`` / ``float32``.
+Every path that fuses (checkpoint fuse, in-memory model fuse, the inspection
+references) calls :func:`fuse_weight`. Roundings: ``nearest`` (default: the exact sum
+rounded once, ties to even, with an exact rational fallback near ties:
+:mod:`lorakit.fusion.nearest`), ``round-once`` (PEFT's ``merge_and_unload``, bit for
+bit), ``mlx-lm`` and ``scale-after`` (MLX's own order: :mod:`lorakit.fusion.mlx_order`).
+Dtype policies: ``preserve`` (default), ``promote`` (float32), or an explicit
+``bfloat16`` / ``float16`` / ``float32``.
 """
 from __future__ import annotations
 
@@ -73,16 +48,11 @@ def output_code(base_code: str, dtype_policy: str) -> str:
 _PIECE = 1 << 16  # elements per piece of the round-once path
 
 
-# -- round-once (PEFT) -------------------------------------------------------------------
 def _fuse_round_once(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: float,
                      magnitude: Optional[np.ndarray], fmt_out, kind: str = "linear") -> np.ndarray:
-    """PEFT 0.21 ``merge_and_unload`` on torch's CPU, bit for bit (see peft_delta).
-
-    Linear: ``round(f32(W) + delta)``, one rounding. Embedding: PEFT casts the delta to
-    the weight's dtype before adding (``weight += delta.to(dtype)``), two roundings.
-    DoRA: ``round((m / ||f32(W) + delta||_row) * (f32(W) + delta))`` with torch's
-    8-lane f32 row norm.
-    """
+    """PEFT 0.21 ``merge_and_unload`` on torch's CPU, bit for bit: ``round(f32(W) +
+    delta)``; an embedding's delta is cast to the weight's dtype first (two roundings);
+    DoRA rescales by ``m / ||f32(W) + delta||_row`` with torch's 8-lane f32 row norm."""
     rows, cols = w.shape
     out = np.empty((rows, cols), dtype=fmt_out.storage)
     A32 = np.ascontiguousarray(A, dtype=np.float32)
@@ -104,14 +74,10 @@ def _fuse_round_once(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale:
 
 
 def peft_delta(B32: np.ndarray, A32: np.ndarray, s32: np.float32) -> np.ndarray:
-    """PEFT's f32 delta ``(lora_B @ lora_A) * scaling`` as torch's CPU matmul computes it.
-
-    torch (MKL sgemm) evaluates each element as one chain of fused multiply-adds over
-    the rank in ascending order (``acc = fma(B[i,k], A[k,j], acc)``); for ranks above
-    192 it splits the rank into blocks (r/2 wide up to 384, then 192) whose chains are
-    added left to right. The python-float scaling is cast to f32 before the multiply.
-    Checked bit for bit against PEFT 0.21 / torch 2.13 on x86-64 (tests/fixtures/peft).
-    """
+    """PEFT's f32 delta ``(lora_B @ lora_A) * scaling`` as torch's CPU matmul computes it
+    (bit for bit, tests/fixtures/peft): per element one fma chain over the rank in
+    ascending order; ranks above 192 in blocks (r/2 wide up to 384, then 192) added
+    left to right; the scaling cast to f32 before the multiply."""
     r = A32.shape[0]
     if r <= 192:
         blocks = [(0, r)]
@@ -147,27 +113,14 @@ def torch_row_norm(x: np.ndarray, lanes: int = 8) -> np.ndarray:
     return np.sqrt(total)
 
 
-# -- the entry point ------------------------------------------------------------------------
 def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale: float, *,
                 magnitude: Optional[np.ndarray] = None, rounding: str = "nearest",
                 dtype_policy: str = "preserve", name: str = "",
                 kind: str = "linear") -> Tuple[np.ndarray, str]:
-    """Fuse one low-rank change into one weight.
-
-    Args:
-        w: the weight's raw storage (bf16 as uint16 bits), 2-D (out, in); for the
-            ``mlx-lm`` and ``scale-after`` orders also an ``mx.array`` of that dtype.
-        code_in: its safetensors dtype code (``BF16``, ``F16``, ``F32``).
-        A: float32 (r, in). B: float32 (out, r). scale: multiplier of ``B @ A``.
-        magnitude: DoRA row magnitudes (out,), or None.
-        rounding: one of :data:`ROUNDINGS`.
-        dtype_policy: one of :data:`DTYPE_POLICIES`.
-        name: tensor name, for error messages.
-        kind: ``linear`` / ``embedding`` / ``switch`` (only ``round-once`` cares: PEFT
-            rounds an embedding's delta before adding it).
-
-    Returns:
-        (raw storage of the fused weight, its dtype code).
+    """Fuse one low-rank change into one weight: ``w`` raw storage (out, in) of dtype
+    ``code_in`` (for the MLX orders also an ``mx.array``), A (r, in), B (out, r),
+    DoRA ``magnitude`` or None; ``kind`` matters to ``round-once`` only (PEFT rounds an
+    embedding's delta first). Returns (the fused raw storage, its dtype code).
 
     >>> import numpy as np
     >>> w = np.zeros((2, 3), np.float32)
@@ -212,37 +165,25 @@ def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale
     return out, code_out
 
 
-# -- fusing one tensor ---------------------------------------------------------------------
 def fuse_bindings(raw: np.ndarray, code: str, binds: List[Binding], rounding: str,
                   dtype_policy: str, name: str) -> Tuple[np.ndarray, str]:
     """Fuse every binding landing on one float weight (several for stacked experts):
     each piece of the intended change (:func:`lorakit.fusion.delta.tensor_pieces`) on
     its slice, the other slices converted as the dtype policy says."""
     pieces = tensor_pieces(binds)
+
+    def one(r: np.ndarray, p, nm: str, kind: str = "linear") -> Tuple[np.ndarray, str]:
+        if getattr(p.target, "parts", None):  # an exact combination with DoRA parts (sum_fuse)
+            return fuse_sum(r, code, output_code(code, dtype_policy), p, rounding, nm)
+        return fuse_weight(r, code, p.A, p.B, p.scale, magnitude=p.magnitude, rounding=rounding,
+                           dtype_policy=dtype_policy, name=nm, kind=kind)
+
     if raw.ndim == 3:
         out_code = output_code(code, dtype_policy)
         by_slot = {p.slot: p for p in pieces}
-        parts = []
-        for e in range(raw.shape[0]):
-            p = by_slot.get(e)
-            if p is None:
-                parts.append(cast_raw(raw[e], code, out_code))
-                continue
-            part, _ = (fuse_sum(raw[e], code, out_code, p, rounding, f"{name}[{e}]")
-                       if _is_sum(p) else
-                       fuse_weight(raw[e], code, p.A, p.B, p.scale, magnitude=p.magnitude,
-                                   rounding=rounding, dtype_policy=dtype_policy,
-                                   name=f"{name}[{e}]"))
-            parts.append(part)
-        return np.stack(parts), out_code
+        return np.stack([one(raw[e], by_slot[e], f"{name}[{e}]")[0] if e in by_slot
+                         else cast_raw(raw[e], code, out_code)
+                         for e in range(raw.shape[0])]), out_code
     (p,) = pieces
-    if _is_sum(p):  # an exact combination with DoRA parts (fusion/sum_fuse.py)
-        return fuse_sum(raw, code, output_code(code, dtype_policy), p, rounding, name)
     # round-once rounds an embedding's delta first; so does PEFT for round_delta targets
-    kind = "embedding" if p.target.round_delta else p.kind
-    return fuse_weight(raw, code, p.A, p.B, p.scale, magnitude=p.magnitude, rounding=rounding,
-                       dtype_policy=dtype_policy, name=name, kind=kind)
-
-
-def _is_sum(p) -> bool:
-    return bool(getattr(p.target, "parts", None))
+    return one(raw, p, name, "embedding" if p.target.round_delta else p.kind)

@@ -1,20 +1,11 @@
 """The intended change, in one place: what an adapter asks a weight to become.
 
-Every adapter target (:class:`~lorakit.io.adapters.load.LoraTarget`), whatever its format,
-layer type or scale convention (mlx-lm's ``scale``, PEFT's ``alpha / r``, rsLoRA's
-``alpha / sqrt(r)``, rank and alpha patterns: all resolved when the adapter is read),
-comes down to :class:`Piece` s: one low-rank change ``scale * B @ A`` on one 2-D
-slice of one weight, with DoRA's row magnitudes when it has them. A stacked MoE
-target gives one piece per expert; a per-expert target on a stacked weight gives one
-piece on that expert's slice. The intended result of a piece on weight ``W`` is::
-
-    T = W + scale * B @ A                          (LoRA)
-    T = m * (W + scale * B @ A) / ||W + scale * B @ A||_row      (DoRA)
-
-computed here in float64 (:func:`intended`). The fuse rounds it in each mode's own
-order (:mod:`lorakit.fusion.core`); the merge check, the comparison against the exact
-fuse, delta norms, adapter comparisons and the survival of a re-quantized delta read
-their pieces and targets from here.
+Every adapter target, whatever its format or scale convention (resolved on reading),
+comes down to :class:`Piece` s: one change ``scale * B @ A`` on one 2-D slice of one
+weight (one per expert for stacked MoE), with DoRA's row magnitudes when it has them.
+:func:`intended` computes its exact result in float64: ``W + scale * B @ A``, or DoRA's
+``m * (W + scale * B @ A) / ||W + scale * B @ A||_row``. The fuse rounds it in each
+mode's own order; checks, comparisons and survival stats read their pieces here.
 
 >>> import numpy as np
 >>> from lorakit.io.adapters.base import LoraTarget
@@ -45,14 +36,9 @@ __all__ = ["Piece", "SumTarget", "target_pieces", "tensor_pieces", "intended", "
 @dataclass(repr=False)
 class SumTarget(LoraTarget):
     """An exact weighted sum of adapters' targets on one module, DoRA among them
-    (:func:`lorakit.combine`, method ``exact``). A DoRA change depends on ``W`` and is
-    not low rank, so the intended result is ``W + sum_i w_i (T_i(W) - W)`` with
-    ``T_i`` each target's own :func:`intended` result (:func:`intended` computes it;
-    ``A``, ``B``, ``scale`` hold the concatenated LoRA factors, ``magnitude`` the first
-    DoRA part's, only so that shape-reading code and ``is_dora`` see what it is).
-
-    Attributes:
-        parts: ``(w_i, target_i)``: each adapter's weight and its own target.
+    (:func:`lorakit.combine`, ``exact``): ``W + sum_i w_i (T_i(W) - W)`` over ``parts``
+    ``(w_i, target_i)``. ``A``, ``B``, ``scale`` and ``magnitude`` hold the concatenated
+    factors and the first DoRA magnitude only for code that reads shapes and ``is_dora``.
     """
 
     parts: Tuple[Tuple[float, LoraTarget], ...] = ()
@@ -60,16 +46,9 @@ class SumTarget(LoraTarget):
 
 @dataclass(frozen=True)
 class Piece:
-    """One low-rank change to one 2-D slice of a weight.
-
-    Attributes:
-        target: the adapter target it comes from.
-        expert: which expert of a stacked (switch) target this is, else None.
-        slot: which slice of a stacked 3-D weight it changes; None for a 2-D weight
-            (for :func:`target_pieces`, the target's own expert).
-        A: float32 (r, in). B: float32 (out, r).
-        magnitude: DoRA's row magnitudes (out,), or None.
-    """
+    """One low-rank change to one 2-D slice of a weight: ``expert`` of a stacked target
+    (else None), ``slot``: the slice of a stacked 3-D weight it changes (None for 2-D),
+    A (r, in), B (out, r), DoRA ``magnitude`` or None."""
 
     target: LoraTarget
     expert: Optional[int]
@@ -110,12 +89,8 @@ def target_pieces(t: LoraTarget) -> List[Piece]:
 
 
 def tensor_pieces(binds: Sequence[Binding]) -> List[Piece]:
-    """The pieces landing on one checkpoint weight (``binds`` all share its tensor).
-
-    For a 3-D (stacked experts) weight each piece's ``slot`` is the slice it changes:
-    a stacked target on a stacked weight gives every expert; per-expert targets give
-    their own slice. For a 2-D weight there is one piece, ``slot`` None.
-    """
+    """The pieces landing on one checkpoint weight (``binds`` all share its tensor);
+    on a 3-D (stacked experts) weight each piece's ``slot`` is the slice it changes."""
     if not binds:
         return []
     if len(binds[0].shape) == 3:
@@ -134,11 +109,9 @@ def lowrank(p: Piece, rows: Optional[slice] = None) -> np.ndarray:
 
 
 def intended(W: np.ndarray, p: Piece, rows: Optional[slice] = None) -> np.ndarray:
-    """The exact intended weight (float64) of a piece on ``W`` (the float64 base slice,
-    restricted to ``rows`` when given): ``W + scale * B @ A``, DoRA-normalised by rows
-    to the magnitudes when the piece has them. For a :class:`SumTarget`'s piece:
-    ``(1 - sum_i w_i) W + sum_i w_i T_i`` (each ``T_i`` this function's result for
-    part ``i``), which is ``T_1`` itself for one part of weight 1."""
+    """The exact intended weight (float64) of a piece on the float64 base slice ``W``
+    (its ``rows`` when given): ``W + scale * B @ A``, DoRA-normalised by rows where the
+    piece has magnitudes; for a :class:`SumTarget`: ``(1 - sum_i w_i) W + sum_i w_i T_i``."""
     parts = getattr(p.target, "parts", None)
     if parts:
         T = (1.0 - math.fsum(w for w, _ in parts)) * W
@@ -183,9 +156,6 @@ def check_dora_norm(norm: np.ndarray, rows: Optional[slice] = None) -> None:
                         hint="the adapter cancels the weight exactly; DoRA cannot be "
                              "applied there (nor run unfused)")
 
-
-# ---------------------------------------------------------------------------
-# The intended result of a weight read from its sources, block by block
 
 
 class WeightReader:
@@ -233,12 +203,7 @@ def intended_blocks(fused: TensorSource, base: TensorSource, tensor: str, binds:
 
 def intended_pieces(fused: TensorSource, base: TensorSource, tensor: str, binds: list, *,
                     raw: bool = True) -> Iterator[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(fused piece, base piece W, exact target T) over the changed blocks of a weight.
-
-    The fused piece is raw bits (``raw=True``) or float64 (dequantized if packed); W
-    and T are float64. T is ``W + scale * B @ A``, or DoRA's
-    ``m * (W + scale * B @ A) / ||W + scale * B @ A||_row``. Pieces are row chunks
-    of about a million elements (one expert at a time for stacked experts).
-    """
+    """(fused piece, base piece W, exact target T) over the changed blocks of a weight,
+    row chunks of about a million elements: F raw bits (``raw=True``) or float64."""
     for F, W, T, _, _ in intended_blocks(fused, base, tensor, binds, raw=raw):
         yield F, W, T

@@ -1,8 +1,6 @@
 """Finite results only: a fuse or a dtype conversion never writes Inf where the input
-was finite; it names the tensor and the first element instead.
-
-Checks read the exponent bits of the raw storage (no float conversion, no bool
-temporaries of the whole tensor).
+was finite; it names the tensor and the first element instead (checks read the
+exponent bits of the raw storage: no float conversion, no whole-tensor temporaries).
 
 >>> import numpy as np
 >>> cast_raw(np.array([1.0, 65504.0], np.float32), "F32", "F16").tolist()

@@ -2,30 +2,17 @@
 
 The keywords become one :class:`~lorakit.fusion.options.FuseOptions`, checked before
 anything is read. A path (or hub repo id) goes through the streaming fuse
-(:func:`fuse_checkpoint`: a new checkpoint written beside, the base never touched); an
-mlx-lm model in memory is fused in place (:func:`lorakit.fusion.model.fuse_model`).
-Both round through the same core.
+(:func:`fuse_checkpoint`: the input's shard layout and names, untouched tensors copied
+byte for byte, one adapted tensor in memory at a time, built in a hidden sibling and
+renamed into place); an mlx-lm model in memory is fused in place
+(:func:`lorakit.fusion.model.fuse_model`). Both round through the same core; what a
+fuse did is a :class:`FuseResult`.
 
 >>> import lorakit, tempfile, os
 >>> out = os.path.join(tempfile.mkdtemp(), "fused")
 >>> r = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", out, progress=False)
 >>> r.rounding, r.dtype_policy
 ('nearest', 'preserve')
-
-Fuse an adapter into a checkpoint on disk, one tensor in memory at a time.
-
-The output directory has the input's shard layout and the same tensor names, so
-``mlx_lm.load`` opens it and ``mlx_lm generate`` runs it. Untouched tensors are
-copied byte for byte by the kernel; only adapted weights pass through the fusion
-core. Peak memory is about one (the largest) adapted tensor plus its f64 working
-piece, whatever the checkpoint's size.
-
-Safety: the output is built in a hidden temporary sibling of the output path and
-renamed into place at the end, so an interrupted fuse leaves nothing at the
-output path (``lorakit.io.outputs.directory``). The base and adapter directories are only
-ever read.
-
-What a fuse did: :class:`FuseResult`, a report with an HTML view and a text twin.
 """
 from __future__ import annotations
 
@@ -80,44 +67,32 @@ from .quant import (
 __all__ = ['fuse', 'FuseResult']
 
 
-
 def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
          save_path: Optional[PathLike] = None, *, rounding: str = "nearest",
          dtype: str = "preserve", dequantize: bool = False, force: bool = False,
          export_gguf: Optional[str] = None,
          progress: Union[bool, Callable[[int, int], None]] = True,
          quant_policy: str = "requant", quant_budget: Optional[float] = None,
-         float_base: Optional[PathLike] = None, layout: str = "mlx-lm") -> Any:
+         float_base: Optional[PathLike] = None, layout: str = "mlx-lm",
+         initial_adapter: Optional[PathLike] = None) -> Any:
     """Fuse an adapter: ``W' = W + scale * B @ A`` for every adapted weight, rounded as
-    ``rounding`` says and written in the weight's own dtype unless ``dtype`` says otherwise.
+    ``rounding`` says (:data:`~lorakit.fusion.options.ROUNDINGS`) and written in the
+    weight's own dtype unless ``dtype`` says otherwise.
 
-    Args:
-        model: base checkpoint directory or hub repo id, written to ``save_path``; or an
-            mlx-lm model in memory, fused in place (with its LoRA layers when
-            ``adapter_path`` is None).
-        adapter_path: adapter directory (mlx-lm or PEFT format) or a loaded adapter.
-        save_path: output directory (checkpoints only).
-        rounding: one of :data:`~lorakit.fusion.options.ROUNDINGS` (``nearest``, correctly
-            rounded, by default; each described in ``ROUNDING_HELP``).
-        dtype: ``preserve`` (default), ``promote``, ``bfloat16``, ``float16``, ``float32``.
-        dequantize: for quantized bases, write float weights instead of re-quantizing.
-        force / export_gguf / progress: as :func:`fuse_checkpoint` (checkpoints only).
-        quant_policy: for a quantized base, how adapted modules are stored: ``requant``
-            (default, as ``mlx_lm fuse``), ``same-grid``, ``bits:N``, ``float``, ``auto``
-            (:mod:`lorakit.fusion.quant`); ``quant_budget`` caps auto's bytes
-            relative to the quantized base (default 1.15).
-        float_base: fuse a QLoRA adapter trained on the quantized ``model`` into this
-            float original of it instead (float weights written).
-        layout: a MoE checkpoint's experts: ``mlx-lm`` (stacked, default) or
-            ``transformers`` (one tensor per expert; :mod:`lorakit.io.outputs.hf_layout`).
-
-    Returns:
-        A :class:`~lorakit.fusion.fuse.FuseResult` for a checkpoint; the model itself
-        for a model in memory.
+    ``model``: a checkpoint directory or hub repo id, written to ``save_path``
+    (:func:`fuse_checkpoint`, a :class:`FuseResult` returned), or an mlx-lm model in memory
+    fused in place (with its LoRA layers when ``adapter_path`` is None) and returned. A
+    quantized base is stored as ``quant_policy`` says (:mod:`lorakit.fusion.quant`) or as
+    float with ``dequantize``; ``float_base``: fuse a QLoRA adapter into the float original
+    instead. ``initial_adapter``: the PEFT adapter saved before training on a changed base
+    (PiSSA, OLoRA, ...), so the trained one is converted as PEFT does and fuses exactly.
     """
-    options = FuseOptions(rounding=rounding, dtype=dtype, dequantize=dequantize,
-                          quant_policy=quant_policy, quant_budget=quant_budget,
-                          layout=layout)
+    options = FuseOptions(rounding, dtype, dequantize, quant_policy, quant_budget, layout)
+    if initial_adapter is not None:
+        if adapter_path is None or isinstance(adapter_path, Adapter):
+            raise ArgumentError.bad("adapter_path", adapter_path, "an adapter directory: "
+                                    "initial_adapter converts the one adapter read from it")
+        adapter_path = load_adapter(adapter_path, initial_adapter)
     if hasattr(model, "parameters") and hasattr(model, "named_modules"):
         if save_path is not None:
             raise ArgumentError.bad("save_path", save_path, "None: a model in memory is fused "
@@ -130,142 +105,65 @@ def fuse(model: Any, adapter_path: Union[None, PathLike, Adapter] = None,
                                 "directory (fuse(model_path, adapter_path, save_path))")
     if float_base is not None:
         model = check_float_base(model, float_base)
-    return fuse_checkpoint(model, adapter_path, save_path, options, force=force,
-                           export_gguf=export_gguf, progress=progress)
+    kw = dict(force=force, export_gguf=export_gguf, progress=progress)
+    return fuse_checkpoint(model, adapter_path, save_path, options, **kw)
 
 
-# ---------------------------------------------------------------------------
-# Fuse an adapter into a checkpoint on disk, one tensor in memory at a time.
-
-
-
-
-# -- planning ----------------------------------------------------------------------------
 @dataclass
 class _Item:
+    """One tensor of the output: its plan, its source and what to do (copy | cast | fuse |
+    fuse-q | dequant | replace); ``payload`` is the adapter's copy, for replace."""
+
     name: str
     plan: TensorSpec
-    source: Optional[TensorInfo]  # copy unchanged when set and action == "copy"
-    action: str  # copy | cast | fuse | fuse-q | dequant | replace
+    source: Optional[TensorInfo]
+    action: str
     module: str = ""
-    payload: Optional[Replacement] = None  # the adapter's copy, for "replace"
+    payload: Optional[Replacement] = None
 
 
-def _module_of(name: str) -> str:
-    return name.rsplit(".", 1)[0]
+_FLOATS = ("BF16", "F16", "F32")
 
 
-def _plan_shard(ck: Checkpoint, infos: List[TensorInfo], by_tensor: Dict[str, List[Binding]],
-                opts: FuseOptions, replaced: Optional[Dict[str, Replacement]] = None,
-                choices: Optional[Dict[str, Choice]] = None) -> List[_Item]:
-    dtype_policy, dequantize = opts.dtype, opts.dequantize
-    items: List[_Item] = []
-    explicit = dtype_policy not in ("preserve", "promote")
-    replaced = replaced or {}
-    for info in infos:
-        name = info.name
-        module = _module_of(name)
-        q = ck.quant_params(module) if name.endswith((".weight", ".scales", ".biases")) else None
-        if q is not None:
-            scales = ck.tensors[f"{module}.scales"]
-            fdt = output_code(scales.dtype, dtype_policy)
-            if dequantize:
-                if name.endswith(".weight"):
-                    shape = tuple(info.shape[:-1]) + (info.shape[-1] * 32 // q.bits,)
-                    act = "replace" if name in replaced else \
-                        "fuse" if name in by_tensor else "dequant"
-                    items.append(_Item(name, TensorSpec(name, fdt, shape), info, act, module,
-                                       replaced.get(name)))
-                continue  # scales / biases disappear with the dequantized weight
-            pl = plan_leaf(ck, module, name, (choices or {}).get(module), fdt, info, by_tensor)
-            if pl is not None:  # a quant policy's new shapes (float, other bits)
-                items += [_Item(name, TensorSpec(name, *p), info, "fuse-q", module) for p in pl]
-                continue
-            if name in by_tensor:
-                items.append(_Item(name, TensorSpec(name, info.dtype, info.shape), info,
-                                   "fuse-q", module))
-            elif name.endswith((".scales", ".biases")) and f"{module}.weight" in by_tensor:
-                code = info.dtype if dtype_policy == "preserve" or info.dtype not in \
-                    ("BF16", "F16", "F32") else output_code(info.dtype, dtype_policy)
-                items.append(_Item(name, TensorSpec(name, code, info.shape), info,
-                                   "fuse-q", module))
-            else:
-                items.append(_Item(name, TensorSpec(name, info.dtype, info.shape), info, "copy"))
-            continue
-        if name in replaced:  # the adapter's trained copy, in the dtype the policy gives
-            code = output_code(info.dtype, dtype_policy) if info.dtype in \
-                ("BF16", "F16", "F32") else replaced[name].code
-            items.append(_Item(name, TensorSpec(name, code, info.shape), info, "replace",
-                               module, replaced[name]))
-        elif name in by_tensor:
-            code = output_code(info.dtype, dtype_policy)
-            items.append(_Item(name, TensorSpec(name, code, info.shape), info, "fuse", module))
-        elif explicit and info.dtype in ("BF16", "F16", "F32"):
-            code = output_code(info.dtype, dtype_policy)
-            act = "copy" if code == info.dtype else "cast"
-            items.append(_Item(name, TensorSpec(name, code, info.shape), info, act))
-        else:
-            items.append(_Item(name, TensorSpec(name, info.dtype, info.shape), info, "copy"))
-    return items
-
-
-# -- the fuse --------------------------------------------------------------------------------
 def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
                     save_path: PathLike, options: Optional[FuseOptions] = None, *,
                     force: bool = False, export_gguf: Optional[str] = None,
                     progress: Union[bool, Callable[[int, int], None]] = True) -> FuseResult:
-    """Fuse an adapter into a checkpoint and write a new checkpoint.
-
-    Args:
-        model: base checkpoint directory (or hub repo id, fetched through mlx-lm).
-        adapter_path: adapter directory (mlx-lm or PEFT format), or a loaded Adapter.
-        save_path: output directory; must not exist (unless ``force``) and must not
-            lie inside the base or adapter directory.
-        options: how to round and store (:class:`~lorakit.fusion.options.FuseOptions`;
-            default: correctly rounded, dtypes kept).
-        force: replace an existing empty directory or previous lorakit output
-            (recognised by its ``lorakit.json``); anything else is refused.
-        export_gguf: also write this GGUF file (a plain name) into the output, one
-            llama.cpp loads (:mod:`lorakit.io.outputs.gguf`: llama, mistral, mixtral, qwen2,
-            qwen3, qwen3_moe; checked before any work).
-        progress: show a progress bar (tqdm.auto); or a callable
-            ``progress(done_bytes, total_bytes)`` called as tensors are written
-            (widgets use it), with no bar.
-
-    Returns:
-        A :class:`FuseResult`.
-
-    >>> fuse_checkpoint("data/tiny-qwen3", "data/adapters/lora", "fused",
-    ...                 progress=False).tensors_fused
-    28
-    """
+    """Fuse an adapter into a checkpoint and write a new one (:func:`fuse`'s path for
+    checkpoints). ``force`` replaces only an empty directory or a previous lorakit output;
+    ``export_gguf`` also writes this GGUF file (a plain name) into the output for llama.cpp;
+    ``progress`` is a bar, or a callable ``progress(done_bytes, total_bytes)``."""
     t0 = time.perf_counter()
     opts = options if options is not None else FuseOptions()
-    dtype, dequantize = opts.dtype, opts.dequantize
     hub_id = None if isinstance(model, Path) or os.path.exists(model) else str(model)
     ck = source.open(model, checkpoint=True)
     adapter = adapter_path if isinstance(adapter_path, Adapter) else load_adapter(adapter_path)
     out = check_output_path(save_path, protected=[ck.path, adapter.path], force=force)
-    if ck.quantization and dtype == "promote" and not dequantize:
+    quantized = ck.quantization is not None and not opts.dequantize
+    if ck.quantization and opts.dtype == "promote" and not opts.dequantize:
         raise FuseError("dtype 'promote' does not apply to a quantized base",
                         file=ck.path, expected="--dequantize with promote, or preserve",
                         found="quantized weights")
     if export_gguf is not None:
-        check_gguf_export(ck.config, dequantize, export_gguf)
-    check_layout(opts.layout, ck.config, list(ck.tensors), ck.path,
-                 ck.quantization is not None and not dequantize)
-    bindings = bind(adapter, ck)
-    by_tensor = bindings_by_tensor(bindings)
-    replaced = bind_replacements(adapter, ck, dequantize)
-    choices = resolve(ck, by_tensor, opts, progress)
+        check_gguf_export(ck.config, opts.dequantize, export_gguf)
+    check_layout(opts.layout, ck.config, list(ck.tensors), ck.path, quantized)
+    by_tensor = bindings_by_tensor(bind(adapter, ck))
+    replaced = bind_replacements(adapter, ck, opts.dequantize)
+    fz = _Fuse(ck, adapter, by_tensor, opts, replaced, resolve(ck, by_tensor, opts, progress))
     try:
         with OutputDirectory(out, force=force) as od:
-            result = _write(ck, adapter, by_tensor, od.tmp, out, opts, progress, t0, replaced,
-                            choices)
-            _relayout(result, od.tmp, ck, opts.layout)
+            result = fz.write(od.tmp, out, progress, t0)
+            names = list(ck.tensors)  # the transformers layout: stacked experts split, bytes kept
+            if opts.layout == "transformers" and any(is_stacked(n) for n in names):
+                names, dtypes, size = to_transformers(od.tmp, ck.config, INDEX_NAME)
+                how = "written whole: the transformers layout splits the experts"
+                result.bytes_written, result.bytes_shared = size, 0
+                result.shards = {k: how for k in result.shards}
+                result.tensors_total, result.dtypes_written = len(names), dict(dtypes)
+            result.layout, result.layout_note = opts.layout, layout_note(opts.layout, names)
             settings = {"adapter_sha256": adapter.sha256, "adapter_format": adapter.format,
                         **opts.settings()}
-            settings.update({"quant_policy": opts.quant_policy} if choices else {})
+            settings.update({"quant_policy": opts.quant_policy} if fz.choices else {})
             card = ck.path / CARD_NAME
             write_model_card(od.tmp, card if card.is_file() else None, hub_id,
                              f"{ck.path.name} + {adapter.path.name}", settings,
@@ -282,136 +180,175 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
     return result
 
 
-def _relayout(result: "FuseResult", tmp: Path, ck: Checkpoint, layout: str) -> None:
-    """The transformers layout, if asked for: the written shards' stacked experts split
-    into one tensor per expert (bytes unchanged); the report says which layout it is."""
-    names = list(ck.tensors)
-    if layout == "transformers" and any(is_stacked(n) for n in names):
-        names, dtypes, result.bytes_written = to_transformers(tmp, ck.config, INDEX_NAME)
-        result.bytes_shared = 0  # every shard rewritten, one tensor per expert
-        result.shards = {k: "written whole: the transformers layout splits the experts"
-                         for k in result.shards}
-        result.tensors_total, result.dtypes_written = len(names), dict(dtypes)
-    result.layout, result.layout_note = layout, layout_note(layout, names)
+@dataclass
+class _Fuse:
+    """One checkpoint fuse: what it reads, planned shard by shard, computed and written."""
 
+    ck: Checkpoint
+    adapter: Adapter
+    by_tensor: Dict[str, List[Binding]]
+    opts: FuseOptions
+    replaced: Dict[str, Replacement]
+    choices: Dict[str, Choice]
 
-def _write(ck: Checkpoint, adapter: Adapter, by_tensor: Dict[str, List[Binding]], tmp: Path,
-           out: Path, opts: FuseOptions, progress: Any, t0: float,
-           replaced: Optional[Dict[str, Replacement]] = None,
-           choices: Optional[Dict[str, Choice]] = None) -> FuseResult:
+    def plan(self, infos: List[TensorInfo]) -> List[_Item]:
+        """What each tensor of a shard becomes (``copy`` items keep their bytes)."""
+        ck, by_tensor, replaced, policy = self.ck, self.by_tensor, self.replaced, self.opts.dtype
+        items: List[_Item] = []
+        for info in infos:
+            name, code, shape = info.name, info.dtype, info.shape
+            module = name.rsplit(".", 1)[0]
+            q = ck.quant_params(module) if name.endswith((".weight", ".scales", ".biases")) else None
+            act, mod, payload = "copy", "", None
+            if q is not None and self.opts.dequantize:
+                if not name.endswith(".weight"):
+                    continue  # scales / biases disappear with the dequantized weight
+                code = output_code(ck.tensors[f"{module}.scales"].dtype, policy)
+                shape = tuple(shape[:-1]) + (shape[-1] * 32 // q.bits,)
+                act = "replace" if name in replaced else "fuse" if name in by_tensor else "dequant"
+                mod, payload = module, replaced.get(name)
+            elif q is not None:
+                fdt = output_code(ck.tensors[f"{module}.scales"].dtype, policy)
+                pl = plan_leaf(ck, module, name, self.choices.get(module), fdt, info, by_tensor)
+                if pl is not None:  # a quant policy's new shapes (float, other bits)
+                    items += [_Item(name, TensorSpec(name, *p), info, "fuse-q", module) for p in pl]
+                    continue
+                leaf = name not in by_tensor and name.endswith((".scales", ".biases")) \
+                    and f"{module}.weight" in by_tensor
+                if name in by_tensor or leaf:
+                    act, mod = "fuse-q", module
+                    if leaf and policy != "preserve" and code in _FLOATS:
+                        code = output_code(code, policy)
+            elif name in replaced:  # the adapter's trained copy, in the dtype the policy gives
+                act, mod, payload = "replace", module, replaced[name]
+                code = output_code(code, policy) if code in _FLOATS else payload.code
+            elif name in by_tensor:
+                act, mod, code = "fuse", module, output_code(code, policy)
+            elif policy not in ("preserve", "promote") and code in _FLOATS:
+                code = output_code(code, policy)
+                act = "copy" if code == info.dtype else "cast"
+            items.append(_Item(name, TensorSpec(name, code, shape), info, act, mod, payload))
+        return items
 
-    dtypes: Counter = Counter()
-    requant: List[RequantStat] = []
-    fused_names: List[str] = []
-    replaced_names: List[str] = []
-    weight_map: Dict[str, str] = {}
-    total_bytes = shared = 0
-    paths: Dict[str, str] = {}  # shard -> clone and patch, or written whole and why
-    meta_extra = {
-        "lorakit.version": __version__,
-        "lorakit.adapter_sha256": adapter.sha256,
-        "lorakit.adapter_format": adapter.format,
-        "lorakit.rounding": opts.rounding,
-        "lorakit.dtype_policy": opts.dtype,
-        "lorakit.dequantize": str(opts.dequantize).lower(),
-    }
-    bar = progress_bar(progress, ck.nbytes, "lorakit fuse")
-    it: Optional[_Item] = None
-    try:
-        for shard, infos in ck.by_shard():
-            items = _plan_shard(ck, infos, by_tensor, opts, replaced, choices)
-            meta = dict(ck.headers[shard].metadata)
-            meta.setdefault("format", "mlx")
-            meta.update(meta_extra)
-            jobs = _Jobs(ck, items, by_tensor, opts, choices)
-            # re-quantized parts of the module being written, until all three are out
-            pending: Dict[str, Dict[str, np.ndarray]] = {}
-            with SafetensorsWriter(tmp / shard, [i.plan for i in items], meta,
-                                   clone_of=ck.headers[shard]) as w, jobs:
-                for k, it in enumerate(items):
-                    jobs.pump(k)
-                    src = it.source
-                    if it.action == "copy":
-                        w.copy(it.name, src)
-                    elif it.action in ("cast", "dequant", "fuse", "replace"):
-                        w.write(it.name, jobs.result(k))
-                        if it.action == "fuse":
-                            fused_names.append(it.name)
-                        elif it.action == "replace":
-                            replaced_names.append(it.name)
-                    elif it.action == "fuse-q":
-                        if it.module not in pending:
-                            pending[it.module], stat = jobs.result(k)
-                            requant.append(stat)
-                            fused_names.append(f"{it.module}.weight")
-                        leaf = it.name.rsplit(".", 1)[1]
-                        arr = pending[it.module].pop(leaf)
-                        if not pending[it.module]:
-                            del pending[it.module]
-                        w.write(it.name, arr)
-                    dtypes[it.plan.dtype] += 1
-                    weight_map[it.name] = shard
-                    bar.update(src.nbytes if src is not None else 0)
-            total_bytes += (tmp / shard).stat().st_size
-            shared, paths[shard] = shared + w.shared, w.how
-    except LorakitError as e:
-        if e.file is not None or it is None:
-            raise
-        # the fusion core knows the tensor, not the file: name the shard it came from
-        raise e.where(it.source.file if it.source else ck.path, it.name) from None
-    finally:
-        bar.close()
-    _write_sidecars(ck, tmp, weight_map, total_bytes, opts, choices)
-    return FuseResult(output=out, base=ck.path, adapter=adapter.path, options=opts,
-                      tensors_fused=len(fused_names), tensors_total=len(weight_map),
-                      dtypes_written=dict(dtypes), bytes_written=total_bytes,
-                      bytes_shared=shared, shards=paths,
-                      seconds=time.perf_counter() - t0,
-                      dequantized=opts.dequantize and ck.quantization is not None,
-                      requant=requant, fused_names=fused_names, replaced_names=replaced_names,
-                      not_copied=[f"{q.name} (a link to {t}, outside the model folder)"
-                                  for q, t in ck.links_outside()])
+    def compute(self, it: _Item) -> Any:
+        """The work behind one planned tensor that is not a plain copy."""
+        ck, rounding, policy, src = self.ck, self.opts.rounding, self.opts.dtype, it.source
+        if it.action == "cast":
+            return _cast(ck.read(it.name), src.dtype, it.plan.dtype, it.name)
+        if it.action == "replace":  # PEFT modules_to_save: the adapter's copy, one rounding
+            return _cast(it.payload.raw, it.payload.code, it.plan.dtype, it.name)
+        if it.action == "dequant":
+            return dequantize_raw(ck, it.module, it.plan.dtype)
+        if it.action == "fuse-q":  # requant unless a quant policy chose otherwise
+            binds = self.by_tensor[f"{it.module}.weight"]
+            choice = self.choices.get(it.module, REQUANT)
+            return module_parts(ck, it.module, binds, rounding, policy, choice)
+        binds = self.by_tensor[it.name]
+        own = [b.target.base_weight for b in binds if b.target.base_weight is not None]
+        if own:  # the adapter carries the weight it was trained on (PEFT embedding LoRA)
+            raw, code = own[0]
+            if tuple(raw.shape) != tuple(src.shape):
+                raise FuseError("the base weight saved in the adapter has another shape",
+                                file=src.file, tensor=it.name, expected=str(list(src.shape)),
+                                found=str(list(raw.shape)))
+        elif ck.quant_params(it.module) is not None:  # --dequantize on a quantized base
+            raw = dequantize_raw(ck, it.module, None)
+            code = ck.tensors[f"{it.module}.scales"].dtype
+        else:
+            raw, code = _read_weight(ck, it, rounding), src.dtype
+        return _fuse_float(raw, code, binds, rounding, policy, it.name)[0]
 
+    def write(self, tmp: Path, out: Path, progress: Any, t0: float) -> FuseResult:
+        """Write every shard into ``tmp`` (cloned from the base where it can), then the
+        sidecar files; the tensors' work runs ahead of the writer in :class:`_Jobs`."""
+        ck, opts, adapter = self.ck, self.opts, self.adapter
+        dtypes: Counter = Counter()
+        requant: List[RequantStat] = []
+        fused_names, replaced_names, weight_map = [], [], {}
+        paths: Dict[str, str] = {}  # shard -> clone and patch, or written whole and why
+        total_bytes = shared = 0
+        meta_extra = {"lorakit.version": __version__, "lorakit.adapter_sha256": adapter.sha256,
+                      "lorakit.adapter_format": adapter.format, "lorakit.rounding": opts.rounding,
+                      "lorakit.dtype_policy": opts.dtype,
+                      "lorakit.dequantize": str(opts.dequantize).lower()}
+        bar = progress_bar(progress, ck.nbytes, "lorakit fuse")
+        it: Optional[_Item] = None
+        try:
+            for shard, infos in ck.by_shard():
+                items = self.plan(infos)
+                md = ck.headers[shard].metadata
+                meta = {**md, "format": md.get("format", "mlx"), **meta_extra}
+                # re-quantized parts of the module being written, until all three are out
+                pending: Dict[str, Dict[str, np.ndarray]] = {}
+                plan = [i.plan for i in items]
+                with SafetensorsWriter(tmp / shard, plan, meta, clone_of=ck.headers[shard]) as w, \
+                        _Jobs(self.compute, items) as jobs:
+                    for k, it in enumerate(items):
+                        jobs.pump()
+                        if it.action == "copy":
+                            w.copy(it.name, it.source)
+                        elif it.action != "fuse-q":
+                            w.write(it.name, jobs.result(k))
+                            if it.action == "fuse":
+                                fused_names.append(it.name)
+                            elif it.action == "replace":
+                                replaced_names.append(it.name)
+                        else:
+                            if it.module not in pending:
+                                pending[it.module], stat = jobs.result(k)
+                                requant.append(stat)
+                                fused_names.append(f"{it.module}.weight")
+                            w.write(it.name, pending[it.module].pop(it.name.rsplit(".", 1)[1]))
+                            if not pending[it.module]:
+                                del pending[it.module]
+                        dtypes[it.plan.dtype] += 1
+                        weight_map[it.name] = shard
+                        bar.update(it.source.nbytes if it.source is not None else 0)
+                total_bytes += (tmp / shard).stat().st_size
+                shared, paths[shard] = shared + w.shared, w.how
+        except LorakitError as e:
+            if e.file is not None or it is None:
+                raise
+            # the fusion core knows the tensor, not the file: name the shard it came from
+            raise e.where(it.source.file if it.source else ck.path, it.name) from None
+        finally:
+            bar.close()
+        self.sidecars(tmp, weight_map, total_bytes)
+        links = [f"{q.name} (a link to {t}, outside the model folder)"
+                 for q, t in ck.links_outside()]
+        return FuseResult(output=out, base=ck.path, adapter=adapter.path, options=opts,
+                          tensors_fused=len(fused_names), tensors_total=len(weight_map),
+                          dtypes_written=dict(dtypes), bytes_written=total_bytes,
+                          bytes_shared=shared, shards=paths, seconds=time.perf_counter() - t0,
+                          dequantized=opts.dequantize and ck.quantization is not None,
+                          requant=requant, fused_names=fused_names,
+                          replaced_names=replaced_names, not_copied=links)
 
-def _compute(ck: Checkpoint, it: _Item, by_tensor: Dict[str, List[Binding]], opts: FuseOptions,
-             choices: Optional[Dict[str, Choice]] = None) -> Any:
-    """The work behind one planned tensor that is not a plain copy."""
-    rounding, dtype_policy = opts.rounding, opts.dtype
-    src = it.source
-    if it.action == "cast":
-        return _cast(ck.read(it.name), src.dtype, it.plan.dtype, it.name)
-    if it.action == "replace":  # PEFT modules_to_save: the adapter's copy, one rounding
-        return _cast(it.payload.raw, it.payload.code, it.plan.dtype, it.name)
-    if it.action == "dequant":
-        return dequantize_raw(ck, it.module, it.plan.dtype)
-    if it.action == "fuse-q":  # requant unless a quant policy chose otherwise
-        return module_parts(ck, it.module, by_tensor[f"{it.module}.weight"], rounding,
-                            dtype_policy, (choices or {}).get(it.module, REQUANT))
-    binds = by_tensor[it.name]
-    own = [b.target.base_weight for b in binds if b.target.base_weight is not None]
-    if own:  # the adapter carries the weight it was trained on (PEFT embedding LoRA)
-        raw, code = own[0]
-        if tuple(raw.shape) != tuple(src.shape):
-            raise FuseError("the base weight saved in the adapter has another shape",
-                            file=src.file, tensor=it.name, expected=str(list(src.shape)),
-                            found=str(list(raw.shape)))
-    elif ck.quant_params(it.module) is not None:  # --dequantize on a quantized base
-        raw = dequantize_raw(ck, it.module, None)
-        code = ck.tensors[f"{it.module}.scales"].dtype
-    else:
-        raw, code = _read_weight(ck, it, rounding), src.dtype
-    fused, _ = _fuse_float(raw, code, binds, rounding, dtype_policy, it.name)
-    return fused
+    def sidecars(self, tmp: Path, weight_map: Dict[str, str], total_bytes: int) -> None:
+        """config.json (quantization as written), the base's other files, the index."""
+        ck, policy = self.ck, self.opts.dtype
+        config = per_layer_config(json.loads(json.dumps(ck.config)), ck, self.choices)
+        if self.opts.dequantize:
+            config.pop("quantization", None)
+            config.pop("quantization_config", None)
+        if policy in ("bfloat16", "float16", "float32"):
+            config["torch_dtype"] = policy
+        for p in ck.extra_files():
+            if p.name not in ("config.json", CARD_NAME):  # the card is written anew (mlx-lm)
+                shutil.copyfile(p, tmp / p.name)
+        (tmp / "config.json").write_text(json.dumps(config, indent=4))
+        if len(ck.shards) > 1 or (ck.path / INDEX_NAME).exists():
+            index = {"metadata": {"total_size": total_bytes},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=4))
 
 
 def _read_weight(ck: Checkpoint, it: _Item, rounding: str) -> Any:
     """The base weight: raw numpy storage, or for MLX's orders a lazy ``mx.load``ed
-    array (MLX reads the file into its own memory: no numpy buffer, no copy). A shard
-    MLX cannot open (it also holds a tensor of a dtype MLX does not load, such as F64)
-    is read as raw storage instead: the same arithmetic, through MLX all the same."""
+    array (no numpy copy). A shard MLX cannot open (it also holds a dtype MLX does not
+    load, such as F64) is read as raw storage instead, through MLX all the same."""
     src = it.source
-    if rounding in MLX_ROUNDINGS and src.dtype in FLOAT_CODES[:3] \
-            and len(src.shape) == 2:
+    if rounding in MLX_ROUNDINGS and src.dtype in FLOAT_CODES[:3] and len(src.shape) == 2:
         import mlx.core as mx  # lazy: MLX only when computing
 
         try:
@@ -422,42 +359,23 @@ def _read_weight(ck: Checkpoint, it: _Item, rounding: str) -> Any:
 
 
 _local = threading.local()
-
-
-def _thread_stream():
-    """Each worker thread gets its own MLX stream, so MLX work runs in parallel too."""
-    import mlx.core as mx  # lazy: MLX only when computing
-
-    s = getattr(_local, "stream", None)
-    if s is None:
-        s = _local.stream = mx.new_stream(mx.default_device())
-    return s
+_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
 class _Jobs:
-    """Computes the non-copy tensors of a shard ahead of the writer, a few at a time.
+    """Computes a shard's non-copy tensors in worker threads (each with its own MLX
+    stream), at most ``_WORKERS + 1`` ahead of the writer, which emits them in file
+    order: memory holds a few tensors while every core stays busy. A re-quantized
+    module is one job, for its first item."""
 
-    The writer must emit tensors in file order; the work behind them (reads, fusion,
-    re-quantization) runs in worker threads up to ``workers + 1`` tensors ahead,
-    which bounds memory to a few tensors while both cores stay busy.
-    """
-
-    def __init__(self, ck: Checkpoint, items: List[_Item], by_tensor: Dict[str, List[Binding]],
-                 opts: FuseOptions, choices: Optional[Dict[str, Choice]] = None) -> None:
-        self.ck, self.items, self.by_tensor = ck, items, by_tensor
-        self.opts, self.choices = opts, choices
-        seen = set()
+    def __init__(self, compute: Callable[[_Item], Any], items: List[_Item]) -> None:
+        self.compute, self.items, seen = compute, items, set()
         self.order: List[int] = []
-        self.key: Dict[int, int] = {}  # item index -> index of the job computing it
         for k, it in enumerate(items):
-            if it.action == "copy":
+            if it.action == "copy" or (it.action == "fuse-q" and it.module in seen):
                 continue
-            if it.action == "fuse-q":
-                if it.module in seen:
-                    continue
-                seen.add(it.module)
+            seen.add(it.module if it.action == "fuse-q" else None)
             self.order.append(k)
-        self.workers = _WORKERS
         self.pool: Optional[ThreadPoolExecutor] = None
         self.futures: Dict[int, Future] = {}
         self.next = 0
@@ -465,22 +383,22 @@ class _Jobs:
     def _run(self, k: int) -> Any:
         import mlx.core as mx  # lazy: MLX only when computing
 
-        with mx.stream(_thread_stream()):
-            return _compute(self.ck, self.items[k], self.by_tensor, self.opts, self.choices)
+        if getattr(_local, "stream", None) is None:
+            _local.stream = mx.new_stream(mx.default_device())
+        with mx.stream(_local.stream):
+            return self.compute(self.items[k])
 
-    def pump(self, k: int) -> None:
-        if not self.order:
-            return
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="lorakit-fuse")
-        while self.next < len(self.order) and len(self.futures) < self.workers + 1:
+    def pump(self) -> None:
+        if self.order and self.pool is None:
+            self.pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="lorakit-fuse")
+        while self.next < len(self.order) and len(self.futures) < _WORKERS + 1:
             j = self.order[self.next]
             self.futures[j] = self.pool.submit(self._run, j)
             self.next += 1
 
     def result(self, k: int) -> Any:
         if k not in self.futures:  # not submitted yet (window full of later work)
-            self.pump(k)
+            self.pump()
         return self.futures.pop(k).result()
 
     def __enter__(self) -> "_Jobs":
@@ -491,35 +409,6 @@ class _Jobs:
             for f in self.futures.values():
                 f.cancel()
             self.pool.shutdown(wait=True)
-
-
-_WORKERS = max(1, min(4, os.cpu_count() or 1))
-
-
-def _write_sidecars(ck: Checkpoint, tmp: Path, weight_map: Dict[str, str], total_bytes: int,
-                    opts: FuseOptions, choices: Optional[Dict[str, Choice]] = None) -> None:
-    dtype_policy = opts.dtype
-    config = per_layer_config(json.loads(json.dumps(ck.config)), ck, choices)
-    if opts.dequantize:
-        config.pop("quantization", None)
-        config.pop("quantization_config", None)
-    if dtype_policy in ("bfloat16", "float16", "float32"):
-        config["torch_dtype"] = dtype_policy
-    for p in ck.extra_files():
-        if p.name in ("config.json", CARD_NAME):  # the card is written anew, as mlx-lm does
-            continue
-        shutil.copyfile(p, tmp / p.name)
-    with open(tmp / "config.json", "w") as f:
-        json.dump(config, f, indent=4)
-    if len(ck.shards) > 1 or (ck.path / INDEX_NAME).exists():
-        index = {"metadata": {"total_size": total_bytes},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        with open(tmp / INDEX_NAME, "w") as f:
-            json.dump(index, f, indent=4)
-
-
-# ---------------------------------------------------------------------------
-# What a fuse did: :class:`FuseResult`, a report with an HTML view and a text twin.
 
 
 @dataclass(repr=False)
@@ -577,9 +466,8 @@ class FuseResult(Report):
         return self.options.quant_policy
 
     def to_dict(self) -> Dict[str, Any]:
-        d: Dict[str, Any] = {"output": str(self.output), "base": str(self.base),
-                             "adapter": str(self.adapter), "rounding": self.rounding,
-                             "dtype_policy": self.dtype_policy}
+        d: Dict[str, Any] = {k: str(getattr(self, k)) for k in ("output", "base", "adapter")}
+        d.update(rounding=self.rounding, dtype_policy=self.dtype_policy)
         for k in ("tensors_fused", "tensors_total", "dtypes_written", "bytes_written",
                   "bytes_shared", "shards", "seconds", "dequantized"):
             d[k] = getattr(self, k)

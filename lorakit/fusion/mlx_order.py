@@ -39,11 +39,8 @@ def fuse_mlx(w, code_in: str, A: np.ndarray, B: np.ndarray, scale: float,
 def fuse_mlx_array(weight, A, B, scale: float, magnitude=None, *, rounding: str = "mlx-lm",
                    promote: bool = False):
     """mlx-lm's fuse arithmetic on MLX arrays, in its exact operation order.
-
-    ``promote=True`` skips the cast of the delta, as a fuse that forgets it does,
-    so the result is float32. DoRA follows ``DoRALinear.fuse``, whose result is
-    float32 whatever the weight's dtype (the caller casts it back).
-    """
+    ``promote=True`` skips the delta's cast (a float32 result); DoRA follows
+    ``DoRALinear.fuse``, float32 whatever the weight's dtype (the caller casts back)."""
     import mlx.core as mx  # lazy: MLX only when computing
 
     if rounding == "mlx-lm":

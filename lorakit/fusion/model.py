@@ -1,15 +1,9 @@
 """Fuse an adapter into an mlx-lm model already in memory (for notebooks).
 
-Two ways in, one core (:func:`lorakit.fusion.core.fuse_bindings`):
-
-* a model loaded with its adapter (``mlx_lm.load(path, adapter_path=...)``): its
-  LoRA / DoRA layers are read back into targets and replaced by plain layers;
-* a plain model plus an adapter (directory or :class:`~lorakit.io.adapters.load.Adapter`,
-  mlx-lm or PEFT format): the adapter's targets are bound to the model's
-  parameters by name, as for a checkpoint on disk.
-
-Quantized layers are dequantized, fused and re-quantized with the same bits,
-group size and mode (or left in float with ``dequantize=True``).
+A model loaded with its adapter has its LoRA / DoRA layers read back into targets; a
+plain model plus an adapter (mlx-lm or PEFT) is bound by parameter name, as on disk.
+Both go through :func:`lorakit.fusion.core.fuse_bindings`; quantized layers are
+dequantized, fused and re-quantized alike (or left in float with ``dequantize=True``).
 """
 from __future__ import annotations
 
@@ -25,7 +19,6 @@ from ..errors import AdapterError, ArgumentError, PathLike
 from ..io.adapters.base import MLX_WEIGHTS, PEFT_WEIGHTS, Adapter, LoraTarget
 from ..io.adapters.load import load_adapter
 from ..io.adapters.naming import bind, bind_replacements, bindings_by_tensor
-from ..io.formats.checkpoint import QuantParams
 from ..io.formats.safetensors import mx_to_raw, raw_to_mx
 from ..io.formats.source import ModelSource
 from .core import fuse_bindings, output_code
@@ -44,9 +37,9 @@ def _lora_targets(model: Any) -> Tuple[List[LoraTarget], List[Tuple[str, Any]]]:
         if cls not in ("LoRALinear", "DoRALinear", "LoRASwitchLinear", "LoRAEmbedding",
                        "DoRAEmbedding"):
             continue
-        a = np.array(m.lora_a.astype(_f32()))
-        b = np.array(m.lora_b.astype(_f32()))
-        mag = np.array(m.m.astype(_f32())) if "m" in m else None
+        a = np.array(m.lora_a.astype(mx.float32))
+        b = np.array(m.lora_b.astype(mx.float32))
+        mag = np.array(m.m.astype(mx.float32)) if "m" in m else None
         if cls == "LoRASwitchLinear":
             kind, A, B, inner = "switch", a, b, m.linear
         elif cls in ("LoRAEmbedding", "DoRAEmbedding"):
@@ -59,20 +52,11 @@ def _lora_targets(model: Any) -> Tuple[List[LoraTarget], List[Tuple[str, Any]]]:
     return targets, plain
 
 
-def _f32():
-
-    return mx.float32
-
-
 def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None,
                options: Optional[FuseOptions] = None) -> Any:
     """Fuse an adapter into an in-memory mlx-lm model, in place; returns the model.
-
-    Args:
-        model: an mlx-lm model, with LoRA layers attached (``adapter`` None) or plain.
-        adapter: adapter directory or :class:`Adapter` for a plain model.
-        options: rounding, dtype and ``dequantize`` (leave fused quantized layers in
-            float), as for :func:`lorakit.fuse` (default: correctly rounded, dtypes kept).
+    ``adapter``: None for a model with LoRA layers attached, else a directory or an
+    :class:`Adapter`; ``options`` as for :func:`lorakit.fuse`.
 
     >>> import mlx_lm
     >>> model, tok = mlx_lm.load("data/tiny-qwen3", adapter_path="data/adapters/lora")
@@ -110,9 +94,21 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None,
         fused, fcode = fuse_bindings(raw, code, bs, rounding,
                                      dtype if dequantize else "preserve", tensor)
         fw = raw_to_mx(fused, fcode)
-        plain_mod = _float_module(mod, fw)
+        cls = type(mod).__name__
+        if cls == "QuantizedEmbedding":
+            plain_mod = nn.Embedding(*fw.shape)
+        elif cls == "QuantizedSwitchLinear":
+            from mlx_lm.models.switch_layers import SwitchLinear  # lazy: mlx-lm is heavy
+
+            e, o, i = fw.shape
+            plain_mod = SwitchLinear(i, o, e, bias="bias" in mod)
+        else:
+            plain_mod = nn.Linear(fw.shape[1], fw.shape[0], bias="bias" in mod)
+        plain_mod.weight = fw
+        if "bias" in mod:
+            plain_mod.bias = mod.bias
         if not dequantize:
-            plain_mod = _requantize(plain_mod, q)
+            plain_mod = plain_mod.to_quantized(group_size=q.group_size, bits=q.bits, mode=q.mode)
         new_modules.append((module, plain_mod))
     for tensor, r in bind_replacements(ad, src).items():  # PEFT modules_to_save copies
         code = mx_to_raw(src.arrays[tensor])[1]
@@ -126,38 +122,11 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None,
     return model
 
 
-def _float_module(qmod: Any, weight: Any) -> Any:
-
-    cls = type(qmod).__name__
-    if cls == "QuantizedEmbedding":
-        m = nn.Embedding(*weight.shape)
-    elif cls == "QuantizedSwitchLinear":
-        from mlx_lm.models.switch_layers import SwitchLinear  # lazy: mlx-lm is heavy
-
-        e, o, i = weight.shape
-        m = SwitchLinear(i, o, e, bias="bias" in qmod)
-    else:
-        m = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in qmod)
-    m.weight = weight
-    if "bias" in qmod:
-        m.bias = qmod.bias
-    return m
-
-
-def _requantize(m: Any, q: QuantParams) -> Any:
-    return m.to_quantized(group_size=q.group_size, bits=q.bits, mode=q.mode)
-
-
 def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
-    """Attach an adapter to an mlx-lm model unfused, in place: every target becomes
-    mlx-lm's own LoRA/DoRA layer (``LoRALinear``, ``DoRALinear``, ``LoRAEmbedding``,
-    ``DoRAEmbedding``, ``LoRASwitchLinear``) with the target's own rank and scale, and
+    """Attach an adapter to an mlx-lm model unfused, in place (returned, in eval mode):
+    every target becomes mlx-lm's own LoRA/DoRA layer with its own rank and scale, and
     PEFT ``modules_to_save`` copies replace their tensors. This runs adapters that
-    ``mlx_lm.utils.load_adapters`` cannot load (PEFT's format, per-module ranks and
-    scales from ``rank_pattern`` / ``alpha_pattern`` / rsLoRA); for an mlx-lm adapter
-    it builds the same layers as ``load_adapters``.
-
-    Returns the model (in eval mode).
+    ``mlx_lm.utils.load_adapters`` cannot (PEFT's format, per-module ranks and scales).
 
     >>> import mlx_lm
     >>> model, tok = mlx_lm.load("data/tiny-qwen3")
@@ -166,11 +135,7 @@ def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
     'LoRALinear'
     """
     from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear  # lazy: mlx-lm is heavy
-    from mlx_lm.tuner.lora import (  # lazy: mlx-lm is heavy
-        LoRAEmbedding,
-        LoRALinear,
-        LoRASwitchLinear,
-    )
+    from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear  # lazy: mlx-lm
 
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
     src = ModelSource(model)

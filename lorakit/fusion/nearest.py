@@ -34,18 +34,11 @@ _U64 = np.uint64
 def _near_ties(x: np.ndarray, fmt_out,
                cancel: Optional[Tuple[np.ndarray, np.ndarray]] = None,
                error: Optional[Any] = None) -> np.ndarray:
-    """Flat indices of f64 values that may round the wrong way in ``fmt_out``.
-
-    Those within 2**-20 ulp of a rounding tie. And, given ``cancel`` = (per row,
-    per column) factors whose product is, per element, a magnitude that ``|x|`` must
-    exceed for the f64 error to stay under 2**-21 ulp (see :func:`_fuse_nearest`):
-    among the elements below it (their terms cancelled),
-    those whose distance to the nearest tie is within their own error bound
-    (``error(flat indices)``). Without cancellation the f64 sum is within ~2**-44
-    ulp, so everything else is already correct. Given ``error``, also the results
-    that round to zero whose |x| is within its error bound (the sign of the zero is
-    the exact value's; an exact zero is +0, as the f64 sum gives it).
-    """
+    """Flat indices of f64 values that may round the wrong way in ``fmt_out``: those
+    within 2**-20 ulp of a tie; given ``cancel`` (per-row and per-column factors of the
+    magnitude ``|x|`` must pass for an f64 error under 2**-21 ulp), the cancelled ones
+    below it whose distance to a tie is within ``error(flat indices)``; given ``error``,
+    also results rounding to zero within their error bound (the zero's sign)."""
     drop = 53 - fmt_out.precision  # f64 fraction bits below the output's last bit
     half = _U64(1 << (drop - 1))
     tol = _U64(1 << (drop - 20))
@@ -96,20 +89,12 @@ def _tie_distance(ax: np.ndarray, fmt_out) -> np.ndarray:
     return np.minimum(np.abs(r - 0.5 * ulp), r + 0.25 * ulp) * (1 - 2.0 ** -50)
 
 
-def _exact_fix(x64: np.ndarray, w_rows: np.ndarray, fmt_in, Bs: np.ndarray, A: np.ndarray,
-               scale: float, out_bits: np.ndarray, fmt_out,
-               cancel: Optional[Tuple[np.ndarray, np.ndarray]] = None, error: Optional[Any] = None) -> None:
-    """Redo, in exact rationals, the elements whose f64 sum lies within rounding noise
-    of a tie of the output format, or whose terms cancel (in place). Rare: a handful
-    per million, often none."""
-    _redo_exact(_near_ties(x64, fmt_out, cancel, error), w_rows, fmt_in, Bs, A, scale,
-                out_bits, fmt_out)
-
-
 def _redo_exact(idx: np.ndarray, w_rows: np.ndarray, fmt_in, Bs: np.ndarray, A: np.ndarray,
                 scale: float, out_bits: np.ndarray, fmt_out) -> None:
     """Round W + sum_k scale_k Bs[i,k] A[k,j] exactly (rationals) at the flat indices
-    ``idx`` of ``out_bits`` (in place); ``Bs`` is B itself, unscaled."""
+    ``idx`` of ``out_bits`` (in place; ``Bs`` is B itself, unscaled): the elements whose
+    f64 sum lies within rounding noise of a tie, or whose terms cancel (a handful per
+    million, often none)."""
     if idx.size == 0:
         return
     cols = out_bits.shape[1]
@@ -148,7 +133,7 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
     # S = sum_k |Bs[i,k]| |A[k,j]| <= (row L1 norm of Bs) * (column max of |A|).
     # As |W| <= |x| + (1 + g) S, e stays below 2**-21 ulp (K = 2**(21 + precision),
     # ulp >= |x| / 2**precision) wherever S * (2 + g) g K / (1 - g K) < |x|; the
-    # other elements are redone exactly (_exact_fix).
+    # other elements are redone exactly (_redo_exact).
     g, row_c, col_max = _cancel_bound(A64, Bs, fmt_out)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
@@ -170,6 +155,6 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
                 wa = np.abs(nm.to_float64(w[r0:r1][i, j], fmt_in))
                 return 2 * g * (wa + s)
 
-            _exact_fix(x, w[r0:r1], fmt_in, B64[r0:r1], A64, scale, out[r0:r1], fmt_out,
-                       cancel, error)
+            _redo_exact(_near_ties(x, fmt_out, cancel, error), w[r0:r1], fmt_in, B64[r0:r1],
+                        A64, scale, out[r0:r1], fmt_out)
     return out

@@ -1,9 +1,6 @@
 """A fuse's settings, validated once, with no numerical imports (the CLI builds its
-flags from these names before any array library loads).
-
-:class:`FuseOptions` is what :func:`lorakit.fuse` turns its keywords into and what every
-step of a fuse reads (the stream, the quantized path, the in-memory fuse, the result, the
-timing variants). A wrong value is refused here, before any file is opened.
+flags from these names before any array library loads): :class:`FuseOptions`, what
+:func:`lorakit.fuse` turns its keywords into and every step of a fuse reads.
 
 >>> ROUNDINGS[0], DTYPE_POLICIES[0]
 ('nearest', 'preserve')
@@ -108,18 +105,11 @@ def parse_method(policy: str) -> str:
 
 @dataclass(frozen=True)
 class FuseOptions:
-    """How a fuse rounds and stores: one value, checked once.
-
-    Attributes:
-        rounding: one of :data:`ROUNDINGS` (``nearest``: correctly rounded, the default).
-        dtype: one of :data:`DTYPE_POLICIES` (``preserve``: each weight's own dtype).
-        dequantize: a quantized base is written as float weights.
-        quant_policy: a quantized base's adapted modules: ``requant`` (as ``mlx_lm fuse``),
-            ``same-grid``, ``bits:N``, ``float``, ``auto``, ``learned``.
-        quant_budget: ``auto``'s byte cap, relative to the quantized base (default 1.15).
-        layout: one of :data:`LAYOUTS`: a MoE checkpoint's experts stacked as mlx-lm keeps
-            them (default) or one tensor per expert, as transformers reads them.
-    """
+    """How a fuse rounds and stores, checked once: ``rounding`` (:data:`ROUNDINGS`),
+    ``dtype`` (:data:`DTYPE_POLICIES`), ``dequantize`` (a quantized base written as
+    float), ``quant_policy`` (requant, same-grid, bits:N, float, auto, learned) with
+    ``auto``'s ``quant_budget`` (bytes relative to the base, default 1.15), ``layout``
+    (:data:`LAYOUTS`: MoE experts stacked as mlx-lm keeps them, or one per expert)."""
 
     rounding: str = "nearest"
     dtype: str = "preserve"

@@ -1,43 +1,12 @@
 """Quantized bases: dequantize -> fuse -> re-quantize with MLX's own kernels.
 
-mlx-lm stores a quantized weight as ``.weight`` (packed uint32), ``.scales`` and
-(affine mode) ``.biases``. lorakit dequantizes with ``mx.dequantize``, fuses in the
-scales' dtype, and re-quantizes with ``mx.quantize`` using the same bits, group size
-and mode, exactly as ``mlx_lm fuse`` does, then measures how much of the intended
-delta the new codes still carry: at 4 bits a small adapter can vanish entirely.
-
-Quantization policies for a fuse into a quantized base (``quant_policy=``).
-
-Per adapted module, one :class:`Choice`:
-
-- ``requant``: dequantize, fuse, re-quantize with ``mx.quantize`` (as ``mlx_lm fuse``);
-- ``same-grid``: keep each group's scale and bias, re-round only the codes
-  (``code' = clip(round(code + (W' - W) / scale))``: unchanged wherever the adapter
-  adds nothing);
-- ``bits:N``: re-quantize the fused weight at N bits (affine, the base's group size),
-  recorded as mlx-lm's per-layer ``config["quantization"][module]``;
-- ``float``: keep the fused weight in the scales' float dtype
-  (``config["quantization"][module] = false``);
-- ``learned`` (``learned:gptq``): fuse, then mlx-lm's GPTQ picks the codes at the
-  base's bits on calibration text (:mod:`lorakit.fusion.quant`; AWQ and DWQ are
-  refused with the reason there);
-- ``auto``: per module the cheapest choice that keeps the adapter, under a byte budget
-  (the rule in :func:`resolve_auto`).
-
-``--quant-policy learned``: re-quantize the fused weights with mlx-lm's own GPTQ.
-
-``learned`` (alias ``learned:gptq``): every adapted module is fused by lorakit in the
-dequantized base (:func:`lorakit.fusion.core.fuse_bindings`, correctly rounded), then
-quantized back at the base's bits and group size by ``mlx_lm.quant.gptq.gptq_quantize``
-(mlx-lm's code, not a rewrite): the quantized base is loaded with ``mlx_lm.load``, the
-adapted modules are swapped for float ``nn.Linear`` layers holding the fused weights,
-and GPTQ collects each one's input Hessian on calibration text (by default the embedded
-*training* text ``data/corpora/fortunes/train.jsonl``, so the validation text KL is
-scored on stays held out) and picks codes that minimise the layer's output error.
-Modules that are not adapted stay quantized as in the base (GPTQ skips them, their
-bytes are copied). The result has the base's layout, so ``mlx_lm.load`` reads it.
-
-``learned:awq`` and ``learned:dwq`` are refused with the reason (:data:`lorakit.fusion.options.REFUSED`).
+mlx-lm stores a quantized weight as ``.weight`` (packed uint32), ``.scales`` and (affine)
+``.biases``. Per adapted module a ``quant_policy`` picks one :class:`Choice`:
+``requant`` (``mx.quantize`` at the same bits and group size, as ``mlx_lm fuse``),
+``same-grid`` (the base's scales and biases, only the codes re-rounded), ``bits:N``,
+``float``, ``learned`` (mlx-lm's own GPTQ on the embedded training text) or ``auto``
+(:func:`resolve_auto`). The survival stats measure how much of the intended delta the
+new codes still carry: at 4 bits a small adapter can vanish entirely.
 """
 from __future__ import annotations
 
@@ -77,13 +46,6 @@ class RequantStat:
     policy: str = "requant"  # the quantization policy that wrote the module
 
 
-def _mx_parts(ck: Checkpoint, module: str):
-    w = ck.read_mx(f"{module}.weight")
-    s = ck.read_mx(f"{module}.scales")
-    b = ck.read_mx(f"{module}.biases") if f"{module}.biases" in ck.tensors else None
-    return w, s, b
-
-
 def dequantize_raw(ck: Checkpoint, module: str, out_code: Optional[str]) -> np.ndarray:
     """Dequantize ``module`` of ``ck`` to raw float storage (in the scales' dtype,
     or ``out_code``)."""
@@ -96,7 +58,8 @@ def dequantize_raw(ck: Checkpoint, module: str, out_code: Optional[str]) -> np.n
         raise FuseError("unsupported quantization mode", file=ck.path / "config.json",
                         tensor=f"{module}.weight", expected=" / ".join(SUPPORTED_MODES),
                         found=repr(q.mode))
-    w, s, b = _mx_parts(ck, module)
+    w, s = ck.read_mx(f"{module}.weight"), ck.read_mx(f"{module}.scales")
+    b = ck.read_mx(f"{module}.biases") if f"{module}.biases" in ck.tensors else None
     try:
         x = mx.dequantize(w, s, b, group_size=q.group_size, bits=q.bits, mode=q.mode)
         mx.eval(x)
@@ -131,13 +94,8 @@ def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
 def requant_survival(base_raw: np.ndarray, code: str, parts: Dict[str, np.ndarray],
                      fused_code: str, q: QuantParams, binds: List[Binding],
                      name: str, base_codes: Optional[np.ndarray] = None) -> RequantStat:
-    """Fraction of the intended delta that survives re-quantization.
-
-    ``survived = <W_q' - W_q, delta> / <delta, delta>``: the projection of the change
-    the re-quantized weight really makes onto the change the adapter asked for
-    (:func:`lorakit.fusion.delta.intended` minus the base: DoRA's rescaling included).
-    1.0 means all of it, 0.0 means the fused model is the base.
-    """
+    """Fraction of the intended delta that survives re-quantization: ``<W_q' - W_q,
+    delta> / <delta, delta>`` (DoRA's rescaling included; 1.0 all of it, 0.0 none)."""
     import mlx.core as mx  # lazy: mlx is heavy and optional at import
 
     w = mx.array(parts["weight"])
@@ -179,8 +137,7 @@ def survival_of(old: np.ndarray, new: np.ndarray, binds: List[Binding], name: st
 
 
 def survival_overall(stats: List[RequantStat]) -> Dict[str, float]:
-    """Survival over all re-quantized tensors: ``codes_changed`` (changed codes over all
-    codes compared) and ``survived`` (``sum <real, delta> / sum <delta, delta>``: the
+    """Survival over all re-quantized tensors: ``codes_changed`` and ``survived`` (the
     projection over the whole model, each tensor weighted by its delta's squared norm).
 
     >>> survival_overall([RequantStat("a", 1.0, 0.5, 10, 3.0), RequantStat("b", 0.0, 1.0, 30, 1.0)])
@@ -208,9 +165,6 @@ def survival_text(stats: List[RequantStat], indent: str = "") -> List[str]:
     return [f"{indent}{a:<{w0}}  {b:>{w1}}  {c:>14}" for a, b, c in per]
 
 
-# ---------------------------------------------------------------------------
-# Quantization policies for a fuse into a quantized base (``quant_policy=``).
-
 
 KEEP = 0.9  # auto: a module "keeps the adapter" when >= 90% of its intended delta survives
 AUTO_LADDER = ("bits:5", "bits:6", "bits:8", "float")  # auto's upgrades, cheapest first
@@ -228,19 +182,6 @@ def _float32(raw: np.ndarray, code: str) -> np.ndarray:
     return nm.to_float32(raw, nm.float_format(code))
 
 
-def _from_float32(x: np.ndarray, code: str) -> np.ndarray:
-    """float32 values -> raw storage of ``code`` (round to nearest, through MLX)."""
-    import mlx.core as mx  # lazy: MLX only when computing
-
-    return mx_to_raw(mx.array(x.astype(np.float32)).astype(mx_dtype(code)))[0]
-
-
-def _check_affine(ck: Checkpoint, module: str, q: QuantParams, what: str) -> None:
-    if q.mode != "affine":
-        raise FuseError(f"quant policy {what} needs affine quantization", file=ck.path,
-                        tensor=f"{module}.weight", expected="mode affine", found=q.mode)
-
-
 def module_parts(ck: Checkpoint, module: str, binds: List[Binding], rounding: str,
                  dtype_policy: str, choice: Choice) -> Tuple[Dict[str, np.ndarray], RequantStat]:
     """The tensors (weight[, scales, biases]) one adapted quantized module is written as."""
@@ -251,6 +192,9 @@ def module_parts(ck: Checkpoint, module: str, binds: List[Binding], rounding: st
     base = dequantize_raw(ck, module, None)
     fused, fcode = fuse_bindings(base, code, binds, rounding, dtype_policy, name)
     base_codes = ck.read(name)
+    if choice.kind in ("bits", "same-grid") and q.mode != "affine":
+        raise FuseError(f"quant policy {choice.label} needs affine quantization", file=ck.path,
+                        tensor=name, expected="mode affine", found=q.mode)
     if choice.kind == "requant":
         parts = quantize_raw(fused, fcode, q)
         stat = requant_survival(base, code, parts, fcode, q, binds, name, base_codes)
@@ -258,41 +202,34 @@ def module_parts(ck: Checkpoint, module: str, binds: List[Binding], rounding: st
         parts = {"weight": fused}
         stat = survival_of(_float32(base, code), _float32(fused, fcode), binds, name)
     elif choice.kind == "bits":
-        _check_affine(ck, module, q, choice.label)
         qn = QuantParams(q.group_size, choice.bits, q.mode)
         parts = quantize_raw(fused, fcode, qn)
         stat = requant_survival(base, code, parts, fcode, qn, binds, name)
     elif choice.kind == "learned":
         parts = choice.parts
         stat = requant_survival(base, code, parts, fcode, q, binds, name, base_codes)
-    elif choice.kind == "same-grid":
-        _check_affine(ck, module, q, choice.label)
-        parts, stat = _same_grid(ck, module, q, base, code, fused, fcode, binds, base_codes)
+    elif choice.kind == "same-grid":  # the base's scales and biases, the codes re-rounded
+        import mlx.core as mx  # lazy: MLX only when computing
+
+        s = ck.read(f"{module}.scales")
+        old = _float32(base, code).astype(np.float64)
+        step = np.repeat(_float32(s, code).astype(np.float64), q.group_size, axis=-1)
+        change = _float32(fused, fcode).astype(np.float64) - old
+        codes = unpack_codes(base_codes, q.bits).reshape(old.shape).astype(np.int64)
+        new = np.clip(np.rint(codes + change / step), 0, (1 << q.bits) - 1)
+        new = np.where(change == 0, codes, new)  # nothing asked, nothing moves
+        packed = pack_codes(new.reshape(-1, old.shape[-1]), q.bits).reshape(base_codes.shape)
+        parts = {"weight": packed, "scales": s}
+        if f"{module}.biases" in ck.tensors:
+            parts["biases"] = ck.read(f"{module}.biases")
+        if fcode != code:  # an explicit dtype policy casts scales and biases too (nearest)
+            parts.update({k: mx_to_raw(mx.array(_float32(v, code)).astype(mx_dtype(fcode)))[0]
+                          for k, v in parts.items() if k != "weight"})
+        stat = requant_survival(base, code, parts, fcode, q, binds, name, base_codes)
     else:
         raise FuseError("quant policy is not a per-module choice", tensor=name,
                         found=choice.label)
     stat.policy = choice.label
-    return parts, stat
-
-
-def _same_grid(ck: Checkpoint, module: str, q: QuantParams, base: np.ndarray, code: str,
-               fused: np.ndarray, fcode: str, binds: List[Binding], base_codes: np.ndarray):
-    s = ck.read(f"{module}.scales")
-    sf = _float32(s, code).astype(np.float64)
-    old = _float32(base, code).astype(np.float64)
-    step = np.repeat(sf, q.group_size, axis=-1)
-    change = _float32(fused, fcode).astype(np.float64) - old
-    codes = unpack_codes(base_codes, q.bits).reshape(old.shape).astype(np.int64)
-    new = np.clip(np.rint(codes + change / step), 0, (1 << q.bits) - 1)
-    new = np.where(change == 0, codes, new)  # nothing asked, nothing moves
-    packed = pack_codes(new.reshape(-1, old.shape[-1]), q.bits).reshape(base_codes.shape)
-    parts = {"weight": packed, "scales": s}
-    if f"{module}.biases" in ck.tensors:
-        parts["biases"] = ck.read(f"{module}.biases")
-    if fcode != code:  # an explicit dtype policy casts scales and biases too
-        parts.update({k: _from_float32(_float32(v, code), fcode)
-                      for k, v in parts.items() if k != "weight"})
-    stat = requant_survival(base, code, parts, fcode, q, binds, f"{module}.weight", base_codes)
     return parts, stat
 
 
@@ -309,15 +246,6 @@ def module_bytes(ck: Checkpoint, module: str, choice: Choice) -> int:
     bits = choice.bits if choice.kind == "bits" else q.bits
     nparts = 2 if f"{module}.biases" in ck.tensors else 1
     return rows * n_in * bits // 8 + nparts * rows * (n_in // q.group_size) * fbytes
-
-
-def config_entry(choice: Choice, q: QuantParams):
-    """mlx-lm's per-layer quantization entry for ``choice`` (None: the top level holds)."""
-    if choice.kind == "float":
-        return False
-    if choice.kind == "bits" and choice.bits != q.bits:
-        return {"group_size": q.group_size, "bits": choice.bits, "mode": q.mode}
-    return None
 
 
 def resolve(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], opts: FuseOptions,
@@ -345,12 +273,10 @@ def resolve(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], opts: FuseOptio
 
 def resolve_auto(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], mods: List[str],
                  rounding: str, dtype_policy: str, budget: float) -> Dict[str, Choice]:
-    """The auto rule. Each module starts at the base's bits, as whichever of
-    ``same-grid`` / ``requant`` keeps more of its delta (same bytes). Modules that keep
-    less than :data:`KEEP` are upgraded, worst survival first, to the cheapest step of
-    :data:`AUTO_LADDER` that reaches KEEP (else the best step), while the checkpoint's
-    total bytes stay within ``budget`` x the quantized base's; a module that does not
-    fit keeps its base-bits choice."""
+    """The auto rule: each module starts as the better of ``same-grid`` / ``requant``;
+    those keeping less than :data:`KEEP` go, worst first, to the cheapest step of
+    :data:`AUTO_LADDER` reaching KEEP (else the best), while the total bytes stay within
+    ``budget`` x the quantized base's."""
     limit = budget * ck.nbytes
     total = float(ck.nbytes)
     out: Dict[str, Choice] = {}
@@ -420,7 +346,10 @@ def policy_summary(policy: str, stats: List[RequantStat]) -> List[Tuple[str, str
 def per_layer_config(config: dict, ck: Checkpoint, choices: Optional[Dict[str, Choice]]) -> dict:
     """Record each choice in mlx-lm's per-layer ``quantization`` (and its HF twin)."""
     for m, ch in (choices or {}).items():
-        entry = config_entry(ch, ck.quant_params(m))
+        q = ck.quant_params(m)  # float: False; new bits: their entry; else the top level holds
+        entry = False if ch.kind == "float" else None
+        if ch.kind == "bits" and ch.bits != q.bits:
+            entry = {"group_size": q.group_size, "bits": ch.bits, "mode": q.mode}
         for key in ("quantization", "quantization_config"):
             if entry is not None and isinstance(config.get(key), dict):
                 config[key][m] = entry
@@ -449,9 +378,6 @@ def check_float_base(quantized: Any, float_base: Any) -> Any:
     return f.path
 
 
-# ---------------------------------------------------------------------------
-# ``--quant-policy learned``: re-quantize the fused weights with mlx-lm's own GPTQ.
-
 
 SEQUENCE_LENGTH = 256
 SAMPLES = 16
@@ -476,10 +402,8 @@ def learned_parts(ck: Checkpoint, by_tensor: Dict[str, List[Binding]], mods: Lis
                   rounding: str, dtype_policy: str, policy: str = "learned",
                   corpus: Optional[Path] = None, progress: Any = True
                   ) -> Dict[str, Dict[str, np.ndarray]]:
-    """Module -> raw ``weight`` / ``scales`` / ``biases`` chosen by mlx-lm's GPTQ for
-    the fused weight of every adapted module in ``mods`` (the base's bits/group size).
-    ``progress=True`` shows mlx-lm's own tqdm bars (Hessians, quantizing); otherwise
-    they are silenced."""
+    """Module -> raw ``weight`` / ``scales`` / ``biases`` mlx-lm's GPTQ picks for each fused
+    module of ``mods`` at the base's bits (mlx-lm's bars only with ``progress=True``)."""
     import mlx.core as mx  # lazy: MLX only when computing
     import mlx.nn as nn  # lazy: MLX only when computing
     from mlx.utils import tree_unflatten  # lazy: MLX only when computing

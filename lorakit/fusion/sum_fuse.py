@@ -1,16 +1,10 @@
 """The fuse of an exact combination with DoRA adapters among its parts
 (:class:`lorakit.fusion.delta.SumTarget`): ``W + sum_i w_i (T_i(W) - W)`` in float64
-(:func:`lorakit.fusion.delta.intended`, whose DoRA math is the one every fuse uses),
-rounded once to the output format, ties to even.
+(:func:`lorakit.fusion.delta.intended`), rounded once to the output format, ties to even.
 
-A DoRA part rescales the rows of ``W + s B A`` by ``m / ||W + s B A||_row``, so the sum
-is not low rank and has no cheap exact-rational fallback like
-:func:`lorakit.fusion.nearest._exact_fix` (the row norm is a square root): the float64
-value is rounded once, within 0.5 ulp of it. Its own float64 error is a few f64 ulps
-of the terms, far below the output's ulp unless large weights cancel
-(``tests/algebra/test_combine_dora.py``: DoRA 0.6 + LoRA -0.4 on tiny-qwen3, every element
-within 0.5 ulp of an independent float64 computation).
-Only ``rounding='nearest'`` applies: the other orders are one adapter's runtime.
+A DoRA part's row norm is a square root, so there is no exact-rational fallback as in
+:mod:`lorakit.fusion.nearest`: the float64 value is rounded once, within 0.5 ulp of it
+(``tests/algebra/test_combine_dora.py``). Only ``rounding='nearest'`` applies.
 """
 from __future__ import annotations
 

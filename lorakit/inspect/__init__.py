@@ -1,16 +1,8 @@
 """Inspection: report objects that read checkpoints, adapters and models.
 
-The top-level verbs ``lorakit.check``, ``lorakit.diff``, ``lorakit.compare_outputs`` and
-``lorakit.extract`` live here (``check.py``, ``diff.py``, ``behaviour.py``,
-``extraction.py``: the algebra's extract with its behaviour line), and so do these:
-
-``dtype_map``            per-layer dtypes and bytes, from headers only
-``delta_norms``          norms, spectra and ranks of an adapter's deltas
-``compare_adapters``     two adapters of one base, module by module
-``compare_generations``  greedy text of several models side by side
-``ulp_vs_reference``     a fused checkpoint against the exact fuse, in ulps
-``scale_sweep``          the adapter at several scales against base and adapter (lab.py)
-``layer_effects``        the behaviour each layer / kind / module of an adapter carries
+The verbs ``lorakit.check``, ``diff``, ``compare_outputs`` and ``extract`` live here, and
+the helpers below (dtypes, delta norms, adapter against adapter, generations, ulps),
+and the adapter lab (``lab.py``: ``scale_sweep``, ``layer_effects``).
 """
 from __future__ import annotations
 

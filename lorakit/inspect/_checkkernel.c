@@ -1,31 +1,10 @@
 /*
  * The merge check's measure of a plain LoRA block in one pass: lorakit.inspect._checkkernel,
- * an optional accelerator for lorakit.inspect.check; its numpy twin, check._lora_numpy,
- * gives the same numbers (tests/inspect/test_check_kernel.py).
- *
- * check_lora(w, fin, f, fout, fwork, cols, bs, a, c32, carry)
- *     -> (special, dist, max_ulp, beyond, changed, rd, rr, dd, qd, uu)
- *
- *   w      C-contiguous base values, rows x cols of fin (0 bf16, 1 f16, 2 f32 bits,
- *          3 float64 values: a dequantized base).
- *   f      the fused weight's storage bits, rows x cols of fout (0, 1, 2).
- *   fwork  the working format (the base weight's dtype: 0, 1, 2).
- *   bs     float64 rows x r (B times the scale), a float64 r x cols.
- *   c32    (r + 2) 2**-24, the f32 dot product's relative error.
- *   carry  (rd, rr, dd, qd, uu): the running sums, continued here row by row.
- *
- * Per element, exactly the operations of check._lora_numpy (its numpy twin, the same
- * bits: no FMA, -ffp-contract=off, each sum in one fixed order): D = sum_k bs[i,k]
- * a[k,j] and S = sum_k |bs[i,k] a[k,j]| from -0.0 in k order, X = W + D, the rounding
- * bound e of check.float_bound, err = |F - X|; dist = max err / e, max_ulp =
- * max err / ulp_out(X), beyond = #(err / e > 1), changed = #(F != W); and the sums of
- * (F - W)(X - W), (F - W)^2, (X - W)^2, (round_out(X) - W)(X - W) and ulp_out(W)^2,
- * each sequential along a row from -0.0, the rows then added to the carry in order.
- * special is 1 (nothing else meaningful) when a value is inf or NaN or X rounds to
- * inf: the caller measures such a block on the numpy path.
- *
- * Tiles of TILE columns across all rows (A's tile stays in cache), each row's sums
- * carried from tile to tile so that the order along the row is kept.
+ * an optional accelerator for check.py whose numpy twin, check._lora_numpy, gives the
+ * same numbers (tests/inspect/test_check_kernel.py): per element exactly its operations
+ * (no FMA, -ffp-contract=off, every sum in one fixed order). special is 1 when a value is
+ * inf or NaN or X rounds to inf: the caller then measures the block on the numpy path.
+ * Tiles of TILE columns across all rows, each row's sums carried from tile to tile.
  */
 #include "_kernel.h"
 
@@ -44,20 +23,21 @@ static void ulpc_init(UlpC *u, int code) {
     u->msh = (uint64_t)(P[code] - 1) << 52;
 }
 
-static ALWAYS_INLINE double ulp_c(double x, uint64_t lo, uint64_t hi, uint64_t msh) {
-    /* signed compares (the fields are below 2**63): AVX2 has them, not unsigned ones */
+/* the bits of ulp(x): signed compares (the fields are below 2**63), as AVX2 has them */
+static ALWAYS_INLINE uint64_t ulp_bits(double x, uint64_t lo, uint64_t hi, uint64_t msh) {
     int64_t e = (int64_t)(d_bits(x) & 0x7FF0000000000000ull);
     e = e < (int64_t)lo ? (int64_t)lo : e;
     e = e > (int64_t)hi ? (int64_t)hi : e;
-    return bits_d((uint64_t)e - msh);
+    return (uint64_t)e - msh;
+}
+
+static ALWAYS_INLINE double ulp_c(double x, uint64_t lo, uint64_t hi, uint64_t msh) {
+    return bits_d(ulp_bits(x, lo, hi, msh));
 }
 
 /* 1 / ulp_c(x): the power of two with the negated exponent (2046 - E for 2**(E - 1023)) */
 static ALWAYS_INLINE double inv_ulp(double x, uint64_t lo, uint64_t hi, uint64_t msh) {
-    int64_t e = (int64_t)(d_bits(x) & 0x7FF0000000000000ull);
-    e = e < (int64_t)lo ? (int64_t)lo : e;
-    e = e > (int64_t)hi ? (int64_t)hi : e;
-    return bits_d((2046ull << 52) - ((uint64_t)e - msh));
+    return bits_d((2046ull << 52) - ulp_bits(x, lo, hi, msh));
 }
 
 static ALWAYS_INLINE double load_any(const void *w, size_t i, const int fmt) {
@@ -101,7 +81,7 @@ static ALWAYS_INLINE void check_run(MJob *jb, const int fin, const int fout, con
     const size_t cols = jb->cols, rank = jb->rank;
     const double c32 = jb->c32, u32 = ldexp(1.0, -24);
     double d[TILE], sa[TILE];
-    double p0[TILE], p1[TILE], p2[TILE], p3[TILE], p4[TILE];
+    double prod[NSUM][TILE]; /* the five products summed along each row */
     int64_t dmax = 0, umaxb = 0; /* the bits of +0.0 */
     int64_t beyond = 0, changed = 0;
     for (size_t j0 = 0; j0 < cols; j0 += TILE) {
@@ -177,11 +157,11 @@ static ALWAYS_INLINE void check_run(MJob *jb, const int fin, const int fout, con
                        (uint64_t)((xa & EXP) == EXP);
                 double Q = from_bits(o, fout) - W;
                 double u = ulp_c(W, olo, ohi, oms);
-                p0[t] = R * Dm;
-                p1[t] = R * R;
-                p2[t] = Dm * Dm;
-                p3[t] = Q * Dm;
-                p4[t] = u * u;
+                prod[0][t] = R * Dm;
+                prod[1][t] = R * R;
+                prod[2][t] = Dm * Dm;
+                prod[3][t] = Q * Dm;
+                prod[4][t] = u * u;
             }
             if (any) { /* the scalar rules: non-finite values, results out of the normal range */
                 for (size_t t = 0; t < m; t++) {
@@ -200,7 +180,7 @@ static ALWAYS_INLINE void check_run(MJob *jb, const int fin, const int fout, con
                             jb->special = 1;
                             return;
                         }
-                        p3[t] = (q - W) * (X - W);
+                        prod[3][t] = (q - W) * (X - W);
                     }
                 }
             }
@@ -213,21 +193,10 @@ static ALWAYS_INLINE void check_run(MJob *jb, const int fin, const int fout, con
             memcpy(acc, rs, sizeof acc);
             size_t t = 0;
             for (; t + LANES <= m; t += LANES)
-                for (int q = 0; q < LANES; q++) {
-                    acc[0][q] += p0[t + q];
-                    acc[1][q] += p1[t + q];
-                    acc[2][q] += p2[t + q];
-                    acc[3][q] += p3[t + q];
-                    acc[4][q] += p4[t + q];
-                }
-            for (; t < m; t++) {
-                int q = (int)(t % LANES);
-                acc[0][q] += p0[t];
-                acc[1][q] += p1[t];
-                acc[2][q] += p2[t];
-                acc[3][q] += p3[t];
-                acc[4][q] += p4[t];
-            }
+                for (int q = 0; q < LANES; q++)
+                    for (int c = 0; c < NSUM; c++) acc[c][q] += prod[c][t + q];
+            for (; t < m; t++)
+                for (int c = 0; c < NSUM; c++) acc[c][t % LANES] += prod[c][t];
             memcpy(rs, acc, sizeof acc);
         }
     }
@@ -285,19 +254,9 @@ static PyObject *check_lora(PyObject *Py_UNUSED(self), PyObject *args) {
         goto done;
     }
     for (size_t i = 0; i < rows * NSUM * LANES; i++) rowsum[i] = -0.0;
-    MJob jb;
-    memset(&jb, 0, sizeof jb);
-    jb.w = w.buf;
-    jb.f = f.buf;
-    jb.bs = (const double *)bs.buf;
-    jb.a = (const double *)a.buf;
-    jb.c32 = c32;
-    jb.rows = rows;
-    jb.cols = (size_t)cols;
-    jb.rank = rank;
-    jb.fwork = fwork;
-    jb.fout = fout;
-    jb.rowsum = rowsum;
+    MJob jb = {.w = w.buf, .f = f.buf, .bs = (const double *)bs.buf, .a = (const double *)a.buf,
+               .c32 = c32, .rows = rows, .cols = (size_t)cols, .rank = rank, .fwork = fwork,
+               .fout = fout, .rowsum = rowsum};
     Py_BEGIN_ALLOW_THREADS
     CRUNS[fin][fout](&jb);
     if (!jb.special) /* each row's lanes in order, then the rows in order */

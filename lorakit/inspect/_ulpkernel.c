@@ -1,31 +1,11 @@
 /*
- * Ulp histograms of two float tensors in one pass: lorakit.inspect._ulpkernel.
- *
- * An optional accelerator for lorakit.inspect.ulp (pure numpy there, used when this
- * module is not built). Both compute the same numbers, bit for bit; the tests run
- * both on the same inputs (tests/inspect/test_ulp_count.py).
- *
- * accumulate(a, b, fmt, hist) -> (differing, nan_mismatch, max_ulp, ulp_sum, max_abs)
- *
- *   a, b   buffers of the same length holding the storage bits of a piece of two
- *          tensors: uint16 for fmt 0 (bfloat16) and 1 (float16), uint32 for 2
- *          (float32).
- *   hist   writable int64 buffer of max_bin + 2 counters: distances 0..max_bin,
- *          then one for every larger distance. Counts are added to it.
- *
- * Distances follow lorakit.numerics.ulp_distance: values sit on one integer line
- * (+0 and -0 at 0, negative values at -magnitude, inf one past the largest finite
- * value); NaN against NaN is 0, NaN against anything else is a "NaN mismatch"
- * (counted apart, left out of the histogram, max and sum). ``differing`` counts
- * elements whose bits differ. ``max_abs`` is the largest |a - b| computed in
- * float32, NaN results left out (as numpy's fmax/fmin reductions do).
- *
- * The loop runs in blocks of 256 elements: a block whose bytes are equal costs a
- * memcmp; otherwise one branch-free pass computes distances, sums, maxima (the
- * compiler vectorises it; float32 likewise, with 64-bit positions) and a second pass
- * counts them into four interleaved histograms (so that runs of one distance do not
- * wait on one counter). A block holding an inf or NaN is redone element by element
- * with the NaN rules.
+ * Ulp histograms of two float tensors in one pass: lorakit.inspect._ulpkernel, the
+ * optional accelerator of lorakit/inspect/ulp_count.py (its numpy path gives the same
+ * numbers, bit for bit: tests/inspect/test_ulp_count.py). Distances follow
+ * numerics.ulp_distance; NaN against a number is a "NaN mismatch", counted apart.
+ * Blocks of 256 elements: an equal block costs a memcmp, otherwise one branch-free
+ * pass the compiler vectorises; a block holding an inf or NaN is redone element by
+ * element with the exact rules.
  */
 #include "_kernel.h"
 
@@ -157,17 +137,13 @@ static ALWAYS_INLINE void run16(const uint16_t *a, const uint16_t *b, size_t n, 
     }
 }
 
-MULTIVERSION
-static void run_bf16(const uint16_t *a, const uint16_t *b, size_t n, uint32_t cap, uint32_t *h4,
-                     size_t stride, Stats *st) {
-    run16(a, b, n, 0, cap, h4, stride, st);
-}
-
-MULTIVERSION
-static void run_f16(const uint16_t *a, const uint16_t *b, size_t n, uint32_t cap, uint32_t *h4,
-                    size_t stride, Stats *st) {
-    run16(a, b, n, 1, cap, h4, stride, st);
-}
+#define RUN16(NAME, FMT)                                                                 \
+    MULTIVERSION static void NAME(const uint16_t *a, const uint16_t *b, size_t n, uint32_t cap, \
+                                  uint32_t *h4, size_t stride, Stats *st) {                  \
+        run16(a, b, n, FMT, cap, h4, stride, st);                                            \
+    }
+RUN16(run_bf16, 0)
+RUN16(run_f16, 1)
 
 /* float32, one block, branch-free (as PASS16, with 64-bit positions: distances reach
    2 * 0x7F800000). Returns non-zero when the block holds an inf or NaN. */
@@ -251,19 +227,9 @@ static void run32(const uint32_t *a, const uint32_t *b, size_t n, uint32_t cap, 
 }
 
 /* ---- scale statistics (lorakit.inspect.ulp_count.ScaleStats: the same numbers) ----
- *
- * sumsq(a, fmt) -> sum of a*a over the piece (float64 over blocks; float32 lanes within
- *     a block of 256, exact squares for the 16-bit formats).
- * scale(a, b, fmt, near_bits, typ_bits)
- *     -> (sumsq_d, sign_changes, to_zero, near_zero, max_ulp_typical)
- *     over the elements whose bits differ, NaN on either side left out: sum of
- *     (a - b)**2 (inf left out too), opposite signs with both non-zero, zero on one
- *     side only, min(|a|, |b|) below near_bits (magnitude bits), and the largest ulp
- *     distance where min(|a|, |b|) >= typ_bits. The thresholds come from the tensor's
- *     rms, known before its first differing piece is compared (ulp_count.TensorScale).
- * Each block of 256 elements: a memcmp, a check for inf / NaN, then one branch-free
- * pass in sixteen lanes that the compiler vectorises (no scatter); a block holding an
- * inf or NaN goes element by element. */
+ * Over the elements whose bits differ, NaN left out: sum of (a - b)**2, sign changes,
+ * zero on one side only, min(|a|, |b|) below near_bits, and the largest ulp distance
+ * where min(|a|, |b|) >= typ_bits (magnitude bits, from the tensor's rms). */
 typedef struct {
     double d2;
     int64_t sc, tz, near, typ;
@@ -395,32 +361,15 @@ static ALWAYS_INLINE void scale_run(const void *a, const void *b, size_t n, cons
     }
 }
 
-MULTIVERSION
-static void scale_bf16(const void *a, const void *b, size_t n, uint32_t nb, uint32_t tb,
-                       Scale *sc) {
-    scale_run(a, b, n, 0, nb, tb, sc);
-}
-
-MULTIVERSION
-static void scale_f16(const void *a, const void *b, size_t n, uint32_t nb, uint32_t tb,
-                      Scale *sc) {
-    scale_run(a, b, n, 1, nb, tb, sc);
-}
-
-MULTIVERSION
-static void scale_f32(const void *a, const void *b, size_t n, uint32_t nb, uint32_t tb,
-                      Scale *sc) {
-    scale_run(a, b, n, 2, nb, tb, sc);
-}
-
-MULTIVERSION
-static double sumsq_bf16(const void *a, size_t n) { return sumsq_run(a, n, 0); }
-
-MULTIVERSION
-static double sumsq_f16(const void *a, size_t n) { return sumsq_run(a, n, 1); }
-
-MULTIVERSION
-static double sumsq_f32(const void *a, size_t n) { return sumsq_run(a, n, 2); }
+#define SCALE_FNS(NAME, FMT)                                                            \
+    MULTIVERSION static void scale_##NAME(const void *a, const void *b, size_t n, uint32_t nb, \
+                                          uint32_t tb, Scale *sc) {                         \
+        scale_run(a, b, n, FMT, nb, tb, sc);                                                \
+    }                                                                                       \
+    MULTIVERSION static double sumsq_##NAME(const void *a, size_t n) { return sumsq_run(a, n, FMT); }
+SCALE_FNS(bf16, 0)
+SCALE_FNS(f16, 1)
+SCALE_FNS(f32, 2)
 
 static PyObject *sumsq(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer ba;
@@ -469,13 +418,10 @@ static PyObject *scale(PyObject *Py_UNUSED(self), PyObject *args) {
     size_t n = (size_t)ba.len / item;
     uint32_t n32 = nb > UINT32_MAX ? UINT32_MAX : (uint32_t)nb;
     uint32_t t32 = tb > UINT32_MAX ? UINT32_MAX : (uint32_t)tb;
+    static void (*const SCALES[3])(const void *, const void *, size_t, uint32_t, uint32_t,
+                                   Scale *) = {scale_bf16, scale_f16, scale_f32};
     Py_BEGIN_ALLOW_THREADS
-    if (fmt == 0)
-        scale_bf16(ba.buf, bb.buf, n, n32, t32, &st);
-    else if (fmt == 1)
-        scale_f16(ba.buf, bb.buf, n, n32, t32, &st);
-    else
-        scale_f32(ba.buf, bb.buf, n, n32, t32, &st);
+    SCALES[fmt](ba.buf, bb.buf, n, n32, t32, &st);
     Py_END_ALLOW_THREADS
     res = Py_BuildValue("dLLLL", st.d2, (long long)st.sc, (long long)st.tz,
                         (long long)st.near, (long long)st.typ);

@@ -1,21 +1,8 @@
 """Adapter against adapter: do two fine-tunes change the same weights the same way?
 
-For each module both adapters touch (experts one by one), from the factors only:
-
-* the delta norms side by side (and relative to the base weight, given a base);
-* the cosine similarity of the deltas, ``<dW1, dW2>_F / (|dW1| |dW2|)``, where
-  ``<dW1, dW2>_F = s1 s2 trace((B1^T B2)(A2 A1^T))`` costs an r1 x r2 product;
-* the principal angles between their column spaces (what the deltas write) and
-  row spaces (what they read): the singular values of ``U1^T U2`` are the cosines
-  of the angles, with U the left (or right) singular vectors of each delta kept to
-  its numerical rank.
-
-Two trainings of one recipe with different seeds typically show small cosines but
-a few small principal angles: they share directions, not matrices.
-
->>> c = compare_adapters("data/adapters/lora", "data/adapters/dora", "data/tiny-qwen3")
->>> c.summary["modules in both"], round(c.summary["overall cosine"], 2)
-(28, 0.72)
+Per module both adapters touch, from the factors only: the delta norms, the cosine of
+the deltas (``s1 s2 trace((B1^T B2)(A2 A1^T))``: an r1 x r2 product) and the principal
+angles between their column and row spaces.
 """
 from __future__ import annotations
 
@@ -34,26 +21,15 @@ from ..io.formats import source
 from ..layers import split_name
 from ..report import Report
 from . import plots
-from .deltas import (
-    _weight_norm,
-    layer_kind_grid,
-    numerical_rank,
-    weight_slots,
-)
+from .deltas import _weight_norm, layer_kind_grid, numerical_rank, weight_slots
 
 __all__ = ["AdapterComparison", "compare_adapters"]
 
+_NUMBERS = "fro_a fro_b cosine col_angle col_overlap row_angle row_overlap".split()
+
 def delta_inner(A1: np.ndarray, B1: np.ndarray, s1: float, A2: np.ndarray, B2: np.ndarray,
                 s2: float) -> float:
-    """Frobenius inner product <s1 B1 A1, s2 B2 A2> without forming either product.
-
-    >>> rng = np.random.default_rng(1)
-    >>> A1, B1 = rng.normal(size=(3, 9)), rng.normal(size=(7, 3))
-    >>> A2, B2 = rng.normal(size=(2, 9)), rng.normal(size=(7, 2))
-    >>> bool(np.isclose(delta_inner(A1, B1, 2.0, A2, B2, 0.5),
-    ...                 np.sum((2.0 * B1 @ A1) * (0.5 * B2 @ A2))))
-    True
-    """
+    """Frobenius inner product <s1 B1 A1, s2 B2 A2> without forming either product."""
     B1, B2 = np.asarray(B1, np.float64), np.asarray(B2, np.float64)
     A1, A2 = np.asarray(A1, np.float64), np.asarray(A2, np.float64)
     return float(s1 * s2 * np.trace((B1.T @ B2) @ (A2 @ A1.T)))
@@ -69,10 +45,7 @@ def principal_angles(U1: np.ndarray, U2: np.ndarray) -> np.ndarray:
 
 @dataclass(repr=False)
 class AdapterComparison(Report):
-    """Rows: module, expert, status, fro_a, fro_b (rel_a, rel_b with a base), cosine,
-    col_angle (smallest principal angle between column spaces, degrees), col_overlap
-    (mean cos^2 of the column angles: 1 = same subspace, 0 = orthogonal), row_angle,
-    row_overlap. ``col_angles[i]`` / ``row_angles[i]``: all angles of row i."""
+    """A row per module; ``col_angles[i]`` / ``row_angles[i]``: row i's principal angles."""
 
     column_help = {
         "module": "the adapted module",
@@ -146,16 +119,9 @@ def _parts(ad: Adapter) -> Dict[Tuple[str, Optional[int]], Tuple[LoraTarget, np.
 
 def compare_adapters(a: Any, b: Any, checkpoint: Any = None, *,
                      rtol: Optional[float] = None) -> AdapterComparison:
-    """Compare two adapters of one base, module by module, from their factors.
-
-    Args:
-        a, b: adapter directories or loaded Adapters (mlx-lm or PEFT, mixed is fine).
-        checkpoint: optional base model (adds ||dW|| / ||W|| per side).
-        rtol: tolerance of the numerical rank that sets each subspace's dimension.
-
-    Returns:
-        An :class:`AdapterComparison`.
-    """
+    """Compare two adapters (mlx-lm or PEFT, mixed is fine) of one base, module by module,
+    from their factors. A base ``checkpoint`` adds ||dW|| / ||W|| per side; ``rtol``: the
+    numerical rank's tolerance that sets each subspace's dimension."""
     ada = a if isinstance(a, Adapter) else load_adapter(a)
     adb = b if isinstance(b, Adapter) else load_adapter(b)
     src = source.open(checkpoint) if checkpoint is not None else None
@@ -169,10 +135,8 @@ def compare_adapters(a: Any, b: Any, checkpoint: Any = None, *,
     for key in keys:
         module, expert = key
         layer, kind, _, _ = split_name(module)
-        row: Dict[str, Any] = {"module": module, "layer": layer, "kind": kind, "expert": expert,
-                               "status": "both", "fro_a": None, "fro_b": None,
-                               "cosine": None, "col_angle": None, "col_overlap": None,
-                               "row_angle": None, "row_overlap": None}
+        row: Dict[str, Any] = dict(module=module, layer=layer, kind=kind, expert=expert,
+                                   status="both", **dict.fromkeys(_NUMBERS))
         ca = ra = np.zeros(0)
         svds = {}
         for side, parts in (("a", pa), ("b", pb)):
@@ -195,12 +159,10 @@ def compare_adapters(a: Any, b: Any, checkpoint: Any = None, *,
                 den = row["fro_a"] * row["fro_b"]
                 row["cosine"] = inner / den if den > 0 else None
                 ca, ra = principal_angles(U1, U2), principal_angles(V1, V2)
-                if ca.size:
-                    row["col_angle"] = float(ca[0])
-                    row["col_overlap"] = float((np.cos(np.radians(ca)) ** 2).mean())
-                if ra.size:
-                    row["row_angle"] = float(ra[0])
-                    row["row_overlap"] = float((np.cos(np.radians(ra)) ** 2).mean())
+                for space, ang in (("col", ca), ("row", ra)):
+                    if ang.size:
+                        row[f"{space}_angle"] = float(ang[0])
+                        row[f"{space}_overlap"] = float((np.cos(np.radians(ang)) ** 2).mean())
         if src is not None:
             t = (svds.get("a") or svds.get("b"))[0]
             owner = ada if "a" in svds else adb
@@ -231,8 +193,7 @@ def compare_adapters(a: Any, b: Any, checkpoint: Any = None, *,
         num = sum(r["cosine"] * r["fro_a"] * r["fro_b"] for r in both)
         den = math.sqrt(sum(r["fro_a"] ** 2 for r in both) * sum(r["fro_b"] ** 2 for r in both))
         summary["overall cosine"] = num / den if den > 0 else None
-    cols = ["module", "status", "fro_a", "fro_b", "cosine", "col_angle", "col_overlap",
-            "row_angle", "row_overlap"]
+    cols = ["module", "status", *_NUMBERS]
     if any(r["expert"] is not None for r in rows):
         cols.insert(1, "expert")
     if src is not None:

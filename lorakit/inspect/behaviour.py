@@ -1,43 +1,14 @@
 """Behaviour on a corpus: per-token KL(P_ref || P_test), top-1 agreement and perplexity.
 
-The scoring is defined so anyone can reproduce it (the definition of
-llama.cpp's ``llama-perplexity --kl-divergence``, with these choices made explicit):
-
-1. the corpus is read as UTF-8 text (a ``.jsonl`` file: each line's ``text`` field,
-   joined with ``"\n"``); the default is the embedded validation text,
-   ``data/corpora/fortunes/valid.jsonl`` (held out from the text the embedded
-   adapters were trained on);
-2. it is tokenized once with the reference model's tokenizer (``tokenizer.encode(text)``)
-   and cut to the first ``tokens`` tokens;
-3. the ids are split into consecutive windows of ``context`` tokens; a last partial
-   window is dropped;
-4. each window goes through both models (mlx-lm's own model code) from an empty cache;
-   every position but the last is scored against the next token;
-5. log-softmax in float32; KL(P_ref || P_test) = sum_v p_ref(v) (log p_ref(v) - log
-   p_test(v)) in natural logarithms, per token; perplexity: exp of the mean negative
-   log-likelihood of the next token;
-6. top-1 agreement: how often the models' most likely tokens agree. A model's top
-   token is every token at its largest logit: with bf16/f16 logits two tokens often
-   share the largest value exactly, and argmax then picks the lower id, a choice the
-   model did not make. A position agrees when one model's argmax is among the other
-   model's top tokens (``top1_agreement``); ``top1_agreement_strict`` counts only
-   equal argmaxes (lowest id on ties), llama.cpp's rule for its float32 logits. The
-   two differ only at exact ties.
-
-The math runs in MLX on the device, one compiled pass per window over both models'
-logits, and each window's work is queued before the previous window's numbers are
-read back, so the device never waits on Python. Memory is bounded by one window's
-logits (positions are processed in chunks when ``context * vocab`` is large); per
-token only the raw numbers are kept (KL, both top-1 ids, both NLLs), plus the top
-candidates of both models for the first ``detail`` scored tokens (for the widget).
+llama.cpp's ``llama-perplexity --kl-divergence`` with its choices made explicit
+(docs/behaviour.md): windows of ``context`` tokens, log-softmax in float32, natural logs;
+top-1 agreement counts exact logit ties as agreement (``top1_agreement_strict``: argmax
+alone). One compiled MLX pass per window, queued ahead; memory is one window's logits.
 
 >>> rep = compare_outputs("data/tiny-qwen3", ("data/tiny-qwen3", "data/adapters/lora"),
 ...                       tokens=512, context=128)
 >>> rep.tokens, rep.top1_agreement < 1
 (508, True)
-
-The report of :func:`lorakit.compare_outputs`: KL statistics, top-1 agreement,
-perplexities, the tokens where the models part most, and the raw per-token arrays.
 """
 from __future__ import annotations
 
@@ -146,9 +117,8 @@ def _window_math():
         import mlx.core as mx  # lazy: mlx is heavy
 
         def step(lr, lt, y):
-            # KL = sum_v p_ref (lr - lt) - (lse_ref - lse_test): no [positions x vocab]
-            # log-probabilities materialised; argmax and the target's logit read the
-            # logits as they come (float32 conversion of bf16/f16 is exact).
+            # KL = sum_v p_ref (lr - lt) - (lse_ref - lse_test): no log-probabilities
+            # materialised (float32 conversion of bf16/f16 is exact)
             r32 = lr.astype(mx.float32)
             t32 = lt.astype(mx.float32)
             lser = mx.logsumexp(r32, axis=-1)
@@ -177,8 +147,7 @@ def _topk(logits, k: int):
 
     lp = logits.astype(mx.float32)
     lse = mx.logsumexp(lp, axis=-1, keepdims=True)
-    # k rounds of argmax (lowest id on ties) and masking: k reductions, no sort of the
-    # vocabulary (a sort of [rows x vocab] costs more than both forward passes' tail)
+    # k rounds of argmax (lowest id on ties) and masking: no sort of the vocabulary
     ids, vals, cols = [], [], mx.arange(lp.shape[-1])[None]
     for _ in range(min(k, lp.shape[-1])):
         i = mx.argmax(lp, axis=-1, keepdims=True)
@@ -197,11 +166,8 @@ def _ordered(idx: np.ndarray, val: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
 
 def score_windows(ref_model: Any, test_model: Any, wins: np.ndarray, *, top_k: int = 5,
                   detail: int = 256, progress: Progress = None) -> Dict[str, np.ndarray]:
-    """Score every window through both models. Returns per scored token (in corpus
-    order): ``kl``, ``ref_top1``, ``test_top1``, ``ref_nll``, ``test_nll``,
-    ``top1_agree`` (rule 6 of the module docstring), ``target``;
-    and for the first ``detail`` scored tokens ``ref_top_ids`` / ``ref_top_logp`` /
-    ``test_top_ids`` / ``test_top_logp`` ([detail, top_k])."""
+    """Score every window through both models: the arrays of
+    :attr:`BehaviourReport.arrays`, per scored token in corpus order."""
     import mlx.core as mx  # lazy: mlx is heavy
 
     step = _window_math()
@@ -265,25 +231,17 @@ def compare_outputs(reference: Any, test: Any, corpus: Optional[PathLike] = None
                     ref_adapter: Optional[PathLike] = None,
                     test_adapter: Optional[PathLike] = None, top_k: int = 5,
                     detail: int = 256, progress: Progress = None, base: Any = None):
-    """How differently two models behave on a corpus: per-token KL(P_ref || P_test),
-    top-1 agreement and both perplexities (the module docstring has the exact rules).
+    """How differently two models behave on a corpus: a :class:`BehaviourReport`.
 
-    ``reference`` / ``test``: a checkpoint path or hub id, a ``(path, adapter or
-    None)`` pair, or an already loaded ``(model, tokenizer)``; ``ref_adapter`` /
-    ``test_adapter`` attach an adapter unfused (mlx-lm or PEFT format, through
-    :func:`lorakit.fusion.attach_adapter`). ``corpus``: a text or ``.jsonl`` file (default: the
-    embedded validation text). ``tokens``: use only the first N tokens. ``context``:
-    window length. ``top_k`` / ``detail``: both models' top candidates kept for the
-    first ``detail`` scored tokens. ``base`` (a model as ``reference``; usually the
-    reference is base + adapter and the test its fuse): also score KL(P_ref ||
-    P_base) and report the *effect kept*, 1 - KL(ref || test) / KL(ref || base), per
-    token (``arrays["effect_kept"]``) and in total (``effect_kept``, on the summed
-    KLs): 1 when the test behaves as the reference, 0 when as the base (a second
-    pass of both reference and base). Every mean has a 95% bootstrap interval over
-    windows (``mean_kl_interval``...; :func:`lorakit.bootstrap.window_intervals`).
-    Returns a
-    :class:`~lorakit.inspect.behaviour.BehaviourReport` (``mean_kl``,
-    ``top1_agreement``, ``ppl_ref``... and the raw per-token arrays).
+    ``reference`` / ``test``: a checkpoint path or hub id, a ``(path, adapter or None)``
+    pair, or a loaded ``(model, tokenizer)``; ``ref_adapter`` / ``test_adapter`` attach
+    an adapter unfused. ``corpus``: text or ``.jsonl`` (default: the embedded validation
+    text), cut to ``tokens``; ``top_k`` candidates kept for the first ``detail`` tokens.
+    ``base``: the model without the adapter (the reference being base + adapter, the
+    test what was made of it): also the *effect kept*, 1 - KL(ref || test) / KL(ref ||
+    base), per token (``arrays["effect_kept"]``) and on the summed KLs
+    (``effect_kept``); one more pass of reference and base. Every mean has a 95%
+    bootstrap interval over windows (``mean_kl_interval``...).
     """
     ref = _side(reference, ref_adapter, "reference")
     tst = _side(test, test_adapter, "test")
@@ -306,9 +264,7 @@ def compare_outputs(reference: Any, test: Any, corpus: Optional[PathLike] = None
 
 
 def with_float32_note(rep: Any, notes: Dict[str, str]) -> Any:
-    """Say which models ran in float32 and why: ``rep.float32`` (the sides that did,
-    also in ``to_dict()``) and the summary's ``note`` (the line the text and HTML views
-    show)."""
+    """Say which models ran in float32 and why: ``rep.float32`` and the summary's ``note``."""
     f32 = [side for side, n in notes.items() if n]
     rep.float32 = f32
     if f32:
@@ -317,12 +273,7 @@ def with_float32_note(rep: Any, notes: Dict[str, str]) -> Any:
 
 
 # ---------------------------------------------------------------------------
-# The report of :func:`lorakit.compare_outputs`: KL statistics, top-1 agreement,
-
-
-#: the summary numbers, in the order the JSON and the text twin give them
-STAT_KEYS = ("mean_kl", "median_kl", "p90_kl", "p99_kl", "p999_kl", "max_kl",
-             "top1_agreement", "top1_agreement_strict", "ppl_ref", "ppl_test", "tokens")
+# The report: KL statistics, top-1 agreement, perplexities, the worst tokens, the arrays
 
 
 def _piece(tokenizer: Any, i: int) -> str:
@@ -385,18 +336,12 @@ def kl_stats(arrays: Dict[str, np.ndarray], per: int) -> Dict[str, Any]:
 
 @dataclass(repr=False)
 class BehaviourReport(Report):
-    """KL(P_ref || P_test) per scored token, summarised.
-
-    Attributes (besides :class:`Report`'s): ``stats`` (``mean_kl`` ... ``tokens``),
-    ``arrays`` (per scored token, corpus order: ``kl``, ``ref_top1``, ``test_top1``,
-    ``ref_nll``, ``test_nll``, ``top1_agree`` (one argmax among the other model's tied
-    top tokens), ``target``; and both models' top candidates for the first scored
-    tokens: ``ref_top_ids`` / ``ref_top_logp`` / ``test_top_ids`` / ``test_top_logp``),
-    ``pieces`` (the decoded target token of each detailed position), ``ref_top_pieces``
-    / ``test_top_pieces`` (decoded top candidates), ``context``, ``float32`` (the sides,
-    ``reference`` / ``test``, computed in float32 because MLX's CPU refused their dtype;
-    the summary's ``note`` says so).
-    """
+    """KL(P_ref || P_test) per scored token, summarised: ``stats`` (``mean_kl`` ...
+    ``tokens``), ``arrays`` (per scored token: ``kl``, ``ref_top1``, ``test_top1``,
+    ``ref_nll``, ``test_nll``, ``top1_agree``, ``target``; for the first scored tokens
+    ``ref_top_ids`` / ``ref_top_logp`` / ``test_top_ids`` / ``test_top_logp``), their
+    decoded ``pieces`` / ``ref_top_pieces`` / ``test_top_pieces``, ``float32`` (the
+    sides run in float32 because MLX's CPU refused their dtype)."""
 
     column_help = {
         "position": "index of the scored token in the corpus (after tokenization)",
@@ -451,9 +396,8 @@ class BehaviourReport(Report):
                    ref_top_pieces=rtp, test_top_pieces=ttp, context=context)
 
     def to_dict(self, per_token: bool = False) -> Dict[str, Any]:
-        """The summary keys flat (``mean_kl``, ..., ``tokens``, ``context``, ``corpus``,
-        ``corpus_sha256``, ``reference``, ``test``), the worst tokens as ``rows``, and
-        with ``per_token=True`` the raw per-token arrays."""
+        """The summary keys flat, the worst tokens as ``rows``, and with ``per_token=True``
+        the raw per-token arrays."""
         d = dict(self.summary)
         d["models"] = {"reference": self.summary["reference"], "test": self.summary["test"]}
         d["title"] = self.title

@@ -1,113 +1,24 @@
 """Did the merge work? A fused checkpoint measured against the exact intended result.
 
 For each adapted weight, ``T`` is the exact intended result in float64
-(``W + scale * B @ A``, DoRA-normalised when the adapter has magnitudes:
-:func:`lorakit.fusion.delta.intended`, the one definition). The check measures,
-element by element, ``|F - T|`` against what rounding to the stored dtype can
-explain (:mod:`lorakit.inspect.check`: half an ulp for a correctly rounded
-fuse, the double rounding of the mlx-lm and PEFT orders, the quantization step of each
-group for a re-quantized weight). ``distance`` is the largest ratio: at most 1 for a
-correct merge made in any of those orders, whatever the tool.
-
-Status per tensor and overall:
-
-``ok``
-    every element within the bound; the verdict is ``ok``, or ``rounding-limited`` /
-    ``partially lost to quantization`` / ``lost to quantization`` when even a correct
-    fuse keeps under 80% (20%) of the delta (right, but the fused model behaves more
-    like the base), ``replaced`` for a PEFT ``modules_to_save`` copy.
-``promoted``
-    numerically right but stored in a wider dtype than the base without the fuse being
-    asked to convert (the f32 promotion of a missing cast: bytes doubled).
-``wrong``
-    with the cause where it can be named (:mod:`lorakit.inspect.check_causes`):
-    ``not applied``, ``applied twice``, ``wrong scale`` (the factor and what it looks
-    like), ``another adapter``, ``transposed``, ``DoRA magnitude missing``,
-    ``different base``, ``changed otherwise``, ``dtype changed``, ``missing``,
-    ``extra tensor``, ``changed without adapter`` (a tensor the adapter does not touch
-    is not bit for bit the base, or its documented conversion), ``replacement
-    differs``.
-
-:meth:`CheckReport.exit_code` is the CLI's status: 0 ok, 1 a wrong merge, 3 right but
-promoted (2 stays bad input).
+(:func:`lorakit.fusion.delta.intended`). The check measures ``|F - T|`` element by
+element against what rounding to the stored dtype can explain (:func:`float_bound`,
+:func:`quant_bound`); ``distance`` is the largest ratio, at most 1 for a correct merge in
+any order a correct tool fuses in. A wrong merge gets a cause where one can be named
+(:mod:`lorakit.inspect.check_causes`); untouched tensors must be bit for bit the base or
+its requested conversion. :meth:`CheckReport.exit_code`: 0 ok, 1 wrong, 3 promoted.
 
 >>> import lorakit
 >>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")
 >>> check("fused", "data/tiny-qwen3", "data/adapters/lora").status
 'ok'
-
-What rounding can explain: per element, how far a correct fuse may land from the
-exact intended weight.
-
-``T`` is the exact intended result in float64 (:func:`lorakit.fusion.delta.intended`).
-A correct fuse stores ``F`` with ``|F - T| <= bound``, element by element, where the
-bound covers every order a correct tool fuses in (``lorakit.fusion.core``'s four
-modes, ``mlx_lm fuse``, PEFT's ``merge_and_unload``):
-
-``nearest``
-    ``F = round_out(T)``: ``|F - T| <= ulp_out(T) / 2``.
-``round-once`` (PEFT)
-    ``F = round_out(fl32(W + d32))``: the f32 delta's own error ``e32`` plus one f32
-    addition, then one rounding.
-``mlx-lm`` / ``scale-after`` (and PEFT's embedding order)
-    ``F = round_w(W + round_w(d32))``: the f32 delta rounded to the weight's format
-    ``w`` first, then the sum rounded again.
-
-so for LoRA, with ``D = T - W`` and ``u(x) = ulp_w(x) / 2`` the half-spacing of the
-working format (the base weight's dtype)::
-
-    bound = u(D) + u(T) + e32 + 2**-24 |T|        (+ ulp_out(T) / 2 if out != w)
-    e32   = (r + 2) 2**-24 |scale| (|B| @ |A|)    (an f32 dot product of length r)
-
-The magnitudes are taken one bound above ``|T|`` and ``|D|`` (a value may round up
-into the next binade). DoRA rescales rows by ``s = m / ||X||`` with ``X = W + D``
-(mlx-lm normalises the already rounded ``X``, and its norm comes back in ``X``'s dtype),
-so the element term is scaled by ``s`` and the row norm's own error adds
-``|T| ((||e||_row + ulp_w(||X||_row) / 2) / ||X||_row + (n + 16) 2**-24)``.
-
-A re-quantized (affine) weight adds the quantization of each group: one step
-``|scale_g|`` (``mx.quantize`` fits the scale so that the group's larger edge is a code
-and clips at the other end, which costs up to a whole step, not half; 5% slack for a
-group whose range moved by the fuse's rounding), the storage rounding of the scale
-(``2**bits`` codes times its half-ulp) and of the bias, and the rounding of the
-dequantized value. Other quantization modes use twice the
-largest error a correct re-quantization of the same group shows.
-
-A wrong merge whose distance stays inside this bound everywhere cannot be told from a
-correct one: that is the detection limit (measured in ``tests/inspect/test_check_verdicts.py``).
-
-A plain LoRA on a float fused weight (the common case) is measured in one pass per
-block of rows straight from the storage bits: ``check_lora`` of the optional C
-kernel ``_checkkernel.c`` beside this module (the rank-r sum, the bound, the ratios, the
-reference rounding and the sums per element, the GIL released, two tensors in flight),
-or without it (``LORAKIT_KERNELS=0``) its numpy twin
-:func:`_lora_numpy`, which gives the same numbers bit for bit: ``D`` and ``S`` are
-summed product by product in rank order, and every sum in one fixed order
-(tests/inspect/test_check_kernel.py). Blocks holding inf or NaN, DoRA, exact sums of
-adapters, re-quantized and transposed weights take the general path above.
-
-The rest of a merge check: tensors the adapter does not touch, whole-tensor
-replacements (PEFT ``modules_to_save``), tensors only one side has, and which dtype
-conversion the fuse was asked for.
-
-Untouched tensors must come through bit for bit, or, when the fuse converted every
-float tensor to another dtype (``lorakit fuse --dtype float16``), be exactly the base
-converted with one correct rounding (verdict ``converted``).
-
-The behaviour line of a merge check: the fused model against the base with the
-adapter attached unfused, on the default corpus (a thin caller of
-:func:`lorakit.compare_outputs`; the KL math lives there once).
-
-It adds to a :class:`~lorakit.inspect.check.CheckReport` one summary line,
-``fused vs unfused: mean KL 3.8e-05, top-1 99.1% (1020 tokens)``, and the numbers
-under ``behaviour`` (in ``to_dict()`` / ``--json``). It never changes the verdict or
-the exit code: behaviour is evidence, the per-tensor check is the verdict.
 """
 from __future__ import annotations
 
 import math
 import os
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -122,6 +33,7 @@ from ..fusion.delta import Piece, WeightReader, intended, intended_blocks, tenso
 from ..io.adapters.base import Adapter
 from ..io.adapters.load import load_adapter
 from ..io.adapters.naming import bind, bind_replacements, bindings_by_tensor
+from ..io.adapters.peft import residual_init
 from ..io.formats import source
 from ..io.formats.safetensors import ITEMSIZE, raw_to_mx
 from ..io.formats.source import TensorSource
@@ -135,9 +47,6 @@ from .diff import compare_sources
 __all__ = ["CheckReport", "check"]
 
 
-#: verdicts of a right merge
-VERDICTS_OK = ("ok", "rounding-limited", "partially lost to quantization", "lost to quantization",
-               "replaced")
 #: overall status -> CLI exit code
 EXIT_CODES = {"ok": 0, "wrong": 1, "promoted": 3}
 _LIMITED = 0.8  # a correct fuse keeping less than this of the delta is "limited"
@@ -184,13 +93,8 @@ class _Bound:
 
 @dataclass(repr=False)
 class CheckReport(Report):
-    """Per adapted tensor: distance (largest |F - T| over the rounding bound; <= 1 is
-    right), max_ulp, beyond (share of elements past the bound), survived, expected, fit,
-    corr, changed, delta_ulps, status, verdict and detail (the cause).
-
-    ``status`` overall: ``ok``, ``wrong`` or ``promoted``; ``ok`` is True for ``ok``;
-    :meth:`exit_code` maps it to 0 / 1 / 3. ``behaviour``: fused vs unfused on a corpus
-    (``mean_kl``, ``top1_agreement``...) when asked for, else None; never the verdict."""
+    """A row per adapted tensor. ``status`` overall: ``ok``, ``wrong`` or ``promoted``
+    (:meth:`exit_code`: 0 / 1 / 3); ``behaviour``: fused vs unfused KL when asked for."""
 
     column_help = {
         "tensor": "the adapted (or changed) tensor's name",
@@ -235,8 +139,7 @@ class CheckReport(Report):
         return {r["tensor"]: r["verdict"] for r in self.rows if r["status"] != "ok"}
 
     def plot(self, ax=None):
-        """Each adapted tensor's distance from the exact result, in units of its
-        rounding bound (1 = the most rounding can explain)."""
+        """Each adapted tensor's distance from the exact result, in rounding bounds."""
         rows = [r for r in self.rows if r.get("distance") is not None]
         return plots.grouped_bars([r["tensor"].replace(".weight", "") for r in rows],
                                   {"distance": [min(r["distance"], 1e3) for r in rows],
@@ -274,8 +177,7 @@ def _measure(sf, sb, tensor, binds, bound: _Bound, transposed: bool) -> Dict[str
 
 
 def _numbers(s: Dict[str, Any], float_out: bool) -> Dict[str, Any]:
-    """A tensor's row numbers from its totals (``dist``, ``ulp``, ``beyond``, ``n``,
-    ``changed`` and the sums ``RD``, ``RR``, ``DD``, ``QD``, ``uu``)."""
+    """A tensor's row numbers from its totals and sums."""
     dd = s["DD"]
     return dict(distance=s["dist"], max_ulp=s["ulp"] if float_out else None,
                 beyond=s["beyond"] / max(1, s["n"]),
@@ -303,8 +205,7 @@ _LANES = 8  # the kernel's LANES
 
 def _seq_sum(x: np.ndarray, carry: float) -> float:
     """``carry`` plus the elements of ``x`` in the C kernel's order: per row, lane ``q``
-    sums the columns ``j = q (mod 8)`` in order from -0.0, the lanes are added in order
-    from -0.0, and the rows to ``carry`` in order (``np.cumsum`` is sequential)."""
+    sums the columns ``j = q (mod 8)`` from -0.0, then the lanes, then the rows in order."""
     if x.size == 0:
         return carry
     row = np.full(x.shape[0], -0.0)
@@ -315,11 +216,9 @@ def _seq_sum(x: np.ndarray, carry: float) -> float:
 
 def _lora_numpy(W: np.ndarray, F: np.ndarray, Bs: np.ndarray, A: np.ndarray, c32: float,
                 fw: Any, fo: Any, carry: Tuple[float, ...]):
-    """One block of a plain LoRA's measure (W, F float64 rows x cols; ``Bs``: B times
-    the scale, rows x r; ``A`` r x cols): (dist, max_ulp, beyond, changed, sums). The
-    bound is :func:`float_bound`'s, with ``D`` and ``S = |scale| |B| @ |A|`` summed
-    product by product in rank order from -0.0 (the kernel's order, so that both give
-    the same bits)."""
+    """One block of a plain LoRA's measure: (dist, max_ulp, beyond, changed, sums), the
+    bound :func:`float_bound`'s with ``D`` and ``S`` summed in rank order from -0.0 (the
+    kernel's order, so that both give the same bits)."""
     D = np.full(F.shape, -0.0)
     S = np.full(F.shape, -0.0)
     for k in range(A.shape[0]):
@@ -345,10 +244,8 @@ def _lora_numpy(W: np.ndarray, F: np.ndarray, Bs: np.ndarray, A: np.ndarray, c32
 
 
 def _measure_lora(sf, sb, tensor, binds, bound: _Bound) -> Dict[str, Any]:
-    """:func:`_measure` of a plain LoRA on a float fused weight, block by block straight
-    from the storage bits: T = W + D with D the rank-r sum, the bound of
-    :func:`float_bound` (the same formula, D and S summed in the kernel's order), in
-    the C kernel where it is built, else :func:`_lora_numpy` (the same numbers)."""
+    """:func:`_measure` of a plain LoRA on a float fused weight, block by block from the
+    storage bits: the C kernel where it is built, else :func:`_lora_numpy` (the same bits)."""
     fw, fo = bound.fmt_work, bound.fmt_out
     wb, wf = WeightReader(sb, tensor), WeightReader(sf, tensor)
     kernel = kernels.load("lorakit.inspect._checkkernel")
@@ -456,7 +353,7 @@ def _adapted_row(sf, sb, tensor, binds, conversion: Optional[str]) -> Dict[str, 
             return row(tensor, dtype, "wrong", "shape mismatch",
                        detail=f"expected {list(want)}, found {list(have)}")
     for code, src in ((base_code, sb), (fused_code, sf)):
-        if code not in ("BF16", "F16", "F32"):  # a merge is checked in a fuse's formats
+        if code not in FUSE_CODES:  # a merge is checked in a fuse's formats
             raise FormatError("cannot check a merge of this dtype", file=src.path,
                               tensor=tensor, expected="a BF16, F16 or F32 weight",
                               found=code, hint="lorakit fuse and mlx_lm fuse write "
@@ -494,10 +391,8 @@ WORKERS = max(1, min(2, os.cpu_count() or 1))
 
 
 def _adapted_rows(sf, sb, by_tensor, conversion: Optional[str]) -> List[Dict[str, Any]]:
-    """The adapted tensors' rows, in order, up to :data:`WORKERS` tensors in flight (as
-    the fuse does). Each tensor's numbers are computed exactly as one at a time; a
-    quantized weight (MLX's quantize in the reference) is measured in the calling
-    thread."""
+    """The adapted tensors' rows, in order, up to :data:`WORKERS` tensors in flight
+    (quantized weights, MLX's quantize in the reference, one at a time)."""
     items = list(by_tensor.items())
 
     def one(tb):
@@ -514,28 +409,22 @@ def _adapted_rows(sf, sb, by_tensor, conversion: Optional[str]) -> List[Dict[str
 
 
 def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
-                progress: Any = True, behaviour: Any = False) -> CheckReport:
-    """Check that a fused checkpoint is its base with its adapter merged, tensor by tensor.
+                progress: Any = True, behaviour: Any = False,
+                initial_adapter: Any = None) -> CheckReport:
+    """Check that ``fused`` (directory, Checkpoint or model) is ``base`` with ``adapter``
+    merged, tensor by tensor; a :class:`CheckReport`.
 
-    Args:
-        fused: the fused checkpoint (directory, Checkpoint or in-memory model).
-        base: the base it was fused from.
-        adapter: the adapter directory (or a loaded Adapter).
-        check_untouched: also verify that every tensor the adapter does not change is
-            bit-identical in the fused checkpoint (reads both checkpoints fully).
-        progress: a progress bar over that comparison (tqdm.auto; none when stderr is
-            not a terminal), a callable ``progress(done_bytes, total_bytes)``, or False.
-        behaviour: True (1024 tokens) or a token count: also run the fused model against
-            the base with the adapter attached unfused on the embedded corpus (mean KL,
-            top-1 agreement: ``.behaviour`` and a summary line); never changes the verdict.
-
-    Returns:
-        A :class:`CheckReport` (``.status``, ``.ok``, ``.exit_code()``, ``.verdicts()``,
-        ``.causes()``, rows with the numbers).
-    """
+    ``check_untouched``: also verify every tensor the adapter does not change (reads both
+    checkpoints fully; ``progress``: tqdm, a callable ``(done, total)`` or False).
+    ``behaviour``: True (1024 tokens) or a token count adds fused vs unfused KL on the
+    embedded corpus (``.behaviour``); it never changes the verdict. ``initial_adapter``:
+    for a PEFT adapter made on a changed base (PiSSA, OLoRA, ...), the adapter saved
+    before training, as :func:`lorakit.fuse` takes it; without it such an adapter fails
+    with the cause ``residual-base adapter``."""
     n_kl = behaviour_tokens(behaviour)
     sf, sb = source.open(fused), source.open(base)
-    ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
+    ad = adapter if isinstance(adapter, Adapter) else \
+        load_adapter(adapter, initial_adapter, residual_ok=True)
     by_tensor = bindings_by_tensor(bind(ad, sb))
     adapted = {t[: -len(".weight")] for t in by_tensor}
     replaced = bind_replacements(ad, sb, dequantize=True)
@@ -544,10 +433,8 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
     rows += [replacement_row(sf, sb, t, r) for t, r in replaced.items()]
     untouched_changed = None
     if check_untouched:
-        names = [n for n in sb.tensors
-                 if n.rsplit(".", 1)[0] not in adapted and n not in replaced and not
-                 (sb.quant_params(n.rsplit(".", 1)[0]) is not None and
-                  sf.quant_params(n.rsplit(".", 1)[0]) is None)]
+        names = [n for n in sb.tensors if n.rsplit(".", 1)[0] not in adapted
+                 and n not in replaced and not _skipped(sb, sf, n)]
         extra, untouched_changed = untouched_rows(sf, sb, names, progress)
         rows += extra
         if untouched_changed > len(names) // 2:  # most of the base differs
@@ -561,14 +448,12 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
                 r.update(verdict="different base", detail=r["detail"] + ": another base")
     for r in rows:
         r.pop("base_like", None)
-    rows += extra_rows(sf, sb)
+    rows += extra_rows(sf, sb) + residual_rows(ad)
     rep = CheckReport(title=f"merge check of {sf.label}", rows=rows,
-                     columns=["tensor", "dtype", "distance", "max_ulp", "beyond", "survived",
-                              "expected", "fit", "corr", "status", "verdict", "detail"],
+                     columns="tensor dtype distance max_ulp beyond survived expected fit corr status "
+                     "verdict detail".split(),
                      flagged=[i for i, r in enumerate(rows) if r["status"] != "ok"])
-    counts: Dict[str, int] = {}
-    for r in rows:
-        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+    counts = Counter(r["verdict"] for r in rows)
     dists = [r["distance"] for r in rows if r["distance"] is not None]
     rep.summary = {
         "fused": str(sf.path or sf.label), "base": str(sb.path or sb.label),
@@ -592,7 +477,7 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
 
 
 # ---------------------------------------------------------------------------
-# What rounding can explain: per element, how far a correct fuse may land from the
+# What rounding can explain: per element, how far a correct fuse may land from T
 
 
 _U32 = 2.0 ** -24
@@ -607,15 +492,12 @@ def _up(mag: np.ndarray, fmt: Any) -> np.ndarray:
     return mag + nm.ulp(mag, fmt)
 
 
-_CACHE = threading.local()  # .last: (A, B, rows, |B| @ |A|, B @ A) of one chunk, reused by
-# the candidates of a failing tensor, which differ from the piece only by their scale; one
-# per thread (adapted tensors are measured two at a time)
+#: .last: (A, B, rows, |B| @ |A|, B @ A) of one chunk, per thread, reused by the candidates
+_CACHE = threading.local()
 
 
 def _products(p: Piece, rows: Optional[slice]):
-    """``(|B| @ |A|, B @ A)`` of the piece's rows, with a scale per rank column (an
-    exact combination, fusion/algebra.py) folded into B's columns; then the caller's
-    scale is 1."""
+    """``(|B| @ |A|, B @ A)`` of the piece's rows, a scale per rank column folded into B."""
     key = (rows.start, rows.stop) if rows is not None else None
     per_column = np.ndim(p.scale) > 0
     last = getattr(_CACHE, "last", None)
@@ -634,7 +516,15 @@ def _products(p: Piece, rows: Optional[slice]):
 def float_bound(T: np.ndarray, W: np.ndarray, p: Piece, rows: Optional[slice],
                 fmt_work: Any, fmt_out: Any) -> np.ndarray:
     """Per element, the largest ``|F - T|`` a correct fuse of piece ``p`` can leave
-    (see the module docstring). ``T`` and ``W`` are the float64 target and base rows."""
+    (``T``, ``W``: the float64 target and base rows), in any of the orders: rounded once
+    (``nearest``), PEFT's ``round_out(fl32(W + d32))``, or mlx-lm's
+    ``round_w(W + round_w(d32))``. With ``D = T - W`` and ``u = ulp_w / 2``::
+
+        bound = u(D) + u(T) + e32 + 2**-24 |T|        (+ ulp_out(T) / 2 if out != w)
+        e32   = (r + 2) 2**-24 |scale| (|B| @ |A|)    (an f32 dot product of length r)
+
+    magnitudes taken one spacing up (a value may round into the next binade). DoRA
+    scales the element term by ``m / ||X||`` and adds the row norm's own error."""
     S1, BA = _products(p, rows)
     scale = p.scale if np.ndim(p.scale) == 0 else 1.0  # else folded into the products
     S = abs(scale) * S1
@@ -663,12 +553,9 @@ def float_bound(T: np.ndarray, W: np.ndarray, p: Piece, rows: Optional[slice],
 
 def quant_bound(T: np.ndarray, F: np.ndarray, Q: np.ndarray, pre: np.ndarray, q: Any,
                 scales: np.ndarray, biases: Optional[np.ndarray], fmt_scales: Any) -> np.ndarray:
-    """Per element, the largest ``|F - T|`` a correct re-quantized fuse can leave.
-
-    ``pre`` is the float bound of the value before quantization (:func:`float_bound`),
-    ``Q`` a correct re-quantization of ``T`` (dequantized, float64), ``scales`` /
-    ``biases`` its groups' parameters as float64 (rows, in / group_size).
-    """
+    """Per element, the largest ``|F - T|`` a correct re-quantized fuse can leave: ``pre``
+    (:func:`float_bound`) plus each group's quantization error (affine: one step and the
+    storage rounding of scale and bias; else twice a correct re-quantization's, ``Q``)."""
     g = q.group_size
     rows, cols = T.shape
     grp = np.abs(Q - T).reshape(rows, cols // g, g).max(axis=2)  # a correct fuse's worst
@@ -686,21 +573,21 @@ def quant_bound(T: np.ndarray, F: np.ndarray, Q: np.ndarray, pre: np.ndarray, q:
 
 
 # ---------------------------------------------------------------------------
-# The rest of a merge check: tensors the adapter does not touch, whole-tensor
+# Tensors the adapter does not touch, whole-tensor replacements, one-sided tensors
 
 
-#: the float formats a fuse reads and writes (``--dtype`` converts between them); F64 and
-#: the integer codes are not among them (io.safetensors.FLOAT_CODES: every float code)
+#: the float formats a fuse reads and writes (``--dtype`` converts between them)
 FUSE_CODES = ("BF16", "F16", "F32")
+
+
+_NUMBERS = "distance max_ulp beyond survived expected fit corr changed delta_ulps".split()
 
 
 def row(tensor: str, dtype: str, status: str, verdict: str, **values: Any) -> Dict[str, Any]:
     """A table row with every column, the numbers None unless given."""
     layer, kind, _, _ = split_name(tensor)
-    r: Dict[str, Any] = {"tensor": tensor, "layer": layer, "kind": kind, "dtype": dtype,
-                         "distance": None, "max_ulp": None, "beyond": None, "survived": None,
-                         "expected": None, "fit": None, "corr": None, "changed": None,
-                         "delta_ulps": None, "status": status, "verdict": verdict, "detail": ""}
+    r = dict(tensor=tensor, layer=layer, kind=kind, dtype=dtype, **dict.fromkeys(_NUMBERS))
+    r.update(status=status, verdict=verdict, detail="")
     r.update(values)
     return r
 
@@ -721,7 +608,7 @@ def requested_conversion(sf: TensorSource, sb: TensorSource, adapted: set) -> Op
     for n, meta in sb.tensors.items():
         module = n.rsplit(".", 1)[0]
         if module in adapted or meta.dtype not in FUSE_CODES or n not in sf.tensors or \
-                sb.quant_params(module) is not None or _skipped(sb, sf, n):
+                sb.quant_params(module) is not None:
             continue
         codes.add((meta.dtype == sf.tensors[n].dtype, sf.tensors[n].dtype))
     if len(codes) == 1:
@@ -767,8 +654,7 @@ def untouched_rows(sf: TensorSource, sb: TensorSource, names: List[str],
 
 
 def extra_rows(sf: TensorSource, sb: TensorSource) -> List[Dict[str, Any]]:
-    """Tensors the fused checkpoint has and the base does not (adapter factors saved
-    into the model, another architecture's names)."""
+    """Tensors the fused checkpoint has and the base does not."""
     out = []
     for n, meta in sf.tensors.items():
         if n in sb.tensors:
@@ -782,10 +668,24 @@ def extra_rows(sf: TensorSource, sb: TensorSource) -> List[Dict[str, Any]]:
     return out
 
 
-def replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) -> Dict[str, Any]:
-    """A PEFT modules_to_save copy: the fused tensor must be the copy, rounded once to
-    the fused tensor's dtype (verdict ``replaced``), bit for bit."""
+def residual_rows(ad: Adapter) -> List[Dict[str, Any]]:
+    """A wrong row for an adapter whose config says PEFT changed the base when it made
+    it (PiSSA, OLoRA, CorDA, LoRA-GA, LoftQ): fused into the original base its delta is
+    not the trained change, whatever the tensors show (they are measured against the
+    same base)."""
+    res = residual_init(ad.config) if ad.format == "peft" else None
+    if res is None:
+        return []
+    key, val = res
+    return [row("adapter_config.json", "-", "wrong", "residual-base adapter",
+                detail=f"{key}={val!r}: PEFT made this adapter on a changed base (W - scale "
+                "* B0 @ A0); the merge is wrong unless it was fused into that base. Convert "
+                "it: --initial-adapter DIR (the adapter saved before training), or PEFT's "
+                "save_pretrained(path_initial_model_for_weight_conversion=...)")]
 
+
+def replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) -> Dict[str, Any]:
+    """A PEFT modules_to_save copy: the fused tensor must be it, rounded once, bit for bit."""
     base_code = sb.tensors[tensor].dtype
     out = row(tensor, base_code, "ok", "replaced")
     meta = sf.tensors.get(tensor)
@@ -795,7 +695,7 @@ def replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) -> 
         return out
     if meta.dtype != base_code:
         out["dtype"] = f"{base_code}->{meta.dtype}"
-    if sf.quant_params(module) is not None or meta.dtype not in ("BF16", "F16", "F32") or \
+    if sf.quant_params(module) is not None or meta.dtype not in FUSE_CODES or \
             tuple(meta.shape) != tuple(r.raw.shape):
         out.update(status="wrong", verdict="replacement not written")
         return out
@@ -810,7 +710,7 @@ def replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) -> 
 
 
 # ---------------------------------------------------------------------------
-# The behaviour line of a merge check: the fused model against the base with the
+# The behaviour line (--kl): the fused model against base + adapter unfused; never the verdict
 
 
 #: corpus tokens scored when ``behaviour=True`` / ``--kl`` has no ``--tokens``
@@ -818,13 +718,12 @@ DEFAULT_TOKENS = 1024
 #: window length (shorter when fewer tokens are asked for)
 CONTEXT = 256
 #: the numbers kept from the behaviour report
-KEYS = ("mean_kl", "mean_kl_interval", "median_kl", "p99_kl", "max_kl", "top1_agreement",
-        "top1_agreement_interval", "top1_agreement_strict", "ppl_ref", "ppl_test", "tokens")
+KEYS = ("mean_kl mean_kl_interval median_kl p99_kl max_kl top1_agreement "
+        "top1_agreement_interval top1_agreement_strict ppl_ref ppl_test tokens").split()
 
 
 def behaviour_tokens(behaviour: Union[bool, int, None]) -> Optional[int]:
-    """``False``/``None``/0: no behaviour line; ``True``: :data:`DEFAULT_TOKENS`; an int:
-    that many corpus tokens."""
+    """No behaviour line (None), :data:`DEFAULT_TOKENS` for True, or that many tokens."""
     if behaviour is None or behaviour is False:
         return None
     if behaviour is True:
@@ -846,9 +745,7 @@ def _path(src: Any, role: str) -> str:
 
 def fused_vs_unfused(fused: Any, base: Any, adapter: Any, tokens: int, *,
                      corpus: Any = None, progress: Any = None) -> Dict[str, Any]:
-    """Mean KL, top-1 agreement... of ``fused`` against ``base`` + ``adapter`` (unfused),
-    as a dict of :data:`KEYS`. ``fused`` / ``base``: tensor sources or paths;
-    ``adapter``: a path or a loaded Adapter (with its ``path``)."""
+    """:data:`KEYS` of ``fused`` against ``base`` + ``adapter`` (unfused): sources or paths."""
     ad = str(getattr(adapter, "path", adapter))
     rep = compare_outputs((_path(base, "base") if not isinstance(base, str) else base, ad),
                           _path(fused, "fused checkpoint") if not isinstance(fused, str) else fused,

@@ -1,24 +1,10 @@
 """Why a merge is wrong: the fused weight tested against the weights other mistakes make.
 
-A tensor that fails the rounding bound (:mod:`lorakit.inspect.check`) is read
-again and compared with the exact result of each named mistake, in units of the same
-bound: the base itself (``not applied``), the adapter applied twice, the delta at
-another scale (a factor of 2 or 1/2; ``alpha`` where ``alpha / r`` was meant, or the
-reverse; rsLoRA's ``alpha / sqrt(r)`` against ``alpha / r``; the scale left out; the
-delta subtracted), the delta transposed (square weights), and DoRA without its
-magnitude rescaling. The mistake whose RMS distance is within the bound (at most 1)
-names the cause, the nearest first.
-
-When none fits, the change the fuse made (``R = F - W``) is fitted as ``k`` times the
-intended delta ``D`` (weighted by the bound) and the rest ``E = R - k D`` is read:
-
-* ``E`` within the bound: ``wrong scale`` with the fitted factor ``k``;
-* ``E`` of low rank (the top ``2r`` singular values carry 90% of it, r the adapter's
-  rank, on a sample of rows): ``another adapter`` (``k`` is then how much of the
-  intended delta it shares);
-* ``E`` of full rank while ``k`` is near 1 in most adapted tensors, or most untouched
-  tensors differ too: ``different base`` (the delta is there, on another weight);
-* otherwise ``changed otherwise``.
+A tensor past the rounding bound is compared, in the bound's units, with the exact
+result of each named mistake; the nearest within the bound names the cause. When none
+fits, ``F - W`` is fitted as ``k`` times the intended delta and the rest read: within
+the bound ``wrong scale``, of low rank ``another adapter``, of full rank with ``k`` near
+1 ``different base``, else ``changed otherwise``.
 """
 from __future__ import annotations
 
@@ -148,12 +134,9 @@ def _low_rank(E: np.ndarray, rank: int) -> Optional[bool]:
 def diagnose(st: CauseStats,
              scaled_rms: Optional[Callable[[float], Tuple[float, float]]] = None,
              k_scale: Optional[float] = None) -> Tuple[str, str, Dict[str, float]]:
-    """(verdict, detail, numbers) for a tensor that failed its bound.
-
-    For DoRA, where the change is not linear in the scale: ``k_scale`` the fitted
-    factor of the scale (from the derivative of the result in the scale) and
-    ``scaled_rms(k)`` the RMS distance (in bound units) from the intended result at
-    a factor refined from ``k``, and that factor."""
+    """(verdict, detail, numbers) for a tensor that failed its bound. DoRA (not linear in
+    the scale) passes ``k_scale``, the fitted factor, and ``scaled_rms(k)``: the RMS
+    distance at a factor refined from ``k``, and that factor."""
     n = max(1, st.n)
     rms = np.sqrt(st.sq / n)
     common = np.where(rms <= 1.0, np.sqrt(st.sq_common / n), np.inf)

@@ -1,16 +1,8 @@
 """How large each adapter delta is: norms, spectra and ranks, from the factors alone.
 
-A LoRA delta ``dW = s * B @ A`` (``B`` out x r, ``A`` r x in) has rank <= r, so
-everything about its size comes from an r x r problem: with ``B = Qb Rb`` and
-``A^T = Qa Ra`` (thin QR), ``dW = Qb (s Rb Ra^T) Qa^T`` and the singular values of
-dW are those of the r x r core. The out x in matrix is never formed, so a
-152k x 2048 embedding delta costs what a 2048 x 2048 one does.
-
->>> rng = np.random.default_rng(0)
->>> A, B = rng.normal(size=(4, 50)), rng.normal(size=(30, 4))
->>> _, s, _ = factor_svd(A, B, 2.0)
->>> bool(np.allclose(s, np.linalg.svd(2.0 * B @ A, compute_uv=False)[:4]))
-True
+``dW = s * B @ A`` has rank <= r: with thin QRs ``B = Qb Rb`` and ``A^T = Qa Ra``, its
+singular values are those of the r x r core ``s Rb Ra^T``, so the out x in matrix is
+never formed.
 """
 from __future__ import annotations
 
@@ -39,13 +31,8 @@ _EPS32 = float(np.finfo(np.float32).eps)
 
 
 def effective_rank(S: np.ndarray) -> float:
-    """Entropy effective rank exp(H(p)), p = S / sum(S) (Roy & Vetterli, 2007).
-
-    Equals k for k equal non-zero singular values, less when they decay.
-
-    >>> effective_rank(np.array([3.0, 3.0, 0.0]))
-    2.0
-    """
+    """Entropy effective rank exp(H(p)), p = S / sum(S) (Roy & Vetterli, 2007): k for k
+    equal non-zero singular values, less when they decay."""
     S = np.asarray(S, np.float64)
     total = S.sum()
     if total <= 0:
@@ -123,9 +110,7 @@ def layer_kind_grid(rows: List[Dict[str, Any]], num: str, den: Optional[str] = N
 
 @dataclass(repr=False)
 class DeltaNorms(Report):
-    """Per-target delta norms. ``rows``: module, layer, kind, expert, shape, rank, fro,
-    rel (``fro / ||W||_F``, with a base), spectral, erank (entropy effective rank),
-    nrank (numerical rank). ``singular_values[i]`` holds row i's spectrum."""
+    """Per-target delta norms; ``singular_values[i]`` holds row i's spectrum."""
 
     column_help = {
         "module": "the adapted module (the delta dW = scale x B @ A lands on its weight)",
@@ -168,17 +153,9 @@ class DeltaNorms(Report):
 
 def delta_norms(adapter: Any, checkpoint: Any = None, *, rtol: Optional[float] = None
                 ) -> DeltaNorms:
-    """Norms, spectra and ranks of every delta ``dW = scale * B @ A`` of an adapter.
-
-    Args:
-        adapter: adapter directory or a loaded :class:`~lorakit.io.adapters.load.Adapter`.
-        checkpoint: optional base (directory, Checkpoint or in-memory mlx-lm model):
-            adds ``||W||_F`` and the relative size ``||dW||_F / ||W||_F``.
-        rtol: relative tolerance of the numerical rank (see :func:`numerical_rank`).
-
-    Returns:
-        A :class:`DeltaNorms` report. For DoRA the norms are those of the low-rank
-        part; the magnitude vector rescales rows on top of it.
+    """Norms, spectra and ranks of every delta ``dW = scale * B @ A`` of an adapter (for
+    DoRA, of the low-rank part). A base ``checkpoint`` adds ``||W||_F`` and
+    ``||dW||_F / ||W||_F``; ``rtol``: the numerical rank's tolerance.
 
     >>> n = delta_norms("data/adapters/lora", "data/tiny-qwen3")
     >>> n.summary["targets"], n.summary["largest ||dW||_F"]

@@ -1,56 +1,13 @@
 """``lorakit.diff``: are two checkpoints the same, and where and by how much not?
 
-The question after a fuse is usually "does lorakit's output equal ``mlx_lm
-fuse``'s (or PEFT's, or yesterday's)?". :func:`diff` answers with one table:
-first what matters for behaviour, the relative error ``rms(A - B) / rms(A)`` and the
-largest ulp distance at typical magnitudes, then elements compared and differing,
-those near zero (where ulp distances are huge and mean little: see
-:mod:`lorakit.inspect.ulp_count`), the largest ulp and absolute difference, per
-tensor and in total, plus every dtype or shape mismatch and every tensor present
-on one side only. It streams both checkpoints (see
-:func:`lorakit.inspect.diff.compare_sources`): memory stays bounded and
-identical bytes are skipped at ``memcmp`` speed.
-
-:meth:`DiffReport.ulp_report` is the same comparison seen as ulp histograms.
-
-``lorakit diff A B [--json]`` prints the same report.
+:func:`diff` streams both checkpoints in pieces compared as raw bytes first, only
+differing pieces decoded (:func:`compare_sources`), into one table: relative error, ulp
+distances, near-zero elements, mismatches. :meth:`DiffReport.ulp_report` shows it as ulp
+histograms; :func:`ulp_vs_reference` measures a fused checkpoint against the exact
+float64 fuse in ulps of its format (a correctly rounded fuse is never above 0.5).
 
 >>> diff("data/tiny-qwen3", "data/tiny-qwen3").identical
 True
-
-Two tensor sources compared tensor by tensor, streaming, one TensorDiff each.
-
-:func:`compare_sources` reads two checkpoints (or adapters, files, in-memory models)
-in fixed-size pieces (a few MB each, whatever the tensor's size): each piece is
-first compared as raw bytes (``memcmp`` speed) and only a piece whose bytes differ
-is decoded, by an :class:`~lorakit.inspect.ulp_count.Accumulator`. Pieces are
-compared on a few threads (numpy and the C kernel release the GIL) while the kernel
-reads ahead, so memory stays bounded whatever the checkpoints' size.
-:func:`lorakit.diff` turns the diffs into a report.
-
->>> sorted({d.status for d in compare_sources("data/tiny-qwen3", "data/tiny-qwen3")})
-['equal']
-
-Ulp histograms as a report: per tensor, per layer and overall.
-
-:class:`UlpReport` is what :meth:`DiffReport.ulp_report` (two checkpoints) and :func:`ulp_tensors` (two arrays) return: a row
-per tensor with its histogram in a few words, the histograms themselves
-(``counts``, ``per_layer``, ``overall``) and plots of them.
-
->>> bits_a = np.array([0x3F80, 0x0000, 0x8001], np.uint16)  # bf16 1.0, +0, -min_subnormal
->>> bits_b = np.array([0x3F81, 0x8000, 0x0001], np.uint16)  # next float up, -0, +min_sub.
->>> ulp_tensors(bits_a, bits_b, "bf16").rows[0]["max_ulp"]
-2
-
-A fused checkpoint against the exact fuse, in (fractional) ulps of its format.
-
-:func:`ulp_vs_reference` measures each fused weight against ``W + scale * B @ A``
-computed in float64 (the intended change of :func:`~lorakit.fusion.delta.intended_pieces`),
-in ulps of the fused tensor's own format: a correctly rounded fuse is never above
-0.5. :class:`RefUlpReport` holds the rows and the error histograms.
-
->>> error_histogram(np.array([0.0, 0.25, 0.5, 0.75, 3.0, np.nan]))[:6].tolist()
-[1, 2, 1, 0, 1, 0]
 """
 from __future__ import annotations
 
@@ -59,7 +16,7 @@ import math
 import mmap
 import os
 import threading
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
@@ -98,31 +55,32 @@ from .ulp_count import (
 __all__ = ["diff", "UlpReport", "ulp_vs_reference"]
 
 
+#: the columns DiffReport and UlpReport share, explained once
+_HELP = {
+    "tensor": "the tensor's name",
+    "dtype": "stored dtype (A/B when they differ)",
+    "elements": "number of elements compared",
+    "differing": "elements whose bits differ",
+    "max_ulp": "largest distance in units in the last place (ulp) of the dtype",
+    "rel_err": "rms(A - B) / rms(A): the error at the tensor's own scale (what behaviour feels)",
+    "max_ulp_typ": "largest ulp distance among elements of typical magnitude (>= the tensor's rms, "
+                   "rounded down to a power of two)",
+    "near_zero": "differing elements below 2^-10 of the tensor's scale: their ulps are tiny, "
+                 "so large ulp distances there mean little",
+}
+
+
 @dataclass(repr=False)
 class DiffReport(Report):
-    """Rows: tensor, status, dtype, shape, elements, differing, frac, max_ulp, max_abs.
-
-    ``identical`` is True when every tensor matches bit for bit and both sides hold
-    the same names. ``labels`` / ``overall``: the ulp histogram over all tensors
-    compared as same-dtype floats; ``diffs``: the per-tensor :class:`TensorDiff`;
-    ``sources``: the labels of A and B.
-    """
+    """A row per tensor; ``identical``: bit for bit with the same names on both sides;
+    ``overall``: the ulp histogram over all tensors; ``diffs``: the :class:`TensorDiff` s."""
 
     column_help = {
-        "tensor": "the tensor's name",
+        **_HELP,
         "status": "equal (bit for bit), differs, or a mismatch of name, dtype or shape",
-        "dtype": "stored dtype (A/B when they differ)",
         "shape": "the tensor's shape",
-        "elements": "number of elements compared",
-        "differing": "elements whose bits differ",
         "frac": "differing / elements",
-        "max_ulp": "largest distance in units in the last place (ulp) of the dtype",
         "max_abs": "largest absolute difference |A - B|",
-        "rel_err": "rms(A - B) / rms(A): the error at the tensor's own scale (what behaviour feels)",
-        "max_ulp_typ": "largest ulp distance among elements of typical magnitude (>= the tensor's rms, "
-                       "rounded down to a power of two)",
-        "near_zero": "differing elements below 2^-10 of the tensor's scale: their ulps are tiny, "
-                     "so large ulp distances there mean little",
     }
 
     identical: bool = False
@@ -158,23 +116,11 @@ class DiffReport(Report):
 def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
            names: Optional[Sequence[str]] = None, threads: Optional[int] = None,
            progress: Progress = True) -> DiffReport:
-    """Compare two checkpoints (or adapters, files, in-memory models) tensor by tensor.
-
-    Args:
-        a, b: anything :func:`lorakit.open` accepts.
-        max_bin: top ulp histogram bin.
-        names: restrict to these tensors.
-        threads: pieces compared in parallel (default ``min(4, cpu_count)``).
-        progress: a progress bar (tqdm.auto; none when stderr is not a terminal), or a
-            callable ``progress(done_bytes, total_bytes)``; False for neither.
-
-    Returns:
-        A :class:`DiffReport`; ``.identical`` says whether A and B are bit-identical.
-        Float tensors of the same dtype get exact ulp distances; tensors whose dtypes
-        differ (a float32 "fused" weight against a bfloat16 one) are compared by value
-        and listed as ``dtype mismatch``; integer tensors (packed quantized weights)
-        by equality.
-    """
+    """Compare two checkpoints (anything :func:`lorakit.open` accepts) tensor by tensor:
+    a :class:`DiffReport` (``.identical``: bit for bit). Same-dtype floats get exact ulp
+    distances, a dtype mismatch is compared by value, integer tensors by equality.
+    ``names``: only these tensors; ``threads``: default ``min(4, cpu_count)``;
+    ``progress``: tqdm, a callable ``(done_bytes, total_bytes)``, or False."""
     sa, sb = source.open(a), source.open(b)
     diffs = compare_sources(sa, sb, max_bin=max_bin, names=names, threads=threads,
                             progress=progress)
@@ -200,9 +146,7 @@ def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
         })
         if d.status != "equal":
             flagged.append(i)
-    by_status: Dict[str, List[str]] = {}
-    for d in diffs:
-        by_status.setdefault(d.status, []).append(d.name)
+    by_status = Counter(d.status for d in diffs)
     ulps = [d.max_ulp for d in diffs if d.max_ulp is not None]
     abss = [d.max_abs for d in diffs if d.max_abs is not None]
     elements = int(sum(d.elements for d in diffs))
@@ -213,7 +157,7 @@ def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
         "identical": identical,
         **scale_summary(diffs),
         "tensors": len(diffs),
-        "tensors differing": len(by_status.get("differs", [])),
+        "tensors differing": by_status["differs"],
         "elements compared": elements,
         "elements differing": differing,
         "fraction differing": differing / elements if elements else 0.0,
@@ -223,8 +167,8 @@ def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     for status, key in (("dtype mismatch", "dtype mismatches"), ("shape mismatch",
                         "shape mismatches"), ("only in A", "only in A"),
                         ("only in B", "only in B")):
-        if by_status.get(status):
-            summary[key] = len(by_status[status])
+        if by_status[status]:
+            summary[key] = by_status[status]
     nan = sum(d.nan_mismatch for d in diffs)
     if nan:
         summary["NaN mismatches"] = nan
@@ -235,9 +179,8 @@ def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                     f"{summary['max ulp at typical magnitudes (|a|, |b| >= rms(A))']} ulp at "
                     "typical magnitudes")
     return DiffReport(title=f"diff {sa.label} vs {sb.label}: {verdict}", rows=rows,
-                        columns=["tensor", "status", "dtype", "shape", "elements", "differing",
-                                 "frac", "rel_err", "max_ulp_typ", "near_zero", "max_ulp",
-                                 "max_abs"],
+                        columns="tensor status dtype shape elements differing frac rel_err "
+                        "max_ulp_typ near_zero max_ulp max_abs".split(),
                         summary=summary, flagged=flagged, identical=identical, labels=labels,
                         overall=overall, diffs=diffs, sources=(sa.label, sb.label))
 
@@ -286,9 +229,7 @@ class _Mapped:
         return (x.copy() if start % storage.itemsize else x).view(storage)  # kernels: aligned
 
     def release(self, info: TensorInfo, off: int, n: int, reader: str) -> None:
-        """``reader`` is done with bytes [off, off + n) of a tensor (each reader in file
-        order): its contiguous done bytes are unmapped 32 MB at a time (a page someone
-        still reads is mapped again from the page cache)."""
+        """``reader`` is done with bytes [off, off + n): unmapped 32 MB at a time."""
         key, start = (reader, str(info.file)), info.begin + off
         with self.lock:
             lo, hi = self.done.get(key, (start, start))
@@ -327,9 +268,8 @@ def _memcmp() -> Callable[[int, int, int], int]:
 def _file_piece(files: _Mapped, memcmp: Callable[[int, int, int], int], work: threading.local,
                 ia: TensorInfo, ib: TensorInfo, off: int, n: int, code: str, max_bin: int,
                 scale: Optional[TensorScale] = None) -> Union[int, Accumulator]:
-    """Compare bytes [off, off + n) of two tensors: the element count when the bytes are
-    equal (memcmp), else a partial :class:`Accumulator` of the piece. ``work`` keeps the
-    thread's numpy scratch arrays."""
+    """Bytes [off, off + n) of two tensors: the element count when equal, else the piece's
+    :class:`Accumulator` (``work``: the thread's scratch arrays)."""
     storage = bits_dtype(code)
     x, y = files.piece(ia, off, n, storage), files.piece(ib, off, n, storage)
     if memcmp(x.ctypes.data, y.ctypes.data, n) == 0:
@@ -367,9 +307,8 @@ def _compare_mixed(sa: TensorSource, sb: TensorSource, name_a: str, name_b: str,
 
 def _file_scale(files: _Mapped, info: TensorInfo, code: str, chunk: int,
                 threads: int) -> TensorScale:
-    """rms(A) of a tensor on disk, read on first use (its first differing piece) on
-    ``threads`` threads of its own (the stream's threads wait for it; the pieces' sums
-    are added in order, so the result does not depend on the threads)."""
+    """rms(A) of a tensor on disk, read at its first differing piece on ``threads`` threads
+    of its own (the sums added in order: the result does not depend on the threads)."""
     storage = bits_dtype(code)
 
     def piece(off: int) -> float:
@@ -397,24 +336,9 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                     chunk_bytes: int = CHUNK_BYTES, threads: Optional[int] = None,
                     progress: Progress = False
                     ) -> List[TensorDiff]:
-    """Compare every tensor of two sources, streaming; one :class:`TensorDiff` each.
-
-    Args:
-        a, b: checkpoint/adapter directories, .safetensors files, Checkpoints or
-            in-memory mlx-lm models (anything :func:`lorakit.open`
-            takes).
-        max_bin: top of the last power-of-two histogram bin.
-        names: compare only these tensor names.
-        chunk_bytes: bytes compared per piece and side.
-        threads: pieces compared at once (numpy releases the GIL); default
-            ``min(4, cpu_count)``. Memory: the pieces in flight, and under 32 MB per
-            file of compared bytes still mapped.
-        progress: a progress bar over A's bytes (tqdm.auto: a widget in notebooks, a
-            bar in terminals, nothing when stderr is not a terminal), or a callable
-            ``progress(done_bytes, total_bytes)``.
-
-    Rows come in A's order, then tensors only in B.
-    """
+    """Compare every tensor of two sources, streaming, in pieces of ``chunk_bytes`` per
+    side; one :class:`TensorDiff` each, in A's order, then tensors only in B. Memory: the
+    pieces in flight and under 32 MB per file still mapped."""
     if max_bin < 3 or (max_bin + 1) & max_bin:
         raise ArgumentError.bad("max_bin", max_bin, "2**k - 1 with k >= 2")
     sa, sb = source.open(a), source.open(b)
@@ -486,12 +410,8 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                             files.prefetch(fb_)
                 for off in range(0, ia.nbytes, chunk):
                     n = min(chunk, ia.nbytes - off)
-                    if pool is None:
-                        fut = _file_piece(files, memcmp, work, ia, ib, off, n, ma.dtype,
-                                          max_bin, scale)
-                    else:
-                        fut = pool.submit(_file_piece, files, memcmp, work, ia, ib, off, n,
-                                          ma.dtype, max_bin, scale)
+                    args = (files, memcmp, work, ia, ib, off, n, ma.dtype, max_bin, scale)
+                    fut = _file_piece(*args) if pool is None else pool.submit(_file_piece, *args)
                     pending.append((acc, fut, ia, ib, off, n))
                     drain(window)
         drain(0)
@@ -513,10 +433,7 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
 
 
 def scale_row(d: TensorDiff) -> Dict[str, Any]:
-    """A diff's figures at the tensor's scale, for a report row (0 for an equal tensor):
-    ``rel_err`` = rms(a - b) / rms(A), ``max_ulp_typ`` = the largest ulp distance among
-    elements whose magnitudes are at least ``2**floor(log2 rms(A))``, ``near_zero`` =
-    differing elements below ``2**-10`` of that (zeros and subnormals included)."""
+    """A diff's figures at the tensor's scale, for a report row (0 for an equal tensor)."""
     eq = d.status == "equal"
     return {"rel_err": 0.0 if eq else d.rel_rms,
             "max_ulp_typ": 0 if eq else d.max_ulp_typical,
@@ -528,9 +445,8 @@ def scale_row(d: TensorDiff) -> Dict[str, Any]:
 
 
 def scale_summary(diffs: Sequence[TensorDiff]) -> Dict[str, Any]:
-    """Summary lines that put the ulp distances at the tensors' scale (first: the
-    figure that matters for behaviour, the relative error), over the tensors that
-    differ with ulps measured. Empty when none does."""
+    """Summary lines that put the ulp distances at the tensors' scale, relative error first
+    (empty when no differing tensor has ulps)."""
     ds = [d for d in diffs if d.differing and d.rel_rms is not None]
     if not ds:
         return {}
@@ -558,29 +474,15 @@ def scale_summary(diffs: Sequence[TensorDiff]) -> Dict[str, Any]:
 
 @dataclass(repr=False)
 class UlpReport(Report):
-    """Ulp histograms of two sources, per tensor, per layer and overall.
-
-    ``rows``: tensor, layer, kind, dtype, elements, differing, max_ulp, mean_ulp,
-    hist. ``labels``: histogram bins. ``counts``: one histogram per row
-    (``counts[i]``, zeros for rows without ulps). ``overall`` / ``per_layer``: sums.
-    """
+    """Ulp histograms of two sources: ``counts[i]`` per row, ``per_layer``, ``overall``."""
 
     column_help = {
-        "tensor": "the tensor's name",
+        **_HELP,
         "layer": "transformer block number (None: outside the blocks)",
         "kind": "what the tensor is (q/k/v/o projection, mlp part, norm, ...)",
-        "dtype": "stored dtype (A/B when they differ)",
         "status": "equal (bit for bit), differs, or why it was not compared",
-        "elements": "number of elements compared",
-        "differing": "elements whose bits differ",
-        "max_ulp": "largest distance in units in the last place (ulp) of the dtype",
         "mean_ulp": "mean distance in ulp over all elements",
         "hist": "share of elements per ulp distance (largest bins)",
-        "rel_err": "rms(A - B) / rms(A): the error at the tensor's own scale (what behaviour feels)",
-        "max_ulp_typ": "largest ulp distance among elements of typical magnitude (>= the tensor's rms, "
-                       "rounded down to a power of two)",
-        "near_zero": "differing elements below 2^-10 of the tensor's scale: their ulps are tiny, "
-                     "so large ulp distances there mean little",
     }
 
     labels: List[str] = field(default_factory=list)
@@ -653,8 +555,8 @@ def ulp_report(title: str, diffs: Sequence[TensorDiff], labels: Sequence[str],
         "histogram": hist_text(labels, overall, top=6),
     })
     return UlpReport(title=title, rows=rows, summary=summary, flagged=flagged,
-                     columns=["tensor", "dtype", "status", "elements", "differing", "rel_err",
-                              "max_ulp_typ", "near_zero", "max_ulp", "mean_ulp", "hist"],
+                     columns="tensor dtype status elements differing rel_err max_ulp_typ near_zero "
+                     "max_ulp mean_ulp hist".split(),
                      labels=labels, counts=counts, overall=overall, per_layer=per_layer,
                      diffs=list(diffs))
 
@@ -678,13 +580,8 @@ def _as_bits(x: Any, fmt: Optional[str]) -> Tuple[np.ndarray, str]:
 
 def ulp_tensors(a: Any, b: Any, fmt: Optional[str] = None, *, name: str = "tensor",
                 max_bin: int = DEFAULT_MAX_BIN) -> UlpReport:
-    """Ulp distance histogram between two tensors of one format.
-
-    Args:
-        a, b: numpy float arrays (float16/float32), mlx arrays, or storage bits
-            (uint16/uint32) together with ``fmt``.
-        fmt: the format (``"bf16"``, ``"f16"``, ``"f32"``) when passing bits.
-    """
+    """Ulp distance histogram between two tensors of one format: numpy or mlx float
+    arrays, or storage bits (uint16/uint32) with ``fmt`` (``"bf16"``, ``"f16"``, ``"f32"``)."""
     xa, ca = _as_bits(a, fmt)
     xb, cb = _as_bits(b, fmt)
     if ca != cb or xa.shape != xb.shape:
@@ -699,7 +596,7 @@ def ulp_tensors(a: Any, b: Any, fmt: Optional[str] = None, *, name: str = "tenso
 
 
 # ---------------------------------------------------------------------------
-# A fused checkpoint against the exact fuse, in (fractional) ulps of its format.
+# A fused checkpoint against the exact fuse, in (fractional) ulps of its format
 
 
 _ERR_EDGES = np.array([0.5] + [2.0 ** k for k in range(0, 11)])
@@ -728,12 +625,8 @@ def error_histogram(err: np.ndarray) -> np.ndarray:
 
 @dataclass(repr=False)
 class RefUlpReport(Report):
-    """Ulp error of a fused checkpoint against the float64 fuse, per adapted tensor.
-
-    ``rows``: tensor, dtype, elements, max_err, mean_err, not_nearest (elements more
-    than 0.5 ulp off: not the correctly rounded value), hist. ``labels`` /
-    ``counts`` / ``overall``: histograms of the error.
-    """
+    """Ulp error of a fused checkpoint against the float64 fuse, per adapted tensor, with
+    histograms of the error (``labels`` / ``counts`` / ``overall``)."""
 
     column_help = {
         "tensor": "the adapted tensor's name",
@@ -765,10 +658,8 @@ class RefUlpReport(Report):
 
 
 class _RefScale:
-    """The error at the tensor's scale: rms(F - T) / rms(T), and per binade of |T|
-    the largest ulp error and the elements not correctly rounded, so that the error at
-    typical magnitudes (|T| >= 2**floor(log2 rms(T))) and near zero can be told apart
-    once rms(T) is known (see :mod:`lorakit.inspect.ulp_count`)."""
+    """rms(F - T) / rms(T), and per binade of |T| the largest ulp error and the elements
+    not correctly rounded (typical magnitudes and near zero told apart at the end)."""
 
     _LO = -200  # binade index offset: exponents of float64 |T| clipped to [-200, 200)
 
@@ -830,18 +721,9 @@ def _scale_summary(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
-    """Ulp error of each fused weight against the exact ``W + scale * B @ A`` (float64).
-
-    The error is measured with :func:`numerics.ulp_error_vs_reference` in ulps of
-    the fused tensor's own format: <= 0.5 everywhere means correctly rounded.
-    Quantized fused weights are listed but not measured (see :func:`check`).
-
-    >>> import lorakit
-    >>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")
-    >>> rep = ulp_vs_reference("fused", "data/tiny-qwen3", "data/adapters/lora")
-    >>> round(rep.summary["max error (ulp)"], 6), rep.summary["not correctly rounded"]
-    (0.5, 0)
-    """
+    """Ulp error of each fused weight against the exact ``W + scale * B @ A`` (float64),
+    in ulps of the fused tensor's own format: <= 0.5 everywhere means correctly rounded.
+    Quantized fused weights are listed but not measured (see :func:`check`)."""
     sf, sb = source.open(fused), source.open(base)
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
     by_tensor = bindings_by_tensor(bind(ad, sb))
@@ -897,7 +779,7 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
         "histogram": hist_text(labels, overall, top=6),
     }
     return RefUlpReport(title=f"ulp error of {sf.label} vs exact fuse", rows=rows,
-                        columns=["tensor", "dtype", "status", "elements", "rel_err", "max_err_typ",
-                                 "max_err", "mean_err", "not_nearest", "hist"],
+                        columns="tensor dtype status elements rel_err max_err_typ max_err mean_err "
+                        "not_nearest hist".split(),
                         summary=summary, flagged=flagged, labels=labels, counts=counts_arr,
                         overall=overall)

@@ -1,14 +1,8 @@
 """Per-layer dtype maps, from headers only.
 
-:func:`dtype_map` takes any tensor source (:func:`lorakit.open`) and reads headers only (a checkpoint's tensors are never touched):
-one row per tensor with its layer, kind (q, k, v, o, gate, up, down, norms,
-embed, head, ...), dtype and bytes, flagging every float tensor whose dtype is not
-the checkpoint's majority. That is where a fuse that forgot its cast lights up.
-
->>> import lorakit
->>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused-f32", dtype="promote")
->>> dm = dtype_map("fused-f32"); dm.flagged_names()[:2]
-['model.layers.3.mlp.up_proj.weight', 'model.layers.3.mlp.down_proj.weight']
+:func:`dtype_map` lists every tensor of a source (:func:`lorakit.open`) with its layer,
+kind, dtype and bytes, flagging float tensors whose dtype is not the checkpoint's
+majority: where a fuse that forgot its cast lights up.
 """
 from __future__ import annotations
 
@@ -29,12 +23,7 @@ __all__ = ["DtypeMap", "dtype_map"]
 
 @dataclass(repr=False)
 class DtypeMap(Report):
-    """Per-tensor dtypes and bytes of one source.
-
-    ``rows``: tensor, layer, kind, part, dtype, shape, bytes, flag. ``summary``:
-    majority dtype, bytes by dtype, tensors flagged. :meth:`grid` gives the
-    layer x kind table behind :meth:`plot`'s heatmap.
-    """
+    """Per-tensor dtypes and bytes of one source (:meth:`grid`: the layer x kind table)."""
 
     column_help = {
         "tensor": "the tensor's name in the checkpoint",
@@ -56,8 +45,7 @@ class DtypeMap(Report):
 
     def grid(self, part: str = "weight") -> Tuple[List[str], List[str], List[List[str]]]:
         """(row labels, kinds, cells): each cell the dtype of that layer's tensor of that
-        kind (``"Q4"`` for a 4-bit packed weight, ``"mixed"``, or ``""`` when absent).
-        Layer-less tensors (embed, head, final norm) form the row ``"-"``."""
+        kind (``"Q4"``, ``"mixed"``, ``""`` when absent); layer-less tensors in row ``"-"``."""
         labels, ks, groups = layer_kind_cells(r for r in self.rows if r["part"] in (part, ""))
         cells = {key: {r.get("stored_as") or r["dtype"] for r in rs} for key, rs in groups.items()}
 
@@ -85,18 +73,10 @@ class DtypeMap(Report):
 
 
 def dtype_map(source: Any) -> DtypeMap:
-    """Dtype and bytes of every tensor, per layer and kind, from headers only.
-
-    Args:
-        source: checkpoint directory, adapter directory, ``.safetensors`` file,
-            :class:`~lorakit.io.formats.checkpoint.Checkpoint`, or an in-memory mlx-lm model.
-
-    Returns:
-        A :class:`DtypeMap`. A float tensor whose dtype differs from the majority float
-        dtype is flagged. Quantized parts (packed ``.weight``, ``.scales``,
-        ``.biases``) are never flagged for that; their scales and biases are flagged
-        only when their dtype differs from the other scales' (as after a DoRA fuse of
-        a quantized model that wrote float32 scales).
+    """Dtype and bytes of every tensor of ``source`` (anything :func:`lorakit.open` takes),
+    per layer and kind, from headers only. A float tensor whose dtype differs from the
+    majority is flagged; quantization scales and biases only when they differ from the
+    other scales' (a DoRA fuse of a quantized model that wrote float32 scales).
 
     >>> dm = dtype_map("data/tiny-qwen3")
     >>> dm.summary["expected dtype"], dm.summary["flagged"]
@@ -105,8 +85,7 @@ def dtype_map(source: Any) -> DtypeMap:
     src = sources.open(source)
     metas = list(src.tensors.values())
     names = src.tensors
-    # the dtype the model is meant to have: config.json's, else the majority by elements
-    # (after a careless fuse the promoted f32 projections can be the majority)
+    # config.json's dtype, else the majority (a careless fuse's f32 may be the majority)
     majority = config_dtype(src.config) or src.dtype
     # a module is quantized when it has .scales next to an integer .weight
     qmods = {n[: -len(".scales")] for n in names if n.endswith(".scales")

@@ -1,10 +1,7 @@
-"""``lorakit.extract``: the extract of :mod:`lorakit.algebra.extract` with its behaviour
-line: the tuned model against base + the extracted adapter (attached unfused) on the
-embedded corpus, by :func:`lorakit.compare_outputs` (mean KL, top-1 agreement).
-
-The line needs both checkpoints as model folders (``config.json`` beside the weights);
-elsewhere the summary says it was not measured. ``behaviour=False`` (``--no-behaviour``)
-skips it.
+"""``lorakit.extract``: :mod:`lorakit.algebra.extract` with its behaviour line, the
+tuned model against base + the extracted adapter (unfused) on the embedded corpus
+(:func:`lorakit.compare_outputs`). Both checkpoints must be model folders, else the
+summary says it was not measured; ``behaviour=False`` skips it.
 """
 from __future__ import annotations
 
@@ -24,17 +21,9 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
             save_path: Any = None, force: bool = False, progress: Progress = True,
             **settings: Any) -> ExtractReport:
     """Extract a LoRA adapter from a tuned checkpoint and its base (a truncated SVD per
-    module) and score how it behaves.
-
-    Args and settings as :func:`lorakit.algebra.extract.extract` (``rank=`` or
-    ``energy=``, ``modules=``, ...: the fields of
-    :class:`~lorakit.algebra.extract.ExtractOptions`), plus ``behaviour``: True (1024
-    corpus tokens, the default), a token count, or False.
-
-    Returns:
-        An :class:`~lorakit.algebra.extract.ExtractReport`: ``.adapter``, the rows, and
-        ``.behaviour`` (the numbers of the summary's ``behaviour`` line).
-    """
+    module) and score how it behaves: :func:`lorakit.algebra.extract.extract`'s arguments
+    (``rank=`` or ``energy=``, ``modules=``...), ``behaviour`` True (1024 tokens, the
+    default), a token count or False. An ``ExtractReport`` with ``.behaviour``."""
     opts = ExtractOptions.of(options, settings)
     rep = extract_lowrank(base, tuned, opts, save_path=save_path, force=force,
                           progress=progress)

@@ -1,19 +1,9 @@
 """Greedy outputs of several models side by side: where do they part ways, and how close was it?
 
-Bits are not behaviour: two fused checkpoints that differ by one ulp here and
-there may generate the same text, or part at the first near-tie. This helper
-decodes the same prompts greedily (argmax, no sampling, so every run gives the
-same tokens) through mlx-lm's own models and KV caches, all models in lockstep,
-and records per step each model's chosen token and its top1 - top2 logit margin.
-When two models first choose different tokens it also records how far apart
-those two tokens were in each model's logits: a divergence at a margin of 0.01
-is a coin toss that rounding decided, one at a margin of 5 is a real difference.
-
->>> rep = compare_generations({"base": ("data/tiny-qwen3", None),
-...                            "adapter": ("data/tiny-qwen3", "data/adapters/lora")},
-...                           ["And it came to pass"], max_tokens=8)
->>> rep.first_divergence().step, rep.rows[0]["text"]
-(0, ', that the LORD spake unto the LORD')
+The same prompts decoded greedily through mlx-lm's own models, all in lockstep,
+recording per step each model's token and its top1 - top2 logit margin; where two
+models first part, how far apart the two tokens were in each model's logits (a
+divergence at a margin of 0.01 is a coin toss that rounding decided).
 """
 from __future__ import annotations
 
@@ -35,13 +25,9 @@ __all__ = ["GenerationReport", "compare_generations"]
 
 @dataclass
 class Divergence:
-    """Where two greedy decodes first chose different tokens.
-
-    ``step``: index of the first differing generated token. ``token_a`` /
-    ``token_b``: the tokens chosen there. ``margin_a`` / ``margin_b``: each model's
-    top1 - top2 logit at that step. ``gap_a``: logit_a[token_a] - logit_a[token_b]
-    (how much model A preferred its token over B's); ``gap_b`` likewise.
-    """
+    """Where two greedy decodes first chose different tokens: the ``step``, both tokens,
+    each model's top1 - top2 ``margin`` there, and ``gap_a`` = logit_a[token_a] -
+    logit_a[token_b] (how much A preferred its token over B's; ``gap_b`` likewise)."""
 
     a: str
     b: str
@@ -69,11 +55,8 @@ class Generation:
 
 @dataclass(repr=False)
 class GenerationReport(Report):
-    """Rows: prompt, model, tokens, diverges_at (vs the first model), margin, gap, text.
-
-    ``generations[p][m]``: the :class:`Generation` of prompt ``p`` by model ``m``;
-    ``divergences[p]``: the :class:`Divergence` of every pair of models that parted.
-    """
+    """``generations[p][m]``: the :class:`Generation` of prompt ``p`` by model ``m``;
+    ``divergences[p]``: the :class:`Divergence` of every pair of models that parted."""
 
     column_help = {
         "prompt": "prompt number",
@@ -184,13 +167,13 @@ def _decode_lockstep(models: Dict[str, Tuple[Any, Any]], prompt: str, max_tokens
             if ta is None and tb is None:
                 continue  # both stopped on the same tokens
             if ta != tb:
-                la, lb = logits[a], logits[b]
-                divs.append(Divergence(
-                    a, b, step, -1 if ta is None else ta, -1 if tb is None else tb,
-                    gens[a].margin[step] if ta is not None else float("nan"),
-                    gens[b].margin[step] if tb is not None else float("nan"),
-                    float(la[ta] - la[tb]) if ta is not None and tb is not None else float("nan"),
-                    float(lb[tb] - lb[ta]) if ta is not None and tb is not None else float("nan")))
+                la, lb, nan = logits[a], logits[b], float("nan")
+                ma = gens[a].margin[step] if ta is not None else nan
+                mb = gens[b].margin[step] if tb is not None else nan
+                both = ta is not None and tb is not None
+                ga, gb = (float(la[ta] - la[tb]), float(lb[tb] - lb[ta])) if both else (nan, nan)
+                ia, ib = -1 if ta is None else ta, -1 if tb is None else tb
+                divs.append(Divergence(a, b, step, ia, ib, ma, mb, ga, gb))
                 in_sync.discard((a, b))
         for m, t in chosen.items():
             model, tok = models[m]
@@ -213,18 +196,11 @@ def compare_generations(models: Mapping[str, Any], prompts: Sequence[str] | str,
                         max_tokens: int = 32, *, chat: bool = False) -> GenerationReport:
     """Greedy-decode ``prompts`` with every model and report where outputs part.
 
-    Args:
-        models: label -> a model directory, ``(path, adapter_path or None)`` (loaded
-            with ``mlx_lm.load``), or an already loaded ``(model, tokenizer)``.
-            The first model is the reference the table measures divergence against.
-        prompts: one prompt or several.
-        max_tokens: tokens generated per prompt and model (fewer on EOS).
-        chat: wrap each prompt in the tokenizer's chat template when it has one.
-
-    Returns:
-        A :class:`GenerationReport`: text side by side, the first divergent token of
-        each model against the reference with both models' logit margins there, and
-        per-step margins (``generations``) for plots.
+    ``models``: label -> a model directory, ``(path, adapter_path or None)`` or a loaded
+    ``(model, tokenizer)``; the first is the reference. ``max_tokens`` per prompt and
+    model (fewer on EOS); ``chat``: use the tokenizer's chat template. A
+    :class:`GenerationReport`: text side by side, each model's first divergence from the
+    reference with both logit margins there, per-step margins in ``generations``.
     """
     if len(models) < 2:
         raise ArgumentError.bad("models", f"{len(models)} model(s)", "at least two models")
@@ -271,6 +247,5 @@ def compare_generations(models: Mapping[str, Any], prompts: Sequence[str] | str,
             next(n for n in f32.values() if n)
     return GenerationReport(title=f"greedy outputs of {len(labels)} models",
                             rows=rows, summary=summary, flagged=flagged,
-                            columns=["prompt", "model", "tokens", "diverges_at", "margin",
-                                     "ref_margin", "gap", "text"],
+                            columns="prompt model tokens diverges_at margin ref_margin gap text".split(),
                             generations=all_gens, divergences=all_divs)

@@ -1,19 +1,10 @@
-"""Mixture-of-experts layers on MLX's CPU: run them in float32.
+"""Models whose dtype MLX's CPU refuses for an op: run them in float32.
 
-MLX's CPU ``GatherMM`` (the kernel behind mlx-lm's ``SwitchLinear`` and
-``LoRASwitchLinear``) supports float32 only today; a bf16 MoE checkpoint fails on
-its first forward pass with ``[GatherMM::eval] Currently only supports float32``.
-:func:`moe_float32_on_cpu` wraps each expert block (``SwitchGLU`` / ``SwitchMLP``)
-of a loaded model so that on CPU it computes in float32 (its weights cast once) and
-hands its output back in the input's dtype; everything else keeps its dtype.
-Generation (``compare_generations``) and decode timing call it and say so in their
-reports. On a GPU, or for quantized experts (``gather_qmm``), it changes nothing.
-
-Other ops of other models (hybrid / SSM layers, a future kernel) may be refused the same
-way. :func:`float32_if_refused` finds those by trying: one short forward pass; if MLX
-refuses it with its "only supports float32" error, the model's float parameters are cast
-to float32 (in place) and the caller's report says so (:data:`F32_NOTE`). No list of
-model names is kept.
+MLX's CPU ``GatherMM`` (mlx-lm's ``SwitchLinear``) supports float32 only:
+:func:`moe_float32_on_cpu` wraps each expert block to compute in float32 on CPU and
+hand its output back in the input's dtype. :func:`float32_if_refused` tries one short
+forward pass and, if MLX refuses it, casts the model's float parameters to float32 in
+place; the caller's report says so (:data:`F32_NOTE`).
 """
 from __future__ import annotations
 
@@ -47,9 +38,8 @@ def _float_dtype(model: Any) -> str:
 
 
 def run_or_float32(model: Any, fn: Any) -> Any:
-    """``fn()`` evaluated; if MLX's CPU refuses an op's dtype, cast ``model``'s float
-    parameters to float32 (in place) and run it again. Returns ``(result, note)``:
-    ``note`` is "" when nothing changed, else :data:`F32_NOTE` filled in."""
+    """``(fn(), note)``; if MLX's CPU refuses an op's dtype, ``model`` is cast to float32 in
+    place and ``fn`` run again (``note``: :data:`F32_NOTE` filled in, else "")."""
     import mlx.core as mx  # lazy: MLX only when a model is loaded
 
     try:
@@ -67,10 +57,8 @@ def run_or_float32(model: Any, fn: Any) -> Any:
 
 
 def float32_if_refused(model: Any, vocab: int = 2) -> str:
-    """On MLX's CPU, one short forward pass of ``model`` (token ids 0 and 1, fewer when
-    ``vocab`` is 1); where MLX refuses an op in the model's dtype, the model's float
-    parameters are cast to float32 in place. Returns the note for the report ("" when
-    the model ran as it is, and always on a GPU)."""
+    """On MLX's CPU, one short forward pass of ``model``; where MLX refuses an op in its
+    dtype, it is cast to float32 in place. The report's note ("" when it ran as it is)."""
     import mlx.core as mx  # lazy: MLX only when a model is loaded
 
     if mx.default_device().type != mx.cpu:  # MLX's GPU kernels take every float dtype
@@ -92,9 +80,7 @@ def _needs_f32(block: Any) -> bool:
 
 
 def moe_float32_on_cpu(model: Any) -> List[str]:
-    """Make ``model``'s MoE expert blocks compute in float32 when MLX's default device
-    is the CPU (in place). Returns the paths of the blocks changed (empty: nothing to
-    do)."""
+    """Make ``model``'s MoE blocks compute in float32 on MLX's CPU; the blocks changed."""
     import mlx.core as mx  # lazy: MLX only when a model is loaded
 
     if mx.default_device().type != mx.cpu:

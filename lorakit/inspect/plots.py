@@ -1,15 +1,12 @@
-"""Every matplotlib figure the inspection reports draw.
+"""Every matplotlib figure the inspection reports draw (from their ``plot()`` methods).
 
-Reports call these from their ``plot()`` methods; matplotlib is imported inside
-each function, so importing lorakit (or any report module) never imports it.
-Figures are made with ``matplotlib.figure.Figure`` rather than pyplot: no global
-state, no GUI backend, and Jupyter still renders a returned Figure inline. Pass
-``ax=`` to draw into an axes of your own; the axes' figure is returned.
+matplotlib is imported inside each function and figures are ``matplotlib.figure.Figure``
+(no pyplot state); pass ``ax=`` to draw into your own axes (its figure is returned).
 """
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:
     import numpy as np
@@ -36,12 +33,8 @@ def _new(ax, size: Tuple[float, float]):
 
 
 def _show_figures_in_notebooks(figure_cls) -> None:
-    """Let a returned Figure display as a PNG in a running IPython kernel.
-
-    Figures here are made without pyplot (no global state, no GUI), so IPython only
-    knows how to show them once ``%matplotlib inline`` has run; register the same
-    PNG formatter it would. Outside IPython nothing happens.
-    """
+    """Let a returned Figure display as a PNG in a running IPython kernel (IPython knows
+    pyplot-free figures only after ``%matplotlib inline``: register its PNG formatter)."""
     try:
         from IPython import get_ipython  # lazy: optional, only to register a formatter
     except ImportError:
@@ -74,15 +67,8 @@ def _fit(n_rows: int, n_cols: int, base: Tuple[float, float] = (4.0, 2.5)) -> Tu
 def dtype_heatmap(dm, ax=None, part: str = "weight"):
     """Layers x kinds, one colour per dtype; flagged tensors outlined in black."""
     import numpy as np  # lazy: the dtype map's header path starts without numpy
-
-    # lazy: matplotlib only when a figure is drawn
-    from matplotlib.colors import (
-        ListedColormap,  # lazy: matplotlib only when a figure is drawn
-    )
-    from matplotlib.patches import (  # lazy: matplotlib only when a figure is drawn
-        Patch,
-        Rectangle,
-    )
+    from matplotlib.colors import ListedColormap  # lazy: matplotlib only when drawing
+    from matplotlib.patches import Patch, Rectangle  # lazy: matplotlib only when drawing
 
     labels, kinds, cells = dm.grid(part)
     flags = dm.flag_grid(part)
@@ -115,20 +101,15 @@ def value_heatmap(labels: Sequence[str], kinds: Sequence[str], values: np.ndarra
                   vmin: Optional[float] = None, vmax: Optional[float] = None):
     """A layer x kind heatmap of numbers (NaN cells left blank)."""
     import numpy as np  # lazy: the dtype map's header path starts without numpy
-    from matplotlib.colors import (
-        LogNorm,  # lazy: matplotlib only when a figure is drawn
-    )
+    from matplotlib.colors import LogNorm  # lazy: matplotlib only when drawing
 
     fig, ax = _new(ax, _fit(len(labels), len(kinds)))
     v = np.ma.masked_invalid(np.asarray(values, dtype=float))
-    norm = None
+    scale: Dict[str, Any] = dict(vmin=vmin, vmax=vmax)
     if log and v.count() and (v > 0).any():
         pos = v[v > 0]
-        norm = LogNorm(vmin=vmin or float(pos.min()), vmax=vmax or float(pos.max()))
-        im = ax.imshow(v, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
-    else:
-        im = ax.imshow(v, aspect="auto", interpolation="nearest", cmap=cmap, vmin=vmin,
-                       vmax=vmax)
+        scale = dict(norm=LogNorm(vmin=vmin or float(pos.min()), vmax=vmax or float(pos.max())))
+    im = ax.imshow(v, aspect="auto", interpolation="nearest", cmap=cmap, **scale)
     ax.set_xticks(range(len(kinds)), list(kinds), rotation=60, ha="right")
     ax.set_yticks(range(len(labels)), list(labels))
     ax.set_ylabel("layer")
@@ -218,9 +199,8 @@ def margin_lines(series: Dict[str, Sequence[float]], *, title: str, diverge: Opt
 
 
 def kl_figure(kl: np.ndarray, context: int, *, title: str, ax=None):
-    """Per-token KL: its distribution (log-spaced histogram) and its course along the
-    text (per-window mean, window boundaries every ``context - 1`` scored tokens).
-    With ``ax``: only the course, drawn there."""
+    """Per-token KL: its distribution and its course along the text (per-window means);
+    with ``ax`` only the course, drawn there."""
     import numpy as np  # lazy: the dtype map's header path starts without numpy
 
     kl = np.asarray(kl, dtype=np.float64)

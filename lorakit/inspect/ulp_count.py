@@ -1,58 +1,13 @@
 """Exact ulp distances of two pieces of storage, counted into histograms.
 
-An ulp distance counts how many representable values of the format lie between
-two values (:func:`lorakit.numerics.ulp_distance`: +0 and -0 are the same point,
-the line runs through the subnormals, inf is one past the largest finite value,
-NaN against NaN is 0 and NaN against a number is a mismatch). Histograms use the
-bins of :func:`lorakit.numerics.ulp_histogram` (0, 1, 2, 3, 4-7, 8-15, ...), so
-tensors, layers and checkpoints line up.
-
-:class:`Accumulator` folds pieces of one tensor's raw storage (as bits) into a
-histogram and totals, and :meth:`Accumulator.result` writes them into a
-:class:`TensorDiff`. Decoding runs in the optional C kernel (``_ulpkernel.c``: one
-vectorised pass per block of 256 elements, built at install where a C compiler is
-found) or, without it, in numpy: for 16-bit formats a few integer passes over the
-bits (:func:`_positions16`), where few elements differ only those; pieces holding a
-NaN, and float32 tensors, go through ``numerics.ulp_distance`` itself. Both paths
-give the same numbers, bit for bit (tests/inspect/test_ulp_count.py).
-
->>> acc = Accumulator("BF16", DEFAULT_MAX_BIN)
->>> acc.add(np.array([0x3F80, 0x0000], np.uint16), np.array([0x3F81, 0x8000], np.uint16))
->>> td = acc.result(TensorDiff("t", "", "BF16", "BF16", (2,), (2,)))
->>> (td.differing, td.max_ulp, hist_text(bin_labels(), td.counts))
-(2, 1, '0:50% 1:50%')
-
-What an ulp distance means at the tensor's scale: relative error, zero crossings.
-
-An ulp distance counts representable values between two numbers, so it is huge for
-values near zero: bf16 ``0`` against ``-0.00087`` is 14,949 steps apart although the
-two differ by less than a hundredth of a typical weight. Beside the exact ulp
-histogram of :class:`~lorakit.inspect.ulp_count.Accumulator`,
-:class:`ScaleStats` gathers what puts a difference at the tensor's scale:
-
-- ``rms_a``: the rms of A's values over the whole tensor (A is the first source of a
-  comparison: "the tensor's typical magnitude"), and ``rel_rms = rms(a - b) / rms_a``;
-- ``sign_changes``: differing elements of opposite signs, both non-zero, and
-  ``to_zero``: zero on one side only (together: the zero crossings);
-- ``near_zero``: differing elements with ``min(|a|, |b|) < near_zero_below =
-  2**(floor(log2 rms_a) + NEAR_ZERO_LOG2)`` (zeros and subnormals always count);
-- ``max_ulp_typical``: the largest ulp distance among differing elements with
-  ``min(|a|, |b|) >= typical_from = 2**floor(log2 rms_a)``: the figure to set beside
-  the rounding of a fuse (0.5 ulp, a few ulps for double rounding).
-
-The thresholds need rms(A) before the first differing piece of a tensor is compared:
-:class:`TensorScale` computes it once, on demand (a tensor whose bytes are all equal
-never needs it), so that each piece then costs one branch-free pass (the C kernel's
-``scale``, or numpy: the same numbers up to the order of float sums).
-:func:`binades` lists one tensor's differing elements by magnitude, for a closer look.
-
->>> a = np.array([0x3F80, 0x3F80, 0x3727, 0x3F00], np.uint16)  # 1, 1, ~1e-5, 0.5
->>> b = np.array([0x3F81, 0x3F80, 0xBA64, 0x3F00], np.uint16)  # 1.0078, 1, ~-0.00087, 0.5
->>> s = ScaleStats("BF16", TensorScale.of(a, "BF16"))
->>> s.add(a, b)
->>> r = s.finish(4, max_abs=0.0078125)
->>> r["sign_changes"], r["near_zero"], r["max_ulp_typical"]
-(1, 1, 1)
+An ulp distance counts the representable values between two values
+(:func:`lorakit.numerics.ulp_distance`); histograms use the bins of
+:func:`lorakit.numerics.ulp_histogram`. :class:`Accumulator` folds pieces of one
+tensor's storage bits into a histogram and totals, in the optional C kernel
+(``_ulpkernel.c``) or in numpy: the same numbers, bit for bit
+(tests/inspect/test_ulp_count.py). :class:`ScaleStats` puts the differences at the
+tensor's scale (relative error, zero crossings, near-zero elements), since ulp
+distances near zero are huge and mean little.
 """
 from __future__ import annotations
 
@@ -77,42 +32,30 @@ _KERNEL_FMT = {"BF16": 0, "F16": 1, "F32": 2}
 
 
 def scale_kernel():
-    """The C ulp kernel (``_ulpkernel.c``) where it is built and kernels are on, else None
-    (the numpy path: the same numbers)."""
+    """The C ulp kernel where it is built and kernels are on, else None (numpy)."""
     return kernels.load("lorakit.inspect._ulpkernel")
 
 
-#: bytes per piece and side: big enough that syscalls are cheap, small enough that
-#: the int32 temporaries of a fully differing piece stay in the CPU's caches.
+#: bytes per piece and side: the int32 temporaries of a differing piece stay in cache
 CHUNK_BYTES = 1 << 20
 _ULP16 = ("BF16", "F16")
 #: float tensors are compared as their bits (NaN payloads included), never as floats
-_BITS = {"BF16": np.dtype("<u2"), "F16": np.dtype("<u2"), "F32": np.dtype("<u4"),
-         "F64": np.dtype("<u8")}
+_BITS = dict(BF16=np.dtype("<u2"), F16=np.dtype("<u2"), F32=np.dtype("<u4"), F64=np.dtype("<u8"))
 
 
 def bits_dtype(code: str) -> np.dtype:
     """numpy dtype holding a tensor's storage as plain bits (unsigned ints for floats;
-    bytes for the packed sub-byte codes, F4 / F6_*, compared byte by byte).
-
-    >>> bits_dtype("BF16"), bits_dtype("I8"), bits_dtype("F4")
-    (dtype('uint16'), dtype('int8'), dtype('uint8'))
-    """
+    bytes for the packed sub-byte codes, F4 / F6_*, compared byte by byte)."""
     return _BITS.get(code) or NUMPY_STORAGE.get(code) or np.dtype("<u1")
 
 
 # -- per-tensor accumulation -------------------------------------------------------------
 @dataclass
 class TensorDiff:
-    """How two tensors of the same name compare.
-
-    ``status``: ``equal`` (bit for bit), ``differs``, ``dtype mismatch``, ``shape
-    mismatch``, ``only in A``, ``only in B``. ``differing`` counts elements whose
-    bits differ (for a dtype mismatch: whose values differ). ``counts`` is the ulp
-    histogram (bins of :func:`numerics.ulp_histogram`) for float tensors of one
-    dtype, None otherwise; ``max_ulp`` / ``ulp_sum`` leave NaN mismatches out
-    (they are counted in ``nan_mismatch``).
-    """
+    """How two tensors of the same name compare. ``status``: ``equal`` (bit for bit),
+    ``differs``, ``dtype mismatch``, ``shape mismatch``, ``only in A`` or ``only in B``;
+    ``counts``: the ulp histogram (same-dtype floats only); ``max_ulp`` / ``ulp_sum``
+    leave NaN mismatches out (``nan_mismatch``)."""
 
     name: str
     status: str
@@ -127,10 +70,7 @@ class TensorDiff:
     ulp_sum: float = 0.0
     max_abs: Optional[float] = None
     counts: Optional[np.ndarray] = None
-    #: at the tensor's scale (lorakit.inspect.ulp_count, fields SCALE_FIELDS): rms of A,
-    #: rms(a - b) / rms(A), max |a - b| / rms(A) and in ulps at rms(A), sign changes,
-    #: elements zero on one side, differing elements near zero and the largest ulp
-    #: distance at typical magnitudes
+    #: at the tensor's scale (SCALE_FIELDS, see ScaleStats)
     rms_a: Optional[float] = None
     rel_rms: Optional[float] = None
     max_rel: Optional[float] = None
@@ -150,8 +90,7 @@ class TensorDiff:
 
 
 class Scratch:
-    """Scratch arrays reused by every piece: numpy ops write into them (``out=``), so a
-    fully differing piece allocates (almost) nothing and stays in the CPU caches."""
+    """Scratch arrays reused by every piece (numpy's ``out=``)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -170,8 +109,7 @@ class Scratch:
         return self if n <= self.n else Scratch(n)
 
     def cap16(self, value: int, k: int) -> np.ndarray:
-        """``k`` copies of ``value`` as int16: ``np.minimum`` against an array runs in
-        SIMD, against a Python scalar it is six times slower."""
+        """``k`` copies of ``value`` as int16 (``np.minimum`` against an array is SIMD)."""
         c = self._caps.get(value)
         if c is None:
             c = self._caps[value] = np.full(self.n, value, np.int16)
@@ -179,12 +117,8 @@ class Scratch:
 
 
 def _positions16(x: np.ndarray, out: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """Sign-magnitude 16-bit floats -> int16 positions on the ulp line, in place.
-
-    ``pos = x`` for a positive sign, ``-(x & 0x7FFF)`` for a negative one: +0 and -0
-    both land on 0 and neighbouring floats are 1 apart (NaNs are handled by the caller).
-    Four int16 passes, no table lookups: a gather costs ten times more per element.
-    """
+    """Sign-magnitude 16-bit floats -> int16 positions on the ulp line (``-(x & 0x7FFF)``
+    for a negative sign: +0 and -0 both at 0), in place, in four int16 passes."""
     xv = x.view(np.int16)
     np.right_shift(xv, 15, out=s)  # -1 for negative, 0 otherwise
     np.bitwise_and(s, 0x7FFF, out=out)
@@ -220,12 +154,8 @@ class Accumulator:
             self.raw[0] += n
 
     def _count(self, d: np.ndarray) -> None:
-        """Add non-negative distances (no NaN sentinels) to the histogram and totals.
-
-        Distances above ``max_bin`` are capped to ``max_bin + 1`` before counting, so
-        ``np.bincount`` fills at most ``max_bin + 2`` counters whatever the distances
-        (a count vector as long as the largest distance costs more than the counting).
-        """
+        """Add non-negative distances to the histogram and totals (capped to ``max_bin +
+        1`` first, so that ``np.bincount`` fills at most ``max_bin + 2`` counters)."""
         if not d.size:
             return
         k = d.size
@@ -263,7 +193,6 @@ class Accumulator:
         fmt = _KERNEL_FMT.get(self.code)
         kernel = scale_kernel() if fmt is not None else None
         if kernel is not None and x.dtype.isnative and y.dtype.isnative:
-            # one pass in C: the same numbers as the numpy path below, 3-4x faster
             diff, nan, top, total, mabs = kernel.accumulate(
                 np.ascontiguousarray(x), np.ascontiguousarray(y), fmt, self.raw)
             self.n += n
@@ -276,8 +205,7 @@ class Accumulator:
         w = self.work = (self.work or Scratch(n)).fit(n)
         per = 8 // x.itemsize
         if n % per == 0:
-            # Find differing 8-byte words first: a quarter of the elements to scan (for
-            # 16-bit data), and where few differ only those words are looked at again.
+            # differing 8-byte words first: where few differ, only those are looked at again
             words = np.not_equal(x.view(np.uint64), y.view(np.uint64), out=w.mask[:n // per])
             nwords = int(np.count_nonzero(words))
             if nwords == 0:
@@ -437,14 +365,12 @@ def hist_text(labels: Sequence[str], counts: Optional[np.ndarray], top: int = 3)
 # What an ulp distance means at the tensor's scale: relative error, zero crossings.
 
 
-#: differing elements whose smaller magnitude is below 2**NEAR_ZERO_LOG2 * rms(A)
-#: (rounded down to a power of two) are "near zero": their ulp distances say little
+#: "near zero": min(|a|, |b|) below 2**NEAR_ZERO_LOG2 * rms(A) (a power of two)
 NEAR_ZERO_LOG2 = -10
 #: what :meth:`ScaleStats.finish` returns (and TensorDiff carries)
-SCALE_FIELDS = ("rms_a", "rel_rms", "max_rel", "max_ulp_at_rms", "sign_changes", "to_zero",
-                "near_zero", "near_zero_below", "typical_from", "max_ulp_typical")
+SCALE_FIELDS = ("rms_a rel_rms max_rel max_ulp_at_rms sign_changes to_zero near_zero "
+                "near_zero_below typical_from max_ulp_typical").split()
 _FLOAT = {"BF16", "F16", "F32"}
-_KERNEL_FMT = {"BF16": 0, "F16": 1, "F32": 2}
 
 
 def ulp_at(value: float, code: str) -> float:
@@ -474,8 +400,7 @@ def sumsq(x: np.ndarray, code: str, kernel: Any = None) -> float:
     """Sum of squares of a piece's values (storage bits); inf or NaN give inf or NaN."""
     if kernel is not None and hasattr(kernel, "sumsq"):
         return kernel.sumsq(np.ascontiguousarray(x), _KERNEL_FMT[code])
-    # float64 sums (a float32 dot's rounding depends on the BLAS build: 1e-6 relative at
-    # 50k elements on some), a million values at a time so memory stays a piece's
+    # float64 sums (a float32 dot's rounding depends on the BLAS build), 2**20 at a time
     v, total = _values32(x, code).reshape(-1), 0.0
     with np.errstate(over="ignore", invalid="ignore"):
         for s in range(0, v.size, 1 << 20):
@@ -492,15 +417,13 @@ def _thresholds(rms: float, code: str) -> Tuple[int, int, float, float]:
     nb = 1 << f.exponent_bits
     tn = min(max(rms_exp + NEAR_ZERO_LOG2 + f.emax, 1), nb - 1)
     tt = min(max(rms_exp + f.emax, 1), nb - 1)
-    return (tn << f.mantissa_bits, tt << f.mantissa_bits, 2.0 ** (tn - f.emax),
-            2.0 ** (tt - f.emax))
+    m, e = f.mantissa_bits, f.emax
+    return tn << m, tt << m, 2.0 ** (tn - e), 2.0 ** (tt - e)
 
 
 class TensorScale:
-    """rms(A) of one tensor and the thresholds it sets, computed once on first use.
-
-    ``sumsq_fn`` returns the sum of squares of A's values over the whole tensor of
-    ``n`` elements. Shared by the pieces of a tensor (thread-safe)."""
+    """rms(A) of one tensor of ``n`` elements and the thresholds it sets, computed once on
+    first use by ``sumsq_fn`` (thread-safe: shared by the tensor's pieces)."""
 
     def __init__(self, code: str, n: int, sumsq_fn: Callable[[], float]) -> None:
         self.code, self.n, self._fn = code, n, sumsq_fn
@@ -524,7 +447,11 @@ class TensorScale:
 
 
 class ScaleStats:
-    """Scale statistics of one tensor's comparison (see the module docstring)."""
+    """Scale statistics of one tensor's comparison: ``rms_a`` and ``rel_rms = rms(a - b)
+    / rms_a``; ``sign_changes`` and ``to_zero`` (zero on one side only); ``near_zero``:
+    differing elements with ``min(|a|, |b|) < near_zero_below`` (2**NEAR_ZERO_LOG2 of
+    rms(A), rounded down to a power of two); ``max_ulp_typical``: the largest ulp
+    distance where ``min(|a|, |b|) >= typical_from`` (rms(A) rounded down likewise)."""
 
     def __init__(self, code: str, tensor: Optional[TensorScale] = None) -> None:
         self.code = code
@@ -535,8 +462,7 @@ class ScaleStats:
         self.sign_changes = self.to_zero = self.near_zero = self.max_ulp_typical = 0
 
     def add(self, x: np.ndarray, y: np.ndarray, kernel: Any = None) -> None:
-        """One piece of both tensors (storage bits). ``kernel``: the C ulp kernel (its
-        ``scale``), or None for numpy."""
+        """One piece of both tensors (storage bits), in the C kernel or numpy."""
         if not self.on or x.size == 0:
             return
         _, th = self.tensor.get()
@@ -589,9 +515,8 @@ class ScaleStats:
         self.max_ulp_typical = max(self.max_ulp_typical, o.max_ulp_typical)
 
     def finish(self, n: int, max_abs: Optional[float]) -> Dict[str, Any]:
-        """The figures of a tensor of ``n`` elements (``max_abs``: largest |a - b|);
-        all None unless a differing piece was measured against a finite, non-zero
-        rms(A)."""
+        """The figures of a tensor of ``n`` elements; all None unless a differing piece was
+        measured against a finite, non-zero rms(A)."""
         out: Dict[str, Any] = dict.fromkeys(SCALE_FIELDS)
         if not self.seen or not n:
             return out
@@ -609,11 +534,7 @@ class ScaleStats:
 
 def binades(a: np.ndarray, b: np.ndarray, code: str) -> List[List[Any]]:
     """One tensor's differing elements by binade of ``min(|a|, |b|)``: ``[[exponent,
-    count, max ulp], ...]`` (exponent None for zeros and subnormals; NaN left out).
-
-    >>> binades(np.array([0x3F80, 0x0000], np.uint16), np.array([0x3F81, 0x3727], np.uint16), "bf16")
-    [[None, 1, 14119], [0, 1, 1]]
-    """
+    count, max ulp], ...]`` (exponent None for zeros and subnormals; NaN left out)."""
     f = nm.float_format(code)
     x, y = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
     ne = x != y

@@ -1,19 +1,11 @@
 """Files in, files out: everything lorakit reads or writes goes through here.
 
-- ``formats/``: safetensors headers checked by the reference parser and tensors read
-  raw, one at a time; checkpoints in the HF and mlx-lm layouts; the one door every verb
-  reads an input through, ``lorakit.io.open`` (a directory, a hub repo id resolved by
-  mlx-lm's resolver, offline from the Hugging Face cache with ``HF_HUB_OFFLINE=1``, an
-  adapter, a ``.safetensors`` file or a model in memory, as one ``TensorSource``);
-  dtypes, safe paths, the corpus.
-- ``adapters/``: one ``Adapter`` read from mlx-lm or PEFT files and written back, and
-  where its targets land in a checkpoint (``naming.py``).
-- ``outputs/``: outputs written safely: a hidden temporary sibling renamed into place,
-  never half-written; the streaming safetensors writer, provenance, the model card,
-  GGUF and the transformers MoE layout, exports.
-
-``open`` is left out of ``__all__`` (a star import must not shadow the builtin) but is
-``lorakit.io.open`` and ``lorakit.open``.
+``formats/`` reads safetensors (headers checked by the reference parser, tensors raw, one
+at a time), checkpoints and every input through one door, ``lorakit.io.open`` (a directory,
+a hub id resolved by mlx-lm's resolver, an adapter, a file or a model in memory);
+``adapters/`` reads and writes one ``Adapter`` in the mlx-lm and PEFT formats;
+``outputs/`` writes outputs safely (a hidden sibling renamed into place). ``open`` is left
+out of ``__all__`` so a star import does not shadow the builtin.
 """
 from __future__ import annotations
 

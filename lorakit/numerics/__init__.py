@@ -1,15 +1,9 @@
 """Float formats and the exact float math lorakit stands on.
 
-Values of a 16-bit checkpoint travel through lorakit as their *storage bits*
-(``uint16`` for bfloat16 and float16, ``uint32`` for float32): numpy has no
-bfloat16, and bits are what a safetensors file holds. This module decodes bits,
-rounds float64 (or float32) values into a format exactly as IEEE 754 says
-(round to nearest, ties to even, one rounding, subnormals, overflow to inf),
-and measures how far two results are apart in ulps.
-
-Everything is vectorised numpy and works on arrays of any shape. Large inputs
-are processed in cache-sized pieces internally; callers streaming tensors can
-use :func:`chunks` to pick row slices of their own.
+Values travel through lorakit as their *storage bits* (``uint16`` for bfloat16 and
+float16, ``uint32`` for float32: numpy has no bfloat16). This package decodes bits,
+rounds values into a format as IEEE 754 says (one rounding, ties to even, subnormals,
+overflow to inf) and measures distances in ulps, vectorised over any shape.
 
 >>> bits = round_to_format(np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8]), "bfloat16")
 >>> [hex(b) for b in bits.tolist()]

@@ -28,18 +28,10 @@ NAN_MISMATCH: int = int(np.iinfo(np.int64).max)
 
 @dataclass(frozen=True)
 class FloatFormat:
-    """One binary floating-point storage format.
-
-    Attributes:
-        name: canonical name ("bfloat16", "float16", "float32").
-        safetensors: the dtype code in a safetensors header ("BF16", "F16", "F32").
-        bits: storage width in bits (16 or 32).
-        precision: significand bits p, implicit bit included (8, 11, 24).
-        emin: exponent of the smallest normal number, 2**emin.
-        emax: exponent of the largest binade; max finite is (2 - 2**(1-p)) * 2**emax.
-        storage: numpy unsigned dtype that holds the bits.
-        itemsize: bytes per element.
-    """
+    """One binary floating-point storage format: its canonical name, safetensors code,
+    storage ``bits``, ``precision`` p (implicit bit included: 8, 11, 24), ``emin`` (the
+    smallest normal is 2**emin), ``emax`` (the largest binade's exponent), the unsigned
+    numpy ``storage`` dtype and ``itemsize``."""
 
     name: str
     safetensors: str
@@ -111,11 +103,9 @@ FORMATS: dict[str, FloatFormat] = {
     "float32": _make("float32", "F32", 32, 24, 127),
 }
 
-_ALIASES = {
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "f16": "float16", "fp16": "float16", "half": "float16",
-    "float32": "float32", "f32": "float32", "fp32": "float32", "single": "float32",
-}
+_ALIASES = {alias: name for name, more in (("bfloat16", "bf16"), ("float16", "f16 fp16 half"),
+                                          ("float32", "f32 fp32 single"))
+            for alias in (name, *more.split())}
 
 
 def float_format(spec: Any) -> FloatFormat:
@@ -151,10 +141,8 @@ def _is_native(dtype: np.dtype, fmt: FloatFormat) -> bool:
 
 
 def chunks(n_rows: int, row_elems: int, target_elems: int = 1 << 20) -> Iterator[slice]:
-    """Row slices covering ``range(n_rows)``, each about `target_elems` elements.
-
-    Every slice holds at least one row, so a row longer than `target_elems`
-    comes alone.
+    """Row slices covering ``range(n_rows)``, each about `target_elems` elements (at
+    least one row).
 
     >>> list(chunks(5, 3, target_elems=6))
     [slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)]

@@ -11,17 +11,11 @@ from .values import _as_bits, isnan_bits, round_to_format, to_float64  # noqa: F
 
 __all__ = ["ulp", "ulp_error_vs_reference", "ulp_distance", "nan_mismatch", "ulp_histogram"]
 
-# ---------------------------------------------------------------------------
-# ulps
-
 
 def ulp(x: Any, fmt: Any) -> np.ndarray:
-    """Spacing of `fmt` at each value of `x`, as float64.
-
-    ulp(x) = 2**(floor(log2|x|) - p + 1) for |x| >= 2**emin, and the subnormal
-    spacing 2**(emin - p + 1) below (zero included). Beyond the largest binade
-    (and for inf/NaN) the top binade's spacing is used, so an overflow shows as
-    a large but finite number of ulps.
+    """Spacing of `fmt` at each value of `x`, as float64: 2**(floor(log2|x|) - p + 1),
+    the subnormal spacing below 2**emin (zero included) and the top binade's beyond it
+    (inf/NaN too, so an overflow is a large but finite number of ulps).
 
     >>> ulp(np.array([1.0, 1.99, 2.0, 0.0]), "bfloat16").tolist()
     [0.0078125, 0.0078125, 0.015625, 9.183549615799121e-41]
@@ -41,11 +35,6 @@ def ulp_error_vs_reference(bits: Any, reference: Any, fmt: Any) -> np.ndarray:
     A correctly rounded value is always <= 0.5, and exactly 0.5 only when the
     reference is a tie. NaN against NaN and equal infinities count 0; NaN
     against a number gives NaN; an overflow to inf from a finite reference is inf.
-
-    Args:
-        bits: storage bits (or exact float array) of `fmt`.
-        reference: exact values (float64, or anything that widens to it).
-        fmt: the format of `bits`.
 
     >>> ref = np.array([1 + 2**-8, 1 + 2**-9])
     >>> ulp_error_vs_reference(round_to_format(ref, "bf16"), ref, "bf16").tolist()
@@ -92,13 +81,9 @@ def _ordered(bits: np.ndarray, fmt: FloatFormat) -> tuple[np.ndarray, np.ndarray
 
 
 def ulp_distance(a_bits: Any, b_bits: Any, fmt: Any) -> np.ndarray:
-    """Exact number of `fmt` steps between two arrays of the same format, as int64.
-
-    Values are placed on one integer line: consecutive floats are 1 apart, +0
-    and -0 are the same point, the line crosses zero through the subnormals
-    (so +min_subnormal and -min_subnormal are 2 apart), and inf sits one past
-    the largest finite value. NaN against NaN is 0 (both sides agree); NaN
-    against anything else is :data:`NAN_MISMATCH` (see :func:`nan_mismatch`).
+    """Exact number of `fmt` steps between two arrays of the same format, as int64: on
+    one integer line (+0 == -0, +-min_subnormal 2 apart, inf one past the largest finite
+    value); NaN against NaN is 0, NaN against anything else :data:`NAN_MISMATCH`.
 
     >>> bf = round_to_format(np.array([1.0, -0.0, 2.0**-133]), "bf16")
     >>> neg = round_to_format(np.array([1.0 + 2**-7, 0.0, -2.0**-133]), "bf16")
@@ -135,16 +120,9 @@ def nan_mismatch(a_bits: Any, b_bits: Any, fmt: Any) -> np.ndarray:
 
 
 def ulp_histogram(distances: Any, max_bin: int = 1023) -> tuple[list[str], np.ndarray]:
-    """Count ulp distances into bins 0, 1, 2, 3, 4-7, 8-15, ..., >max_bin, nan.
-
-    Args:
-        distances: int array from :func:`ulp_distance` (NAN_MISMATCH counts as "nan").
-        max_bin: top of the last power-of-two bin; 2**k - 1 with k >= 2.
-
-    Returns:
-        (labels, counts): labels as strings, counts an int64 array of the same
-        length. The bins do not depend on the data, so histograms of different
-        tensors line up.
+    """Count ulp distances into bins 0, 1, 2, 3, 4-7, 8-15, ..., >max_bin, nan
+    (``max_bin`` = 2**k - 1, k >= 2; NAN_MISMATCH counts as nan). Returns (labels, int64
+    counts); the bins do not depend on the data, so histograms of tensors line up.
 
     >>> labels, counts = ulp_histogram(np.array([0, 0, 1, 5, 9, 40, NAN_MISMATCH]), 15)
     >>> list(zip(labels, counts.tolist()))

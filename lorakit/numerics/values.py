@@ -22,9 +22,6 @@ from .formats import (
 __all__ = ["to_float32", "to_float64", "from_storage", "isnan_bits", "round_to_format", "fma_f32",
            "to_storage"]
 
-# ---------------------------------------------------------------------------
-# bits <-> values
-
 
 def _as_bits(x: Any, fmt: FloatFormat) -> np.ndarray:
     """Storage bits of `x`: integer arrays are taken as bits, floats must be exact."""
@@ -82,9 +79,6 @@ def isnan_bits(bits: Any, fmt: Any) -> np.ndarray:
     b = _as_bits(bits, fmt)
     return (b & fmt.storage.type(fmt.abs_mask)) > fmt.storage.type(fmt.inf_bits)
 
-
-# ---------------------------------------------------------------------------
-# correct rounding
 
 
 def _round_consts(fmt: FloatFormat) -> dict[str, Any]:
@@ -212,19 +206,9 @@ def _quiet_nans(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
 def round_to_format(x: Any, fmt: Any, out: Optional[np.ndarray] = None) -> np.ndarray:
     """Round values to `fmt`, correctly (nearest, ties to even), returning storage bits.
 
-    One rounding straight from the exact input value: float64 input is never
-    passed through float32 first (that double rounding gives the wrong bfloat16
-    for about one random input in 2**17). Subnormal results, signed zeros and
-    overflow follow IEEE 754: a magnitude >= max + half an ulp becomes inf.
-    NaN becomes the canonical quiet NaN of `fmt`, sign kept.
-
-    Args:
-        x: float array (float64, float32, float16 or ml_dtypes bfloat16), any shape.
-        fmt: target format (anything :func:`float_format` accepts).
-        out: optional C-contiguous array of `fmt.storage` with x's shape to fill.
-
-    Returns:
-        Array of `fmt.storage` bits with x's shape (`out` if given).
+    One rounding from the exact input (never through float32 first); subnormals, signed
+    zeros and overflow to inf as IEEE 754 says; NaN becomes `fmt`'s quiet NaN, sign
+    kept. ``x``: any float array; ``out``: a C-contiguous `fmt.storage` array to fill.
 
     >>> round_to_format(np.array([65519.0, 65520.0, -0.0]), "float16").tolist()
     [31743, 31744, 32768]
@@ -258,17 +242,11 @@ def round_to_format(x: Any, fmt: Any, out: Optional[np.ndarray] = None) -> np.nd
     return out
 
 
-# ---------------------------------------------------------------------------
-# float32 fused multiply-add, emulated exactly
-
 
 def fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """Correctly rounded float32 ``a*b + c`` (one rounding), broadcasting like ``a*b+c``.
-
-    numpy has no fma. The product of two float32 is exact in float64; the float64
-    sum ``s`` is corrected to round-to-odd with an error-free two-sum, which makes
-    the final cast to float32 a single correct rounding (53 >= 2*24 + 2 bits).
-    Used to reproduce BLAS kernels that accumulate with fma (torch's CPU matmul).
+    """Correctly rounded float32 ``a*b + c`` (one rounding), broadcasting like ``a*b+c``:
+    the float64 sum of the exact product is made round-to-odd by an error-free two-sum,
+    so the cast to float32 rounds once (53 >= 2*24 + 2 bits). For torch's CPU matmul.
 
     >>> fma_f32(np.float32(1 + 2**-23), np.float32(1 - 2**-23), np.float32(-1)).item()
     -1.4210854715202004e-14
@@ -292,10 +270,7 @@ def to_storage(values: Any, fmt: Any) -> np.ndarray:
 
     A float16/float32 array of its own format is a zero-copy view. Any other
     float array (e.g. float32 holding bfloat16 values) must be exactly
-    representable, NaN aside; use :func:`round_to_format` to round instead.
-
-    Raises:
-        FormatError: a value is not exactly representable in `fmt`.
+    representable, NaN aside (else a FormatError; :func:`round_to_format` rounds).
     """
     fmt = float_format(fmt)
     arr = np.asarray(values)

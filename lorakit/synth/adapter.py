@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import zlib
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -24,37 +24,16 @@ def synth_adapter(path: PathLike, checkpoint_path: PathLike, *, rank: int = 8,
                   keys: Sequence[str] = DEFAULT_KEYS, kind: str = "lora",
                   format: str = "mlx-lm", seed: int = 0, delta_std: float = 1e-3,
                   force: bool = False) -> Path:
-    """Write a random LoRA/DoRA adapter for a checkpoint, as ``mlx_lm lora`` or PEFT saves it.
+    """Write a random LoRA/DoRA adapter for a checkpoint (any layout, quantized too), as
+    ``mlx_lm lora`` or PEFT saves it; returns the output directory.
 
     ``lora_a`` is drawn as the trainers initialise it (uniform in +-1/sqrt(in));
-    ``lora_b`` is non-zero, drawn so that each element of ``scale * B @ A`` has
-    standard deviation ``delta_std`` (1e-3 is about 5% of a 0.02-scale weight, a
-    few bf16 ulps: every fused element moves). DoRA magnitudes are the base
-    weight's row norms, perturbed by 1%.
-
-    Args:
-        path: output directory.
-        checkpoint_path: the base checkpoint (any layout; quantized works).
-        rank: LoRA rank.
-        scale: multiplier of ``B @ A``; default 20.0 (``mlx_lm lora``'s) for mlx-lm,
-            2.0 (lora_alpha = 2 * r) for PEFT. PEFT's lora_alpha is scale * rank.
-        layers: the last N layers (mlx-lm's ``num_layers``), or a list of layer indices.
-        keys: modules in each block: q, k, v, o, gate, up, down (MoE experts where
-            the block has them), or paths inside a block (``self_attn.q_proj``).
-        kind: ``"lora"`` or ``"dora"``.
-        format: ``"mlx-lm"`` (adapters.safetensors) or ``"peft"`` (adapter_model.safetensors).
-        seed: random seed.
-        delta_std: standard deviation of each element of the delta.
-        force: replace an existing previous lorakit output (anything else is refused).
-
-    Returns:
-        The output directory.
-
-    >>> from lorakit.synth import synth_checkpoint
-    >>> small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=600)
-    >>> ck = synth_checkpoint("out/base", "qwen3-1.7b", overrides=small, progress=False)
-    >>> synth_adapter("out/lora-2", ck, rank=8, layers=2).name
-    'lora-2'
+    ``lora_b`` so that each element of ``scale * B @ A`` has standard deviation
+    ``delta_std`` (1e-3: a few bf16 ulps of a 0.02-scale weight, every fused element
+    moves). DoRA magnitudes are the base's row norms, perturbed by 1%. ``scale``:
+    default 20.0 for mlx-lm, 2.0 (lora_alpha = 2 r) for PEFT. ``layers``: the last N, or
+    a list of indices; ``keys``: q, k, v, o, gate, up, down or paths inside a block.
+    ``force`` replaces only a previous lorakit output.
     """
     if kind not in ("lora", "dora"):
         raise AdapterError("unknown adapter kind", expected="lora or dora", found=repr(kind))
@@ -90,8 +69,19 @@ def synth_adapter(path: PathLike, checkpoint_path: PathLike, *, rank: int = 8,
     targets = _targets(ck, sites, rank, float(scale), kind, format, seed, delta_std)
     adapter = Adapter(ck.path, format, targets, {}, ck.path / "none", kind)
     if format == "mlx-lm":
-        cfg = _mlx_training_config(out, ck, rank, float(scale), n_layers - min(layer_list),
-                                   kind, seed, [s.rel for s in sites])
+        cfg = {  # the rest of the adapter_config.json that ``mlx_lm lora`` writes
+            "adapter_path": str(out),
+            "batch_size": 4, "config": None, "data": "synthetic", "fine_tune_type": kind,
+            "grad_accumulation_steps": 1, "grad_checkpoint": False, "iters": 1000,
+            "learning_rate": 1e-05, "lora_parameters": {
+                "rank": rank, "dropout": 0.0, "scale": float(scale),
+                "keys": list(dict.fromkeys(s.rel for s in sites))},
+            "lr_schedule": None, "mask_prompt": False, "max_seq_length": 2048,
+            "model": str(ck.path), "num_layers": n_layers - min(layer_list), "optimizer": "adam",
+            "resume_adapter_file": None, "save_every": 100, "seed": seed, "steps_per_eval": 200,
+            "steps_per_report": 10, "test": False, "test_batches": 500, "train": True,
+            "val_batches": 25,
+        }
     else:
         all_layers = layer_list == list(range(n_layers))
         cfg = {"base_model_name_or_path": str(ck.path),
@@ -106,28 +96,18 @@ def synth_adapter(path: PathLike, checkpoint_path: PathLike, *, rank: int = 8,
     return out
 
 
-def _lora_pair(rng: np.random.Generator, n_in: int, n_out: int, rank: int, scale: float,
-               delta_std: float, lead: Tuple[int, ...] = ()) -> Tuple[np.ndarray, np.ndarray]:
-    """(A (…, r, in), B (…, out, r)) in f32 with std(scale * B @ A) = delta_std."""
-    bound = 1.0 / math.sqrt(n_in)
-    A = rng.uniform(-bound, bound, size=lead + (rank, n_in)).astype(np.float32)
-    b_std = delta_std / (abs(scale) * math.sqrt(rank) * bound / math.sqrt(3.0))
-    B = (rng.standard_normal(size=lead + (n_out, rank)) * b_std).astype(np.float32)
-    return A, B
-
-
-def _site_rng(seed: int, site: _Site) -> np.random.Generator:
-    return np.random.default_rng([seed, zlib.crc32(site.module.encode())])
-
-
 def _targets(ck, sites: List[_Site], rank: int, scale: float, kind: str, format: str,
              seed: int, delta_std: float) -> List[LoraTarget]:
     """One target per site (PEFT: one per expert of a stacked site), drawn per site."""
     out: List[LoraTarget] = []
     for site in sites:
-        rng = _site_rng(seed, site)
+        rng = np.random.default_rng([seed, zlib.crc32(site.module.encode())])
         lead, (n_out, n_in) = tuple(site.shape[:-2]), site.shape[-2:]
-        A, B = _lora_pair(rng, n_in, n_out, rank, scale, delta_std, lead)
+        # A (…, r, in), B (…, out, r) in f32 with std(scale * B @ A) = delta_std
+        bound = 1.0 / math.sqrt(n_in)
+        A = rng.uniform(-bound, bound, size=lead + (rank, n_in)).astype(np.float32)
+        b_std = delta_std / (abs(scale) * math.sqrt(rank) * bound / math.sqrt(3.0))
+        B = (rng.standard_normal(size=lead + (n_out, rank)) * b_std).astype(np.float32)
         if format == "mlx-lm":
             m = None
             if kind == "dora":
@@ -146,21 +126,3 @@ def _targets(ck, sites: List[_Site], rank: int, scale: float, kind: str, format:
                 m = nrm * (1 + 0.01 * rng.standard_normal(n_out)).astype(np.float32)
             out.append(LoraTarget(module, "linear", a, b, scale, m))
     return out
-
-
-def _mlx_training_config(out: Path, ck, rank: int, scale: float, num_layers: int, kind: str,
-                         seed: int, rels: List[str]) -> Dict[str, Any]:
-    """The rest of the adapter_config.json that ``mlx_lm lora`` writes."""
-    return {
-        "adapter_path": str(out),
-        "batch_size": 4, "config": None, "data": "synthetic", "fine_tune_type": kind,
-        "grad_accumulation_steps": 1, "grad_checkpoint": False, "iters": 1000,
-        "learning_rate": 1e-05, "lora_parameters": {"rank": rank, "dropout": 0.0,
-                                                    "scale": scale,
-                                                    "keys": list(dict.fromkeys(rels))},
-        "lr_schedule": None, "mask_prompt": False, "max_seq_length": 2048,
-        "model": str(ck.path), "num_layers": num_layers, "optimizer": "adam",
-        "resume_adapter_file": None, "save_every": 100, "seed": seed, "steps_per_eval": 200,
-        "steps_per_report": 10, "test": False, "test_batches": 500, "train": True,
-        "val_batches": 25,
-    }

@@ -27,30 +27,14 @@ def synth_checkpoint(path: PathLike, preset_or_config: Union[str, PathLike, Mapp
                      shard_size: Union[int, str] = "2GB", seed: int = 0, std: float = 0.02,
                      overrides: Optional[Mapping[str, Any]] = None, force: bool = False,
                      progress: bool = True) -> Path:
-    """Write a random checkpoint with a real model's tensor names, shapes and files.
+    """Write a random checkpoint with a real model's tensor names, shapes and files;
+    returns the output directory.
 
-    Args:
-        path: output directory (must not exist or be empty, unless ``force``).
-        preset_or_config: a name from :data:`PRESETS`, a config.json path (or its
-            directory), or a config dict.
-        layout: ``"mlx"`` (as mlx-lm saves: MoE experts stacked under ``switch_mlp``,
-            an index even for one shard) or ``"hf"`` (as transformers saves: one
-            tensor per expert, an index only for several shards).
-        dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"`` for every tensor.
-        shard_size: largest shard, bytes or ``"2GB"``-style; a new shard starts when
-            the next tensor would pass it (mlx-lm's rule).
-        seed: random seed; the same seed writes the same bytes.
-        std: standard deviation of the matrices' entries (norm weights are 1).
-        overrides: config fields to replace (e.g. a smaller ``num_hidden_layers``).
-        force: replace an existing previous lorakit output (anything else is refused).
-        progress: show a progress bar.
-
-    Returns:
-        The output directory.
-
-    >>> small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=600)
-    >>> synth_checkpoint("out/qwen3-tiny", "qwen3-1.7b", overrides=small, progress=False).name
-    'qwen3-tiny'
+    ``preset_or_config``: a name from :data:`PRESETS`, a config.json (or its directory)
+    or a dict, with ``overrides`` applied. ``layout``: ``"mlx"`` (MoE experts stacked
+    under ``switch_mlp``, always an index) or ``"hf"`` (one tensor per expert, an index
+    only for several shards). ``shard_size``: bytes or ``"2GB"`` (mlx-lm's rule). The
+    same ``seed`` writes the same bytes. ``force`` replaces only a lorakit output.
     """
     if dtype not in _DTYPES:
         raise FormatError("unsupported dtype", expected=" / ".join(_DTYPES), found=repr(dtype))

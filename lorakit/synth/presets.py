@@ -9,47 +9,47 @@ _LLAMA3_ROPE = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                 "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 
 
+def _config(arch: str, model_type: str, **fields: Any) -> dict:
+    """A published config.json: the fields all these families share, then its own, keys
+    sorted as Hugging Face publishes them."""
+    common = {"architectures": [arch], "attention_bias": False, "attention_dropout": 0.0,
+              "hidden_act": "silu", "initializer_range": 0.02, "model_type": model_type,
+              "torch_dtype": "bfloat16", "use_cache": True}
+    return dict(sorted({**common, **fields}.items()))
+
+
+def _qwen(arch: str, model_type: str, layers: int, **fields: Any) -> dict:
+    return _config(arch, model_type, bos_token_id=151643, eos_token_id=151645, head_dim=128,
+                   max_position_embeddings=40960, max_window_layers=layers,
+                   num_hidden_layers=layers, rms_norm_eps=1e-06, rope_scaling=None,
+                   sliding_window=None, transformers_version="4.51.0",
+                   use_sliding_window=False, vocab_size=151936, **fields)
+
+
 def _qwen3(hidden: int, inter: int, layers: int, heads: int, kv: int, tied: bool) -> dict:
-    return {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False,
-            "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
-            "head_dim": 128, "hidden_act": "silu", "hidden_size": hidden,
-            "initializer_range": 0.02, "intermediate_size": inter,
-            "max_position_embeddings": 40960, "max_window_layers": layers,
-            "model_type": "qwen3", "num_attention_heads": heads, "num_hidden_layers": layers,
-            "num_key_value_heads": kv, "rms_norm_eps": 1e-06, "rope_scaling": None,
-            "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": tied,
-            "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
-            "use_sliding_window": False, "vocab_size": 151936}
+    return _qwen("Qwen3ForCausalLM", "qwen3", layers, hidden_size=hidden,
+                 intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv,
+                 rope_theta=1000000, tie_word_embeddings=tied)
 
 
 def _llama3(hidden: int, inter: int, layers: int, heads: int, kv: int, tied: bool,
             rope_factor: float, eos: Any) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "attention_bias": False,
-            "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": eos,
-            "head_dim": hidden // heads, "hidden_act": "silu", "hidden_size": hidden,
-            "initializer_range": 0.02, "intermediate_size": inter,
-            "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
-            "num_attention_heads": heads, "num_hidden_layers": layers,
-            "num_key_value_heads": kv, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-            "rope_scaling": dict(_LLAMA3_ROPE, factor=rope_factor), "rope_theta": 500000.0,
-            "tie_word_embeddings": tied, "torch_dtype": "bfloat16",
-            "transformers_version": "4.45.0", "use_cache": True, "vocab_size": 128256}
+    return _config("LlamaForCausalLM", "llama", bos_token_id=128000, eos_token_id=eos,
+                   head_dim=hidden // heads, hidden_size=hidden, intermediate_size=inter,
+                   max_position_embeddings=131072, mlp_bias=False, num_attention_heads=heads,
+                   num_hidden_layers=layers, num_key_value_heads=kv, pretraining_tp=1,
+                   rms_norm_eps=1e-05, rope_scaling=dict(_LLAMA3_ROPE, factor=rope_factor),
+                   rope_theta=500000.0, tie_word_embeddings=tied,
+                   transformers_version="4.45.0", vocab_size=128256)
 
 
 def _qwen3_moe(layers: int, experts: int, per_tok: int) -> dict:
-    return {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False,
-            "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1,
-            "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-            "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
-            "max_position_embeddings": 40960, "max_window_layers": layers,
-            "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
-            "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": experts,
-            "num_experts_per_tok": per_tok, "num_hidden_layers": layers,
-            "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
-            "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
-            "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-            "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
-            "vocab_size": 151936}
+    return _qwen("Qwen3MoeForCausalLM", "qwen3_moe", layers, decoder_sparse_step=1,
+                 hidden_size=2048, intermediate_size=6144, mlp_only_layers=[],
+                 moe_intermediate_size=768, norm_topk_prob=True, num_attention_heads=32,
+                 num_experts=experts, num_experts_per_tok=per_tok, num_key_value_heads=4,
+                 output_router_logits=False, rope_theta=1000000.0,
+                 router_aux_loss_coef=0.001, tie_word_embeddings=False)
 
 
 #: Named shapes: the published config.json of each model (Hugging Face), verbatim
@@ -72,17 +72,10 @@ PRESETS: Dict[str, dict] = {
 #: Default adapter targets: the 7 projections of every transformer block.
 DEFAULT_KEYS = ("q", "k", "v", "o", "gate", "up", "down")
 
-_KEY_ALIASES: Dict[str, Tuple[str, ...]] = {
-    "q": ("self_attn.q_proj",), "k": ("self_attn.k_proj",), "v": ("self_attn.v_proj",),
-    "o": ("self_attn.o_proj",),
-    "gate": ("mlp.gate_proj", "mlp.switch_mlp.gate_proj", "block_sparse_moe.switch_mlp.gate_proj"),
-    "up": ("mlp.up_proj", "mlp.switch_mlp.up_proj", "block_sparse_moe.switch_mlp.up_proj"),
-    "down": ("mlp.down_proj", "mlp.switch_mlp.down_proj",
-             "block_sparse_moe.switch_mlp.down_proj"),
-}
-for _k in list(_KEY_ALIASES):
-    if _k in ("q", "k", "v", "o", "gate", "up", "down"):
-        _KEY_ALIASES[f"{_k}_proj"] = _KEY_ALIASES[_k]
+_KEY_ALIASES: Dict[str, Tuple[str, ...]] = {k: (f"self_attn.{k}_proj",) for k in "qkvo"}
+_KEY_ALIASES.update({k: (f"mlp.{k}_proj", f"mlp.switch_mlp.{k}_proj",
+                         f"block_sparse_moe.switch_mlp.{k}_proj") for k in ("gate", "up", "down")})
+_KEY_ALIASES.update({f"{k}_proj": v for k, v in list(_KEY_ALIASES.items())})
 _MIXTRAL = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 
 

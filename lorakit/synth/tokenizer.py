@@ -84,10 +84,8 @@ def _word(i: int) -> str:
 
 
 def write_tokenizer(path: Path, config: Dict[str, Any]) -> None:
-    """A byte-level BPE tokenizer covering exactly ``config['vocab_size']`` ids.
-
-    Updates ``config``'s bos/eos ids if the family's special tokens had to move
-    (a vocabulary smaller than the real one)."""
+    """A byte-level BPE tokenizer covering exactly ``config['vocab_size']`` ids; moves
+    ``config``'s bos/eos ids where the family's specials do not fit the vocabulary."""
     from tokenizers import (  # lazy: only when a tokenizer is written
         AddedToken,
         Tokenizer,

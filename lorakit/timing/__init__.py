@@ -1,6 +1,5 @@
-"""Decode timing: :func:`time_decode` runs each variant (base, unfused adapter,
-f32-promoted fuse, dtype-kept fuse, ``mlx_lm fuse`` output) in its own process and
-returns a :class:`DecodeTiming` table. Importing this package loads nothing heavy."""
+"""Decode timing: :func:`time_decode` runs each variant in its own process and returns a
+:class:`DecodeTiming` table. Importing this package loads nothing heavy."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,11 +1,5 @@
-"""Decode timings side by side: a live run here beside a committed benchmark run.
-
-``side_by_side({"this machine": live, "H200": loaded})`` gives one row per variant
-and, for each run, its decode ratio to base with its interval, its weight bytes
-ratio and its verdict, so a notebook shows what this machine can show next to what
-a GPU run showed, both computed by the same verdict code (nothing typed by hand).
-:func:`load_benchmark` reads a committed ``benchmarks/results/*.json`` and keeps
-the command that produced it.
+"""Decode timings side by side: a live run here beside a committed benchmark run
+(``benchmarks/results/*.json``), both judged by the same verdict code.
 
 >>> from pathlib import Path
 >>> h200 = load_benchmark("h200-qwen3-8b.json")  # a bare name: from RESULTS
@@ -23,7 +17,7 @@ from typing import Dict, List, Union
 
 from ..errors import LorakitError
 from ..report import Report
-from .table import VARIANTS, DecodeTiming
+from .table import VARIANTS, DecodeTiming, verdict_words
 
 __all__ = ["load_benchmark", "load_seed", "side_by_side"]
 
@@ -42,15 +36,12 @@ def _path(path: Union[str, Path]) -> Path:
 
 
 def load_benchmark(path: Union[str, Path]) -> DecodeTiming:
-    """A committed decode-timing result (``benchmarks/decode.py --out``), re-judged by
-    this version's verdict code; ``settings["command"]`` is what produced it. A bare
-    file name is looked up in :data:`RESULTS`."""
+    """A committed result (a bare name: from :data:`RESULTS`), judged by this verdict code."""
     return DecodeTiming.from_json(_path(path).read_text())
 
 
 def load_seed(path: Union[str, Path] = "seed-report.json") -> Report:
-    """The seed report's table (a run reported by a user, not measured here), from
-    its committed JSON: decode tok/s and peak memory per variant."""
+    """The seed report's table (a user's run, not measured here) from its committed JSON."""
     d = json.loads(_path(path).read_text())
     rows = [{"variant": n, "decode tok/s": v.get("decode_tps", "-".join(
                  str(x) for x in v.get("decode_tps_range", [])) or None),
@@ -68,29 +59,26 @@ def _where(t: DecodeTiming) -> str:
 
 
 def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
-    """One row per variant; per run: decode x base, its interval, weights x base and
-    the verdict. Flagged rows: flagged in any run."""
+    """One row per variant, per run its ratios and verdict; flagged if flagged in any run."""
     names = [n for n in VARIANTS if any(_has(t, n) for t in runs.values())]
     rows: List[Dict[str, object]] = []
     flagged: List[int] = []
     columns = ["variant"]
     for label in runs:
-        columns += [f"{label} decode x base", f"{label} interval",
-                    f"{label} weights x base", f"{label} verdict"]
+        columns += [f"{label} {c}" for c in ("decode x base", "interval", "weights x base")]
+        columns.append(f"{label} verdict")
     for i, n in enumerate(names):
         row: Dict[str, object] = {"variant": n}
         hit = False
         for label, t in runs.items():
-            verdicts = t.verdicts()
             if not _has(t, n):
                 continue
-            d = verdicts.get(n, {})
+            d = t.verdicts().get(n, {})
             lo, hi = t.interval(n)
             row[f"{label} decode x base"] = _round(t.ratio(n, "decode"))
             row[f"{label} interval"] = "" if math.isnan(lo) else f"{lo:.2f}-{hi:.2f}"
             row[f"{label} weights x base"] = _round(d.get("bytes_ratio", 1.0))
-            row[f"{label} verdict"] = "; ".join(
-                w for w in (d.get("bytes"), d.get("speed")) if w) if d else "reference"
+            row[f"{label} verdict"] = verdict_words(d)
             hit = hit or bool(d.get("speed_flag") or d.get("bytes_flag"))
         rows.append(row)
         if hit:

@@ -1,27 +1,10 @@
 """Decode timing: base vs unfused adapter vs fused checkpoints, one table.
 
-``time_decode`` answers "what does fusing cost or save at generation time?" for a
-user's own model and adapter. Each variant runs in a fresh process
-(``lorakit.timing.worker``), so its peak memory is its own; decoding is greedy
-through ``mlx_lm.generate.stream_generate``, so the tok/s figures are those
-``mlx_lm generate`` prints. Variants:
-
-- ``base``: the checkpoint as it is.
-- ``unfused``: the checkpoint with the adapter's LoRA layers attached, as
-  ``mlx_lm.load(model, adapter_path=...)`` builds it.
-- ``promoted``: ``lorakit.fuse(..., dtype="promote")``, the float32 weights a fuse
-  that forgets the cast writes (the bug this project exists to fix).
-- ``fused``: ``lorakit.fuse(...)``, dtypes kept.
-- ``mlx-lm-fused``: the output of the ``mlx_lm fuse`` command.
-
-Each fused checkpoint is written into a temporary directory just before its variant
-is timed and removed right after, so at most one fused copy is on disk at a time.
-
->>> import lorakit
->>> t = lorakit.time_decode("data/tiny-qwen3", "data/adapters/lora", variants=["base", "fused"],
-...                         tokens=4, repeats=1, warmup=0, rounds=1, progress=False)
->>> [v.variant for v in t.variants if v.ok], len(t.plot().axes)
-(['base', 'fused'], 2)
+Each variant (``base``, ``unfused`` = LoRA layers attached as ``mlx_lm.load`` does,
+``promoted`` = ``fuse(dtype="promote")``, ``fused``, ``mlx-lm-fused`` = the ``mlx_lm fuse``
+command's output) runs in a fresh worker process (:mod:`lorakit.timing.worker`), so its
+peak memory is its own; tok/s are mlx-lm's ``stream_generate`` figures. A fused checkpoint
+is written just before its variant runs and removed after it.
 """
 from __future__ import annotations
 
@@ -47,11 +30,14 @@ from .table import ADAPTER_FILES, FUSED_VARIANTS, VARIANTS, DecodeTiming, Varian
 from .worker import MARK, TOKENIZER_FILES
 
 __all__ = ["weight_bytes", "auto_rounds", "DecodeOptions", "time_decode"]
-# -- running ---------------------------------------------------------------------------
+
+_NOTES = {"base": "the checkpoint", "unfused": "mlx_lm load_model + load_adapters (LoRA layers)"}
+#: the least value of each int option
+_MINIMA = dict(prompt_tokens=1, tokens=1, repeats=1, warmup=0, rounds=1, seed=0)
+
 
 def weight_bytes(model: PathLike, adapter_path: Optional[PathLike] = None) -> Dict[str, int]:
-    """Bytes by dtype code of a checkpoint's tensors (plus an adapter's, if given),
-    read from the safetensors headers only."""
+    """Bytes by dtype of a checkpoint's tensors (plus an adapter's), from the headers only."""
     c: Counter = Counter()
     for t in source.open(model, checkpoint=True).tensors.values():
         c[t.dtype] += t.nbytes
@@ -67,9 +53,7 @@ def weight_bytes(model: PathLike, adapter_path: Optional[PathLike] = None) -> Di
 
 
 def auto_rounds(weight_bytes: int) -> int:
-    """Interleaved rounds a decode timing can afford by default: every round starts
-    each variant's process again, so small checkpoints get more rounds (a better
-    estimate of the noise between processes), large ones fewer."""
+    """Default interleaved rounds: more for small checkpoints, fewer for large ones."""
     return 5 if weight_bytes < 1e9 else 3 if weight_bytes < 20e9 else 2
 
 
@@ -89,9 +73,9 @@ def _child_env() -> Dict[str, str]:
 def _make_mlx_lm_fused(model: Path, adapter: Path, out: Path, python: str) -> str:
     """Run the ``mlx_lm fuse`` command; if it cannot run, say why and fall back."""
     if _has_tokenizer(model):
-        proc = subprocess.run([python, "-m", "mlx_lm", "fuse", "--model", str(model),
-                               "--adapter-path", str(adapter), "--save-path", str(out)],
-                              capture_output=True, text=True, env=_child_env())
+        args = ["--model", str(model), "--adapter-path", str(adapter), "--save-path", str(out)]
+        cmd = [python, "-m", "mlx_lm", "fuse", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
         if proc.returncode == 0:
             return "made by `mlx_lm fuse`"
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
@@ -107,7 +91,6 @@ def _make_mlx_lm_fused(model: Path, adapter: Path, out: Path, python: str) -> st
 
 
 def _prepare(variant: str, model: Path, adapter: Path, work: Path, python: str) -> str:
-
     out = work / variant
     if variant == "promoted":
         fuse(model, adapter, out, dtype="promote", progress=False)
@@ -148,9 +131,11 @@ def _run_worker(spec: Dict[str, Any], python: str, on_run: Callable[[Dict[str, A
         if result is None:
             err.seek(0)
             tail = err.read().strip().splitlines()[-3:]
-            why = ("cancelled" if cancel is not None and cancel.is_set() else
-                   "timed out" if timeout is not None and time.monotonic() - t0 > timeout
-                   else f"worker exited with status {proc.returncode}")
+            why = f"worker exited with status {proc.returncode}"
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                why = "timed out"
+            if cancel is not None and cancel.is_set():
+                why = "cancelled"
             return {"event": "error", "message": why + (": " + " | ".join(tail) if tail
                                                         else "")}
         return result
@@ -160,12 +145,10 @@ def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
                   spec: Dict[str, Any], python: str, bar: Any, cancel: Any,
                   timeout: Optional[float], keep: Optional[Dict[str, str]] = None
                   ) -> VariantTiming:
-    """Make the variant's checkpoint if it is a fused one, time it in a worker process,
-    and remove the checkpoint again (so at most one fused copy is on disk at a time).
-    With ``keep`` (variant -> note), fused checkpoints stay for the next round."""
+    """Make a fused variant's checkpoint, time it in a worker and remove it again (with
+    ``keep``, variant -> note, fused checkpoints stay for the next round)."""
     runs = spec["warmup"] + spec["repeats"]
-    v = VariantTiming(variant=n, note={"base": "the checkpoint", "unfused": "mlx_lm "
-                                       "load_model + load_adapters (LoRA layers)"}.get(n, ""))
+    v = VariantTiming(variant=n, note=_NOTES.get(n, ""))
     path = model
     if keep is not None and n in keep:
         v.note, path = keep[n], work / n
@@ -195,9 +178,8 @@ def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
                     done[0] += 1
                     bar.update(1)
 
-            ev = _run_worker(dict(spec, model=str(path), adapter_path=str(adapter)
-                                  if n == "unfused" else None),
-                             python, on_run, cancel, timeout)
+            job = dict(spec, model=str(path), adapter_path=str(adapter) if n == "unfused" else None)
+            ev = _run_worker(job, python, on_run, cancel, timeout)
             if bar is not None:
                 bar.update(runs - done[0])
             if ev["event"] == "error":
@@ -217,37 +199,12 @@ def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """What a decode timing measures: one value, checked once. :func:`time_decode` turns
-    its keywords into it; ``lorakit time-decode`` builds it from its flags and
-    :class:`~lorakit.widgets.DecodeRace` from its fields.
-
-    Attributes:
-        variants: which of ``VARIANTS`` to run, in order (default: all, or ``base``
-            alone without an adapter).
-        prompt_tokens: length of the synthetic prompt (token ids drawn with ``seed``;
-            the same in every variant).
-        tokens: tokens decoded per run; end-of-sequence never stops a run.
-        repeats: timed runs per variant, after ``warmup`` untimed runs.
-        rounds: how many times the whole list of variants runs, each round in a
-            rotated order (round r starts at the r-th variant) and every variant in a
-            fresh process; each variant's runs are pooled over the rounds (medians over
-            ``rounds * repeats`` runs). A slow phase of a shared machine then falls on
-            every variant alike instead of on whichever ran at the time. With more
-            than one round the fused checkpoints are made once and kept on disk until
-            the end (one copy per fused variant). Default (None): as many as are
-            affordable, :func:`auto_rounds` (5 for a checkpoint under 1 GB, 3 under
-            20 GB, else 2); the table's interval of each ratio to base is paired by
-            round, and with one round it cannot see the noise between processes.
-        device: ``"cpu"``, ``"gpu"`` or None for MLX's default device.
-        seed: seed of the synthetic prompt.
-        timeout: seconds allowed to one variant's process (None: no limit).
-        workdir: where the fused checkpoints are written (a temporary directory
-            inside it, removed at the end); default: the system temp directory.
-        behaviour: True (512 tokens) or a token count: after all timing, a column
-            "KL vs unfused": each variant's mean KL against the unfused adapter on the
-            embedded corpus (computed in this process; fused checkpoints are kept on
-            disk until then and each loaded once). Needs an adapter.
-    """
+    """What a decode timing measures, checked once (``time_decode``'s keywords, the CLI's
+    flags and ``DecodeRace``'s fields all build one). ``variants`` default to all (``base``
+    alone without an adapter); end-of-sequence never stops a run. ``rounds``: the variant
+    list runs that often, rotated, each variant in a fresh process, runs pooled (None:
+    :func:`auto_rounds`). ``behaviour``: True (512 tokens) or a token count adds a "KL vs
+    unfused" column after all timing. ``timeout``: seconds per variant's process."""
 
     variants: Optional[Tuple[str, ...]] = None
     prompt_tokens: int = 128
@@ -268,8 +225,7 @@ class DecodeOptions:
             if not v or len(set(v)) != len(v) or any(n not in VARIANTS for n in v):
                 raise ArgumentError.bad("variants", list(v), "one or more distinct names "
                                         "among " + ", ".join(VARIANTS))
-        for name, low in (("prompt_tokens", 1), ("tokens", 1), ("repeats", 1), ("warmup", 0),
-                          ("rounds", 1), ("seed", 0)):
+        for name, low in _MINIMA.items():
             x = getattr(self, name)
             if not (x is None and name == "rounds") and (
                     not isinstance(x, int) or isinstance(x, bool) or x < low):
@@ -285,9 +241,8 @@ class DecodeOptions:
 
     def settings(self) -> Dict[str, Any]:
         """What a :class:`DecodeTiming` records (variants and rounds as resolved)."""
-        return {"variants": list(self.variants or ()), "prompt_tokens": self.prompt_tokens,
-                "tokens": self.tokens, "repeats": self.repeats, "warmup": self.warmup,
-                "device": self.device, "seed": self.seed, "rounds": self.rounds}
+        keys = ("prompt_tokens", "tokens", "repeats", "warmup", "device", "seed", "rounds")
+        return {"variants": list(self.variants or ()), **{k: getattr(self, k) for k in keys}}
 
 
 def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
@@ -295,25 +250,13 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
                 on_result: Optional[Callable[[VariantTiming], None]] = None,
                 cancel: Any = None, python: Optional[str] = None,
                 **settings: Any) -> DecodeTiming:
-    """Time greedy decoding of a checkpoint and its adapter, fused and unfused.
+    """Time greedy decoding of a checkpoint (directory or hub id) and its adapter, fused
+    and unfused; a :class:`DecodeTiming` (a failed variant carries its ``error``).
 
-    Args:
-        model: base checkpoint directory (mlx-lm / Hugging Face layout).
-        adapter_path: adapter directory; needed by every variant but ``base``.
-        options: a :class:`DecodeOptions`; ``**settings`` (its field names: ``variants``,
-            ``tokens``, ``repeats``, ``rounds``, ``device``, ``behaviour``, ...) replace
-            its values (default: :class:`DecodeOptions`'s).
-        progress: show a tqdm progress bar over preparation and variants x runs.
-        on_result: called with each :class:`VariantTiming` as soon as it is measured
-            (a live display's hook; called from the thread running ``time_decode``).
-        cancel: an object with ``is_set()`` (e.g. ``threading.Event``); when set, the
-            running worker is stopped and the remaining variants are skipped.
-        python: interpreter for the worker processes (default: this one).
-
-    Returns:
-        A :class:`DecodeTiming`. A variant that failed carries its ``error``.
-
-    Runs in a background thread as well: all MLX work happens in the workers.
+    ``**settings`` replace ``options``' fields (:class:`DecodeOptions`). ``on_result``
+    gets each :class:`VariantTiming` as it is measured; ``cancel`` (anything with
+    ``is_set()``) stops the running worker; ``python``: the workers' interpreter.
+    Safe in a background thread: all MLX work happens in the workers.
 
     >>> t = time_decode("data/tiny-qwen3", variants=["base"], tokens=4, repeats=1, warmup=0,
     ...                 rounds=1, progress=False)

@@ -1,10 +1,6 @@
 """The "KL vs unfused" column of a decode timing: each variant's mean KL against the
-unfused adapter on a short corpus (a thin caller of :func:`lorakit.compare_outputs`).
-
-Run in the parent process after all timing is done (the timed runs stay in their own
-processes, untouched by it); the reference (base + adapter attached unfused) is loaded
-once and each variant's checkpoint once. ``unfused`` is the reference itself: 0.
-"""
+unfused adapter on a short corpus (:func:`lorakit.compare_outputs`), computed in the
+parent process after all timing."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +18,7 @@ CONTEXT = 256
 
 
 def kl_tokens(behaviour: Union[bool, int, None]) -> Optional[int]:
-    """``False``/``None``: no column; ``True``: :data:`DEFAULT_KL_TOKENS`; an int: that
-    many corpus tokens."""
+    """Corpus tokens of the KL column: None (no column), 512 for ``True``, or the int given."""
     if behaviour is None or behaviour is False:
         return None
     if behaviour is True:

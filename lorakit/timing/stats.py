@@ -1,25 +1,10 @@
 """How sure a decode timing is: bootstrap intervals of each variant's ratio to base.
 
-Decode speed on a shared machine moves by more than the effects a timing table is
-asked about (the same bytes decoded 0.75x or 1.4x as fast in two processes a minute
-apart). So a ratio to base comes with a percentile bootstrap interval that includes
-what the machine did between processes:
-
-- the runs are grouped by round (``time_decode(rounds=...)`` runs every variant
-  once per round, in a fresh process, the rounds in rotated orders);
-- each resample draws rounds with replacement, the *same* rounds for base and the
-  variant (a slow phase that hit both cancels), then runs with replacement inside
-  each drawn round, and takes the ratio of the pooled medians;
-- with a single round there is nothing to draw but runs: the interval then sees only
-  the noise inside one process, and :func:`speed_verdict` says so; below
-  :data:`MIN_ROUNDS` rounds it flags nothing as slower.
-
-A variant is called slower only when the interval lies wholly below 1 *and* the
-ratio is below ``1 - threshold`` *and* below the :func:`noise_band` of the base
-against itself (how far the same bytes move between processes on this machine):
-noise alone and a real but small effect (inside the threshold) are left unflagged.
-
-Pure Python (``random`` with a fixed seed): the same runs give the same interval.
+Each resample draws rounds with replacement, the same rounds for base and variant (a
+slow phase of a shared machine cancels), then runs inside each round; with one round
+only runs are drawn. A variant is called slower only when the interval lies below 1,
+the ratio below ``1 - threshold`` and below the base-against-itself :func:`noise_band`.
+Seeded ``random``: the same runs give the same interval.
 
 >>> lo, hi = ratio_interval([100.0, 101, 99, 100], [0, 0, 1, 1], [100.0, 99, 101, 100],
 ...                         [0, 0, 1, 1])
@@ -48,9 +33,7 @@ MIN_ROUNDS = 3
 
 def by_round(values: Sequence[float], rounds: Optional[Sequence[int]],
              per_round: Optional[int] = None) -> Dict[int, List[float]]:
-    """Runs grouped by the round they ran in. Without round labels (results saved
-    before they were recorded) the runs are cut into consecutive groups of
-    ``per_round`` (the ``repeats`` setting), or taken as one round."""
+    """Runs grouped by round; without labels, by ``per_round`` consecutive runs, or as one."""
     vals = [float(x) for x in values]
     if rounds is not None and len(rounds) == len(vals):
         labels = [int(r) for r in rounds]
@@ -93,11 +76,9 @@ def ratio_interval(runs: Sequence[float], rounds: Optional[Sequence[int]],
 def noise_band(base_runs: Sequence[float], base_rounds: Optional[Sequence[int]], *,
                per_round: Optional[int] = None, confidence: float = CONFIDENCE,
                resamples: int = RESAMPLES, seed: int = 1) -> Tuple[float, float]:
-    """What the base against *itself* can read as: the percentile band of
-    ``median(draw1) / median(draw2)`` where both draws resample the base's rounds (and
-    the runs inside them) independently. Identical bytes decoded in two processes land
-    inside this band by chance; a ratio inside it says nothing. ``(nan, nan)`` with
-    fewer than 2 base runs."""
+    """The base against itself: the band of ``median(draw1) / median(draw2)``, both
+    draws resampling the base's rounds independently; a ratio inside it says nothing.
+    ``(nan, nan)`` with fewer than 2 base runs."""
     b = by_round(base_runs, base_rounds, per_round)
     keys = sorted(b)
     if sum(len(x) for x in b.values()) < 2:
@@ -118,15 +99,13 @@ def noise_band(base_runs: Sequence[float], base_rounds: Optional[Sequence[int]],
 def speed_verdict(ratio: float, interval: Tuple[float, float], *, rounds: int,
                   threshold: float = SPEED_THRESHOLD,
                   noise: Optional[Tuple[float, float]] = None) -> Tuple[bool, str]:
-    """(flagged, words) for a decode ratio to base and its interval. Fewer than
-    :data:`MIN_ROUNDS` interleaved ``rounds`` never flag (one or two processes per
-    variant cannot tell a slower variant from a slow moment). With ``noise``
-    (:func:`noise_band`), a ratio inside the base-against-itself band is never
-    flagged either: the machine moves the base that much on its own."""
+    """(flagged, words) for a decode ratio to base and its interval; fewer than
+    :data:`MIN_ROUNDS` rounds, or a ratio inside the ``noise`` band, never flag."""
     lo, hi = interval
-    if math.isnan(ratio) or math.isnan(lo):
-        return False, (f"{ratio:.2f}x; no interval from one run (repeats or rounds >= 2)"
-                       if not math.isnan(ratio) else "no interval")
+    if math.isnan(ratio):
+        return False, "no interval"
+    if math.isnan(lo):
+        return False, f"{ratio:.2f}x; no interval from one run (repeats or rounds >= 2)"
     span = f"{ratio:.2f}x, {CONFIDENCE:.0%} interval {lo:.2f}-{hi:.2f}"
     if hi < 1 and ratio < 1 - threshold:
         if rounds < MIN_ROUNDS:

@@ -1,8 +1,5 @@
-"""The decode-timing table: one :class:`VariantTiming` per variant (base, unfused,
-promoted, fused, mlx-lm-fused), gathered in a :class:`DecodeTiming` report with ratios
-against the base, flags where a variant decodes slower or peaks higher, a figure, and
-JSON in and out. :func:`lorakit.timing.decode.time_decode` fills it.
-"""
+"""The decode-timing table: one :class:`VariantTiming` per variant in a
+:class:`DecodeTiming` report with ratios to base, flags, a figure and JSON in and out."""
 from __future__ import annotations
 
 import json
@@ -31,9 +28,6 @@ __all__ = ["VARIANTS", "VariantTiming", "DecodeTiming"]
 
 VARIANTS = ("base", "unfused", "promoted", "fused", "mlx-lm-fused")
 FUSED_VARIANTS = ("promoted", "fused", "mlx-lm-fused")
-# a variant is flagged when its decode ratio to base is below 1 - SPEED_THRESHOLD *and*
-# its whole bootstrap interval is below 1, or its weight bytes exceed base's by more
-# than BYTES_THRESHOLD (exact, from the headers); see lorakit/timing/stats.py
 CPU_NOTE = ("on CPU: bf16 matmuls are not faster than f32 here, so decode speed cannot "
             "show what promoted f32 weights cost on a GPU; the weight bytes (exact) can, "
             "and speed is flagged only beyond the threshold and outside the interval")
@@ -44,27 +38,9 @@ ADAPTER_FILES = ("adapters.safetensors", "adapter_model.safetensors")
 
 @dataclass
 class VariantTiming:
-    """One variant's measurements (raw numbers; lists hold one value per repeat).
-
-    Attributes:
-        variant: one of ``VARIANTS``.
-        prefill_tps / decode_tps: mlx-lm's ``prompt_tps`` and ``generation_tps``.
-        ttft_s: seconds from the call to the first token (prefill included).
-        peak_bytes: MLX's peak memory on a GPU, the process's peak RSS on CPU
-            (``peak_source`` says which).
-        weight_bytes: bytes on disk by dtype code; for ``unfused``, base plus adapter.
-        param_bytes: bytes of the parameters in memory, by MLX dtype.
-        lora_modules: LoRA/DoRA layers in the model that ran (0 unless unfused).
-        tokens: the greedy tokens of the last repeat.
-        device: which device ran, backend flags and versions.
-        note: how the variant's checkpoint was made.
-        error: why the variant could not run (then the numbers are empty).
-        moe_f32_blocks: MoE expert blocks run in float32 on CPU (MLX's GatherMM).
-        float32_note: set when MLX's CPU refused another op in the model's dtype and the
-            whole model ran in float32 (found by trying one forward pass).
-        kl_vs_unfused: mean KL against the unfused adapter on a short corpus (only
-            when asked for: ``time_decode(behaviour=...)``).
-    """
+    """One variant's raw measurements (lists: one value per repeat); ``peak_bytes`` is MLX's
+    peak on a GPU, peak RSS on CPU (``peak_source``); ``weight_bytes`` are on disk by dtype
+    (base plus adapter for ``unfused``); ``error`` says why the variant could not run."""
 
     variant: str
     prefill_tps: List[float] = field(default_factory=list)
@@ -110,8 +86,7 @@ class VariantTiming:
         return sum(self.weight_bytes.values())
 
     def merge(self, other: "VariantTiming") -> "VariantTiming":
-        """Pool another round of the same variant into this one (in place): its runs
-        join these, peaks are the larger, an error in either is kept."""
+        """Pool another round of the same variant into this one (in place)."""
         if other.variant != self.variant:
             raise ValueError(f"cannot pool {other.variant!r} into {self.variant!r}")
         error, prepare_s = self.error or other.error, self.prepare_s + other.prepare_s
@@ -152,23 +127,20 @@ def _dtypes_text(by_dtype: Dict[str, int]) -> str:
                       sorted(by_dtype.items(), key=lambda kv: -kv[1]))
 
 
+def verdict_words(vd: Dict[str, Any]) -> str:
+    """A variant's verdict cell from :meth:`DecodeTiming.verdicts` (none: the reference)."""
+    return "; ".join(w for w in (vd.get("bytes"), vd.get("speed")) if w) if vd else "reference"
+
+
 def _prefix_match(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @dataclass(repr=False)
 class DecodeTiming(Report):
-    """The decode timing table: one row per variant, ratios to ``base``.
-
-    ``str()`` is the text table, notebooks render HTML, ``plot()`` draws decode tok/s
-    and peak memory as bars, ``to_json()`` / ``DecodeTiming.from_json()`` round-trip.
-    ``variants`` holds the raw :class:`VariantTiming` objects.
-    """
+    """The decode timing table: one row per variant, ratios to ``base``; ``variants``
+    holds the raw :class:`VariantTiming` objects, ``to_json()`` / ``from_json()``
+    round-trip."""
 
     column_help = {
         "variant": "base (no adapter), unfused (adapter attached), fused, promoted "
@@ -206,8 +178,7 @@ class DecodeTiming(Report):
 
     # -- building ----------------------------------------------------------------------
     def add(self, v: VariantTiming) -> None:
-        """Add one variant's result (replacing an earlier row of the same variant, e.g.
-        the pooled result of another round) and rebuild the table (for live displays)."""
+        """Add (or replace) one variant's result and rebuild the table."""
         for i, old in enumerate(self.variants):
             if old.variant == v.variant:
                 self.variants[i] = v
@@ -222,14 +193,15 @@ class DecodeTiming(Report):
                 return v
         raise KeyError(name)
 
+    def _ok(self, name: str) -> Optional[VariantTiming]:
+        """The variant if it is there and ran, else None."""
+        v = next((v for v in self.variants if v.variant == name), None)
+        return v if v is not None and v.ok else None
+
     def ratio(self, name: str, what: str = "decode") -> float:
-        """``name``'s median decode tok/s (``what="decode"``) or peak memory
-        (``"peak"``) divided by base's; nan when either is missing."""
-        try:
-            base, v = self.variant("base"), self.variant(name)
-        except KeyError:
-            return math.nan
-        if not (base.ok and v.ok):
+        """``name``'s median tok/s (or peak memory) over base's; nan when either is missing."""
+        base, v = self._ok("base"), self._ok(name)
+        if base is None or v is None:
             return math.nan
         if what == "decode":
             return v.decode_median / base.decode_median
@@ -240,13 +212,9 @@ class DecodeTiming(Report):
         raise ArgumentError.bad("what", what, "decode, peak or prefill")
 
     def interval(self, name: str) -> tuple:
-        """The bootstrap interval (lo, hi) of ``name``'s decode ratio to base, paired
-        by round (:func:`lorakit.timing.stats.ratio_interval`); (nan, nan) if missing."""
-        try:
-            base, v = self.variant("base"), self.variant(name)
-        except KeyError:
-            return math.nan, math.nan
-        if not (base.ok and v.ok):
+        """The paired bootstrap interval of ``name``'s decode ratio to base (nan if missing)."""
+        base, v = self._ok("base"), self._ok(name)
+        if base is None or v is None:
             return math.nan, math.nan
         if name == "base":
             return 1.0, 1.0
@@ -256,11 +224,8 @@ class DecodeTiming(Report):
 
     def noise_band(self) -> tuple:
         """The base against itself (:func:`lorakit.timing.stats.noise_band`)."""
-        try:
-            base = self.variant("base")
-        except KeyError:
-            return math.nan, math.nan
-        if not base.ok:
+        base = self._ok("base")
+        if base is None:
             return math.nan, math.nan
         return noise_band(base.decode_tps, base.run_rounds or None,
                           per_round=self.settings.get("repeats") or None)
@@ -274,16 +239,11 @@ class DecodeTiming(Report):
         return len(set(base.run_rounds)) if base.run_rounds else 1
 
     def verdicts(self) -> Dict[str, Dict[str, Any]]:
-        """Per variant: decode ratio and interval, weight-bytes ratio, the words and
-        whether each is flagged (``speed_flag``, ``bytes_flag``)."""
+        """Per variant: the ratios, their words and flags (``speed_flag``, ``bytes_flag``)."""
         out: Dict[str, Dict[str, Any]] = {}
-        try:
-            base = self.variant("base")
-        except KeyError:
-            base = None
-        band = self.noise_band()
+        base, band = self._ok("base"), self.noise_band()
         for v in self.variants:
-            if not v.ok or base is None or not base.ok or v.variant == "base":
+            if not v.ok or base is None or v.variant == "base":
                 continue
             dr = self.ratio(v.variant, "decode")
             ci = self.interval(v.variant)
@@ -305,15 +265,15 @@ class DecodeTiming(Report):
         self.title = (f"Decode timing: {Path(s.get('model', '?')).name}"
                       + (f" + {Path(s['adapter_path']).name}" if s.get("adapter_path") else ""))
         dev = next((v.device for v in self.variants if v.device), {})
+        peak = "MLX peak (mx.get_peak_memory)" if dev.get("kind") == "gpu" else "process peak RSS"
+        versions = f"mlx {dev.get('mlx')}, mlx-lm {dev.get('mlx_lm')}, python {dev.get('python')}"
         self.summary = {
             "model": s.get("model", ""), "adapter": s.get("adapter_path") or "-",
             "prompt / decode tokens": f"{s.get('prompt_tokens')} / {s.get('tokens')}",
             "repeats": f"{s.get('repeats')} after {s.get('warmup')} warm-up",
             "device": _device_text(dev),
-            "peak memory": ("MLX peak (mx.get_peak_memory)" if dev.get("kind") == "gpu"
-                            else "process peak RSS") if dev else "",
-            "versions": (f"mlx {dev.get('mlx')}, mlx-lm {dev.get('mlx_lm')}, "
-                         f"python {dev.get('python')}") if dev else "",
+            "peak memory": peak if dev else "",
+            "versions": versions if dev else "",
         }
         n_rounds, band = self.rounds_run(), self.noise_band()
         self.summary["noise"] = (
@@ -356,14 +316,14 @@ class DecodeTiming(Report):
             dr, pr = self.ratio(v.variant, "decode"), self.ratio(v.variant, "peak")
             vd = verdicts.get(v.variant, {})
             ci = vd.get("interval", [1.0, 1.0])
+            interval = "" if math.isnan(ci[0]) else f"{ci[0]:.2f}-{ci[1]:.2f}"
             row = {
                 "variant": v.variant,
                 "prefill tok/s": v.prefill_median,
                 "decode tok/s": v.decode_median,
                 "decode min-max": f"{min(v.decode_tps):.4g}-{max(v.decode_tps):.4g}",
                 "decode x base": dr,
-                f"{CONFIDENCE:.0%} interval": "" if math.isnan(ci[0]) else
-                f"{ci[0]:.2f}-{ci[1]:.2f}",
+                f"{CONFIDENCE:.0%} interval": interval,
                 "bytes predict": vd.get("bytes_predicted", 1.0),
                 "weights GB/s": v.decode_median * v.weights_total / 1e9,
                 "TTFT ms": v.ttft_median * 1e3,
@@ -372,8 +332,7 @@ class DecodeTiming(Report):
                 "weights GB": _gb(v.weights_total),
                 "weight dtypes": _dtypes_text(v.weight_bytes),
                 "weights x base": vd.get("bytes_ratio", 1.0),
-                "verdict": "; ".join(w for w in (vd.get("bytes"), vd.get("speed")) if w)
-                if vd else "reference",
+                "verdict": verdict_words(vd),
                 "why": vd.get("why", ""),
             }
             if v.kl_vs_unfused is not None:
@@ -385,10 +344,10 @@ class DecodeTiming(Report):
                 flagged.append(i)
         self.rows = rows
         self.flagged = flagged
-        cols = ["variant", "prefill tok/s", "decode tok/s", "decode min-max", "decode x base",
-                f"{CONFIDENCE:.0%} interval", "bytes predict", "weights GB/s", "TTFT ms",
-                "peak GB", "peak x base", "weights GB", "weights x base", "weight dtypes",
-                "verdict", "why"]
+        cols = ["variant", "prefill tok/s", "decode tok/s", "decode min-max", "decode x base"]
+        cols += [f"{CONFIDENCE:.0%} interval", "bytes predict", "weights GB/s", "TTFT ms"]
+        cols += ["peak GB", "peak x base", "weights GB", "weights x base", "weight dtypes"]
+        cols += ["verdict", "why"]
         if ref is not None:
             cols.append("= unfused tokens")
         if any(v.kl_vs_unfused is not None for v in self.variants):
@@ -416,16 +375,9 @@ class DecodeTiming(Report):
 
     # -- figure ------------------------------------------------------------------------
     def plot(self, ax=None):
-        """Decode speed as a ratio to base with each ratio's bootstrap interval as a
-        whisker (dashed: 1 and the flag threshold), and weight bytes (exact) beside
-        peak memory per variant.
-
-        Returns the matplotlib Figure (made without pyplot, so it shows once in a
-        notebook and is safe to draw from a background thread).
-        """
-        from matplotlib.figure import (
-            Figure,  # lazy: matplotlib only when a figure is drawn
-        )
+        """Decode ratio to base with its interval as a whisker, and weight bytes beside
+        peak memory per variant: a matplotlib Figure (no pyplot: thread-safe)."""
+        from matplotlib.figure import Figure  # lazy: matplotlib only when drawn
 
         ok = [v for v in self.variants if v.ok]
         names = [v.variant for v in ok]
@@ -458,10 +410,10 @@ class DecodeTiming(Report):
                 a.annotate(label, (i - (0.2 if a is a2 else 0), top), ha="center",
                            va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
         dev = next((v.device for v in ok if v.device), {})
-        where = " ".join(x for x in (dev.get("backend", ""), dev.get("device_info", {})
-                                     .get("device_name", "")) if x)
-        fig.suptitle(f"{Path(self.settings.get('model', '')).name}"
-                     + (f" on {where}" if where else ""), fontsize=10)
+        name = dev.get("device_info", {}).get("device_name", "")
+        where = " ".join(x for x in (dev.get("backend", ""), name) if x)
+        title = Path(self.settings.get("model", "")).name + (f" on {where}" if where else "")
+        fig.suptitle(title, fontsize=10)
         return fig
 
 

@@ -1,20 +1,9 @@
-"""One variant's decode timing, run in a process of its own.
-
-``time_decode`` starts ``python -m lorakit.timing.worker SPEC_JSON`` once per
-variant, so each variant's peak memory starts from an empty process. The worker
-loads the checkpoint the way ``mlx_lm.load`` does (``load_model``, then
-``load_adapters`` for the unfused variant; lorakit's ``attach_adapter`` for a PEFT
-adapter, which mlx-lm cannot load), decodes greedily through
-``mlx_lm.generate.stream_generate`` and prints JSON lines, each prefixed with
-``MARK`` so that anything a library prints to stdout cannot be mistaken for one:
-
-- ``{"event": "loaded", ...}`` once the weights are in memory,
-- ``{"event": "run", "warmup": bool, ...}`` after each generation,
-- ``{"event": "result", ...}`` at the end, or ``{"event": "error", ...}``.
-
-What :func:`~lorakit.timing.decode.time_decode` and its worker process share, with
-nothing heavy imported: the mark that prefixes the worker's JSON lines on stdout (so
-that what a library prints cannot be taken for one) and the files that make a tokenizer.
+"""One variant's decode timing, run in a process of its own
+(``python -m lorakit.timing.worker SPEC_JSON``), so its peak memory starts from an empty
+process. It loads the checkpoint as ``mlx_lm.load`` does (lorakit's loader for a PEFT
+adapter), decodes greedily through ``stream_generate`` and prints JSON events
+(``loaded``, ``run`` per generation, then ``result`` or ``error``), each line prefixed
+with ``MARK`` so nothing a library prints can be taken for one.
 """
 from __future__ import annotations
 
@@ -42,12 +31,8 @@ __all__ = []
 # must be chosen first (select_device)
 
 
-#: what :func:`~lorakit.timing.decode.time_decode` and its worker process share: the
-#: line prefix of the worker's events on stdout, and the tokenizer files a variant needs
 MARK = "@@lorakit-timing "
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
 
 def emit(event: str, **data: Any) -> None:
     sys.stdout.write(MARK + json.dumps(dict(event=event, **data)) + "\n")
@@ -113,31 +98,22 @@ class _NullDetokenizer:
     last_segment = ""
     text = ""
 
-    def reset(self) -> None:
+    def _nothing(self, *_: Any) -> None:
         pass
 
-    def add_token(self, token: int) -> None:
-        pass
-
-    def finalize(self) -> None:
-        pass
+    reset = add_token = finalize = _nothing
 
 
 def load_tokenizer(model_path: Path, config: Dict[str, Any]):
-    """The checkpoint's tokenizer as mlx-lm loads it, with no end-of-sequence ids.
-
-    Timing needs exactly ``tokens`` decode steps, so EOS must not stop generation:
-    mlx-lm's wrapper lets the set be replaced. A checkpoint without tokenizer files
-    (synthetic weights) gets a wrapper whose detokenizer keeps no text.
-    """
+    """The checkpoint's tokenizer as mlx-lm loads it, with no end-of-sequence ids (a
+    timing decodes exactly ``tokens`` steps); without tokenizer files, one that keeps no
+    text."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper  # lazy: after select_device
 
     if any((model_path / f).exists() for f in TOKENIZER_FILES):
-        from mlx_lm.utils import (
-            load_tokenizer as mlx_load_tokenizer,  # lazy: after select_device
-        )
+        from mlx_lm.utils import load_tokenizer as mlx_load  # lazy: after select_device
 
-        tok = mlx_load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
+        tok = mlx_load(model_path, eos_token_ids=config.get("eos_token_id"))
         tok.eos_token_ids = []
         return tok, True
 
@@ -199,8 +175,8 @@ def main(spec: Dict[str, Any]) -> Dict[str, Any]:
     mx.eval(model.parameters())
     tok, has_tokenizer = load_tokenizer(model_path, config)
     load_s = time.perf_counter() - t0
-    lora_modules = sum(1 for _, m in model.named_modules()
-                       if type(m).__name__.startswith(("LoRA", "DoRA")))
+    kinds = [type(m).__name__ for _, m in model.named_modules()]
+    lora_modules = sum(1 for k in kinds if k.startswith(("LoRA", "DoRA")))
     emit("loaded", load_s=load_s, lora_modules=lora_modules)
 
     # the same synthetic prompt in every variant's process
@@ -235,6 +211,6 @@ if __name__ == "__main__":
     try:
         emit("result", **main(json.loads(sys.argv[1])))
     except BaseException as e:  # report every failure to the parent as one event
-        emit("error", type=type(e).__name__, message=str(e),
-             traceback=traceback.format_exc(limit=8))
+        tb = traceback.format_exc(limit=8)
+        emit("error", type=type(e).__name__, message=str(e), traceback=tb)
         raise SystemExit(1)

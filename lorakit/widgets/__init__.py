@@ -1,18 +1,8 @@
-"""Jupyter widgets over lorakit's library calls (imported explicitly; needs ipywidgets
-and matplotlib, the ``notebook`` extra).
-
-Each widget is a thin form: it calls one library function and shows the report or
-figure it returns, so every number a widget shows can be had without it.
-
-- :class:`FusePanel`: :func:`lorakit.fuse` with its options, a progress bar, the
-  result and the fused checkpoint's dtype map.
-- :class:`DtypeMapView`: :func:`lorakit.inspect.dtype_map` as a grid with hover and click.
-- :class:`DiffExplorer`: :func:`lorakit.diff` / the exact-fuse reference.
-- :class:`DecodeRace`: :func:`lorakit.time_decode` live, in a background thread.
-- :class:`GenerationCompare`: :func:`lorakit.inspect.compare_generations` side by side.
-- :class:`AdapterCompare`: :func:`lorakit.inspect.compare_adapters`.
-- :class:`AdapterMixer`: two or three adapters mixed by weight sliders, live norms.
-- :class:`KLTextView`: a :func:`lorakit.compare_outputs` report's text shaded by KL.
+"""Jupyter widgets over lorakit's library calls (the ``notebook`` extra: ipywidgets and
+matplotlib; imported explicitly). Each widget is a thin form over one library function
+and shows the report or figure it returns, so every number it shows can be had without
+it: FusePanel, DtypeMapView, DiffExplorer, DecodeRace, GenerationCompare,
+AdapterCompare, AdapterMixer, KLTextView.
 
 >>> from lorakit.widgets import FusePanel
 >>> panel = FusePanel()  # choices from the repository's data/

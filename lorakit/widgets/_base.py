@@ -1,16 +1,10 @@
-"""Pieces every lorakit widget shares: figure images, report HTML, error display,
-test hooks.
-
-Figures are shown as PNG bytes in an ``ipywidgets.Image`` rather than through an
-``Output`` widget: the bytes are widget state, so a handler run outside a kernel (a
-test) or from a background thread (``DecodeRace``) updates them the same way as a
-click in JupyterLab, and the widget keeps the matplotlib ``Figure`` for anyone who
-wants to look closer (``widget.figure``).
-"""
+"""Pieces every lorakit widget shares: figure images, report HTML, error display, test
+hooks. Figures are PNG bytes in an ``ipywidgets.Image`` (widget state, so a handler run
+from a test or a background thread updates them as a click does)."""
 from __future__ import annotations
 
 import io
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import ipywidgets as W
 
@@ -26,6 +20,21 @@ def hook(widget: W.DOMWidget, name: str) -> W.DOMWidget:
     """Tag ``widget`` with the test-hook class ``t-<name>`` and return it."""
     widget.add_class(HOOK + name)
     return widget
+
+
+def button(name: str, label: str, icon: str = "", style: str = "primary", **kw: Any) -> W.Button:
+    """A button hooked ``t-<name>``."""
+    return hook(W.Button(description=label, button_style=style, icon=icon, **kw), name)
+
+
+def choice(name: str, label: str, options: Any, kind: type = W.Dropdown, **kw: Any) -> Any:
+    """A dropdown (or another ``kind`` of selection widget) hooked ``t-<name>``."""
+    return hook(kind(options=options, description=label, **kw), name)
+
+
+def htmls(prefix: str, *names: str) -> List[W.HTML]:
+    """Empty HTML outputs hooked ``t-<prefix>-<name>``, one per name."""
+    return [hook(W.HTML(""), f"{prefix}-{n}") for n in names]
 
 
 def figure_png(fig: Any, dpi: int = 96) -> bytes:
@@ -64,8 +73,7 @@ def summary_html(report: Report, title: bool = True) -> str:
 
 def rows_html(rows: list, columns: list, flagged: Optional[set] = None,
               help: Optional[Dict[str, str]] = None) -> str:
-    """Rows (dicts) as an HTML table with the given columns; flagged rows shaded;
-    ``help``: the report's column explanations (header hover text)."""
+    """Rows (dicts) as an HTML table of ``columns``, flagged rows shaded, ``help`` on hover."""
     return table([[format_value(r.get(c, "")) for c in columns] for r in rows],
                  head=head_cells(columns, help or {}),
                  row_styles={i: FLAGGED for i in flagged or ()})
@@ -93,3 +101,15 @@ class ErrorBox(W.HTML):
     def show(self, exc: Optional[BaseException]) -> None:
         self.value = error_html(exc) if exc is not None else ""
         self.layout.display = None if exc is not None else "none"
+
+    def attempt(self, action: Callable[[], Any], status: Optional[W.HTML] = None) -> Any:
+        """``action()`` with this box cleared first; an exception is shown here (``status``
+        then says "failed") and gives None: the user picks other inputs and retries."""
+        self.show(None)
+        try:
+            return action()
+        except Exception as e:
+            if status is not None:
+                status.value = "failed"
+            self.show(e)
+            return None

@@ -1,9 +1,5 @@
-"""AdapterCompare: two adapters of one base, side by side.
-
-Calls :func:`lorakit.inspect.compare_adapters` and shows its figures: delta norms per
-target (relative to the base weight when a base is given), and layer x kind maps
-of the deltas' cosine similarity and of the overlap of their column and row
-subspaces (principal angles), with the per-module table.
+"""AdapterCompare: two adapters of one base side by side
+(:func:`lorakit.inspect.compare_adapters`'s figures and per-module table).
 
 >>> from lorakit.widgets import AdapterCompare
 >>> w = AdapterCompare({"lora": "data/adapters/lora", "dora": "data/adapters/dora"},
@@ -18,7 +14,7 @@ import ipywidgets as W
 
 from ..errors import ArgumentError, PathLike
 from ..inspect.adapters import AdapterComparison, compare_adapters
-from ._base import ErrorBox, FigureView, hook, summary_html
+from ._base import ErrorBox, FigureView, button, choice, hook, htmls, summary_html
 
 __all__ = ["AdapterCompare"]
 VIEWS = (("delta norms", "norms"), ("cosine", "cosine"), ("column overlap", "col_overlap"),
@@ -26,16 +22,9 @@ VIEWS = (("delta norms", "norms"), ("cosine", "cosine"), ("column overlap", "col
 
 
 class AdapterCompare(W.VBox):
-    """Delta norms, cosine similarity and subspace overlap of two adapters.
-
-    Args:
-        adapters: label -> adapter directory: the choices for A and B.
-        a, b: initial labels (default: the first two).
-        base: optional base checkpoint (norms relative to ``||W||``).
-
-    Attributes:
-        report: the last :class:`AdapterComparison`.
-    """
+    """Delta norms, cosine similarity and subspace overlap of two adapters, chosen among
+    ``adapters`` (label -> directory); ``base`` makes norms relative to ``||W||``;
+    ``report`` is the last :class:`AdapterComparison`."""
 
     def __init__(self, adapters: Mapping[str, PathLike], *, a: Optional[str] = None,
                  b: Optional[str] = None, base: Optional[PathLike] = None,
@@ -47,37 +36,28 @@ class AdapterCompare(W.VBox):
         self.base = Path(base) if base is not None else None
         self.report: Optional[AdapterComparison] = None
         style = {"description_width": "4em"}
-        self.a = hook(W.Dropdown(options=labels, value=a or labels[0], description="A",
-                                 style=style), "adapters-a")
-        self.b = hook(W.Dropdown(options=labels, value=b or labels[1], description="B",
-                                 style=style), "adapters-b")
-        self.button = hook(W.Button(description="Compare", button_style="primary"),
-                           "adapters-compare")
-        self.view = hook(W.ToggleButtons(options=list(VIEWS), value="norms",
-                                         description="show", style=style), "adapters-view")
-        self.summary = hook(W.HTML(""), "adapters-summary")
+        self.a = choice("adapters-a", "A", labels, value=a or labels[0], style=style)
+        self.b = choice("adapters-b", "B", labels, value=b or labels[1], style=style)
+        self.button = button("adapters-compare", "Compare")
+        self.view = choice("adapters-view", "show", VIEWS, W.ToggleButtons, value="norms",
+                           style=style)
+        self.summary, self.table = htmls("adapters", "summary", "table")
         self.figure = FigureView("adapters-figure")
-        self.table = hook(W.HTML(""), "adapters-table")
         self.error = ErrorBox("adapters-error")
-        details = W.Accordion([self.table])
-        details.set_title(0, "per-module table")
-        details.selected_index = None
+        details = W.Accordion([self.table], titles=("per-module table",), selected_index=None)
         self.button.on_click(lambda _b: self.compare())
         self.view.observe(lambda _c: self.redraw(), names="value")
-        super().__init__([W.HBox([self.a, self.b, self.button]), self.error, self.summary,
-                          self.view, self.figure, details])
+        row = W.HBox([self.a, self.b, self.button])
+        super().__init__([row, self.error, self.summary, self.view, self.figure, details])
         hook(self, "adapter-compare")
         if compare:
             self.compare()
 
     def compare(self) -> Optional[AdapterComparison]:
         """Compare the chosen adapters (what the button does)."""
-        self.error.show(None)
-        try:
-            rep = compare_adapters(self.adapters[self.a.value], self.adapters[self.b.value],
-                                   self.base)
-        except Exception as e:  # shown in the widget
-            self.error.show(e)
+        a, b = self.adapters[self.a.value], self.adapters[self.b.value]
+        rep = self.error.attempt(lambda: compare_adapters(a, b, self.base))
+        if rep is None:
             return None
         self.report = rep
         self.summary.value = summary_html(rep)

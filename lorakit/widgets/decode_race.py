@@ -1,12 +1,6 @@
-"""DecodeRace: decode timing variants measured live, without freezing the notebook.
-
-:func:`lorakit.time_decode` runs in a background thread (every variant decodes in
-a process of its own, so the kernel stays free); each variant's result arrives
-through its ``on_result`` hook and the widget redraws the tok/s and peak-memory
-bars (:meth:`DecodeTiming.plot`) and the table as it comes.
-
-In a notebook, show the widget and click Start (or call ``race.start()``; then
-``race.wait()`` returns the :class:`DecodeTiming`):
+"""DecodeRace: :func:`lorakit.time_decode` in a background thread, the chart and table
+redrawn as each variant's result arrives (``race.start()``; ``race.wait()`` returns the
+:class:`DecodeTiming`).
 
 >>> from lorakit.widgets import DecodeRace
 >>> race = DecodeRace("data/tiny-qwen3", "data/adapters/lora")
@@ -26,7 +20,7 @@ import ipywidgets as W
 from ..errors import ArgumentError, PathLike
 from ..timing.decode import DecodeOptions, auto_rounds, time_decode, weight_bytes
 from ..timing.table import VARIANTS, DecodeTiming, VariantTiming
-from ._base import ErrorBox, FigureView, hook
+from ._base import ErrorBox, FigureView, button, hook, htmls
 
 __all__ = ["DecodeRace"]
 
@@ -34,20 +28,10 @@ __all__ = ["DecodeRace"]
 class DecodeRace(W.VBox):
     """Live decode timing of base / unfused / promoted / fused / mlx-lm-fused.
 
-    Args:
-        model, adapter: checkpoint and adapter directories.
-        options: a :class:`~lorakit.timing.decode.DecodeOptions` (default: its own, with
-            64 tokens and a 64-token prompt); ``**settings`` (its field names) replace its
-            values. ``variants``: those checked at the start (default: all); the
-            variants, tokens, prompt tokens and repeats can be changed in the form.
-
-    Attributes:
-        timing: the live :class:`DecodeTiming` (grows one variant at a time).
-        options: the settings the next Start runs with (the form's values replace
-            variants, tokens, prompt_tokens and repeats).
-        result: what ``time_decode`` returned, once it has finished.
-        updates: how many times the chart was redrawn.
-    """
+    ``options`` (a :class:`~lorakit.timing.decode.DecodeOptions`, default 64 tokens and a
+    64-token prompt) and ``**settings`` set what Start runs; the form's variants, tokens,
+    prompt tokens and repeats replace them. ``timing`` grows one variant at a time;
+    ``result`` is what ``time_decode`` returned; ``updates`` counts chart redraws."""
 
     def __init__(self, model: PathLike, adapter: Optional[PathLike] = None, *,
                  options: Optional[DecodeOptions] = None, **settings: Any) -> None:
@@ -68,36 +52,29 @@ class DecodeRace(W.VBox):
         self.checks = {v: hook(W.Checkbox(value=v in chosen, description=v, indent=False,
                                           layout=W.Layout(width="9em")), f"race-{v}")
                        for v in offered}
-        style = {"description_width": "7em"}
-        self.tokens = hook(W.BoundedIntText(o.tokens, min=1, max=4096, description="tokens",
-                                            style=style, layout=W.Layout(width="14em")),
-                           "race-tokens")
-        self.prompt_tokens = hook(W.BoundedIntText(o.prompt_tokens, min=1, max=8192,
-                                                   description="prompt tokens", style=style,
-                                                   layout=W.Layout(width="14em")),
-                                  "race-prompt-tokens")
-        self.repeats = hook(W.BoundedIntText(o.repeats, min=1, max=50, description="repeats",
-                                             style=style, layout=W.Layout(width="14em")),
-                            "race-repeats")
-        self.start_button = hook(W.Button(description="Start", button_style="primary",
-                                          icon="play"), "race-start")
-        self.stop_button = hook(W.Button(description="Stop", icon="stop", disabled=True),
-                                "race-stop")
+
+        def box(value: int, top: int, label: str) -> W.BoundedIntText:
+            look = {"style": {"description_width": "7em"}, "layout": W.Layout(width="14em")}
+            w = W.BoundedIntText(value, min=1, max=top, description=label, **look)
+            return hook(w, "race-" + label.replace(" ", "-"))
+
+        self.tokens = box(o.tokens, 4096, "tokens")
+        self.prompt_tokens = box(o.prompt_tokens, 8192, "prompt tokens")
+        self.repeats = box(o.repeats, 50, "repeats")
+        self.start_button = button("race-start", "Start", "play")
+        self.stop_button = button("race-stop", "Stop", "stop", "", disabled=True)
         self.progress = hook(W.IntProgress(0, min=0, max=1, layout=W.Layout(width="16em")),
                              "race-progress")
-        self.status = hook(W.HTML(""), "race-status")
+        self.status, self.table = htmls("race", "status", "table")
         self.chart = FigureView("race-chart")
-        self.table = hook(W.HTML(""), "race-table")
         self.error = ErrorBox("race-error")
         self.start_button.on_click(lambda _b: self.start())
         self.stop_button.on_click(lambda _b: self.stop())
-        super().__init__([
-            W.HTML(f"<b>Decode race</b>: {self.model.name}"
-                   + (f" + {self.adapter.name}" if self.adapter else "")),
-            W.HBox(list(self.checks.values())),
-            W.HBox([self.prompt_tokens, self.tokens, self.repeats]),
-            W.HBox([self.start_button, self.stop_button, self.progress, self.status]),
-            self.error, self.chart, self.table])
+        name = self.model.name + (f" + {self.adapter.name}" if self.adapter else "")
+        sizes = W.HBox([self.prompt_tokens, self.tokens, self.repeats])
+        run = W.HBox([self.start_button, self.stop_button, self.progress, self.status])
+        head = [W.HTML(f"<b>Decode race</b>: {name}"), W.HBox(list(self.checks.values()))]
+        super().__init__(head + [sizes, run, self.error, self.chart, self.table])
         hook(self, "decode-race")
 
     @property
@@ -120,9 +97,9 @@ class DecodeRace(W.VBox):
         except ArgumentError as e:  # no variant checked, say: shown, not only raised
             self.error.show(e)
             raise
-        self.timing = DecodeTiming(title="", settings={
-            "model": str(self.model), "adapter_path": str(self.adapter) if self.adapter
-            else None, **opts.settings()})
+        adapter = str(self.adapter) if self.adapter else None
+        settings = {"model": str(self.model), "adapter_path": adapter, **opts.settings()}
+        self.timing = DecodeTiming(title="", settings=settings)
         self.result = None
         self._cancel.clear()
         self.error.show(None)
@@ -151,7 +128,6 @@ class DecodeRace(W.VBox):
             self._thread.join(timeout)
         return self.result
 
-    # -- the background thread -------------------------------------------------------
     def _on_result(self, v: VariantTiming) -> None:
         with self._lock:
             assert self.timing is not None
@@ -167,13 +143,12 @@ class DecodeRace(W.VBox):
     def _work(self, opts: DecodeOptions) -> None:
         t0 = time.perf_counter()
         try:
-            self.result = time_decode(self.model, self.adapter, options=opts,
-                                      progress=False, on_result=self._on_result,
-                                      cancel=self._cancel)
+            live = {"progress": False, "on_result": self._on_result, "cancel": self._cancel}
+            self.result = time_decode(self.model, self.adapter, options=opts, **live)
             stopped = self._cancel.is_set()
             self.progress.bar_style = "warning" if stopped else "success"
-            self.status.value = ("stopped" if stopped else "finished") + \
-                f" in {time.perf_counter() - t0:.1f} s"
+            took = f" in {time.perf_counter() - t0:.1f} s"
+            self.status.value = ("stopped" if stopped else "finished") + took
         except Exception as e:  # shown in the widget: a thread's exception is otherwise lost
             self.progress.bar_style = "danger"
             self.status.value = "failed"

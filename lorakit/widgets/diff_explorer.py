@@ -1,12 +1,6 @@
-"""DiffExplorer: how far apart are two checkpoints, overall, per layer, per tensor?
-
-Pick A and B among checkpoints (for example the outputs of several fuses), or the
-exact float64 fuse as B; the widget calls :func:`lorakit.diff` (or
-:func:`lorakit.inspect.diff.ulp_vs_reference` for the exact fuse) and shows the
-report's histograms: overall, layers x bins, one layer, or one tensor, with the
-numbers behind them (relative error, max ulp at typical magnitudes and overall,
-elements near zero, differing elements, and for a tensor its differing elements by
-magnitude: the large ulp distances sit near zero).
+"""DiffExplorer: how far apart two checkpoints are, overall, per layer, per tensor: the
+histograms and numbers of :func:`lorakit.diff` (or of ``ulp_vs_reference`` against the
+exact float64 fuse).
 
 >>> import lorakit
 >>> from lorakit.widgets import DiffExplorer
@@ -27,32 +21,32 @@ from ..inspect.plots import histogram_bars
 from ..inspect.ulp_count import binades, bits_dtype
 from ..io.formats import source
 from ..report import Report
-from ._base import ErrorBox, FigureView, facts_html, hook, rows_html, summary_html
+from ._base import (
+    ErrorBox,
+    FigureView,
+    button,
+    choice,
+    facts_html,
+    hook,
+    htmls,
+    rows_html,
+    summary_html,
+)
 
 __all__ = ["DiffExplorer"]
 #: the B choice meaning "the exact fuse of base + adapter, in float64"
 REFERENCE = "exact fuse (float64)"
 VIEWS = ("overall", "layers", "layer", "tensor")
-TENSOR_FACTS = ("status", "dtype", "elements", "differing", "rel_err", "max_ulp_at_rms",
-                "max_ulp_typ", "near_zero", "zero_one_side", "sign_changes", "rms_a",
-                "max_ulp", "mean_ulp", "nan_mismatch", "max_err_typ", "max_err", "mean_err",
-                "not_nearest", "not_nearest_near_zero", "hist")
+TENSOR_FACTS = tuple("""status dtype elements differing rel_err max_ulp_at_rms max_ulp_typ
+    near_zero zero_one_side sign_changes rms_a max_ulp mean_ulp nan_mismatch max_err_typ max_err
+    mean_err not_nearest not_nearest_near_zero hist""".split())
 
 
 class DiffExplorer(W.VBox):
-    """Ulp histograms of checkpoint A against checkpoint B (or the exact fuse).
-
-    Args:
-        checkpoints: label -> checkpoint directory: the choices for A and B.
-        a, b: initial labels (default: the first two choices).
-        base, adapter: when both are given, B may also be ``REFERENCE``: the exact
-            ``W + scale * B @ A`` in float64, measured in ulps of A's format.
-
-    Attributes:
-        report: the last report (:class:`UlpReport`, or :class:`RefUlpReport` against
-            the exact fuse); ``view`` / ``layer`` / ``tensor`` select what is drawn.
-        compared: how many comparisons ran.
-    """
+    """Ulp histograms of checkpoint A against B, chosen among ``checkpoints`` (label ->
+    directory); with ``base`` and ``adapter``, B may be ``REFERENCE`` (the exact float64
+    fuse). ``report`` is the last report; ``view`` / ``layer`` / ``tensor`` select what is
+    drawn; ``compared`` counts comparisons."""
 
     def __init__(self, checkpoints: Mapping[str, PathLike], *, a: Optional[str] = None,
                  b: Optional[str] = None, base: Optional[PathLike] = None,
@@ -68,49 +62,36 @@ class DiffExplorer(W.VBox):
         self.compared = 0
         self._quiet = False
         style = {"description_width": "5em"}
-        self.a = hook(W.Dropdown(options=labels, value=a or labels[0], description="A",
-                                 style=style), "ulp-a")
+        self.a = choice("ulp-a", "A", labels, value=a or labels[0], style=style)
         default_b = b or (b_labels[1] if len(b_labels) > 1 else b_labels[0])
-        self.b = hook(W.Dropdown(options=b_labels, value=default_b, description="B",
-                                 style=style), "ulp-b")
-        self.button = hook(W.Button(description="Compare", button_style="primary",
-                                    icon="balance-scale"), "ulp-compare")
-        self.view = hook(W.ToggleButtons(options=list(VIEWS), value="overall",
-                                         description="show", style=style), "ulp-view")
-        self.layer = hook(W.Dropdown(options=[], description="layer", style=style),
-                          "ulp-layer")
-        self.tensor = hook(W.Dropdown(options=[], description="tensor", style=style,
-                                      layout=W.Layout(width="34em")), "ulp-tensor")
-        self.status = hook(W.HTML(""), "ulp-status")
-        self.summary = hook(W.HTML(""), "ulp-summary")
-        self.facts = hook(W.HTML(""), "ulp-facts")
+        self.b = choice("ulp-b", "B", b_labels, value=default_b, style=style)
+        self.button = button("ulp-compare", "Compare", "balance-scale")
+        self.view = choice("ulp-view", "show", VIEWS, W.ToggleButtons, value="overall", style=style)
+        self.layer = choice("ulp-layer", "layer", [], style=style)
+        self.tensor = choice("ulp-tensor", "tensor", [], style=style,
+                               layout=W.Layout(width="34em"))
+        self.status, self.summary, self.facts = htmls("ulp", "status", "summary", "facts")
         self.figure = FigureView("ulp-figure")
         self.error = ErrorBox("ulp-error")
         self.button.on_click(lambda _b: self.compare())
         self.view.observe(lambda _c: self.redraw(), names="value")
         self.layer.observe(self._on_layer, names="value")
         self.tensor.observe(lambda _c: self._on_tensor(), names="value")
-        super().__init__([
-            W.HBox([self.a, self.b, self.button, self.status]), self.error, self.summary,
-            self.view, W.HBox([self.layer, self.tensor]), self.facts, self.figure])
+        top = W.HBox([self.a, self.b, self.button, self.status])
+        picks = W.HBox([self.layer, self.tensor])
+        super().__init__([top, self.error, self.summary, self.view, picks, self.facts, self.figure])
         hook(self, "diff-explorer")
         if compare:
             self.compare()
 
-    # -- computing -----------------------------------------------------------------------
     def compare(self) -> Optional[Report]:
         """Compare the chosen A and B (what the button does)."""
-        self.error.show(None)
         self.status.value = "comparing..."
-        a = self.checkpoints[self.a.value]
-        try:
-            if self.b.value == REFERENCE:
-                rep: Report = ulp_vs_reference(a, self.base, self.adapter)
-            else:
-                rep = diff(a, self.checkpoints[self.b.value]).ulp_report()
-        except Exception as e:  # shown in the widget; the user picks other inputs
-            self.status.value = "failed"
-            self.error.show(e)
+        a, b = self.checkpoints[self.a.value], self.b.value
+        rep = self.error.attempt(lambda: ulp_vs_reference(a, self.base, self.adapter)
+                                 if b == REFERENCE else diff(a, self.checkpoints[b]).ulp_report(),
+                                 self.status)
+        if rep is None:
             return None
         self.report = rep
         self.compared += 1
@@ -153,7 +134,6 @@ class DiffExplorer(W.VBox):
         else:
             self.redraw()
 
-    # -- drawing -------------------------------------------------------------------------
     def redraw(self) -> None:
         """Draw the current view of the current report."""
         rep = self.report
@@ -164,11 +144,8 @@ class DiffExplorer(W.VBox):
             view = "overall"
         if view == "tensor" and not self.tensor.value:
             view = "overall"
-        if view == "overall":
-            fig = rep.plot()
-            self.facts.value = ""
-        elif view == "layers":
-            fig = rep.plot(level="layers")
+        if view in ("overall", "layers"):
+            fig = rep.plot(level="layers") if view == "layers" else rep.plot()
             self.facts.value = ""
         elif view == "layer":
             assert isinstance(rep, UlpReport)

@@ -1,9 +1,5 @@
-"""DtypeMapView: a checkpoint's per-layer dtype map, with hover and click detail.
-
-The map is :func:`lorakit.inspect.dtype_map`'s report. The widget shows its summary, a grid
-of cells (layers x tensor kinds, coloured by dtype like the report's heatmap; hover
-a cell for its tensors, click it for a table of them), and the report's own
-heatmap figure.
+"""DtypeMapView: :func:`lorakit.inspect.dtype_map`'s report as a layers x kinds grid
+coloured by dtype (hover a cell for its tensors, click for a table), with its heatmap.
 
 >>> from lorakit.widgets import DtypeMapView
 >>> view = DtypeMapView("data/tiny-qwen3")
@@ -33,18 +29,9 @@ def _color(code: str) -> str:
 
 
 class DtypeMapView(W.VBox):
-    """Per-layer dtype/bytes map of a checkpoint, adapter or in-memory model.
-
-    Args:
-        source: anything :func:`lorakit.inspect.dtype_map` accepts, or a ready ``DtypeMap``.
-        part: which tensor part the grid shows (``"weight"``; ``"scales"`` for the
-            scales of a quantized model).
-
-    Attributes:
-        report: the :class:`~lorakit.inspect.dtypes.DtypeMap` shown.
-        selected: ``(layer label, kind)`` of the clicked cell, or None.
-        cells: ``{(layer label, kind): Button}`` of the grid.
-    """
+    """Per-layer dtype/bytes map of anything :func:`lorakit.inspect.dtype_map` accepts (or a
+    ready ``DtypeMap``); ``part`` picks the tensor part shown (``"scales"`` of a quantized
+    model). ``selected`` is the clicked ``(layer label, kind)``; ``cells`` its buttons."""
 
     def __init__(self, source: Any = None, part: str = "weight") -> None:
         self.part = part
@@ -56,9 +43,8 @@ class DtypeMapView(W.VBox):
         self.detail = hook(W.HTML("<i>click a cell for its tensors</i>"), "dtype-detail")
         self.figure = FigureView("dtype-figure")
         self.error = ErrorBox("dtype-error")
-        tabs = W.Tab([W.VBox([self.grid, self.detail]), self.figure])
-        tabs.set_title(0, "map (hover, click)")
-        tabs.set_title(1, "heatmap figure")
+        tabs = W.Tab([W.VBox([self.grid, self.detail]), self.figure],
+                     titles=("map (hover, click)", "heatmap figure"))
         super().__init__([self.summary, tabs, self.error])
         hook(self, "dtype-map-view")
         if source is not None:
@@ -66,12 +52,10 @@ class DtypeMapView(W.VBox):
 
     def show(self, source: Any) -> Optional[DtypeMap]:
         """Inspect ``source`` (or show a ready DtypeMap) and redraw everything."""
-        try:
-            rep = source if isinstance(source, DtypeMap) else dtype_map(source)
-        except Exception as e:  # shown to the user; the widget stays usable
-            self.error.show(e)
+        rep = self.error.attempt(
+            lambda: source if isinstance(source, DtypeMap) else dtype_map(source))
+        if rep is None:
             return None
-        self.error.show(None)
         self.report = rep
         self.selected = None
         self.summary.value = summary_html(rep)

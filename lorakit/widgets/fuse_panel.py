@@ -1,9 +1,7 @@
-"""FusePanel: pick a base and an adapter, choose how to fuse, run, see the result.
-
-Every choice maps onto one argument of :func:`lorakit.fuse`; the result is the
-:class:`~lorakit.fusion.fuse.FuseResult` summary and the fused checkpoint's
-dtype map (:class:`DtypeMapView`). Outputs go to a temporary directory (or
-``out_dir``), never into the base or adapter folders.
+"""FusePanel: pick a base and an adapter, choose how to fuse, run, see the
+:class:`~lorakit.fusion.fuse.FuseResult` and the fused checkpoint's dtype map. Every
+choice is one argument of :func:`lorakit.fuse`; outputs go to a temporary directory
+(or ``out_dir``).
 
 >>> from lorakit.widgets import FusePanel
 >>> panel = FusePanel()  # choices from the repository's data/
@@ -23,7 +21,7 @@ from ..fusion.options import DTYPE_POLICIES, ROUNDINGS
 from ..fusion.quant import survival_overall
 from ..io.formats import source
 from . import _assets
-from ._base import ErrorBox, hook
+from ._base import ErrorBox, button, choice, hook, htmls
 from .dtype_view import DtypeMapView
 
 __all__ = ["FusePanel"]
@@ -37,61 +35,58 @@ def _choices(found: dict) -> list:
     return [(name, str(path)) for name, path in found.items()]
 
 
+def _chosen(typed: W.Text, picked: W.Dropdown) -> Optional[Path]:
+    """A typed path if any, else the picked choice (None for none)."""
+    text = typed.value.strip()
+    return Path(text).expanduser() if text else Path(picked.value) if picked.value else None
+
+
 class FusePanel(W.VBox):
     """A form over :func:`lorakit.fuse` with a progress bar, summary and dtype map.
 
-    Args:
-        data: folder to offer checkpoints (its subfolders) and adapters
-            (``data/adapters/*``) from; default: the repository's ``data/``.
-        out_dir: where fused checkpoints are written (default: a new temporary
-            directory, removed with the panel or when Python exits). Each run writes ``<base>+<adapter>-<rounding>-<dtype>`` there,
-            replacing an earlier run with the same settings.
-        base, adapter: initial selections (names in ``data`` or paths).
-
-    Attributes:
-        result: the last :class:`FuseResult` (None before the first run).
-        runs: how many fuses finished.
-    """
+    ``data``: the folder offering checkpoints and ``adapters/*`` (default: the repository's
+    ``data/``). ``out_dir``: where ``<base>+<adapter>-<rounding>-<dtype>`` is written
+    (default: a temporary directory removed with the panel). ``result`` is the last
+    :class:`FuseResult`; ``runs`` counts finished fuses."""
 
     def __init__(self, data: Optional[PathLike] = None, out_dir: Optional[PathLike] = None,
                  base: Optional[str] = None, adapter: Optional[str] = None) -> None:
         self.data = Path(data) if data is not None else _assets.find_data()
         # a directory of its own is removed with the panel (or when Python exits)
-        self._own = None if out_dir is not None else tempfile.TemporaryDirectory(
-            prefix="lorakit-fusepanel-")
+        own = out_dir is None
+        self._own = tempfile.TemporaryDirectory(prefix="lorakit-fusepanel-") if own else None
         self.out_dir = Path(out_dir) if out_dir is not None else Path(self._own.name)
         self.result: Optional[FuseResult] = None
         self.runs = 0
         style = {"description_width": "8em"}
         wide = W.Layout(width="32em")
         cks, ads = _choices(_assets.checkpoints(self.data)), _choices(_assets.adapters(self.data))
-        self.base = hook(W.Dropdown(options=cks, description="base", style=style, layout=wide),
-                         "fuse-base")
-        self.base_path = hook(W.Text(placeholder="or a checkpoint path", description="",
-                                     layout=W.Layout(width="24em")), "fuse-base-path")
-        self.adapter = hook(W.Dropdown(options=ads, description="adapter", style=style,
-                                       layout=wide), "fuse-adapter")
-        self.adapter_path = hook(W.Text(placeholder="or an adapter path", description="",
-                                        layout=W.Layout(width="24em")), "fuse-adapter-path")
-        self.rounding = hook(W.Dropdown(options=list(ROUNDINGS), value="nearest",
-                                        description="rounding", style=style), "fuse-rounding")
-        self.dtype = hook(W.Dropdown(options=list(DTYPE_POLICIES), value="preserve",
-                                     description="dtype policy", style=style), "fuse-dtype")
-        self.quant = hook(W.ToggleButtons(options=list(QUANT_CHOICES), value=False,
-                                          description="quantized", style=style,
-                                          tooltips=["dequantize, fuse, re-quantize with the "
-                                                    "same bits and group size",
-                                                    "write float weights"]), "fuse-quant")
-        self.quant_policy = hook(W.Dropdown(options=list(QUANT_POLICIES), value="requant",
-                                            description="quant policy", style=style),
-                                 "fuse-quant-policy")
+
+        def pick(name: str, label: str, options: Any, **kw: Any) -> Any:
+            return choice(f"fuse-{name}", label, options, style=style, **kw)
+
+        def path(name: str, what: str) -> W.Text:
+            w = W.Text(placeholder=f"or {what} path", description="", layout=W.Layout(width="24em"))
+            return hook(w, f"fuse-{name}-path")
+
+        self.base = pick("base", "base", cks, layout=wide)
+        self.base_path = path("base", "a checkpoint")
+        self.adapter = pick("adapter", "adapter", ads, layout=wide)
+        self.adapter_path = path("adapter", "an adapter")
+        self.rounding = pick("rounding", "rounding", list(ROUNDINGS), value="nearest")
+        self.dtype = pick("dtype", "dtype policy", list(DTYPE_POLICIES), value="preserve")
+        tips = ["dequantize, fuse, re-quantize with the same bits and group size",
+                "write float weights"]
+        self.quant = pick("quant", "quantized", QUANT_CHOICES, kind=W.ToggleButtons, value=False,
+                          tooltips=tips)
+        self.quant_policy = pick("quant-policy", "quant policy", list(QUANT_POLICIES),
+                                 value="requant")
         self.quant.observe(self._on_quant, names="value")
-        self.button = hook(W.Button(description="Fuse", button_style="primary",
-                                    icon="compress"), "fuse-run")
-        self.progress = hook(W.FloatProgress(value=0.0, min=0.0, max=1.0, description="",
-                                             layout=W.Layout(width="20em")), "fuse-progress")
-        self.status = hook(W.HTML(""), "fuse-status")
-        self.summary = hook(W.HTML(""), "fuse-summary")
+        self.button = button("fuse-run", "Fuse", "compress")
+        width = W.Layout(width="20em")
+        bar = W.FloatProgress(value=0.0, min=0.0, max=1.0, description="", layout=width)
+        self.progress = hook(bar, "fuse-progress")
+        self.status, self.summary = htmls("fuse", "status", "summary")
         self.error = ErrorBox("fuse-error")
         self.view = DtypeMapView()
         self.view.layout.display = "none"
@@ -101,11 +96,10 @@ class FusePanel(W.VBox):
         self.base_path.observe(self._on_base, names="value")
         self._on_base()
         self.button.on_click(lambda _b: self.run())
-        super().__init__([
-            W.HBox([self.base, self.base_path]), W.HBox([self.adapter, self.adapter_path]),
-            self.rounding, self.dtype, self.quant, self.quant_policy,
-            W.HBox([self.button, self.progress, self.status]),
-            self.error, self.summary, self.view])
+        paths = [W.HBox([self.base, self.base_path]), W.HBox([self.adapter, self.adapter_path])]
+        choices = [self.rounding, self.dtype, self.quant, self.quant_policy]
+        run = W.HBox([self.button, self.progress, self.status])
+        super().__init__(paths + choices + [run, self.error, self.summary, self.view])
         hook(self, "fuse-panel")
 
     @staticmethod
@@ -119,16 +113,11 @@ class FusePanel(W.VBox):
         raise ArgumentError.bad(dd.description or "choice", want, ", ".join(
             label for label, _ in dd.options))
 
-    # -- the chosen inputs ------------------------------------------------------------
     def base_dir(self) -> Optional[Path]:
-        text = self.base_path.value.strip()
-        return Path(text).expanduser() if text else (Path(self.base.value)
-                                                      if self.base.value else None)
+        return _chosen(self.base_path, self.base)
 
     def adapter_dir(self) -> Optional[Path]:
-        text = self.adapter_path.value.strip()
-        return Path(text).expanduser() if text else (Path(self.adapter.value)
-                                                      if self.adapter.value else None)
+        return _chosen(self.adapter_path, self.adapter)
 
     def output_dir(self) -> Path:
         """Where the current settings' fuse goes."""
@@ -157,7 +146,6 @@ class FusePanel(W.VBox):
     def _policy(self) -> str:
         return "requant" if self.quant_policy.disabled else self.quant_policy.value
 
-    # -- running ----------------------------------------------------------------------
     def _on_progress(self, done: int, total: int) -> None:
         # the fuse is 5%..80% of the bar; inspecting the result is the rest
         self.progress.value = 0.05 + 0.75 * (done / total if total else 1.0)
@@ -172,8 +160,8 @@ class FusePanel(W.VBox):
         self.status.value = "fusing..."
         try:
             if base is None or adapter is None:
-                raise ArgumentError.bad("base" if base is None else "adapter", None,
-                                        "choose a base checkpoint and an adapter")
+                missing = "base" if base is None else "adapter"
+                raise ArgumentError.bad(missing, None, "choose a base checkpoint and an adapter")
             result = fuse(base, adapter, self.output_dir(), rounding=self.rounding.value,
                           dtype=self.dtype.value,
                           dequantize=bool(self.quant.value) and not self.quant.disabled,

@@ -1,10 +1,6 @@
-"""GenerationCompare: the same prompts through several models, text side by side.
-
-Models are loaded once (``mlx_lm.load``) and kept, so new prompts run quickly. The
-widget calls :func:`lorakit.inspect.compare_generations` (greedy, reproducible) and shows
-each model's continuation in a column, the first token where it parts from the
-reference model (the first one) highlighted, and the report's per-step logit
-margins for one prompt.
+"""GenerationCompare: the same prompts through several models, greedy text side by side
+(:func:`lorakit.inspect.compare_generations`), the first token that parts from the first
+model highlighted. Models are loaded once and kept.
 
 >>> from lorakit.widgets import GenerationCompare
 >>> g = GenerationCompare({"base": "data/tiny-qwen3",
@@ -22,7 +18,7 @@ import ipywidgets as W
 from ..errors import ArgumentError
 from ..inspect.generation import GenerationReport, compare_generations, load_pair
 from ..report import LEFT, Cell, Markup, escape, table
-from ._base import ErrorBox, FigureView, hook, summary_html
+from ._base import ErrorBox, FigureView, button, choice, hook, htmls, summary_html
 
 __all__ = ["GenerationCompare"]
 
@@ -35,17 +31,9 @@ TEXT_STYLE = "vertical-align:top;text-align:left;white-space:pre-wrap;max-width:
 class GenerationCompare(W.VBox):
     """Greedy outputs of several models side by side, first divergent token marked.
 
-    Args:
-        models: label -> model directory, ``(path, adapter_path or None)``, or a
-            loaded ``(model, tokenizer)``. The first is the reference.
-        prompts: initial prompts (one per line in the text box).
-        max_tokens: tokens generated per prompt and model.
-        run: generate at once (otherwise wait for the button).
-
-    Attributes:
-        report: the last :class:`GenerationReport`.
-        loaded: label -> (model, tokenizer), loaded on first use.
-    """
+    ``models``: label -> model directory, ``(path, adapter_path or None)`` or a loaded
+    ``(model, tokenizer)``; the first is the reference. ``run``: generate at once.
+    ``report`` is the last :class:`GenerationReport`; ``loaded`` the models kept."""
 
     def __init__(self, models: Mapping[str, Any], prompts: Sequence[str] = (),
                  max_tokens: int = 24, run: bool = False) -> None:
@@ -54,24 +42,22 @@ class GenerationCompare(W.VBox):
         self.models = dict(models)
         self.loaded: Dict[str, Tuple[Any, Any]] = {}
         self.report: Optional[GenerationReport] = None
-        self.prompts = hook(W.Textarea("\n".join(prompts), placeholder="one prompt per line",
-                                       description="prompts",
-                                       layout=W.Layout(width="48em", height="6em")),
-                            "gen-prompts")
+        size = W.Layout(width="48em", height="6em")
+        area = W.Textarea("\n".join(prompts), description="prompts", layout=size,
+                          placeholder="one prompt per line")
+        self.prompts = hook(area, "gen-prompts")
         self.max_tokens = hook(W.IntSlider(max_tokens, min=1, max=256, description="tokens"),
                                "gen-tokens")
-        self.button = hook(W.Button(description="Generate", button_style="primary",
-                                    icon="play"), "gen-run")
-        self.status = hook(W.HTML(""), "gen-status")
-        self.summary = hook(W.HTML(""), "gen-summary")
-        self.table = hook(W.HTML(""), "gen-table")
-        self.prompt = hook(W.Dropdown(options=[], description="margins of"), "gen-prompt")
+        self.button = button("gen-run", "Generate", "play")
+        self.status, self.summary, self.table = htmls("gen", "status", "summary", "table")
+        self.prompt = choice("gen-prompt", "margins of", [])
         self.figure = FigureView("gen-figure")
         self.error = ErrorBox("gen-error")
         self.button.on_click(lambda _b: self.run())
         self.prompt.observe(lambda _c: self._draw_margins(), names="value")
-        super().__init__([self.prompts, W.HBox([self.max_tokens, self.button, self.status]),
-                          self.error, self.summary, self.table, self.prompt, self.figure])
+        row = W.HBox([self.max_tokens, self.button, self.status])
+        views = [self.error, self.summary, self.table, self.prompt, self.figure]
+        super().__init__([self.prompts, row] + views)
         hook(self, "generation-compare")
         if run:
             self.run()
@@ -81,20 +67,9 @@ class GenerationCompare(W.VBox):
 
     def run(self) -> Optional[GenerationReport]:
         """Generate with every model (what the button does)."""
-        self.error.show(None)
         prompts = self.prompt_list()
-        try:
-            if not prompts:
-                raise ArgumentError.bad("prompts", "", "enter at least one prompt")
-            for label, spec in self.models.items():
-                if label not in self.loaded:
-                    self.status.value = f"loading {escape(label)}..."
-                    self.loaded[label] = load_pair(label, spec)
-            self.status.value = "generating..."
-            rep = compare_generations(self.loaded, prompts, max_tokens=self.max_tokens.value)
-        except Exception as e:  # shown in the widget
-            self.status.value = "failed"
-            self.error.show(e)
+        rep = self.error.attempt(lambda: self._generate(prompts), self.status)
+        if rep is None:
             return None
         self.report = rep
         self.status.value = "done"
@@ -104,6 +79,16 @@ class GenerationCompare(W.VBox):
         self.prompt.value = 0
         self._draw_margins()
         return rep
+
+    def _generate(self, prompts: List[str]) -> GenerationReport:
+        if not prompts:
+            raise ArgumentError.bad("prompts", "", "enter at least one prompt")
+        for label, spec in self.models.items():
+            if label not in self.loaded:
+                self.status.value = f"loading {escape(label)}..."
+                self.loaded[label] = load_pair(label, spec)
+        self.status.value = "generating..."
+        return compare_generations(self.loaded, prompts, max_tokens=self.max_tokens.value)
 
     def _draw_margins(self) -> None:
         if self.report is not None and self.prompt.value is not None:
@@ -130,16 +115,14 @@ class GenerationCompare(W.VBox):
             cells = []
             for m in labels:
                 if m == ref:
-                    text = self._marked(m, gens[m].tokens, min(parted) if parted else None,
-                                        REF_MARK_STYLE)
-                    note = "reference"
+                    first = min(parted) if parted else None
+                    text, note = self._marked(m, gens[m].tokens, first, REF_MARK_STYLE), "reference"
                 else:
                     s = steps.get(m)
                     text = self._marked(m, gens[m].tokens, s, MARK_STYLE)
                     note = "same as reference" if s is None else f"parts at token {s}"
-                cells.append(Cell(Markup(f"{text}<br><small><i>{note}</i></small>"),
-                                  style=TEXT_STYLE))
-            body.append([Cell(f"prompt {p}: {gens[ref].prompt}", header=True, style=LEFT,
-                              colspan=len(labels))])
-            body.append(cells)
+                shown = Markup(f"{text}<br><small><i>{note}</i></small>")
+                cells.append(Cell(shown, style=TEXT_STYLE))
+            title = f"prompt {p}: {gens[ref].prompt}"
+            body += [[Cell(title, header=True, style=LEFT, colspan=len(labels))], cells]
         return table(body, head=[Cell(m, header=True, style=LEFT) for m in labels])

@@ -1,8 +1,5 @@
-"""The text of a :func:`lorakit.compare_outputs` run with each token shaded by its KL;
-hovering a token shows both models' top candidates (log-probabilities) there.
-
-Only the first ``detail`` scored tokens carry candidates (the report keeps them for a
-bounded stretch of text); the page is plain HTML (``kl_html``), the widget wraps it.
+"""The text of a :func:`lorakit.compare_outputs` run, each token shaded by its KL; hover a
+token for both models' top candidates (only the first ``detail`` tokens carry them).
 
 >>> from lorakit.widgets.kl_view import kl_html
 """
@@ -25,8 +22,7 @@ def _shade(kl: float, top: float) -> str:
 
 
 def kl_html(report: Any, max_tokens: int = 256) -> str:
-    """HTML of the detailed tokens: a span per token, background by KL, a hover title
-    with both models' top candidates."""
+    """A span per detailed token, shaded by KL, both models' top candidates on hover."""
     kl = report.arrays["kl"]
     n = min(max_tokens, len(report.pieces))
     top = float(max(kl[:n].max(), 0)) if n else 0.0

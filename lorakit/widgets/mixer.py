@@ -1,13 +1,7 @@
-"""AdapterMixer: two or three LoRA adapters, a weight slider each.
-
-Live (on every slider move, from the factors only): the norm of the mixed delta
-``sum_i w_i delta_i`` per module and in total, and against each parent its distance
-``||mix - delta_i||`` and cosine, all from the per-module Gram matrix of the deltas
-(:func:`lorakit.algebra.lowrank.delta_gram`: ``||sum w_i delta_i||^2 = w^T G w``).
-On request: greedy text of the base, the mix (its exact sum as one adapter,
-:func:`lorakit.combine` with ``method="cat"``, attached unfused) and each parent
-(:func:`lorakit.inspect.compare_generations`), and a button that writes the combination
-(``lorakit.combine`` with method ``exact``).
+"""AdapterMixer: two or three LoRA adapters, a weight slider each. Live norms of the mix
+and its distance and cosine to each parent come from the deltas' Gram matrices
+(``||sum w_i delta_i||^2 = w^T G w``); on request, greedy text of base, mix and parents,
+and a button writing the combination (``lorakit.combine``, method ``exact``).
 
 >>> from lorakit.widgets import AdapterMixer
 >>> w = AdapterMixer({"lora": "data/adapters/lora", "peft": "data/adapters/peft-lora"},
@@ -31,7 +25,7 @@ from ..fusion.model import attach_adapter
 from ..inspect.generation import GenerationReport, compare_generations
 from ..io.adapters.base import Adapter
 from ..io.adapters.load import load_adapter
-from ._base import ErrorBox, facts_html, hook, rows_html
+from ._base import ErrorBox, button, facts_html, hook, htmls, rows_html
 
 __all__ = ["AdapterMixer"]
 
@@ -61,20 +55,9 @@ def mix_stats(gram: Mapping[str, np.ndarray], labels: Sequence[str],
 
 
 class AdapterMixer(W.VBox):
-    """Mix two or three LoRA adapters of one base with a weight slider each.
-
-    Args:
-        adapters: label -> adapter directory (or loaded Adapter); two or three.
-        base: the base checkpoint (greedy text; the write button's base).
-        weights: initial weights (default 1/n each).
-        prompt: the prompt of the greedy-text comparison.
-        max_tokens: tokens generated per model.
-
-    Attributes:
-        stats: the live numbers (:func:`mix_stats`).
-        generations: the last :class:`~lorakit.inspect.generation.GenerationReport`.
-        written: what the last write returned.
-    """
+    """Mix two or three LoRA adapters (label -> directory or Adapter) of one ``base`` with a
+    weight slider each (initial ``weights`` default 1/n). ``stats`` holds the live numbers
+    (:func:`mix_stats`), ``generations`` the last greedy text, ``written`` the last write."""
 
     def __init__(self, adapters: Mapping[str, Union[PathLike, Adapter]], base: PathLike, *,
                  weights: Optional[Sequence[float]] = None,
@@ -92,33 +75,28 @@ class AdapterMixer(W.VBox):
         self.written: Any = None
         n = len(self.labels)
         init = list(weights) if weights is not None else [1.0 / n] * n
-        self.sliders = [hook(W.FloatSlider(value=v, min=-1.0, max=2.0, step=0.05,
-                                           description=lab, continuous_update=False),
-                             f"mixer-weight-{i}")
-                        for i, (lab, v) in enumerate(zip(self.labels, init))]
-        self.summary = hook(W.HTML(""), "mixer-summary")
-        self.table = hook(W.HTML(""), "mixer-table")
+        span = dict(min=-1.0, max=2.0, step=0.05, continuous_update=False)
+        sliders = [W.FloatSlider(value=v, description=k, **span) for k, v in zip(self.labels, init)]
+        self.sliders = [hook(s, f"mixer-weight-{i}") for i, s in enumerate(sliders)]
+        self.summary, self.table, self.text, self.status = htmls(
+            "mixer", "summary", "table", "text", "status")
         self.prompt = hook(W.Text(value=prompt, description="prompt"), "mixer-prompt")
         self.max_tokens = max_tokens
-        self.generate_button = hook(W.Button(description="Greedy text"), "mixer-generate")
-        self.text = hook(W.HTML(""), "mixer-text")
+        self.generate_button = button("mixer-generate", "Greedy text", style="")
         self.save_path = hook(W.Text(value="", placeholder="output adapter directory",
                                      description="save to"), "mixer-save-path")
-        self.write_button = hook(W.Button(description="Write combination",
-                                          button_style="primary"), "mixer-write")
-        self.status = hook(W.HTML(""), "mixer-status")
+        self.write_button = button("mixer-write", "Write combination")
         self.error = ErrorBox("mixer-error")
         self._holding = False
         for s in self.sliders:
             s.observe(lambda _c: None if self._holding else self.refresh(), names="value")
         self.generate_button.on_click(lambda _b: self.generate())
         self.write_button.on_click(lambda _b: self.write())
-        details = W.Accordion([self.table])
-        details.set_title(0, "per-module norms")
-        details.selected_index = None
-        super().__init__([W.VBox(self.sliders), self.error, self.summary, details,
-                          W.HBox([self.prompt, self.generate_button]), self.text,
-                          W.HBox([self.save_path, self.write_button]), self.status])
+        details = W.Accordion([self.table], titles=("per-module norms",), selected_index=None)
+        gen = W.HBox([self.prompt, self.generate_button])
+        save = W.HBox([self.save_path, self.write_button])
+        views = [self.error, self.summary, details]
+        super().__init__([W.VBox(self.sliders), *views, gen, self.text, save, self.status])
         hook(self, "adapter-mixer")
         self.refresh()
 
@@ -148,41 +126,41 @@ class AdapterMixer(W.VBox):
         return self.stats
 
     def mix(self) -> Adapter:
-        """The weighted sum as one adapter: ``lorakit.combine``'s ``cat`` (concatenated
-        factors, each adapter's weight and scale folded into its B columns)."""
+        """The weighted sum as one adapter (``lorakit.combine``'s ``cat``)."""
         return combine(self.adapters, self.weights, method="cat").adapter
 
     def generate(self) -> Optional[GenerationReport]:
         """Greedy text of the base, the mix and each parent (what the button does)."""
-        self.error.show(None)
-        try:
-            from mlx_lm import load  # lazy: mlx-lm is heavy
-
-            model, tok = load(str(self.base))[:2]
-            models: Dict[str, Any] = {"base": str(self.base),
-                                      "mix": (attach_adapter(model, self.mix()), tok)}
-            for lab, a in zip(self.labels, self.adapters):
-                models[lab] = (str(self.base), a.path)
-            rep = compare_generations(models, [self.prompt.value], self.max_tokens)
-        except Exception as e:  # shown in the widget
-            self.error.show(e)
+        rep = self.error.attempt(lambda: compare_generations(
+            self._models(), [self.prompt.value], self.max_tokens))
+        if rep is None:
             return None
         self.generations = rep
         self.text.value = rep._repr_html_()
         return rep
 
     def write(self) -> Any:
-        """Write the combination to the save path with ``lorakit.combine`` (what the
-        button does)."""
-        self.error.show(None)
-        try:
-            if not self.save_path.value.strip():
-                raise ArgumentError.bad("save to", "", "an output directory")
-            specs = [self.specs[lab] for lab in self.labels]
-            self.written = combine(specs, weights=self.weights, method="exact",
-                                   save_path=self.save_path.value.strip())
-        except Exception as e:  # shown in the widget
-            self.error.show(e)
+        """Write the exact combination to the save path (what the button does)."""
+        written = self.error.attempt(self._write)
+        if written is None:
             return None
+        self.written = written
         self.status.value = f"written: {self.save_path.value.strip()}"
         return self.written
+
+    def _models(self) -> Dict[str, Any]:
+        from mlx_lm import load  # lazy: mlx-lm is heavy
+
+        model, tok = load(str(self.base))[:2]
+        models: Dict[str, Any] = {"base": str(self.base),
+                                  "mix": (attach_adapter(model, self.mix()), tok)}
+        for lab, a in zip(self.labels, self.adapters):
+            models[lab] = (str(self.base), a.path)
+        return models
+
+    def _write(self) -> Any:
+        if not self.save_path.value.strip():
+            raise ArgumentError.bad("save to", "", "an output directory")
+        specs = [self.specs[lab] for lab in self.labels]
+        return combine(specs, weights=self.weights, method="exact",
+                       save_path=self.save_path.value.strip())

@@ -1,30 +1,11 @@
 """What an adapter is to lorakit, whatever its format: the shared types and helpers.
 
-The two formats are read by :mod:`lorakit.io.adapters.mlx` and
-:mod:`lorakit.io.adapters.peft`; :func:`lorakit.io.adapters.load.load_adapter` picks one.
-
-Whatever the format, an adapter becomes a list of :class:`LoraTarget`, one per
-adapted module, each holding ``A`` (…, r, in), ``B`` (…, out, r), a float
-``scale`` and an optional DoRA ``magnitude``, so that the intended change of the
-module's weight (as stored in the checkpoint) is::
-
-    delta = scale * (B @ A)
-
-The orientation is chosen so that this holds for every layer type:
-
-========================  ==========================  ==========================
-layer / format            B                           A
-========================  ==========================  ==========================
-mlx-lm Linear             lora_b.T        (out, r)     lora_a.T        (r, in)
-mlx-lm Embedding          lora_a          (vocab, r)   lora_b          (r, dims)
-mlx-lm SwitchLinear       lora_b   (experts, out, r)   lora_a   (experts, r, in)
-PEFT Linear               lora_B.weight   (out, r)     lora_A.weight   (r, in)
-PEFT fan_in_fan_out       lora_A.weight.T (in, r)      lora_B.weight.T (r, out)
-PEFT Embedding            lora_embedding_A.T           lora_embedding_B.T
-========================  ==========================  ==========================
-
-mlx-lm's own fuse computes ``(scale * B) @ A`` in every case, which lets
-:mod:`lorakit.fusion` reproduce its rounding exactly from this one form.
+An adapter is a list of :class:`LoraTarget`, one per adapted module, holding ``A``
+(…, r, in), ``B`` (…, out, r), a float ``scale`` and an optional DoRA ``magnitude``, so
+that the change of the module's stored weight is ``delta = scale * (B @ A)`` for every
+layer type and format (mlx-lm's ``lora_b.T @ lora_a.T``, PEFT's ``lora_B @ lora_A``, the
+embedding and fan_in_fan_out forms transposed to fit). mlx-lm's own fuse computes
+``(scale * B) @ A``, which lets :mod:`lorakit.fusion` reproduce its rounding exactly.
 """
 from __future__ import annotations
 
@@ -55,17 +36,9 @@ FLOAT_ADAPTER_CODES = ("F32", "F16", "BF16", "F64")
 class LoraTarget:
     """The low-rank change to one module's weight: ``delta = scale * (B @ A)``.
 
-    Attributes:
-        module: module path in the model, without format prefixes
-            (``model.layers.3.self_attn.q_proj``).
-        kind: ``"linear"``, ``"embedding"`` or ``"switch"`` (stacked MoE experts).
-        A: float32 (…, r, in). B: float32 (…, out, r).
-        scale: the multiplier applied to ``B @ A``; for an exact combination of
-            adapters (:func:`lorakit.combine`), one per rank column (an array (r,)).
-        magnitude: DoRA's learned row norms (out,), or None for plain LoRA.
-        names: the adapter tensor names this target came from (for messages).
-        base_weight: a copy of the base weight saved with the adapter (PEFT does this
-            for embedding LoRA); it replaces the checkpoint's weight when fusing.
+    ``kind`` is linear, embedding or switch (stacked MoE experts); ``scale`` may be one per
+    rank column (an exact :func:`lorakit.combine`); ``magnitude`` is DoRA's row norms;
+    ``base_weight`` a base weight PEFT saved with the adapter, fused in its place.
     """
 
     module: str
@@ -103,15 +76,8 @@ class LoraTarget:
 @dataclass
 class Replacement:
     """A whole tensor the adapter carries in place of the base's: PEFT's
-    ``modules_to_save`` (a trained copy of e.g. ``lm_head`` or a norm), which
-    ``merge_and_unload()`` puts into the merged model as it is.
-
-    Attributes:
-        module: module path (``lm_head``, ``model.norm``).
-        leaf: ``weight`` or ``bias``.
-        raw: the tensor's storage as saved (float bits), ``code`` its dtype.
-        name: the tensor's name in the adapter file (for messages).
-    """
+    ``modules_to_save`` (``module`` + ``leaf``, raw storage ``raw`` of dtype ``code``, file
+    tensor ``name``), which ``merge_and_unload()`` puts into the merged model as it is."""
 
     module: str
     leaf: str
@@ -125,16 +91,9 @@ class Replacement:
 
 @dataclass
 class Adapter:
-    """An adapter read from disk, in lorakit's one description.
-
-    Attributes:
-        path: the adapter directory.
-        format: ``"mlx-lm"`` or ``"peft"``.
-        targets: one :class:`LoraTarget` per adapted module, in file order.
-        config: the raw adapter_config.json.
-        weights_file: the safetensors file the tensors came from.
-        replacements: whole tensors that replace the base's (PEFT ``modules_to_save``).
-    """
+    """An adapter read from disk, in lorakit's one description: one :class:`LoraTarget` per
+    adapted module in file order, the raw adapter_config.json, the weights file, and
+    ``replacements`` (PEFT ``modules_to_save``)."""
 
     path: Path
     format: str
@@ -173,14 +132,8 @@ class Adapter:
 
 
 class AdapterTensors:
-    """An adapter's weights file, read lazily: the header at once, each tensor's data
-    only when :meth:`read` asks for it (so a tensor that is refused or unused is never
-    read into memory).
-
-    >>> t = AdapterTensors(Path("data/adapters/lora/adapters.safetensors"))
-    >>> len(t.names), sorted(t.names)[0]
-    (56, 'model.layers.0.mlp.down_proj.lora_a')
-    """
+    """An adapter's weights file, read lazily: the header at once, a tensor's data only
+    when asked for (a refused or unused tensor is never read)."""
 
     def __init__(self, file: Path) -> None:
         self.file = file
@@ -247,6 +200,13 @@ def check_finite(file: Path, name: str, x: np.ndarray) -> None:
         bad = int((~np.isfinite(x)).sum())
         raise AdapterError("adapter tensor holds NaN or Inf", file=file, tensor=name,
                            expected="finite values", found=f"{bad} non-finite of {x.size}")
+
+
+def bad_config(cfg_path: Path, key: str, message: str, expected: str, found: Any,
+               hint: Optional[str] = None, n: Optional[int] = 80) -> AdapterError:
+    """The error for config entry ``key``: ``found`` is the value, its repr cut to ``n``."""
+    return AdapterError(message, file=cfg_path, tensor=key, expected=expected,
+                        found=repr(found)[:n], hint=hint)
 
 
 def problems(file: Path, errors: Iterable[str], expected: str,

@@ -1,20 +1,11 @@
-"""How one in-memory adapter is laid out in each format: names, scales as alpha, scopes.
+"""How one in-memory adapter is laid out in each format: pure helpers for the writer.
 
-The pure helpers behind :mod:`lorakit.io.adapters.write` (no files touched here):
-
-* :func:`alpha_for` finds a PEFT ``lora_alpha`` with ``alpha / r == scale`` exactly
-  in float64 (PEFT computes ``scaling = lora_alpha / r``), or says there is none;
-* :func:`expert_modules` / :func:`restack` turn mlx-lm's stacked MoE experts
-  (``mlp.switch_mlp.gate_proj``, (experts, …)) into the per-expert modules PEFT and
-  Hugging Face checkpoints have (``mlp.experts.3.gate_proj``; Mixtral's
-  ``block_sparse_moe.experts.3.w1``) and back;
-* :func:`mlx_scope` finds mlx-lm's ``num_layers`` and ``lora_parameters.keys`` for a
-  set of modules.
+PEFT's ``lora_alpha`` for a scale (:func:`alpha_for`, exact in float64 or none), mlx-lm's
+stacked MoE experts split per expert and back (:func:`expert_modules`, :func:`restack`),
+and mlx-lm's ``num_layers`` / ``lora_parameters.keys`` for a set of modules.
 
 >>> alpha_for(20.0, 8), alpha_for(0.1, 3)
 (160, None)
->>> expert_modules("model.layers.0.block_sparse_moe.switch_mlp.gate_proj", 2)
-['model.layers.0.block_sparse_moe.experts.0.w1', 'model.layers.0.block_sparse_moe.experts.1.w1']
 """
 from __future__ import annotations
 

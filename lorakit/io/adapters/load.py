@@ -1,14 +1,8 @@
-"""LoRA / DoRA adapters in the mlx-lm and PEFT formats, as one description.
+"""LoRA / DoRA adapters in the mlx-lm and PEFT formats, as one :class:`Adapter`.
 
-:func:`load_adapter` tells the format from the files present and returns an
-:class:`Adapter` of :class:`LoraTarget` (see :mod:`lorakit.io.adapters.base` for the
-orientation ``delta = scale * (B @ A)``). Each format's reader refuses what its
-own runtime would refuse, so that a fuse never applies a tensor the unfused
-adapter does not: :mod:`lorakit.io.adapters.mlx` (``num_layers``,
-``lora_parameters.keys``, rank) and :mod:`lorakit.io.adapters.peft`
-(``target_modules``, ``layers_to_transform``, ``exclude_modules``, rank and alpha
-patterns). :func:`check_runtime_scope` finishes the checks that need the base
-model (its layer count, its module names).
+:func:`load_adapter` tells the format from the files present; each format's reader
+refuses what its own runtime would refuse, so a fuse never applies a tensor the unfused
+adapter does not. :func:`check_runtime_scope` finishes the checks that need the base.
 """
 from __future__ import annotations
 
@@ -18,14 +12,9 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 
 from ...errors import AdapterError, PathLike
 from ..formats.paths import load_json, safe_member, user_path
-from .base import (
-    CONFIG,
-    MLX_WEIGHTS,
-    PEFT_WEIGHTS,
-    Adapter,
-)
+from .base import CONFIG, MLX_WEIGHTS, PEFT_WEIGHTS, Adapter
 from .mlx import check_layer_scope, load_mlx
-from .peft import check_targets_exist, load_peft
+from .peft import check_targets_exist, convert_residual, load_peft
 
 __all__ = ["load_adapter"]
 
@@ -60,21 +49,18 @@ def _not_read(named: Path, reads: Optional[Path]) -> AdapterError:
         "that name")
 
 
-def load_adapter(path: PathLike) -> Adapter:
-    """Read an adapter directory in mlx-lm or PEFT format.
+def load_adapter(path: PathLike, initial_adapter: Optional[PathLike] = None, *,
+                 residual_ok: bool = False) -> Adapter:
+    """Read an mlx-lm or PEFT adapter directory (or the weights file it would read).
 
-    The format is told by the files present: ``adapters.safetensors`` (mlx-lm) or
-    ``adapter_model.safetensors`` (PEFT). Every tensor is checked (known suffix, a
-    module the format's runtime adapts, matching ranks, finite values); all problems
-    are reported in one error. ``path`` may also name the weights file itself, but
-    only the one that would be read from its directory: like mlx-lm and PEFT,
-    lorakit never reads another ``.safetensors`` file (a training checkpoint such as
-    ``0000100_adapters.safetensors``) in its place.
-
-    >>> ad = load_adapter("data/adapters/lora")
-    >>> ad.format, len(ad.targets)
-    ('mlx-lm', 28)
+    Every tensor is checked and all problems come in one error. A residual-base PEFT
+    adapter (pissa, olora, corda, lora_ga, loftq) is refused unless ``initial_adapter``
+    names the adapter saved before training (then converted as PEFT does, rank 2r);
+    ``residual_ok`` reads it unconverted.
     """
+    if initial_adapter is not None:
+        return convert_residual(load_adapter(path, residual_ok=True),
+                                load_adapter(initial_adapter, residual_ok=True))
     path = user_path(path, "adapter path")
     named: Optional[Path] = None
     if path.is_file() and path.suffix == ".safetensors":
@@ -97,18 +83,11 @@ def load_adapter(path: PathLike) -> Adapter:
     fmt, file = _weights_of(path, cfg)
     if named is not None and named.name != file.name:
         raise _not_read(named, file)
-    return load_mlx(path, cfg, file) if fmt == "mlx-lm" else load_peft(path, cfg, file)
+    return load_mlx(path, cfg, file) if fmt == "mlx-lm" else \
+        load_peft(path, cfg, file, residual_ok)
 
 
 _IN_LAYER = re.compile(r"^(.+?)\.(\d+)\.")
-
-
-def model_layer_count(config: Dict[str, Any], tensor_names: Iterable[str],
-                      prefix: str = "layers") -> Optional[int]:
-    """How many blocks ``model.layers`` of a model has: config.json's
-    ``num_hidden_layers`` (or ``n_layer`` / ``num_layers``, also under ``text_config``),
-    else one more than the highest block index among tensors under ``*.<prefix>.``."""
-    return _layer_counts(config, tensor_names, prefix)[0]
 
 
 def _layer_counts(config: Dict[str, Any], tensor_names: Iterable[str], prefix: str
@@ -127,11 +106,8 @@ def _layer_counts(config: Dict[str, Any], tensor_names: Iterable[str], prefix: s
 
 
 def check_runtime_scope(adapter: Adapter, ck: Any) -> None:
-    """Refuse what the adapter's own runtime refuses on base ``ck`` (a Checkpoint or
-    anything with ``config`` and ``tensors``): for mlx-lm, tensors outside the last
-    ``num_layers`` of the model's blocks; for PEFT, ``target_modules`` that match no
-    module of the model. :func:`lorakit.io.adapters.naming.bind` calls it first; checks that
-    need no model already ran in :func:`load_adapter`."""
+    """Refuse what the adapter's own runtime refuses on base ``ck``: for mlx-lm, tensors
+    outside the last ``num_layers`` blocks; for PEFT, ``target_modules`` matching nothing."""
     names = list(getattr(ck, "tensors", None) or getattr(ck, "params", None) or ())
     config = getattr(ck, "config", None) or {}
     if adapter.format == "mlx-lm":

@@ -1,22 +1,10 @@
 """mlx-lm adapters (``adapters.safetensors`` + ``adapter_config.json``), read as mlx-lm runs them.
 
-mlx-lm (``tuner/utils.py``: ``linear_to_lora_layers``, ``load_adapters``) puts LoRA
-layers on the last ``num_layers`` blocks of ``model.layers`` (``num_layers <= 0``:
-all of them), on the modules named by ``lora_parameters.keys`` (a path inside a
-block, ``self_attn.q_proj``, or a whole path, ``model.embed_tokens``, which adapts
-that module wherever it is), or on every Linear / Embedding / SwitchLinear of
-those blocks when ``keys`` is absent. Each LoRA layer has rank
-``lora_parameters.rank``. ``load_adapters`` then refuses a file holding any tensor
-that is not a parameter of those layers, or of another shape, listing each one
-("contains incompatible tensors").
-
-lorakit refuses the same files, with every offending tensor listed, instead of
-fusing tensors the unfused adapter never applies. :func:`load_mlx` refuses, without
-reading them, tensors for blocks outside the last ``num_layers`` of any model that
-holds the blocks the adapter names. Modules outside ``keys`` are refused by
-:func:`check_layer_scope` once the base model is known (after binding, so that a
-module the model does not have at all is reported as such), together with blocks
-outside the last ``num_layers`` of that model.
+mlx-lm puts LoRA layers on the last ``num_layers`` blocks (``<= 0``: all), on the modules
+``lora_parameters.keys`` names (or every Linear / Embedding / SwitchLinear when absent),
+at rank ``lora_parameters.rank``, and refuses a file holding any other tensor. lorakit
+refuses the same files, every offending tensor listed: :func:`load_mlx` the blocks out
+of range, :func:`check_layer_scope` the modules outside ``keys`` once the base is known.
 """
 from __future__ import annotations
 
@@ -35,6 +23,7 @@ from .base import (
     Adapter,
     AdapterTensors,
     LoraTarget,
+    bad_config,
     check_magnitude,
     number,
     problems,
@@ -51,13 +40,8 @@ _LEAVES = ("lora_a", "lora_b", "m")
 
 @dataclass(frozen=True)
 class MlxScope:
-    """Which modules mlx-lm puts LoRA layers on, from ``adapter_config.json``.
-
-    Attributes:
-        num_layers: ``num_layers`` as written (``<= 0``: every block).
-        keys: ``lora_parameters.keys``, or None (every Linear/Embedding/SwitchLinear
-            of the adapted blocks).
-    """
+    """Which modules mlx-lm puts LoRA layers on: ``num_layers`` (``<= 0``: every block) and
+    ``lora_parameters.keys`` (None: every Linear/Embedding/SwitchLinear)."""
 
     num_layers: int
     keys: Optional[FrozenSet[str]]
@@ -68,10 +52,8 @@ class MlxScope:
 
     def refusal(self, module: str, n_layers: Optional[int], keys: bool = True
                 ) -> Optional[str]:
-        """Why mlx-lm puts no LoRA layer on ``module`` (None: it does, or may).
-
-        ``n_layers``: the model's block count. ``keys=False``: check only the block
-        index, leaving modules that ``keys`` does not name alone.
+        """Why mlx-lm puts no LoRA layer on ``module`` (None: it does, or may) in a model of
+        ``n_layers`` blocks; ``keys=False`` checks only the block index.
 
         >>> MlxScope(2, frozenset({"self_attn.q_proj"})).refusal(
         ...     "model.layers.1.self_attn.q_proj", 8)
@@ -108,35 +90,26 @@ class _Plan:
     has_m: bool
 
 
-def _bad_config(cfg_path: Path, key: str, message: str, expected: str, found: Any,
-                hint: Optional[str] = None) -> AdapterError:
-    return AdapterError(message, file=cfg_path, tensor=key, expected=expected,
-                        found=repr(found)[:80], hint=hint)
-
-
 def mlx_settings(cfg: Dict[str, Any], cfg_path: Path) -> Tuple[str, float, int, MlxScope]:
     """(fine_tune_type, scale, rank, scope) from an mlx-lm adapter config, each checked."""
     # mlx-lm before fine_tune_type (0.19) marked DoRA with "use_dora": true
     ftype = cfg.get("fine_tune_type") or ("dora" if cfg.get("use_dora") is True else "lora")
     if ftype not in ("lora", "dora"):
-        raise AdapterError("unsupported fine_tune_type", file=cfg_path, tensor="fine_tune_type",
-                           expected="lora or dora", found=repr(ftype),
-                           hint="a 'full' fine-tune holds whole weights, not an adapter")
+        raise bad_config(cfg_path, "fine_tune_type", "unsupported fine_tune_type", "lora or dora",
+                         ftype, "a 'full' fine-tune holds whole weights, not an adapter", None)
     params = cfg.get("lora_parameters")
     if not isinstance(params, dict):
-        raise AdapterError("adapter config has no lora_parameters", file=cfg_path,
-                           tensor="lora_parameters",
-                           expected='"lora_parameters": {"rank": ..., "scale": ...}',
-                           found=repr(params)[:80])
+        raise bad_config(cfg_path, "lora_parameters", "adapter config has no lora_parameters",
+                          '"lora_parameters": {"rank": ..., "scale": ...}', params)
     scale = number(params.get("scale"))
     if scale is None:
         hint = " (mlx-lm uses 'scale', not 'alpha')" if "alpha" in params else ""
-        raise _bad_config(cfg_path, "lora_parameters.scale",
+        raise bad_config(cfg_path, "lora_parameters.scale",
                           "lora_parameters.scale missing or not a number" + hint,
                           "a finite number", params.get("scale"))
     rank = whole(params.get("rank"))
     if rank is None:
-        raise _bad_config(cfg_path, "lora_parameters.rank",
+        raise bad_config(cfg_path, "lora_parameters.rank",
                           "lora_parameters.rank missing or not a positive integer",
                           "a positive integer (the rank mlx-lm builds each LoRA layer with)",
                           params.get("rank"))
@@ -144,18 +117,18 @@ def mlx_settings(cfg: Dict[str, Any], cfg_path: Path) -> Tuple[str, float, int, 
     key = "num_layers" if "num_layers" in cfg or "lora_layers" not in cfg else "lora_layers"
     n = cfg.get(key)
     if type(n) is not int:
-        raise _bad_config(cfg_path, key, f"{key} missing or not an integer",
+        raise bad_config(cfg_path, key, f"{key} missing or not an integer",
                           "an integer: how many of the last layers carry LoRA (-1: all)", n)
     keys = params.get("keys")
     if keys is not None and not (isinstance(keys, list)
                                  and all(isinstance(k, str) and k for k in keys)):
-        raise _bad_config(cfg_path, "lora_parameters.keys",
+        raise bad_config(cfg_path, "lora_parameters.keys",
                           "lora_parameters.keys must be a list of module paths",
                           '["self_attn.q_proj", ...] or absent', keys)
     dropout = params.get("dropout", 0.0)
     p = number(dropout)
     if p is None or not 0 <= p < 1:
-        raise _bad_config(cfg_path, "lora_parameters.dropout",
+        raise bad_config(cfg_path, "lora_parameters.dropout",
                           "lora_parameters.dropout is not a probability", "a number in [0, 1)",
                           dropout)
     return ftype, float(scale), rank, MlxScope(n, frozenset(keys) if keys is not None else None)
@@ -177,12 +150,8 @@ def _group(names: List[str]) -> Tuple[Dict[str, Dict[str, str]], List[str]]:
 
 def _scope_errors(groups: Dict[str, Dict[str, str]], scope: MlxScope,
                   n_layers: Optional[int]) -> List[str]:
-    """A line per tensor mlx-lm would refuse as "not an adapter parameter in the model".
-
-    Without the model's block count (``n_layers`` None) only block indices are
-    checked, for the smallest model that holds every block the adapter names: what
-    that model refuses, every model does.
-    """
+    """A line per tensor mlx-lm would refuse as "not an adapter parameter in the model";
+    ``n_layers`` None: the smallest model holding every block named (block indices only)."""
     keys = n_layers is not None
     if n_layers is None:
         idx = [int(m.group(2)) for m in map(_IN_LAYER.match, groups) if m]
@@ -258,11 +227,8 @@ def _target(p: _Plan, ts: AdapterTensors, scale: float) -> LoraTarget:
 
 
 def load_mlx(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None) -> Adapter:
-    """Read an mlx-lm adapter directory whose config is ``cfg``.
-
-    Every tensor is checked from the header first (names, scope, dtypes, shapes,
-    ranks); only then are the tensors read, so nothing refused is read into memory.
-    """
+    """Read an mlx-lm adapter directory whose config is ``cfg``, every tensor checked from
+    the header before any is read."""
     cfg_path = path / CONFIG
     file = file or path / MLX_WEIGHTS
     ftype, scale, rank, scope = mlx_settings(cfg, cfg_path)
@@ -293,11 +259,9 @@ def load_mlx(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None) -> Ad
 
 def check_layer_scope(adapter: Adapter, n_layers: int, *, source: Optional[str] = None,
                       conflict: Optional[str] = None) -> None:
-    """Refuse an mlx-lm adapter holding tensors for blocks mlx-lm leaves alone in a
-    model of ``n_layers`` blocks (the last ``num_layers`` carry LoRA), or for blocks
-    past its end, listing each. ``source`` says where ``n_layers`` came from (e.g.
-    ``num_hidden_layers=4 in .../config.json``); ``conflict``, if given, how the
-    model's config disagrees with its tensors (then the likelier culprit)."""
+    """Refuse an mlx-lm adapter with tensors for blocks mlx-lm leaves alone in a model of
+    ``n_layers`` blocks (``source``: where that came from; ``conflict``: how the model's
+    config disagrees with its tensors)."""
     if adapter.format != "mlx-lm":
         return
     _, _, _, scope = mlx_settings(adapter.config, adapter.path / CONFIG)

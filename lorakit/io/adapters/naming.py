@@ -1,19 +1,10 @@
 """Where each adapter target lands in a checkpoint.
 
-Adapters name modules the way their trainer saw the model: mlx-lm names after its
-``sanitize`` (MoE experts stacked under ``switch_mlp``), PEFT names as in the HF
-model (one module per expert). Checkpoints come in either layout. This module
-finds, for each target, the checkpoint tensor(s) it changes, for the common
-families (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma, phi3, ...):
-
-* the same path plus ``.weight`` (most cases, both layouts);
-* the path with a ``model.`` / ``language_model.`` prefix added or removed;
-* a stacked expert target (``switch_mlp.gate_proj``) onto per-expert tensors
-  (``experts.{e}.gate_proj`` / mixtral's ``experts.{e}.w1``), one slice each;
-* a per-expert target (``experts.3.gate_proj``) onto one slice of a stacked tensor.
-
-Every target must land somewhere and every shape must agree; all problems are
-reported in one :class:`~lorakit.errors.AdapterError`.
+A target lands on the same path plus ``.weight``, with a ``model.`` / ``language_model.``
+prefix added or removed, or across the two MoE layouts (mlx-lm's stacked ``switch_mlp``
+and the per-expert ``experts.{e}``, mixtral's ``w1``/``w2``/``w3``). Every target must
+land somewhere with agreeing shapes; all problems come in one
+:class:`~lorakit.errors.AdapterError`.
 """
 from __future__ import annotations
 
@@ -25,6 +16,7 @@ from ...errors import AdapterError
 from ..formats.checkpoint import QuantParams
 from ..formats.source import TensorSource
 from .base import Adapter, LoraTarget, Replacement
+from .layout import MIXTRAL
 from .load import check_runtime_scope
 
 __all__ = ["Binding", "strip_prefix", "logical_shape", "bind", "bindings_by_tensor",
@@ -32,22 +24,13 @@ __all__ = ["Binding", "strip_prefix", "logical_shape", "bind", "bindings_by_tens
 
 #: wrappers a module path may carry in one layout and not in another (longest first)
 MODULE_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
-_MIXTRAL = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 
 
 @dataclass(frozen=True)
 class Binding:
-    """One target (or one expert of it) landing on one checkpoint weight.
-
-    Attributes:
-        target: the adapter target.
-        tensor: the checkpoint weight's name (``....weight``).
-        module: ``tensor`` without ``.weight`` (where ``.scales``/``.biases`` live).
-        shape: the weight's logical shape (dequantized), whole tensor.
-        target_expert: which expert of a stacked target this is (None: whole target).
-        weight_expert: which slice of a stacked weight this target changes (None: whole).
-        quant: packing parameters if the weight is quantized.
-    """
+    """One target (or one expert of it, ``target_expert``) landing on checkpoint weight
+    ``tensor`` (or its slice ``weight_expert``); ``module`` is ``tensor`` without
+    ``.weight``, ``shape`` the whole weight's dequantized shape, ``quant`` its packing."""
 
     target: LoraTarget
     tensor: str
@@ -112,21 +95,14 @@ def _per_expert_modules(ck: TensorSource, module: str) -> Optional[List[str]]:
         return None
     head, tail = module.split(".switch_mlp.", 1)
     candidates = [f"{head}.experts.{{e}}.{tail}"]
-    if tail in _MIXTRAL:
-        candidates.append(f"{head}.experts.{{e}}.{_MIXTRAL[tail]}")
+    if tail in MIXTRAL:
+        candidates.append(f"{head}.experts.{{e}}.{MIXTRAL[tail]}")
     for pattern in candidates:
-        first = _find(ck, pattern.format(e=0))
-        if first is None:
-            continue
-        mods = []
-        e = 0
-        while True:
-            found = _find(ck, pattern.format(e=e))
-            if found is None:
-                break
+        mods: List[str] = []
+        while (found := _find(ck, pattern.format(e=len(mods)))) is not None:
             mods.append(found)
-            e += 1
-        return mods
+        if mods:
+            return mods
     return None
 
 
@@ -136,7 +112,7 @@ def _stacked_slice(ck: TensorSource, module: str) -> Optional[Tuple[str, int]]:
     if not m:
         return None
     head, e, leaf = m.group(1), int(m.group(2)), m.group(3)
-    leaf = {v: k for k, v in _MIXTRAL.items()}.get(leaf, leaf)
+    leaf = {v: k for k, v in MIXTRAL.items()}.get(leaf, leaf)
     found = _find(ck, f"{head}.switch_mlp.{leaf}")
     return (found, e) if found else None
 
@@ -161,10 +137,7 @@ def bind(adapter: Adapter, ck: TensorSource) -> List[Binding]:
         mod = _find(ck, t.module)
         if mod is not None:
             shape = logical_shape(ck, mod)
-            if t.kind != "switch" and len(shape) == 3:
-                shape_error(t, f"{mod}.weight", t.shape, shape)
-                continue
-            if tuple(shape) != tuple(t.shape):
+            if (t.kind != "switch" and len(shape) == 3) or tuple(shape) != tuple(t.shape):
                 shape_error(t, f"{mod}.weight", t.shape, shape)
                 continue
             out.append(Binding(t, f"{mod}.weight", mod, shape, quant=ck.quant_params(mod)))
@@ -176,17 +149,13 @@ def bind(adapter: Adapter, ck: TensorSource) -> List[Binding]:
                     errors.append(f"  {t.module}: adapter has {t.A.shape[0]} experts, "
                                   f"checkpoint has {len(mods)}")
                     continue
-                bad = False
                 for e, m in enumerate(mods):
                     shape = logical_shape(ck, m)
                     if tuple(shape) != tuple(t.shape[1:]):
                         shape_error(t, f"{m}.weight", t.shape[1:], shape)
-                        bad = True
                         break
                     out.append(Binding(t, f"{m}.weight", m, shape, target_expert=e,
                                        quant=ck.quant_params(m)))
-                if bad:
-                    continue
                 continue
         else:
             sl = _stacked_slice(ck, t.module)

@@ -1,20 +1,11 @@
 """PEFT LoRA adapters (``adapter_model.safetensors``, ``adapter_config.json``), as PEFT runs them.
 
-PEFT (``tuners_utils.check_target_module_exists``) puts a LoRA layer on a module
-whose full name ``key`` (``model.layers.0.self_attn.q_proj``)
-
-* is not excluded: ``exclude_modules`` (a regex that full-matches ``key``, or names
-  equal to ``key`` or to a ``.``-suffix of it) and the ``modules_to_save`` modules;
-* is matched by ``target_modules``: a regex string full-matching ``key``, or a list
-  whose entries equal ``key`` (then no layer filter applies) or a ``.``-suffix of it;
-* lies in ``layers_to_transform`` (when given and non-empty), the layer index being
-  the first number after ``.<layers_pattern>.`` (or after any ``.<name>.``).
-
-Its rank and alpha come from the first ``rank_pattern`` / ``alpha_pattern`` key that
-matches ``(.*\\.)?(key)$``, else ``r`` / ``lora_alpha``. PEFT raises when
-``target_modules`` matches nothing. lorakit refuses tensors for modules PEFT would
-not adapt (it would drop them unused), every one listed, and ranks that disagree
-with the config.
+PEFT adapts a module when ``target_modules`` matches its full name (a full-match regex,
+or list entries equal to it or to a ``.``-suffix), it is not excluded
+(``exclude_modules``, ``modules_to_save``) and its layer lies in ``layers_to_transform``;
+rank and alpha come from the first matching ``rank_pattern`` / ``alpha_pattern`` key.
+lorakit refuses tensors for modules PEFT would not adapt, every one listed, and ranks
+that disagree with the config.
 """
 from __future__ import annotations
 
@@ -36,13 +27,14 @@ from .base import (
     AdapterTensors,
     LoraTarget,
     Replacement,
+    bad_config,
     check_magnitude,
     number,
     problems,
     whole,
 )
 
-__all__ = []
+__all__ = ["residual_init"]
 
 _LEAVES = {
     "lora_A.weight": "A", "lora_B.weight": "B",
@@ -52,15 +44,69 @@ _LEAVES = {
     # base model's (e.g. after resizing the vocabulary): it is the weight to fuse into
     "base_layer.weight": "W",
 }
-_UNSUPPORTED = {
-    "use_qalora": "QA-LoRA", "lora_bias": "LoRA bias", "use_bdlora": "BD-LoRA",
-    # duplicated layers change the model's structure: no fuse into the base's tensors
-    "layer_replication": "layer_replication",
-    # activated LoRA applies only after its invocation tokens: merging changes outputs
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
-    # LoRA on raw nn.Parameters (MoE expert tensors) is stored in another layout
-    "target_parameters": "LoRA on parameters (target_parameters)",
+_EMPTY = "false / absent"
+_READ, _IGNORED, _REFUSED = "read", "ignored", "refused"
+#: Every field PEFT 0.21.2's LoraConfig (and PeftConfig) writes -- the newest PEFT source
+#: adds none -- as field -> (default, how lorakit handles it, its meaning or the refusal).
+#: A refused field passes at its default (or empty); a field not listed passes only empty.
+FIELDS: Dict[str, Tuple[Any, str, str]] = {
+    "peft_type": ("LORA", _READ, "must be LORA"),
+    "task_type": (None, _IGNORED, "the model class the adapter was trained with"),
+    "auto_mapping": (None, _IGNORED, "the model class the adapter was trained with"),
+    "peft_version": (None, _IGNORED, "the PEFT version that saved it"),
+    "base_model_name_or_path": (None, _IGNORED, "where the base came from"),
+    "revision": (None, _IGNORED, "where the base came from"),
+    "inference_mode": (False, _IGNORED, "training state"),
+    "r": (8, _READ, "the rank"),
+    "lora_alpha": (8, _READ, "scale = lora_alpha / r"),
+    "use_rslora": (False, _READ, "scale = lora_alpha / sqrt(r)"),
+    "rank_pattern": ({}, _READ, "per-module r"),
+    "alpha_pattern": ({}, _READ, "per-module lora_alpha"),
+    "target_modules": (None, _READ, "the adapted modules"),
+    "exclude_modules": (None, _READ, "modules never adapted"),
+    "layers_to_transform": (None, _READ, "the adapted layers"),
+    "layers_pattern": (None, _READ, "where layer indices are read"),
+    "modules_to_save": (None, _READ, "trained copies that replace the base's"),
+    "fan_in_fan_out": (False, _READ, "weights stored (in, out): the delta transposed"),
+    "use_dora": (False, _READ, "DoRA: the magnitude rescales the merged rows"),
+    "lora_dropout": (0.0, _IGNORED, "training only"),
+    "init_lora_weights": (True, _READ, "pissa, olora, corda, lora_ga and loftq changed the "
+                          "base weights: refused unless converted (initial_adapter)"),
+    "loftq_config": ({}, _READ, "LoftQ replaced the base by a quantized residual: refused"),
+    "eva_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
+    "corda_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
+    "lora_ga_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
+    "velora_config": (None, _IGNORED, "VeLoRA changes the backward pass only; PEFT merges "
+                      "it as LoRA"),
+    "megatron_core": ("megatron.core", _IGNORED, "the module megatron_config names"),
+    "qalora_group_size": (16, _IGNORED, "used only with use_qalora"),
+    "runtime_config": (None, _IGNORED, "runtime settings"),
+    "ensure_weight_tying": (False, _IGNORED, "ties the adapters of tied layers; the "
+                           "tensors are read as saved"),
+    "bias": ("none", _REFUSED, "trained biases: lorakit fuses weights only; merge it "
+             "with PEFT's merge_and_unload"),
+    "lora_bias": (False, _REFUSED, "LoRA bias: merge it with PEFT's merge_and_unload"),
+    "use_qalora": (False, _REFUSED, "QA-LoRA: its A works on pooled inputs of a GPTQ "
+                   "model; merge it with PEFT"),
+    "use_bdlora": (None, _REFUSED, "BD-LoRA: block-diagonal factors; merge it with PEFT"),
+    "layer_replication": (None, _REFUSED, "layer_replication"),
+    "alora_invocation_tokens": (None, _REFUSED, "activated LoRA (alora_invocation_tokens): "
+                                "it applies after its invocation tokens only, no merge "
+                                "keeps that"),
+    "target_parameters": (None, _REFUSED, "LoRA on parameters (target_parameters)"),
+    "trainable_token_indices": (None, _REFUSED, "trainable tokens "
+                                "(trainable_token_indices): merge it with PEFT"),
+    "megatron_config": (None, _REFUSED, "Megatron tensor-parallel layers (megatron_config): "
+                        "save the adapter of the gathered model with PEFT"),
+    "monteclora_config": (None, _REFUSED, "MonteCLoRA: sampled factors; merge it with PEFT"),
+    "arrow_config": (None, _REFUSED, "Arrow routing among adapters: no single merge"),
+    "kasa_config": (None, _REFUSED, "KaSA: it truncates the base's singular values and "
+                    "adds lora_diag; merge it with PEFT"),
 }
+#: init_lora_weights values that leave the base as it was (PEFT's LoraLayer.update_layer)
+_KEEPS_BASE = (True, False, "gaussian", "eva", "orthogonal", "mica")
+#: init_lora_weights prefixes that change the base weights when the adapter is made
+_CHANGES_BASE = ("pissa", "olora", "corda", "lora_ga", "loftq")
 _ALL_LINEAR = "all-linear"
 
 Names = Union[str, List[str], None]  # a regex, a list of names, or absent
@@ -146,8 +192,8 @@ def _names(cfg: Dict[str, Any], key: str, cfg_path: Path) -> Names:
         return v
     if isinstance(v, list) and all(isinstance(x, str) and x for x in v):
         return list(v)
-    raise AdapterError(f"{key} must be a regex or a list of module names", file=cfg_path,
-                       tensor=key, expected='"<regex>" or ["q_proj", ...]', found=repr(v)[:80])
+    raise bad_config(cfg_path, key, f"{key} must be a regex or a list of module names",
+                     '"<regex>" or ["q_proj", ...]', v)
 
 
 def _check_regexes(cfg_path: Path, key: str, patterns: Sequence[str]) -> None:
@@ -163,26 +209,22 @@ def _check_regexes(cfg_path: Path, key: str, patterns: Sequence[str]) -> None:
 def _positive(cfg_path: Path, key: str, val: Any, integer: bool) -> Any:
     v = number(val)
     if v is None or v <= 0:
-        raise AdapterError(f"PEFT config needs a positive {key}", file=cfg_path, tensor=key,
-                           expected="a positive number", found=repr(val)[:80])
+        raise bad_config(cfg_path, key, f"PEFT config needs a positive {key}",
+                         "a positive number", val)
     if integer and whole(val) is None:
-        raise AdapterError(f"PEFT config's {key} must be a whole number", file=cfg_path,
-                           tensor=key, expected="a positive integer (a rank)",
-                           found=repr(val)[:80])
+        raise bad_config(cfg_path, key, f"PEFT config's {key} must be a whole number",
+                         "a positive integer (a rank)", val)
     return val
 
 
 def _patterns(cfg: Dict[str, Any], key: str, cfg_path: Path, integer: bool) -> Dict[str, Any]:
     pat = cfg.get(key) or {}
     if not isinstance(pat, dict) or any(number(v) is None or v <= 0 for v in pat.values()):
-        raise AdapterError(f"{key} must map module names to positive numbers",
-                           file=cfg_path, tensor=key,
-                           expected='{"<module>": <positive number>, ...}',
-                           found=repr(pat)[:80])
+        raise bad_config(cfg_path, key, f"{key} must map module names to positive numbers",
+                         '{"<module>": <positive number>, ...}', pat)
     if integer and any(whole(v) is None for v in pat.values()):
-        raise AdapterError(f"{key} values must be whole numbers (ranks)", file=cfg_path,
-                           tensor=key, expected='{"<module>": <positive integer>, ...}',
-                           found=repr(pat)[:80])
+        raise bad_config(cfg_path, key, f"{key} values must be whole numbers (ranks)",
+                         '{"<module>": <positive integer>, ...}', pat)
     _check_regexes(cfg_path, key, list(pat))
     return dict(pat)
 
@@ -191,15 +233,8 @@ def peft_settings(cfg: Dict[str, Any], cfg_path: Path) -> PeftSettings:
     """The checked :class:`PeftSettings` of a PEFT adapter config (one error per problem)."""
     ptype = cfg.get("peft_type", "LORA")
     if str(ptype).upper() != "LORA":
-        raise AdapterError("unsupported PEFT method", file=cfg_path, tensor="peft_type",
-                           expected="LORA", found=repr(ptype))
-    for key, what in _UNSUPPORTED.items():
-        if cfg.get(key):
-            raise AdapterError(f"unsupported PEFT feature: {what}", file=cfg_path, tensor=key,
-                               expected="false / absent", found=repr(cfg.get(key)))
-    if cfg.get("bias", "none") not in ("none", None):
-        raise AdapterError("unsupported PEFT feature: trained biases", file=cfg_path,
-                           tensor="bias", expected='"none"', found=repr(cfg.get("bias")))
+        raise bad_config(cfg_path, "peft_type", "unsupported PEFT method", "LORA", ptype, n=None)
+    check_fields(cfg, cfg_path)
     s = PeftSettings(_positive(cfg_path, "r", cfg.get("r"), True),
                      float(_positive(cfg_path, "lora_alpha", cfg.get("lora_alpha"), False)),
                      bool(cfg.get("use_rslora", False)), bool(cfg.get("use_dora", False)),
@@ -214,9 +249,9 @@ def peft_settings(cfg: Dict[str, Any], cfg_path: Path) -> PeftSettings:
         layers = [layers]
     if layers is not None and not (isinstance(layers, list)
                                    and all(type(i) is int for i in layers)):
-        raise AdapterError("layers_to_transform must be a layer index or a list of them",
-                           file=cfg_path, tensor="layers_to_transform",
-                           expected="an integer or a list of integers", found=repr(layers)[:80])
+        raise bad_config(cfg_path, "layers_to_transform",
+                         "layers_to_transform must be a layer index or a list of them",
+                         "an integer or a list of integers", layers)
     s.layers_to_transform = layers
     lp = _names(cfg, "layers_pattern", cfg_path)
     s.layers_pattern = [lp] if isinstance(lp, str) else lp
@@ -226,9 +261,8 @@ def peft_settings(cfg: Dict[str, Any], cfg_path: Path) -> PeftSettings:
     if isinstance(saved, str):
         saved = [saved]
     if not isinstance(saved, list) or not all(isinstance(m, str) and m for m in saved):
-        raise AdapterError("modules_to_save must be a list of module names", file=cfg_path,
-                           tensor="modules_to_save", expected='["lm_head", ...]',
-                           found=repr(saved)[:80])
+        raise bad_config(cfg_path, "modules_to_save", "modules_to_save must be a list of module "
+                         "names", '["lm_head", ...]', saved)
     s.modules_to_save = saved
     for key, val in (("target_modules", s.target_modules), ("exclude_modules", s.exclude_modules),
                      ("layers_pattern", s.layers_pattern), ("modules_to_save", saved)):
@@ -238,12 +272,8 @@ def peft_settings(cfg: Dict[str, Any], cfg_path: Path) -> PeftSettings:
 
 
 def _saved_module(key: str, saved: List[str]) -> Optional[Tuple[str, str]]:
-    """(module, leaf) when ``key`` is a modules_to_save tensor, else None.
-
-    PEFT saves the trained copy of a ``modules_to_save`` module under the module's
-    own name (``lm_head.weight``; older versions kept ``.modules_to_save.<adapter>``
-    in it) and matches the configured names as PEFT does: a plain suffix of the module
-    path (``"norm"`` matches ``model.norm`` and every ``*_layernorm``)."""
+    """(module, leaf) when ``key`` is a modules_to_save tensor (a configured name is a
+    plain suffix of the module path, as in PEFT), else None."""
     key = re.sub(r"\.modules_to_save\.[^.]+\.", ".", key)
     module, _, leaf = key.rpartition(".")
     if leaf not in ("weight", "bias") or not module or re.search(
@@ -369,15 +399,14 @@ def _replacement(name: str, module: str, leaf: str, ts: AdapterTensors
     return Replacement(module, leaf, raw, dt, name), None
 
 
-def load_peft(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None) -> Adapter:
-    """Read a PEFT LoRA adapter directory whose config is ``cfg``.
-
-    Names, scope (what PEFT adapts), dtypes, shapes and ranks are checked from the
-    header; only tensors that pass are read. All problems are reported in one error.
-    """
+def load_peft(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None,
+              residual_ok: bool = False) -> Adapter:
+    """Read a PEFT LoRA adapter directory whose config is ``cfg``, every tensor checked
+    from the header before any is read; all problems in one error."""
     cfg_path = path / CONFIG
     file = file or path / PEFT_WEIGHTS
     s = peft_settings(cfg, cfg_path)
+    check_init(cfg, cfg_path, residual_ok)
     ts = AdapterTensors(file)
     found = _sort_names(ts.names, s)
     errors = found.errors
@@ -412,6 +441,9 @@ def load_peft(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None) -> A
                            expected="base_model.model.<module>.lora_A.weight / .lora_B.weight",
                            found="none")
     targets = [_target(p, ts, s.fan_in_fan_out) for p in plans]
+    if str(cfg.get("init_lora_weights")).lower() == "mica":  # PEFT's MiCA merge rounds
+        for t in targets:  # the delta to the weight's dtype before adding it
+            t.round_delta = True
     return Adapter(path, "peft", targets, cfg, file, "dora" if s.dora else "lora",
                    replacements=replacements)
 
@@ -425,9 +457,113 @@ def check_targets_exist(adapter: Adapter, modules: Sequence[str], source: Path) 
     if s.target_modules is None:
         return
     if not any(s.refusal(m) is None for m in modules):
-        raise AdapterError("target_modules match no module of the model",
-                           file=adapter.path / CONFIG,
-                           tensor="target_modules",
-                           expected=f"module names of the model at {source}",
-                           found=repr(s.target_modules)[:120],
-                           hint="PEFT refuses this adapter on this model too")
+        raise bad_config(adapter.path / CONFIG, "target_modules", "target_modules match no "
+                         "module of the model", f"module names of the model at {source}",
+                         s.target_modules, "PEFT refuses this adapter on this model too", 120)
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v is False or (isinstance(v, (str, list, dict)) and not v)
+
+
+def check_fields(cfg: Dict[str, Any], cfg_path: Path) -> None:
+    """Refuse, by name, a set field that :data:`FIELDS` refuses or that PEFT has not."""
+    for key, val in cfg.items():
+        default, how, text = FIELDS.get(key, (None, "unknown", ""))
+        if how in (_READ, _IGNORED) or _empty(val) or val == default:
+            continue
+        if how == "unknown":
+            raise bad_config(cfg_path, key, "unknown PEFT config field",
+                             f"a field of PEFT's LoraConfig, or {key} empty", val,
+                             "lorakit reads every field of PEFT 0.21's LoraConfig and refuses "
+                             "a field whose meaning it does not know; if a newer PEFT wrote "
+                             "it, merge with that PEFT's merge_and_unload")
+        what, _, todo = text.partition(": ")
+        raise bad_config(cfg_path, key, f"unsupported PEFT feature: {what}",
+                         repr(default).replace("'", '"') if default else _EMPTY, val, todo or None)
+
+
+def residual_init(cfg: Dict[str, Any]) -> Optional[Tuple[str, Any]]:
+    """``(field, value)`` when a PEFT config says its adapter was made on a changed base
+    (PiSSA, OLoRA, CorDA, LoRA-GA, LoftQ), else None."""
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_CHANGES_BASE):
+        return "init_lora_weights", init
+    if not _empty(cfg.get("loftq_config")):
+        return "loftq_config", cfg["loftq_config"]
+    return None
+
+
+def check_init(cfg: Dict[str, Any], cfg_path: Path, residual_ok: bool) -> None:
+    """Refuse an unknown ``init_lora_weights`` and (unless ``residual_ok``) a
+    residual-base adapter, naming the field, its value and the fix."""
+    init = cfg.get("init_lora_weights", True)
+    if (init.lower() if isinstance(init, str) else init) not in _KEEPS_BASE and not (isinstance(init, str) and
+                                        init.lower().startswith(_CHANGES_BASE)):
+        raise bad_config(cfg_path, "init_lora_weights", "unknown init_lora_weights",
+                         f"one of {list(_KEEPS_BASE)} or {list(_CHANGES_BASE)}", init)
+    res = residual_init(cfg)
+    if res is not None and not residual_ok:
+        key, val = res
+        raise bad_config(
+            cfg_path, key, f"residual-base adapter: {key}={val!r} changed the base weights when "
+            "PEFT made this adapter (W_res = W - scale * B0 @ A0); fused into the original base "
+            "it is wrong", "a plain LoRA (init_lora_weights true)", val,
+            "re-save it with PEFT's save_pretrained(..., "
+            "path_initial_model_for_weight_conversion=<the adapter saved before training>), "
+            "or give lorakit that initial adapter: --initial-adapter DIR (API: "
+            "initial_adapter=)" + ("; LoftQ's base is its quantized residual: merge with "
+                                   "PEFT" if key == "loftq_config" or
+                                   str(val).lower() == "loftq" else ""))
+
+
+def converted_config(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The config PEFT's ``save_pretrained(path_initial_model_for_weight_conversion=...)``
+    writes: init true, r and rank_pattern doubled, lora_alpha doubled (times sqrt(2) with
+    rsLoRA), alpha_pattern doubled."""
+    out = dict(cfg, init_lora_weights=True, r=2 * cfg["r"])
+    out["lora_alpha"] = cfg["lora_alpha"] * (2 ** 0.5 if cfg.get("use_rslora") else 2)
+    for key in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            out[key] = {k: 2 * v for k, v in cfg[key].items()}
+    return out
+
+
+def convert_residual(trained: Adapter, initial: Adapter) -> Adapter:
+    """A residual-base adapter as the plain LoRA PEFT's conversion makes of it: per module
+    ``A' = cat(A, A0)``, ``B' = cat(B, -B0)`` (rank 2r) at :func:`converted_config`'s scale."""
+    if trained.format != "peft" or initial.format != "peft":
+        raise AdapterError("an initial adapter converts PEFT adapters only",
+                           file=trained.path if trained.format != "peft" else initial.path,
+                           expected="PEFT adapters (adapter_model.safetensors)",
+                           found="mlx-lm format")
+    cfg = converted_config(trained.config)
+    s = peft_settings(cfg, trained.path / CONFIG)
+    init = {t.module: t for t in initial.targets}
+    errors: List[str] = []
+    targets: List[LoraTarget] = []
+    for t in trained.targets:
+        t0 = init.pop(t.module, None)
+        if t.kind != "linear" or t.is_dora:
+            errors.append(f"  {t.module}: a {'DoRA' if t.is_dora else t.kind} module (expected "
+                          "LoRA on linear layers: PEFT's conversion keeps lora_A/lora_B only)")
+        elif t0 is None or t0.A.shape != t.A.shape or t0.B.shape != t.B.shape or \
+                t0.scale != t.scale:
+            found = "absent" if t0 is None else \
+                f"A {list(t0.A.shape)}, B {list(t0.B.shape)}, scale {t0.scale:g}"
+            errors.append(f"  {t.module}: initial adapter does not match (expected A "
+                          f"{list(t.A.shape)}, B {list(t.B.shape)}, scale {t.scale:g}, "
+                          f"found {found})")
+        else:
+            r, alpha = s.rank_alpha(t.module)
+            scale = float(alpha) / (math.sqrt(r) if s.rslora else r)
+            targets.append(LoraTarget(
+                t.module, t.kind, np.concatenate([t.A, t0.A], axis=0),
+                np.concatenate([t.B, -t0.B], axis=1), scale, None, t.names + t0.names))
+    errors += [f"  {m}: in the initial adapter only (expected the same modules as the "
+               "trained one)" for m in init]
+    if errors:
+        raise problems(initial.weights_file, errors, "the adapter the trained one started "
+                       "from: the same modules, ranks and scales")
+    return Adapter(trained.path, "peft", targets, cfg, trained.weights_file,
+                   trained.fine_tune_type, replacements=trained.replacements)

@@ -1,34 +1,11 @@
 """Writing an :class:`~lorakit.io.adapters.base.Adapter` as mlx-lm or PEFT saves one.
 
-:func:`save_adapter` is the one adapter writer: convert, combine, extract, resize
-and ``synth_adapter`` all save through it. The output is built in a hidden sibling
-and published whole (:class:`~lorakit.io.outputs.directory.OutputDirectory`, with provenance);
-an existing path is replaced only with ``force`` and only when it is a previous
-lorakit output. :func:`lorakit.load_adapter` reads back exactly what was written
-(every factor bit, every scale, each DoRA magnitude).
-
-What each format can hold:
-
-==========================  ==========================  ==============================
-                            mlx-lm                      PEFT
-==========================  ==========================  ==============================
-factors                     lora_a (in, r), lora_b      lora_A.weight (r, in),
-                            (r, out); embedding:        lora_B.weight (out, r);
-                            lora_a (vocab, r)           lora_embedding_A (r, vocab),
-                                                        lora_embedding_B (dims, r)
-scale                       lora_parameters.scale,      lora_alpha / r per module
-                            one for the whole adapter   (alpha_pattern, rank_pattern)
-rank                        one (lower ones zero-padded) per module (rank_pattern)
-DoRA                        ``.m``; none on experts     lora_magnitude_vector
-MoE experts                 stacked (switch_mlp)        one module per expert
-whole tensors               none                        modules_to_save
-==========================  ==========================  ==============================
-
-What a format cannot hold is refused with the reason, never approximated: per-module
-scales in mlx-lm (a scale that differs by a power of two is folded into ``lora_b``
-exactly; per-module ranks are padded to the largest with zeros, which leaves every
-delta unchanged), a scale no float64 ``lora_alpha`` gives as ``alpha / r``,
-factors that the requested dtype cannot hold exactly.
+:func:`save_adapter` is the one adapter writer (convert, combine, extract, resize,
+``synth_adapter``): built in a hidden sibling and published whole, with provenance;
+``lorakit.load_adapter`` reads back every bit. What a format cannot hold is refused
+with the reason, never approximated: per-module scales in mlx-lm (a power-of-two ratio
+is folded into ``lora_b`` exactly; lower ranks are zero-padded), a scale no float64
+``lora_alpha`` gives as ``alpha / r``, factors the requested dtype cannot hold exactly.
 """
 from __future__ import annotations
 
@@ -45,14 +22,7 @@ from ...numerics import round_to_format, to_float32
 from ..formats.safetensors import TensorSpec, read_header
 from ..outputs.directory import TMP_MARK, OutputDirectory, check_output_path
 from ..outputs.safetensors_write import SafetensorsWriter
-from .base import (
-    CONFIG,
-    MLX_WEIGHTS,
-    PEFT_PREFIX,
-    PEFT_WEIGHTS,
-    Adapter,
-    LoraTarget,
-)
+from .base import CONFIG, MLX_WEIGHTS, PEFT_PREFIX, PEFT_WEIGHTS, Adapter, LoraTarget
 from .layout import alpha_for, expert_modules, layer_gaps, mlx_scope, restack
 
 __all__ = ["save_adapter"]
@@ -66,27 +36,9 @@ def save_adapter(adapter: Adapter, path: PathLike, *, format: str = "mlx-lm",
                  dtype: Optional[str] = None, num_layers: Optional[int] = None,
                  protected: Sequence[PathLike] = (), verb: str = "save-adapter",
                  config: Optional[Mapping[str, Any]] = None, mark: str = TMP_MARK) -> Path:
-    """Write ``adapter`` to directory ``path`` in ``format`` (``"mlx-lm"`` or ``"peft"``).
-
-    Args:
-        adapter: the adapter (read by :func:`lorakit.load_adapter` or built in memory).
-        path: the output directory (created whole, or not at all).
-        format: ``"mlx-lm"`` (adapters.safetensors) or ``"peft"`` (adapter_model.safetensors).
-        force: replace a previous lorakit output at ``path`` (anything else is refused).
-        provenance: extra facts recorded in the output's ``lorakit.json``.
-        dtype: ``"F32"``, ``"BF16"`` or ``"F16"`` for the factors; None: the dtype of
-            ``adapter.weights_file`` when it exists, else F32. A factor the dtype cannot
-            hold exactly is refused.
-        num_layers: mlx-lm's ``num_layers``; None: the source's own (an mlx-lm adapter),
-            else counted from the lowest adapted block to the highest.
-        protected: more input directories the output must stay out of.
-        verb: the provenance's kind.
-        config: entries laid over the written adapter_config.json (training settings,
-            or a narrower scope that selects the same modules).
-        mark: the temporary directory's mark (``synth_adapter`` uses its own).
-
-    Returns:
-        The output directory.
+    """Write ``adapter`` to directory ``path`` (created whole or not at all) as mlx-lm or
+    PEFT. ``dtype`` defaults to the source file's, else F32; a factor it cannot hold exactly
+    is refused. ``config`` is laid over the written adapter_config.json.
 
     >>> from lorakit import load_adapter
     >>> ad = load_adapter("data/adapters/lora")

@@ -1,13 +1,9 @@
 """Base checkpoints in the HF and mlx-lm layouts, read lazily.
 
-A checkpoint is a directory with ``config.json`` and either one
-``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
-Opening one reads the config, the index and every shard's header (a few KB
-each); tensor data is read only when asked for, one tensor at a time.
-
-Names in an index are untrusted: a shard name must be a plain file inside the
-directory. Hub snapshots, whose files are links into the cache's ``blobs``
-folder, are accepted; any other link out of the directory is refused.
+A checkpoint is a directory with ``config.json`` and one ``model.safetensors`` or shards
+listed in ``model.safetensors.index.json``; opening one reads only the headers. Shard
+names are untrusted: a plain file inside the directory, or a hub snapshot's link into
+the cache's ``blobs``; any other link out is refused.
 """
 from __future__ import annotations
 
@@ -21,21 +17,8 @@ if TYPE_CHECKING:
 
 from ...errors import FormatError, PathLike
 from .dtypes import majority_dtype
-from .paths import (
-    check_model_dir,
-    is_hub_blob,
-    load_json,
-    safe_member,
-    user_path,
-)
-from .safetensors import (
-    FLOAT_CODES,
-    TensorInfo,
-    _file_kind,
-    raw_to_mx,
-    read_header,
-    read_raw,
-)
+from .paths import check_model_dir, is_hub_blob, load_json, safe_member, user_path
+from .safetensors import FLOAT_CODES, TensorInfo, _file_kind, raw_to_mx, read_header, read_raw
 
 __all__ = ["INDEX_NAME", "QuantParams", "Checkpoint"]
 
@@ -77,30 +60,24 @@ def _check_packing(w: TensorInfo, s: TensorInfo, gs: int, bits: int, mode: str,
             found=f"weight U32{list(w.shape)}: {found_bits}-bit codes at group_size={gs}",
             hint=f"fix config.json's quantization (or add a per-module entry "
             f"\"{w.name[:-len('.weight')]}\": {{\"group_size\": ..., \"bits\": ...}})")
-    if mode == "affine" and (s.dtype not in FLOAT_CODES or biases is None):
+    affine = mode == "affine"
+    if (s.dtype not in FLOAT_CODES or biases is None) if affine else \
+            mode in _FP_MODES and (s.dtype != "U8" or biases is not None):
         raise FormatError(
             "quantization config disagrees with the packed weight", file=s.file, tensor=s.name,
-            expected="affine mode: float scales and a .biases tensor beside them",
+            expected="affine mode: float scales and a .biases tensor beside them" if affine
+            else f"{mode} mode: uint8 scales and no biases",
             found=f"scales {s.dtype}, {'no biases' if biases is None else 'biases present'}",
             hint="set config.json's quantization mode to the one the weights were packed "
-            "with (mxfp4 / nvfp4 / mxfp8 keep uint8 scales and no biases)")
-    if mode in _FP_MODES and (s.dtype != "U8" or biases is not None):
-        raise FormatError(
-            "quantization config disagrees with the packed weight", file=s.file, tensor=s.name,
-            expected=f"{mode} mode: uint8 scales and no biases",
-            found=f"scales {s.dtype}, {'no biases' if biases is None else 'biases present'}")
+            "with (mxfp4 / nvfp4 / mxfp8 keep uint8 scales and no biases)" if affine else None)
 
 
 class Checkpoint:
     """A base checkpoint directory, opened lazily: the directory implementation of
     :class:`~lorakit.io.formats.source.TensorSource` (``kind == "checkpoint"``).
 
-    Attributes:
-        path: the directory.
-        label: a short name for tables (the directory's name).
-        config: parsed config.json.
-        tensors: every tensor's :class:`TensorInfo`, by name, in file order.
-        shards: shard file names in order.
+    ``config`` is the parsed config.json, ``tensors`` each :class:`TensorInfo` by name in
+    file order, ``shards`` the shard file names in order.
 
     >>> ck = Checkpoint("data/tiny-qwen3"); ck.dtype, len(ck.tensors)
     ('BF16', 46)
@@ -117,7 +94,6 @@ class Checkpoint:
         if not isinstance(self.config, dict):
             raise FormatError("config.json is not a JSON object", file=cfg_path,
                               expected="a JSON object", found=type(self.config).__name__)
-        self.index_metadata: Dict[str, Any] = {}
         index_path = self.path / INDEX_NAME
         weight_map: Optional[Dict[str, str]] = None
         if index_path.exists() or index_path.is_symlink():
@@ -129,8 +105,6 @@ class Checkpoint:
                                   found=(type(idx.get("weight_map")).__name__
                                          if isinstance(idx, dict) else type(idx).__name__))
             weight_map = idx["weight_map"]
-            meta = idx.get("metadata")
-            self.index_metadata = meta if isinstance(meta, dict) else {}
             for name, n in weight_map.items():  # check before any name is used
                 safe_member(self.path, n, source=index_path, what="shard", tensor=name)
             shard_names = list(dict.fromkeys(weight_map.values()))

@@ -1,9 +1,5 @@
-"""Dtype names, in one table: safetensors codes (``"BF16"``), the names configs and
-users write (``"bfloat16"``, ``"torch.bfloat16"``), MLX dtypes, and the majority
-float dtype of a set of tensors.
-
-The byte sizes and numpy storage of every code are the format's own tables
-(:data:`lorakit.io.formats.safetensors.ITEMSIZE`, :data:`~lorakit.io.formats.safetensors.NUMPY_STORAGE`).
+"""Dtype names, in one table: safetensors codes (``"BF16"``), the names configs and users
+write (``"bfloat16"``, ``"torch.bfloat16"``), MLX dtypes, and the majority float dtype.
 
 >>> code_of("torch.bfloat16"), code_of("float32"), code_of("int8")
 ('BF16', 'F32', None)

@@ -1,13 +1,10 @@
 """Tensor sources: one face for everything that holds named tensors.
 
-A *source* is a checkpoint directory (:class:`~lorakit.io.formats.checkpoint.Checkpoint`),
-one ``.safetensors`` file or adapter directory (:class:`FileSource`), or an mlx-lm
-model in memory (:class:`ModelSource`). All of them satisfy the :class:`TensorSource`
-protocol: names with dtype codes and shapes read without touching data, one tensor's
-raw storage on request, the model config, the majority float dtype and, for
-quantized modules, their packing. Binding an adapter (:func:`lorakit.io.adapters.naming.bind`),
-fusing, inspecting and timing all take a source; :func:`open`, the one door every
-verb reads its inputs through, makes one from whatever the user passed.
+A checkpoint directory, one ``.safetensors`` file or adapter directory (:class:`FileSource`)
+or an mlx-lm model in memory (:class:`ModelSource`) satisfies :class:`TensorSource`: names,
+dtype codes and shapes without touching data, one tensor's raw storage on request, the
+config, the majority float dtype and the quantized modules' packing. :func:`open` is the
+one door every verb reads its inputs through.
 
 >>> src = open("data/tiny-qwen3")
 >>> src.kind, src.dtype, "model.norm.weight" in src
@@ -16,15 +13,7 @@ verb reads its inputs through, makes one from whatever the user passed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Dict,
-    Mapping,
-    Optional,
-    Protocol,
-    runtime_checkable,
-)
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -33,14 +22,7 @@ from ...errors import FormatError, PathLike
 from .checkpoint import Checkpoint, QuantParams
 from .dtypes import majority_dtype
 from .paths import load_json, resolve_model_path, safe_member, stat_path, user_path
-from .safetensors import (
-    MX_CODES,
-    TensorInfo,
-    TensorSpec,
-    mx_to_raw,
-    read_header,
-    read_raw,
-)
+from .safetensors import MX_CODES, TensorInfo, TensorSpec, mx_to_raw, read_header, read_raw
 
 __all__ = ["TensorSource", "ModelSource", "open"]
 
@@ -51,16 +33,9 @@ _ADAPTER_WEIGHTS = ("adapters.safetensors", "adapter_model.safetensors")
 
 @runtime_checkable
 class TensorSource(Protocol):
-    """What every tensor source offers.
-
-    Attributes:
-        kind: ``"checkpoint"``, ``"adapter"``, ``"file"`` or ``"model"``.
-        label: a short name for tables.
-        path: the directory or file (a placeholder path for in-memory models).
-        config: the model config (``{}`` when there is none).
-        tensors: name -> metadata (``.name``, ``.dtype`` code, ``.shape``, ``.numel``,
-            ``.nbytes``), in file order, read without touching data.
-    """
+    """What every tensor source offers: ``kind`` (checkpoint, adapter, file, model), a
+    ``label`` for tables, ``path``, ``config`` (``{}`` when none) and ``tensors`` (name ->
+    dtype code and shape, in file order, read without touching data)."""
 
     kind: str
     label: str
@@ -210,9 +185,6 @@ def open(x: Any, label: Optional[str] = None, *,  # noqa: A001  (lorakit.open)
     cache with ``HF_HUB_OFFLINE=1``), an adapter directory, a ``.safetensors`` file, a
     source already, or an mlx-lm model in memory. ``checkpoint=True`` accepts only a
     checkpoint (what a fuse or a timing run needs).
-
-    Returns names, dtypes and shapes without reading data; ``read(name)`` gives one
-    tensor's raw storage.
 
     >>> import lorakit
     >>> src = lorakit.open("data/tiny-qwen3")

@@ -1,15 +1,11 @@
 """Clone and patch: a fused shard that shares the base shard's unchanged blocks.
 
-A fuse that keeps every tensor's name, dtype and shape writes a shard that is the base
-shard with some byte ranges rewritten. On a copy-on-write file system (APFS; XFS with
-reflink, btrfs) :func:`clone_shard` makes the output a clone of the base shard (no data
-copied, no space used) laid out exactly as the base: same offsets, the header padded
-with spaces to the base's header length, or on Linux to that length plus whole blocks
-when lorakit's metadata does not fit (a block-aligned clone of the data then follows).
-The writer then writes only the adapted tensors in place; the file system copies a
-block on write, so the base is never changed, and editing the base later never
-changes the output. Where it cannot clone, :func:`clone_shard` says why and the
-writer writes the whole shard as before. ``LORAKIT_CLONE=0`` turns cloning off.
+A fuse that keeps every tensor's name, dtype and shape writes the base shard with some
+byte ranges rewritten. On a copy-on-write file system (APFS; XFS with reflink, btrfs)
+:func:`clone_shard` makes the output a clone of the base shard laid out as the base (the
+header padded to the base's length, or on Linux plus whole blocks), and the writer writes
+only the adapted tensors in place: the base never changes. Where it cannot clone, it says
+why and the whole shard is written. ``LORAKIT_CLONE=0`` turns cloning off.
 """
 from __future__ import annotations
 

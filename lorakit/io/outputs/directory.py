@@ -1,36 +1,12 @@
 """The life of an output directory: checked, built hidden, published whole, or never there.
 
-Every lorakit verb that writes a directory (``fuse``, ``synth_checkpoint``,
-``synth_adapter``) goes through this module:
-
-1. :func:`check_output_path` refuses a path inside (or around) an input, and an
-   existing path unless ``force``; even with ``force`` it replaces only an empty
-   directory or a previous lorakit output, recognised by the ``lorakit.json``
-   provenance lorakit writes into every output (every entry listed, unchanged).
-   Anything else is refused, naming what would have been lost.
-2. :class:`OutputDirectory` builds the output in a hidden sibling with an exact,
-   unique name (``.NAME.lorakit-tmp-PID-RANDOM``). While it is open, SIGTERM and
-   SIGHUP are turned into an exception (as SIGINT already is), so cleanup runs;
-   on any failure the temporary, and every parent directory created for it, is
-   removed. ``commit`` writes the provenance, fsyncs every file and the
-   directory, and renames it into place (an atomic swap when replacing).
-3. Temporaries that a dead process left are removed by exact name (never by a
-   glob pattern); those of a running process are kept and reported.
-
->>> out = check_output_path("out", protected=[], force=False)
->>> with OutputDirectory(out, force=False) as od:
-...     _ = (od.tmp / "config.json").write_text("{}")
-...     _ = od.commit("example", {})
->>> sorted(p.name for p in out.iterdir())
-['config.json', 'lorakit.json']
-
-Temporary siblings of an output: exact names, and which of them are stale.
-
-A temporary of output ``NAME`` is ``.NAME.lorakit-tmp-PID-RANDOM`` (synth:
-``.lorakit-synth-``; an old output moved aside: ``...-old-PID-RANDOM``). Names are
-parsed, never matched as glob patterns, so an output path holding ``[``, ``*`` or
-``?`` cannot reach another output's temporary. Those of dead processes are
-deleted; those of running ones are kept and reported.
+Every verb that writes a directory goes through here. :func:`check_output_path` refuses a
+path in or around an input, and an existing one unless ``force``, which replaces only an
+empty directory or a previous lorakit output (every entry listed in its ``lorakit.json``).
+:class:`OutputDirectory` builds the output in a hidden sibling
+``.NAME.lorakit-tmp-PID-RANDOM`` (SIGTERM and SIGHUP raise, as SIGINT does, so cleanup
+runs) and renames it into place whole. Temporaries are parsed by exact name, never
+globbed; those of dead processes are deleted, those of running ones kept and reported.
 """
 from __future__ import annotations
 
@@ -46,8 +22,8 @@ import stat
 import threading
 import warnings
 from pathlib import Path
-from types import FrameType, TracebackType
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Type
+from types import FrameType
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ...errors import OutputExistsError, PathLike
 from .provenance import IGNORABLE, PROVENANCE, foreign_entries, write_provenance
@@ -115,19 +91,15 @@ def _alive(pid: int) -> bool:
         return False
     try:
         os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
-        return True
-    except OverflowError:
-        return False
+        pass
+    return True
 
 
 def _is_live(p: Path, pid: int) -> bool:
-    if pid == os.getpid():
-        return p in ACTIVE
-    return _alive(pid)
+    return p in ACTIVE if pid == os.getpid() else _alive(pid)
 
 
 def stale_temporaries(out: Path) -> List[Path]:
@@ -172,16 +144,6 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
 
 
-# -- checking the path ---------------------------------------------------------------------
-def _inside(child: Path, parent: Path) -> bool:
-    """Whether ``child`` is ``parent`` or lies below it."""
-    try:
-        child.relative_to(parent)
-        return True
-    except ValueError:
-        return False
-
-
 def _lstat(p: Path) -> Optional[os.stat_result]:
     """``os.lstat``, or None when nothing is there; other errors name the path."""
     try:
@@ -189,24 +151,21 @@ def _lstat(p: Path) -> Optional[os.stat_result]:
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
-        raise OutputExistsError("cannot use the output path", file=p,
-                                expected="a path this user can create",
-                                found=f"{type(e).__name__}: {e.strerror or e}") from None
+        raise _refused("cannot use the output path", p, "a path this user can create", e) from None
+
+
+def _refused(what: str, path: Path, expected: str, e: OSError) -> OutputExistsError:
+    return OutputExistsError(what, file=path, expected=expected,
+                             found=f"{type(e).__name__}: {e.strerror or e}")
 
 
 def check_output_path(save_path: PathLike, *, protected: Sequence[Path], force: bool,
                       allow_empty: bool = False,
                       overlap_message: str = "output path would overlap an input directory",
                       ) -> Path:
-    """The resolved output path, or an OutputExistsError saying why it cannot be written.
-
-    Args:
-        save_path: the output directory asked for.
-        protected: input directories the output must neither lie in nor contain.
-        force: replace an existing empty directory or previous lorakit output.
-        allow_empty: accept an existing empty directory even without ``force``.
-        overlap_message: the error's first line when the output overlaps an input.
-    """
+    """The resolved output path, or an OutputExistsError saying why it cannot be written:
+    it lies in or around a ``protected`` input, or exists (``allow_empty``: an empty
+    directory is fine) and ``force`` does not cover it."""
     try:
         out = Path(save_path).expanduser().resolve()
     except (RuntimeError, OSError) as e:  # ~nosuchuser, a loop of links
@@ -215,10 +174,10 @@ def check_output_path(save_path: PathLike, *, protected: Sequence[Path], force: 
                                 found=f"{type(e).__name__}: {e}") from None
     for p in protected:
         p = Path(p).resolve()
-        if _inside(out, p) or _inside(p, out):
+        if out.is_relative_to(p) or p.is_relative_to(out):
             raise OutputExistsError(overlap_message, file=out,
                                     expected=f"a path outside {p}",
-                                    found="inside it" if _inside(out, p) else "a parent of it",
+                                    found="inside it" if out.is_relative_to(p) else "a parent of it",
                                     hint="choose a --save-path outside the model and adapter")
     st = _lstat(out)
     if st is not None:
@@ -234,9 +193,8 @@ def _check_replaceable(out: Path, st: os.stat_result, *, force: bool, allow_empt
         empty = is_dir and not [n for n in os.listdir(out) if n not in IGNORABLE]
         foreign = foreign_entries(out) if is_dir and force else []
     except OSError as e:  # unreadable: what it holds cannot be known, so it is kept
-        raise OutputExistsError("cannot read the existing output directory", file=out,
-                                expected="a directory this user can list",
-                                found=f"{type(e).__name__}: {e.strerror or e}") from None
+        raise _refused("cannot read the existing output directory", out,
+                       "a directory this user can list", e) from None
     if not force and not (allow_empty and empty):
         raise OutputExistsError("output path appeared while writing" if appeared
                                 else "output path already exists", file=out,
@@ -264,7 +222,6 @@ def _check_replaceable(out: Path, st: os.stat_result, *, force: bool, allow_empt
             "deletes what lorakit did not write")
 
 
-# -- signals -------------------------------------------------------------------------------
 class _SignalGuard:
     """SIGTERM/SIGHUP -> :class:`Interrupted` while installed (main thread only).
 
@@ -323,19 +280,12 @@ class _SignalGuard:
             prev(sig, None)
 
 
-# -- the directory's life ------------------------------------------------------------------
 class OutputDirectory:
-    """Build an output in a hidden temporary sibling; publish it whole, or leave nothing.
+    """Build ``out`` in a hidden temporary sibling; publish it whole, or leave nothing.
 
-    Use as a context manager: write into :attr:`tmp`, then call :meth:`commit`.
-    Leaving the block without a commit (an exception, SIGINT, SIGTERM, SIGHUP)
-    removes the temporary and any parent directories created for it.
-
-    Args:
-        out: the checked output path (from :func:`check_output_path`).
-        force / allow_empty: as given to :func:`check_output_path`; checked again
-            just before publishing, since the path may have changed meanwhile.
-        mark: the temporary's mark (:data:`TMP_MARK`, or :data:`SYNTH_MARK`).
+    Write into :attr:`tmp`, then call :meth:`commit`; leaving the block without a commit
+    removes the temporary and the parents created for it. ``force`` / ``allow_empty`` are
+    checked again just before publishing. ``mark``: :data:`TMP_MARK` or :data:`SYNTH_MARK`.
     """
 
     def __init__(self, out: Path, *, force: bool, allow_empty: bool = False,
@@ -361,9 +311,8 @@ class OutputDirectory:
             ACTIVE.add(self.tmp)
         except OSError as e:
             self._abort()
-            raise OutputExistsError("cannot create the output directory", file=self.out,
-                                    expected="a writable directory path",
-                                    found=f"{type(e).__name__}: {e.strerror or e}") from None
+            raise _refused("cannot create the output directory", self.out,
+                           "a writable directory path", e) from None
         except BaseException:
             self._abort()
             raise
@@ -373,20 +322,19 @@ class OutputDirectory:
         """Write the provenance, fsync everything and move the output into place."""
         write_provenance(self.tmp, kind, info)
         for name in os.listdir(self.tmp):
-            _fsync_path(self.tmp / name)
-        _fsync_path(self.tmp)
+            _fsync(self.tmp / name)
+        _fsync(self.tmp)
         self._guard.defer = True  # from here on a signal waits until the output is whole
         try:
             _publish(self.tmp, self.out, force=self.force, allow_empty=self.allow_empty)
             self.committed = True
             for d in [self.out.parent] + [p.parent for p in self._created]:
-                _fsync_dir(d)
+                _fsync(d, strict=False)
         finally:
             self._guard.defer = False
         return self.out
 
-    def __exit__(self, exc_type: Optional[Type[BaseException]],
-                 exc: Optional[BaseException], tb: Optional[TracebackType]) -> bool:
+    def __exit__(self, *exc: Any) -> bool:
         if not self.committed:
             self._abort()
         else:
@@ -399,11 +347,7 @@ class OutputDirectory:
         self._guard.defer = True
         try:
             shutil.rmtree(self.tmp, ignore_errors=True)
-            for d in reversed(self._created):  # deepest first; only if still empty
-                try:
-                    d.rmdir()
-                except OSError:
-                    break
+            _remove_dirs(self._created)
             self._created = []
         finally:
             ACTIVE.discard(self.tmp)
@@ -429,13 +373,22 @@ def _make_parents(out: Path) -> List[Path]:
                 continue
             created.append(d)
     except BaseException:
-        for d in reversed(created):
-            try:
-                d.rmdir()
-            except OSError:
-                break
+        _remove_dirs(created)
         raise
     return created
+
+
+def _remove_dirs(created: List[Path]) -> None:
+    """Remove directories this process created, deepest first, while they are empty."""
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
+#: what a rename onto a path that another process just took fails with
+_TAKEN = (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR)
 
 
 def _publish(tmp: Path, out: Path, *, force: bool, allow_empty: bool) -> None:
@@ -448,8 +401,7 @@ def _publish(tmp: Path, out: Path, *, force: bool, allow_empty: bool) -> None:
             return
         except OSError as e:  # another process published ``out`` since the check above
             st = _lstat(out)
-            if st is None or e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR,
-                                             errno.EISDIR):
+            if st is None or e.errno not in _TAKEN:
                 raise
     _check_replaceable(out, st, force=force, allow_empty=allow_empty, appeared=True)
     if _exchange(tmp, out):
@@ -487,24 +439,14 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def _fsync_path(p: Path) -> None:
-    """Flush one file (or directory) to the disk."""
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(p: Path) -> None:
-    """Flush a directory's entries, where the OS allows it (best effort)."""
+def _fsync(p: Path, strict: bool = True) -> None:
+    """Flush a file or directory to the disk (``strict=False``: where the OS allows it)."""
     try:
         fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        if strict:
+            raise

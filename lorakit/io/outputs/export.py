@@ -1,11 +1,6 @@
 """Where a fused checkpoint goes after lorakit writes it: a GGUF file llama.cpp loads
-(``--export-gguf``, written by :mod:`lorakit.io.outputs.gguf` on llama.cpp's own ``gguf``
-writer), the hub through ``huggingface_hub`` (``--upload-repo``). Both are checked
-before the fuse starts, so a refusal costs nothing.
-
-Unlike ``mlx_lm fuse --export-gguf`` (whose writer labels a byte-level BPE vocabulary
-SentencePiece, writes UINT32 token types and F16 norms, and knows llama-arch models
-only), the file follows llama.cpp's ``convert_hf_to_gguf.py``: llama.cpp loads it.
+(``--export-gguf``, :mod:`lorakit.io.outputs.gguf`) or the hub (``--upload-repo``). Both
+are checked before the fuse starts, so a refusal costs nothing.
 
 >>> check_gguf_export({"model_type": "gemma"}, False, "ggml-model-f16.gguf")
 Traceback (most recent call last):
@@ -18,12 +13,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ...errors import ArgumentError, FormatError, LorakitError
-from .gguf import GGUF_ARCHS, check_gguf_model, write_model_gguf
+from .gguf import check_gguf_model, write_model_gguf
 
 __all__ = ["check_gguf_export", "export_gguf", "check_upload", "upload"]
 
-#: architectures the GGUF export converts (config.json model_type)
-GGUF_MODEL_TYPES = tuple(GGUF_ARCHS)
 #: mlx_lm fuse's default GGUF file name
 GGUF_DEFAULT = "ggml-model-f16.gguf"
 

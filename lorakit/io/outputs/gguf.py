@@ -1,24 +1,10 @@
 """GGUF files llama.cpp loads, written with llama.cpp's own Python writer (``gguf``).
 
-Two writers, following llama.cpp's ``convert_hf_to_gguf.py`` and
-``convert_lora_to_gguf.py`` family by family:
-
-- :func:`write_model_gguf`: a float checkpoint directory (a fused output) as a model GGUF:
-  weights in the checkpoint's own dtype (or ``outtype``), norms and routers F32,
-  llama.cpp's tensor names (``gguf.TensorNameMap``), q/k rows permuted for llama-arch
-  models (llama, mistral, mixtral) and not for qwen, the architecture's metadata
-  (context, heads, kv heads, rope theta and scaling, rms eps, experts) and the
-  tokenizer's real model (``gpt2`` byte-level BPE with merges, INT32 token types,
-  special ids, chat template) and the pre-tokenizer whose split regex is the
-  tokenizer's own (``gpt-2``, ``qwen2``, ``llama-bpe``; any other is refused).
-- :func:`write_lora_gguf`: an unfused LoRA adapter as llama.cpp's LoRA GGUF
-  (``general.type = adapter``, ``adapter.type = lora``, ``adapter.lora.alpha``,
-  ``<tensor>.lora_a`` (r, in) and ``<tensor>.lora_b`` (out, r) in numpy order), which
-  ``llama-cli --lora`` and ``Llama(..., lora_path=...)`` apply at ``alpha / r``.
-
->>> check_gguf_model({"model_type": "gemma"})
-Traceback (most recent call last):
-lorakit.errors.FormatError: llama.cpp GGUF export does not support this architecture ...
+Both writers follow llama.cpp's converters family by family: :func:`write_model_gguf`
+(``convert_hf_to_gguf.py``: its tensor names, q/k rows permuted for llama-arch models,
+norms and routers F32, the tokenizer's byte-level BPE with the pre-tokenizer whose regex
+is the tokenizer's own) and :func:`write_lora_gguf` (``convert_lora_to_gguf.py``:
+``lora_a`` (r, in), ``lora_b`` (out, r), applied at ``alpha / r``).
 """
 from __future__ import annotations
 
@@ -139,16 +125,12 @@ def _metadata(w, arch: str, config: Mapping[str, Any]) -> None:
     rs = _rope_scaling(c)
     if rs is not None:
         kind, factor = rs.get("rope_type"), rs.get("factor")
-        if kind == "linear" and factor:
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        if kind in ("linear", "yarn") and factor:
+            w.add_rope_scaling_type(gguf.RopeScalingType[kind.upper()])
             w.add_rope_scaling_factor(float(factor))
-        elif kind == "yarn" and factor:
-            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-            w.add_rope_scaling_factor(float(factor))
-            w.add_rope_scaling_orig_ctx_len(int(rs["original_max_position_embeddings"]))
-        elif kind in ("llama3", "default", None):
-            pass  # llama3: the rope_freqs tensor, written with the weights
-        else:
+            if kind == "yarn":
+                w.add_rope_scaling_orig_ctx_len(int(rs["original_max_position_embeddings"]))
+        elif kind not in ("llama3", "default", None):  # llama3: the rope_freqs tensor
             raise FormatError("llama.cpp GGUF export does not support this rope scaling",
                               tensor="config.json: rope_scaling", expected="linear, yarn, "
                               "llama3 or none", found=repr(kind))
@@ -171,11 +153,8 @@ _PRE_REGEX = {
 
 
 def _bpe_pre(pre: Any, file: Path) -> str:
-    """llama.cpp's pre-tokenizer name for a tokenizer.json ``pre_tokenizer``: the one
-    whose split regex is the tokenizer's own (``gpt-2`` for a plain ByteLevel with its
-    GPT-2 regex), or one clear refusal. Chosen from the tokenizer, never from the model
-    family: a qwen3 model may carry a GPT-2 vocabulary, and llama.cpp's ``qwen2`` regex
-    would then split digits the tokenizer keeps together."""
+    """llama.cpp's pre-tokenizer name whose split regex is the tokenizer's own (never
+    chosen from the model family), or one clear refusal."""
     steps = pre.get("pretokenizers", []) if isinstance(pre, dict) and \
         pre.get("type") == "Sequence" else [pre]
     steps = [x for x in steps if isinstance(x, dict)]
@@ -223,18 +202,10 @@ def _tokenizer(w, directory: Path, config: Mapping[str, Any]) -> None:
         vocab[a["content"]] = a["id"]
     n = max(int(config["vocab_size"]), max(vocab.values()) + 1)
     rev = {i: s for s, i in vocab.items()}
-    tokens, types = [], []
-    for i in range(n):
-        if i not in rev:
-            tokens.append(f"[PAD{i}]")
-            types.append(int(gguf.TokenType.UNUSED))
-            continue
-        s = rev[i]
-        tokens.append(s)
-        a = added.get(s)
-        types.append(int(gguf.TokenType.NORMAL) if a is None else
-                     int(gguf.TokenType.CONTROL) if a.get("special") else
-                     int(gguf.TokenType.USER_DEFINED))
+    T = gguf.TokenType
+    kinds = {s: T.CONTROL if a.get("special") else T.USER_DEFINED for s, a in added.items()}
+    tokens = [rev.get(i, f"[PAD{i}]") for i in range(n)]
+    types = [int(kinds.get(rev[i], T.NORMAL)) if i in rev else int(T.UNUSED) for i in range(n)]
     merges = [" ".join(x) if isinstance(x, list) else x for x in m.get("merges", [])]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre_name)
@@ -263,7 +234,7 @@ def _tokenizer(w, directory: Path, config: Mapping[str, Any]) -> None:
         w.add_chat_template(tmpl)
 
 
-def _hf_name(name: str, config: Mapping[str, Any]) -> str:
+def _hf_name(name: str) -> str:
     """mlx-lm's stacked expert names as the HF merged names TensorNameMap knows."""
     return (name.replace(".block_sparse_moe.switch_mlp.", ".mlp.experts.")
             .replace(".mlp.switch_mlp.", ".mlp.experts.")
@@ -350,12 +321,8 @@ def _atomic_write(w_build, out: Path, force: bool) -> Path:
 
 def write_model_gguf(directory: Path, out: Path, *, outtype: str = "auto",
                      force: bool = False) -> Path:
-    """Write the float checkpoint in ``directory`` as a GGUF model llama.cpp loads.
-
-    ``outtype``: ``"auto"`` keeps each weight's dtype (F32/F16/BF16), or one of
-    ``f32``/``f16``/``bf16``; norms and MoE routers are F32 always (as llama.cpp's
-    converter writes them). Returns ``out``.
-    """
+    """Write the float checkpoint in ``directory`` as a GGUF model llama.cpp loads
+    (``outtype`` auto keeps each weight's dtype; norms and routers are F32 always)."""
     gguf = _gguf()
     if outtype not in GGUF_OUTTYPES:
         raise FormatError("unknown GGUF outtype", expected=", ".join(GGUF_OUTTYPES),
@@ -374,11 +341,9 @@ def write_model_gguf(directory: Path, out: Path, *, outtype: str = "auto",
     tied = bool(config.get("tie_word_embeddings"))
     plan: List[Tuple[str, str, List[str]]] = []  # (gguf name, first source name, members)
     for n in names:
-        if n in grouped or (tied and n == "lm_head.weight"):
+        if n in grouped or (tied and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq"):
             continue
-        if n.endswith(("rotary_emb.inv_freq",)):
-            continue
-        g = gguf_tensor_name(arch, n_blocks, _hf_name(n, config))
+        g = gguf_tensor_name(arch, n_blocks, _hf_name(n))
         if g is None:
             raise FormatError("a tensor llama.cpp's names do not cover", file=directory,
                               tensor=n, expected=f"a {arch} tensor gguf.TensorNameMap maps",
@@ -428,16 +393,9 @@ def write_model_gguf(directory: Path, out: Path, *, outtype: str = "auto",
 
 def write_lora_gguf(adapter: Any, config: Mapping[str, Any], out: Path, *,
                     outtype: str = "f32", force: bool = False) -> Path:
-    """Write the unfused LoRA ``adapter`` (an :class:`lorakit.io.adapters.base.Adapter`)
-    for a base of ``config`` as llama.cpp's LoRA GGUF.
-
-    Each target's ``delta = scale * (B @ A)`` becomes ``lora_a`` = A (r, in) and
-    ``lora_b`` = B (out, r) (q/k rows of B permuted for llama-arch bases), with
-    ``adapter.lora.alpha = scale * r`` when that is one number for every target (the
-    factors then as stored); otherwise each B is multiplied by its scale and alpha is 0,
-    which llama.cpp applies at scale 1. ``outtype``: ``f32`` (default, exact for
-    bf16/f16/f32 factors) or ``f16``.
-    """
+    """Write the unfused LoRA ``adapter`` for a base of ``config`` as llama.cpp's LoRA GGUF:
+    ``lora_a`` = A, ``lora_b`` = B, alpha = scale * r when one for every target, else each B
+    times its scale and alpha 0 (applied at scale 1)."""
     gguf = _gguf()
     arch = check_gguf_model(config, "GGUF-LoRA export")
     if outtype not in ("f32", "f16"):
@@ -468,7 +426,6 @@ def write_lora_gguf(adapter: Any, config: Mapping[str, Any], out: Path, *,
     alphas = {float(s) * t.rank for s, t in zip(scales, adapter.targets) if s.ndim == 0}
     uniform = len(alphas) == 1 and all(s.ndim == 0 for s in scales)
     alpha = alphas.pop() if uniform else 0.0
-    heads_cfg = config
     plan = []
     for t, s in zip(adapter.targets, scales):
         g = gguf_tensor_name(arch, n_blocks, t.module + ".weight")
@@ -480,7 +437,7 @@ def write_lora_gguf(adapter: Any, config: Mapping[str, Any], out: Path, *,
         B = np.asarray(t.B, dtype=np.float32)
         if not uniform:
             B = (B.astype(np.float64) * s).astype(np.float32)
-        heads = _qk_heads(t.module, heads_cfg)
+        heads = _qk_heads(t.module, config)
         if arch in _PERMUTE and heads is not None:
             B = _permute(B, heads)
         if outtype == "f16":

@@ -1,20 +1,10 @@
 """The transformers (per-expert) layout of a fused MoE checkpoint.
 
-mlx-lm keeps a mixture-of-experts layer's experts stacked: one ``[E, out, in]`` tensor
-per projection, ``...mlp.switch_mlp.up_proj.weight``; its model's ``sanitize()`` builds
-that stack when it loads a checkpoint from the hub, where each expert has tensors of its
-own (``...mlp.experts.3.up_proj.weight``, or ``...block_sparse_moe.experts.3.w3.weight``
-for mixtral). transformers reads only the per-expert names: given the stacked layout it
-loads with the experts missing (a load report, no error) and runs on random experts.
+mlx-lm stacks a MoE layer's experts (``...mlp.switch_mlp.up_proj.weight``, ``[E, out, in]``);
+transformers reads only per-expert names and, given the stack, silently runs on random
+experts. :func:`to_transformers` rewrites written shards into the per-expert layout, the
+exact inverse of each family's ``sanitize()`` (bit-identical), which mlx-lm reads too.
 
-:func:`to_transformers` rewrites a written checkpoint's shards into the per-expert
-layout, the exact inverse of each family's ``sanitize()``: expert ``e`` of a stacked
-tensor becomes its own tensor holding the same bytes (bit-identical, row ``e`` of the
-stack). mlx-lm reads that layout too (its ``sanitize()`` stacks it again on load), so the
-transformers layout is read by both; mlx-lm's stacked one (the default) by mlx-lm only.
-
->>> FAMILIES["mixtral"].name("model.layers.0.block_sparse_moe.switch_mlp.gate_proj.weight", 3)
-'model.layers.0.block_sparse_moe.experts.3.w1.weight'
 >>> FAMILIES["qwen3_moe"].name("model.layers.1.mlp.switch_mlp.down_proj.weight", 0)
 'model.layers.1.mlp.experts.0.down_proj.weight'
 """

@@ -1,17 +1,7 @@
-"""The model card (``README.md``) a fused checkpoint carries, as ``mlx_lm fuse`` writes
-it: the same metadata (through ``huggingface_hub``'s ``ModelCard``: the base's own card
-kept where the base has one, ``library_name: mlx``, ``pipeline_tag``, the ``mlx`` tag,
-``base_model`` for a hub base), and below it lorakit's provenance: the adapter's
-sha256, the rounding order and the dtype policy.
-
->>> import tempfile, pathlib
->>> d = pathlib.Path(tempfile.mkdtemp())
->>> p = write_model_card(d, None, None, "fused", {"adapter_sha256": "ab" * 32,
-...     "adapter_format": "mlx-lm", "rounding": "nearest", "dtype_policy": "preserve",
-...     "dequantize": False})
->>> text = p.read_text()
->>> "library_name: mlx" in text, "rounding: `nearest`" in text
-(True, True)
+"""The model card (``README.md``) a fused checkpoint carries, as ``mlx_lm fuse`` writes it
+(the base's card kept, ``library_name: mlx``, ``base_model``, through ``huggingface_hub``'s
+``ModelCard``), with lorakit's provenance below: the adapter's sha256, the rounding order
+and the dtype policy.
 """
 from __future__ import annotations
 
@@ -27,19 +17,8 @@ CARD_NAME = "README.md"
 
 def write_model_card(directory: Path, base_card: Optional[Path], hub_id: Optional[str],
                      title: str, settings: Mapping[str, Any], rounding_words: str = "") -> Path:
-    """Write ``directory/README.md`` for a fused checkpoint.
-
-    Args:
-        directory: the (temporary) output directory.
-        base_card: the base checkpoint's ``README.md`` if it has one (its metadata is
-            kept, as mlx-lm keeps the hub card's), else None.
-        hub_id: the base's hub repo id when it came from the hub (``base_model``).
-        title: the card's heading (base and adapter names: never the output path, so
-            the same fuse writes the same bytes wherever it goes).
-        settings: the fuse's provenance (what ``lorakit.json`` records).
-        rounding_words: what the rounding order is, in words (from
-            :data:`lorakit.fusion.options.ROUNDING_HELP`).
-    """
+    """Write ``directory/README.md`` for a fused checkpoint, keeping ``base_card``'s
+    metadata as mlx-lm does; ``title`` is never the output path (same bytes anywhere)."""
     from huggingface_hub import (  # lazy: only a fuse writes a card
         ModelCard,
         ModelCardData,

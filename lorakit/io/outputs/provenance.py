@@ -26,11 +26,8 @@ IGNORABLE = frozenset({".DS_Store"})
 
 
 def foreign_entries(path: Path) -> List[str]:
-    """Entries of directory ``path`` that lorakit did not write, each with the reason.
-
-    Empty for an empty directory and for a previous lorakit output whose every
-    entry is listed, with its size (and sha256 for small files), in ``lorakit.json``.
-    """
+    """Entries of directory ``path`` that lorakit did not write (not listed unchanged in
+    its ``lorakit.json``), each with the reason."""
     names = sorted(n for n in os.listdir(path) if n not in IGNORABLE)
     manifest = _read_manifest(path)
     out: List[str] = []
@@ -76,14 +73,8 @@ def _sha256(p: Path) -> str:
 
 
 def write_provenance(directory: Path, kind: str, info: Mapping[str, Any]) -> Path:
-    """Write ``lorakit.json``: what made this output and every file it holds.
-
-    Args:
-        directory: the (temporary) output directory, complete but for this file.
-        kind: what wrote it (``fuse``, ``synth-checkpoint``, ``synth-adapter``).
-        info: JSON-serialisable facts (settings, hashes), stored under ``settings``;
-            no paths or times, so the same inputs give the same bytes.
-    """
+    """Write ``lorakit.json``: what made this output (``kind``, ``info`` under ``settings``)
+    and every file it holds."""
     files: Dict[str, Dict[str, Any]] = {}
     for name in sorted(os.listdir(directory)):
         p = directory / name

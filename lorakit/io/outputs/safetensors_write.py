@@ -1,12 +1,9 @@
-"""Safetensors written as a stream: tensor by tensor in a declared order.
+"""Safetensors written as a stream, tensor by tensor in a declared order.
 
-The header is written first from a plan (:class:`TensorSpec`), so no tensor waits
-in memory for the others and a checkpoint larger than RAM can be written;
-:func:`copy_range` copies an untouched tensor's bytes inside the kernel where it can.
-Given the base shard (``clone_of``), a writer whose plan keeps the base's layout
-clones it and writes only the tensors it is given (:mod:`lorakit.io.outputs.clone`).
-The files are plain safetensors that ``mx.load``, ``safetensors`` and ``mlx_lm.load``
-open.
+The header is written first from a plan (:class:`TensorSpec`), so no tensor waits in
+memory for the others; untouched tensors are copied inside the kernel where it can, or,
+given the base shard (``clone_of``), shared with it by a clone
+(:mod:`lorakit.io.outputs.clone`). The files are plain safetensors.
 """
 from __future__ import annotations
 
@@ -28,10 +25,7 @@ __all__ = ["SafetensorsWriter"]
 
 
 class SafetensorsWriter:
-    """Write a safetensors file tensor by tensor, in a declared order.
-
-    The header is written first from the plan, so no tensor has to wait in memory
-    for the others. Each :meth:`write` checks the tensor against its plan.
+    """Write a safetensors file tensor by tensor, each checked against its plan.
 
     >>> with SafetensorsWriter("w.safetensors", [TensorSpec("w", "BF16", (2, 2))]) as w:
     ...     w.write("w", np.zeros((2, 2), np.uint16))
@@ -59,12 +53,10 @@ class SafetensorsWriter:
         #: how the shard was written: clone.CLONED, or clone.WRITTEN and why not cloned
         self.how, self.shared = WRITTEN, 0
         f, start = None, 0
-        if clone_of is not None:  # a clone of the base shard, patched in place (io/outputs/clone.py)
+        if clone_of is not None:  # a clone of the base shard, patched in place
             f, start, why = clone_shard(clone_of, self.path, self.plan, blob)
             self.how = CLONED if f is not None else f"{WRITTEN}: {why}"
-        if f is None:
-            # unbuffered: a tensor goes to the kernel in one call, with no copy through a
-            # Python buffer (BENCHMARKS.md, "fuse steps")
+        if f is None:  # unbuffered: no copy through a Python buffer
             f = open(self.path, "wb", buffering=0)
             _write_all(f, struct.pack("<Q", len(blob)) + blob)
             start = 8 + len(blob)
@@ -88,14 +80,13 @@ class SafetensorsWriter:
         if data.nbytes != p.nbytes or tuple(data.shape) != p.shape:
             raise RuntimeError(f"{name}: planned {p.dtype}{list(p.shape)} ({p.nbytes} bytes), "
                                f"got {data.dtype}{list(data.shape)} ({data.nbytes} bytes)")
-        if self.cloned:
-            self._f.seek(self._pos)
-        _write_all(self._f, memoryview(data.reshape(-1)).cast("B"))
-        self._advance(p.nbytes)
+        self._put(p, [data])
 
     def write_chunks(self, name: str, chunks: Iterable[np.ndarray]) -> None:
         """Write the next tensor from consecutive pieces of its raw storage."""
-        p = self._expect(name)
+        self._put(self._expect(name), chunks)
+
+    def _put(self, p: TensorSpec, chunks: Iterable[np.ndarray]) -> None:
         n = 0
         if self.cloned:
             self._f.seek(self._pos)
@@ -104,7 +95,7 @@ class SafetensorsWriter:
             _write_all(self._f, memoryview(c.reshape(-1)).cast("B"))
             n += c.nbytes
         if n != p.nbytes:
-            raise RuntimeError(f"{name}: planned {p.nbytes} bytes, got {n}")
+            raise RuntimeError(f"{p.name}: planned {p.nbytes} bytes, got {n}")
         self._advance(n)
 
     def copy(self, name: str, src: TensorInfo) -> None:
@@ -158,9 +149,7 @@ _COPY_CHUNK = 16 * 1024 * 1024
 WRITEBACK_BYTES = 64 << 20
 
 
-#: bytes per write() call. Linux (ext4, 6.x) writes 1.6 GB from a numpy array in
-#: 0.85 s as 1 MiB calls and in 4-11 s as 2 MiB-50 MiB ones (BENCHMARKS.md, "fuse
-#: steps": the page-cache copy of a large call is far slower per byte)
+#: bytes per write() call: larger calls are far slower per byte (BENCHMARKS.md, "fuse steps")
 WRITE_CHUNK = 1 << 20
 
 
@@ -189,21 +178,16 @@ def _sync_file_range() -> Optional[Callable[..., int]]:
 
 
 def start_writeback(fd: int, offset: int, count: int) -> None:
-    """Ask the kernel to start writing a range of ``fd`` to the disk, without waiting
-    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``): the disk works while the fuse
-    computes. Durability still comes from the ``fsync`` at the end; where the call
-    does not exist this does nothing."""
+    """Start the disk write of a range of ``fd`` without waiting (Linux's
+    ``sync_file_range``; elsewhere nothing): the disk works while the fuse computes."""
     fn = _sync_file_range()
     if fn is not None:
         fn(fd, offset, count, 2)  # SYNC_FILE_RANGE_WRITE; a failure is harmless here
 
 
 def copy_range(src: Path, offset: int, count: int, dst) -> None:
-    """Append ``count`` bytes of ``src`` starting at ``offset`` to the open file ``dst``.
-
-    Uses the kernel's copy (``copy_file_range``) where there is one, so the bytes of
-    untouched tensors never pass through Python.
-    """
+    """Append ``count`` bytes of ``src`` from ``offset`` to the open file ``dst``, by the
+    kernel's ``copy_file_range`` where there is one."""
     dst.flush()
     with open(src, "rb") as f:
         fd_in, fd_out = f.fileno(), dst.fileno()
