@@ -327,12 +327,13 @@ class LayerEffects(Report):
             vals[labels.index(lab), kinds.index(kind)] = sum(r[key] for r in rs)
         return labels, kinds, vals
 
-    def plot(self, ax=None):
-        """Layer x kind heatmap of ``kl_removed`` (log colour scale)."""
-        labels, kinds, vals = self.grid()
+    def plot(self, ax=None, key: str = "kl_removed"):
+        """Layer x kind heatmap of ``key`` (``kl_removed`` or ``kl_alone``; log colours)."""
+        labels, kinds, vals = self.grid(key)
+        cbar = {"kl_removed": "KL(adapter || without group)",
+                "kl_alone": "KL(base || only group)"}.get(key, key)
         return plots.value_heatmap(labels, [KIND_LABELS.get(k, k) for k in kinds], vals,
-                                   title=self.title, cbar="KL(adapter || without group)",
-                                   ax=ax, log=True)
+                                   title=self.title, cbar=cbar, ax=ax, log=True)
 
     figure = plot
 

@@ -119,7 +119,7 @@ def test_layer_effects_report(effects) -> None:
     assert labels == ["0", "1", "2", "3"] and kinds == ["all"] and grid.shape == (4, 1)
     assert "kl_removed" in str(effects) and "<table>" in effects._repr_html_()
     assert effects.to_dict()["whole"]["alone"]["mean_kl"] == s["whole_alone"]
-    assert effects.plot().axes
+    assert effects.plot().axes and effects.plot(key="kl_alone").axes
 
 
 @pytest.mark.slow  # loads the model twice
