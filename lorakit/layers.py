@@ -20,11 +20,20 @@ __all__ = ["split_name", "kind_label", "model_order", "layer_kind_cells"]
 
 # Last module-path component -> short kind. Unknown names keep their own component.
 _KIND = {f"{k}_proj": k for k in ("q", "k", "v", "o", "qkv", "gate", "up", "down", "gate_up")}
-_KIND.update(query_key_value="qkv", c_attn="qkv", dense="o", out_proj="o", w1="gate", w3="up",
-             w2="down", fc1="up", fc2="down", input_layernorm="norm_in",
-             post_attention_layernorm="norm_attn", pre_feedforward_layernorm="norm_pre_ff",
-             post_feedforward_layernorm="norm_post_ff", embed_tokens="embed", wte="embed",
-             word_embeddings="embed", tok_embeddings="embed", lm_head="head", output="head")
+_ALIASES = {
+    "qkv": ("query_key_value", "c_attn"),
+    "o": ("dense", "out_proj"),
+    "gate": ("w1",),
+    "up": ("w3", "fc1"),
+    "down": ("w2", "fc2"),
+    "norm_in": ("input_layernorm",),
+    "norm_attn": ("post_attention_layernorm",),
+    "norm_pre_ff": ("pre_feedforward_layernorm",),
+    "norm_post_ff": ("post_feedforward_layernorm",),
+    "embed": ("embed_tokens", "wte", "word_embeddings", "tok_embeddings"),
+    "head": ("lm_head", "output"),
+}
+_KIND.update((leaf, kind) for kind, leaves in _ALIASES.items() for leaf in leaves)
 #: What each kind is, for a reader: column headers and hover text.
 KIND_LABELS = {
     "embed": "embedding", "q": "q proj", "k": "k proj", "v": "v proj", "qkv": "qkv proj",
