@@ -82,7 +82,7 @@ def _word(i: int) -> str:
 def write_tokenizer(path: Path, config: Dict[str, Any]) -> None:
     """A byte-level BPE tokenizer covering exactly ``config['vocab_size']`` ids; moves
     ``config``'s bos/eos ids where the family's specials do not fit the vocabulary."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers  # lazy
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers  # lazy: heavy
 
     vocab_size = int(config.get("vocab_size", 0))
     fam = _family(str(config.get("model_type", "")))
