@@ -19,21 +19,21 @@ from typing import Any, Dict, List, Optional, Tuple
 __all__ = ["split_name", "kind_label", "model_order", "layer_kind_cells"]
 
 # Last module-path component -> short kind. Unknown names keep their own component.
-_KIND = {
-    "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "qkv_proj": "qkv",
-    "query_key_value": "qkv", "c_attn": "qkv", "dense": "o", "out_proj": "o",
-    "gate_proj": "gate", "up_proj": "up", "down_proj": "down", "gate_up_proj": "gate_up",
-    "w1": "gate", "w3": "up", "w2": "down", "fc1": "up", "fc2": "down",
-    "q_norm": "q_norm", "k_norm": "k_norm", "input_layernorm": "norm_in",
-    "post_attention_layernorm": "norm_attn", "pre_feedforward_layernorm": "norm_pre_ff",
-    "post_feedforward_layernorm": "norm_post_ff", "norm": "norm",
-    "embed_tokens": "embed", "wte": "embed", "word_embeddings": "embed", "tok_embeddings": "embed",
-    "lm_head": "head", "output": "head",
+_KIND = {f"{k}_proj": k for k in ("q", "k", "v", "o", "qkv", "gate", "up", "down", "gate_up")}
+_ALIASES = {
+    "qkv": ("query_key_value", "c_attn"),
+    "o": ("dense", "out_proj"),
+    "gate": ("w1",),
+    "up": ("w3", "fc1"),
+    "down": ("w2", "fc2"),
+    "norm_in": ("input_layernorm",),
+    "norm_attn": ("post_attention_layernorm",),
+    "norm_pre_ff": ("pre_feedforward_layernorm",),
+    "norm_post_ff": ("post_feedforward_layernorm",),
+    "embed": ("embed_tokens", "wte", "word_embeddings", "tok_embeddings"),
+    "head": ("lm_head", "output"),
 }
-#: Column order of the kinds in tables and heatmaps (others follow, sorted).
-KIND_ORDER = ["embed", "q", "k", "v", "qkv", "o", "q_norm", "k_norm", "norm_in", "norm_attn",
-              "router", "gate", "up", "gate_up", "down", "experts.gate", "experts.up",
-              "experts.down", "norm_pre_ff", "norm_post_ff", "norm", "head"]
+_KIND.update((leaf, kind) for kind, leaves in _ALIASES.items() for leaf in leaves)
 #: What each kind is, for a reader: column headers and hover text.
 KIND_LABELS = {
     "embed": "embedding", "q": "q proj", "k": "k proj", "v": "v proj", "qkv": "qkv proj",
@@ -44,6 +44,8 @@ KIND_LABELS = {
     "norm_pre_ff": "pre-MLP norm", "norm_post_ff": "post-MLP norm", "norm": "final norm",
     "head": "LM head",
 }
+#: Column order of the kinds in tables and heatmaps (others follow, sorted).
+KIND_ORDER = list(KIND_LABELS)
 LORA_PARTS = ("lora_a", "lora_b", "m", "lora_A", "lora_B", "lora_magnitude_vector")
 _LEAVES = ("weight", "bias", "scales", "biases") + LORA_PARTS
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")

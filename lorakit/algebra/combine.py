@@ -44,6 +44,9 @@ METHODS = ("exact", "cat", "linear", "svd", "ties", "ties_svd", "magnitude_prune
 
 __all__ = ["combine", "CombineOptions", "convert"]
 
+_DORA = "a DoRA change depends on the base weight's row norms"
+_FUSE_SUM = "lorakit fuse --adapter-path A --adapter-path B --weights ..."
+
 
 class Combination(Report):
     """The result of :func:`combine`: the combined :class:`Adapter` (``.adapter``), one
@@ -63,13 +66,11 @@ class Combination(Report):
     def save(self, path: PathLike, *, format: str = "mlx-lm", force: bool = False) -> Path:
         """Write the combination as an adapter (``exact`` is saved folded, as ``cat``)."""
         if any(isinstance(t, SumTarget) for t in self.adapter.targets):
-            raise AdapterError("a combination with DoRA adapters cannot be saved as an "
-                               "adapter", file=path, expected="LoRA adapters only, or fuse "
-                               "the combination (lorakit fuse --adapter-path A --adapter-path "
-                               "B --weights ...)", found="DoRA parts in "
+            raise AdapterError("a combination with DoRA adapters cannot be saved as an adapter",
+                               file=path, hint=f"{_DORA} and is not low rank, so no adapter "
+                               "holds the sum", found="DoRA parts in "
                                f"{self.summary.get('dora_modules')} module(s)",
-                               hint="a DoRA change depends on the base weight's row norms "
-                               "and is not low rank, so no adapter holds the sum")
+                               expected=f"LoRA adapters only, or fuse the combination ({_FUSE_SUM})")
         ad = _folded(self.adapter)[0] if self.method == "exact" else self.adapter
         prov = {"method": self.method, "weights": self.summary.get("weights"),
                 "sources": self.summary.get("adapters"), "like": self.summary.get("like")}
@@ -95,9 +96,7 @@ def _check_inputs(ads: List[Adapter], weights: Sequence[float], method: str = "e
                                expected="LoRA adapters, or method exact (fused only) "
                                "or svd (with base=)",
                                found="DoRA (magnitude vectors)",
-                               hint="a DoRA change depends on the base weight's row norms and "
-                               "is not low rank; lorakit fuse --adapter-path A --adapter-path "
-                               "B --weights ... fuses the exact sum")
+                               hint=f"{_DORA} and is not low rank; {_FUSE_SUM} fuses the exact sum")
         if ad.replacements or (like is None and any(t.base_weight is not None
                                                     for t in ad.targets)):
             raise AdapterError("adapters with whole tensors (modules_to_save) cannot be "
@@ -262,10 +261,8 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
     (16, 'exact')
     """
     opts = replace(options or CombineOptions(), **settings)
-    method, rank, density, seed, like = (opts.method, opts.rank, opts.density, opts.seed,
-                                         opts.like)
-    base_dtype, majority_sign_method, svd_clamp = (opts.base_dtype, opts.majority_sign_method,
-                                                   opts.svd_clamp)
+    method, rank, density, seed, like = opts.method, opts.rank, opts.density, opts.seed, opts.like
+    base_dtype, sign_method, svd_clamp = opts.base_dtype, opts.majority_sign_method, opts.svd_clamp
     ads = [_load(a) for a in adapters]
     w = [1.0] * len(ads) if weights is None else [float(x) for x in weights]
     _check_inputs(ads, w, method, like)
@@ -282,15 +279,13 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
                                "adapters": len(parts), "rank_in": "+".join(
                                    str(t.rank) for _, t in parts)}
         if like == "peft":
-            t = like_peft_target(method, module, parts, w, density, base_dtype, new_rank,
-                                 scale=new_scale, majority_sign_method=majority_sign_method,
-                                 svd_clamp=svd_clamp, fan_in_fan_out=bool(
-                                     ads[parts[0][0]].config.get("fan_in_fan_out")))
+            fan = bool(ads[parts[0][0]].config.get("fan_in_fan_out"))
+            t = like_peft_target(method, module, parts, w, opts, new_rank, new_scale, fan)
         elif method in ("exact", "svd") and any(t.is_dora for _, t in parts):
             c = _cat_target(module, parts, w)
             mag = next(t.magnitude for _, t in parts if t.is_dora)
-            t = SumTarget(module, c.kind, c.A, c.B, c.scale, mag, c.names,
-                          parts=tuple((w[i], p) for i, p in parts))
+            pw = tuple((w[i], p) for i, p in parts)
+            t = SumTarget(module, c.kind, c.A, c.B, c.scale, mag, c.names, parts=pw)
             row["dora"] = True
         elif method in ("exact", "cat"):
             t = _cat_target(module, parts, w)
@@ -310,21 +305,20 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
                 # PEFT's ties(task_tensors=s_i B_i A_i, weights=w_i): prune and elect
                 # the sign on the unweighted deltas, then weight
                 D = merge("ties", [_delta(t, 1.0) for _, t in parts], [w[i] for i, _ in parts],
-                          density=density, sign_method=majority_sign_method
-                          ).astype(np.float64)
+                          density=density, sign_method=sign_method).astype(np.float64)
                 low = None
             A, B, err = _svd(D, R, low)
             t = LoraTarget(module, t0.kind, A, B, 1.0, None, t0.names)
             row["trunc_rel_err"] = err
         else:
-            A, B = _factor_merge(method, parts, w, density, rng, majority_sign_method)
+            A, B = _factor_merge(method, parts, w, density, rng, sign_method)
             t = LoraTarget(module, t0.kind, A, B, 1.0, None, t0.names)
         row["rank"] = "W-dependent" if isinstance(t, SumTarget) else t.rank
         targets.append(t)
         rows.append(row)
     h = hashlib.sha256(repr((method, w, rank, density, seed, like, base_dtype)
-                            + ((majority_sign_method,) if majority_sign_method != "total"
-                               else ()) + ((svd_clamp,) if svd_clamp is not None else ())
+                            + ((sign_method,) if sign_method != "total" else ())
+                            + ((svd_clamp,) if svd_clamp is not None else ())
                             ).encode())
     if method == "svd" and base is not None:  # DoRA parts were evaluated on it
         h.update(str(getattr(base, "path", base)).encode())
@@ -372,7 +366,7 @@ def _svd_dora(targets: List[LoraTarget], rows: List[Dict[str, Any]], ads: List[A
     if base is None:
         raise ArgumentError.bad("base", None, "base=CHECKPOINT (lorakit combine --base, or "
                                 "fuse's --model): svd of DoRA adapters needs the base weights",
-                                hint="a DoRA change depends on the base weight's row norms")
+                                hint=_DORA)
     src = source.open(base)
     idx = [k for k, r in enumerate(rows) if r.get("dora")]
     sums = Adapter(ads[0].path, "mlx-lm", [targets[k] for k in idx], {}, ads[0].weights_file)

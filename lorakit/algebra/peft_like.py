@@ -110,15 +110,13 @@ def _svd_target(module: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[fl
 
 
 def like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget]],
-                     w: Sequence[float], density: Optional[float], base_code: str,
-                     rank: Optional[int] = None, *, scale: float = 1.0,
-                     majority_sign_method: str = "total",
-                     svd_clamp: Optional[float] = None, fan_in_fan_out: bool = False
+                     w: Sequence[float], opts, rank: int, scale: float, fan_in_fan_out: bool
                      ) -> LoraTarget:
     """The target PEFT's ``add_weighted_adapter(..., combination_type=method)`` makes
-    (``rank``, ``scale``: the new adapter's, from :func:`peft_plan`), with the base weight
-    a PEFT adapter saved (an embedding's, ``save_embedding_layers``): PEFT loads each into
-    the model, so the last adapter's copy is the one merged into."""
+    (``opts``: the :class:`~lorakit.algebra.combine.CombineOptions`; ``rank``, ``scale``:
+    the new adapter's, from :func:`peft_plan`), with the base weight a PEFT adapter saved
+    (an embedding's, ``save_embedding_layers``): PEFT loads each into the model, so the
+    last adapter's copy is the one merged into."""
     t0 = parts[0][1]
     # PEFT's lora_A is lorakit's B.T for an embedding and a fan_in_fan_out (Conv1D) layer
     swap = t0.kind == "embedding" or fan_in_fan_out
@@ -131,14 +129,14 @@ def like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget
             a = (a * np.float32(t.scale)).astype(np.float32)
             (Bs if swap else As).append(a)
             (As if swap else Bs).append(t.A if swap else t.B)
-        A = _in_model_dtype(np.concatenate(As, axis=-2), base_code)
-        B = _in_model_dtype(np.concatenate(Bs, axis=-1), base_code)
+        A = _in_model_dtype(np.concatenate(As, axis=-2), opts.base_dtype)
+        B = _in_model_dtype(np.concatenate(Bs, axis=-1), opts.base_dtype)
         t = LoraTarget(module, t0.kind, A, B, scale, None, t0.names,
-                       round_delta=base_code in _FMT)
+                       round_delta=opts.base_dtype in _FMT)
     elif method in ("svd", "ties_svd"):
+        ties = dict(density=opts.density, sign_method=opts.majority_sign_method)
         t = _svd_target(module, parts, w, rank or max(t.rank for _, t in parts), scale,
-                        svd_clamp, None if method == "svd" else dict(
-                            density=density, sign_method=majority_sign_method))
+                        opts.svd_clamp, None if method == "svd" else ties)
     else:
         ranks = sorted({t.rank for _, t in parts})
         if len(ranks) > 1:  # torch.stack of factors of different shapes (rank_pattern)
@@ -152,7 +150,7 @@ def like_peft_target(method: str, module: str, parts: List[Tuple[int, LoraTarget
         def peft(x: np.ndarray) -> np.ndarray:  # lorakit's orientation <-> PEFT's, both ways
             return np.ascontiguousarray(np.swapaxes(x, -1, -2)) if swap else x
 
-        kw = dict(density=density, exact=False, sign_method=majority_sign_method)
+        kw = dict(density=opts.density, exact=False, sign_method=opts.majority_sign_method)
         # merged in PEFT's orientation: the flattening order decides ties in pruning
         pa = merge(method, [peft(t.B if swap else t.A) for _, t in parts], wa, **kw)
         pb = merge(method, [peft(t.A if swap else t.B) for _, t in parts], wb, **kw)

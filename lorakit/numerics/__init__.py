@@ -29,25 +29,11 @@ from .values import (
     to_storage,
 )
 
-__all__ = [
-    "FloatFormat",
-    "FORMATS",
-    "NAN_MISMATCH",
-    "float_format",
-    "to_float32",
-    "to_float64",
-    "from_storage",
-    "to_storage",
-    "round_to_format",
-    "isnan_bits",
-    "ulp",
-    "ulp_distance",
-    "nan_mismatch",
-    "ulp_error_vs_reference",
-    "ulp_histogram",
-    "chunks",
-    "fma_f32",
-]
+__all__ = (
+    ["FloatFormat", "FORMATS", "NAN_MISMATCH", "float_format", "chunks"]
+    + ["to_float32", "to_float64", "from_storage", "to_storage", "round_to_format", "isnan_bits"]
+    + ["ulp", "ulp_distance", "nan_mismatch", "ulp_error_vs_reference", "ulp_histogram", "fma_f32"]
+)
 
 # doctest.testmod(lorakit.numerics) runs the examples of the functions the submodules
 # define, as it did when this was one module

@@ -21,5 +21,7 @@ from .planning import parse_size, plan_checkpoint, resolve_config
 from .presets import DEFAULT_KEYS, PRESETS, presets
 from .tokenizer import write_tokenizer
 
-__all__ = ["PRESETS", "synth_checkpoint", "synth_adapter", "plan_checkpoint", "resolve_config",
-           "parse_size", "DEFAULT_KEYS", "presets", "write_tokenizer"]
+__all__ = (
+    ["PRESETS", "DEFAULT_KEYS", "presets", "synth_checkpoint", "synth_adapter", "write_tokenizer"]
+    + ["plan_checkpoint", "resolve_config", "parse_size"]
+)

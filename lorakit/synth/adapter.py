@@ -108,21 +108,14 @@ def _targets(ck, sites: List[_Site], rank: int, scale: float, kind: str, format:
         A = rng.uniform(-bound, bound, size=lead + (rank, n_in)).astype(np.float32)
         b_std = delta_std / (abs(scale) * math.sqrt(rank) * bound / math.sqrt(3.0))
         B = (rng.standard_normal(size=lead + (n_out, rank)) * b_std).astype(np.float32)
-        if format == "mlx-lm":
-            m = None
-            if kind == "dora":
-                m = _row_norms(ck, site) * (1 + 0.01 * rng.standard_normal(n_out)).astype(
-                    np.float32)
-            out.append(LoraTarget(site.module, "switch" if site.switch else "linear", A, B,
-                                  scale, m))
-            continue
         norms = _row_norms(ck, site) if kind == "dora" else None
-        modules = site.expert_modules if site.switch else (site.module,)
-        for e, module in enumerate(modules):
-            a, b = (A[e], B[e]) if site.switch else (A, B)
+        split = site.switch and format != "mlx-lm"  # PEFT: one module per expert
+        stacked = "switch" if site.switch and not split else "linear"
+        for e, module in enumerate(site.expert_modules if split else (site.module,)):
+            a, b = (A[e], B[e]) if split else (A, B)
             m = None
             if norms is not None:
-                nrm = norms[e] if site.switch else norms
+                nrm = norms[e] if split else norms
                 m = nrm * (1 + 0.01 * rng.standard_normal(n_out)).astype(np.float32)
-            out.append(LoraTarget(module, "linear", a, b, scale, m))
+            out.append(LoraTarget(module, stacked, a, b, scale, m))
     return out

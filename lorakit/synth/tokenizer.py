@@ -41,11 +41,7 @@ def _byte_chars() -> List[str]:
 
 
 def _family(model_type: str) -> Optional[str]:
-    if model_type.startswith("qwen"):
-        return "qwen"
-    if model_type.startswith("llama"):
-        return "llama"
-    return None
+    return next((f for f in _SPECIALS if model_type.startswith(f)), None)
 
 
 def _special_tokens(config: Dict[str, Any], vocab: int) -> List[Tuple[int, str]]:
@@ -86,13 +82,7 @@ def _word(i: int) -> str:
 def write_tokenizer(path: Path, config: Dict[str, Any]) -> None:
     """A byte-level BPE tokenizer covering exactly ``config['vocab_size']`` ids; moves
     ``config``'s bos/eos ids where the family's specials do not fit the vocabulary."""
-    from tokenizers import (  # lazy: only when a tokenizer is written
-        AddedToken,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-    )
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers  # lazy: heavy
 
     vocab_size = int(config.get("vocab_size", 0))
     fam = _family(str(config.get("model_type", "")))
