@@ -20,6 +20,7 @@ def _emit(args: argparse.Namespace, reports: Dict[str, Any]) -> None:
         return
     parts: List[str] = []
     for r in reports.values():
+        r.max_rows = args.max_rows
         if not getattr(args, "all", True):  # text only: list the tensors that are not fine
             r.rows = [r.rows[i] for i in r.flagged]
             r.flagged = list(range(len(r.rows)))
@@ -36,8 +37,6 @@ def _inspect(args: argparse.Namespace) -> int:
         from ..inspect.deltas import delta_norms
 
         reports["delta_norms"] = delta_norms(path, args.base)
-    for r in reports.values():
-        r.max_rows = args.max_rows
     _emit(args, reports)
     return 0
 
@@ -57,8 +56,6 @@ def _diff(args: argparse.Namespace) -> int:
 
         reports["reference_a"] = ulp_vs_reference(args.a, args.base, args.adapter)
         reports["reference_b"] = ulp_vs_reference(args.b, args.base, args.adapter)
-    for r in reports.values():
-        r.max_rows = args.max_rows
     _emit(args, reports)
     return 0 if rep.identical else 1
 
@@ -70,7 +67,6 @@ def _check(args: argparse.Namespace) -> int:
                       check_untouched=not args.skip_untouched,
                       behaviour=(args.tokens or True) if args.kl else False,
                       initial_adapter=args.initial_adapter)
-    rep.max_rows = args.max_rows
     _emit(args, {"check": rep})
     return rep.exit_code()
 
