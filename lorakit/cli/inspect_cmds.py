@@ -45,9 +45,10 @@ def _diff(args: argparse.Namespace) -> int:
     from ..inspect.diff import diff
 
     if bool(args.adapter) != bool(args.base):
-        raise ArgumentError.bad("--adapter-path, --model", (args.adapter, args.base),
-                                "both or neither: --adapter-path and --model go together",
-                                hint="give both to measure each side against the exact fuse")
+        both = "both or neither: --adapter-path and --model go together"
+        hint = "give both to measure each side against the exact fuse"
+        found = (args.adapter, args.base)
+        raise ArgumentError.bad("--adapter-path, --model", found, both, hint=hint)
     # a bar only on a terminal: a pipe or log need not import tqdm
     rep = diff(args.a, args.b, progress=bool(sys.stderr and sys.stderr.isatty()))
     reports: Dict[str, Any] = {"diff": rep}
