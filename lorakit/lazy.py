@@ -1,12 +1,5 @@
 """Lazy exports: a package maps each public name to the module that defines it, imported
-on first use, so ``import lorakit`` (or ``lorakit.inspect``) loads no numpy or MLX.
-
->>> import types, sys
->>> pkg = types.ModuleType("demo_pkg"); sys.modules["demo_pkg"] = pkg
->>> pkg.__getattr__, pkg.__dir__ = lazy_exports("demo_pkg", {"dumps": ("json", "dumps")})
->>> pkg.dumps([1])
-'[1]'
-"""
+on first use, so ``import lorakit`` (or ``lorakit.inspect``) loads no numpy or MLX."""
 from __future__ import annotations
 
 import sys

@@ -1,14 +1,6 @@
 """The one progress bar of lorakit's long calls. Every ``progress=`` parameter takes
 ``True`` (a tqdm.auto bar; none when stderr is not a terminal), ``False`` / ``None``
-(nothing) or a callable ``progress(done, total)`` called after every step.
-
->>> seen = []
->>> with progress_bar(lambda done, total: seen.append((done, total)), 10, "demo") as bar:
-...     bar.update(4)
-...     bar.update(6)
->>> seen
-[(4, 10), (10, 10)]
-"""
+(nothing) or a callable ``progress(done, total)`` called after every step."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union

@@ -4,13 +4,7 @@ behind every report, widget and result view.
 A report holds its raw ``rows``, renders as HTML in notebooks, as aligned text in
 terminals (``str()``, the text twin) and as JSON (``to_dict()`` / ``to_json()``). Cells
 are escaped here, once: content is text unless it is :class:`Markup`. Standard library
-only.
-
->>> facts_table([("a<b", 1)])
-"<table><tr><th style='text-align:left'>a&lt;b</th><td style='text-align:left'>1</td></tr></table>"
->>> table([[Cell(Markup("<i>x</i>"), colspan=2)]], head=["n", "v"])
-'<table><thead><tr><th>n</th><th>v</th></tr></thead><tbody><tr><td colspan=2><i>x</i></td></tr></tbody></table>'
-"""
+only."""
 from __future__ import annotations
 
 import html
@@ -50,13 +44,12 @@ def jsonable(v: Any) -> Any:
     np = _numpy()
     if np is not None and isinstance(v, np.ndarray):
         return v.tolist()
-    if np is not None and isinstance(v, (np.floating,)):
-        f = float(v)
-        return None if math.isnan(f) else f
-    if isinstance(v, float) and math.isnan(v):
-        return None
     if np is not None and isinstance(v, np.integer):
         return int(v)
+    if np is not None and isinstance(v, np.floating):
+        v = float(v)
+    if isinstance(v, float) and math.isnan(v):
+        return None
     if isinstance(v, dict):
         return {str(k): jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):

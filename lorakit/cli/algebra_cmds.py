@@ -7,6 +7,7 @@ import json
 from typing import Any, List, Optional
 
 from ..errors import ArgumentError
+from . import flags
 from .written import FORCE_HELP, wrote
 
 __all__ = []
@@ -21,8 +22,8 @@ def _weights(text: Optional[str]) -> Optional[List[float]]:
     try:
         return [float(x) for x in text.split(",")]
     except ValueError:
-        raise ArgumentError.bad("--weights", text, "numbers separated by commas, e.g. "
-                                "--weights 0.7,0.3 or --weights 1,-1") from None
+        expected = "numbers separated by commas, e.g. --weights 0.7,0.3 or --weights 1,-1"
+        raise ArgumentError.bad("--weights", text, expected) from None
 
 
 def add_combination_flags(p: argparse.ArgumentParser, method_flag: str) -> None:
@@ -56,15 +57,15 @@ def options_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
     from ..algebra.combine import CombineOptions
 
     names = ("method", "rank", "density", "seed", "like", "majority_sign_method", "svd_clamp")
-    return CombineOptions(base_dtype=base_dtype, **{k: getattr(args, k) for k in names})
+    return CombineOptions(base_dtype=base_dtype, **flags(args, *names))
 
 
 def combination_of(args: argparse.Namespace, base_dtype: str = "BF16") -> Any:
     """The combined adapter (a Combination) the flags ask for."""
     from ..algebra.combine import combine
 
-    return combine(args.adapter_path, _weights(args.weights),
-                   options=options_of(args, base_dtype), base=getattr(args, "model", None))
+    weights, options = _weights(args.weights), options_of(args, base_dtype)
+    return combine(args.adapter_path, weights, options=options, base=getattr(args, "model", None))
 
 
 def fuse_adapter(args: argparse.Namespace) -> Any:
@@ -78,28 +79,27 @@ def fuse_adapter(args: argparse.Namespace) -> Any:
         from ..io.formats import source
 
         if args.rounding not in ("nearest", "round-once"):
-            raise ArgumentError.bad("--rounding", args.rounding, "round-once (implied by "
-                                    "--like peft: it merges as PEFT does)")
+            expected = "round-once (implied by --like peft: it merges as PEFT does)"
+            raise ArgumentError.bad("--rounding", args.rounding, expected)
         args.rounding = "round-once"  # PEFT's merge_and_unload
         dtype = source.open(args.model).dtype  # PEFT builds cat's factors in it (else F32)
         return combination_of(args, dtype if dtype in ("BF16", "F16") else "F32").adapter
     comb = combination_of(args)
     if args.method == "exact" and args.rounding != "nearest":
-        raise ArgumentError.bad(
-            "--rounding", args.rounding, "nearest: an exact combination of adapters is fused "
-            "correctly rounded only", hint="the other orders are those of one adapter's "
-            "runtime; use --combine cat to fuse the stored concatenated adapter with them"
-            if "dora_modules" not in comb.summary else "the other orders are those of one "
-            "adapter's runtime: fuse DoRA adapters one at a time")
+        hint = "the other orders are those of one adapter's runtime" + (
+            ": fuse DoRA adapters one at a time" if "dora_modules" in comb.summary
+            else "; use --combine cat to fuse the stored concatenated adapter with them")
+        expected = "nearest: an exact combination of adapters is fused correctly rounded only"
+        raise ArgumentError.bad("--rounding", args.rounding, expected, hint=hint)
     return comb.adapter
 
 
 def _combine(args: argparse.Namespace) -> int:
     from ..algebra.combine import combine
 
-    rep = combine(args.adapter_path, _weights(args.weights),
-                  options=options_of(args, args.model_dtype), base=args.base,
-                  save_path=args.save_path, format=args.format, force=args.force)
+    picked = flags(args, "base", "save_path", "format", "force")
+    options = options_of(args, args.model_dtype)
+    rep = combine(args.adapter_path, _weights(args.weights), options=options, **picked)
     wrote(args, args.save_path)
     print(json.dumps(rep.to_dict(), indent=2) if args.json else rep)
     return 0
@@ -108,11 +108,11 @@ def _combine(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from ..algebra.combine import convert
 
-    out = convert(args.adapter, args.save_path, to=args.to, force=args.force,
-                  num_layers=args.num_layers, base=args.base, outtype=args.outtype)
+    picked = flags(args, "to", "force", "num_layers", "base", "outtype")
+    out = convert(args.adapter, args.save_path, **picked)
     wrote(args, out)
-    print(json.dumps({"output": str(out), "format": args.to}) if args.json else
-          f"wrote {args.to} adapter {out}")
+    done = {"output": str(out), "format": args.to}
+    print(json.dumps(done) if args.json else f"wrote {args.to} adapter {out}")
     return 0
 
 

@@ -20,6 +20,7 @@ def _emit(args: argparse.Namespace, reports: Dict[str, Any]) -> None:
         return
     parts: List[str] = []
     for r in reports.values():
+        r.max_rows = args.max_rows
         if not getattr(args, "all", True):  # text only: list the tensors that are not fine
             r.rows = [r.rows[i] for i in r.flagged]
             r.flagged = list(range(len(r.rows)))
@@ -36,8 +37,6 @@ def _inspect(args: argparse.Namespace) -> int:
         from ..inspect.deltas import delta_norms
 
         reports["delta_norms"] = delta_norms(path, args.base)
-    for r in reports.values():
-        r.max_rows = args.max_rows
     _emit(args, reports)
     return 0
 
@@ -46,9 +45,10 @@ def _diff(args: argparse.Namespace) -> int:
     from ..inspect.diff import diff
 
     if bool(args.adapter) != bool(args.base):
-        raise ArgumentError.bad("--adapter-path, --model", (args.adapter, args.base),
-                                "both or neither: --adapter-path and --model go together",
-                                hint="give both to measure each side against the exact fuse")
+        both = "both or neither: --adapter-path and --model go together"
+        hint = "give both to measure each side against the exact fuse"
+        found = (args.adapter, args.base)
+        raise ArgumentError.bad("--adapter-path, --model", found, both, hint=hint)
     # a bar only on a terminal: a pipe or log need not import tqdm
     rep = diff(args.a, args.b, progress=bool(sys.stderr and sys.stderr.isatty()))
     reports: Dict[str, Any] = {"diff": rep}
@@ -57,8 +57,6 @@ def _diff(args: argparse.Namespace) -> int:
 
         reports["reference_a"] = ulp_vs_reference(args.a, args.base, args.adapter)
         reports["reference_b"] = ulp_vs_reference(args.b, args.base, args.adapter)
-    for r in reports.values():
-        r.max_rows = args.max_rows
     _emit(args, reports)
     return 0 if rep.identical else 1
 
@@ -70,7 +68,6 @@ def _check(args: argparse.Namespace) -> int:
                       check_untouched=not args.skip_untouched,
                       behaviour=(args.tokens or True) if args.kl else False,
                       initial_adapter=args.initial_adapter)
-    rep.max_rows = args.max_rows
     _emit(args, {"check": rep})
     return rep.exit_code()
 

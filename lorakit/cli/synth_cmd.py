@@ -13,7 +13,6 @@ from .written import FORCE_HELP, wrote
 __all__ = []
 
 
-
 def _value(text: str) -> Any:
     """A --set value: JSON if it parses (numbers, true, null, lists), else a string."""
     try:
@@ -53,12 +52,12 @@ def _checkpoint(args: argparse.Namespace) -> int:
     from ..synth import synth_checkpoint
 
     if (args.preset is None) == (args.config is None):
-        raise ArgumentError.bad("--preset, --config", (args.preset, args.config), "exactly one: "
-                                "--preset qwen3-1.7b or --config path/to/config.json")
+        expected = "exactly one: --preset qwen3-1.7b or --config path/to/config.json"
+        raise ArgumentError.bad("--preset, --config", (args.preset, args.config), expected)
     t0 = time.perf_counter()
     picked = flags(args, "layout", "dtype", "shard_size", "seed", "std", "force")
-    out = synth_checkpoint(args.path, args.preset or args.config, **picked,
-                           overrides=_overrides(args.set), progress=not args.quiet)
+    extra = {"overrides": _overrides(args.set), "progress": not args.quiet}
+    out = synth_checkpoint(args.path, args.preset or args.config, **picked, **extra)
     wrote(args, out)
     ck = Checkpoint(out)
     params = sum(t.numel for t in ck.tensors.values())

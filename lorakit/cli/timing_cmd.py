@@ -24,10 +24,7 @@ def _time_decode(args: argparse.Namespace) -> int:
                          behaviour=(args.kl_tokens or True) if args.kl else False,
                          **flags(args, *fields, "timeout", "workdir"))
     result = time_decode(args.model, args.adapter_path, options=opts, progress=not args.quiet)
-    if args.json:
-        print(result.to_json(indent=2))
-    else:
-        print(result)
+    print(result.to_json(indent=2) if args.json else result)
     if args.plot:
         result.plot().savefig(args.plot, dpi=120)
     failed = [v.variant for v in result.variants if not v.ok]

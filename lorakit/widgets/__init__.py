@@ -2,11 +2,7 @@
 matplotlib; imported explicitly). Each widget is a thin form over one library function
 and shows the report or figure it returns, so every number it shows can be had without
 it: FusePanel, DtypeMapView, DiffExplorer, DecodeRace, GenerationCompare,
-AdapterCompare, AdapterMixer, KLTextView.
-
->>> from lorakit.widgets import FusePanel
->>> panel = FusePanel()  # choices from the repository's data/
-"""
+AdapterCompare, AdapterMixer, KLTextView."""
 from __future__ import annotations
 
 from ._assets import find_data

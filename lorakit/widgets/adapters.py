@@ -1,10 +1,5 @@
 """AdapterCompare: two adapters of one base side by side
-(:func:`lorakit.inspect.compare_adapters`'s figures and per-module table).
-
->>> from lorakit.widgets import AdapterCompare
->>> w = AdapterCompare({"lora": "data/adapters/lora", "dora": "data/adapters/dora"},
-...                    base="data/tiny-qwen3")
-"""
+(:func:`lorakit.inspect.compare_adapters`'s figures and per-module table)."""
 from __future__ import annotations
 
 from pathlib import Path

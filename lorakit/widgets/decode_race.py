@@ -1,12 +1,6 @@
 """DecodeRace: :func:`lorakit.time_decode` in a background thread, the chart and table
 redrawn as each variant's result arrives (``race.start()``; ``race.wait()`` returns the
-:class:`DecodeTiming`).
-
->>> from lorakit.widgets import DecodeRace
->>> race = DecodeRace("data/tiny-qwen3", "data/adapters/lora")
->>> type(race).__name__
-'DecodeRace'
-"""
+:class:`DecodeTiming`)."""
 from __future__ import annotations
 
 import threading

@@ -1,13 +1,6 @@
 """DiffExplorer: how far apart two checkpoints are, overall, per layer, per tensor: the
 histograms and numbers of :func:`lorakit.diff` (or of ``ulp_vs_reference`` against the
-exact float64 fuse).
-
->>> import lorakit
->>> from lorakit.widgets import DiffExplorer
->>> fused = {r: lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", f"out/{r}",
-...                          rounding=r, progress=False).output for r in ("nearest", "mlx-lm")}
->>> w = DiffExplorer(fused, base="data/tiny-qwen3", adapter="data/adapters/lora")
-"""
+exact float64 fuse)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,9 +1,5 @@
 """DtypeMapView: :func:`lorakit.inspect.dtype_map`'s report as a layers x kinds grid
-coloured by dtype (hover a cell for its tensors, click for a table), with its heatmap.
-
->>> from lorakit.widgets import DtypeMapView
->>> view = DtypeMapView("data/tiny-qwen3")
-"""
+coloured by dtype (hover a cell for its tensors, click for a table), with its heatmap."""
 from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple

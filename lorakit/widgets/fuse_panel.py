@@ -1,11 +1,7 @@
 """FusePanel: pick a base and an adapter, choose how to fuse, run, see the
 :class:`~lorakit.fusion.fuse.FuseResult` and the fused checkpoint's dtype map. Every
 choice is one argument of :func:`lorakit.fuse`; outputs go to a temporary directory
-(or ``out_dir``).
-
->>> from lorakit.widgets import FusePanel
->>> panel = FusePanel()  # choices from the repository's data/
-"""
+(or ``out_dir``)."""
 from __future__ import annotations
 
 import re

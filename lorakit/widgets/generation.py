@@ -1,14 +1,6 @@
 """GenerationCompare: the same prompts through several models, greedy text side by side
 (:func:`lorakit.inspect.compare_generations`), the first token that parts from the first
-model highlighted. Models are loaded once and kept.
-
->>> from lorakit.widgets import GenerationCompare
->>> g = GenerationCompare({"base": "data/tiny-qwen3",
-...                        "adapter": ("data/tiny-qwen3", "data/adapters/lora")},
-...                       prompts=["And it came to pass"])
->>> type(g).__name__
-'GenerationCompare'
-"""
+model highlighted. Models are loaded once and kept."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple

@@ -1,8 +1,5 @@
 """The text of a :func:`lorakit.compare_outputs` run, each token shaded by its KL; hover a
-token for both models' top candidates (only the first ``detail`` tokens carry them).
-
->>> from lorakit.widgets.kl_view import kl_html
-"""
+token for both models' top candidates (only the first ``detail`` tokens carry them)."""
 from __future__ import annotations
 
 import html

@@ -1,14 +1,7 @@
 """AdapterMixer: two or three LoRA adapters, a weight slider each. Live norms of the mix
 and its distance and cosine to each parent come from the deltas' Gram matrices
 (``||sum w_i delta_i||^2 = w^T G w``); on request, greedy text of base, mix and parents,
-and a button writing the combination (``lorakit.combine``, method ``exact``).
-
->>> from lorakit.widgets import AdapterMixer
->>> w = AdapterMixer({"lora": "data/adapters/lora", "peft": "data/adapters/peft-lora"},
-...                  base="data/tiny-qwen3")
->>> w.set_weights([1.0, 0.0]); round(w.stats["cosine"]["lora"], 6)
-1.0
-"""
+and a button writing the combination (``lorakit.combine``, method ``exact``)."""
 from __future__ import annotations
 
 import math
