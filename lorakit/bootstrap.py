@@ -1,7 +1,5 @@
-"""Percentile bootstrap intervals, shared by the decode timing (ratios of medians over
-rounds, ``timing/stats.py``) and the behaviour reports (means over corpus windows,
-``inspect/behaviour.py``). Pure Python (``random`` with a fixed seed): the same
-numbers give the same interval.
+"""Percentile bootstrap intervals for the decode timing and the behaviour reports; pure
+Python with a fixed seed: the same numbers give the same interval.
 
 >>> window_intervals({"x": [1.0, 2, 3, 4]}, {"mean": lambda t: t["x"] / 4})["mean"]
 (1.5, 3.5)
@@ -30,12 +28,10 @@ def window_intervals(columns: Mapping[str, Sequence[float]],
                      statistics: Mapping[str, Callable[[Dict[str, float]], float]], *,
                      confidence: float = CONFIDENCE, resamples: int = RESAMPLES,
                      seed: int = 0) -> Dict[str, Tuple[float, float]]:
-    """Percentile bootstrap intervals over windows: ``columns`` holds one number per
-    window each (sums over the window's tokens); a resample draws the windows with
-    replacement and evaluates every statistic on the drawn windows' column totals
-    (one draw for all statistics, so a ratio of two columns is paired). ``(nan, nan)``
-    for every statistic with fewer than 2 windows, or where a statistic is undefined
-    on a draw."""
+    """Percentile bootstrap intervals over windows: ``columns`` holds one sum per window
+    each; a resample draws windows with replacement and evaluates every statistic on the
+    drawn column totals (one draw for all: ratios are paired). ``(nan, nan)`` with fewer
+    than 2 windows, or where a statistic is undefined on a draw."""
     cols = {k: [float(x) for x in v] for k, v in columns.items()}
     n = len(next(iter(cols.values()), []))
     if n < 2:

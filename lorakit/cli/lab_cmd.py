@@ -1,6 +1,5 @@
-"""``lorakit scale-sweep`` and ``lorakit layer-effects``: the adapter lab on the command
-line, thin callers of :func:`lorakit.inspect.scale_sweep` and
-:func:`lorakit.inspect.layer_effects`."""
+"""``lorakit scale-sweep`` and ``lorakit layer-effects``: thin callers of the adapter lab
+(:mod:`lorakit.inspect.lab`)."""
 from __future__ import annotations
 
 import argparse

@@ -1,9 +1,8 @@
 """Behaviour on a corpus: per-token KL(P_ref || P_test), top-1 agreement and perplexity.
 
 llama.cpp's ``llama-perplexity --kl-divergence`` with its choices made explicit
-(docs/behaviour.md): windows of ``context`` tokens, log-softmax in float32, natural logs;
-top-1 agreement counts exact logit ties as agreement (``top1_agreement_strict``: argmax
-alone). One compiled MLX pass per window, queued ahead; memory is one window's logits.
+(docs/behaviour.md): windows of ``context`` tokens, float32, natural logs, exact logit
+ties counted as top-1 agreement. One compiled MLX pass per window, queued ahead.
 
 >>> rep = compare_outputs("data/tiny-qwen3", ("data/tiny-qwen3", "data/adapters/lora"),
 ...                       tokens=512, context=128)
@@ -33,6 +32,8 @@ __all__ = ["compare_outputs"]
 
 #: positions x vocab above which a window's math is done in chunks of positions
 CHUNK_ELEMENTS = 1 << 28
+#: the per-token arrays of one scored pair, in :func:`_window_math`'s order
+KEYS = ("kl", "ref_top1", "test_top1", "ref_nll", "test_nll", "top1_agree")
 
 
 def windows(ids: Sequence[int], context: int, tokens: Optional[int] = None) -> np.ndarray:
@@ -172,8 +173,7 @@ def score_windows(ref_model: Any, test_model: Any, wins: np.ndarray, *, top_k: i
 
     step = _window_math()
     n_win, ctx = wins.shape
-    keys = ("kl", "ref_top1", "test_top1", "ref_nll", "test_nll", "top1_agree")
-    out: Dict[str, List[np.ndarray]] = {k: [] for k in keys}
+    out: Dict[str, List[np.ndarray]] = {k: [] for k in KEYS}
     tops: Dict[str, List[np.ndarray]] = {k: [] for k in ("ref_top_ids", "ref_top_logp",
                                                          "test_top_ids", "test_top_logp")}
     pending: Optional[Tuple[Any, ...]] = None
@@ -181,7 +181,7 @@ def score_windows(ref_model: Any, test_model: Any, wins: np.ndarray, *, top_k: i
 
     def drain(res) -> None:
         parts, top = res
-        for k, arrays in zip(keys, zip(*parts)):
+        for k, arrays in zip(KEYS, zip(*parts)):
             out[k].append(np.concatenate([np.array(a) for a in arrays]))
         if top is not None:
             ri, rv, ti, tv = (np.array(a) for a in top)
@@ -233,14 +233,11 @@ def compare_outputs(reference: Any, test: Any, corpus: Optional[PathLike] = None
                     detail: int = 256, progress: Progress = None, base: Any = None):
     """How differently two models behave on a corpus: a :class:`BehaviourReport`.
 
-    ``reference`` / ``test``: a checkpoint path or hub id, a ``(path, adapter or None)``
-    pair, or a loaded ``(model, tokenizer)``; ``ref_adapter`` / ``test_adapter`` attach
-    an adapter unfused. ``corpus``: text or ``.jsonl`` (default: the embedded validation
-    text), cut to ``tokens``; ``top_k`` candidates kept for the first ``detail`` tokens.
-    ``base``: the model without the adapter (the reference being base + adapter, the
-    test what was made of it): also the *effect kept*, 1 - KL(ref || test) / KL(ref ||
-    base), per token (``arrays["effect_kept"]``) and on the summed KLs
-    (``effect_kept``); one more pass of reference and base. Every mean has a 95%
+    ``reference`` / ``test``: a path or hub id, ``(path, adapter or None)`` or a loaded
+    ``(model, tokenizer)``; ``*_adapter`` attach an adapter unfused. ``corpus``: text or
+    ``.jsonl`` (default: the embedded validation text), cut to ``tokens``; ``top_k``
+    candidates for the first ``detail`` tokens. ``base`` (the model without the adapter)
+    adds the *effect kept*, 1 - KL(ref || test) / KL(ref || base). Every mean has a 95%
     bootstrap interval over windows (``mean_kl_interval``...).
     """
     ref = _side(reference, ref_adapter, "reference")
@@ -276,10 +273,6 @@ def with_float32_note(rep: Any, notes: Dict[str, str]) -> Any:
 # The report: KL statistics, top-1 agreement, perplexities, the worst tokens, the arrays
 
 
-def _piece(tokenizer: Any, i: int) -> str:
-    return tokenizer.decode([int(i)])
-
-
 def _shown(piece: str) -> str:
     """A token as one visible table cell: quoted (Python repr) when it has whitespace
     at an end or unprintable characters."""
@@ -288,11 +281,9 @@ def _shown(piece: str) -> str:
 
 
 def kl_stats(arrays: Dict[str, np.ndarray], per: int) -> Dict[str, Any]:
-    """The summary numbers of per-token arrays (``kl``, ``top1_agree``, ``ref_top1``,
-    ``test_top1``, ``ref_nll``, ``test_nll``; with ``base_kl`` also the effect kept),
-    each mean with its 95% bootstrap interval over windows of ``per`` scored tokens
-    (``<name>_interval``). Adds ``arrays["effect_kept"]`` per token when ``base_kl``
-    is there (NaN where the base's KL is 0)."""
+    """The summary numbers of per-token arrays (:data:`KEYS`; with ``base_kl`` the effect
+    kept, also per token into ``arrays["effect_kept"]``), each mean with its 95% bootstrap
+    interval over windows of ``per`` scored tokens (``<name>_interval``)."""
     kl = arrays["kl"].astype(np.float64)
     n = int(kl.size)
     w = max(n // max(per, 1), 1)
@@ -313,9 +304,7 @@ def kl_stats(arrays: Dict[str, np.ndarray], per: int) -> Dict[str, Any]:
     stats: Dict[str, Any] = {
         "mean_kl": float(kl.mean()), "mean_kl_interval": list(spans["mean_kl"]),
         "median_kl": float(np.median(kl)),
-        "p90_kl": float(np.percentile(kl, 90)),
-        "p99_kl": float(np.percentile(kl, 99)),
-        "p999_kl": float(np.percentile(kl, 99.9)),
+        **{f"p{q}_kl".replace(".", ""): float(np.percentile(kl, q)) for q in (90, 99, 99.9)},
         "max_kl": float(kl.max()),
         "top1_agreement": float(np.mean(arrays["top1_agree"])),
         "top1_agreement_interval": list(spans["top1_agreement"]),
@@ -336,12 +325,10 @@ def kl_stats(arrays: Dict[str, np.ndarray], per: int) -> Dict[str, Any]:
 
 @dataclass(repr=False)
 class BehaviourReport(Report):
-    """KL(P_ref || P_test) per scored token, summarised: ``stats`` (``mean_kl`` ...
-    ``tokens``), ``arrays`` (per scored token: ``kl``, ``ref_top1``, ``test_top1``,
-    ``ref_nll``, ``test_nll``, ``top1_agree``, ``target``; for the first scored tokens
-    ``ref_top_ids`` / ``ref_top_logp`` / ``test_top_ids`` / ``test_top_logp``), their
-    decoded ``pieces`` / ``ref_top_pieces`` / ``test_top_pieces``, ``float32`` (the
-    sides run in float32 because MLX's CPU refused their dtype)."""
+    """KL(P_ref || P_test) per scored token, summarised: ``stats``, ``arrays`` (per token
+    :data:`KEYS` and ``target``; for the first tokens ``ref_top_ids`` / ``_logp`` and the
+    test's), their decoded ``pieces`` / ``*_top_pieces``, and ``float32`` (the sides run
+    in float32 because MLX's CPU refused their dtype)."""
 
     column_help = {
         "position": "index of the scored token in the corpus (after tokenization)",
@@ -374,7 +361,7 @@ class BehaviourReport(Report):
         kl = arrays["kl"].astype(np.float64)
         n = int(kl.size)
         stats = kl_stats(arrays, context - 1)
-        dec = (lambda i: _piece(tokenizer, i)) if tokenizer is not None else str
+        dec = (lambda i: tokenizer.decode([int(i)])) if tokenizer is not None else str
         order = np.argsort(-kl, kind="stable")[:worst]
         rows = []
         for i in order:
@@ -398,13 +385,10 @@ class BehaviourReport(Report):
     def to_dict(self, per_token: bool = False) -> Dict[str, Any]:
         """The summary keys flat, the worst tokens as ``rows``, and with ``per_token=True``
         the raw per-token arrays."""
-        d = dict(self.summary)
-        d["models"] = {"reference": self.summary["reference"], "test": self.summary["test"]}
-        d["title"] = self.title
-        d["rows"] = self.rows
-        d["float32"] = list(self.float32)
+        d = {**self.summary, "models": {k: self.summary[k] for k in ("reference", "test")},
+             "title": self.title, "rows": self.rows, "float32": list(self.float32)}
         if per_token:
-            d["per_token"] = {k: v for k, v in self.arrays.items()}
+            d["per_token"] = dict(self.arrays)
         return jsonable(d)
 
     def plot(self, ax=None):

@@ -1,9 +1,7 @@
 """Greedy outputs of several models side by side: where do they part ways, and how close was it?
 
-The same prompts decoded greedily through mlx-lm's own models, all in lockstep,
-recording per step each model's token and its top1 - top2 logit margin; where two
-models first part, how far apart the two tokens were in each model's logits (a
-divergence at a margin of 0.01 is a coin toss that rounding decided).
+The same prompts decoded in lockstep, recording per step each model's token and its
+top1 - top2 logit margin (a divergence at a margin of 0.01 is a coin toss).
 """
 from __future__ import annotations
 

@@ -1,27 +1,12 @@
 """The adapter lab: what an adapter does to a model's behaviour, how much, and where.
 
-Both verbs attach the adapter unfused (:func:`lorakit.fusion.attach_adapter`, nothing
-written) and move only the LoRA layers' ``scale``: a *setting* is one scale per LoRA
-layer, and each verb scores pairs of settings with the KL math of
-:func:`lorakit.compare_outputs` (the same compiled per-token step, the same summary
-numbers and bootstrap intervals, :func:`lorakit.inspect.behaviour.kl_stats`).
-
-* :func:`scale_sweep`: the adapter at ``s`` times its scale for each ``s``, against the
-  base (``s = 0``) and against the adapter as trained (``s = 1``): a dose-response
-  curve, what ``--lora-scaled 0.5`` in llama.cpp or a smaller scale in mlx-lm does.
-* :func:`layer_effects`: for each group of LoRA layers (a layer, a kind or a module)
-  the behaviour lost when its deltas are switched off, KL(adapter || adapter without
-  g), and the behaviour it carries alone, KL(base || base with only g); the sum of
-  the parts against the whole shows how much the groups interact.
-
-A scale of exactly 0 adds an exact 0 to each layer's output: the base's logits come
-out bit for bit, so KL(base || s=0) is exactly 0. The model runs on the windows of
-the corpus in batches (every window of a batch in one forward pass); the reference
-settings' logits are kept for the batch, each other setting's are scored and dropped.
-
-A loaded ``(model, tokenizer)`` is given back as it came (its LoRA layers' scales
-restored; an adapter attached here is taken off again); pass ``adapter=None`` for a
-model that already has LoRA layers (``mlx_lm.load(path, adapter_path=...)``).
+Both verbs attach the adapter unfused and move only the LoRA layers' ``scale`` (a
+*setting* is one scale per LoRA layer), scoring pairs of settings with
+:func:`lorakit.compare_outputs`' math (:func:`~lorakit.inspect.behaviour.kl_stats`).
+:func:`scale_sweep` is a dose-response curve against the base and the trained adapter;
+:func:`layer_effects` says per group of LoRA layers what is lost without it and what it
+does alone. A scale of exactly 0 gives the base's logits bit for bit. A loaded ``(model,
+tokenizer)`` is given back as it came (scales restored, an adapter attached here taken off).
 """
 from __future__ import annotations
 
@@ -36,15 +21,13 @@ from ..layers import KIND_LABELS, layer_kind_cells, model_order, split_name
 from ..progress import Progress, progress_bar
 from ..report import Report, jsonable
 from . import plots
-from .behaviour import CHUNK_ELEMENTS, _side, _window_math, kl_stats, windows
+from .behaviour import CHUNK_ELEMENTS, KEYS, _side, _window_math, kl_stats, windows
 from .generation import _decode_lockstep
 
 __all__ = ["scale_sweep", "layer_effects", "ScaleSweep", "LayerEffects"]
 
 #: the LoRA layer classes whose ``scale`` the lab moves (DoRA's magnitude is no scale)
 LORA_CLASSES = ("LoRALinear", "LoRASwitchLinear", "LoRAEmbedding")
-#: the per-token arrays of one scored pair (as :func:`behaviour.score_windows`)
-KEYS = ("kl", "ref_top1", "test_top1", "ref_nll", "test_nll", "top1_agree")
 
 
 class _Lab:
@@ -53,9 +36,6 @@ class _Lab:
 
     def __init__(self, model: Any, adapter: Any, corpus: Optional[PathLike], tokens: int,
                  context: int) -> None:
-        from mlx.utils import tree_unflatten  # lazy: mlx is heavy
-
-        self._unflatten = tree_unflatten
         loaded = isinstance(model, tuple) and hasattr(model[0], "parameters")
         before = set(_lora(model[0])) if loaded else set()
         side = _side(model, adapter, "model")
@@ -85,9 +65,11 @@ class _Lab:
     def __exit__(self, *exc: Any) -> None:
         self.set(self.trained)
         if self.attached:  # take off what was attached here: the caller's model as it came
+            from mlx.utils import tree_unflatten  # lazy: mlx is heavy
+
             inner = [(n, m.linear if "linear" in m else m.embedding) for n, m in
                      zip(self.names, self.layers) if n in self.attached]
-            self.model.update_modules(self._unflatten(inner))
+            self.model.update_modules(tree_unflatten(inner))
 
     def set(self, scales: np.ndarray) -> None:
         for m, s in zip(self.layers, scales):
@@ -100,11 +82,8 @@ class _Lab:
         import mlx.core as mx  # lazy: mlx is heavy
 
         step = _window_math()
-        key = {i: tuple(np.asarray(s, dtype=np.float64)) for i, s in enumerate(settings)}
-        first = {}
-        for i, k in key.items():
-            first.setdefault(k, i)
-        canon = {i: first[k] for i, k in key.items()}
+        keys = [tuple(np.asarray(s, dtype=np.float64)) for s in settings]
+        canon = [keys.index(k) for k in keys]  # equal settings run once
         refs = sorted({canon[r] for r, _ in pairs})
         tests = sorted({canon[t] for _, t in pairs} - set(refs))
         n_win, ctx = self.wins.shape
@@ -115,27 +94,23 @@ class _Lab:
             for w in range(0, n_win, batch):
                 x = mx.array(self.wins[w:w + batch])
                 y = x[:, 1:].reshape(-1)
-                logits: Dict[int, Any] = {}
 
                 def run(i: int) -> Any:
                     self.set(settings[i])
                     lg = self.model(x)[:, :-1]
                     return lg.reshape(-1, lg.shape[-1])
 
-                for r in refs:
-                    logits[r] = run(r)
-                parts: List[Any] = [None] * len(pairs)
+                logits = {r: run(r) for r in refs}
+                parts: Dict[int, Any] = {}
                 for t in [None] + tests:  # None: pairs between two references
                     if t is not None:
                         logits[t] = run(t)
                     for j, (r, tt) in enumerate(pairs):
-                        if parts[j] is None and canon[tt] in logits:
+                        if j not in parts and canon[tt] in logits:
                             parts[j] = step(logits[canon[r]], logits[canon[tt]], y)
-                    if t is not None:
-                        mx.eval([a for p in parts if p is not None for a in p])
-                        del logits[t]
-                mx.eval([a for p in parts for a in p])
-                for j, p in enumerate(parts):
+                    mx.eval(list(parts.values()))
+                    logits.pop(t, None)
+                for j, p in parts.items():
                     for k, a in zip(KEYS, p):
                         out[j][k].append(np.array(a))
                 bar.update(len(self.wins[w:w + batch]))
@@ -154,21 +129,20 @@ def _summary(lab: _Lab, **extra: Any) -> Dict[str, Any]:
             "lora_layers": len(lab.layers), **extra}
 
 
-# ---------------------------------------------------------------------------
-# scale_sweep
+def _to_dict(rep: Report, names: Sequence[str], per_token: bool = False) -> Dict[str, Any]:
+    """The summary, the title and the report's fields ``names``; with ``per_token=True``
+    the per-token arrays (a scale sweep's)."""
+    d = {**rep.summary, "title": rep.title, **{k: getattr(rep, k) for k in names}}
+    if per_token:
+        d["per_token"] = rep.arrays
+    return jsonable(d)
 
 
 @dataclass(repr=False)
 class ScaleSweep(Report):
-    """The adapter at each scale against the base and against the adapter as trained.
-
-    Attributes (besides :class:`Report`'s): ``scales``; ``stats``: per scale, the
-    summary numbers of both comparisons (``{"base": {...}, "adapter": {...}}``, each as
-    :func:`~lorakit.inspect.behaviour.kl_stats`: ``mean_kl``, ``mean_kl_interval``,
-    ``median_kl``, ``p90_kl``, ``p99_kl``, ``top1_agreement``, ``ppl_test``...);
-    ``arrays``: per scale the per-token KL against each (``kl_base``, ``kl_adapter``);
-    ``texts``: the greedy text for the prompt per scale (empty without a prompt).
-    """
+    """The adapter at each scale against the base and against the adapter as trained:
+    ``scales``; ``stats`` per scale ``{"base": ..., "adapter": ...}``; ``arrays`` per scale
+    the per-token ``kl_base`` and ``kl_adapter``; ``texts`` the greedy text per scale."""
 
     column_help = {
         "scale": "the adapter's deltas at this multiple of its trained scale",
@@ -188,25 +162,18 @@ class ScaleSweep(Report):
     texts: List[str] = field(default_factory=list)
 
     def to_dict(self, per_token: bool = False) -> Dict[str, Any]:
-        """The summary, ``rows``, ``scales``, the full ``stats`` per scale (with the
-        intervals) and with ``per_token=True`` the per-token KLs."""
-        d = {**self.summary, "title": self.title, "rows": self.rows, "scales": self.scales,
-             "stats": self.stats}
-        if per_token:
-            d["per_token"] = self.arrays
-        return jsonable(d)
+        """The summary, ``rows``, ``scales``, ``stats`` (with the intervals) and with
+        ``per_token=True`` the per-token KLs."""
+        return _to_dict(self, ("rows", "scales", "stats"), per_token)
 
     def plot(self, ax=None):
         """Dose-response: mean KL against the base and the trained adapter per scale
         (95% intervals as bars), top-1 agreement on a second axis."""
-        return plots.dose_response(self.scales, {
-            "KL(base || s)": [(s["base"]["mean_kl"], *s["base"]["mean_kl_interval"])
-                              for s in self.stats],
-            "KL(adapter || s)": [(s["adapter"]["mean_kl"], *s["adapter"]["mean_kl_interval"])
-                                 for s in self.stats]},
-            {"top-1 = base": [s["base"]["top1_agreement"] for s in self.stats],
-             "top-1 = adapter": [s["adapter"]["top1_agreement"] for s in self.stats]},
-            title=self.title, ax=ax)
+        kl = {f"KL({w} || s)": [(s[w]["mean_kl"], *s[w]["mean_kl_interval"]) for s in self.stats]
+              for w in ("base", "adapter")}
+        top1 = {f"top-1 = {w}": [s[w]["top1_agreement"] for s in self.stats]
+                for w in ("base", "adapter")}
+        return plots.dose_response(self.scales, kl, top1, title=self.title, ax=ax)
 
     figure = plot
 
@@ -216,18 +183,13 @@ def scale_sweep(model: Any, adapter: Any = None,
                 corpus: Optional[PathLike] = None, *, tokens: int = 512, context: int = 128,
                 prompt: Optional[str] = None, max_tokens: int = 24,
                 progress: Progress = None) -> ScaleSweep:
-    """The adapter applied at ``s`` times its trained scale, for each ``s`` in
-    ``scales`` (in memory: only the LoRA layers' ``scale`` changes): KL(base || s) and
-    KL(adapter at 1 || s) per token as :func:`lorakit.compare_outputs` computes them
-    (mean with its 95% interval, median, p90, p99), top-1 agreement with each,
-    perplexity, and the greedy text of ``prompt`` (``max_tokens`` tokens).
-
-    ``model``: a checkpoint path or hub id, ``(path, adapter)`` or a loaded ``(model,
-    tokenizer)``; ``adapter``: a path or :class:`~lorakit.io.adapters.base.Adapter`
-    (None: the model's own LoRA layers). ``corpus`` / ``tokens`` / ``context`` as for
-    :func:`lorakit.compare_outputs`. Cost: one forward pass over the ``tokens`` per
-    distinct scale, 0 and 1 included (the references; 8 for the default scales). Returns a
-    :class:`ScaleSweep`; ``.plot()`` draws the dose-response curve.
+    """The adapter at ``s`` times its trained scale for each ``s`` in ``scales``:
+    KL(base || s) and KL(adapter at 1 || s) per token as :func:`lorakit.compare_outputs`
+    computes them, top-1 agreement with each, perplexity, and the greedy text of
+    ``prompt`` (``max_tokens`` tokens). ``model``: a path or hub id, ``(path, adapter)``
+    or a loaded ``(model, tokenizer)``; ``adapter``: a path or
+    :class:`~lorakit.io.adapters.base.Adapter` (None: the model's own LoRA layers).
+    One forward pass over the ``tokens`` per distinct scale, 0 and 1 included.
 
     >>> sw = scale_sweep("data/tiny-qwen3", "data/adapters/lora", scales=(0, 1), tokens=256)
     >>> sw.stats[0]["base"]["mean_kl"], sw.stats[1]["adapter"]["mean_kl"]
@@ -241,36 +203,27 @@ def scale_sweep(model: Any, adapter: Any = None,
         pairs = [p for i in range(len(scales)) for p in ((0, i + 2), (1, i + 2))]
         scored = lab.score(settings, pairs, progress=progress)
         texts = []
-        if prompt is not None:
-            for s in settings[2:]:
-                lab.set(s)
-                gens, _ = _decode_lockstep({"s": (lab.model, lab.tokenizer)}, prompt,
-                                           max_tokens, chat=False)
-                texts.append(gens["s"].text)
-    per = context - 1
+        for s in settings[2:] if prompt is not None else ():
+            lab.set(s)
+            gens, _ = _decode_lockstep({"s": (lab.model, lab.tokenizer)}, prompt, max_tokens,
+                                       chat=False)
+            texts.append(gens["s"].text)
     stats, arrays, rows = [], [], []
     for i, s in enumerate(scales):
         b, a = scored[2 * i], scored[2 * i + 1]
-        sb, sa = kl_stats(b, per), kl_stats(a, per)
+        sb, sa = kl_stats(b, context - 1), kl_stats(a, context - 1)
         stats.append({"base": sb, "adapter": sa})
         arrays.append({"kl_base": b["kl"], "kl_adapter": a["kl"]})
         rows.append({"scale": s, "kl_base": sb["mean_kl"], "kl_base_p90": sb["p90_kl"],
                      "kl_adapter": sa["mean_kl"], "kl_adapter_p90": sa["p90_kl"],
                      "top1_base": sb["top1_agreement"], "top1_adapter": sa["top1_agreement"],
-                     "ppl": sa["ppl_test"], **({"text": _one_line(texts[i])} if texts else {})})
+                     "ppl": sa["ppl_test"]})
+        if texts:  # generated text as one table cell: newlines and tabs as escapes
+            rows[-1]["text"] = texts[i].replace("\n", "\\n").replace("\t", "\\t")
     summary = _summary(lab, **({"prompt": prompt} if prompt is not None else {}))
     return ScaleSweep(title=f"scale sweep: {len(scales)} scales over {summary['tokens']} tokens",
                       rows=rows, summary=summary, scales=scales, stats=stats, arrays=arrays,
                       texts=texts)
-
-
-def _one_line(text: str) -> str:
-    """Generated text as one table cell: newlines and tabs shown as escapes."""
-    return text.replace("\n", "\\n").replace("\t", "\\t")
-
-
-# ---------------------------------------------------------------------------
-# layer_effects
 
 
 BY = ("layer", "kind", "module")
@@ -290,14 +243,10 @@ def _groups(names: Sequence[str], by: str) -> Dict[str, List[int]]:
 
 @dataclass(repr=False)
 class LayerEffects(Report):
-    """Per group of LoRA layers: what is lost without it, what it does alone.
-
-    Attributes (besides :class:`Report`'s): ``by``; ``stats``: per group (rows' order)
-    ``{"removed": ..., "alone": ...}`` as :func:`~lorakit.inspect.behaviour.kl_stats`,
-    and ``whole`` (``removed``: KL(adapter || base), ``alone``: KL(base || adapter));
-    the summary's ``sum_removed`` / ``sum_alone`` (the parts' mean KLs added up) and
-    ``gap_removed`` / ``gap_alone`` (whole minus the sum: the interaction gap).
-    """
+    """Per group of LoRA layers, what is lost without it and what it does alone: ``by``;
+    ``stats`` per group ``{"removed": ..., "alone": ...}``; ``whole`` (``removed``:
+    KL(adapter || base), ``alone``: KL(base || adapter)); the summary's ``sum_*`` (the
+    parts' mean KLs added up) and ``gap_*`` (whole minus sum: the interaction gap)."""
 
     column_help = {
         "group": "the LoRA layers switched off (removed) or kept alone",
@@ -316,8 +265,7 @@ class LayerEffects(Report):
     whole: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
-        return jsonable({**self.summary, "title": self.title, "by": self.by, "rows": self.rows,
-                         "stats": self.stats, "whole": self.whole})
+        return _to_dict(self, ("by", "rows", "stats", "whole"))
 
     def grid(self, key: str = "kl_removed") -> Tuple[List[str], List[str], np.ndarray]:
         """(layer labels, kinds, values): ``key`` of each row on a layer x kind grid."""
@@ -342,54 +290,42 @@ def layer_effects(model: Any, adapter: Any = None, corpus: Optional[PathLike] = 
                   tokens: int = 256, context: int = 128, by: str = "layer",
                   progress: Progress = None) -> LayerEffects:
     """Where an adapter acts: for each group ``g`` of its LoRA layers (``by="layer"``:
-    one block; ``"kind"``: one projection kind across blocks; ``"module"``: one layer)
-    the behaviour lost without g, KL(adapter || adapter without g), and the behaviour
-    g carries alone, KL(base || base with only g), per token as
-    :func:`lorakit.compare_outputs` computes them; and the parts' sum against the whole
-    (KL(adapter || base), KL(base || adapter)): the interaction gap.
-
-    Cost: ``2 * groups + 2`` forward passes of the whole model over ``tokens`` corpus
-    tokens (the windows of a batch in one pass), and nothing more measurable. On the
-    embedded model (4 layers, 28 LoRA layers, 256 tokens; a pass 0.4-1.8 s on 2 shared
-    CPU cores) by layer 10 passes, 8 s; by module 58 passes, 65 s (medians;
-    ``benchmarks/lab.py``, BENCHMARKS.md "The adapter lab").
-
-    Arguments as for :func:`scale_sweep`. Returns a :class:`LayerEffects`; ``.plot()``
-    draws the layer x kind heatmap.
+    one block; ``"kind"``: one projection kind; ``"module"``: one layer) KL(adapter ||
+    adapter without g) and KL(base || base with only g) per token, and the parts' sum
+    against the whole: the interaction gap. Arguments as for :func:`scale_sweep`; cost
+    ``2 * groups + 2`` forward passes over the ``tokens`` (BENCHMARKS.md "The adapter lab").
     """
     _groups([], by)  # a bad ``by`` fails before a model loads
     with _Lab(model, adapter, corpus, tokens, context) as lab:
         groups = _groups(lab.names, by)
-        base, full = 0 * lab.trained, lab.trained
-        settings = [base, full]
+        full = lab.trained
+        settings = [0 * full, full]
         for idx in groups.values():
-            mask = np.zeros_like(full, dtype=bool)
-            mask[idx] = True
+            mask = np.isin(np.arange(len(full)), idx)
             settings += [np.where(mask, 0, full), np.where(mask, full, 0)]
-        pairs = [(1, 0), (0, 1)] + [p for g in range(len(groups))
-                                    for p in ((1, 2 + 2 * g), (0, 3 + 2 * g))]
-        scored = lab.score(settings, pairs, progress=progress)
-    per = context - 1
-    whole = {"removed": kl_stats(scored[0], per), "alone": kl_stats(scored[1], per)}
-    stats, rows = [], []
-    for g, (label, idx) in enumerate(groups.items()):
-        rem, alone = kl_stats(scored[2 + 2 * g], per), kl_stats(scored[3 + 2 * g], per)
-        stats.append({"removed": rem, "alone": alone})
+        pairs = [(1, 0), (0, 1)] + [(1 - k, 2 + 2 * g + k) for g in range(len(groups))
+                                    for k in (0, 1)]
+        scored = [kl_stats(a, context - 1) for a in lab.score(settings, pairs, progress)]
+    whole = {"removed": scored[0], "alone": scored[1]}
+    stats = [{"removed": scored[2 + 2 * g], "alone": scored[3 + 2 * g]}
+             for g in range(len(groups))]
+    rows = []
+    for (label, idx), st in zip(groups.items(), stats):
+        rem, alone = st["removed"]["mean_kl"], st["alone"]["mean_kl"]
         layer, kind, _, _ = split_name(lab.names[idx[0]])
+        total = whole["removed"]["mean_kl"]
         rows.append({"group": label,
                      "layer": "all" if by == "kind" else "-" if layer is None else str(layer),
                      "kind": "all" if by == "layer" else kind, "modules": len(idx),
-                     "kl_removed": rem["mean_kl"], "top1_removed": rem["top1_agreement"],
-                     "kl_alone": alone["mean_kl"], "top1_alone": alone["top1_agreement"],
-                     "share_removed": rem["mean_kl"] / whole["removed"]["mean_kl"]
-                     if whole["removed"]["mean_kl"] > 0 else float("nan")})
-    sum_rem = sum(r["kl_removed"] for r in rows)
-    sum_alone = sum(r["kl_alone"] for r in rows)
-    summary = _summary(lab, by=by, groups=len(rows),
-                       whole_removed=whole["removed"]["mean_kl"], sum_removed=sum_rem,
-                       gap_removed=whole["removed"]["mean_kl"] - sum_rem,
-                       whole_alone=whole["alone"]["mean_kl"], sum_alone=sum_alone,
-                       gap_alone=whole["alone"]["mean_kl"] - sum_alone)
+                     "kl_removed": rem, "top1_removed": st["removed"]["top1_agreement"],
+                     "kl_alone": alone, "top1_alone": st["alone"]["top1_agreement"],
+                     "share_removed": rem / total if total > 0 else float("nan")})
+    parts = {}
+    for k in ("removed", "alone"):
+        total = sum(r[f"kl_{k}"] for r in rows)
+        parts.update({f"whole_{k}": whole[k]["mean_kl"], f"sum_{k}": total,
+                      f"gap_{k}": whole[k]["mean_kl"] - total})
+    summary = _summary(lab, by=by, groups=len(rows), **parts)
     return LayerEffects(title=f"layer effects by {by}: {len(rows)} groups over "
                               f"{summary['tokens']} tokens", rows=rows, summary=summary,
                         by=by, stats=stats, whole=whole)

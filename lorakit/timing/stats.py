@@ -1,10 +1,6 @@
-"""How sure a decode timing is: bootstrap intervals of each variant's ratio to base.
-
-Each resample draws rounds with replacement, the same rounds for base and variant (a
-slow phase of a shared machine cancels), then runs inside each round; with one round
-only runs are drawn. A variant is called slower only when the interval lies below 1,
-the ratio below ``1 - threshold`` and below the base-against-itself :func:`noise_band`.
-Seeded ``random``: the same runs give the same interval.
+"""How sure a decode timing is: paired bootstrap intervals of each variant's ratio to
+base (rounds drawn with replacement, the same for both, then runs inside rounds), and
+the verdict words. Seeded ``random``: the same runs give the same interval.
 
 >>> lo, hi = ratio_interval([100.0, 101, 99, 100], [0, 0, 1, 1], [100.0, 99, 101, 100],
 ...                         [0, 0, 1, 1])
@@ -26,8 +22,7 @@ __all__ = []
 
 SPEED_THRESHOLD = 0.10  # a decode ratio below 0.90 (and outside its interval) is flagged
 BYTES_THRESHOLD = 0.02  # weight bytes above 1.02x base are flagged (exact, from headers)
-#: interleaved rounds a speed flag needs: the interval resamples rounds, and from two
-#: rounds it has at most three distinct draws (both slow by chance half the time)
+#: interleaved rounds a speed flag needs (two rounds give at most three distinct draws)
 MIN_ROUNDS = 3
 
 
@@ -141,13 +136,10 @@ def human_bytes(n: float) -> str:
 
 def bytes_explain(ratio: float, interval: Tuple[float, float], bytes_ratio: float, *,
                   noise: Optional[Tuple[float, float]] = None) -> Tuple[float, str]:
-    """(predicted ratio, words): why a variant decodes at ``ratio`` times base. A
-    decode step reads every weight once, so where weight reads bound it (large models
-    on GPUs) the bytes alone predict ``1 / bytes_ratio``. "bytes explain it" when the
-    prediction lies inside the measured ratio's interval widened by the base against
-    itself (``noise``); else "not the bytes": a slower path (measured below the
-    prediction) or a bound other than the weight reads (above it: kernel launches or
-    compute, as for a tiny model or on a CPU). ``""`` without an interval."""
+    """(predicted ratio, words): a decode step reads every weight once, so the bytes
+    predict ``1 / bytes_ratio``; "bytes explain it" when that lies inside the interval
+    widened by ``noise``, else "not the bytes" (a slower path below it; launches or
+    compute above it). ``""`` without an interval."""
     if math.isnan(bytes_ratio) or bytes_ratio <= 0:
         return math.nan, ""
     pred = 1 / bytes_ratio
