@@ -9,6 +9,7 @@ is folded into ``lora_b`` exactly; lower ranks are zero-padded), a scale no floa
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections import Counter
@@ -23,6 +24,7 @@ from ..formats.safetensors import TensorSpec, read_header
 from ..outputs.directory import TMP_MARK, OutputDirectory, check_output_path
 from ..outputs.safetensors_write import SafetensorsWriter
 from .base import CONFIG, MLX_WEIGHTS, PEFT_PREFIX, PEFT_WEIGHTS, Adapter, LoraTarget
+from .peft import FIELDS
 from .layout import alpha_for, expert_modules, layer_gaps, mlx_scope, restack
 
 __all__ = ["save_adapter"]
@@ -301,6 +303,12 @@ def _peft_layout(adapter: Adapter, code: str
     return tensors, cfg, PEFT_WEIGHTS
 
 
+#: FIELDS that PEFT 0.21's save_pretrained leaves out of a LoRA config
+_UNWRITTEN = {"arrow_config", "ensure_weight_tying", "kasa_config", "lora_ga_config",
+              "monteclora_config", "peft_version", "qalora_group_size", "runtime_config",
+              "use_bdlora", "velora_config"}
+
+
 def peft_config(targets: Sequence[LoraTarget], alphas: Mapping[str, Any],
                 modules_to_save: Sequence[str], base: Optional[str]) -> Dict[str, Any]:
     """A PEFT 0.21 ``adapter_config.json`` adapting exactly ``targets`` (by full module
@@ -310,21 +318,12 @@ def peft_config(targets: Sequence[LoraTarget], alphas: Mapping[str, Any],
     r, alpha = pairs.most_common(1)[0][0] if pairs else (8, 8)
     rank_pattern = {t.module: t.rank for t in targets if t.rank != r}
     alpha_pattern = {t.module: alphas[t.module] for t in targets if alphas[t.module] != alpha}
-    return {
-        "alora_invocation_tokens": None, "alpha_pattern": alpha_pattern, "auto_mapping": None,
-        "base_model_name_or_path": base, "bias": "none", "corda_config": None,
-        "eva_config": None, "exclude_modules": None, "fan_in_fan_out": False,
-        "inference_mode": True, "init_lora_weights": True, "layer_replication": None,
-        "layers_pattern": None, "layers_to_transform": None, "loftq_config": {},
-        "lora_alpha": alpha, "lora_bias": False, "lora_dropout": 0.0,
-        "megatron_config": None, "megatron_core": "megatron.core",
-        "modules_to_save": sorted(set(modules_to_save)) or None, "peft_type": "LORA",
-        "r": r, "rank_pattern": rank_pattern, "revision": None,
-        "target_modules": sorted(t.module for t in targets), "target_parameters": None,
-        "task_type": "CAUSAL_LM", "trainable_token_indices": None,
-        "use_dora": any(t.is_dora for t in targets), "use_qalora": False,
-        "use_rslora": False,
-    }
+    cfg = {k: copy.deepcopy(v[0]) for k, v in sorted(FIELDS.items()) if k not in _UNWRITTEN}
+    cfg.update(alpha_pattern=alpha_pattern, base_model_name_or_path=base, inference_mode=True,
+               lora_alpha=alpha, modules_to_save=sorted(set(modules_to_save)) or None, r=r,
+               rank_pattern=rank_pattern, target_modules=sorted(t.module for t in targets),
+               task_type="CAUSAL_LM", use_dora=any(t.is_dora for t in targets))
+    return cfg
 
 
 def llama_cpp_notes(cfg: Mapping[str, Any]) -> List[str]:
