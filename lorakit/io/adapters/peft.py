@@ -70,19 +70,16 @@ FIELDS: Dict[str, Tuple[Any, str, str]] = {
     "fan_in_fan_out": (False, _READ, "weights stored (in, out): the delta transposed"),
     "use_dora": (False, _READ, "DoRA: the magnitude rescales the merged rows"),
     "lora_dropout": (0.0, _IGNORED, "training only"),
-    "init_lora_weights": (True, _READ, "pissa, olora, corda, lora_ga and loftq changed the "
-                          "base weights: refused unless converted (initial_adapter)"),
+    "init_lora_weights": (True, _READ, "residual inits (pissa, loftq...) refused unless converted"),
     "loftq_config": ({}, _READ, "LoftQ replaced the base by a quantized residual: refused"),
     "eva_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
     "corda_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
     "lora_ga_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
-    "velora_config": (None, _IGNORED, "VeLoRA changes the backward pass only; PEFT merges "
-                      "it as LoRA"),
+    "velora_config": (None, _IGNORED, "VeLoRA changes backward only; PEFT merges it as LoRA"),
     "megatron_core": ("megatron.core", _IGNORED, "the module megatron_config names"),
     "qalora_group_size": (16, _IGNORED, "used only with use_qalora"),
     "runtime_config": (None, _IGNORED, "runtime settings"),
-    "ensure_weight_tying": (False, _IGNORED, "ties the adapters of tied layers; the "
-                           "tensors are read as saved"),
+    "ensure_weight_tying": (False, _IGNORED, "ties tied layers' adapters; tensors read as saved"),
     "bias": ("none", _REFUSED, "trained biases: lorakit fuses weights only; merge it "
              "with PEFT's merge_and_unload"),
     "lora_bias": (False, _REFUSED, "LoRA bias: merge it with PEFT's merge_and_unload"),
@@ -208,23 +205,22 @@ def _check_regexes(cfg_path: Path, key: str, patterns: Sequence[str]) -> None:
 
 def _positive(cfg_path: Path, key: str, val: Any, integer: bool) -> Any:
     v = number(val)
-    if v is None or v <= 0:
-        raise bad_config(cfg_path, key, f"PEFT config needs a positive {key}",
-                         "a positive number", val)
-    if integer and whole(val) is None:
-        raise bad_config(cfg_path, key, f"PEFT config's {key} must be a whole number",
-                         "a positive integer (a rank)", val)
+    if v is None or v <= 0 or (integer and whole(val) is None):
+        low = v is None or v <= 0
+        raise bad_config(cfg_path, key, f"PEFT config needs a positive {key}" if low else
+                         f"PEFT config's {key} must be a whole number",
+                         "a positive number" if low else "a positive integer (a rank)", val)
     return val
 
 
 def _patterns(cfg: Dict[str, Any], key: str, cfg_path: Path, integer: bool) -> Dict[str, Any]:
     pat = cfg.get(key) or {}
-    if not isinstance(pat, dict) or any(number(v) is None or v <= 0 for v in pat.values()):
-        raise bad_config(cfg_path, key, f"{key} must map module names to positive numbers",
-                         '{"<module>": <positive number>, ...}', pat)
-    if integer and any(whole(v) is None for v in pat.values()):
-        raise bad_config(cfg_path, key, f"{key} values must be whole numbers (ranks)",
-                         '{"<module>": <positive integer>, ...}', pat)
+    ok = isinstance(pat, dict) and all(number(v) is not None and v > 0 for v in pat.values())
+    if not ok or (integer and any(whole(v) is None for v in pat.values())):
+        want = "integer" if ok else "number"
+        raise bad_config(cfg_path, key, f"{key} values must be whole numbers (ranks)" if ok
+                         else f"{key} must map module names to positive numbers",
+                         f'{{"<module>": <positive {want}>, ...}}', pat)
     _check_regexes(cfg_path, key, list(pat))
     return dict(pat)
 
