@@ -91,26 +91,21 @@ def _dtype_code(adapter: Adapter, dtype: Optional[str]) -> str:
     return code
 
 
-def _encode(name: str, x: np.ndarray, code: str) -> np.ndarray:
-    """``x`` as storage of dtype ``code``, refused unless every value is held exactly."""
+def _enc(name: str, x: np.ndarray, code: str) -> Tuple[str, np.ndarray, str]:
+    """(name, ``x`` as storage of dtype ``code``, code), refused unless every value is held
+    exactly."""
     x = np.ascontiguousarray(x)
     if code == "F32":
-        y = x.astype(np.float32)
-        if not np.array_equal(y.astype(np.float64), x.astype(np.float64)):
-            raise _inexact(name, code)
-        return y
-    bits = round_to_format(x.astype(np.float64), _DTYPES[code])
-    if not np.array_equal(to_float32(bits, _DTYPES[code]).astype(np.float64),
-                          x.astype(np.float64)):
-        raise _inexact(name, code)
-    return bits
-
-
-def _inexact(name: str, code: str) -> AdapterError:
-    return AdapterError("adapter tensor cannot be stored exactly in the requested dtype",
-                        tensor=name, expected=f"values {code} holds exactly",
-                        found="values that would be rounded",
-                        hint="save with dtype='F32' (lorakit never rounds an adapter silently)")
+        y = back = x.astype(np.float32)
+    else:
+        y = round_to_format(x.astype(np.float64), _DTYPES[code])
+        back = to_float32(y, _DTYPES[code])
+    if not np.array_equal(back.astype(np.float64), x.astype(np.float64)):
+        raise AdapterError("adapter tensor cannot be stored exactly in the requested dtype",
+                           tensor=name, expected=f"values {code} holds exactly",
+                           found="values that would be rounded",
+                           hint="save with dtype='F32' (lorakit never rounds an adapter silently)")
+    return name, y, code
 
 
 def _write(file: Path, tensors: List[Tuple[str, np.ndarray, str]],
@@ -120,10 +115,6 @@ def _write(file: Path, tensors: List[Tuple[str, np.ndarray, str]],
     with SafetensorsWriter(file, plan, meta) as w:
         for n, a, _ in tensors:
             w.write(n, np.ascontiguousarray(a))
-
-
-def _enc(name: str, x: np.ndarray, code: str) -> Tuple[str, np.ndarray, str]:
-    return name, _encode(name, x, code), code
 
 
 # -- mlx-lm ----------------------------------------------------------------------------------
@@ -331,16 +322,11 @@ def llama_cpp_notes(cfg: Mapping[str, Any]) -> List[str]:
     written (empty: it reads the adapter as PEFT does). It reads ``lora_alpha`` alone
     (scale alpha / r of each tensor's own rank) and refuses DoRA magnitudes and whole
     tensors other than norms."""
-    out = []
-    if cfg.get("alpha_pattern"):
-        out.append("alpha_pattern is ignored (lora_alpha is used for every module)")
-    if cfg.get("use_rslora"):
-        out.append("use_rslora is ignored (alpha / r is used)")
-    if cfg.get("use_dora"):
-        out.append("DoRA magnitudes are refused")
-    if cfg.get("modules_to_save"):
-        out.append("modules_to_save tensors are refused (norms excepted)")
-    return out
+    notes = {"alpha_pattern": "alpha_pattern is ignored (lora_alpha is used for every module)",
+             "use_rslora": "use_rslora is ignored (alpha / r is used)",
+             "use_dora": "DoRA magnitudes are refused",
+             "modules_to_save": "modules_to_save tensors are refused (norms excepted)"}
+    return [text for key, text in notes.items() if cfg.get(key)]
 
 
 def _base_name(adapter: Adapter) -> Optional[str]:
