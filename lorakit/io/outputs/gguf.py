@@ -339,21 +339,17 @@ def write_model_gguf(directory: Path, out: Path, *, outtype: str = "auto",
     groups = _stack_experts(names)
     grouped = {n for v in groups.values() for n in v}
     tied = bool(config.get("tie_word_embeddings"))
+    singles = [(_hf_name(n), [n]) for n in names if not (
+        n in grouped or (tied and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq"))]
     plan: List[Tuple[str, str, List[str]]] = []  # (gguf name, first source name, members)
-    for n in names:
-        if n in grouped or (tied and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq"):
-            continue
-        g = gguf_tensor_name(arch, n_blocks, _hf_name(n))
-        if g is None:
-            raise FormatError("a tensor llama.cpp's names do not cover", file=directory,
-                              tensor=n, expected=f"a {arch} tensor gguf.TensorNameMap maps",
-                              found="no GGUF name")
-        plan.append((g, n, [n]))
-    for key, members in groups.items():
+    for i, (key, members) in enumerate(singles + list(groups.items())):
         g = gguf_tensor_name(arch, n_blocks, key)
         if g is None:
+            one = i < len(singles)
             raise FormatError("a tensor llama.cpp's names do not cover", file=directory,
-                              tensor=members[0], expected="an expert tensor", found="no name")
+                              tensor=members[0], expected=f"a {arch} tensor gguf.TensorNameMap "
+                              "maps" if one else "an expert tensor",
+                              found="no GGUF name" if one else "no name")
         plan.append((g, members[0], members))
     dtypes = {src.tensors[n].dtype for n in names}
     for d in dtypes:
