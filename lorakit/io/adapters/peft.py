@@ -468,15 +468,15 @@ def check_fields(cfg: Dict[str, Any], cfg_path: Path) -> None:
         default, how, text = FIELDS.get(key, (None, "unknown", ""))
         if how in (_READ, _IGNORED) or _empty(val) or val == default:
             continue
-        if how == "unknown":
-            raise bad_config(cfg_path, key, "unknown PEFT config field",
-                             f"a field of PEFT's LoraConfig, or {key} empty", val,
-                             "lorakit reads every field of PEFT 0.21's LoraConfig and refuses "
-                             "a field whose meaning it does not know; if a newer PEFT wrote "
-                             "it, merge with that PEFT's merge_and_unload")
         what, _, todo = text.partition(": ")
-        raise bad_config(cfg_path, key, f"unsupported PEFT feature: {what}",
-                         repr(default).replace("'", '"') if default else _EMPTY, val, todo or None)
+        want = repr(default).replace("'", '"') if default else _EMPTY
+        if how == "unknown":
+            what, want = "", f"a field of PEFT's LoraConfig, or {key} empty"
+            todo = ("lorakit reads every field of PEFT 0.21's LoraConfig and refuses a field "
+                    "whose meaning it does not know; if a newer PEFT wrote it, merge with that "
+                    "PEFT's merge_and_unload")
+        raise bad_config(cfg_path, key, f"unsupported PEFT feature: {what}" if what else
+                         "unknown PEFT config field", want, val, todo or None)
 
 
 def residual_init(cfg: Dict[str, Any]) -> Optional[Tuple[str, Any]]:
