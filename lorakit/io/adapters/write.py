@@ -76,7 +76,6 @@ def save_adapter(adapter: Adapter, path: PathLike, *, format: str = "mlx-lm",
     return out
 
 
-# -- tensors -------------------------------------------------------------------------------
 def _dtype_code(adapter: Adapter, dtype: Optional[str]) -> str:
     if dtype is None:
         try:
@@ -117,7 +116,6 @@ def _write(file: Path, tensors: List[Tuple[str, np.ndarray, str]],
             w.write(n, np.ascontiguousarray(a))
 
 
-# -- mlx-lm ----------------------------------------------------------------------------------
 def _mlx_targets(adapter: Adapter) -> List[LoraTarget]:
     """Targets with per-expert modules stacked back into mlx-lm's switch modules."""
     linear = [t for t in adapter.targets if t.kind == "linear"]
@@ -238,7 +236,6 @@ def _mlx_layout(adapter: Adapter, code: str, num_layers: Optional[int]
     return tensors, cfg, MLX_WEIGHTS
 
 
-# -- PEFT ----------------------------------------------------------------------------------------
 def _peft_targets(adapter: Adapter) -> List[LoraTarget]:
     """Targets with mlx-lm's stacked experts split into PEFT's per-expert modules."""
     out: List[LoraTarget] = []

@@ -139,7 +139,6 @@ class Checkpoint:
                                       expected=f"tensor in {shard}",
                                       found=("in " + info.file.name) if info else "absent")
 
-    # -- config ------------------------------------------------------------------
     @property
     def model_type(self) -> str:
         return str(self.config.get("model_type", "unknown"))
@@ -193,7 +192,6 @@ class Checkpoint:
                        "override" if override is not None else "top level")
         return QuantParams(int(gs), int(bits), mode)
 
-    # -- tensors ------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
