@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -494,8 +494,8 @@ def check_init(cfg: Dict[str, Any], cfg_path: Path, residual_ok: bool) -> None:
     """Refuse an unknown ``init_lora_weights`` and (unless ``residual_ok``) a
     residual-base adapter, naming the field, its value and the fix."""
     init = cfg.get("init_lora_weights", True)
-    if (init.lower() if isinstance(init, str) else init) not in _KEEPS_BASE and not (isinstance(init, str) and
-                                        init.lower().startswith(_CHANGES_BASE)):
+    low = init.lower() if isinstance(init, str) else init
+    if low not in _KEEPS_BASE and not (isinstance(low, str) and low.startswith(_CHANGES_BASE)):
         raise bad_config(cfg_path, "init_lora_weights", "unknown init_lora_weights",
                          f"one of {list(_KEEPS_BASE)} or {list(_CHANGES_BASE)}", init)
     res = residual_init(cfg)
@@ -553,13 +553,11 @@ def convert_residual(trained: Adapter, initial: Adapter) -> Adapter:
         else:
             r, alpha = s.rank_alpha(t.module)
             scale = float(alpha) / (math.sqrt(r) if s.rslora else r)
-            targets.append(LoraTarget(
-                t.module, t.kind, np.concatenate([t.A, t0.A], axis=0),
-                np.concatenate([t.B, -t0.B], axis=1), scale, None, t.names + t0.names))
+            A, B = np.concatenate([t.A, t0.A], axis=0), np.concatenate([t.B, -t0.B], axis=1)
+            targets.append(LoraTarget(t.module, t.kind, A, B, scale, None, t.names + t0.names))
     errors += [f"  {m}: in the initial adapter only (expected the same modules as the "
                "trained one)" for m in init]
     if errors:
         raise problems(initial.weights_file, errors, "the adapter the trained one started "
                        "from: the same modules, ranks and scales")
-    return Adapter(trained.path, "peft", targets, cfg, trained.weights_file,
-                   trained.fine_tune_type, replacements=trained.replacements)
+    return replace(trained, targets=targets, config=cfg, _sha256=None)
