@@ -9,8 +9,8 @@ of range, :func:`check_layer_scope` the modules outside ``keys`` once the base i
 from __future__ import annotations
 
 import re
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 

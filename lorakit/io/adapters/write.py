@@ -24,8 +24,8 @@ from ..formats.safetensors import TensorSpec, read_header
 from ..outputs.directory import TMP_MARK, OutputDirectory, check_output_path
 from ..outputs.safetensors_write import SafetensorsWriter
 from .base import CONFIG, MLX_WEIGHTS, PEFT_PREFIX, PEFT_WEIGHTS, Adapter, LoraTarget
-from .peft import FIELDS
 from .layout import alpha_for, expert_modules, layer_gaps, mlx_scope, restack
+from .peft import FIELDS
 
 __all__ = ["save_adapter"]
 
