@@ -11,19 +11,13 @@ from __future__ import annotations
 
 from ..lazy import lazy_exports
 
-__all__ = ["TensorSource", "Checkpoint", "Adapter", "LoraTarget", "load_adapter",
-           "save_adapter", "bind", "read_header", "SafetensorsWriter", "OutputDirectory"]
-
-__getattr__, __dir__ = lazy_exports(__name__, {
-    "open": ("lorakit.io.formats.source", "open"),
-    "TensorSource": ("lorakit.io.formats.source", "TensorSource"),
-    "Checkpoint": ("lorakit.io.formats.checkpoint", "Checkpoint"),
-    "Adapter": ("lorakit.io.adapters.base", "Adapter"),
-    "LoraTarget": ("lorakit.io.adapters.base", "LoraTarget"),
-    "load_adapter": ("lorakit.io.adapters.load", "load_adapter"),
-    "save_adapter": ("lorakit.io.adapters.write", "save_adapter"),
-    "bind": ("lorakit.io.adapters.naming", "bind"),
-    "read_header": ("lorakit.io.formats.safetensors", "read_header"),
-    "SafetensorsWriter": ("lorakit.io.outputs.safetensors_write", "SafetensorsWriter"),
-    "OutputDirectory": ("lorakit.io.outputs.directory", "OutputDirectory"),
-})
+#: module (under lorakit.io) -> the public names it defines
+_EXPORTS = {"formats.source": ("open", "TensorSource"), "formats.checkpoint": ("Checkpoint",),
+            "adapters.base": ("Adapter", "LoraTarget"), "adapters.load": ("load_adapter",),
+            "adapters.write": ("save_adapter",), "adapters.naming": ("bind",),
+            "formats.safetensors": ("read_header",),
+            "outputs.safetensors_write": ("SafetensorsWriter",),
+            "outputs.directory": ("OutputDirectory",)}
+_NAMES = {n: (f"{__name__}.{m}", n) for m, names in _EXPORTS.items() for n in names}
+__all__ = [n for n in _NAMES if n != "open"]
+__getattr__, __dir__ = lazy_exports(__name__, _NAMES)

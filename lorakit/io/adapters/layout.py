@@ -26,15 +26,12 @@ _IN_LAYER = re.compile(r"^(.+?)\.(\d+)\.(.+)$")
 
 def alpha_for(scale: float, rank: int) -> Union[int, float, None]:
     """A ``lora_alpha`` with ``alpha / rank == scale`` exactly in float64 (an int when
-    whole, as PEFT writes it), or None when no float64 alpha gives that scale.
-
-    ``scale * rank`` is tried first, then its float64 neighbours (a few ulps away).
-    """
+    whole, as PEFT writes it; ``scale * rank`` first, then its neighbours 4 ulps either
+    way), or None."""
     if not (math.isfinite(scale) and scale > 0):
         return None
-    first = float(scale) * rank
-    cands = [first]
-    lo = hi = first
+    cands = [float(scale) * rank]
+    lo = hi = cands[0]
     for _ in range(4):
         lo, hi = math.nextafter(lo, -math.inf), math.nextafter(hi, math.inf)
         cands += [lo, hi]
@@ -84,13 +81,9 @@ def restack(modules: Sequence[str]) -> Dict[str, List[Tuple[int, str]]]:
 
 
 def mlx_scope(modules: Sequence[str], num_layers: Optional[int]) -> Tuple[int, List[str]]:
-    """(num_layers, keys) under which mlx-lm puts a LoRA layer on each of ``modules``.
-
-    Inside ``<prefix>.<i>.<rel>`` the key is ``rel``; elsewhere the whole path.
-    ``num_layers`` None: from the highest block adapted down to the lowest (right when
-    the adapter reaches the model's last block, as mlx-lm's own adapters do; on a
-    deeper model mlx-lm refuses the file loudly, naming each tensor).
-    """
+    """(num_layers, keys) under which mlx-lm puts a LoRA layer on each of ``modules``: the
+    key of ``<prefix>.<i>.<rel>`` is ``rel``, elsewhere the whole path; ``num_layers`` None:
+    from the highest block adapted down to the lowest."""
     keys: List[str] = []
     layers: List[int] = []
     for m in modules:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
@@ -92,45 +93,46 @@ class _Plan:
 
 def mlx_settings(cfg: Dict[str, Any], cfg_path: Path) -> Tuple[str, float, int, MlxScope]:
     """(fine_tune_type, scale, rank, scope) from an mlx-lm adapter config, each checked."""
+    bad = partial(bad_config, cfg_path)
     # mlx-lm before fine_tune_type (0.19) marked DoRA with "use_dora": true
     ftype = cfg.get("fine_tune_type") or ("dora" if cfg.get("use_dora") is True else "lora")
     if ftype not in ("lora", "dora"):
-        raise bad_config(cfg_path, "fine_tune_type", "unsupported fine_tune_type", "lora or dora",
-                         ftype, "a 'full' fine-tune holds whole weights, not an adapter", None)
+        raise bad("fine_tune_type", "unsupported fine_tune_type", "lora or dora",
+                  ftype, "a 'full' fine-tune holds whole weights, not an adapter", None)
     params = cfg.get("lora_parameters")
     if not isinstance(params, dict):
-        raise bad_config(cfg_path, "lora_parameters", "adapter config has no lora_parameters",
-                          '"lora_parameters": {"rank": ..., "scale": ...}', params)
+        raise bad("lora_parameters", "adapter config has no lora_parameters",
+                  '"lora_parameters": {"rank": ..., "scale": ...}', params)
     scale = number(params.get("scale"))
     if scale is None:
         hint = " (mlx-lm uses 'scale', not 'alpha')" if "alpha" in params else ""
-        raise bad_config(cfg_path, "lora_parameters.scale",
-                          "lora_parameters.scale missing or not a number" + hint,
-                          "a finite number", params.get("scale"))
+        raise bad("lora_parameters.scale",
+                  "lora_parameters.scale missing or not a number" + hint,
+                  "a finite number", params.get("scale"))
     rank = whole(params.get("rank"))
     if rank is None:
-        raise bad_config(cfg_path, "lora_parameters.rank",
-                          "lora_parameters.rank missing or not a positive integer",
-                          "a positive integer (the rank mlx-lm builds each LoRA layer with)",
-                          params.get("rank"))
+        raise bad("lora_parameters.rank",
+                  "lora_parameters.rank missing or not a positive integer",
+                  "a positive integer (the rank mlx-lm builds each LoRA layer with)",
+                  params.get("rank"))
     # mlx-lm reads num_layers; its releases before 0.19 wrote the same as lora_layers
     key = "num_layers" if "num_layers" in cfg or "lora_layers" not in cfg else "lora_layers"
     n = cfg.get(key)
     if type(n) is not int:
-        raise bad_config(cfg_path, key, f"{key} missing or not an integer",
-                          "an integer: how many of the last layers carry LoRA (-1: all)", n)
+        raise bad(key, f"{key} missing or not an integer",
+                  "an integer: how many of the last layers carry LoRA (-1: all)", n)
     keys = params.get("keys")
     if keys is not None and not (isinstance(keys, list)
                                  and all(isinstance(k, str) and k for k in keys)):
-        raise bad_config(cfg_path, "lora_parameters.keys",
-                          "lora_parameters.keys must be a list of module paths",
-                          '["self_attn.q_proj", ...] or absent', keys)
+        raise bad("lora_parameters.keys",
+                  "lora_parameters.keys must be a list of module paths",
+                  '["self_attn.q_proj", ...] or absent', keys)
     dropout = params.get("dropout", 0.0)
     p = number(dropout)
     if p is None or not 0 <= p < 1:
-        raise bad_config(cfg_path, "lora_parameters.dropout",
-                          "lora_parameters.dropout is not a probability", "a number in [0, 1)",
-                          dropout)
+        raise bad("lora_parameters.dropout",
+                  "lora_parameters.dropout is not a probability", "a number in [0, 1)",
+                  dropout)
     return ftype, float(scale), rank, MlxScope(n, frozenset(keys) if keys is not None else None)
 
 

@@ -119,12 +119,8 @@ def _stacked_slice(ck: TensorSource, module: str) -> Optional[Tuple[str, int]]:
 
 def bind(adapter: Adapter, ck: TensorSource) -> List[Binding]:
     """Land every target of ``adapter`` on ``ck``'s tensors, or raise one error listing
-    every target that lands nowhere or whose shape disagrees.
-
-    Once every target lands, the adapter's own runtime rules are checked against
-    ``ck`` (:func:`~lorakit.io.adapters.load.check_runtime_scope`: mlx-lm's ``num_layers``
-    and ``keys`` scope, PEFT's ``target_modules`` that must match something), so a
-    fuse never makes a model the adapter could not have run on unfused."""
+    every target that lands nowhere or whose shape disagrees; then check the adapter's own
+    runtime rules (:func:`~lorakit.io.adapters.load.check_runtime_scope`) against ``ck``."""
     out: List[Binding] = []
     errors: List[str] = []
     tied = bool(ck.config.get("tie_word_embeddings", False))
@@ -184,9 +180,8 @@ def bind(adapter: Adapter, ck: TensorSource) -> List[Binding]:
 
 
 def _reached_twice(bindings: List[Binding]) -> List[str]:
-    """One line per checkpoint weight (or expert of a stack) that two targets reach, e.g.
-    ``model.layers.0.q_proj`` and ``layers.0.q_proj`` spelled in one adapter: a runtime
-    applies one of them, so which one a fuse should apply is not defined."""
+    """One line per checkpoint weight (or expert of a stack) that two targets reach (the
+    same module spelled twice: which one a fuse should apply is not defined)."""
     seen: Dict[Tuple[str, Optional[int]], Binding] = {}
     lines = []
     for b in bindings:
@@ -213,9 +208,8 @@ def bindings_by_tensor(bindings: List[Binding]) -> Dict[str, List[Binding]]:
 def bind_replacements(adapter: Adapter, ck: TensorSource, dequantize: bool = False
                       ) -> Dict[str, Replacement]:
     """Checkpoint tensor name -> the adapter's whole replacement for it (PEFT
-    ``modules_to_save``), or one error listing every copy that does not fit: no such
-    tensor, another shape, or a quantized module (whose codes a copy cannot replace
-    unless the fuse writes float weights, ``dequantize``)."""
+    ``modules_to_save``), or one error listing every copy that does not fit (no such
+    tensor, another shape, a quantized module unless ``dequantize``)."""
     out: Dict[str, Replacement] = {}
     errors: List[str] = []
     tied = bool(ck.config.get("tie_word_embeddings", False))

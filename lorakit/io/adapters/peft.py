@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -70,19 +70,16 @@ FIELDS: Dict[str, Tuple[Any, str, str]] = {
     "fan_in_fan_out": (False, _READ, "weights stored (in, out): the delta transposed"),
     "use_dora": (False, _READ, "DoRA: the magnitude rescales the merged rows"),
     "lora_dropout": (0.0, _IGNORED, "training only"),
-    "init_lora_weights": (True, _READ, "pissa, olora, corda, lora_ga and loftq changed the "
-                          "base weights: refused unless converted (initial_adapter)"),
+    "init_lora_weights": (True, _READ, "residual inits (pissa, loftq...) refused unless converted"),
     "loftq_config": ({}, _READ, "LoftQ replaced the base by a quantized residual: refused"),
     "eva_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
     "corda_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
     "lora_ga_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
-    "velora_config": (None, _IGNORED, "VeLoRA changes the backward pass only; PEFT merges "
-                      "it as LoRA"),
+    "velora_config": (None, _IGNORED, "VeLoRA changes backward only; PEFT merges it as LoRA"),
     "megatron_core": ("megatron.core", _IGNORED, "the module megatron_config names"),
     "qalora_group_size": (16, _IGNORED, "used only with use_qalora"),
     "runtime_config": (None, _IGNORED, "runtime settings"),
-    "ensure_weight_tying": (False, _IGNORED, "ties the adapters of tied layers; the "
-                           "tensors are read as saved"),
+    "ensure_weight_tying": (False, _IGNORED, "ties tied layers' adapters; tensors read as saved"),
     "bias": ("none", _REFUSED, "trained biases: lorakit fuses weights only; merge it "
              "with PEFT's merge_and_unload"),
     "lora_bias": (False, _REFUSED, "LoRA bias: merge it with PEFT's merge_and_unload"),
@@ -208,23 +205,22 @@ def _check_regexes(cfg_path: Path, key: str, patterns: Sequence[str]) -> None:
 
 def _positive(cfg_path: Path, key: str, val: Any, integer: bool) -> Any:
     v = number(val)
-    if v is None or v <= 0:
-        raise bad_config(cfg_path, key, f"PEFT config needs a positive {key}",
-                         "a positive number", val)
-    if integer and whole(val) is None:
-        raise bad_config(cfg_path, key, f"PEFT config's {key} must be a whole number",
-                         "a positive integer (a rank)", val)
+    if v is None or v <= 0 or (integer and whole(val) is None):
+        low = v is None or v <= 0
+        raise bad_config(cfg_path, key, f"PEFT config needs a positive {key}" if low else
+                         f"PEFT config's {key} must be a whole number",
+                         "a positive number" if low else "a positive integer (a rank)", val)
     return val
 
 
 def _patterns(cfg: Dict[str, Any], key: str, cfg_path: Path, integer: bool) -> Dict[str, Any]:
     pat = cfg.get(key) or {}
-    if not isinstance(pat, dict) or any(number(v) is None or v <= 0 for v in pat.values()):
-        raise bad_config(cfg_path, key, f"{key} must map module names to positive numbers",
-                         '{"<module>": <positive number>, ...}', pat)
-    if integer and any(whole(v) is None for v in pat.values()):
-        raise bad_config(cfg_path, key, f"{key} values must be whole numbers (ranks)",
-                         '{"<module>": <positive integer>, ...}', pat)
+    ok = isinstance(pat, dict) and all(number(v) is not None and v > 0 for v in pat.values())
+    if not ok or (integer and any(whole(v) is None for v in pat.values())):
+        want = "integer" if ok else "number"
+        raise bad_config(cfg_path, key, f"{key} values must be whole numbers (ranks)" if ok
+                         else f"{key} must map module names to positive numbers",
+                         f'{{"<module>": <positive {want}>, ...}}', pat)
     _check_regexes(cfg_path, key, list(pat))
     return dict(pat)
 
@@ -472,15 +468,15 @@ def check_fields(cfg: Dict[str, Any], cfg_path: Path) -> None:
         default, how, text = FIELDS.get(key, (None, "unknown", ""))
         if how in (_READ, _IGNORED) or _empty(val) or val == default:
             continue
-        if how == "unknown":
-            raise bad_config(cfg_path, key, "unknown PEFT config field",
-                             f"a field of PEFT's LoraConfig, or {key} empty", val,
-                             "lorakit reads every field of PEFT 0.21's LoraConfig and refuses "
-                             "a field whose meaning it does not know; if a newer PEFT wrote "
-                             "it, merge with that PEFT's merge_and_unload")
         what, _, todo = text.partition(": ")
-        raise bad_config(cfg_path, key, f"unsupported PEFT feature: {what}",
-                         repr(default).replace("'", '"') if default else _EMPTY, val, todo or None)
+        want = repr(default).replace("'", '"') if default else _EMPTY
+        if how == "unknown":
+            what, want = "", f"a field of PEFT's LoraConfig, or {key} empty"
+            todo = ("lorakit reads every field of PEFT 0.21's LoraConfig and refuses a field "
+                    "whose meaning it does not know; if a newer PEFT wrote it, merge with that "
+                    "PEFT's merge_and_unload")
+        raise bad_config(cfg_path, key, f"unsupported PEFT feature: {what}" if what else
+                         "unknown PEFT config field", want, val, todo or None)
 
 
 def residual_init(cfg: Dict[str, Any]) -> Optional[Tuple[str, Any]]:
@@ -498,8 +494,8 @@ def check_init(cfg: Dict[str, Any], cfg_path: Path, residual_ok: bool) -> None:
     """Refuse an unknown ``init_lora_weights`` and (unless ``residual_ok``) a
     residual-base adapter, naming the field, its value and the fix."""
     init = cfg.get("init_lora_weights", True)
-    if (init.lower() if isinstance(init, str) else init) not in _KEEPS_BASE and not (isinstance(init, str) and
-                                        init.lower().startswith(_CHANGES_BASE)):
+    low = init.lower() if isinstance(init, str) else init
+    if low not in _KEEPS_BASE and not (isinstance(low, str) and low.startswith(_CHANGES_BASE)):
         raise bad_config(cfg_path, "init_lora_weights", "unknown init_lora_weights",
                          f"one of {list(_KEEPS_BASE)} or {list(_CHANGES_BASE)}", init)
     res = residual_init(cfg)
@@ -557,13 +553,11 @@ def convert_residual(trained: Adapter, initial: Adapter) -> Adapter:
         else:
             r, alpha = s.rank_alpha(t.module)
             scale = float(alpha) / (math.sqrt(r) if s.rslora else r)
-            targets.append(LoraTarget(
-                t.module, t.kind, np.concatenate([t.A, t0.A], axis=0),
-                np.concatenate([t.B, -t0.B], axis=1), scale, None, t.names + t0.names))
+            A, B = np.concatenate([t.A, t0.A], axis=0), np.concatenate([t.B, -t0.B], axis=1)
+            targets.append(LoraTarget(t.module, t.kind, A, B, scale, None, t.names + t0.names))
     errors += [f"  {m}: in the initial adapter only (expected the same modules as the "
                "trained one)" for m in init]
     if errors:
         raise problems(initial.weights_file, errors, "the adapter the trained one started "
                        "from: the same modules, ranks and scales")
-    return Adapter(trained.path, "peft", targets, cfg, trained.weights_file,
-                   trained.fine_tune_type, replacements=trained.replacements)
+    return replace(trained, targets=targets, config=cfg, _sha256=None)

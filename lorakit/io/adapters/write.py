@@ -9,6 +9,7 @@ is folded into ``lora_b`` exactly; lower ranks are zero-padded), a scale no floa
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections import Counter
@@ -24,6 +25,7 @@ from ..outputs.directory import TMP_MARK, OutputDirectory, check_output_path
 from ..outputs.safetensors_write import SafetensorsWriter
 from .base import CONFIG, MLX_WEIGHTS, PEFT_PREFIX, PEFT_WEIGHTS, Adapter, LoraTarget
 from .layout import alpha_for, expert_modules, layer_gaps, mlx_scope, restack
+from .peft import FIELDS
 
 __all__ = ["save_adapter"]
 
@@ -74,7 +76,6 @@ def save_adapter(adapter: Adapter, path: PathLike, *, format: str = "mlx-lm",
     return out
 
 
-# -- tensors -------------------------------------------------------------------------------
 def _dtype_code(adapter: Adapter, dtype: Optional[str]) -> str:
     if dtype is None:
         try:
@@ -89,26 +90,21 @@ def _dtype_code(adapter: Adapter, dtype: Optional[str]) -> str:
     return code
 
 
-def _encode(name: str, x: np.ndarray, code: str) -> np.ndarray:
-    """``x`` as storage of dtype ``code``, refused unless every value is held exactly."""
+def _enc(name: str, x: np.ndarray, code: str) -> Tuple[str, np.ndarray, str]:
+    """(name, ``x`` as storage of dtype ``code``, code), refused unless every value is held
+    exactly."""
     x = np.ascontiguousarray(x)
     if code == "F32":
-        y = x.astype(np.float32)
-        if not np.array_equal(y.astype(np.float64), x.astype(np.float64)):
-            raise _inexact(name, code)
-        return y
-    bits = round_to_format(x.astype(np.float64), _DTYPES[code])
-    if not np.array_equal(to_float32(bits, _DTYPES[code]).astype(np.float64),
-                          x.astype(np.float64)):
-        raise _inexact(name, code)
-    return bits
-
-
-def _inexact(name: str, code: str) -> AdapterError:
-    return AdapterError("adapter tensor cannot be stored exactly in the requested dtype",
-                        tensor=name, expected=f"values {code} holds exactly",
-                        found="values that would be rounded",
-                        hint="save with dtype='F32' (lorakit never rounds an adapter silently)")
+        y = back = x.astype(np.float32)
+    else:
+        y = round_to_format(x.astype(np.float64), _DTYPES[code])
+        back = to_float32(y, _DTYPES[code])
+    if not np.array_equal(back.astype(np.float64), x.astype(np.float64)):
+        raise AdapterError("adapter tensor cannot be stored exactly in the requested dtype",
+                           tensor=name, expected=f"values {code} holds exactly",
+                           found="values that would be rounded",
+                           hint="save with dtype='F32' (lorakit never rounds an adapter silently)")
+    return name, y, code
 
 
 def _write(file: Path, tensors: List[Tuple[str, np.ndarray, str]],
@@ -120,11 +116,6 @@ def _write(file: Path, tensors: List[Tuple[str, np.ndarray, str]],
             w.write(n, np.ascontiguousarray(a))
 
 
-def _enc(name: str, x: np.ndarray, code: str) -> Tuple[str, np.ndarray, str]:
-    return name, _encode(name, x, code), code
-
-
-# -- mlx-lm ----------------------------------------------------------------------------------
 def _mlx_targets(adapter: Adapter) -> List[LoraTarget]:
     """Targets with per-expert modules stacked back into mlx-lm's switch modules."""
     linear = [t for t in adapter.targets if t.kind == "linear"]
@@ -245,7 +236,6 @@ def _mlx_layout(adapter: Adapter, code: str, num_layers: Optional[int]
     return tensors, cfg, MLX_WEIGHTS
 
 
-# -- PEFT ----------------------------------------------------------------------------------------
 def _peft_targets(adapter: Adapter) -> List[LoraTarget]:
     """Targets with mlx-lm's stacked experts split into PEFT's per-expert modules."""
     out: List[LoraTarget] = []
@@ -301,6 +291,12 @@ def _peft_layout(adapter: Adapter, code: str
     return tensors, cfg, PEFT_WEIGHTS
 
 
+#: FIELDS that PEFT 0.21's save_pretrained leaves out of a LoRA config
+_UNWRITTEN = {"arrow_config", "ensure_weight_tying", "kasa_config", "lora_ga_config",
+              "monteclora_config", "peft_version", "qalora_group_size", "runtime_config",
+              "use_bdlora", "velora_config"}
+
+
 def peft_config(targets: Sequence[LoraTarget], alphas: Mapping[str, Any],
                 modules_to_save: Sequence[str], base: Optional[str]) -> Dict[str, Any]:
     """A PEFT 0.21 ``adapter_config.json`` adapting exactly ``targets`` (by full module
@@ -310,21 +306,12 @@ def peft_config(targets: Sequence[LoraTarget], alphas: Mapping[str, Any],
     r, alpha = pairs.most_common(1)[0][0] if pairs else (8, 8)
     rank_pattern = {t.module: t.rank for t in targets if t.rank != r}
     alpha_pattern = {t.module: alphas[t.module] for t in targets if alphas[t.module] != alpha}
-    return {
-        "alora_invocation_tokens": None, "alpha_pattern": alpha_pattern, "auto_mapping": None,
-        "base_model_name_or_path": base, "bias": "none", "corda_config": None,
-        "eva_config": None, "exclude_modules": None, "fan_in_fan_out": False,
-        "inference_mode": True, "init_lora_weights": True, "layer_replication": None,
-        "layers_pattern": None, "layers_to_transform": None, "loftq_config": {},
-        "lora_alpha": alpha, "lora_bias": False, "lora_dropout": 0.0,
-        "megatron_config": None, "megatron_core": "megatron.core",
-        "modules_to_save": sorted(set(modules_to_save)) or None, "peft_type": "LORA",
-        "r": r, "rank_pattern": rank_pattern, "revision": None,
-        "target_modules": sorted(t.module for t in targets), "target_parameters": None,
-        "task_type": "CAUSAL_LM", "trainable_token_indices": None,
-        "use_dora": any(t.is_dora for t in targets), "use_qalora": False,
-        "use_rslora": False,
-    }
+    cfg = {k: copy.deepcopy(v[0]) for k, v in sorted(FIELDS.items()) if k not in _UNWRITTEN}
+    cfg.update(alpha_pattern=alpha_pattern, base_model_name_or_path=base, inference_mode=True,
+               lora_alpha=alpha, modules_to_save=sorted(set(modules_to_save)) or None, r=r,
+               rank_pattern=rank_pattern, target_modules=sorted(t.module for t in targets),
+               task_type="CAUSAL_LM", use_dora=any(t.is_dora for t in targets))
+    return cfg
 
 
 def llama_cpp_notes(cfg: Mapping[str, Any]) -> List[str]:
@@ -332,16 +319,11 @@ def llama_cpp_notes(cfg: Mapping[str, Any]) -> List[str]:
     written (empty: it reads the adapter as PEFT does). It reads ``lora_alpha`` alone
     (scale alpha / r of each tensor's own rank) and refuses DoRA magnitudes and whole
     tensors other than norms."""
-    out = []
-    if cfg.get("alpha_pattern"):
-        out.append("alpha_pattern is ignored (lora_alpha is used for every module)")
-    if cfg.get("use_rslora"):
-        out.append("use_rslora is ignored (alpha / r is used)")
-    if cfg.get("use_dora"):
-        out.append("DoRA magnitudes are refused")
-    if cfg.get("modules_to_save"):
-        out.append("modules_to_save tensors are refused (norms excepted)")
-    return out
+    notes = {"alpha_pattern": "alpha_pattern is ignored (lora_alpha is used for every module)",
+             "use_rslora": "use_rslora is ignored (alpha / r is used)",
+             "use_dora": "DoRA magnitudes are refused",
+             "modules_to_save": "modules_to_save tensors are refused (norms excepted)"}
+    return [text for key, text in notes.items() if cfg.get(key)]
 
 
 def _base_name(adapter: Adapter) -> Optional[str]:

@@ -34,20 +34,14 @@ class QuantParams:
     mode: str = "affine"
 
 
-def _posint(x: Any) -> bool:
-    return type(x) is int and x > 0
-
-
 #: modes whose scales are shared exponents (uint8) and that have no biases.
 _FP_MODES = ("mxfp4", "nvfp4", "mxfp8")
 
 
 def _check_packing(w: TensorInfo, s: TensorInfo, gs: int, bits: int, mode: str,
                    biases: Optional[TensorInfo], where: str) -> None:
-    """Raise unless weight ``w`` and scales ``s`` are what ``bits`` / ``gs`` / ``mode`` pack.
-
-    Packing: ``in`` values of ``bits`` bits fill ``in * bits / 32`` uint32 columns;
-    one scale per ``gs`` values. So ``cols * 32 == bits * scale_cols * gs``."""
+    """Raise unless weight ``w`` and scales ``s`` are what ``bits`` / ``gs`` / ``mode`` pack:
+    ``cols * 32 == bits * scale_cols * gs``."""
     cols, groups = w.shape[-1], s.shape[-1]
     if cols * 32 != bits * groups * gs:
         in_dims = groups * gs
@@ -73,11 +67,8 @@ def _check_packing(w: TensorInfo, s: TensorInfo, gs: int, bits: int, mode: str,
 
 
 class Checkpoint:
-    """A base checkpoint directory, opened lazily: the directory implementation of
-    :class:`~lorakit.io.formats.source.TensorSource` (``kind == "checkpoint"``).
-
-    ``config`` is the parsed config.json, ``tensors`` each :class:`TensorInfo` by name in
-    file order, ``shards`` the shard file names in order.
+    """A base checkpoint directory, opened lazily (a
+    :class:`~lorakit.io.formats.source.TensorSource` of ``kind == "checkpoint"``).
 
     >>> ck = Checkpoint("data/tiny-qwen3"); ck.dtype, len(ck.tensors)
     ('BF16', 46)
@@ -148,7 +139,6 @@ class Checkpoint:
                                       expected=f"tensor in {shard}",
                                       found=("in " + info.file.name) if info else "absent")
 
-    # -- config ------------------------------------------------------------------
     @property
     def model_type(self) -> str:
         return str(self.config.get("model_type", "unknown"))
@@ -166,13 +156,9 @@ class Checkpoint:
         return q if isinstance(q, dict) else {}
 
     def quant_params(self, module: str) -> Optional[QuantParams]:
-        """Packing parameters of quantized module ``module`` (None if not quantized).
-
-        They come from config.json's ``quantization`` (a per-module entry overriding
-        the top level, as mlx-lm reads it) and are checked against the packed tensors:
-        a U32 weight of ``in * bits / 32`` columns and scales of ``in / group_size``
-        columns. A config that disagrees with the codes is refused (a fused copy would
-        carry the wrong numbers into its own config)."""
+        """Packing of quantized ``module`` (None if not quantized), from config.json's
+        ``quantization`` (a per-module entry first, as mlx-lm reads it), refused unless the
+        packed tensors agree."""
         if f"{module}.scales" not in self.tensors:
             return None
         s = self.tensors[f"{module}.scales"]
@@ -197,7 +183,7 @@ class Checkpoint:
         src = override if isinstance(override, dict) else q
         mode = str(src.get("mode", "affine"))
         gs, bits = src.get("group_size"), src.get("bits")
-        if not (_posint(gs) and _posint(bits)):
+        if not all(type(x) is int and x > 0 for x in (gs, bits)):
             raise FormatError("cannot tell how a quantized weight was packed",
                               file=w.file, tensor=w.name,
                               expected="quantization {group_size, bits} (positive integers) "
@@ -206,7 +192,6 @@ class Checkpoint:
                        "override" if override is not None else "top level")
         return QuantParams(int(gs), int(bits), mode)
 
-    # -- tensors ------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 

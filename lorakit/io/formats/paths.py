@@ -14,6 +14,7 @@ import json
 import os
 import re
 import stat
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,28 +29,28 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 
 
 def load_json(path: Path, what: str) -> Any:
+    bad = partial(FormatError, file=path)
     try:
         st = path.stat()
         if not stat.S_ISREG(st.st_mode):
             # a FIFO or device would block or never end
-            raise FormatError(f"{what} is not a regular file", file=path,
-                              expected="a JSON file", found=_file_kind(st.st_mode))
+            raise bad(f"{what} is not a regular file", expected="a JSON file",
+                      found=_file_kind(st.st_mode))
         if st.st_size > MAX_JSON_BYTES:
-            raise FormatError(f"{what} is implausibly large", file=path,
-                              expected=f"<= {MAX_JSON_BYTES} bytes", found=f"{st.st_size} bytes")
+            raise bad(f"{what} is implausibly large", expected=f"<= {MAX_JSON_BYTES} bytes",
+                      found=f"{st.st_size} bytes")
         with open(path, "rb") as f:
             return json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
-        raise FormatError(f"{what} is missing", file=path, expected=f"a {path.name} file",
-                          found="no such file",
-                          hint="point at a model directory with config.json"
-                          if path.name == "config.json" else None) from None
+        raise bad(f"{what} is missing", expected=f"a {path.name} file", found="no such file",
+                  hint="point at a model directory with config.json"
+                  if path.name == "config.json" else None) from None
     except (ValueError, RecursionError) as e:  # JSON, UTF-8 and int-size errors
-        raise FormatError(f"{what} is not valid JSON", file=path, expected="valid UTF-8 JSON",
-                          found=f"{type(e).__name__}: {str(e)[:100]}") from None
+        raise bad(f"{what} is not valid JSON", expected="valid UTF-8 JSON",
+                  found=f"{type(e).__name__}: {str(e)[:100]}") from None
     except OSError as e:
-        raise FormatError(f"cannot read {what}: {e.strerror or e}", file=path,
-                          expected="a readable file", found=type(e).__name__) from None
+        raise bad(f"cannot read {what}: {e.strerror or e}", expected="a readable file",
+                  found=type(e).__name__) from None
 
 
 def is_hub_blob(link: Path, target: Path) -> bool:
@@ -128,22 +129,22 @@ def short_path(path: PathLike) -> str:
 def check_model_dir(path: Path) -> None:
     """Refuse a model path that is not an accessible directory, saying why."""
     st = stat_path(path, "model path")
+    bad = partial(FormatError, file=short_path(path))
     if st is None and not path.is_symlink():
-        raise FormatError("model path does not exist: no such directory", file=short_path(path),
-                          expected="a local model directory or a hub repo id (owner/name)",
-                          found="no such file or directory",
-                          hint=_did_you_mean(path) or "check the path for typos")
+        raise bad("model path does not exist: no such directory",
+                  expected="a local model directory or a hub repo id (owner/name)",
+                  found="no such file or directory",
+                  hint=_did_you_mean(path) or "check the path for typos")
     if st is None or not stat.S_ISDIR(st.st_mode):
-        raise FormatError("model path is not a directory", file=short_path(path),
-                          expected="a model directory with config.json",
-                          found="a link to nothing" if st is None else "a file"
-                          if stat.S_ISREG(st.st_mode) else _file_kind(st.st_mode),
-                          hint="give a local model directory (or a hub repo id)")
+        raise bad("model path is not a directory", expected="a model directory with config.json",
+                  found="a link to nothing" if st is None else "a file"
+                  if stat.S_ISREG(st.st_mode) else _file_kind(st.st_mode),
+                  hint="give a local model directory (or a hub repo id)")
     if not os.access(path, os.R_OK | os.X_OK):
-        raise FormatError("cannot use the model path: permission denied", file=short_path(path),
-                          expected="a directory you can list and read",
-                          found=f"mode {stat.filemode(st.st_mode)}",
-                          hint="check the directory's permissions")
+        raise bad("cannot use the model path: permission denied",
+                  expected="a directory you can list and read",
+                  found=f"mode {stat.filemode(st.st_mode)}",
+                  hint="check the directory's permissions")
 
 
 def _did_you_mean(path: Path) -> Optional[str]:

@@ -347,20 +347,21 @@ def read_raw(info: TensorInfo, rows: Optional[slice] = None) -> np.ndarray:
     """Read one tensor (or a slice of its leading axis) as its storage, read-only: floats
     as float16/32/64, bf16 as uint16 bits, fp8 as uint8. Only the bytes asked for are read;
     packed sub-byte dtypes (F4, F6_*) are refused by name."""
+    def bad(message: str, expected: str, found: str, hint: Optional[str] = None) -> FormatError:
+        return FormatError(message, file=info.file, tensor=info.name, expected=expected,
+                           found=found, hint=hint)
+
     if info.dtype not in NUMPY_STORAGE:
-        raise FormatError(f"lorakit cannot compute on {info.dtype} tensors (packed "
-                          f"{DTYPE_BITS[info.dtype]}-bit elements)", file=info.file,
-                          tensor=info.name, expected="one of " + ", ".join(NUMPY_STORAGE),
-                          found=info.dtype,
-                          hint="such tensors are copied through untouched; an adapter "
-                          "cannot be fused into one")
+        raise bad(f"lorakit cannot compute on {info.dtype} tensors (packed "
+                  f"{DTYPE_BITS[info.dtype]}-bit elements)", "one of " + ", ".join(NUMPY_STORAGE),
+                  info.dtype, "such tensors are copied through untouched; an adapter cannot be "
+                  "fused into one")
     import numpy as np  # lazy: header-only paths start without numpy
 
     maxdims = 64 if int(np.__version__.split(".")[0]) >= 2 else 32
     if len(info.shape) > maxdims:
-        raise FormatError("tensor has more dimensions than numpy supports", file=info.file,
-                          tensor=info.name, expected=f"<= {maxdims} dimensions",
-                          found=f"{len(info.shape)} dimensions")
+        raise bad("tensor has more dimensions than numpy supports", f"<= {maxdims} dimensions",
+                  f"{len(info.shape)} dimensions")
     dt = NUMPY_STORAGE[info.dtype]
     shape = info.shape
     begin, count = info.begin, info.numel
@@ -376,8 +377,7 @@ def read_raw(info: TensorInfo, rows: Optional[slice] = None) -> np.ndarray:
         shape = (max(stop - start, 0),) + tuple(shape[1:])
     want = count * dt.itemsize  # Python ints: no overflow; the header check bounded it
     if begin + want > info.end:
-        raise FormatError("read past the tensor's data", file=info.file, tensor=info.name,
-                          expected=f"<= {info.nbytes} bytes", found=f"{want} bytes")
+        raise bad("read past the tensor's data", f"<= {info.nbytes} bytes", f"{want} bytes")
     buf = np.empty(count, dt)  # read straight into the array
     view = memoryview(buf).cast("B")
     got = 0
@@ -389,15 +389,13 @@ def read_raw(info: TensorInfo, rows: Optional[slice] = None) -> np.ndarray:
                 break
             got += n
     if got != want:
-        raise FormatError("file ended before the tensor's data", file=info.file,
-                          tensor=info.name, expected=f"{want} bytes", found=f"{got} bytes")
+        raise bad("file ended before the tensor's data", f"{want} bytes", f"{got} bytes")
     buf.flags.writeable = False  # a tensor read is the file's, not to edit
     try:
         return buf.reshape(shape)
     except ValueError:  # a dimension past numpy's index type (2**63), with zero elements
-        raise FormatError("numpy cannot hold this tensor's shape", file=info.file,
-                          tensor=info.name, expected="dimensions below 2**63",
-                          found=f"{list(info.shape)}"[:80]) from None
+        raise bad("numpy cannot hold this tensor's shape", "dimensions below 2**63",
+                  f"{list(info.shape)}"[:80]) from None
 
 
 def raw_to_mx(raw: np.ndarray, dtype: str):

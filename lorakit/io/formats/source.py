@@ -5,10 +5,6 @@ or an mlx-lm model in memory (:class:`ModelSource`) satisfies :class:`TensorSour
 dtype codes and shapes without touching data, one tensor's raw storage on request, the
 config, the majority float dtype and the quantized modules' packing. :func:`open` is the
 one door every verb reads its inputs through.
-
->>> src = open("data/tiny-qwen3")
->>> src.kind, src.dtype, "model.norm.weight" in src
-('checkpoint', 'BF16', True)
 """
 from __future__ import annotations
 
@@ -180,18 +176,14 @@ def _adapter_source(p: Path) -> FileSource:
 
 def open(x: Any, label: Optional[str] = None, *,  # noqa: A001  (lorakit.open)
          checkpoint: bool = False) -> TensorSource:
-    """The one door for every input: a :class:`TensorSource` for a checkpoint directory
-    or hub repo id (resolved by mlx-lm's downloader, offline from the Hugging Face
-    cache with ``HF_HUB_OFFLINE=1``), an adapter directory, a ``.safetensors`` file, a
-    source already, or an mlx-lm model in memory. ``checkpoint=True`` accepts only a
-    checkpoint (what a fuse or a timing run needs).
+    """A :class:`TensorSource` for a checkpoint directory or hub repo id, an adapter
+    directory, a ``.safetensors`` file, a source, or an mlx-lm model in memory;
+    ``checkpoint=True`` accepts only a checkpoint.
 
     >>> import lorakit
     >>> src = lorakit.open("data/tiny-qwen3")
     >>> src.model_type, src.tensors["model.norm.weight"].dtype
     ('qwen3', 'BF16')
-    >>> lorakit.open("data/adapters/lora").kind
-    'adapter'
     """
     src: TensorSource
     if isinstance(x, (Checkpoint, _SourceBase)):

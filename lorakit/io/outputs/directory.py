@@ -85,8 +85,11 @@ def _temporaries(out: Path) -> List[Tuple[Path, int]]:
     return sorted(found)
 
 
-def _alive(pid: int) -> bool:
-    """Whether a process with this pid exists (ours, or one we may not signal)."""
+def _is_live(p: Path, pid: int) -> bool:
+    """Whether temporary ``p`` of process ``pid`` is being written (``pid`` exists, ours or
+    one we may not signal; for this process, ``p`` is in :data:`ACTIVE`)."""
+    if pid == os.getpid():
+        return p in ACTIVE
     if pid <= 0:
         return False
     try:
@@ -96,10 +99,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         pass
     return True
-
-
-def _is_live(p: Path, pid: int) -> bool:
-    return p in ACTIVE if pid == os.getpid() else _alive(pid)
 
 
 def stale_temporaries(out: Path) -> List[Path]:
@@ -223,14 +222,9 @@ def _check_replaceable(out: Path, st: os.stat_result, *, force: bool, allow_empt
 
 
 class _SignalGuard:
-    """SIGTERM/SIGHUP -> :class:`Interrupted` while installed (main thread only).
-
-    A signal that was ignored (``nohup``) stays ignored. While ``defer`` is set
-    (publishing, cleaning up) a signal, SIGINT included, is only recorded, so a
-    second Ctrl-C cannot cut a cleanup short. On ``restore`` the previous handlers
-    come back and a recorded SIGTERM/SIGHUP is delivered to them: a process whose
-    default was to die still dies of that signal, after the cleanup.
-    """
+    """SIGTERM/SIGHUP -> :class:`Interrupted` while installed (main thread only; an ignored
+    signal stays ignored). While ``defer`` is set a signal is only recorded; ``restore``
+    brings the previous handlers back and delivers a recorded SIGTERM/SIGHUP to them."""
 
     def __init__(self) -> None:
         self.previous: Dict[int, Any] = {}

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -339,21 +340,17 @@ def write_model_gguf(directory: Path, out: Path, *, outtype: str = "auto",
     groups = _stack_experts(names)
     grouped = {n for v in groups.values() for n in v}
     tied = bool(config.get("tie_word_embeddings"))
+    singles = [(_hf_name(n), [n]) for n in names if not (
+        n in grouped or (tied and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq"))]
     plan: List[Tuple[str, str, List[str]]] = []  # (gguf name, first source name, members)
-    for n in names:
-        if n in grouped or (tied and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq"):
-            continue
-        g = gguf_tensor_name(arch, n_blocks, _hf_name(n))
-        if g is None:
-            raise FormatError("a tensor llama.cpp's names do not cover", file=directory,
-                              tensor=n, expected=f"a {arch} tensor gguf.TensorNameMap maps",
-                              found="no GGUF name")
-        plan.append((g, n, [n]))
-    for key, members in groups.items():
+    for i, (key, members) in enumerate(singles + list(groups.items())):
         g = gguf_tensor_name(arch, n_blocks, key)
         if g is None:
+            one = i < len(singles)
             raise FormatError("a tensor llama.cpp's names do not cover", file=directory,
-                              tensor=members[0], expected="an expert tensor", found="no name")
+                              tensor=members[0], expected=f"a {arch} tensor gguf.TensorNameMap "
+                              "maps" if one else "an expert tensor",
+                              found="no GGUF name" if one else "no name")
         plan.append((g, members[0], members))
     dtypes = {src.tensors[n].dtype for n in names}
     for d in dtypes:
@@ -398,30 +395,28 @@ def write_lora_gguf(adapter: Any, config: Mapping[str, Any], out: Path, *,
     times its scale and alpha 0 (applied at scale 1)."""
     gguf = _gguf()
     arch = check_gguf_model(config, "GGUF-LoRA export")
+    bad = partial(AdapterError, file=adapter.path)
     if outtype not in ("f32", "f16"):
         raise FormatError("unknown GGUF-LoRA outtype", expected="f32 or f16",
                           found=repr(outtype))
     if adapter.is_dora:
-        raise AdapterError("llama.cpp's LoRA GGUF cannot hold a DoRA adapter",
-                           file=adapter.path, tensor=next(t.module for t in adapter.targets
-                                                          if t.is_dora),
-                           expected="a plain LoRA adapter", found="DoRA magnitudes",
-                           hint="fuse it (lorakit fuse --export-gguf) instead")
+        raise bad("llama.cpp's LoRA GGUF cannot hold a DoRA adapter",
+                  tensor=next(t.module for t in adapter.targets if t.is_dora),
+                  expected="a plain LoRA adapter", found="DoRA magnitudes",
+                  hint="fuse it (lorakit fuse --export-gguf) instead")
     if adapter.replacements:
-        raise AdapterError("llama.cpp's LoRA GGUF cannot replace whole tensors",
-                           file=adapter.path, tensor=adapter.replacements[0].name,
-                           expected="LoRA factors only", found="modules_to_save")
+        raise bad("llama.cpp's LoRA GGUF cannot replace whole tensors",
+                  tensor=adapter.replacements[0].name, expected="LoRA factors only",
+                  found="modules_to_save")
     n_blocks = int(config["num_hidden_layers"])
     for t in adapter.targets:
         if t.kind != "linear":
-            raise AdapterError("llama.cpp's LoRA GGUF export covers Linear layers only",
-                               file=adapter.path, tensor=t.module, expected="a Linear target",
-                               found=f"a {t.kind} target",
-                               hint="fuse it (lorakit fuse --export-gguf) instead")
+            raise bad("llama.cpp's LoRA GGUF export covers Linear layers only", tensor=t.module,
+                      expected="a Linear target", found=f"a {t.kind} target",
+                      hint="fuse it (lorakit fuse --export-gguf) instead")
         if t.module.endswith("lm_head") and config.get("tie_word_embeddings"):
-            raise AdapterError("an lm_head LoRA on a tied-embedding base", file=adapter.path,
-                               tensor=t.module, expected="an untied lm_head",
-                               found="tie_word_embeddings: true")
+            raise bad("an lm_head LoRA on a tied-embedding base", tensor=t.module,
+                      expected="an untied lm_head", found="tie_word_embeddings: true")
     scales = [np.asarray(t.scale, dtype=np.float64) for t in adapter.targets]
     alphas = {float(s) * t.rank for s, t in zip(scales, adapter.targets) if s.ndim == 0}
     uniform = len(alphas) == 1 and all(s.ndim == 0 for s in scales)
@@ -430,9 +425,8 @@ def write_lora_gguf(adapter: Any, config: Mapping[str, Any], out: Path, *,
     for t, s in zip(adapter.targets, scales):
         g = gguf_tensor_name(arch, n_blocks, t.module + ".weight")
         if g is None:
-            raise AdapterError("a target llama.cpp's names do not cover", file=adapter.path,
-                               tensor=t.module, expected=f"a {arch} Linear layer",
-                               found="no GGUF tensor name")
+            raise bad("a target llama.cpp's names do not cover", tensor=t.module,
+                      expected=f"a {arch} Linear layer", found="no GGUF tensor name")
         A = np.asarray(t.A, dtype=np.float32)
         B = np.asarray(t.B, dtype=np.float32)
         if not uniform:
