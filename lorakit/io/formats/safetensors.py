@@ -12,6 +12,7 @@ API cannot), only the bytes asked for.
 from __future__ import annotations
 
 import json
+import re
 import stat
 import struct
 from dataclasses import dataclass, field
@@ -260,6 +261,21 @@ def _file_kind(mode: int) -> str:
     return next((kind for test, kind in kinds.items() if test(mode)), "not a regular file")
 
 
+# A plain header: strings without escapes, non-negative integers, null, and objects of
+# three fields (or string-valued metadata) nested as safetensors nests them. JSON-level
+# quirks (escapes, signs, fractions, deeper nesting) all fall outside it; inside it the
+# rules left are the ones ``_check_header`` applies, so the reference has nothing to add.
+_VALUE = rb"(?:s|null|\[(?:\d+(?:,\d+)*)?\])"
+_MEMBERS = rb"(?:s:\{s:V,s:V,s:V\}|s:\{(?:s:s(?:,s:s)*)?\}|s:\[V,V,V\]|s:null)".replace(b"V", _VALUE)
+_PLAIN = re.compile(rb"\{(?:M(?:,M)*)?\}".replace(b"M", _MEMBERS))
+
+
+def _plain(raw: bytes) -> bool:
+    if b"\\" in raw or raw[:1] != b"{":  # the reference wants "{" first, no escapes here
+        return False
+    return _PLAIN.fullmatch(re.sub(rb"[ \t\n\r]+", b"", re.sub(rb'"[^"]*"', b"s", raw))) is not None
+
+
 def read_header(path: PathLike) -> SafetensorsHeader:
     """Read a safetensors header, checked by the reference, without reading tensor data.
 
@@ -275,11 +291,6 @@ def read_header(path: PathLike) -> SafetensorsHeader:
         if not stat.S_ISREG(st.st_mode):
             # a FIFO or device would block or stream forever; a directory cannot be read
             raise _bad(path, "not a regular file", None, "a regular file", _file_kind(st.st_mode))
-        try:
-            with safe_open(str(path), framework="numpy"):
-                refused = ""
-        except SafetensorError as e:
-            refused = str(e).split("header: ", 1)[-1]
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -307,9 +318,13 @@ def read_header(path: PathLike) -> SafetensorsHeader:
         meta, infos = _check_header(path, obj, 8 + n, st.st_size - 8 - n)
     except Bad as e:
         raise _bad(path, *e.args) from None
-    if refused:
-        raise _bad(path, "the reference parser refuses the header", None,
-                   "a header safetensors reads", refused[:200])
+    if not _plain(raw):
+        try:  # the reference's verdict (it imports numpy: a plain header does not need it)
+            with safe_open(str(path), framework="numpy"):
+                pass
+        except SafetensorError as e:
+            raise _bad(path, "the reference parser refuses the header", None,
+                       "a header safetensors reads", str(e).split("header: ", 1)[-1][:200])
     return SafetensorsHeader(path, 8 + n, meta, {t.name: t for t in infos})
 
 
