@@ -152,7 +152,7 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
     fz = _Fuse(ck, adapter, by_tensor, opts, replaced, resolve(ck, by_tensor, opts, progress))
     try:
         with OutputDirectory(out, force=force) as od:
-            result = fz.write(od.tmp, out, progress, t0)
+            result = fz.write(od.tmp, out, progress)
             names = list(ck.tensors)  # the transformers layout: stacked experts split, bytes kept
             if opts.layout == "transformers" and any(is_stacked(n) for n in names):
                 names, dtypes, size = to_transformers(od.tmp, ck.config, INDEX_NAME)
@@ -176,7 +176,7 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
                         file=e.filename or out, expected="readable inputs and room to write",
                         found=f"{type(e).__name__} (errno {e.errno})") from e
     result.seconds = time.perf_counter() - t0
-    result.summary = dict(result._rows())
+    result.__post_init__()  # the rows and summary of what was written
     return result
 
 
@@ -258,14 +258,14 @@ class _Fuse:
             raw, code = _read_weight(ck, it, rounding), src.dtype
         return _fuse_float(raw, code, binds, rounding, policy, it.name)[0]
 
-    def write(self, tmp: Path, out: Path, progress: Any, t0: float) -> FuseResult:
+    def write(self, tmp: Path, out: Path, progress: Any) -> FuseResult:
         """Write every shard into ``tmp`` (cloned from the base where it can), then the
         sidecar files; the tensors' work runs ahead of the writer in :class:`_Jobs`."""
         ck, opts, adapter = self.ck, self.opts, self.adapter
+        r = FuseResult(output=out, base=ck.path, adapter=adapter.path, options=opts,
+                       dequantized=opts.dequantize and ck.quantization is not None)
         dtypes: Counter = Counter()
-        requant: List[RequantStat] = []
-        fused_names, replaced_names, weight_map = [], [], {}
-        paths: Dict[str, str] = {}  # shard -> clone and patch, or written whole and why
+        weight_map: Dict[str, str] = {}
         total_bytes = shared = 0
         meta_extra = {"lorakit.version": __version__, "lorakit.adapter_sha256": adapter.sha256,
                       "lorakit.adapter_format": adapter.format, "lorakit.rounding": opts.rounding,
@@ -290,14 +290,14 @@ class _Fuse:
                         elif it.action != "fuse-q":
                             w.write(it.name, jobs.result(k))
                             if it.action == "fuse":
-                                fused_names.append(it.name)
+                                r.fused_names.append(it.name)
                             elif it.action == "replace":
-                                replaced_names.append(it.name)
+                                r.replaced_names.append(it.name)
                         else:
                             if it.module not in pending:
                                 pending[it.module], stat = jobs.result(k)
-                                requant.append(stat)
-                                fused_names.append(f"{it.module}.weight")
+                                r.requant.append(stat)
+                                r.fused_names.append(f"{it.module}.weight")
                             w.write(it.name, pending[it.module].pop(it.name.rsplit(".", 1)[1]))
                             if not pending[it.module]:
                                 del pending[it.module]
@@ -305,7 +305,7 @@ class _Fuse:
                         weight_map[it.name] = shard
                         bar.update(it.source.nbytes if it.source is not None else 0)
                 total_bytes += (tmp / shard).stat().st_size
-                shared, paths[shard] = shared + w.shared, w.how
+                shared, r.shards[shard] = shared + w.shared, w.how
         except LorakitError as e:
             if e.file is not None or it is None:
                 raise
@@ -314,15 +314,11 @@ class _Fuse:
         finally:
             bar.close()
         self.sidecars(tmp, weight_map, total_bytes)
-        links = [f"{q.name} (a link to {t}, outside the model folder)"
-                 for q, t in ck.links_outside()]
-        return FuseResult(output=out, base=ck.path, adapter=adapter.path, options=opts,
-                          tensors_fused=len(fused_names), tensors_total=len(weight_map),
-                          dtypes_written=dict(dtypes), bytes_written=total_bytes,
-                          bytes_shared=shared, shards=paths, seconds=time.perf_counter() - t0,
-                          dequantized=opts.dequantize and ck.quantization is not None,
-                          requant=requant, fused_names=fused_names,
-                          replaced_names=replaced_names, not_copied=links)
+        r.not_copied = [f"{q.name} (a link to {t}, outside the model folder)"
+                        for q, t in ck.links_outside()]
+        r.tensors_fused, r.tensors_total = len(r.fused_names), len(weight_map)
+        r.dtypes_written, r.bytes_written, r.bytes_shared = dict(dtypes), total_bytes, shared
+        return r
 
     def sidecars(self, tmp: Path, weight_map: Dict[str, str], total_bytes: int) -> None:
         """config.json (quantization as written), the base's other files, the index."""
