@@ -242,8 +242,10 @@ def _lowrank_row(name: str, raw_b: np.ndarray, code_b: str, raw_t: np.ndarray, c
     return row, A, B, S
 
 
-def _row(module, shape, rank, method, fro, residual, energy, noise, reproduced, note):
-    """One row of an extract report, in ``column_help`` order."""
+def _row(*values: Any) -> Dict[str, Any]:
+    """One row of an extract report, in ``column_help`` order, from (module, shape, rank,
+    method, fro, residual, energy, noise, reproduced, note)."""
+    module, shape, rank, method, fro, residual, energy, noise, reproduced, note = values
     within = "-" if noise == "-" else "yes" if residual <= noise else "no"
     rel = residual / fro if fro else 0.0
     values = (module, list(shape), rank, method, fro, residual, rel, energy, noise, within)

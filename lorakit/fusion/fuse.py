@@ -463,15 +463,11 @@ class FuseResult(Report):
 
     def to_dict(self) -> Dict[str, Any]:
         d: Dict[str, Any] = {k: str(getattr(self, k)) for k in ("output", "base", "adapter")}
-        d.update(rounding=self.rounding, dtype_policy=self.dtype_policy)
-        for k in ("tensors_fused", "tensors_total", "dtypes_written", "bytes_written",
-                  "bytes_shared", "shards", "seconds", "dequantized"):
-            d[k] = getattr(self, k)
+        keys = ["rounding", "dtype_policy", "tensors_fused", "tensors_total", "dtypes_written"]
+        keys += ["bytes_written", "bytes_shared", "shards", "seconds", "dequantized", "requant"]
+        keys += ["fused_names", "replaced_names", "quant_policy", "layout", "layout_note"]
+        d.update((k, getattr(self, k)) for k in keys + ["not_copied"])
         d["requant"] = [r.__dict__ for r in self.requant]
-        d["fused_names"], d["replaced_names"] = self.fused_names, self.replaced_names
-        d["quant_policy"] = self.quant_policy
-        d["layout"], d["layout_note"] = self.layout, self.layout_note
-        d["not_copied"] = self.not_copied
         d["survival"] = survival_overall(self.requant) if self.requant else None
         return d
 
