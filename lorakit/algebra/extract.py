@@ -347,10 +347,10 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
     h = _factors_hash(hashlib.sha256(), targets)
     for r in replacements:
         h.update(r.name.encode() + r.raw.tobytes())
-    adapter = Adapter(Path(getattr(t, "path", "tuned")), opts.format, targets,
-                      {"extracted_from": {"base": str(b.path), "tuned": str(t.path)}},
-                      Path(getattr(t, "path", "tuned")), "lora", replacements,
-                      _sha256=h.hexdigest())
+    tp = Path(getattr(t, "path", "tuned"))
+    cfg = {"extracted_from": {"base": str(b.path), "tuned": str(t.path)}}
+    adapter = Adapter(tp, opts.format, targets, cfg, tp, "lora", replacements)
+    adapter._sha256 = h.hexdigest()
     low = [r for r in rows if r["method"] != "full"]
     counted = [r for r in low if r["reproduced"] != "-"]
     n = sum(math.prod(r["shape"]) for r in counted)

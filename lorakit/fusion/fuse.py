@@ -472,12 +472,12 @@ class FuseResult(Report):
         return d
 
     def _rows(self) -> List[Tuple[str, str]]:
+        dtypes = ", ".join(f"{k}: {v}" for k, v in sorted(self.dtypes_written.items()))
         rows = [("output", str(self.output)), ("base", str(self.base)),
                 ("adapter", str(self.adapter)), ("rounding", self.rounding),
                 ("dtype policy", self.dtype_policy),
                 ("tensors fused", f"{self.tensors_fused} of {self.tensors_total}"),
-                ("dtypes written", ", ".join(f"{k}: {v}" for k, v in
-                                             sorted(self.dtypes_written.items()))),
+                ("dtypes written", dtypes),
                 ("output size", f"{self.bytes_written / 1e9:.3f} GB"),
                 ("disk writes", self._disk()),
                 ("time", f"{self.seconds:.2f} s")]
@@ -485,10 +485,10 @@ class FuseResult(Report):
             rows.append(("layout", self.layout_note))
         if self.requant:
             o = survival_overall(self.requant)
-            rows += [("codes changed", f"{o['codes_changed']:.1%} of {o['codes']:,} codes "
-                      f"({o['tensors']} re-quantized tensors)"),
-                     ("delta survived", f"{o['survived']:.1%} of the intended delta "
-                      "(projection on it, all tensors)")]
+            codes = f"{o['codes']:,} codes ({o['tensors']} re-quantized tensors)"
+            rows.append(("codes changed", f"{o['codes_changed']:.1%} of {codes}"))
+            kept = "of the intended delta (projection on it, all tensors)"
+            rows.append(("delta survived", f"{o['survived']:.1%} {kept}"))
             rows += policy_summary(self.quant_policy, self.requant)
         if self.replaced_names:
             rows.append(("replaced (modules_to_save)", ", ".join(self.replaced_names)))
