@@ -139,8 +139,6 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
             x *= dora_factor(magnitude[r0:r1], norm, slice(r0, r1))[:, None]
         nm.round_to_format(x, fmt_out, out=out[r0:r1])
         if magnitude is None:
-            cancel = (row_c[r0:r1], col_max)
-
             def error(flat: np.ndarray, r0: int = r0, r1: int = r1) -> np.ndarray:
                 """The f64 error bound g (|W| + sum_k |Bs[i,k] A[k,j]|) of these
                 elements, doubled (its own f64 evaluation rounds too)."""
@@ -149,6 +147,6 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
                 wa = np.abs(nm.to_float64(w[r0:r1][i, j], fmt_in))
                 return 2 * g * (wa + s)
 
-            _redo_exact(_near_ties(x, fmt_out, cancel, error), w[r0:r1], fmt_in, B64[r0:r1],
-                        A64, scale, out[r0:r1], fmt_out)
+            ties = _near_ties(x, fmt_out, (row_c[r0:r1], col_max), error)
+            _redo_exact(ties, w[r0:r1], fmt_in, B64[r0:r1], A64, scale, out[r0:r1], fmt_out)
     return out
