@@ -235,15 +235,21 @@ def _lowrank_row(name: str, raw_b: np.ndarray, code_b: str, raw_t: np.ndarray, c
         R = D[rows] - B64[rows] @ A64
         sq += float(np.einsum("ij,ij->", R, R))
     del D
-    residual, noise, fro = math.sqrt(sq), math.sqrt(noise_sq), math.sqrt(total)
-    row = {"module": name[: -len(".weight")], "shape": list(shape), "rank": k,
-           "method": method, "fro": fro, "residual": residual,
-           "rel_error": residual / fro if fro else 0.0,
-           "energy": min(float(np.sum(S[:k] ** 2)) / total, 1.0) if total else 1.0,
-           "noise": noise,
-           "within": "yes" if residual <= noise else "no",
-           "reproduced": _reproduced(raw_b, code_b, raw_t, code_t, A, B), "note": ""}
+    energy = min(float(np.sum(S[:k] ** 2)) / total, 1.0) if total else 1.0
+    reproduced = _reproduced(raw_b, code_b, raw_t, code_t, A, B)
+    row = _row(name[: -len(".weight")], shape, k, method, math.sqrt(total), math.sqrt(sq),
+               energy, math.sqrt(noise_sq), reproduced, "")
     return row, A, B, S
+
+
+def _row(*values: Any) -> Dict[str, Any]:
+    """One row of an extract report, in ``column_help`` order, from (module, shape, rank,
+    method, fro, residual, energy, noise, reproduced, note)."""
+    module, shape, rank, method, fro, residual, energy, noise, reproduced, note = values
+    within = "-" if noise == "-" else "yes" if residual <= noise else "no"
+    rel = residual / fro if fro else 0.0
+    values = (module, list(shape), rank, method, fro, residual, rel, energy, noise, within)
+    return dict(zip(ExtractReport.column_help, values + (reproduced, note)))
 
 
 def _reproduced(raw_b: np.ndarray, code_b: str, raw_t: np.ndarray, code_t: str,
@@ -336,18 +342,15 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
             name, module, leaf, info, diff = item
             replacements.append(Replacement(module, leaf, t.read(name),
                                             t.tensors[name].dtype, name))
-            rows.append({"module": name, "shape": list(info.shape), "rank": "-",
-                         "method": "full", "fro": diff["fro"], "residual": 0.0,
-                         "rel_error": 0.0, "energy": 1.0, "noise": "-", "within": "-",
-                         "reproduced": 1.0,
-                         "note": f"saved in full: {diff['changed']} elements differ"})
+            note = f"saved in full: {diff['changed']} elements differ"
+            rows.append(_row(name, info.shape, "-", "full", diff["fro"], 0.0, 1.0, "-", 1.0, note))
     h = _factors_hash(hashlib.sha256(), targets)
     for r in replacements:
         h.update(r.name.encode() + r.raw.tobytes())
-    adapter = Adapter(Path(getattr(t, "path", "tuned")), opts.format, targets,
-                      {"extracted_from": {"base": str(b.path), "tuned": str(t.path)}},
-                      Path(getattr(t, "path", "tuned")), "lora", replacements,
-                      _sha256=h.hexdigest())
+    tp = Path(getattr(t, "path", "tuned"))
+    cfg = {"extracted_from": {"base": str(b.path), "tuned": str(t.path)}}
+    adapter = Adapter(tp, opts.format, targets, cfg, tp, "lora", replacements)
+    adapter._sha256 = h.hexdigest()
     low = [r for r in rows if r["method"] != "full"]
     counted = [r for r in low if r["reproduced"] != "-"]
     n = sum(math.prod(r["shape"]) for r in counted)

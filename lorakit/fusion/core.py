@@ -147,8 +147,8 @@ def fuse_weight(w: np.ndarray, code_in: str, A: np.ndarray, B: np.ndarray, scale
     fmt_in = nm.float_format(code_in)
     try:
         if rounding in MLX_ROUNDINGS:
-            out = mlx_order.fuse_mlx(w, code_in, A, B, scale, magnitude, code_out,
-                                     rounding, promote=dtype_policy == "promote")
+            out = mlx_order.fuse_mlx(w, code_in, A, B, scale, magnitude, code_out, rounding,
+                                     dtype_policy == "promote")
         elif rounding == "nearest":
             out = _fuse_nearest(w, fmt_in, A, B, scale, magnitude, nm.float_format(code_out))
         elif rounding == "round-once":
@@ -171,12 +171,13 @@ def fuse_bindings(raw: np.ndarray, code: str, binds: List[Binding], rounding: st
     each piece of the intended change (:func:`lorakit.fusion.delta.tensor_pieces`) on
     its slice, the other slices converted as the dtype policy says."""
     pieces = tensor_pieces(binds)
+    how = {"rounding": rounding, "dtype_policy": dtype_policy}
 
     def one(r: np.ndarray, p, nm: str, kind: str = "linear") -> Tuple[np.ndarray, str]:
         if getattr(p.target, "parts", None):  # an exact combination with DoRA parts (sum_fuse)
             return fuse_sum(r, code, output_code(code, dtype_policy), p, rounding, nm)
-        return fuse_weight(r, code, p.A, p.B, p.scale, magnitude=p.magnitude, rounding=rounding,
-                           dtype_policy=dtype_policy, name=nm, kind=kind)
+        return fuse_weight(r, code, p.A, p.B, p.scale, magnitude=p.magnitude, name=nm, kind=kind,
+                           **how)
 
     if raw.ndim == 3:
         out_code = output_code(code, dtype_policy)

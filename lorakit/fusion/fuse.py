@@ -152,7 +152,7 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
     fz = _Fuse(ck, adapter, by_tensor, opts, replaced, resolve(ck, by_tensor, opts, progress))
     try:
         with OutputDirectory(out, force=force) as od:
-            result = fz.write(od.tmp, out, progress, t0)
+            result = fz.write(od.tmp, out, progress)
             names = list(ck.tensors)  # the transformers layout: stacked experts split, bytes kept
             if opts.layout == "transformers" and any(is_stacked(n) for n in names):
                 names, dtypes, size = to_transformers(od.tmp, ck.config, INDEX_NAME)
@@ -176,7 +176,7 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
                         file=e.filename or out, expected="readable inputs and room to write",
                         found=f"{type(e).__name__} (errno {e.errno})") from e
     result.seconds = time.perf_counter() - t0
-    result.summary = dict(result._rows())
+    result.__post_init__()  # the rows and summary of what was written
     return result
 
 
@@ -258,14 +258,14 @@ class _Fuse:
             raw, code = _read_weight(ck, it, rounding), src.dtype
         return _fuse_float(raw, code, binds, rounding, policy, it.name)[0]
 
-    def write(self, tmp: Path, out: Path, progress: Any, t0: float) -> FuseResult:
+    def write(self, tmp: Path, out: Path, progress: Any) -> FuseResult:
         """Write every shard into ``tmp`` (cloned from the base where it can), then the
         sidecar files; the tensors' work runs ahead of the writer in :class:`_Jobs`."""
         ck, opts, adapter = self.ck, self.opts, self.adapter
+        r = FuseResult(output=out, base=ck.path, adapter=adapter.path, options=opts,
+                       dequantized=opts.dequantize and ck.quantization is not None)
         dtypes: Counter = Counter()
-        requant: List[RequantStat] = []
-        fused_names, replaced_names, weight_map = [], [], {}
-        paths: Dict[str, str] = {}  # shard -> clone and patch, or written whole and why
+        weight_map: Dict[str, str] = {}
         total_bytes = shared = 0
         meta_extra = {"lorakit.version": __version__, "lorakit.adapter_sha256": adapter.sha256,
                       "lorakit.adapter_format": adapter.format, "lorakit.rounding": opts.rounding,
@@ -290,14 +290,14 @@ class _Fuse:
                         elif it.action != "fuse-q":
                             w.write(it.name, jobs.result(k))
                             if it.action == "fuse":
-                                fused_names.append(it.name)
+                                r.fused_names.append(it.name)
                             elif it.action == "replace":
-                                replaced_names.append(it.name)
+                                r.replaced_names.append(it.name)
                         else:
                             if it.module not in pending:
                                 pending[it.module], stat = jobs.result(k)
-                                requant.append(stat)
-                                fused_names.append(f"{it.module}.weight")
+                                r.requant.append(stat)
+                                r.fused_names.append(f"{it.module}.weight")
                             w.write(it.name, pending[it.module].pop(it.name.rsplit(".", 1)[1]))
                             if not pending[it.module]:
                                 del pending[it.module]
@@ -305,7 +305,7 @@ class _Fuse:
                         weight_map[it.name] = shard
                         bar.update(it.source.nbytes if it.source is not None else 0)
                 total_bytes += (tmp / shard).stat().st_size
-                shared, paths[shard] = shared + w.shared, w.how
+                shared, r.shards[shard] = shared + w.shared, w.how
         except LorakitError as e:
             if e.file is not None or it is None:
                 raise
@@ -314,15 +314,11 @@ class _Fuse:
         finally:
             bar.close()
         self.sidecars(tmp, weight_map, total_bytes)
-        links = [f"{q.name} (a link to {t}, outside the model folder)"
-                 for q, t in ck.links_outside()]
-        return FuseResult(output=out, base=ck.path, adapter=adapter.path, options=opts,
-                          tensors_fused=len(fused_names), tensors_total=len(weight_map),
-                          dtypes_written=dict(dtypes), bytes_written=total_bytes,
-                          bytes_shared=shared, shards=paths, seconds=time.perf_counter() - t0,
-                          dequantized=opts.dequantize and ck.quantization is not None,
-                          requant=requant, fused_names=fused_names,
-                          replaced_names=replaced_names, not_copied=links)
+        r.not_copied = [f"{q.name} (a link to {t}, outside the model folder)"
+                        for q, t in ck.links_outside()]
+        r.tensors_fused, r.tensors_total = len(r.fused_names), len(weight_map)
+        r.dtypes_written, r.bytes_written, r.bytes_shared = dict(dtypes), total_bytes, shared
+        return r
 
     def sidecars(self, tmp: Path, weight_map: Dict[str, str], total_bytes: int) -> None:
         """config.json (quantization as written), the base's other files, the index."""
@@ -467,25 +463,21 @@ class FuseResult(Report):
 
     def to_dict(self) -> Dict[str, Any]:
         d: Dict[str, Any] = {k: str(getattr(self, k)) for k in ("output", "base", "adapter")}
-        d.update(rounding=self.rounding, dtype_policy=self.dtype_policy)
-        for k in ("tensors_fused", "tensors_total", "dtypes_written", "bytes_written",
-                  "bytes_shared", "shards", "seconds", "dequantized"):
-            d[k] = getattr(self, k)
+        keys = ["rounding", "dtype_policy", "tensors_fused", "tensors_total", "dtypes_written"]
+        keys += ["bytes_written", "bytes_shared", "shards", "seconds", "dequantized", "requant"]
+        keys += ["fused_names", "replaced_names", "quant_policy", "layout", "layout_note"]
+        d.update((k, getattr(self, k)) for k in keys + ["not_copied"])
         d["requant"] = [r.__dict__ for r in self.requant]
-        d["fused_names"], d["replaced_names"] = self.fused_names, self.replaced_names
-        d["quant_policy"] = self.quant_policy
-        d["layout"], d["layout_note"] = self.layout, self.layout_note
-        d["not_copied"] = self.not_copied
         d["survival"] = survival_overall(self.requant) if self.requant else None
         return d
 
     def _rows(self) -> List[Tuple[str, str]]:
+        dtypes = ", ".join(f"{k}: {v}" for k, v in sorted(self.dtypes_written.items()))
         rows = [("output", str(self.output)), ("base", str(self.base)),
                 ("adapter", str(self.adapter)), ("rounding", self.rounding),
                 ("dtype policy", self.dtype_policy),
                 ("tensors fused", f"{self.tensors_fused} of {self.tensors_total}"),
-                ("dtypes written", ", ".join(f"{k}: {v}" for k, v in
-                                             sorted(self.dtypes_written.items()))),
+                ("dtypes written", dtypes),
                 ("output size", f"{self.bytes_written / 1e9:.3f} GB"),
                 ("disk writes", self._disk()),
                 ("time", f"{self.seconds:.2f} s")]
@@ -493,10 +485,10 @@ class FuseResult(Report):
             rows.append(("layout", self.layout_note))
         if self.requant:
             o = survival_overall(self.requant)
-            rows += [("codes changed", f"{o['codes_changed']:.1%} of {o['codes']:,} codes "
-                      f"({o['tensors']} re-quantized tensors)"),
-                     ("delta survived", f"{o['survived']:.1%} of the intended delta "
-                      "(projection on it, all tensors)")]
+            codes = f"{o['codes']:,} codes ({o['tensors']} re-quantized tensors)"
+            rows.append(("codes changed", f"{o['codes_changed']:.1%} of {codes}"))
+            kept = "of the intended delta (projection on it, all tensors)"
+            rows.append(("delta survived", f"{o['survived']:.1%} {kept}"))
             rows += policy_summary(self.quant_policy, self.requant)
         if self.replaced_names:
             rows.append(("replaced (modules_to_save)", ", ".join(self.replaced_names)))

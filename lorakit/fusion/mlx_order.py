@@ -27,9 +27,9 @@ def fuse_mlx(w, code_in: str, A: np.ndarray, B: np.ndarray, scale: float,
     import mlx.core as mx  # lazy: MLX only when computing
 
     weight = raw_to_mx(w, code_in) if isinstance(w, np.ndarray) else w  # or already MLX's
-    out = fuse_mlx_array(weight, mx.array(A), mx.array(B), scale,
-                         None if magnitude is None else mx.array(magnitude),
-                         rounding=rounding, promote=promote)
+    m = None if magnitude is None else mx.array(magnitude)
+    out = fuse_mlx_array(weight, mx.array(A), mx.array(B), scale, m, rounding=rounding,
+                         promote=promote)
     if not promote or out.dtype != mx.float32:
         out = out.astype(mx_dtype(code_out))
     raw, _ = mx_to_raw(out)

@@ -46,8 +46,9 @@ def _lora_targets(model: Any) -> Tuple[List[LoraTarget], List[Tuple[str, Any]]]:
             kind, A, B, inner = "embedding", b, a, m.embedding
         else:
             kind, A, B, inner = "linear", a.T, b.T, m.linear
-        targets.append(LoraTarget(name, kind, np.ascontiguousarray(A), np.ascontiguousarray(B),
-                                  float(m.scale), mag, (f"{name}.lora_a", f"{name}.lora_b")))
+        A, B = np.ascontiguousarray(A), np.ascontiguousarray(B)
+        names = (f"{name}.lora_a", f"{name}.lora_b")
+        targets.append(LoraTarget(name, kind, A, B, float(m.scale), mag, names))
         plain.append((name, inner))
     return targets, plain
 

@@ -17,16 +17,6 @@ from .delta import dora_factor
 __all__ = []
 
 
-def _cancel_bound(A64: np.ndarray, Bs: np.ndarray, fmt_out):
-    """(g, row_c, col_max) of the cancellation test (see :func:`_fuse_nearest`)."""
-    n = A64.shape[0] + 3
-    g = n * 2.0 ** -53 / (1 - n * 2.0 ** -53)
-    k = 2.0 ** (21 + fmt_out.precision)
-    row_c = np.abs(Bs).sum(axis=1) * ((2 + g) * g * k / (1 - g * k))
-    col_max = np.abs(A64).max(axis=0) if A64.size else np.zeros(A64.shape[1])
-    return g, row_c, col_max
-
-
 _PIECE = 1 << 16  # elements per piece: the f64 working set stays in the L2 cache
 _U64 = np.uint64
 
@@ -134,7 +124,11 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
     # As |W| <= |x| + (1 + g) S, e stays below 2**-21 ulp (K = 2**(21 + precision),
     # ulp >= |x| / 2**precision) wherever S * (2 + g) g K / (1 - g K) < |x|; the
     # other elements are redone exactly (_redo_exact).
-    g, row_c, col_max = _cancel_bound(A64, Bs, fmt_out)
+    n = A64.shape[0] + 3
+    g = n * 2.0 ** -53 / (1 - n * 2.0 ** -53)
+    k = 2.0 ** (21 + fmt_out.precision)
+    row_c = np.abs(Bs).sum(axis=1) * ((2 + g) * g * k / (1 - g * k))
+    col_max = np.abs(A64).max(axis=0) if A64.size else np.zeros(A64.shape[1])
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         x = buf[: r1 - r0]
@@ -145,8 +139,6 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
             x *= dora_factor(magnitude[r0:r1], norm, slice(r0, r1))[:, None]
         nm.round_to_format(x, fmt_out, out=out[r0:r1])
         if magnitude is None:
-            cancel = (row_c[r0:r1], col_max)
-
             def error(flat: np.ndarray, r0: int = r0, r1: int = r1) -> np.ndarray:
                 """The f64 error bound g (|W| + sum_k |Bs[i,k] A[k,j]|) of these
                 elements, doubled (its own f64 evaluation rounds too)."""
@@ -155,6 +147,6 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
                 wa = np.abs(nm.to_float64(w[r0:r1][i, j], fmt_in))
                 return 2 * g * (wa + s)
 
-            _redo_exact(_near_ties(x, fmt_out, cancel, error), w[r0:r1], fmt_in, B64[r0:r1],
-                        A64, scale, out[r0:r1], fmt_out)
+            ties = _near_ties(x, fmt_out, (row_c[r0:r1], col_max), error)
+            _redo_exact(ties, w[r0:r1], fmt_in, B64[r0:r1], A64, scale, out[r0:r1], fmt_out)
     return out

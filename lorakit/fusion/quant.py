@@ -195,19 +195,13 @@ def module_parts(ck: Checkpoint, module: str, binds: List[Binding], rounding: st
     if choice.kind in ("bits", "same-grid") and q.mode != "affine":
         raise FuseError(f"quant policy {choice.label} needs affine quantization", file=ck.path,
                         tensor=name, expected="mode affine", found=q.mode)
-    if choice.kind == "requant":
-        parts = quantize_raw(fused, fcode, q)
-        stat = requant_survival(base, code, parts, fcode, q, binds, name, base_codes)
+    qn = QuantParams(q.group_size, choice.bits, q.mode) if choice.kind == "bits" else q
+    if choice.kind in ("requant", "bits"):  # the fused weight on its own grid, or new bits
+        parts = quantize_raw(fused, fcode, qn)
     elif choice.kind == "float":
         parts = {"weight": fused}
-        stat = survival_of(_float32(base, code), _float32(fused, fcode), binds, name)
-    elif choice.kind == "bits":
-        qn = QuantParams(q.group_size, choice.bits, q.mode)
-        parts = quantize_raw(fused, fcode, qn)
-        stat = requant_survival(base, code, parts, fcode, qn, binds, name)
     elif choice.kind == "learned":
         parts = choice.parts
-        stat = requant_survival(base, code, parts, fcode, q, binds, name, base_codes)
     elif choice.kind == "same-grid":  # the base's scales and biases, the codes re-rounded
         import mlx.core as mx  # lazy: MLX only when computing
 
@@ -225,10 +219,14 @@ def module_parts(ck: Checkpoint, module: str, binds: List[Binding], rounding: st
         if fcode != code:  # an explicit dtype policy casts scales and biases too (nearest)
             parts.update({k: mx_to_raw(mx.array(_float32(v, code)).astype(mx_dtype(fcode)))[0]
                           for k, v in parts.items() if k != "weight"})
-        stat = requant_survival(base, code, parts, fcode, q, binds, name, base_codes)
     else:
         raise FuseError("quant policy is not a per-module choice", tensor=name,
                         found=choice.label)
+    if choice.kind == "float":
+        stat = survival_of(_float32(base, code), _float32(fused, fcode), binds, name)
+    else:  # codes changed: on the base's own grid only
+        codes = base_codes if qn is q else None
+        stat = requant_survival(base, code, parts, fcode, qn, binds, name, codes)
     stat.policy = choice.label
     return parts, stat
 

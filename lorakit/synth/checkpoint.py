@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
@@ -53,22 +53,17 @@ def synth_checkpoint(path: PathLike, preset_or_config: Union[str, PathLike, Mapp
     return out
 
 
-def _shards(plan: Sequence[TensorSpec], limit: int) -> List[List[TensorSpec]]:
+def _write_checkpoint(tmp: Path, plan: List[Tuple[str, Tuple[int, ...]]], code: str, limit: int,
+                      seed: int, std: float, layout: str, progress: bool, name: str) -> None:
+    planned = [TensorSpec(n, code, s) for n, s in plan]
     shards: List[List[TensorSpec]] = []
     size = 0
-    for p in plan:
+    for p in planned:  # a new shard where the next tensor would pass the limit
         if not shards or size + p.nbytes > limit:
             shards.append([])
             size = 0
         shards[-1].append(p)
         size += p.nbytes
-    return shards
-
-
-def _write_checkpoint(tmp: Path, plan: List[Tuple[str, Tuple[int, ...]]], code: str, limit: int,
-                      seed: int, std: float, layout: str, progress: bool, name: str) -> None:
-    planned = [TensorSpec(n, code, s) for n, s in plan]
-    shards = _shards(planned, limit)
     files = ([f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
              if len(shards) > 1 else ["model.safetensors"])
     sampler = _Sampler(code, std, seed)
@@ -81,9 +76,8 @@ def _write_checkpoint(tmp: Path, plan: List[Tuple[str, Tuple[int, ...]]], code: 
             with SafetensorsWriter(tmp / file, shard, meta) as w:
                 for p in shard:
                     numel = p.nbytes // nm.float_format(code).itemsize
-                    w.write_chunks(p.name, _counted(sampler.chunks(p.name, numel,
-                                                                   _fill_kind(p.name, p.shape)),
-                                                    bar))
+                    chunks = sampler.chunks(p.name, numel, _fill_kind(p.name, p.shape))
+                    w.write_chunks(p.name, _counted(chunks, bar))
                     weight_map[p.name] = file
     finally:
         bar.close()
