@@ -21,6 +21,7 @@ import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -81,8 +82,7 @@ class _Bound:
 
         return f64(back), f64(s), (None if b is None else f64(b))
 
-    def __call__(self, F: np.ndarray, W: np.ndarray, T: np.ndarray, p: Piece,
-                 rows: Optional[slice], ref: Optional[Tuple] = None) -> np.ndarray:
+    def __call__(self, F, W, T, p: Piece, rows: Optional[slice], ref=None) -> np.ndarray:
         fmt_out = self.fmt_out if self.q is None else self.fmt_work
         pre = float_bound(T, W, p, rows, self.fmt_work, fmt_out)
         if self.q is None:
@@ -214,8 +214,7 @@ def _seq_sum(x: np.ndarray, carry: float) -> float:
     return float(np.cumsum(np.concatenate(([carry], row)))[-1])
 
 
-def _lora_numpy(W: np.ndarray, F: np.ndarray, Bs: np.ndarray, A: np.ndarray, c32: float,
-                fw: Any, fo: Any, carry: Tuple[float, ...]):
+def _lora_numpy(W, F, Bs, A, c32: float, fw, fo, carry: Tuple[float, ...]):
     """One block of a plain LoRA's measure: (dist, max_ulp, beyond, changed, sums), the
     bound :func:`float_bound`'s with ``D`` and ``S`` summed in rank order from -0.0 (the
     kernel's order, so that both give the same bits)."""
@@ -249,6 +248,7 @@ def _measure_lora(sf, sb, tensor, binds, bound: _Bound) -> Dict[str, Any]:
     fw, fo = bound.fmt_work, bound.fmt_out
     wb, wf = WeightReader(sb, tensor), WeightReader(sf, tensor)
     kernel = kernels.load("lorakit.inspect._checkkernel")
+    kfmt = (_KFMT[fo.safetensors], _KFMT[fw.safetensors])
     s: Dict[str, Any] = dict(dist=0.0, ulp=0.0, beyond=0, changed=0, n=0)
     sums: Tuple[float, ...] = (0.0,) * len(_SUMS)
     for p in tensor_pieces(binds):
@@ -264,9 +264,8 @@ def _measure_lora(sf, sb, tensor, binds, bound: _Bound) -> Dict[str, Any]:
             if kernel is not None and F.ndim == 2 and F.dtype.isnative and W.dtype.isnative:
                 fin = 3 if wb.q is not None else _KFMT[fw.safetensors]
                 Wk = np.ascontiguousarray(W, np.float64 if fin == 3 else None)
-                special, *res = kernel.check_lora(
-                    Wk, fin, np.ascontiguousarray(F), _KFMT[fo.safetensors],
-                    _KFMT[fw.safetensors], F.shape[1], Br, A, c32, sums)
+                F_ = np.ascontiguousarray(F)
+                special, *res = kernel.check_lora(Wk, fin, F_, *kfmt, F.shape[1], Br, A, c32, sums)
                 if not special:
                     out = res
             if out is None:
@@ -293,8 +292,9 @@ def _cause(sf, sb, tensor, binds, bound: _Bound, transposed: bool) -> Tuple[str,
         return nm.to_float64(nm.round_to_format(x, fmt), fmt)
 
     dora = any(p.magnitude is not None for p in tensor_pieces(binds))
+    blocks = partial(intended_blocks, sf, sb, tensor, binds, raw=False, transposed=transposed)
     fg = gg = 0.0  # DoRA: <F - T, G>, <G, G> with G the derivative of T in the scale
-    for F, W, T, p, rows in intended_blocks(sf, sb, tensor, binds, raw=False, transposed=transposed):
+    for F, W, T, p, rows in blocks():
         if dora:
             G = (intended(W, scaled(p, 1 + 1e-3), rows) - T) / 1e-3
             fg += float(np.vdot(F - T, G))
@@ -304,8 +304,8 @@ def _cause(sf, sb, tensor, binds, bound: _Bound, transposed: bool) -> Tuple[str,
             st = CauseStats.start(cands, p.A.shape[0])
         ref = bound.reference(T)
         tol = bound(F, W, T, p, rows, ref)
-        st.add(F, W, T, tol, cands, rows,
-               lambda Th, q: bound(F, W, Th, q, rows, ref if bound.q is not None else None))
+        ref_q = ref if bound.q is not None else None
+        st.add(F, W, T, tol, cands, rows, lambda Th, q: bound(F, W, Th, q, rows, ref_q))
     assert st is not None
 
     def scaled_rms(k: float) -> Tuple[float, float]:
@@ -313,8 +313,7 @@ def _cause(sf, sb, tensor, binds, bound: _Bound, transposed: bool) -> Tuple[str,
         distance (bound units) at the k found."""
         for _ in range(4):
             sq, n, fg, gg = 0.0, 0, 0.0, 0.0
-            for F, W, T, p, rows in intended_blocks(sf, sb, tensor, binds, raw=False,
-                                            transposed=transposed):
+            for F, W, T, p, rows in blocks():
                 q = scaled(p, k)
                 Tk = intended(W, q, rows)
                 ref = bound.reference(Tk) if bound.q is not None else None
@@ -350,8 +349,8 @@ def _adapted_row(sf, sb, tensor, binds, conversion: Optional[str]) -> Dict[str, 
         if len(have) == 2 and have == want[::-1]:
             transposed = True
         else:
-            return row(tensor, dtype, "wrong", "shape mismatch",
-                       detail=f"expected {list(want)}, found {list(have)}")
+            detail = f"expected {list(want)}, found {list(have)}"
+            return row(tensor, dtype, "wrong", "shape mismatch", detail=detail)
     for code, src in ((base_code, sb), (fused_code, sf)):
         if code not in FUSE_CODES:  # a merge is checked in a fuse's formats
             raise FormatError("cannot check a merge of this dtype", file=src.path,
@@ -363,26 +362,23 @@ def _adapted_row(sf, sb, tensor, binds, conversion: Optional[str]) -> Dict[str, 
     r = row(tensor, dtype, "ok", "ok", **m)
     if m["distance"] <= 1.0:
         if transposed:
-            r.update(status="wrong", verdict="transposed",
-                     detail=f"stored as {list(have)} (in, out) instead of {list(want)}")
+            detail = f"stored as {list(have)} (in, out) instead of {list(want)}"
+            r.update(status="wrong", verdict="transposed", detail=detail)
         elif fused_code != base_code and fused_code != conversion:
             if wider(fused_code, base_code):
-                r.update(status="promoted", verdict="promoted",
-                         detail=f"right, but stored as {fused_code}: the other tensors "
-                         f"stayed {base_code}")
+                detail = f"right, but stored as {fused_code}: the other tensors stayed {base_code}"
+                r.update(status="promoted", verdict="promoted", detail=detail)
             else:
-                r.update(status="wrong", verdict="dtype changed",
-                         detail=f"stored as {fused_code}, the other tensors stayed {base_code}")
+                detail = f"stored as {fused_code}, the other tensors stayed {base_code}"
+                r.update(status="wrong", verdict="dtype changed", detail=detail)
         elif m["expected"] < _LIMITED:
-            quantized = qf is not None
-            gone = m["expected"] < 0.2
-            r["verdict"] = ("lost to quantization" if gone else "partially lost to quantization") \
-                if quantized else "rounding-limited"
+            gone = "lost" if m["expected"] < 0.2 else "partially lost"
+            r["verdict"] = f"{gone} to quantization" if qf is not None else "rounding-limited"
             r["detail"] = f"even a correct fuse keeps {m['expected']:.2f} of the delta"
         return r
     verdict, detail, nums = _cause(sf, sb, tensor, binds, bound, transposed)
-    r.update(status="wrong", verdict=verdict, detail=detail, fit=nums["fit"],
-             base_like=bool(nums.get("base_like")))
+    r.update(status="wrong", verdict=verdict, detail=detail, fit=nums["fit"])
+    r["base_like"] = bool(nums.get("base_like"))
     return r
 
 
@@ -423,8 +419,9 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
     with the cause ``residual-base adapter``."""
     n_kl = behaviour_tokens(behaviour)
     sf, sb = source.open(fused), source.open(base)
-    ad = adapter if isinstance(adapter, Adapter) else \
-        load_adapter(adapter, initial_adapter, residual_ok=True)
+    ad = adapter
+    if not isinstance(ad, Adapter):
+        ad = load_adapter(adapter, initial_adapter, residual_ok=True)
     by_tensor = bindings_by_tensor(bind(ad, sb))
     adapted = {t[: -len(".weight")] for t in by_tensor}
     replaced = bind_replacements(ad, sb, dequantize=True)
@@ -513,8 +510,7 @@ def _products(p: Piece, rows: Optional[slice]):
     return out
 
 
-def float_bound(T: np.ndarray, W: np.ndarray, p: Piece, rows: Optional[slice],
-                fmt_work: Any, fmt_out: Any) -> np.ndarray:
+def float_bound(T, W, p: Piece, rows: Optional[slice], fmt_work, fmt_out) -> np.ndarray:
     """Per element, the largest ``|F - T|`` a correct fuse of piece ``p`` can leave
     (``T``, ``W``: the float64 target and base rows), in any of the orders: rounded once
     (``nearest``), PEFT's ``round_out(fl32(W + d32))``, or mlx-lm's
@@ -551,8 +547,7 @@ def float_bound(T: np.ndarray, W: np.ndarray, p: Piece, rows: Optional[slice],
     return y + _half_ulp(_up(aT + y, fmt_out), fmt_out)
 
 
-def quant_bound(T: np.ndarray, F: np.ndarray, Q: np.ndarray, pre: np.ndarray, q: Any,
-                scales: np.ndarray, biases: Optional[np.ndarray], fmt_scales: Any) -> np.ndarray:
+def quant_bound(T, F, Q, pre, q, scales, biases, fmt_scales) -> np.ndarray:
     """Per element, the largest ``|F - T|`` a correct re-quantized fuse can leave: ``pre``
     (:func:`float_bound`) plus each group's quantization error (affine: one step and the
     storage rounding of scale and bias; else twice a correct re-quantization's, ``Q``)."""
@@ -635,11 +630,11 @@ def untouched_rows(sf: TensorSource, sb: TensorSource, names: List[str],
         if d.status != "equal":
             changed += 1
             dt = d.dtype_a if d.dtype_a == d.dtype_b else f"{d.dtype_a}->{d.dtype_b}"
-            verdict = "missing" if d.status == "only in A" else "changed without adapter"
-            rows.append(row(d.name, dt, "wrong", verdict,
-                            changed=d.differing / max(1, d.elements) if d.elements else None,
-                            detail="" if verdict == "missing" else
-                            "a tensor the adapter does not touch differs from the base"))
+            missing = d.status == "only in A"
+            verdict = "missing" if missing else "changed without adapter"
+            detail = "" if missing else "a tensor the adapter does not touch differs from the base"
+            changed = d.differing / max(1, d.elements) if d.elements else None
+            rows.append(row(d.name, dt, "wrong", verdict, changed=changed, detail=detail))
     for n in converted:
         a, b = sb.tensors[n].dtype, sf.tensors[n].dtype
         want = cast_raw(np.asarray(sb.read(n)), a, b)
@@ -648,8 +643,8 @@ def untouched_rows(sf: TensorSource, sb: TensorSource, names: List[str],
                 got.reshape(-1).view(np.uint8), np.ascontiguousarray(want).reshape(-1).view(np.uint8)):
             continue
         changed += 1
-        rows.append(row(n, f"{a}->{b}", "wrong", "changed without adapter",
-                        detail=f"not the base converted to {b} with one rounding"))
+        detail = f"not the base converted to {b} with one rounding"
+        rows.append(row(n, f"{a}->{b}", "wrong", "changed without adapter", detail=detail))
     return rows, changed
 
 
@@ -663,8 +658,8 @@ def extra_rows(sf: TensorSource, sb: TensorSource) -> List[Dict[str, Any]]:
         if n.endswith((".scales", ".biases")) and sf.quant_params(module) is not None and \
                 f"{module}.weight" in sb.tensors:
             continue  # a quantized fuse of a float base: packing parts are expected
-        out.append(row(n, meta.dtype, "wrong", "extra tensor",
-                       detail="in the fused checkpoint, not in the base"))
+        detail = "in the fused checkpoint, not in the base"
+        out.append(row(n, meta.dtype, "wrong", "extra tensor", detail=detail))
     return out
 
 
@@ -759,10 +754,11 @@ def behaviour_line(stats: Dict[str, Any]) -> str:
     """``mean KL 3.8e-05 [95% 3.1e-05, 4.6e-05], top-1 100% [100, 100] (argmax alone
     99.12%; 1020 tokens)``: bootstrap intervals over windows in brackets; the argmax
     figure only where exact logit ties make the two rules differ."""
-    top, strict = stats["top1_agreement"], stats.get("top1_agreement_strict", stats["top1_agreement"])
+    top = stats["top1_agreement"]
+    strict = stats.get("top1_agreement_strict", top)
     alone = f"argmax alone {100 * strict:.4g}%; " if strict != top else ""
-    f32 = "; computed in float32 (MLX's CPU refused the model's dtype)" \
-        if stats.get("float32") else ""
+    f32 = "; computed in float32 (MLX's CPU refused the model's dtype)"
+    f32 = f32 if stats.get("float32") else ""
     (kl_lo, kl_hi), (t_lo, t_hi) = stats["mean_kl_interval"], stats["top1_agreement_interval"]
     return (f"mean KL {stats['mean_kl']:.2g} [95% {kl_lo:.2g}, {kl_hi:.2g}], "
             f"top-1 {100 * top:.4g}% [{100 * t_lo:.4g}, {100 * t_hi:.4g}] "

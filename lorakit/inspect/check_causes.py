@@ -100,9 +100,7 @@ class CauseStats:
         return cls([(c[0], c[1]) for c in cands], np.zeros(len(cands)), np.zeros(len(cands)),
                    rank=rank)
 
-    def add(self, F: np.ndarray, W: np.ndarray, T: np.ndarray, tol: np.ndarray,
-            cands: List[Candidate], rows: Optional[slice],
-            bound_of: Callable[[np.ndarray, Piece], np.ndarray]) -> None:
+    def add(self, F, W, T, tol, cands: List[Candidate], rows, bound_of: Callable) -> None:
         for i, (_, _, build, q, factor) in enumerate(cands):
             Th = build(W, rows)
             t = bound_of(Th, q) if q is not None else tol * factor

@@ -19,7 +19,7 @@ import threading
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -31,7 +31,6 @@ from ..io.adapters.load import load_adapter
 from ..io.adapters.naming import bind, bindings_by_tensor
 from ..io.formats import source
 from ..io.formats.safetensors import FLOAT_CODES, TensorInfo, mx_to_raw
-from ..io.formats.source import TensorSource
 from ..io.formats.weights import weight_f64
 from ..layers import split_name
 from ..progress import Progress, progress_bar
@@ -164,11 +163,9 @@ def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
         "max ulp": max(ulps) if ulps else None,
         "max abs": max(abss) if abss else None,
     }
-    for status, key in (("dtype mismatch", "dtype mismatches"), ("shape mismatch",
-                        "shape mismatches"), ("only in A", "only in A"),
-                        ("only in B", "only in B")):
-        if by_status[status]:
-            summary[key] = by_status[status]
+    for status in ("dtype mismatch", "shape mismatch", "only in A", "only in B"):
+        if by_status[status]:  # "dtype mismatches", ..., "only in A"
+            summary[status + "es" if "mismatch" in status else status] = by_status[status]
     nan = sum(d.nan_mismatch for d in diffs)
     if nan:
         summary["NaN mismatches"] = nan
@@ -265,9 +262,7 @@ def _memcmp() -> Callable[[int, int, int], int]:
     return fn
 
 
-def _file_piece(files: _Mapped, memcmp: Callable[[int, int, int], int], work: threading.local,
-                ia: TensorInfo, ib: TensorInfo, off: int, n: int, code: str, max_bin: int,
-                scale: Optional[TensorScale] = None) -> Union[int, Accumulator]:
+def _file_piece(files: _Mapped, memcmp, work, ia, ib, off: int, n: int, code, max_bin, scale=None):
     """Bytes [off, off + n) of two tensors: the element count when equal, else the piece's
     :class:`Accumulator` (``work``: the thread's scratch arrays)."""
     storage = bits_dtype(code)
@@ -280,8 +275,7 @@ def _file_piece(files: _Mapped, memcmp: Callable[[int, int, int], int], work: th
     return acc
 
 
-def _compare_mixed(sa: TensorSource, sb: TensorSource, name_a: str, name_b: str,
-                   td: TensorDiff) -> TensorDiff:
+def _compare_mixed(sa, sb, name_a: str, name_b: str, td: TensorDiff) -> TensorDiff:
     """Two float tensors of different dtypes: compare values (float64), no ulps."""
     shape = td.shape_a or ()
     td.status = "dtype mismatch"
@@ -305,15 +299,14 @@ def _compare_mixed(sa: TensorSource, sb: TensorSource, name_a: str, name_b: str,
     return td
 
 
-def _file_scale(files: _Mapped, info: TensorInfo, code: str, chunk: int,
-                threads: int) -> TensorScale:
+def _file_scale(files: _Mapped, info: TensorInfo, code: str, chunk: int, threads: int):
     """rms(A) of a tensor on disk, read at its first differing piece on ``threads`` threads
     of its own (the sums added in order: the result does not depend on the threads)."""
     storage = bits_dtype(code)
 
     def piece(off: int) -> float:
-        return sumsq(files.piece(info, off, min(chunk, info.nbytes - off), storage), code,
-                     scale_kernel())
+        x = files.piece(info, off, min(chunk, info.nbytes - off), storage)
+        return sumsq(x, code, scale_kernel())
 
     def total() -> float:
         offs = range(0, info.nbytes, chunk)
@@ -372,8 +365,8 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
         for i, name in enumerate(order):
             ma = sa.tensors[name]
             mb = sb.tensors.get(name)
-            td = TensorDiff(name, "", ma.dtype, mb.dtype if mb is not None else None,
-                            tuple(ma.shape), tuple(mb.shape) if mb is not None else None)
+            dtype_b, shape_b = (None, None) if mb is None else (mb.dtype, tuple(mb.shape))
+            td = TensorDiff(name, "", ma.dtype, dtype_b, tuple(ma.shape), shape_b)
             out.append(td)
             if mb is None:
                 td.status = "only in A"
@@ -491,8 +484,7 @@ class UlpReport(Report):
     per_layer: Dict[str, np.ndarray] = field(default_factory=dict)
     diffs: List[TensorDiff] = field(default_factory=list)
 
-    def histogram(self, tensor: Optional[str] = None, layer: Optional[str] = None
-                  ) -> Dict[str, int]:
+    def histogram(self, tensor: Optional[str] = None, layer: Optional[str] = None) -> Dict:
         """Bin label -> count for one tensor, one layer (``"3"``, ``"-"``), or overall."""
         if tensor is not None:
             i = [r["tensor"] for r in self.rows].index(tensor)
@@ -569,8 +561,8 @@ def _as_bits(x: Any, fmt: Optional[str]) -> Tuple[np.ndarray, str]:
     arr = np.asarray(x)
     if fmt is not None:
         f = nm.float_format(fmt)
-        return nm.to_storage(arr, f) if arr.dtype.kind == "f" else arr.view(f.storage), \
-            f.safetensors
+        bits = nm.to_storage(arr, f) if arr.dtype.kind == "f" else arr.view(f.storage)
+        return bits, f.safetensors
     if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16":
         f = nm.float_format(arr.dtype)
         return arr.view(f.storage), f.safetensors
@@ -578,8 +570,7 @@ def _as_bits(x: Any, fmt: Optional[str]) -> Tuple[np.ndarray, str]:
                       hint="pass fmt='bf16' (or f16, f32) for storage bits")
 
 
-def ulp_tensors(a: Any, b: Any, fmt: Optional[str] = None, *, name: str = "tensor",
-                max_bin: int = DEFAULT_MAX_BIN) -> UlpReport:
+def ulp_tensors(a, b, fmt: Optional[str] = None, *, name="tensor", max_bin=DEFAULT_MAX_BIN):
     """Ulp distance histogram between two tensors of one format: numpy or mlx float
     arrays, or storage bits (uint16/uint32) with ``fmt`` (``"bf16"``, ``"f16"``, ``"f32"``)."""
     xa, ca = _as_bits(a, fmt)
@@ -688,9 +679,8 @@ class _RefScale:
 def _finish_scale(row: Dict[str, Any]) -> None:
     """Turn a row's raw scale sums into its figures (rms(T) needs the element count)."""
     if "_t2" not in row:
-        row.setdefault("rel_err", None)
-        row.setdefault("max_err_typ", None)
-        row.setdefault("not_nearest_near_zero", None)
+        for k in ("rel_err", "max_err_typ", "not_nearest_near_zero"):
+            row.setdefault(k, None)
         return
     t2, d2, emax, bad = (row.pop(k) for k in ("_t2", "_d2", "_emax", "_bad"))
     rms = math.sqrt(t2 / max(1, row["elements"]))
@@ -733,9 +723,8 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
     flagged: List[int] = []
     for tensor, binds in by_tensor.items():
         meta = sf.tensors.get(tensor)
-        row: Dict[str, Any] = {"tensor": tensor, "dtype": meta.dtype if meta else None,
-                               "elements": 0, "max_err": None, "mean_err": None,
-                               "not_nearest": None, "hist": "", "status": "measured"}
+        row: Dict[str, Any] = dict(tensor=tensor, dtype=meta.dtype if meta else None, elements=0)
+        row.update(max_err=None, mean_err=None, not_nearest=None, hist="", status="measured")
         counts = np.zeros(len(labels), np.int64)
         module = tensor[: -len(".weight")]
         if meta is None:
@@ -773,8 +762,7 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
         "adapter": str(ad.path), "tensors": len(rows), "elements": n,
         **_scale_summary(measured),
         "max error (ulp)": max((r["max_err"] for r in measured), default=None),
-        "mean error (ulp)": (sum(r["mean_err"] * r["elements"] for r in measured) / n)
-        if n else None,
+        "mean error (ulp)": sum(r["mean_err"] * r["elements"] for r in measured) / n if n else None,
         "not correctly rounded": sum(r["not_nearest"] for r in measured),
         "histogram": hist_text(labels, overall, top=6),
     }

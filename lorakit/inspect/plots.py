@@ -96,9 +96,8 @@ def dtype_heatmap(dm, ax=None, part: str = "weight"):
     return fig
 
 
-def value_heatmap(labels: Sequence[str], kinds: Sequence[str], values: np.ndarray, *,
-                  title: str, cbar: str, ax=None, log: bool = False, cmap: str = "viridis",
-                  vmin: Optional[float] = None, vmax: Optional[float] = None):
+def value_heatmap(labels, kinds, values, *, title: str, cbar: str, ax=None, log=False,
+                  cmap="viridis", vmin=None, vmax=None):
     """A layer x kind heatmap of numbers (NaN cells left blank)."""
     import numpy as np  # lazy: the dtype map's header path starts without numpy
     from matplotlib.colors import LogNorm  # lazy: matplotlib only when drawing
@@ -118,8 +117,7 @@ def value_heatmap(labels: Sequence[str], kinds: Sequence[str], values: np.ndarra
     return fig
 
 
-def histogram_bars(labels: Sequence[str], series: Dict[str, Sequence[float]], *, title: str,
-                   xlabel: str = "ulp distance", ax=None, log: bool = True):
+def histogram_bars(labels, series: Dict, *, title: str, xlabel="ulp distance", ax=None, log=True):
     """Bars of binned counts (ulp histograms); several series side by side."""
     import numpy as np  # lazy: the dtype map's header path starts without numpy
 
@@ -160,8 +158,7 @@ def spectra(curves: List[Tuple[str, np.ndarray]], *, title: str, ax=None, limit:
     return fig
 
 
-def grouped_bars(names: Sequence[str], series: Dict[str, Sequence[float]], *, title: str,
-                 ylabel: str, ax=None, log: bool = False):
+def grouped_bars(names, series: Dict, *, title: str, ylabel: str, ax=None, log=False):
     """Side-by-side bars per name (e.g. the delta norms of two adapters per target)."""
     import numpy as np  # lazy: the dtype map's header path starts without numpy
 
@@ -233,8 +230,7 @@ def kl_figure(kl: np.ndarray, context: int, *, title: str, ax=None):
     return fig
 
 
-def dose_response(scales: Sequence[float], kl: Dict[str, Sequence[Tuple[float, float, float]]],
-                  agreement: Dict[str, Sequence[float]], *, title: str, ax=None):
+def dose_response(scales, kl: Dict, agreement: Dict, *, title: str, ax=None):
     """Mean KL per scale, one line per reference with its (mean, low, high) interval as
     error bars (symlog: 0 at the reference itself), top-1 agreement on a second axis."""
     import numpy as np  # lazy: the dtype map's header path starts without numpy

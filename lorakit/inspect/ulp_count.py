@@ -130,8 +130,7 @@ def _positions16(x: np.ndarray, out: np.ndarray, s: np.ndarray) -> np.ndarray:
 class Accumulator:
     """Accumulates one tensor's comparison over pieces of raw storage (as bits)."""
 
-    def __init__(self, code: str, max_bin: int, work: Optional[Scratch] = None,
-                 scale: Optional[TensorScale] = None) -> None:
+    def __init__(self, code: str, max_bin: int, work=None, scale=None) -> None:
         self.code = code
         self.max_bin = max_bin
         self.ulps = code in _ULP16 or code == "F32"
