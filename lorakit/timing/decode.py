@@ -199,12 +199,9 @@ def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """What a decode timing measures, checked once (``time_decode``'s keywords, the CLI's
-    flags and ``DecodeRace``'s fields all build one). ``variants`` default to all (``base``
-    alone without an adapter); end-of-sequence never stops a run. ``rounds``: the variant
-    list runs that often, rotated, each variant in a fresh process, runs pooled (None:
-    :func:`auto_rounds`). ``behaviour``: True (512 tokens) or a token count adds a "KL vs
-    unfused" column after all timing. ``timeout``: seconds per variant's process."""
+    """What a decode timing measures, checked once. ``variants`` default to all (``base``
+    alone without an adapter); ``rounds`` (None: :func:`auto_rounds`) rotated rounds, runs
+    pooled; ``behaviour``: True (512 tokens) or a token count adds "KL vs unfused"."""
 
     variants: Optional[Tuple[str, ...]] = None
     prompt_tokens: int = 128

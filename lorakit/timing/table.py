@@ -93,10 +93,8 @@ class VariantTiming:
         if other.decode_tps and not self.decode_tps:  # this one never ran: take the other
             self.__dict__.update(other.__dict__)
         elif other.decode_tps:
-            self.prefill_tps = self.prefill_tps + other.prefill_tps
-            self.decode_tps = self.decode_tps + other.decode_tps
-            self.ttft_s = self.ttft_s + other.ttft_s
-            self.run_rounds = self.run_rounds + other.run_rounds
+            for k in ("prefill_tps", "decode_tps", "ttft_s", "run_rounds"):
+                setattr(self, k, getattr(self, k) + getattr(other, k))
             for k in ("peak_bytes", "mlx_peak_bytes", "rss_peak_bytes"):
                 setattr(self, k, max(getattr(self, k), getattr(other, k)))
             self.tokens = other.tokens or self.tokens
@@ -409,9 +407,7 @@ class DecodeTiming(Report):
                 label = f"{y / base:.2f}x" if base else f"{y:.3g}"
                 a.annotate(label, (i - (0.2 if a is a2 else 0), top), ha="center",
                            va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
-        dev = next((v.device for v in ok if v.device), {})
-        name = dev.get("device_info", {}).get("device_name", "")
-        where = " ".join(x for x in (dev.get("backend", ""), name) if x)
+        where = device_where(ok)
         title = Path(self.settings.get("model", "")).name + (f" on {where}" if where else "")
         fig.suptitle(title, fontsize=10)
         return fig
@@ -419,6 +415,13 @@ class DecodeTiming(Report):
 
 _COLORS = {"base": "#4c72b0", "unfused": "#8172b2", "promoted": "#c44e52",
            "fused": "#55a868", "mlx-lm-fused": "#64b5cd"}
+
+
+def device_where(variants: Sequence[VariantTiming]) -> str:
+    """Backend and device name of the first variant that recorded its device."""
+    dev = next((v.device for v in variants if v.device), {})
+    name = dev.get("device_info", {}).get("device_name", "")
+    return " ".join(x for x in (dev.get("backend", ""), name) if x)
 
 
 def _device_text(dev: Dict[str, Any]) -> str:
