@@ -36,6 +36,11 @@ TINY_NOTE = ("the model is tiny ({size}): per-token overhead, not weight reads, 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_model.safetensors")
 
 
+def _median(name: str) -> property:
+    """A property: the median of a list field, nan when it is empty."""
+    return property(lambda self: statistics.median(getattr(self, name) or [math.nan]))
+
+
 @dataclass
 class VariantTiming:
     """One variant's raw measurements (lists: one value per repeat); ``peak_bytes`` is MLX's
@@ -69,17 +74,9 @@ class VariantTiming:
     def ok(self) -> bool:
         return self.error is None and bool(self.decode_tps)
 
-    @property
-    def decode_median(self) -> float:
-        return statistics.median(self.decode_tps) if self.decode_tps else math.nan
-
-    @property
-    def prefill_median(self) -> float:
-        return statistics.median(self.prefill_tps) if self.prefill_tps else math.nan
-
-    @property
-    def ttft_median(self) -> float:
-        return statistics.median(self.ttft_s) if self.ttft_s else math.nan
+    decode_median = _median("decode_tps")
+    prefill_median = _median("prefill_tps")
+    ttft_median = _median("ttft_s")
 
     @property
     def weights_total(self) -> int:
