@@ -69,8 +69,8 @@ def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
         rows.append(row)
         if hit:
             flagged.append(i)
-    summary = {label: f"{Path(t.settings.get('model', '?')).name} on {device_where(t.variants) or '?'}, "
-               f"{t.rounds_run()} round(s)"
+    summary = {label: f"{Path(t.settings.get('model', '?')).name} on "
+               f"{device_where(t.variants) or '?'}, {t.rounds_run()} round(s)"
                + (f"; command: {t.settings['command']}" if t.settings.get("command") else "")
                for label, t in runs.items()}
     return Report(title="decode timing side by side: " + " | ".join(runs), rows=rows,

@@ -360,8 +360,8 @@ class DecodeTiming(Report):
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "DecodeTiming":
-        return cls(title="", settings=dict(d.get("settings") or {}),
-                   variants=[VariantTiming.from_dict(v) for v in d.get("variants", [])])
+        variants = [VariantTiming.from_dict(v) for v in d.get("variants", [])]
+        return cls(title="", settings=dict(d.get("settings") or {}), variants=variants)
 
     @classmethod
     def from_json(cls, text: str) -> "DecodeTiming":
