@@ -1,13 +1,5 @@
 """Decode timings side by side: a live run here beside a committed benchmark run
-(``benchmarks/results/*.json``), both judged by the same verdict code.
-
->>> from pathlib import Path
->>> h200 = load_benchmark("h200-qwen3-8b.json")  # a bare name: from RESULTS
->>> [h200.rows[i]["variant"] for i in h200.flagged]
-['promoted']
->>> print(side_by_side({"H200": h200}).rows[1]["H200 weights x base"])
-1.38
-"""
+(``benchmarks/results/*.json``), both judged by the same verdict code."""
 from __future__ import annotations
 
 import json
@@ -17,7 +9,7 @@ from typing import Dict, List, Union
 
 from ..errors import LorakitError
 from ..report import Report
-from .table import VARIANTS, DecodeTiming, verdict_words
+from .table import VARIANTS, DecodeTiming, device_where, verdict_words
 
 __all__ = ["load_benchmark", "load_seed", "side_by_side"]
 
@@ -52,12 +44,6 @@ def load_seed(path: Union[str, Path] = "seed-report.json") -> Report:
                   columns=["variant", "decode tok/s", "peak GB"])
 
 
-def _where(t: DecodeTiming) -> str:
-    dev = next((v.device for v in t.variants if v.device), {})
-    name = dev.get("device_info", {}).get("device_name", "")
-    return " ".join(x for x in (dev.get("backend", ""), name) if x)
-
-
 def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
     """One row per variant, per run its ratios and verdict; flagged if flagged in any run."""
     names = [n for n in VARIANTS if any(_has(t, n) for t in runs.values())]
@@ -83,8 +69,8 @@ def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
         rows.append(row)
         if hit:
             flagged.append(i)
-    summary = {label: f"{Path(t.settings.get('model', '?')).name} on {_where(t) or '?'}, "
-               f"{t.rounds_run()} round(s)"
+    summary = {label: f"{Path(t.settings.get('model', '?')).name} on "
+               f"{device_where(t.variants) or '?'}, {t.rounds_run()} round(s)"
                + (f"; command: {t.settings['command']}" if t.settings.get("command") else "")
                for label, t in runs.items()}
     return Report(title="decode timing side by side: " + " | ".join(runs), rows=rows,

@@ -32,6 +32,8 @@ from .worker import MARK, TOKENIZER_FILES
 __all__ = ["weight_bytes", "auto_rounds", "DecodeOptions", "time_decode"]
 
 _NOTES = {"base": "the checkpoint", "unfused": "mlx_lm load_model + load_adapters (LoRA layers)"}
+#: what a worker's spec takes from the options
+_SPEC = ("prompt_tokens", "tokens", "repeats", "warmup", "seed", "device")
 #: the least value of each int option
 _MINIMA = dict(prompt_tokens=1, tokens=1, repeats=1, warmup=0, rounds=1, seed=0)
 
@@ -104,9 +106,9 @@ def _prepare(variant: str, model: Path, adapter: Path, work: Path, python: str) 
 def _run_worker(spec: Dict[str, Any], python: str, on_run: Callable[[Dict[str, Any]], None],
                 cancel: Any, timeout: Optional[float]) -> Dict[str, Any]:
     with tempfile.TemporaryFile(mode="w+") as err:
-        proc = subprocess.Popen([python, "-m", "lorakit.timing.worker", json.dumps(spec)],
-                                stdout=subprocess.PIPE, stderr=err, text=True,
-                                env=_child_env())
+        cmd = [python, "-m", "lorakit.timing.worker", json.dumps(spec)]
+        env, out = _child_env(), subprocess.PIPE
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
         result: Optional[Dict[str, Any]] = None
         t0 = time.monotonic()
         try:
@@ -199,12 +201,9 @@ def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """What a decode timing measures, checked once (``time_decode``'s keywords, the CLI's
-    flags and ``DecodeRace``'s fields all build one). ``variants`` default to all (``base``
-    alone without an adapter); end-of-sequence never stops a run. ``rounds``: the variant
-    list runs that often, rotated, each variant in a fresh process, runs pooled (None:
-    :func:`auto_rounds`). ``behaviour``: True (512 tokens) or a token count adds a "KL vs
-    unfused" column after all timing. ``timeout``: seconds per variant's process."""
+    """What a decode timing measures, checked once. ``variants`` default to all (``base``
+    alone without an adapter); ``rounds`` (None: :func:`auto_rounds`) rotated rounds, runs
+    pooled; ``behaviour``: True (512 tokens) or a token count adds "KL vs unfused"."""
 
     variants: Optional[Tuple[str, ...]] = None
     prompt_tokens: int = 128
@@ -227,15 +226,15 @@ class DecodeOptions:
                                         "among " + ", ".join(VARIANTS))
         for name, low in _MINIMA.items():
             x = getattr(self, name)
-            if not (x is None and name == "rounds") and (
-                    not isinstance(x, int) or isinstance(x, bool) or x < low):
+            if x is None and name == "rounds":
+                continue
+            if not isinstance(x, int) or isinstance(x, bool) or x < low:
                 raise ArgumentError.bad(name, x, f"an int >= {low}"
                                         + (" or None (auto)" if name == "rounds" else ""))
         if self.device not in (None, "cpu", "gpu", "default"):
             raise ArgumentError.bad("device", self.device, "cpu, gpu or None")
         t = self.timeout
-        if t is not None and not (isinstance(t, (int, float)) and not isinstance(t, bool)
-                                  and t > 0):
+        if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0):
             raise ArgumentError.bad("timeout", t, "seconds > 0, or None")
         kl_tokens(self.behaviour)
 
@@ -279,16 +278,16 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
         sum(t.nbytes for t in ckpt.tensors.values())))
     rounds, runs = opts.rounds or 1, opts.warmup + opts.repeats  # rounds: resolved above
     python = python or sys.executable
-    result = DecodeTiming(title="", settings={
-        "model": str(model), "adapter_path": str(adapter) if adapter else None,
-        **opts.settings()})
-    to_prepare = [n for n in names if n in FUSED_VARIANTS]
-    bar = progress_bar(progress, len(to_prepare) + len(names) * runs * rounds,
-                       "decode timing", unit="step", leave=True) if progress else None
-    spec = {k: getattr(opts, k) for k in ("prompt_tokens", "tokens", "repeats", "warmup",
-                                          "seed", "device")}
-    work = Path(tempfile.mkdtemp(prefix="lorakit-timing-", dir=str(opts.workdir)
-                                 if opts.workdir is not None else None))
+    adapter_s = str(adapter) if adapter else None
+    settings = {"model": str(model), "adapter_path": adapter_s, **opts.settings()}
+    result = DecodeTiming(title="", settings=settings)
+    steps = sum(n in FUSED_VARIANTS for n in names) + len(names) * runs * rounds
+    bar = None
+    if progress:
+        bar = progress_bar(progress, steps, "decode timing", unit="step", leave=True)
+    spec = {k: getattr(opts, k) for k in _SPEC}
+    workdir = str(opts.workdir) if opts.workdir is not None else None
+    work = Path(tempfile.mkdtemp(prefix="lorakit-timing-", dir=workdir))
     keep: Optional[Dict[str, str]] = {} if rounds > 1 or n_kl is not None else None
     pooled: Dict[str, VariantTiming] = {}
     try:

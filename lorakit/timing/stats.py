@@ -1,14 +1,6 @@
 """How sure a decode timing is: paired bootstrap intervals of each variant's ratio to
 base (rounds drawn with replacement, the same for both, then runs inside rounds), and
-the verdict words. Seeded ``random``: the same runs give the same interval.
-
->>> lo, hi = ratio_interval([100.0, 101, 99, 100], [0, 0, 1, 1], [100.0, 99, 101, 100],
-...                         [0, 0, 1, 1])
->>> lo < 1 < hi
-True
->>> speed_verdict(0.64, (0.60, 0.68), rounds=3)
-(True, 'slower: 0.64x, 95% interval 0.60-0.68')
-"""
+the verdict words. Seeded ``random``: the same runs give the same interval."""
 from __future__ import annotations
 
 import math

@@ -36,6 +36,11 @@ TINY_NOTE = ("the model is tiny ({size}): per-token overhead, not weight reads, 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_model.safetensors")
 
 
+def _median(name: str) -> property:
+    """A property: the median of a list field, nan when it is empty."""
+    return property(lambda self: statistics.median(getattr(self, name) or [math.nan]))
+
+
 @dataclass
 class VariantTiming:
     """One variant's raw measurements (lists: one value per repeat); ``peak_bytes`` is MLX's
@@ -69,17 +74,9 @@ class VariantTiming:
     def ok(self) -> bool:
         return self.error is None and bool(self.decode_tps)
 
-    @property
-    def decode_median(self) -> float:
-        return statistics.median(self.decode_tps) if self.decode_tps else math.nan
-
-    @property
-    def prefill_median(self) -> float:
-        return statistics.median(self.prefill_tps) if self.prefill_tps else math.nan
-
-    @property
-    def ttft_median(self) -> float:
-        return statistics.median(self.ttft_s) if self.ttft_s else math.nan
+    decode_median = _median("decode_tps")
+    prefill_median = _median("prefill_tps")
+    ttft_median = _median("ttft_s")
 
     @property
     def weights_total(self) -> int:
@@ -93,10 +90,8 @@ class VariantTiming:
         if other.decode_tps and not self.decode_tps:  # this one never ran: take the other
             self.__dict__.update(other.__dict__)
         elif other.decode_tps:
-            self.prefill_tps = self.prefill_tps + other.prefill_tps
-            self.decode_tps = self.decode_tps + other.decode_tps
-            self.ttft_s = self.ttft_s + other.ttft_s
-            self.run_rounds = self.run_rounds + other.run_rounds
+            for k in ("prefill_tps", "decode_tps", "ttft_s", "run_rounds"):
+                setattr(self, k, getattr(self, k) + getattr(other, k))
             for k in ("peak_bytes", "mlx_peak_bytes", "rss_peak_bytes"):
                 setattr(self, k, max(getattr(self, k), getattr(other, k)))
             self.tokens = other.tokens or self.tokens
@@ -365,8 +360,8 @@ class DecodeTiming(Report):
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "DecodeTiming":
-        return cls(title="", settings=dict(d.get("settings") or {}),
-                   variants=[VariantTiming.from_dict(v) for v in d.get("variants", [])])
+        variants = [VariantTiming.from_dict(v) for v in d.get("variants", [])]
+        return cls(title="", settings=dict(d.get("settings") or {}), variants=variants)
 
     @classmethod
     def from_json(cls, text: str) -> "DecodeTiming":
@@ -409,9 +404,7 @@ class DecodeTiming(Report):
                 label = f"{y / base:.2f}x" if base else f"{y:.3g}"
                 a.annotate(label, (i - (0.2 if a is a2 else 0), top), ha="center",
                            va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
-        dev = next((v.device for v in ok if v.device), {})
-        name = dev.get("device_info", {}).get("device_name", "")
-        where = " ".join(x for x in (dev.get("backend", ""), name) if x)
+        where = device_where(ok)
         title = Path(self.settings.get("model", "")).name + (f" on {where}" if where else "")
         fig.suptitle(title, fontsize=10)
         return fig
@@ -419,6 +412,13 @@ class DecodeTiming(Report):
 
 _COLORS = {"base": "#4c72b0", "unfused": "#8172b2", "promoted": "#c44e52",
            "fused": "#55a868", "mlx-lm-fused": "#64b5cd"}
+
+
+def device_where(variants: Sequence[VariantTiming]) -> str:
+    """Backend and device name of the first variant that recorded its device."""
+    dev = next((v.device for v in variants if v.device), {})
+    name = dev.get("device_info", {}).get("device_name", "")
+    return " ".join(x for x in (dev.get("backend", ""), name) if x)
 
 
 def _device_text(dev: Dict[str, Any]) -> str:

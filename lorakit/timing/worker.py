@@ -194,11 +194,9 @@ def main(spec: Dict[str, Any]) -> Dict[str, Any]:
     mlx_peak = int(mx.get_peak_memory())
     rss_peak = rss_peak_bytes()
     on_gpu = facts["kind"] == "gpu"
-    return {"prefill_tps": [r["prefill_tps"] for r in runs],
-            "decode_tps": [r["decode_tps"] for r in runs],
-            "ttft_s": [r["ttft_s"] for r in runs],
-            "generated": runs[-1]["generated"] if runs else 0,
-            "tokens": runs[-1]["tokens"] if runs else [],
+    last = runs[-1] if runs else {"generated": 0, "tokens": []}
+    return {**{k: [r[k] for r in runs] for k in ("prefill_tps", "decode_tps", "ttft_s")},
+            "generated": last["generated"], "tokens": last["tokens"],
             "peak_bytes": mlx_peak if on_gpu else rss_peak,
             "peak_source": "mlx" if on_gpu else "rss",
             "mlx_peak_bytes": mlx_peak, "rss_peak_bytes": rss_peak,

@@ -7,7 +7,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import ipywidgets as W
 
@@ -43,9 +43,10 @@ class DecodeRace(W.VBox):
         self._thread: Optional[threading.Thread] = None
         self._cancel = threading.Event()
         self._lock = threading.Lock()
-        self.checks = {v: hook(W.Checkbox(value=v in chosen, description=v, indent=False,
-                                          layout=W.Layout(width="9em")), f"race-{v}")
-                       for v in offered}
+        self.checks: Dict[str, W.Checkbox] = {}
+        for v in offered:
+            cb = W.Checkbox(v in chosen, description=v, indent=False, layout=W.Layout(width="9em"))
+            self.checks[v] = hook(cb, f"race-{v}")
 
         def box(value: int, top: int, label: str) -> W.BoundedIntText:
             look = {"style": {"description_width": "7em"}, "layout": W.Layout(width="14em")}
@@ -57,8 +58,8 @@ class DecodeRace(W.VBox):
         self.repeats = box(o.repeats, 50, "repeats")
         self.start_button = button("race-start", "Start", "play")
         self.stop_button = button("race-stop", "Stop", "stop", "", disabled=True)
-        self.progress = hook(W.IntProgress(0, min=0, max=1, layout=W.Layout(width="16em")),
-                             "race-progress")
+        bar = W.IntProgress(0, min=0, max=1, layout=W.Layout(width="16em"))
+        self.progress = hook(bar, "race-progress")
         self.status, self.table = htmls("race", "status", "table")
         self.chart = FigureView("race-chart")
         self.error = ErrorBox("race-error")
@@ -85,9 +86,8 @@ class DecodeRace(W.VBox):
             raise RuntimeError("a decode race is already running")
         names = self.variants
         try:
-            self.options = opts = replace(
-                self.options, variants=tuple(names), prompt_tokens=self.prompt_tokens.value,
-                tokens=self.tokens.value, repeats=self.repeats.value)
+            sizes = {k: getattr(self, k).value for k in ("prompt_tokens", "tokens", "repeats")}
+            self.options = opts = replace(self.options, variants=tuple(names), **sizes)
         except ArgumentError as e:  # no variant checked, say: shown, not only raised
             self.error.show(e)
             raise

@@ -14,17 +14,7 @@ from ..inspect.plots import histogram_bars
 from ..inspect.ulp_count import binades, bits_dtype
 from ..io.formats import source
 from ..report import Report
-from ._base import (
-    ErrorBox,
-    FigureView,
-    button,
-    choice,
-    facts_html,
-    hook,
-    htmls,
-    rows_html,
-    summary_html,
-)
+from ._base import ErrorBox, FigureView, button, choice, facts_html, htmls, rows_html, summary_html
 
 __all__ = ["DiffExplorer"]
 #: the B choice meaning "the exact fuse of base + adapter, in float64"
@@ -73,17 +63,14 @@ class DiffExplorer(W.VBox):
         top = W.HBox([self.a, self.b, self.button, self.status])
         picks = W.HBox([self.layer, self.tensor])
         super().__init__([top, self.error, self.summary, self.view, picks, self.facts, self.figure])
-        hook(self, "diff-explorer")
+        self.add_class("t-diff-explorer")
         if compare:
             self.compare()
 
     def compare(self) -> Optional[Report]:
         """Compare the chosen A and B (what the button does)."""
         self.status.value = "comparing..."
-        a, b = self.checkpoints[self.a.value], self.b.value
-        rep = self.error.attempt(lambda: ulp_vs_reference(a, self.base, self.adapter)
-                                 if b == REFERENCE else diff(a, self.checkpoints[b]).ulp_report(),
-                                 self.status)
+        rep = self.error.attempt(self._compare, self.status)
         if rep is None:
             return None
         self.report = rep
@@ -104,6 +91,12 @@ class DiffExplorer(W.VBox):
             self._quiet = False
         self.redraw()
         return rep
+
+    def _compare(self) -> Report:
+        a, b = self.checkpoints[self.a.value], self.b.value
+        if b == REFERENCE:
+            return ulp_vs_reference(a, self.base, self.adapter)
+        return diff(a, self.checkpoints[b]).ulp_report()
 
     def _tensors(self, layer: str) -> List[str]:
         assert self.report is not None

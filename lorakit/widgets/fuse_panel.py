@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import ipywidgets as W
 
@@ -158,10 +158,10 @@ class FusePanel(W.VBox):
             if base is None or adapter is None:
                 missing = "base" if base is None else "adapter"
                 raise ArgumentError.bad(missing, None, "choose a base checkpoint and an adapter")
-            result = fuse(base, adapter, self.output_dir(), rounding=self.rounding.value,
-                          dtype=self.dtype.value,
-                          dequantize=bool(self.quant.value) and not self.quant.disabled,
-                          quant_policy=self._policy(), force=True, progress=self._on_progress)
+            deq = bool(self.quant.value) and not self.quant.disabled
+            kw: Dict[str, Any] = dict(rounding=self.rounding.value, dtype=self.dtype.value)
+            kw.update(dequantize=deq, quant_policy=self._policy(), progress=self._on_progress)
+            result = fuse(base, adapter, self.output_dir(), force=True, **kw)
             self.progress.value = 0.8
             self.status.value = "inspecting..."
             self.view.show(result.output)

@@ -34,8 +34,8 @@ def mix_stats(gram: Mapping[str, np.ndarray], labels: Sequence[str],
     rows: List[Dict[str, Any]] = []
     for module, G in gram.items():
         tot += G
-        rows.append({"module": module, "mix": math.sqrt(max(float(w @ G @ w), 0.0)),
-                     **{lab: math.sqrt(max(float(G[i, i]), 0.0)) for i, lab in enumerate(labels)}})
+        norms = {lab: math.sqrt(max(float(G[i, i]), 0.0)) for i, lab in enumerate(labels)}
+        rows.append({"module": module, "mix": math.sqrt(max(float(w @ G @ w), 0.0)), **norms})
     mix_sq = max(float(w @ tot @ w), 0.0)
     dist, cos = {}, {}
     for i, lab in enumerate(labels):
@@ -76,8 +76,8 @@ class AdapterMixer(W.VBox):
         self.prompt = hook(W.Text(value=prompt, description="prompt"), "mixer-prompt")
         self.max_tokens = max_tokens
         self.generate_button = button("mixer-generate", "Greedy text", style="")
-        self.save_path = hook(W.Text(value="", placeholder="output adapter directory",
-                                     description="save to"), "mixer-save-path")
+        path = W.Text(value="", placeholder="output adapter directory", description="save to")
+        self.save_path = hook(path, "mixer-save-path")
         self.write_button = button("mixer-write", "Write combination")
         self.error = ErrorBox("mixer-error")
         self._holding = False
@@ -152,8 +152,8 @@ class AdapterMixer(W.VBox):
         return models
 
     def _write(self) -> Any:
-        if not self.save_path.value.strip():
+        out = self.save_path.value.strip()
+        if not out:
             raise ArgumentError.bad("save to", "", "an output directory")
         specs = [self.specs[lab] for lab in self.labels]
-        return combine(specs, weights=self.weights, method="exact",
-                       save_path=self.save_path.value.strip())
+        return combine(specs, weights=self.weights, method="exact", save_path=out)
