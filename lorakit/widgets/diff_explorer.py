@@ -70,7 +70,7 @@ class DiffExplorer(W.VBox):
     def compare(self) -> Optional[Report]:
         """Compare the chosen A and B (what the button does)."""
         self.status.value = "comparing..."
-        rep = self.error.attempt(self._compare, self.status)
+        rep = self.error.attempt(self._diff_now, self.status)
         if rep is None:
             return None
         self.report = rep
@@ -92,7 +92,7 @@ class DiffExplorer(W.VBox):
         self.redraw()
         return rep
 
-    def _compare(self) -> Report:
+    def _diff_now(self) -> Report:
         a, b = self.checkpoints[self.a.value], self.b.value
         if b == REFERENCE:
             return ulp_vs_reference(a, self.base, self.adapter)

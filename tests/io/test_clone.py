@@ -14,6 +14,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, Iterator, Tuple
 
@@ -48,7 +49,7 @@ def _skip_or_fail(why: str) -> None:
 
 @pytest.fixture(scope="module")
 def cow(tmp_path_factory) -> Iterator[Path]:
-    """A fresh 640 MB XFS with reflink, mounted for this module."""
+    """A fresh 1 GB XFS with reflink (a sparse image), mounted for this module."""
     why = _cow_missing()
     if why:
         _skip_or_fail(why)
@@ -56,7 +57,7 @@ def cow(tmp_path_factory) -> Iterator[Path]:
     img, mnt = root / "xfs.img", root / "mnt"
     mnt.mkdir()
     with open(img, "wb") as f:
-        f.truncate(640 << 20)
+        f.truncate(1 << 30)
     for cmd in (["mkfs.xfs", "-q", "-m", "reflink=1", str(img)],
                 ["mount", "-o", "loop", str(img), str(mnt)]):
         r = subprocess.run(cmd, capture_output=True, text=True)
@@ -194,14 +195,21 @@ def test_a_full_disk_leaves_nothing(cow: Path) -> None:
     base, ad = _inputs(cow, "full")
     before = _state(base)
     filler = cow / "full" / "filler"
+    free = _free(cow)
     with open(filler, "wb") as f:
-        os.posix_fallocate(f.fileno(), 0, _free(cow) - (2 << 20))  # 2 MB left, 4.6 MB needed
+        os.posix_fallocate(f.fileno(), 0, free - (2 << 20))  # 2 MB left, 4.6 MB needed
     out = cow / "full" / "fused"
     try:
         with pytest.raises(FuseError, match="No space left on device"):
             lorakit.fuse(base, ad, out, progress=False)
     finally:
         filler.unlink()
+        # XFS frees an unlinked file's blocks in the background: the module's later tests
+        # need them back
+        os.sync()
+        deadline = time.monotonic() + 30
+        while _free(cow) < free - (8 << 20) and time.monotonic() < deadline:
+            time.sleep(0.1)
     assert not out.exists() and temporaries(out) == []
     assert _state(base) == before
     r = lorakit.fuse(base, ad, out, progress=False)  # room again: the same fuse succeeds
