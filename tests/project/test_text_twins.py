@@ -127,14 +127,14 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
         "ResizeReport": _in(lambda: resize(LORA, energy=0.9)),
         "Combination": _in(lambda: combine([LORA, "data/adapters/lora-embed"], [0.7, 0.3],
                                            method="cat")),
-        "BehaviourReport": _in(lambda: compare_outputs(BASE, (BASE, LORA), tokens=512,
-                                                        context=128)),
+        "BehaviourReport": _in(lambda: compare_outputs(BASE, (BASE, LORA), tokens=256,
+                                                        context=64)),
         "GenerationReport": _in(lambda: compare_generations(
             {"base": BASE, "adapter": (BASE, LORA), "fused": "fused"},
             ["And it came to pass"], max_tokens=8)),
-        "ScaleSweep": _in(lambda: scale_sweep(BASE, LORA, scales=(0, 0.5, 1), tokens=256,
+        "ScaleSweep": _in(lambda: scale_sweep(BASE, LORA, scales=(0, 0.5, 1), tokens=128, context=64,
                                               prompt="And it came to pass", max_tokens=8)),
-        "LayerEffects": _in(lambda: layer_effects(BASE, LORA, tokens=256, by="layer")),
+        "LayerEffects": _in(lambda: layer_effects(BASE, LORA, tokens=128, context=64, by="layer")),
     }
 
 
