@@ -746,6 +746,11 @@ def fused_vs_unfused(fused: Any, base: Any, adapter: Any, tokens: int, *,
                           _path(fused, "fused checkpoint") if not isinstance(fused, str) else fused,
                           corpus, tokens=tokens, context=min(CONTEXT, tokens),
                           detail=0, progress=progress)
+    return behaviour_stats(rep)
+
+
+def behaviour_stats(rep: Any) -> Dict[str, Any]:
+    """:data:`KEYS` of a :func:`compare_outputs` report, with its float32 fallback."""
     return {**{k: rep.stats[k] for k in KEYS}, "float32": list(rep.float32),
             **({"note": rep.summary["note"]} if rep.float32 else {})}
 

@@ -12,7 +12,7 @@ from ..algebra.extract import ExtractOptions, ExtractReport
 from ..algebra.extract import extract as extract_lowrank
 from ..progress import Progress
 from .behaviour import compare_outputs
-from .check import CONTEXT, DEFAULT_TOKENS, KEYS, behaviour_line
+from .check import CONTEXT, behaviour_line, behaviour_stats, behaviour_tokens
 
 __all__ = ["extract"]
 
@@ -27,8 +27,8 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
     opts = ExtractOptions.of(options, settings)
     rep = extract_lowrank(base, tuned, opts, save_path=save_path, force=force,
                           progress=progress)
-    if opts.behaviour:
-        tokens = DEFAULT_TOKENS if opts.behaviour is True else int(opts.behaviour)
+    tokens = behaviour_tokens(opts.behaviour)
+    if tokens:
         add_behaviour(rep, tokens, progress=True if progress is True else None)
     return rep
 
@@ -46,6 +46,6 @@ def add_behaviour(rep: ExtractReport, tokens: int, *, progress: Any = None) -> E
         return rep
     out = compare_outputs(tuned, (base, rep.adapter), tokens=tokens,
                           context=min(CONTEXT, tokens), detail=0, progress=progress)
-    rep.behaviour = {**{k: out.stats[k] for k in KEYS}, "float32": list(out.float32)}
+    rep.behaviour = behaviour_stats(out)
     rep.summary["behaviour"] = "tuned vs base + extracted: " + behaviour_line(rep.behaviour)
     return rep
