@@ -21,23 +21,26 @@ _PIECE = 1 << 16  # elements per piece: the f64 working set stays in the L2 cach
 _U64 = np.uint64
 
 
-def _near_ties(x: np.ndarray, fmt_out,
+def _near_ties(xs: np.ndarray, flat: Optional[np.ndarray], cols: int, fmt_out,
                cancel: Optional[Tuple[np.ndarray, np.ndarray]] = None,
                error: Optional[Any] = None) -> np.ndarray:
-    """Flat indices of f64 values that may round the wrong way in ``fmt_out``: those
-    within 2**-20 ulp of a tie; given ``cancel`` (per-row and per-column factors of the
-    magnitude ``|x|`` must pass for an f64 error under 2**-21 ulp), the cancelled ones
-    below it whose distance to a tie is within ``error(flat indices)``; given ``error``,
-    also results rounding to zero within their error bound (the zero's sign)."""
+    """Flat indices (into a piece ``cols`` wide) of f64 values ``xs`` (1-D, at the flat
+    indices ``flat``; None: every element in order) that may round the wrong way in
+    ``fmt_out``: those within 2**-20 ulp of a tie; given ``cancel`` (per-row and
+    per-column factors of the magnitude ``|x|`` must pass for an f64 error under 2**-21
+    ulp), the cancelled ones below it whose distance to a tie is within ``error(flat
+    indices)``; given ``error``, also results rounding to zero within their error bound
+    (the zero's sign)."""
+    at = (lambda pos: pos) if flat is None else (lambda pos: flat[pos])
     drop = 53 - fmt_out.precision  # f64 fraction bits below the output's last bit
     half = _U64(1 << (drop - 1))
     tol = _U64(1 << (drop - 20))
-    bits = x.reshape(-1).view(np.uint64)
+    bits = xs.view(np.uint64)
     t = bits & _U64((1 << drop) - 1)
     t -= half
     t += tol  # unsigned wrap: values below the tie land near 2**64, above it near 0
     near = t <= _U64(2) * tol
-    ax = np.abs(x.reshape(-1))
+    ax = np.abs(xs)
     small = ax < 2.0 ** fmt_out.emin  # subnormal outputs: fixed spacing, check directly
     if small.any():
         idx = np.flatnonzero(small)
@@ -47,7 +50,7 @@ def _near_ties(x: np.ndarray, fmt_out,
         if error is not None:  # a result that rounds to zero has the exact value's
             z = idx[y <= 0.5]  # sign: certain only where |x| exceeds its error bound
             if z.size:
-                e = error(z)
+                e = error(at(z))
                 near[z[(ax[z] <= e) & (e > 0)]] = True
     if cancel is not None:  # the f64 error may be a sizeable part of an ulp here
         rc, cm = cancel
@@ -56,14 +59,14 @@ def _near_ties(x: np.ndarray, fmt_out,
         # the piece, then the exact per-element bound on the few below it
         top = rc.max(initial=0.0) * cm.max(initial=0.0)
         pre = np.flatnonzero(ax < top)
-        i, j = np.divmod(pre, x.shape[1])
+        i, j = np.divmod(at(pre), cols)
         cand = pre[rc[i] * cm[j] > ax[pre]]
         if cand.size:
             if error is None:
                 near[cand] = True
             else:
-                near[cand[_tie_distance(ax[cand], fmt_out) <= error(cand)]] = True
-    return np.flatnonzero(near)
+                near[cand[_tie_distance(ax[cand], fmt_out) <= error(at(cand))]] = True
+    return at(np.flatnonzero(near))
 
 
 def _tie_distance(ax: np.ndarray, fmt_out) -> np.ndarray:
@@ -106,6 +109,49 @@ def _redo_exact(idx: np.ndarray, w_rows: np.ndarray, fmt_in, Bs: np.ndarray, A: 
         flat_out[f] = nm.round_to_format(np.array([x]), fmt_out)[0]
 
 
+def _round_via_f32(x: np.ndarray, bufs: Tuple[np.ndarray, ...], fmt_out, out: np.ndarray,
+                   top: float) -> np.ndarray:
+    """Round the float64 piece ``x`` into ``out`` (bfloat16 or float16 bits) through
+    float32: twice rounded, it is once rounded except where float32 lands on a tie of
+    the output (the output's ties are float32 values and rounding is monotone).
+    Returns the flat indices float32 cannot settle, to be rounded again from float64: within
+    one float32 ulp of a tie (which holds every near tie), at most ``top`` (possible
+    cancellation) or the smallest normal (zeros too), NaN, or past the largest finite
+    value: a few per hundred thousand, where ``_near_ties`` looks. ``bufs``: float32,
+    uint32, uint32, bool and bool work arrays of ``x``'s size at least."""
+    u32 = np.uint32
+    n = x.size
+    y, t, d, flag, more = (b[:n] for b in bufs)
+    of = out.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflows are redone below
+        np.copyto(y, x.reshape(-1), casting="same_kind")  # one correct rounding
+        if fmt_out.name == "float16":  # numpy's float32 -> float16: nearest, ties even
+            np.copyto(of.view(np.float16), y, casting="same_kind")
+    u = y.view(u32)
+    if fmt_out.name == "bfloat16":  # nearest, ties to even, on the bits
+        np.right_shift(u, u32(16), out=t)
+        np.bitwise_and(t, u32(1), out=t)
+        np.add(t, u, out=t)
+        np.add(t, u32(0x7FFF), out=t)
+        np.right_shift(t, u32(16), out=of, casting="unsafe")
+    drop = 24 - fmt_out.precision  # float32 fraction bits below the output's last bit
+    np.bitwise_and(u, u32((1 << drop) - 1), out=t)
+    np.subtract(t, u32((1 << (drop - 1)) - 1), out=t)  # a tie and its neighbours: 0, 1, 2
+    np.less_equal(t, u32(2), out=flag)
+    lo = np.float32(max(top, 2.0 ** fmt_out.emin))
+    if lo < max(top, 2.0 ** fmt_out.emin):
+        lo = np.nextafter(lo, np.float32(np.inf))
+    lo_bits = int(lo.view(u32))
+    hi_bits = int(np.float32(fmt_out.max_value).view(u32))
+    if lo_bits >= hi_bits:  # cancellation possible anywhere: float64 settles it all
+        return np.arange(n)
+    np.bitwise_and(u, u32(0x7FFF_FFFF), out=d)
+    np.subtract(d, u32(lo_bits + 1), out=d)  # |y| <= lo wraps past hi: one compare
+    np.greater(d, u32(hi_bits - lo_bits - 1), out=more)
+    np.bitwise_or(flag, more, out=flag)
+    return np.flatnonzero(flag)
+
+
 def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: float,
                   magnitude: Optional[np.ndarray], fmt_out) -> np.ndarray:
     rows, cols = w.shape
@@ -116,7 +162,6 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
     # pieces of whole rows (DoRA normalises rows); larger for DoRA, whose row norm
     # pass is cheap next to the per-piece overhead
     step = max(1, (_PIECE * (16 if magnitude is not None else 1)) // max(cols, 1))
-    buf = np.empty((min(step, rows), cols), np.float64)
     # Cancellation. The f64 result x of W + sum_k Bs[i,k] A[k,j] (any summation order,
     # FMA or not, Bs itself rounded) is within e = g (|W| + S) of the exact value
     # (Higham: g = gamma_n = n u / (1 - n u), n = rank + 3, u = 2**-53), where
@@ -129,24 +174,46 @@ def _fuse_nearest(w: np.ndarray, fmt_in, A: np.ndarray, B: np.ndarray, scale: fl
     k = 2.0 ** (21 + fmt_out.precision)
     row_c = np.abs(Bs).sum(axis=1) * ((2 + g) * g * k / (1 - g * k))
     col_max = np.abs(A64).max(axis=0) if A64.size else np.zeros(A64.shape[1])
+    # bfloat16 and float16 results round through float32 (_round_via_f32); what float32
+    # cannot settle is gathered for the whole matrix
+    via32 = magnitude is None and fmt_out.name in ("bfloat16", "float16")
+    bufs = tuple(np.empty(min(step, rows) * cols, d) for d in
+                 (np.float32, np.uint32, np.uint32, np.bool_, np.bool_)) if via32 else ()
+    buf = np.empty((min(step, rows), cols), np.float64)
+    top = row_c.max(initial=0.0) * col_max.max(initial=0.0)
+
+    def error(flat: np.ndarray) -> np.ndarray:
+        """The f64 error bound g (|W| + sum_k |Bs[i,k] A[k,j]|) of the elements at these
+        flat indices, doubled (its own f64 evaluation rounds too)."""
+        i, j = np.divmod(flat, cols)
+        s = np.einsum("mk,km->m", np.abs(Bs[i]), np.abs(A64[:, j]))
+        return 2 * g * (np.abs(nm.to_float64(w[i, j], fmt_in)) + s)
+
+    flats, values = [], []
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         x = buf[: r1 - r0]
         np.matmul(Bs[r0:r1], A64, out=x)
-        x += nm.to_float64(w[r0:r1], fmt_in)
+        # exact either way; a float32 view of W spares a float64 copy of it
+        np.add(x, (nm.to_float32 if fmt_in.precision <= 24 else nm.to_float64)(
+            w[r0:r1], fmt_in), out=x)
         if magnitude is not None:
             norm = np.sqrt(np.einsum("ij,ij->i", x, x))
             x *= dora_factor(magnitude[r0:r1], norm, slice(r0, r1))[:, None]
-        nm.round_to_format(x, fmt_out, out=out[r0:r1])
-        if magnitude is None:
-            def error(flat: np.ndarray, r0: int = r0, r1: int = r1) -> np.ndarray:
-                """The f64 error bound g (|W| + sum_k |Bs[i,k] A[k,j]|) of these
-                elements, doubled (its own f64 evaluation rounds too)."""
-                i, j = np.divmod(flat, cols)
-                s = np.einsum("mk,km->m", np.abs(Bs[r0:r1][i]), np.abs(A64[:, j]))
-                wa = np.abs(nm.to_float64(w[r0:r1][i, j], fmt_in))
-                return 2 * g * (wa + s)
-
-            ties = _near_ties(x, fmt_out, (row_c[r0:r1], col_max), error)
-            _redo_exact(ties, w[r0:r1], fmt_in, B64[r0:r1], A64, scale, out[r0:r1], fmt_out)
+            nm.round_to_format(x, fmt_out, out=out[r0:r1])
+        elif via32:
+            flat = _round_via_f32(x, bufs, fmt_out, out[r0:r1], top)
+            flats.append(flat + r0 * cols)
+            values.append(x.reshape(-1)[flat])
+        else:
+            nm.round_to_format(x, fmt_out, out=out[r0:r1])
+            flats.append(_near_ties(x.reshape(-1), None, cols, fmt_out,
+                                    (row_c[r0:r1], col_max),
+                                    lambda f, r0=r0: error(f + r0 * cols)) + r0 * cols)
+    if via32 and flats:
+        flat, xs = np.concatenate(flats), np.concatenate(values)
+        out.reshape(-1)[flat] = nm.round_to_format(xs, fmt_out)
+        flats = [_near_ties(xs, flat, cols, fmt_out, (row_c, col_max), error)]
+    if flats:
+        _redo_exact(np.concatenate(flats), w, fmt_in, B64, A64, scale, out, fmt_out)
     return out

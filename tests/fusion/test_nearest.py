@@ -79,6 +79,23 @@ def test_exact_and_near_ties(code, out) -> None:
         assert np.all(got[:, tie_cols] & 1 == 0)
 
 
+@pytest.mark.parametrize("code,out", [("BF16", "BF16"), ("F16", "F16"), ("F32", "BF16"),
+                                      ("F32", "F16")])
+def test_float32_lands_on_a_tie(code, out) -> None:
+    """bfloat16 and float16 results round through float32, which is exact unless float32
+    lands on a tie of the output: W + delta a hair off a tie (2**-26 and 2**-25: outside
+    the near-tie band, inside half a float32 ulp) must round away from it, by its side."""
+    fo = nm.float_format(out)
+    rng = np.random.default_rng(3)
+    rows, cols = 12, 16
+    on_grid = nm.to_float64(nm.round_to_format(rng.uniform(1, 2, (rows, cols)), fo), fo)
+    w = to_code(on_grid, code)  # W on the output's grid: W +- half its ulp is a tie
+    hair = rng.choice([2.0 ** -26, -(2.0 ** -26), 2.0 ** -25 * 0.75, -(2.0 ** -25 * 0.75)], cols)
+    A = np.stack([np.full(cols, 2.0 ** -fo.precision), hair]).astype(np.float32)
+    B = np.stack([rng.choice([-1.0, 1.0], rows), np.ones(rows)], 1).astype(np.float32)
+    assert_exact(w, code, A, B, 1.0, POLICY[out])
+
+
 def exact_round(value: Fraction, f) -> int:
     """The correctly rounded bits of an exact rational (nearest, ties to even), found
     among the neighbours of its f64 rounding by exact comparison."""
