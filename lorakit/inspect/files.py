@@ -1,0 +1,163 @@
+"""The folder around the tensors: a fused folder's other files against what they should be.
+
+What they should be is what :func:`lorakit.fuse` writes
+(:func:`lorakit.io.outputs.sidecars.plan_sidecars`): the base's files, with the tokenizer
+and chat template the adapter folder ships in place of the base's. Every JSON file is
+compared field by field (``transformers_version`` and ``_name_or_path`` aside), any
+other file byte for byte; ``config.json`` likewise, less its dtype and quantization
+blocks, which must say what the weights are: a ``quantization`` block over float
+weights is stale. A finding names the file, the field, what was expected and what was
+found; any finding makes :meth:`CheckReport.exit_code` :data:`FILES_EXIT` when the
+tensors pass.
+
+>>> import lorakit
+>>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")
+>>> lorakit.check("fused", "data/tiny-qwen3", "data/adapters/lora").files.rows
+[]
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from ..io.formats.checkpoint import INDEX_NAME
+from ..io.outputs.model_card import CARD_NAME
+from ..io.outputs.provenance import PROVENANCE
+from ..io.outputs.sidecars import TOKENIZER_FILES, plan_sidecars, tokenizer_origin
+from ..report import Report
+
+__all__ = ["FilesReport", "check_files", "FILES_EXIT"]
+
+#: exit status of ``lorakit check`` when the tensors pass and a file does not
+FILES_EXIT = 4
+_IGNORED = ("transformers_version", "_name_or_path")
+_QUANT = ("quantization", "quantization_config")
+_WEIGHTS = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
+_PER_FILE = 12  # differences listed per file before one row counts the rest
+_ABSENT = "(absent)"
+
+
+@dataclass(repr=False)
+class FilesReport(Report):
+    """One row per finding (none on a right fuse): ``file``, ``field``, ``expected``,
+    ``found`` and ``finding`` (missing, extra, stale quantization, chat template, EOS,
+    special token, tokenizer, generation config, config)."""
+
+    column_help = {"file": "the file in the fused folder",
+                   "field": "the JSON field (dotted path) that differs, if any",
+                   "expected": "what it should be (the base's, or the adapter's tokenizer)",
+                   "found": "what the fused folder holds",
+                   "finding": "what kind of difference it is"}
+
+
+def check_files(fused: Path, base: Any, adapter_dir: Optional[Path],
+                quantized: bool) -> FilesReport:
+    """The files of ``fused`` (a folder) against those a fuse of ``base`` (a Checkpoint)
+    with the adapter in ``adapter_dir`` writes; ``quantized``: whether the fused folder's
+    weights are quantized (so its config needs a ``quantization`` block)."""
+    plan = plan_sidecars(base.extra_files() + [p for p, _ in base.links_outside()],
+                         adapter_dir)
+    rows: List[Dict[str, Any]] = []
+    for name, src in plan.items():
+        got = fused / name
+        if not got.is_file():
+            rows.append(_row(name, "", "present", "missing", "missing"))
+        else:
+            rows += _compare(name, src, got)
+    own = set(plan) | {"config.json", CARD_NAME, PROVENANCE, INDEX_NAME}
+    for p in sorted(fused.iterdir()):
+        if p.is_file() and p.name not in own and not p.name.startswith(".") \
+                and not p.name.endswith(_WEIGHTS):
+            rows.append(_row(p.name, "", _ABSENT, "present", "extra"))
+    rows += _config_rows(base.path / "config.json", fused / "config.json", quantized)
+    origin = tokenizer_origin(plan, adapter_dir)
+    rep = FilesReport(title=f"files of {fused.name}", rows=rows,
+                      columns=["file", "field", "expected", "found", "finding"],
+                      flagged=list(range(len(rows))))
+    rep.summary = {"compared": len(plan) + 1,
+                   "tokenizer from": "the adapter" if "adapter" in origin.values()
+                   else "the base",
+                   "findings": len(rows) or "none: every file is as it should be"}
+    return rep
+
+
+def _row(file: str, fld: str, expected: Any, found: Any, finding: str) -> Dict[str, Any]:
+    return {"file": file, "field": fld, "expected": expected, "found": found,
+            "finding": finding}
+
+
+def _kind(file: str, fld: str) -> str:
+    last = fld.rsplit(".", 1)[-1]
+    if "chat_template" in file or "chat_template" in last:
+        return "chat template"
+    if "eos" in last:
+        return "EOS"
+    if last.endswith("_token") or last.endswith("special_tokens"):
+        return "special token"
+    if file in TOKENIZER_FILES:
+        return "tokenizer"
+    return file.rsplit(".", 1)[0].replace("_", " ")
+
+
+def _compare(name: str, want: Path, got: Path) -> List[Dict[str, Any]]:
+    """The differences of one file: JSON field by field, anything else whole."""
+    a, b = want.read_bytes(), got.read_bytes()
+    if a == b:
+        return []
+    if name.endswith(".json"):
+        try:
+            diffs = list(_diffs(json.loads(a), json.loads(b), ""))
+        except (ValueError, UnicodeDecodeError) as e:
+            return [_row(name, "", "valid JSON", f"unreadable: {e}", "unreadable")]
+    else:
+        diffs = [("", a.decode(errors="replace"), b.decode(errors="replace"))]
+    rows = [_row(name, f, *_shown(x, y), _kind(name, f)) for f, x, y in diffs[:_PER_FILE]]
+    if len(diffs) > _PER_FILE:
+        rows.append(_row(name, "...", "", f"{len(diffs) - _PER_FILE} more differences",
+                         _kind(name, "")))
+    return rows
+
+
+def _diffs(a: Any, b: Any, path: str) -> Iterator[Tuple[str, Any, Any]]:
+    """(dotted field, expected, found) for each leaf where two JSON values differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in list(a) + [k for k in b if k not in a]:
+            if k not in _IGNORED:
+                yield from _diffs(a.get(k, _ABSENT), b.get(k, _ABSENT),
+                                  f"{path}.{k}" if path else k)
+    elif a != b:
+        yield path, a, b
+
+
+def _shown(a: Any, b: Any, width: int = 60) -> Tuple[str, str]:
+    """Both sides short enough for a table cell; long texts from where they first differ."""
+    sa, sb = (x if isinstance(x, str) else json.dumps(x, ensure_ascii=False) for x in (a, b))
+    if max(len(sa), len(sb)) <= width:
+        return sa, sb
+    i = next((k for k, (x, y) in enumerate(zip(sa, sb)) if x != y), min(len(sa), len(sb)))
+    i = max(0, i - 10)
+
+    def cut(s: str) -> str:
+        part = s[i:i + width]
+        return f"{len(s)} chars, from {i}: {part!r}" if i or len(s) > width else part
+
+    return cut(sa), cut(sb)
+
+
+def _config_rows(want: Path, got: Path, quantized: bool) -> List[Dict[str, Any]]:
+    """config.json: every field but the dtype and quantization, which must match the
+    weights written (a block over float weights is stale; quantized ones need one)."""
+    if not got.is_file():
+        return [_row("config.json", "", "present", "missing", "missing")]
+    a, b = (json.loads(p.read_text()) if p.is_file() else {} for p in (want, got))
+    rows = [_row("config.json", k, "absent: the weights are float", *_shown("", b[k])[1:],
+                 "stale quantization") for k in _QUANT if k in b and not quantized]
+    if quantized and not any(k in b for k in _QUANT):
+        rows.append(_row("config.json", "quantization", "present: the weights are quantized",
+                         _ABSENT, "missing quantization"))
+    skip = set(_QUANT) | {"torch_dtype", "dtype"}
+    a, b = ({k: v for k, v in c.items() if k not in skip} for c in (a, b))
+    return rows + [_row("config.json", f, *_shown(x, y), _kind("config.json", f))
+                   for f, x, y in _diffs(a, b, "")]
