@@ -5,8 +5,7 @@ What they should be is what :func:`lorakit.fuse` writes
 and chat template the adapter folder ships in place of the base's. Every JSON file is
 compared field by field (``transformers_version`` and ``_name_or_path`` aside), any
 other file byte for byte; ``config.json`` likewise, less its dtype and quantization
-blocks, which must say what the weights are: a ``quantization`` block over float
-weights is stale. A finding names the file, the field, what was expected and what was
+blocks; a ``quantization`` block over float weights is stale. A finding names the file, the field, what was expected and what was
 found; any finding makes :meth:`CheckReport.exit_code` :data:`FILES_EXIT` when the
 tensors pass.
 
@@ -56,7 +55,7 @@ def check_files(fused: Path, base: Any, adapter_dir: Optional[Path],
                 quantized: bool) -> FilesReport:
     """The files of ``fused`` (a folder) against those a fuse of ``base`` (a Checkpoint)
     with the adapter in ``adapter_dir`` writes; ``quantized``: whether the fused folder's
-    weights are quantized (so its config needs a ``quantization`` block)."""
+    weights are quantized (a ``quantization`` block over float ones is stale)."""
     plan = plan_sidecars(base.extra_files() + [p for p, _ in base.links_outside()],
                          adapter_dir)
     rows: List[Dict[str, Any]] = []
@@ -147,16 +146,13 @@ def _shown(a: Any, b: Any, width: int = 60) -> Tuple[str, str]:
 
 
 def _config_rows(want: Path, got: Path, quantized: bool) -> List[Dict[str, Any]]:
-    """config.json: every field but the dtype and quantization, which must match the
-    weights written (a block over float weights is stale; quantized ones need one)."""
+    """config.json: every field but the dtype and quantization; a quantization block over
+    float weights is stale (quantized weights without one do not open: a FormatError)."""
     if not got.is_file():
         return [_row("config.json", "", "present", "missing", "missing")]
     a, b = (json.loads(p.read_text()) if p.is_file() else {} for p in (want, got))
     rows = [_row("config.json", k, "absent: the weights are float", *_shown("", b[k])[1:],
                  "stale quantization") for k in _QUANT if k in b and not quantized]
-    if quantized and not any(k in b for k in _QUANT):
-        rows.append(_row("config.json", "quantization", "present: the weights are quantized",
-                         _ABSENT, "missing quantization"))
     skip = set(_QUANT) | {"torch_dtype", "dtype"}
     a, b = ({k: v for k, v in c.items() if k not in skip} for c in (a, b))
     return rows + [_row("config.json", f, *_shown(x, y), _kind("config.json", f))
