@@ -492,7 +492,7 @@ class FuseResult(Report):
         if self.layout_note:
             rows.append(("layout", self.layout_note))
         if self.tokenizer_files:
-            rows.append(("tokenizer files", "; ".join(
+            rows.append(("tokenizer", "; ".join(
                 f"the {w}'s " + ", ".join(n for n, o in self.tokenizer_files.items() if o == w)
                 for w in ("adapter", "base") if w in self.tokenizer_files.values())))
         if self.requant:

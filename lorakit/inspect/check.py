@@ -127,10 +127,11 @@ class CheckReport(Report):
         return d
 
     def __str__(self) -> str:
-        return super().__str__() + (f"\n\n{self.files}" if self.files is not None else "")
+        return super().__str__() + (f"\n\n{self.files}" if self.files and self.files.rows else "")
 
-    def _repr_html_(self) -> str:
-        return super()._repr_html_() + (self.files._repr_html_() if self.files else "")
+    def _repr_html_(self) -> str:  # the files section shown when it has findings
+        return super()._repr_html_() + (self.files._repr_html_() if self.files and
+                                        self.files.rows else "")
 
     @property
     def status(self) -> str:
@@ -487,9 +488,11 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
     }
     if untouched_changed is not None:
         rep.summary["untouched tensors changed"] = untouched_changed
-    rep.summary["files"] = (f"{len(rep.files.rows)} findings" if rep.files and rep.files.rows
-                            else "as they should be" if rep.files else
-                            "not compared: the fused model or its base is not a folder")
+    f = rep.files
+    rep.summary["files"] = ("not compared: the fused model or its base is not a folder"
+                            if f is None else f"{len(f.rows)} findings (below)" if f.rows else
+                            f"as they should be ({f.summary['compared']} compared, "
+                            f"tokenizer from {f.summary['tokenizer from']})")
     if n_kl is not None:
         add_behaviour(rep, sf, sb, ad, n_kl, progress=True if progress is True else None)
     return rep

@@ -52,7 +52,7 @@ def test_fuse_writes_the_adapter_tokenizer_and_says_so(root: Path) -> None:
     assert res.tokenizer_files == {n: "adapter" for n in shipped}
     for n in shipped:
         assert (root / "tok" / n).read_bytes() == (x["lora-tokenizer"] / n).read_bytes()
-    assert "tokenizer files  the adapter's chat_template.jinja, special_tokens_map" in str(res)
+    assert "tokenizer       the adapter's chat_template.jinja, special_tokens_map" in str(res)
     assert "the adapter&#x27;s" in res._repr_html_()
     assert json.loads(json.dumps(res.to_dict()))["tokenizer_files"] == res.tokenizer_files
     # a template alone replaces only the template: the tokenizer stays the base's
@@ -86,7 +86,7 @@ def test_cli_exit_status_and_report(root: Path) -> None:
     bench._edit(bad / "config.json", eos_token_id=7)
     args = ("--model", BASE, "--adapter-path", LORA, "--skip-untouched")
     r = run_cli("check", "--save-path", good, *args)
-    assert r.returncode == 0 and "files: as they should be" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "files: as they should be (4 compared" in r.stdout, r.stdout + r.stderr
     r = run_cli("check", "--save-path", bad, *args, "--json")
     assert r.returncode == 4, r.stdout + r.stderr
     d = json.loads(r.stdout)["check"]
