@@ -3,7 +3,8 @@
 Correct fuses: every embedded adapter with the options that change what a fuse writes
 (rounding, dtype, MoE layout, quantization policy, dequantize), a base with a
 ``generation_config.json`` and an inline chat template, an adapter folder shipping its
-tokenizer and chat template, one shipping a template alone. A finding on any of them is
+tokenizer and chat template, one shipping a template alone; and two PEFT fixtures'
+``merge_and_unload`` folders (written by transformers, not lorakit). A finding on any of them is
 a false alarm. Defective folders: copies of those fuses with one thing changed (a chat
 template replaced, an EOS id changed in each place it lives, a stale or missing
 quantization block, a tokenizer file missing, the adapter's tokenizer ignored, ...).
@@ -30,6 +31,7 @@ import lorakit  # noqa: E402
 DATA = REPO / "data"
 BASE, BASE_Q4, BASE_MOE = DATA / "tiny-qwen3", DATA / "tiny-qwen3-4bit", DATA / "tiny-qwen3-moe"
 AD = DATA / "adapters"
+PEFT = REPO / "tests" / "fixtures" / "peft"
 TEMPLATE = "{% for m in messages %}<|startoftext|>{{ m.role }}\n{{ m.content }}{% endfor %}"
 
 
@@ -60,7 +62,7 @@ def inputs(root: Path) -> Dict[str, Path]:
     return {"base-files": base, "lora-tokenizer": tok, "lora-template": tpl}
 
 
-#: correct fuses: name -> (base, adapter, fuse keywords)
+#: correct fuses: name -> (base, adapter, fuse keywords, or the folder another tool wrote)
 def correct(x: Dict[str, Path]) -> Dict[str, Tuple[Path, Path, dict]]:
     return {
         "lora nearest": (BASE, AD / "lora", {}),
@@ -80,6 +82,9 @@ def correct(x: Dict[str, Path]) -> Dict[str, Tuple[Path, Path, dict]]:
         "base with generation config": (x["base-files"], AD / "lora", {}),
         "adapter ships tokenizer": (BASE, x["lora-tokenizer"], {}),
         "adapter ships template": (x["base-files"], x["lora-template"], {}),
+        **{f"PEFT merge_and_unload: {n}": (PEFT / n / "base", PEFT / n / "adapter",
+                                           PEFT / n / "merged")
+           for n in ("llama_lora_bf16", "qwen3_rslora_patterns")},
     }
 
 
@@ -145,6 +150,9 @@ DEFECTS: Dict[str, Tuple[str, Callable[[Path], None], Tuple[str, str, str]]] = {
                                   ("chat_template.jinja", "", "missing")),
     "token added to the vocabulary": ("lora nearest", _added_token,
                                       ("tokenizer.json", "added_tokens", "tokenizer")),
+    "EOS id in a PEFT merge's generation_config.json": (
+        "PEFT merge_and_unload: llama_lora_bf16", _json("generation_config.json", eos_token_id=5),
+        ("generation_config.json", "eos_token_id", "EOS")),
     "extra file": ("lora nearest", lambda d: (d / "notes.txt").write_text("x"),
                    ("notes.txt", "", "extra")),
     "rope_theta changed": ("lora nearest", _json("config.json", rope_theta=1e6),
@@ -167,8 +175,8 @@ def run(root: Path, only: Optional[List[str]] = None) -> dict:
     for name in [n for n in ok if n in need]:
         base, ad, kw = ok[name]
         t0 = time.perf_counter()
-        fused[name] = lorakit.fuse(base, ad, root / f"ok-{len(fused)}", progress=False,
-                                   **kw).output
+        fused[name] = kw if isinstance(kw, Path) else lorakit.fuse(
+            base, ad, root / f"ok-{len(fused)}", progress=False, **kw).output
         rep = lorakit.check(fused[name], base, ad, check_untouched=False, progress=False)
         rows.append({"case": name, "kind": "correct", "expected": None, "found": findings(rep),
                      "exit code": rep.exit_code(), "false alarm": bool(rep.files.rows),

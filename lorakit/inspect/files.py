@@ -3,9 +3,11 @@
 What they should be is what :func:`lorakit.fuse` writes
 (:func:`lorakit.io.outputs.sidecars.plan_sidecars`): the base's files, with the tokenizer
 and chat template the adapter folder ships in place of the base's. Every JSON file is
-compared field by field (``transformers_version`` and ``_name_or_path`` aside), any
-other file byte for byte; ``config.json`` likewise, less its dtype and quantization
-blocks; a ``quantization`` block over float weights is stale. A finding names the file, the field, what was expected and what was
+compared field by field (where and by which transformers it was written aside; a field
+left out agrees with null, false, empty or GenerationConfig's default), any other file
+byte for byte; ``config.json`` likewise, less its dtype and quantization blocks and the
+fields only the fused one has (a writer's defaults filled in); a ``quantization`` block
+over float weights is stale. A finding names the file, the field, what was expected and what was
 found; any finding makes :meth:`CheckReport.exit_code` :data:`FILES_EXIT` when the
 tensors pass.
 
@@ -31,11 +33,22 @@ __all__ = ["FilesReport", "check_files", "FILES_EXIT"]
 
 #: exit status of ``lorakit check`` when the tensors pass and a file does not
 FILES_EXIT = 4
-_IGNORED = ("transformers_version", "_name_or_path")
+_IGNORED = ("transformers_version", "_name_or_path", "is_local")  # where it was written
 _QUANT = ("quantization", "quantization_config")
 _WEIGHTS = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
 _PER_FILE = 12  # differences listed per file before one row counts the rest
 _ABSENT = "(absent)"
+
+
+#: transformers' GenerationConfig defaults (its writer leaves out a field holding one)
+_GENERATION = {"use_cache": True, "num_beams": 1, "do_sample": False, "temperature": 1.0,
+               "top_k": 50, "top_p": 1.0, "max_length": 20, "repetition_penalty": 1.0,
+               "num_return_sequences": 1}
+
+
+def _unset(k: str, v: Any, defaults: Dict[str, Any]) -> bool:
+    """A value that means the default: a field holding it and a field left out agree."""
+    return v is None or v is False or v in ("", [], {}) or (k in defaults and v == defaults[k])
 
 
 @dataclass(repr=False)
@@ -106,7 +119,8 @@ def _compare(name: str, want: Path, got: Path) -> List[Dict[str, Any]]:
         return []
     if name.endswith(".json"):
         try:
-            diffs = list(_diffs(json.loads(a), json.loads(b), ""))
+            gen = _GENERATION if name == "generation_config.json" else {}
+            diffs = list(_diffs(json.loads(a), json.loads(b), "", defaults=gen))
         except (ValueError, UnicodeDecodeError) as e:
             return [_row(name, "", "valid JSON", f"unreadable: {e}", "unreadable")]
     else:
@@ -118,13 +132,18 @@ def _compare(name: str, want: Path, got: Path) -> List[Dict[str, Any]]:
     return rows
 
 
-def _diffs(a: Any, b: Any, path: str) -> Iterator[Tuple[str, Any, Any]]:
-    """(dotted field, expected, found) for each leaf where two JSON values differ."""
+def _diffs(a: Any, b: Any, path: str, added: bool = True,
+           defaults: Dict[str, Any] = {}) -> Iterator[Tuple[str, Any, Any]]:
+    """(dotted field, expected, found) for each leaf where two JSON values differ; a field
+    on one side only counts unless it holds a default (``added=False``: unless it is the
+    found side's: a writer filling in its defaults)."""
     if isinstance(a, dict) and isinstance(b, dict):
         for k in list(a) + [k for k in b if k not in a]:
-            if k not in _IGNORED:
-                yield from _diffs(a.get(k, _ABSENT), b.get(k, _ABSENT),
-                                  f"{path}.{k}" if path else k)
+            x, y = a.get(k, _ABSENT), b.get(k, _ABSENT)
+            if k in _IGNORED or (x is _ABSENT and (_unset(k, y, defaults) or not added)) or \
+                    (y is _ABSENT and _unset(k, x, defaults)):
+                continue
+            yield from _diffs(x, y, f"{path}.{k}" if path else k, added, defaults)
     elif a != b:
         yield path, a, b
 
@@ -155,4 +174,4 @@ def _config_rows(want: Path, got: Path, quantized: bool) -> List[Dict[str, Any]]
     skip = set(_QUANT) | {"torch_dtype", "dtype"}
     a, b = ({k: v for k, v in c.items() if k not in skip} for c in (a, b))
     return rows + [_row("config.json", f, *_shown(x, y), _kind("config.json", f))
-                   for f, x, y in _diffs(a, b, "")]
+                   for f, x, y in _diffs(a, b, "", added=False)]
