@@ -1,6 +1,7 @@
 """``lorakit inspect``, ``diff`` and ``check``: thin callers of :mod:`lorakit.inspect`
 printing a report (or ``--json``). Exit status: ``diff`` 1 when the checkpoints differ,
-``check`` 1 for a wrong merge and 3 for a right but promoted one, 2 for bad input."""
+``check`` 1 for a wrong merge, 3 for a right but promoted one, 4 for right tensors in a
+folder whose other files are not, 2 for bad input."""
 from __future__ import annotations
 
 import argparse
@@ -106,7 +107,7 @@ def add(sub) -> None:
     p.set_defaults(run=_diff)
 
     p = sub.add_parser("check", help="did the merge work? verdict per tensor "
-                       "(exit 0 ok, 1 wrong merge, 3 right but promoted)",
+                       "(exit 0 ok, 1 wrong merge, 3 right but promoted, 4 files differ)",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Check a fused checkpoint against its base and adapter: "
                        "per adapted tensor the distance\nfrom the exact intended result "
@@ -115,7 +116,11 @@ def add(sub) -> None:
                        "a verdict naming the\ncause of a wrong merge (not applied, applied "
                        "twice, wrong scale, another adapter,\ntransposed, DoRA magnitude "
                        "missing, different base, missing / extra tensor, untouched\n"
-                       "tensor changed).",
+                       "tensor changed). Then the folder's other files against what the fuse\n"
+                       "writes (the base's, or the tokenizer and chat template the adapter "
+                       "ships): tokenizer,\nspecial tokens, chat template, EOS ids, "
+                       "generation_config.json, a stale quantization\nblock, a missing or "
+                       "extra file; each finding names file, field, expected and found.",
                        epilog="exit status:\n"
                        "  0  ok: every tensor is the intended merge (or its documented "
                        "conversion)\n"
@@ -123,7 +128,9 @@ def add(sub) -> None:
                        "  2  bad input (unreadable checkpoint or adapter)\n"
                        "  3  right but promoted: numerically the intended merge, stored "
                        "in a wider dtype\n"
-                       "     than the base (bytes doubled)")
+                       "     than the base (bytes doubled)\n"
+                       "  4  the tensors are right (0) but a file of the folder is not what "
+                       "it should be\n     (the files section names each finding)")
     # fuse's vocabulary: --model (the base), --adapter-path, --save-path (the fused output)
     p.add_argument("--save-path", dest="fused", required=True,
                    help="the fused checkpoint, directory or hub id (as fuse's --save-path)")

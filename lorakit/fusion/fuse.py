@@ -43,6 +43,7 @@ from ..io.outputs.export import export_gguf as write_gguf
 from ..io.outputs.hf_layout import check_layout, is_stacked, layout_note, to_transformers
 from ..io.outputs.model_card import CARD_NAME, write_model_card
 from ..io.outputs.safetensors_write import SafetensorsWriter
+from ..io.outputs.sidecars import check_tokenizer_fits, plan_sidecars, tokenizer_origin
 from ..progress import progress_bar
 from ..report import Report, escape, facts_table, table
 from .core import fuse_bindings as _fuse_float
@@ -149,7 +150,10 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
     check_layout(opts.layout, ck.config, list(ck.tensors), ck.path, quantized)
     by_tensor = bindings_by_tensor(bind(adapter, ck))
     replaced = bind_replacements(adapter, ck, opts.dequantize)
-    fz = _Fuse(ck, adapter, by_tensor, opts, replaced, resolve(ck, by_tensor, opts, progress))
+    files = plan_sidecars(ck.extra_files(), adapter.path)
+    check_tokenizer_fits(files, adapter.path, ck.config)
+    fz = _Fuse(ck, adapter, by_tensor, opts, replaced, resolve(ck, by_tensor, opts, progress),
+               files)
     try:
         with OutputDirectory(out, force=force) as od:
             result = fz.write(od.tmp, out, progress)
@@ -161,6 +165,7 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
                 result.shards = {k: how for k in result.shards}
                 result.tensors_total, result.dtypes_written = len(names), dict(dtypes)
             result.layout, result.layout_note = opts.layout, layout_note(opts.layout, names)
+            result.tokenizer_files = tokenizer_origin(files, adapter.path)
             settings = {"adapter_sha256": adapter.sha256, "adapter_format": adapter.format,
                         **opts.settings()}
             settings.update({"quant_policy": opts.quant_policy} if fz.choices else {})
@@ -190,6 +195,7 @@ class _Fuse:
     opts: FuseOptions
     replaced: Dict[str, Replacement]
     choices: Dict[str, Choice]
+    files: Dict[str, Path]  # the sidecar files to copy (:func:`plan_sidecars`)
 
     def plan(self, infos: List[TensorInfo]) -> List[_Item]:
         """What each tensor of a shard becomes (``copy`` items keep their bytes)."""
@@ -321,7 +327,8 @@ class _Fuse:
         return r
 
     def sidecars(self, tmp: Path, weight_map: Dict[str, str], total_bytes: int) -> None:
-        """config.json (quantization as written), the base's other files, the index."""
+        """config.json (quantization as written), the base's other files (the adapter's
+        tokenizer and chat template where it ships them), the index."""
         ck, policy = self.ck, self.opts.dtype
         config = per_layer_config(json.loads(json.dumps(ck.config)), ck, self.choices)
         if self.opts.dequantize:
@@ -329,9 +336,8 @@ class _Fuse:
             config.pop("quantization_config", None)
         if policy in ("bfloat16", "float16", "float32"):
             config["torch_dtype"] = policy
-        for p in ck.extra_files():
-            if p.name not in ("config.json", CARD_NAME):  # the card is written anew (mlx-lm)
-                shutil.copyfile(p, tmp / p.name)
+        for name, p in self.files.items():  # the card is written anew (as mlx-lm does)
+            shutil.copyfile(p, tmp / name)
         (tmp / "config.json").write_text(json.dumps(config, indent=4))
         if len(ck.shards) > 1 or (ck.path / INDEX_NAME).exists():
             index = {"metadata": {"total_size": total_bytes},
@@ -442,6 +448,8 @@ class FuseResult(Report):
     #: the base's sidecar files (tokenizer etc.) left out: links out of its folder,
     #: which lorakit never follows; copy them by hand if they belong with the model
     not_copied: List[str] = field(default_factory=list)
+    #: each tokenizer / chat template file written -> "adapter" (shipped there) or "base"
+    tokenizer_files: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.title = f"Fused {self.adapter.name} into {self.base.name}"
@@ -466,7 +474,7 @@ class FuseResult(Report):
         keys = ["rounding", "dtype_policy", "tensors_fused", "tensors_total", "dtypes_written"]
         keys += ["bytes_written", "bytes_shared", "shards", "seconds", "dequantized", "requant"]
         keys += ["fused_names", "replaced_names", "quant_policy", "layout", "layout_note"]
-        d.update((k, getattr(self, k)) for k in keys + ["not_copied"])
+        d.update((k, getattr(self, k)) for k in keys + ["not_copied", "tokenizer_files"])
         d["requant"] = [r.__dict__ for r in self.requant]
         d["survival"] = survival_overall(self.requant) if self.requant else None
         return d
@@ -483,6 +491,10 @@ class FuseResult(Report):
                 ("time", f"{self.seconds:.2f} s")]
         if self.layout_note:
             rows.append(("layout", self.layout_note))
+        if self.tokenizer_files:
+            rows.append(("tokenizer", "; ".join(
+                f"the {w}'s " + ", ".join(n for n, o in self.tokenizer_files.items() if o == w)
+                for w in ("adapter", "base") if w in self.tokenizer_files.values())))
         if self.requant:
             o = survival_overall(self.requant)
             codes = f"{o['codes']:,} codes ({o['tensors']} re-quantized tensors)"

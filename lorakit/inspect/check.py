@@ -6,7 +6,9 @@ element against what rounding to the stored dtype can explain (:func:`float_boun
 :func:`quant_bound`); ``distance`` is the largest ratio, at most 1 for a correct merge in
 any order a correct tool fuses in. A wrong merge gets a cause where one can be named
 (:mod:`lorakit.inspect.check_causes`); untouched tensors must be bit for bit the base or
-its requested conversion. :meth:`CheckReport.exit_code`: 0 ok, 1 wrong, 3 promoted.
+its requested conversion. The folder's other files are compared with what they should be
+(:mod:`lorakit.inspect.files`). :meth:`CheckReport.exit_code`: 0 ok, 1 wrong, 3 promoted,
+4 right tensors in a folder whose files are not.
 
 >>> import lorakit
 >>> _ = lorakit.fuse("data/tiny-qwen3", "data/adapters/lora", "fused")
@@ -44,6 +46,7 @@ from . import plots
 from .behaviour import compare_outputs
 from .check_causes import CauseStats, candidates, diagnose, scaled
 from .diff import compare_sources
+from .files import FILES_EXIT, FilesReport, check_files
 
 __all__ = ["CheckReport", "check"]
 
@@ -112,12 +115,23 @@ class CheckReport(Report):
         "detail": "the numbers behind the verdict",
     }
     behaviour: Optional[Dict[str, Any]] = None
+    #: the folder's other files (tokenizer, chat template, EOS ids, ...): one row a finding
+    files: Optional[FilesReport] = None
 
     def to_dict(self) -> Dict[str, Any]:
         d = super().to_dict()
         if self.behaviour is not None:
             d["behaviour"] = dict(self.behaviour)
+        if self.files is not None:
+            d["files"] = self.files.to_dict()
         return d
+
+    def __str__(self) -> str:
+        return super().__str__() + (f"\n\n{self.files}" if self.files and self.files.rows else "")
+
+    def _repr_html_(self) -> str:  # the files section shown when it has findings
+        return super()._repr_html_() + (self.files._repr_html_() if self.files and
+                                        self.files.rows else "")
 
     @property
     def status(self) -> str:
@@ -129,7 +143,9 @@ class CheckReport(Report):
         return self.status == "ok"
 
     def exit_code(self) -> int:
-        return EXIT_CODES[self.status]
+        """The tensors' code (0 / 1 / 3); 4 when they pass and a file does not."""
+        code = EXIT_CODES[self.status]
+        return FILES_EXIT if code == 0 and self.files is not None and self.files.rows else code
 
     def verdicts(self) -> Dict[str, str]:
         return {r["tensor"]: r["verdict"] for r in self.rows}
@@ -450,6 +466,10 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
                      columns="tensor dtype distance max_ulp beyond survived expected fit corr status "
                      "verdict detail".split(),
                      flagged=[i for i, r in enumerate(rows) if r["status"] != "ok"])
+    folder = sf.path is not None and sf.path.is_dir() and hasattr(sb, "extra_files")
+    if folder:  # a folder fused from a checkpoint folder: its other files too
+        quantized = any(n.endswith(".scales") for n in sf.tensors)
+        rep.files = check_files(sf.path, sb, getattr(ad, "path", None), quantized)
     counts = Counter(r["verdict"] for r in rows)
     dists = [r["distance"] for r in rows if r["distance"] is not None]
     rep.summary = {
@@ -468,6 +488,11 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
     }
     if untouched_changed is not None:
         rep.summary["untouched tensors changed"] = untouched_changed
+    f = rep.files
+    rep.summary["files"] = ("not compared: the fused model or its base is not a folder"
+                            if f is None else f"{len(f.rows)} findings (below)" if f.rows else
+                            f"as they should be ({f.summary['compared']} compared, "
+                            f"tokenizer from {f.summary['tokenizer from']})")
     if n_kl is not None:
         add_behaviour(rep, sf, sb, ad, n_kl, progress=True if progress is True else None)
     return rep

@@ -81,6 +81,23 @@ def _decode_timing(work: Path) -> Any:
     return DecodeTiming.from_dict({"settings": settings, "variants": variants})
 
 
+def _files_report(work: Path) -> Any:
+    """check's files section on a fuse whose EOS id and chat template were changed."""
+    import json
+    import shutil
+
+    from lorakit.inspect.check import check
+
+    bad = work / "fused-files"
+    shutil.copytree(work / "fused", bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=7)))
+    tok = json.loads((bad / "tokenizer_config.json").read_text())
+    tok["chat_template"] = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    (bad / "tokenizer_config.json").write_text(json.dumps(tok))
+    return _in(lambda: check("fused-files", BASE, LORA, check_untouched=False).files)(work)
+
+
 def _in(fn: Callable[[], Any]) -> Callable[[Path], Any]:
     """``fn`` run with the work folder as the working directory."""
 
@@ -120,6 +137,7 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
             np.array([0x3F81, 0x8000, 0x0001, 0x3F90], np.uint16), "bf16"),
         "RefUlpReport": _in(lambda: ulp_vs_reference("fused-mlx", BASE, LORA)),
         "CheckReport": _in(lambda: check("fused", BASE, LORA)),
+        "FilesReport": _files_report,
         "DeltaNorms": _in(lambda: delta_norms(DORA, BASE)),
         "AdapterComparison": _in(lambda: compare_adapters(LORA, DORA, BASE)),
         "ExtractReport": _in(lambda: extract(BASE, "fused", rank=8,
@@ -139,7 +157,7 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
 
 
 NAMES = ["FuseResult", "DecodeTiming", "DtypeMap", "DiffReport", "UlpReport",
-         "UlpReport-tensors", "RefUlpReport", "CheckReport", "DeltaNorms", "AdapterComparison",
+         "UlpReport-tensors", "RefUlpReport", "CheckReport", "FilesReport", "DeltaNorms", "AdapterComparison",
          "GenerationReport", "ExtractReport", "ResizeReport", "Combination", "BehaviourReport",
          "ScaleSweep", "LayerEffects"]
 
