@@ -121,6 +121,9 @@ def test_fuse_panel_and_ulp_explorer(notebook, page):
     expect(ulp.locator(".t-ulp-view button.mod-active")).to_have_text("tensor")
     wait_changed(ulp_figure, "src", ref_src)
     shot(ulp, "ulp-explorer-tensor")
+    # a widget's figure keeps its own size (a box used to stretch it to the cell's width)
+    for img in (ulp_figure, figure):
+        assert img.evaluate("e => e.getBoundingClientRect().width <= e.naturalWidth + 1")
 
 
 def test_decode_race_leaves_the_kernel_free(notebook, page):
