@@ -225,7 +225,7 @@ CellLike = Union[Cell, Any]
 
 #: style added to a plain-text cell longer than LONG_TEXT characters: a sentence keeps a
 #: readable width (the table scrolls sideways instead of squeezing it a word per line)
-LONG_STYLE, LONG_TEXT = "min-width:16em", 40
+LONG_STYLE, LONG_TEXT = "min-width:16em", 24
 
 
 def _cell(c: CellLike, header: bool = False) -> str:
