@@ -27,6 +27,7 @@ from lorakit.inspect.diff import (
     RefUlpReport,  # noqa: E402
     UlpReport,  # noqa: E402
 )
+from lorakit.inspect.generation import eos_ids  # noqa: E402
 from lorakit.widgets import (  # noqa: E402
     AdapterCompare,
     DecodeRace,
@@ -37,7 +38,6 @@ from lorakit.widgets import (  # noqa: E402
     _assets,  # noqa: E402
     find_data,
 )
-from lorakit.inspect.generation import eos_ids  # noqa: E402
 from lorakit.widgets.diff_explorer import REFERENCE  # noqa: E402
 from lorakit.widgets.generation import MARK_STYLE  # noqa: E402
 
