@@ -223,8 +223,8 @@ class Cell:
 CellLike = Union[Cell, Any]
 
 
-#: style added to a plain-text cell longer than LONG_TEXT characters: a sentence keeps a
-#: readable width (the table scrolls sideways instead of squeezing it a word per line)
+#: style added to a plain-text cell of words longer than LONG_TEXT characters: a sentence
+#: keeps a readable width (the table scrolls sideways instead of squeezing it a word per line)
 LONG_STYLE, LONG_TEXT = "min-width:16em", 24
 
 
@@ -233,8 +233,9 @@ def _cell(c: CellLike, header: bool = False) -> str:
         c = Cell(c, header=header)
     tag = "th" if c.header else "td"
     style = c.style
+    text = str(c.content)
     if (not c.header and not isinstance(c.content, Markup) and c.colspan == 1
-            and len(str(c.content)) > LONG_TEXT):
+            and len(text) > LONG_TEXT and " " in text):
         style = ";".join(x for x in (style, LONG_STYLE) if x)
     attrs = (f" colspan={c.colspan}" if c.colspan != 1 else "") + \
         (f" style='{style}'" if style else "") + \

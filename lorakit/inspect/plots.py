@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
+from ..layers import model_order, split_name
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -162,8 +164,6 @@ def grouped_bars(names, series: Dict, *, title: str, ylabel: str, ax=None, log=F
     """Side-by-side bars per name (e.g. the delta norms of two adapters per target), in
     model order, labelled short (``L3 up``) at 9 pt, every k-th where all would overlap."""
     import numpy as np  # lazy: the dtype map's header path starts without numpy
-
-    from lorakit.layers import model_order, split_name
 
     order = model_order(list(names))
     labels = []

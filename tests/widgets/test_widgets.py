@@ -256,8 +256,8 @@ def test_ulp_explorer_views(fused, data):
     d = next(d for d in rep.diffs if d.name == name)
     cells = re.findall(r"<td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td>",
                        u.facts.value.split("differing elements by magnitude")[1])
-    assert sum(int(c) for _, c, _ in cells) == d.differing
-    assert max(int(m) for _, _, m in cells) == d.max_ulp
+    assert sum(int(c.replace(",", "")) for _, c, _ in cells) == d.differing
+    assert max(int(m.replace(",", "")) for _, _, m in cells) == d.max_ulp
     ax = u.figure.figure.axes[0]
     assert name in ax.get_title()
 
