@@ -25,7 +25,12 @@ def _numpy() -> Any:
 
 
 def format_value(v: Any) -> str:
+    """A cell's text: floats to 4 significant digits, integers with thousands
+    separators (byte counts read at a glance)."""
     np = _numpy()
+    if isinstance(v, int) and not isinstance(v, bool) or np is not None and isinstance(
+            v, np.integer):
+        return f"{int(v):,}"
     if isinstance(v, float) or np is not None and isinstance(v, np.floating):
         v = float(v)
         if math.isnan(v):
@@ -177,8 +182,9 @@ class Report:
                     body.append([Cell(text, colspan=len(cols))])
             head = head_cells(cols, type(self).column_help)
             summary = f"{len(self.rows)} rows" + (f", {len(flag)} flagged" if flag else "")
-            parts.append(collapsible(summary, table(body, head=head, row_styles=styles),
-                                     len(self.rows)))
+            # a wide table scrolls sideways in its own box rather than squeezing columns
+            wide = f"<div style='overflow-x:auto'>{table(body, head=head, row_styles=styles)}</div>"
+            parts.append(collapsible(summary, wide, len(self.rows)))
         parts.append("</div>")
         return "".join(parts)
 
@@ -217,12 +223,22 @@ class Cell:
 CellLike = Union[Cell, Any]
 
 
+#: style added to a plain-text cell of words longer than LONG_TEXT characters: a sentence
+#: keeps a readable width (the table scrolls sideways instead of squeezing it a word per line)
+LONG_STYLE, LONG_TEXT = "min-width:16em", 24
+
+
 def _cell(c: CellLike, header: bool = False) -> str:
     if not isinstance(c, Cell):
         c = Cell(c, header=header)
     tag = "th" if c.header else "td"
+    style = c.style
+    text = str(c.content)
+    if (not c.header and not isinstance(c.content, Markup) and c.colspan == 1
+            and len(text) > LONG_TEXT and " " in text):
+        style = ";".join(x for x in (style, LONG_STYLE) if x)
     attrs = (f" colspan={c.colspan}" if c.colspan != 1 else "") + \
-        (f" style='{c.style}'" if c.style else "") + \
+        (f" style='{style}'" if style else "") + \
         (f" title='{html.escape(c.title, quote=True)}'" if c.title else "")
     return f"<{tag}{attrs}>{escape(c.content)}</{tag}>"
 

@@ -118,7 +118,8 @@ def _top2(logits: np.ndarray) -> Tuple[int, float, float]:
     return i, top1, float(rest.max())
 
 
-def _eos_ids(tok: Any) -> set:
+def eos_ids(tok: Any) -> set:
+    """The tokenizer's end-of-sequence token ids."""
     ids = getattr(tok, "eos_token_ids", None)
     if ids:
         return set(int(i) for i in ids)
@@ -175,7 +176,7 @@ def _decode_lockstep(models: Dict[str, Tuple[Any, Any]], prompt: str, max_tokens
                 in_sync.discard((a, b))
         for m, t in chosen.items():
             model, tok = models[m]
-            if t in _eos_ids(tok) or step == max_tokens - 1:
+            if t in eos_ids(tok) or step == max_tokens - 1:
                 done[m] = True
                 continue
             out = model(mx.array([[t]]), cache=caches[m])
@@ -184,7 +185,7 @@ def _decode_lockstep(models: Dict[str, Tuple[Any, Any]], prompt: str, max_tokens
             break
     for m in labels:
         tok = models[m][1]
-        eos = _eos_ids(tok)
+        eos = eos_ids(tok)
         body = [t for t in gens[m].tokens if t not in eos]
         gens[m].text = tok.decode(body)
     return gens, divs

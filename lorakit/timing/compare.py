@@ -45,14 +45,15 @@ def load_seed(path: Union[str, Path] = "seed-report.json") -> Report:
 
 
 def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
-    """One row per variant, per run its ratios and verdict; flagged if flagged in any run."""
+    """One row per variant, per run its ratios, the ratio its weight bytes predict, its
+    verdict and why ("bytes explain it" or "not the bytes"); flagged if flagged in any run."""
     names = [n for n in VARIANTS if any(_has(t, n) for t in runs.values())]
     rows: List[Dict[str, object]] = []
     flagged: List[int] = []
     columns = ["variant"]
     for label in runs:
-        columns += [f"{label} {c}" for c in ("decode x base", "interval", "weights x base")]
-        columns.append(f"{label} verdict")
+        columns += [f"{label} {c}" for c in ("decode x base", "interval", "weights x base",
+                                             "bytes predict", "verdict", "why")]
     for i, n in enumerate(names):
         row: Dict[str, object] = {"variant": n}
         hit = False
@@ -64,7 +65,9 @@ def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
             row[f"{label} decode x base"] = _round(t.ratio(n, "decode"))
             row[f"{label} interval"] = "" if math.isnan(lo) else f"{lo:.2f}-{hi:.2f}"
             row[f"{label} weights x base"] = _round(d.get("bytes_ratio", 1.0))
+            row[f"{label} bytes predict"] = _round(d.get("bytes_predicted", 1.0))
             row[f"{label} verdict"] = verdict_words(d)
+            row[f"{label} why"] = d.get("why", "")
             hit = hit or bool(d.get("speed_flag") or d.get("bytes_flag"))
         rows.append(row)
         if hit:

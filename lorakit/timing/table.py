@@ -394,7 +394,9 @@ class DecodeTiming(Report):
                label="peak" + (" RSS" if ok and ok[0].peak_source == "rss" else ""))
         a2.set_xticks(x, names)
         a2.set_ylabel("GB")
-        a2.legend(fontsize=7, loc="lower right")
+        # above the axes: inside, it covered the short weight bars and their labels
+        a2.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=2,
+                  frameon=False)
         tops = [r + h for r, h in zip(ratios, hi)]
         for a, vals, at in ((a1, ratios, tops), (a2, weights, weights)):
             a.tick_params(axis="x", labelrotation=20)

@@ -48,7 +48,10 @@ class FigureView(W.Image):
     """An image widget showing one matplotlib Figure; ``.figure`` keeps the Figure."""
 
     def __init__(self, name: str, **kw: Any) -> None:
-        super().__init__(format="png", layout=W.Layout(max_width="100%", height="auto"), **kw)
+        # its own size (flex-start: a box would stretch it to its width), never wider than
+        # the cell: figures keep one scale across views
+        super().__init__(format="png", layout=W.Layout(max_width="100%", height="auto",
+                                                       align_self="flex-start"), **kw)
         self.figure: Optional[Any] = None
         hook(self, name)
 

@@ -9,7 +9,7 @@ import ipywidgets as W
 
 from ..errors import ArgumentError, PathLike
 from ..inspect.adapters import AdapterComparison, compare_adapters
-from ._base import ErrorBox, FigureView, button, choice, hook, htmls, summary_html
+from ._base import ErrorBox, FigureView, button, choice, hook, htmls, rows_html, summary_html
 
 __all__ = ["AdapterCompare"]
 VIEWS = (("delta norms", "norms"), ("cosine", "cosine"), ("column overlap", "col_overlap"),
@@ -56,7 +56,8 @@ class AdapterCompare(W.VBox):
             return None
         self.report = rep
         self.summary.value = summary_html(rep)
-        self.table.value = rep._repr_html_()
+        # the rows alone: the summary is shown above, once; the accordion is the one expander
+        self.table.value = rows_html(rep.rows, rep.cols(), set(rep.flagged), rep.column_help)
         self.redraw()
         return rep
 

@@ -49,7 +49,8 @@ class DecodeRace(W.VBox):
             self.checks[v] = hook(cb, f"race-{v}")
 
         def box(value: int, top: int, label: str) -> W.BoundedIntText:
-            look = {"style": {"description_width": "7em"}, "layout": W.Layout(width="14em")}
+            # the label as wide as its words: a fixed 7em cut "prompt tokens" to "prompt tok..."
+            look = {"style": {"description_width": "initial"}, "layout": W.Layout(width="15em")}
             w = W.BoundedIntText(value, min=1, max=top, description=label, **look)
             return hook(w, "race-" + label.replace(" ", "-"))
 

@@ -66,9 +66,9 @@ class DtypeMapView(W.VBox):
         children: List[W.Widget] = [W.HTML("<b>layer</b>")]
         # a reader's label ("post-attn norm", not "norm_attn"), wrapped onto two lines
         # when the column is narrow; the hover names the kind as tables spell it
-        children += [W.HTML(f"<b title='{escape(k)}: {escape(kind_label(k))}' "
-                            f"style='font-size:80%;line-height:1.1;white-space:normal;"
-                            f"display:block'>{escape(kind_label(k))}</b>")
+        children += [hook(W.HTML(f"<b title='{escape(k)}: {escape(kind_label(k))}' "
+                                 f"style='font-size:80%;line-height:1.1;white-space:normal;"
+                                 f"display:block'>{escape(kind_label(k))}</b>"), "dtype-head")
                      for k in kinds]
         self.cells = {}
         for lab, row, frow in zip(labels, cells, flags):
@@ -87,8 +87,10 @@ class DtypeMapView(W.VBox):
                 self.cells[(lab, kind)] = b
                 children.append(b)
         self.grid.children = children
-        self.grid.layout = W.Layout(grid_template_columns=f"3em repeat({len(kinds)}, 4.2em)",
-                                    grid_gap="2px")
+        # a column is as wide as its header's longest word ("embedding"), so no header
+        # runs into the next one
+        cols = f"3em repeat({len(kinds)}, minmax(4.2em, min-content))"
+        self.grid.layout = W.Layout(grid_template_columns=cols, grid_gap="2px")
 
     def rows_at(self, layer: str, kind: str) -> List[int]:
         """Indices of the report rows in grid cell (layer label, kind)."""

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import ipywidgets as W
 
 from ..errors import ArgumentError
-from ..inspect.generation import GenerationReport, compare_generations, load_pair
+from ..inspect.generation import GenerationReport, compare_generations, eos_ids, load_pair
 from ..report import LEFT, Cell, Markup, escape, table
 from ._base import ErrorBox, FigureView, button, choice, hook, htmls, summary_html
 
@@ -18,6 +18,10 @@ MARK_STYLE = "background:#ffd54f;font-weight:bold;border-radius:2px"
 REF_MARK_STYLE = "background:#e0e0e0;border-radius:2px"
 #: style of a model's text cell
 TEXT_STYLE = "vertical-align:top;text-align:left;white-space:pre-wrap;max-width:24em"
+#: where a model's text ended (its end-of-sequence token, e.g. ``<|endoftext|>``)
+END_MARK = ("<span class='t-gen-end' title='the model ended its text here (its "
+            "end-of-sequence token)' style='color:#666;border:1px solid #bbb;border-radius:"
+            "3px;padding:0 3px;font-size:80%'>end</span>")
 
 
 class GenerationCompare(W.VBox):
@@ -87,14 +91,20 @@ class GenerationCompare(W.VBox):
             self.figure.show(self.report.plot(prompt=self.prompt.value))
 
     def _marked(self, label: str, tokens: List[int], step: Optional[int], style: str) -> Markup:
-        """A model's text with the token at ``step`` wrapped in a highlight."""
+        """A model's text with the token at ``step`` wrapped in a highlight; the text stops
+        at its end-of-sequence token, shown as a readable end mark."""
         tok = self.loaded[label][1]
-        if step is None or step >= len(tokens):
-            return Markup(escape(tok.decode(tokens)))
-        return Markup(escape(tok.decode(tokens[:step]))
-                      + f"<span class='t-gen-diverge' style='{style}'>"
-                      + escape(tok.decode(tokens[step:step + 1])) + "</span>"
-                      + escape(tok.decode(tokens[step + 1:])))
+        eos = eos_ids(tok)
+        cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+        body, end = tokens[:cut], END_MARK if cut < len(tokens) else ""
+        if step is None or step > cut or (step == cut and not end):
+            return Markup(escape(tok.decode(body)) + end)
+        mark = f"<span class='t-gen-diverge' style='{style}'>"
+        if step == cut:  # parts where this text ends
+            return Markup(escape(tok.decode(body)) + mark + end + "</span>")
+        return Markup(escape(tok.decode(body[:step])) + mark
+                      + escape(tok.decode(body[step:step + 1])) + "</span>"
+                      + escape(tok.decode(body[step + 1:])) + end)
 
     def render(self, rep: GenerationReport) -> str:
         """The side-by-side HTML table of a report."""

@@ -149,3 +149,18 @@ def test_html_table_escapes_once() -> None:
                  "</tr></tbody></table>")
     assert facts_table([("a", "<1>")], key_style="s") == \
         "<table><tr><th style='s'>a</th><td style='text-align:left'>&lt;1&gt;</td></tr></table>"
+
+
+def test_counts_carry_separators_and_sentences_keep_a_readable_width() -> None:
+    from lorakit.report import LONG_STYLE, format_value
+
+    assert [format_value(v) for v in (10491392, 9999, -12345, True, 46)] == \
+        ["10,491,392", "9,999", "-12,345", "True", "46"]
+    import numpy as np
+    assert format_value(np.int64(2886400)) == "2,886,400"
+    words = "1.82x weight bytes (f32 9.44 MB); same speed within noise"
+    rep = Report(title="t", rows=[{"verdict": words, "n": 2886400}])
+    html_ = rep._repr_html_()
+    assert f"<td style='{LONG_STYLE}'>{words}</td>" in html_ and "<td>2,886,400</td>" in html_
+    assert "<div style='overflow-x:auto'><table>" in html_  # wide tables scroll sideways
+    assert "2,886,400" in str(rep)

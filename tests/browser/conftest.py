@@ -279,3 +279,10 @@ def notebook(page, lab):
         return NotebookPage(page, lab, name).open()
 
     return _open
+
+
+@pytest.fixture
+def driver(page):
+    """Drive a notebook already open in ``page`` from another server (the walkthrough's):
+    ``nb = driver("01_....ipynb")``; ``nb.run_all()``."""
+    return lambda name: NotebookPage(page, None, name)

@@ -121,6 +121,9 @@ def test_fuse_panel_and_ulp_explorer(notebook, page):
     expect(ulp.locator(".t-ulp-view button.mod-active")).to_have_text("tensor")
     wait_changed(ulp_figure, "src", ref_src)
     shot(ulp, "ulp-explorer-tensor")
+    # a widget's figure keeps its own size (a box used to stretch it to the cell's width)
+    for img in (ulp_figure, figure):
+        assert img.evaluate("e => e.getBoundingClientRect().width <= e.naturalWidth + 1")
 
 
 def test_decode_race_leaves_the_kernel_free(notebook, page):
@@ -129,6 +132,11 @@ def test_decode_race_leaves_the_kernel_free(notebook, page):
     assert not st["errors"], st["errors"]
     race = page.locator(".t-decode-race")
     status = race.locator(".t-race-status")
+    # every box's label reads whole (a fixed width cut "prompt tokens" to "prompt tok...")
+    labels = race.locator(".widget-label")
+    assert labels.count() >= 3 and "prompt tokens" in race.inner_text()
+    assert all(labels.nth(i).evaluate("e => e.scrollWidth <= e.clientWidth + 1")
+               for i in range(labels.count()))
     race.locator("button.t-race-start").click()
     expect(race.locator("button.t-race-start")).to_be_disabled()
     # while the race runs, another cell executes at once

@@ -97,6 +97,31 @@ def test_notebooks_type_no_timing_numbers_and_load_the_json(name):
         assert f"{1 - SPEED_THRESHOLD:.2f}x" in md and f"{BYTES_THRESHOLD:.0%}" in md
 
 
+@pytest.mark.parametrize("name", ["01_why_dtype_matters.ipynb", "04_timing_decode.ipynb"])
+def test_notebooks_teach_the_bytes_as_the_cause_and_say_where_they_cost(name):
+    """The lesson is what is true where: the bytes are the cause; they cost decode speed
+    where decoding waits on memory (GPUs: the committed H200 run, whose promoted row the
+    bytes explain) and not on a CPU for a tiny model; the live run's own bytes-predicted
+    ratio and why are printed beside the H200's, and side_by_side shows both columns."""
+    from lorakit.timing.stats import bytes_explain
+
+    nb = json.loads((ROOT / "notebooks" / name).read_text())
+    md = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    flat = " ".join(md.split())
+    assert "The cause is the bytes" in flat and "On Apple GPUs and with CUDA" in flat
+    assert "On a CPU, for a tiny model like this one, it does not" in flat
+    # the words the notebook quotes are the words the verdict code writes
+    for words, case in (("bytes explain it", (0.75, (0.7, 0.8), 1.3)),
+                        ("not the bytes", (1.2, (1.1, 1.3), 1.8))):
+        assert f'"{words}"' in flat and bytes_explain(*case)[1].startswith(words)
+    assert "v['bytes_predicted']" in code and "v['why']" in code and "h200" in code
+    h200 = load_benchmark("h200-qwen3-8b.json")
+    assert h200.verdicts()["promoted"]["why"].startswith("bytes explain it")
+    cols = side_by_side({"this machine": h200, "H200": h200}).columns
+    assert {"H200 bytes predict", "H200 why", "this machine why"} <= set(cols)
+
+
 def test_twice_as_slow_claim():
     """Notebook 04: the promoted fuse was 'more than twice as slow' as the base."""
     nb = (ROOT / "notebooks" / "04_timing_decode.ipynb").read_text()

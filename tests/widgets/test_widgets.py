@@ -27,6 +27,7 @@ from lorakit.inspect.diff import (
     RefUlpReport,  # noqa: E402
     UlpReport,  # noqa: E402
 )
+from lorakit.inspect.generation import eos_ids  # noqa: E402
 from lorakit.widgets import (  # noqa: E402
     AdapterCompare,
     DecodeRace,
@@ -38,6 +39,7 @@ from lorakit.widgets import (  # noqa: E402
     find_data,
 )
 from lorakit.widgets.diff_explorer import REFERENCE  # noqa: E402
+from lorakit.widgets.generation import MARK_STYLE  # noqa: E402
 
 KEYS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -254,8 +256,8 @@ def test_ulp_explorer_views(fused, data):
     d = next(d for d in rep.diffs if d.name == name)
     cells = re.findall(r"<td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td>",
                        u.facts.value.split("differing elements by magnitude")[1])
-    assert sum(int(c) for _, c, _ in cells) == d.differing
-    assert max(int(m) for _, _, m in cells) == d.max_ulp
+    assert sum(int(c.replace(",", "")) for _, c, _ in cells) == d.differing
+    assert max(int(m.replace(",", "")) for _, _, m in cells) == d.max_ulp
     ax = u.figure.figure.axes[0]
     assert name in ax.get_title()
 
@@ -298,6 +300,10 @@ def test_adapter_compare(data):
     w.button.click()
     assert w.report.summary["overall cosine"] == pytest.approx(1.0, abs=1e-6)
     assert "module" in w.table.value
+    # the per-module rows sit behind the accordion alone (no second expander) and the
+    # summary shown above is not repeated inside it
+    assert "<details" not in w.table.value and w.report.title not in w.table.value
+    assert w.table.value.count("<tr") == len(w.report.rows) + 1
 
 
 # -- GenerationCompare ------------------------------------------------------------------------
@@ -325,6 +331,24 @@ def test_generation_compare_marks_first_divergence(data, fused):
     g.prompts.value = "  "
     g.run()
     assert "at least one prompt" in g.error.value
+
+
+def test_generation_compare_shows_a_readable_end_mark(data):
+    """A text that ends on the end-of-sequence token shows a readable end mark, never
+    the raw token (``<|endoftext|>``), also where the texts part at that token."""
+    base = data / "tiny-qwen3"
+    g = GenerationCompare({"base": base, "again": base}, prompts=["w1 w2"], max_tokens=4)
+    g.run()
+    tok = g.loaded["base"][1]
+    (eos,) = sorted(eos_ids(tok))[:1]
+    raw = tok.decode([eos])
+    assert raw.strip(), "the synthetic tokenizer spells its end token"
+    words = tok.encode("w1 w2 w3")
+    for step in (None, 1, len(words)):
+        html = g._marked("base", words + [eos], step, MARK_STYLE)
+        assert raw not in html and html.count("t-gen-end") == 1, (step, html)
+    assert "t-gen-diverge" in g._marked("base", words + [eos], len(words), MARK_STYLE)
+    assert "t-gen-end" not in g._marked("base", words, None, MARK_STYLE)  # it did not end
 
 
 # -- DecodeRace -------------------------------------------------------------------------------
