@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -59,7 +60,11 @@ def inputs(root: Path) -> Dict[str, Path]:
     tpl = root / "lora-template"
     shutil.copytree(AD / "lora", tpl)
     (tpl / "chat_template.jinja").write_text(TEMPLATE + "{{ eos_token }}")
-    return {"base-files": base, "lora-tokenizer": tok, "lora-template": tpl}
+    mlx = root / "mlx-lm-fused"  # mlx-lm's own fuse: its tokenizer re-saved by transformers
+    subprocess.run([sys.executable, "-m", "mlx_lm", "fuse", "--model", str(BASE),
+                    "--adapter-path", str(AD / "lora"), "--save-path", str(mlx)],
+                   check=True, capture_output=True)
+    return {"base-files": base, "lora-tokenizer": tok, "lora-template": tpl, "mlx-lm": mlx}
 
 
 #: correct fuses: name -> (base, adapter, fuse keywords, or the folder another tool wrote)
@@ -82,6 +87,7 @@ def correct(x: Dict[str, Path]) -> Dict[str, Tuple[Path, Path, dict]]:
         "base with generation config": (x["base-files"], AD / "lora", {}),
         "adapter ships tokenizer": (BASE, x["lora-tokenizer"], {}),
         "adapter ships template": (x["base-files"], x["lora-template"], {}),
+        "mlx_lm fuse": (BASE, AD / "lora", x["mlx-lm"]),
         **{f"PEFT merge_and_unload: {n}": (PEFT / n / "base", PEFT / n / "adapter",
                                            PEFT / n / "merged")
            for n in ("llama_lora_bf16", "qwen3_rslora_patterns")},
@@ -129,6 +135,9 @@ DEFECTS: Dict[str, Tuple[str, Callable[[Path], None], Tuple[str, str, str]]] = {
         ("tokenizer_config.json", "eos_token", "EOS")),
     "EOS token in special_tokens_map.json": (
         "lora nearest", _json("special_tokens_map.json", eos_token="<|pad|>"),
+        ("special_tokens_map.json", "eos_token", "EOS")),
+    "EOS token in mlx_lm fuse's tokenizer_config.json": (
+        "mlx_lm fuse", _json("tokenizer_config.json", eos_token="<|pad|>"),
         ("special_tokens_map.json", "eos_token", "EOS")),
     "generation config changed": (
         "base with generation config", _json("generation_config.json", temperature=1.0),

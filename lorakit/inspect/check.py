@@ -492,7 +492,9 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
     rep.summary["files"] = ("not compared: the fused model or its base is not a folder"
                             if f is None else f"{len(f.rows)} findings (below)" if f.rows else
                             f"as they should be ({f.summary['compared']} compared, "
-                            f"tokenizer from {f.summary['tokenizer from']})")
+                            f"tokenizer from {f.summary['tokenizer from']}"
+                            + "".join(f"; {v}" for k, v in f.summary.items()
+                                      if k == "re-saved") + ")")
     if n_kl is not None:
         add_behaviour(rep, sf, sb, ad, n_kl, progress=True if progress is True else None)
     return rep

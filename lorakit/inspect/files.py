@@ -33,11 +33,13 @@ __all__ = ["FilesReport", "check_files", "FILES_EXIT"]
 
 #: exit status of ``lorakit check`` when the tensors pass and a file does not
 FILES_EXIT = 4
-_IGNORED = ("transformers_version", "_name_or_path", "is_local")  # where it was written
+_IGNORED = ("transformers_version", "_name_or_path", "is_local", "local_files_only")  # how loaded
 _QUANT = ("quantization", "quantization_config")
 _WEIGHTS = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
 _PER_FILE = 12  # differences listed per file before one row counts the rest
 _ABSENT = "(absent)"
+#: transformers 5 saves a fast tokenizer's class under a new name: the same tokenizer
+_SAME_CLASS = {"PreTrainedTokenizerFast", "TokenizersBackend"}
 
 
 #: transformers' GenerationConfig defaults (its writer leaves out a field holding one)
@@ -72,9 +74,14 @@ def check_files(fused: Path, base: Any, adapter_dir: Optional[Path],
     plan = plan_sidecars(base.extra_files() + [p for p, _ in base.links_outside()],
                          adapter_dir)
     rows: List[Dict[str, Any]] = []
+    notes: List[str] = []
     for name, src in plan.items():
         got = fused / name
-        if not got.is_file():
+        if not got.is_file() and name == "special_tokens_map.json" and \
+                (fused / "tokenizer_config.json").is_file():  # transformers 5 keeps
+            rows += _tokens_moved(src, fused / "tokenizer_config.json")  # them there
+            notes.append("special tokens in tokenizer_config.json only (transformers 5)")
+        elif not got.is_file():
             rows.append(_row(name, "", "present", "missing", "missing"))
         else:
             rows += _compare(name, src, got)
@@ -91,7 +98,21 @@ def check_files(fused: Path, base: Any, adapter_dir: Optional[Path],
     rep.summary = {"compared": len(plan) + 1, "findings": len(rows),
                    "tokenizer from": "the adapter" if "adapter" in origin.values()
                    else "the base"}
+    if notes:
+        rep.summary["re-saved"] = "; ".join(notes)
     return rep
+
+
+def _tokens_moved(want: Path, config: Path) -> List[Dict[str, Any]]:
+    """special_tokens_map.json left out (transformers 5 writes none): each of its tokens
+    must be in ``config`` (tokenizer_config.json) as it was."""
+    def content(v: Any) -> Any:
+        return v.get("content", v) if isinstance(v, dict) else v
+
+    have = json.loads(config.read_text())
+    return [_row("special_tokens_map.json", k, *_shown(content(v), content(have.get(k, _ABSENT))),
+                 _kind("special_tokens_map.json", k))
+            for k, v in json.loads(want.read_text()).items() if content(v) != content(have.get(k))]
 
 
 def _row(file: str, fld: str, expected: Any, found: Any, finding: str) -> Dict[str, Any]:
@@ -144,7 +165,7 @@ def _diffs(a: Any, b: Any, path: str, added: bool = True,
                     (y is _ABSENT and _unset(k, x, defaults)):
                 continue
             yield from _diffs(x, y, f"{path}.{k}" if path else k, added, defaults)
-    elif a != b:
+    elif a != b and not (isinstance(a, str) and isinstance(b, str) and {a, b} == _SAME_CLASS):
         yield path, a, b
 
 

@@ -20,7 +20,7 @@ spec = importlib.util.spec_from_file_location("files_bench", REPO / "benchmarks/
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 CORRECT = list(bench.correct({k: Path() for k in ("base-files", "lora-tokenizer",
-                                                   "lora-template")}))
+                                                   "lora-template", "mlx-lm")}))
 
 
 @pytest.fixture(scope="module")

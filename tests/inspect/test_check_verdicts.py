@@ -383,6 +383,8 @@ def test_mlx_lm_fuse_passes(tmp_path: Path, which: str) -> None:
     rep = check(out, base, ad)
     want = "promoted" if which == "dora" else "ok"
     assert rep.status == want, str(rep)
+    # and its folder: the tokenizer re-saved by transformers 5 is the same tokenizer
+    assert rep.files is not None and rep.files.rows == [], str(rep.files)
 
 
 # -- the CLI's exit codes --------------------------------------------------------------------
