@@ -13,16 +13,17 @@ import ipywidgets as W
 
 from ..inspect.lab import TEXTS, LabPoint, LabSession, LayerEffects
 from ..layers import kind_label, layer_kind_cells
-from ..report import escape, format_value
-from ._base import ErrorBox, FigureView, facts_html, hook, htmls
+from ..report import escape
+from ._base import ErrorBox, FigureView, hook, htmls, rows_html
 from .generation import MARK_STYLE, REF_MARK_STYLE, TEXT_STYLE
-from .kl_view import _shade
 
 __all__ = ["AdapterLab"]
 
 #: seconds the worker waits after a move for the next one (a drag sends several)
 DEBOUNCE_S = 0.03
 OFF_COLOR = "#9e9e9e"
+KL_HELP = {"KL": "mean KL(base or adapter || current) per token, nats",
+           "top-1": "how often the current top token is the base's or the adapter's"}
 
 
 class AdapterLab(W.VBox):
@@ -59,7 +60,8 @@ class AdapterLab(W.VBox):
         self._build_grid()
         self.figure.show(self.effects.plot())
         self._gen, self._shown = 0, 0
-        self._wake, self._cond, self._lock = threading.Event(), threading.Condition(), threading.Lock()
+        self._wake, self._cond = threading.Event(), threading.Condition()
+        self._lock = threading.Lock()
         self.scale.observe(lambda _c: self.request(), names="value")
         self.prompt.observe(lambda _c: self.request(), names="value")
         tabs = W.Tab([W.VBox([self.grid]), self.figure],
@@ -73,22 +75,28 @@ class AdapterLab(W.VBox):
 
     # -- the heatmap ---------------------------------------------------------------------
     def _build_grid(self) -> None:
+        from matplotlib import colormaps  # lazy: matplotlib only when drawing
+        from matplotlib.colors import LogNorm, to_hex
+
         labels, kinds, vals = self.effects.grid("kl_removed")
         _, _, cells = layer_kind_cells(self.effects.rows)
-        top = float(vals[vals == vals].max()) if (vals == vals).any() else 0.0
+        pos = vals[vals > 0]  # the figure's colours: viridis on a log scale
+        norm = LogNorm(pos.min(), pos.max()) if pos.size else None
         kids: List[W.Widget] = [W.HTML("<b>layer</b>")]
         kids += [W.HTML(f"<b style='font-size:80%'>{escape(kind_label(k))}</b>") for k in kinds]
         for i, lab in enumerate(labels):
             kids.append(W.HTML(lab))
             for j, kind in enumerate(kinds):
                 rows = cells.get((lab, kind), [])
-                b = W.Button(description=format_value(vals[i, j]) if rows else "",
+                b = W.Button(description=f"{vals[i, j]:.2g}" if rows else "",
                              disabled=not rows, layout=W.Layout(width="auto", height="24px"))
                 b.tooltip = "\n".join(r["group"] for r in rows) + (
                     f"\nKL(adapter || without it) {vals[i, j]:.4g} nats; click: off / on"
                     if rows else "")
-                self.looks[(lab, kind)] = (_shade(float(vals[i, j]), top), b.description)
-                b.style.button_color = self.looks[(lab, kind)][0] if rows else "#ffffff"
+                rgba = colormaps["viridis"](norm(vals[i, j])) if norm and vals[i, j] > 0 else None
+                self.looks[(lab, kind)] = (to_hex(rgba) if rgba else "#ffffff", b.description)
+                b.style.button_color = self.looks[(lab, kind)][0]
+                b.style.text_color = "white" if rgba and sum(rgba[:3]) < 1.5 else "black"
                 hook(b, "lab-cell")
                 b.on_click(lambda _b, key=(lab, kind): self.toggle(key))
                 self.cells[(lab, kind)] = b
@@ -145,21 +153,20 @@ class AdapterLab(W.VBox):
         self.point = p
         rows = {r["model"]: r for r in p.rows}
         heads = {"base": "base (scale 0)", "adapter": "adapter (as trained)",
-                 "current": f"current: scale {p.scale:g}, {len(p.off)} layers off"}
+                 "current": f"current: scale {p.scale:g}, LoRA layers off: {len(p.off)}"}
         for k, pane in self.panes.items():
             before, mark, after = p.segments.get(k, ("", "", ""))
             step = rows.get(k, {}).get("diverges_at")
             style = REF_MARK_STYLE if k == "base" else MARK_STYLE
             note = ("reference" if k == "base" else "same as base" if step is None
                     else f"parts from base at token {step}")
+            prompt = escape(p.summary.get("prompt", ""))
             pane.value = (f"<div style='{TEXT_STYLE}'><b>{escape(heads[k])}</b><br>"
-                          f"<span style='color:#777'>{escape(p.summary.get('prompt', ''))}</span>{escape(before)}"
+                          f"<span style='color:#777'>{prompt}</span>{escape(before)}"
                           f"<span class='t-lab-diverge' style='{style}'>{escape(mark)}</span>"
                           f"{escape(after)}<br><small><i>{note}</i></small></div>")
-        self.kl.value = facts_html({
-            "KL(base || current)": p.stats["base"]["mean_kl"],
-            "KL(adapter || current)": p.stats["adapter"]["mean_kl"],
-            "top-1 = base": p.stats["base"]["top1_agreement"],
-            "top-1 = adapter": p.stats["adapter"]["top1_agreement"],
-            "scored tokens": p.summary["tokens"]})
+        self.kl.value = rows_html(
+            [{"current vs": k, "KL": p.stats[k]["mean_kl"], "top-1": p.stats[k]["top1_agreement"]}
+             for k in ("base", "adapter")], ["current vs", "KL", "top-1"], help=KL_HELP
+        ) + f"<small>KL(model || current), nats per token over {p.summary['tokens']} tokens</small>"
         self.status.value = f"<small>updated in {self.seconds:.2f} s</small>"
