@@ -76,7 +76,7 @@ class AdapterLab(W.VBox):
     # -- the heatmap ---------------------------------------------------------------------
     def _build_grid(self) -> None:
         from matplotlib import colormaps  # lazy: matplotlib only when drawing
-        from matplotlib.colors import LogNorm, to_hex
+        from matplotlib.colors import LogNorm, to_hex  # lazy: as above
 
         labels, kinds, vals = self.effects.grid("kl_removed")
         _, _, cells = layer_kind_cells(self.effects.rows)
