@@ -397,8 +397,8 @@ class LabSession(_Lab):
     """A model held with its adapter for repeated questions (what ``AdapterLab`` moves):
     :meth:`point` and :meth:`effects`. The base's and the trained adapter's logits and
     texts are kept, so a point costs one forward pass over ``tokens`` and one greedy
-    decode. Arguments as for :func:`scale_sweep`; :meth:`close` (or ``with``) gives a
-    loaded model back as it came.
+    decode. Arguments as for :func:`scale_sweep`; ``with`` gives a loaded model back as
+    it came.
 
     >>> with LabSession("data/tiny-qwen3", "data/adapters/lora") as lab:
     ...     p = lab.point(0.0, prompt="In the beginning", max_tokens=4)
@@ -411,12 +411,8 @@ class LabSession(_Lab):
         super().__init__(model, adapter, corpus, tokens, context)
         self.memo = {}
 
-    def close(self) -> None:
-        self.__exit__()
-
     def effects(self, by: str = "module", progress: Progress = None) -> LayerEffects:
         """:func:`layer_effects` of the held model."""
-        _groups([], by)
         return _effects(self, by, progress)
 
     def point(self, scale: float = 1.0, off: Sequence[str] = (), prompt: Optional[str] = None,

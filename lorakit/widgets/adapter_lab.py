@@ -42,11 +42,10 @@ class AdapterLab(W.VBox):
         self.off: set = set()
         self.point: Optional[LabPoint] = None
         self.seconds: Optional[float] = None  # the last update's compute time
-        self.scale = hook(W.FloatSlider(value=1.0, min=0.0, max=2.0, step=0.1,
-                                        description="scale", continuous_update=False,
-                                        readout_format=".1f"), "lab-scale")
-        self.prompt = hook(W.Text(value=prompt, description="prompt", continuous_update=False,
-                                  layout=W.Layout(width="40em")), "lab-prompt")
+        span = dict(min=0.0, max=2.0, step=0.1, readout_format=".1f", continuous_update=False)
+        self.scale = hook(W.FloatSlider(1.0, description="scale", **span), "lab-scale")
+        box = W.Text(prompt, description="prompt", continuous_update=False)
+        self.prompt = hook(box, "lab-prompt")
         self.panes = dict(zip(TEXTS, htmls("lab-text", *TEXTS)))
         for p in self.panes.values():
             p.layout = W.Layout(width="30%")
@@ -88,11 +87,10 @@ class AdapterLab(W.VBox):
             kids.append(W.HTML(lab))
             for j, kind in enumerate(kinds):
                 rows = cells.get((lab, kind), [])
-                b = W.Button(description=f"{vals[i, j]:.2g}" if rows else "",
-                             disabled=not rows, layout=W.Layout(width="auto", height="24px"))
-                b.tooltip = "\n".join(r["group"] for r in rows) + (
-                    f"\nKL(adapter || without it) {vals[i, j]:.4g} nats; click: off / on"
-                    if rows else "")
+                names = [r["group"] for r in rows]
+                b = W.Button(description=f"{vals[i, j]:.2g}" if rows else "", disabled=not rows,
+                             tooltip="\n".join(names + [f"KL lost without: {vals[i, j]:.4g}"]),
+                             layout=W.Layout(width="auto"))
                 rgba = colormaps["viridis"](norm(vals[i, j])) if norm and vals[i, j] > 0 else None
                 self.looks[(lab, kind)] = (to_hex(rgba) if rgba else "#ffffff", b.description)
                 b.style.button_color = self.looks[(lab, kind)][0]
@@ -100,11 +98,10 @@ class AdapterLab(W.VBox):
                 hook(b, "lab-cell")
                 b.on_click(lambda _b, key=(lab, kind): self.toggle(key))
                 self.cells[(lab, kind)] = b
-                self.members[(lab, kind)] = [r["group"] for r in rows]
+                self.members[(lab, kind)] = names
                 kids.append(b)
         self.grid.children = kids
-        self.grid.layout = W.Layout(grid_template_columns=f"4em repeat({len(kinds)}, 6em)",
-                                    grid_gap="2px")
+        self.grid.layout = W.Layout(grid_template_columns=f"4em repeat({len(kinds)}, 6em)")
 
     def toggle(self, cell: Tuple[str, str]) -> None:
         """Switch the LoRA layers of a (layer, kind) cell off, or back on (a click)."""
