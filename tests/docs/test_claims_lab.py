@@ -40,7 +40,7 @@ def test_lab_widget_redraw_is_the_json() -> None:
     section = section[:section.index("\n## ", 1)]
     loads = [x for r in d["runs"] for x in (r["load_before"], r["load_after"])]
     assert (f"median of\n10 moves: {d['median_s']:.2f} s at load {min(loads):.1f}-"
-            f"{max(loads):.1f}.") in section
+            f"{max(loads):.1f} ({len(d['runs'])} runs).") in section
     assert f"`{d['command']}`" in section
     assert all(len(r["moves_s"]) == 10 and r["median_s"] == statistics.median(r["moves_s"])
                for r in d["runs"])
