@@ -448,8 +448,9 @@ class LabSession(_Lab):
         for k, g in texts.items():
             s = steps[k] if steps[k] is not None else len(g.tokens)
             segments[k] = (read(g.tokens[:s]), read(g.tokens[s:s + 1]), read(g.tokens[s + 1:]))
+            text = "".join(segments[k]).replace("\n", "\\n").replace("\t", "\\t")  # one cell
             rows.append({"model": k, "diverges_at": None if k == "base" else steps[k],
-                         "text": "".join(segments[k])})
+                         "text": text})
         summary = _summary(self, scale=float(scale), off=len(off),
                            kl_base=stats["base"]["mean_kl"], kl_adapter=stats["adapter"]["mean_kl"],
                            top1_base=stats["base"]["top1_agreement"],
