@@ -1,5 +1,5 @@
 """AdapterLab's slider-to-redraw time in a real JupyterLab (headless Chromium): runs
-tests/browser/test_lab_widget.py (notebook 09, one heatmap click, ten slider moves of
+tests/browser/test_lab_redraw.py (notebook 09, one heatmap click, ten slider moves of
 0.1, each timed in the page from the key press to the redraw of the current-text pane)
 ``--repeats`` times and keeps every run's times, the median of each run's ten moves, and
 the machine's load.
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
         TIMES.unlink(missing_ok=True)
         load = os.getloadavg()[0]
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
-                        "browser", "tests/browser/test_lab_widget.py"], cwd=ROOT, check=True)
+                        "browser", "tests/browser/test_lab_redraw.py"], cwd=ROOT, check=True)
         runs.append({**json.loads(TIMES.read_text()), "load_before": load,
                      "load_after": os.getloadavg()[0]})
     out = {"command": "python benchmarks/lab_widget.py " + " ".join(argv or sys.argv[1:]),

@@ -1,6 +1,6 @@
 """AdapterLab without a browser: move the slider, click a cell, change the prompt; the
 panes show what LabSession.point computes, and a move made during an update supersedes
-it (tests/browser/test_lab_widget.py drives the same in JupyterLab and times it)."""
+it (tests/browser/test_lab_redraw.py drives the same in JupyterLab and times it)."""
 from __future__ import annotations
 
 import html
