@@ -36,6 +36,7 @@ def test_ends_are_the_base_and_the_adapter_exactly(lab) -> None:
     assert one.stats["base"]["mean_kl"] > 0.01  # the adapter does something
 
 
+@pytest.mark.slow  # a sweep and layer_effects by module from scratch
 def test_a_point_is_what_sweep_and_effects_compute_from_scratch(lab) -> None:
     from lorakit.inspect import layer_effects, scale_sweep
 

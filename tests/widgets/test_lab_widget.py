@@ -12,8 +12,9 @@ from helpers import DATA
 pytest.importorskip("ipywidgets")
 pytest.importorskip("matplotlib")
 
-pytestmark = pytest.mark.skipif(not (DATA / "adapters" / "lora" / "adapters.safetensors")
-                                .exists(), reason="embedded assets not built")
+pytestmark = [pytest.mark.skipif(not (DATA / "adapters" / "lora" / "adapters.safetensors")
+                                 .exists(), reason="embedded assets not built"),
+              pytest.mark.slow]  # layer_effects by module, then a point per move
 
 
 @pytest.fixture(scope="module")
