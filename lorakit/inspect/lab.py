@@ -5,8 +5,11 @@ Both verbs attach the adapter unfused and move only the LoRA layers' ``scale`` (
 :func:`lorakit.compare_outputs`' math (:func:`~lorakit.inspect.behaviour.kl_stats`).
 :func:`scale_sweep` is a dose-response curve against the base and the trained adapter;
 :func:`layer_effects` says per group of LoRA layers what is lost without it and what it
-does alone. A scale of exactly 0 gives the base's logits bit for bit. A loaded ``(model,
-tokenizer)`` is given back as it came (scales restored, an adapter attached here taken off).
+does alone; a :class:`LabSession` holds the model for repeated questions (the
+``AdapterLab`` widget's): :meth:`LabSession.point` is the behaviour at one scale with some
+LoRA layers off. A scale of exactly 0 gives the base's logits bit for bit. A loaded
+``(model, tokenizer)`` is given back as it came (scales restored, an adapter attached here
+taken off).
 """
 from __future__ import annotations
 
@@ -22,9 +25,10 @@ from ..progress import Progress, progress_bar
 from ..report import Report, jsonable
 from . import plots
 from .behaviour import CHUNK_ELEMENTS, KEYS, _side, _window_math, kl_stats, windows
-from .generation import _decode_lockstep
+from .generation import Generation, _decode_lockstep, _eos_ids
 
-__all__ = ["scale_sweep", "layer_effects", "ScaleSweep", "LayerEffects"]
+__all__ = ["scale_sweep", "layer_effects", "ScaleSweep", "LayerEffects", "LabSession",
+           "LabPoint"]
 
 #: the LoRA layer classes whose ``scale`` the lab moves (DoRA's magnitude is no scale)
 LORA_CLASSES = ("LoRALinear", "LoRASwitchLinear", "LoRAEmbedding")
@@ -32,7 +36,10 @@ LORA_CLASSES = ("LoRALinear", "LoRASwitchLinear", "LoRAEmbedding")
 
 class _Lab:
     """The model with its LoRA layers, their trained scales, and the corpus windows;
-    a context manager that gives a loaded model back as it came."""
+    a context manager that gives a loaded model back as it came. ``memo`` (a session's):
+    the logits and texts of the base and the trained adapter, kept."""
+
+    memo: Optional[Dict[Any, Any]] = None
 
     def __init__(self, model: Any, adapter: Any, corpus: Optional[PathLike], tokens: int,
                  context: int) -> None:
@@ -71,6 +78,24 @@ class _Lab:
                      zip(self.names, self.layers) if n in self.attached]
             self.model.update_modules(tree_unflatten(inner))
 
+    @property
+    def fixed(self) -> set:
+        """The settings a session keeps results of: the base and the trained adapter."""
+        return {tuple(0 * self.trained), tuple(self.trained)}
+
+    def greedy(self, setting: np.ndarray, prompt: str, max_tokens: int) -> Generation:
+        """The greedy decode of ``prompt`` at ``setting``."""
+        key = ("text", tuple(setting), prompt, max_tokens)
+        if self.memo is not None and key in self.memo:
+            return self.memo[key]
+        self.set(setting)
+        gens, _ = _decode_lockstep({"s": (self.model, self.tokenizer)}, prompt, max_tokens,
+                                   chat=False)
+        self.set(self.trained)
+        if self.memo is not None and tuple(setting) in self.fixed:
+            self.memo[key] = gens["s"]
+        return gens["s"]
+
     def set(self, scales: np.ndarray) -> None:
         for m, s in zip(self.layers, scales):
             m.scale = float(s)
@@ -96,9 +121,15 @@ class _Lab:
                 y = x[:, 1:].reshape(-1)
 
                 def run(i: int) -> Any:
+                    key = (keys[i], w)
+                    if self.memo is not None and key in self.memo:
+                        return self.memo[key]
                     self.set(settings[i])
                     lg = self.model(x)[:, :-1]
-                    return lg.reshape(-1, lg.shape[-1])
+                    lg = lg.reshape(-1, lg.shape[-1])
+                    if self.memo is not None and keys[i] in self.fixed:
+                        self.memo[key] = lg
+                    return lg
 
                 logits = {r: run(r) for r in refs}
                 parts: Dict[int, Any] = {}
@@ -202,12 +233,8 @@ def scale_sweep(model: Any, adapter: Any = None,
         settings = [0 * lab.trained, lab.trained] + [s * lab.trained for s in scales]
         pairs = [p for i in range(len(scales)) for p in ((0, i + 2), (1, i + 2))]
         scored = lab.score(settings, pairs, progress=progress)
-        texts = []
-        for s in settings[2:] if prompt is not None else ():
-            lab.set(s)
-            gens, _ = _decode_lockstep({"s": (lab.model, lab.tokenizer)}, prompt, max_tokens,
-                                       chat=False)
-            texts.append(gens["s"].text)
+        texts = [lab.greedy(s, prompt, max_tokens).text
+                 for s in (settings[2:] if prompt is not None else ())]
     stats, arrays, rows = [], [], []
     for i, s in enumerate(scales):
         b, a = scored[2 * i], scored[2 * i + 1]
@@ -297,15 +324,20 @@ def layer_effects(model: Any, adapter: Any = None, corpus: Optional[PathLike] = 
     """
     _groups([], by)  # a bad ``by`` fails before a model loads
     with _Lab(model, adapter, corpus, tokens, context) as lab:
-        groups = _groups(lab.names, by)
-        full = lab.trained
-        settings = [0 * full, full]
-        for idx in groups.values():
-            mask = np.isin(np.arange(len(full)), idx)
-            settings += [np.where(mask, 0, full), np.where(mask, full, 0)]
-        pairs = [(1, 0), (0, 1)] + [(1 - k, 2 + 2 * g + k) for g in range(len(groups))
-                                    for k in (0, 1)]
-        scored = [kl_stats(a, context - 1) for a in lab.score(settings, pairs, progress)]
+        return _effects(lab, by, progress)
+
+
+def _effects(lab: _Lab, by: str, progress: Progress) -> LayerEffects:
+    context = lab.context
+    groups = _groups(lab.names, by)
+    full = lab.trained
+    settings = [0 * full, full]
+    for idx in groups.values():
+        mask = np.isin(np.arange(len(full)), idx)
+        settings += [np.where(mask, 0, full), np.where(mask, full, 0)]
+    pairs = [(1, 0), (0, 1)] + [(1 - k, 2 + 2 * g + k) for g in range(len(groups))
+                                for k in (0, 1)]
+    scored = [kl_stats(a, context - 1) for a in lab.score(settings, pairs, progress)]
     whole = {"removed": scored[0], "alone": scored[1]}
     stats = [{"removed": scored[2 + 2 * g], "alone": scored[3 + 2 * g]}
              for g in range(len(groups))]
@@ -329,3 +361,101 @@ def layer_effects(model: Any, adapter: Any = None, corpus: Optional[PathLike] = 
     return LayerEffects(title=f"layer effects by {by}: {len(rows)} groups over "
                               f"{summary['tokens']} tokens", rows=rows, summary=summary,
                         by=by, stats=stats, whole=whole)
+
+
+#: how a generated end-of-text token reads in a lab text (never the raw special token)
+END_MARK = "[end]"
+TEXTS = ("base", "adapter", "current")
+
+
+@dataclass(repr=False)
+class LabPoint(Report):
+    """The adapter at ``scale`` with the LoRA layers ``off`` switched off ("current"),
+    against the base and the adapter as trained: ``stats`` ``{"base": KL(base || current)
+    stats, "adapter": KL(adapter || current) stats}`` (with intervals); ``texts`` the
+    greedy :class:`~lorakit.inspect.generation.Generation` of each of :data:`TEXTS`;
+    ``segments`` each text cut at its first divergence: (before, the token there, after),
+    an end of text read as :data:`END_MARK`. Rows: one per text."""
+
+    column_help = {
+        "model": "base (scale 0), adapter (as trained) or current (this scale, layers off)",
+        "diverges_at": "first step where it chose another token than the base (None: never)",
+        "text": "the greedy continuation of the prompt",
+    }
+
+    scale: float = 1.0
+    off: List[str] = field(default_factory=list)
+    stats: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    texts: Dict[str, Generation] = field(default_factory=dict)
+    segments: Dict[str, Tuple[str, str, str]] = field(default_factory=dict)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return _to_dict(self, ("rows", "scale", "off", "stats"))
+
+
+class LabSession(_Lab):
+    """A model held with its adapter for repeated questions (what ``AdapterLab`` moves):
+    :meth:`point` and :meth:`effects`. The base's and the trained adapter's logits and
+    texts are kept, so a point costs one forward pass over ``tokens`` and one greedy
+    decode. Arguments as for :func:`scale_sweep`; ``with`` gives a loaded model back as
+    it came.
+
+    >>> with LabSession("data/tiny-qwen3", "data/adapters/lora") as lab:
+    ...     p = lab.point(0.0, prompt="In the beginning", max_tokens=4)
+    >>> p.stats["base"]["mean_kl"], p.rows[2]["diverges_at"]
+    (0.0, None)
+    """
+
+    def __init__(self, model: Any, adapter: Any = None, corpus: Optional[PathLike] = None, *,
+                 tokens: int = 128, context: int = 64) -> None:
+        super().__init__(model, adapter, corpus, tokens, context)
+        self.memo = {}
+
+    def effects(self, by: str = "module", progress: Progress = None) -> LayerEffects:
+        """:func:`layer_effects` of the held model."""
+        return _effects(self, by, progress)
+
+    def point(self, scale: float = 1.0, off: Sequence[str] = (), prompt: Optional[str] = None,
+              max_tokens: int = 24) -> LabPoint:
+        """The adapter at ``scale`` times its trained scale with the LoRA layers named in
+        ``off`` (``self.names``) switched off: KL(base || it) and KL(adapter || it) per
+        token as :func:`lorakit.compare_outputs` computes them, and with a ``prompt`` the
+        greedy texts of base, adapter and it, each cut at its first divergence from the
+        base."""
+        off = list(off)
+        bad = [n for n in off if n not in self.names]
+        if bad:
+            raise ArgumentError.bad("off", bad[0], "names of the adapter's LoRA layers")
+        settings = [0 * self.trained, self.trained,
+                    np.where(np.isin(self.names, off), 0.0, float(scale) * self.trained)]
+        scored = self.score(settings, [(0, 2), (1, 2)])
+        stats = {k: kl_stats(a, self.context - 1) for k, a in zip(TEXTS, scored)}
+        texts = ({k: self.greedy(s, prompt, max_tokens) for k, s in zip(TEXTS, settings)}
+                 if prompt is not None else {})
+        eos = _eos_ids(self.tokenizer)
+
+        def read(ids: Sequence[int]) -> str:
+            return (self.tokenizer.decode([t for t in ids if t not in eos])
+                    + (END_MARK if ids and ids[-1] in eos else ""))
+
+        steps: Dict[str, Optional[int]] = {}
+        for k, g in texts.items():
+            ref = texts["base"].tokens
+            steps[k] = next((i for i, (a, b) in enumerate(zip(g.tokens, ref)) if a != b), None)
+        parted = [s for s in steps.values() if s is not None]
+        steps["base"] = min(parted) if parted else None
+        segments, rows = {}, []
+        for k, g in texts.items():
+            s = steps[k] if steps[k] is not None else len(g.tokens)
+            segments[k] = (read(g.tokens[:s]), read(g.tokens[s:s + 1]), read(g.tokens[s + 1:]))
+            text = "".join(segments[k]).replace("\n", "\\n").replace("\t", "\\t")  # one cell
+            rows.append({"model": k, "diverges_at": None if k == "base" else steps[k],
+                         "text": text})
+        summary = _summary(self, scale=float(scale), off=len(off),
+                           kl_base=stats["base"]["mean_kl"], kl_adapter=stats["adapter"]["mean_kl"],
+                           top1_base=stats["base"]["top1_agreement"],
+                           top1_adapter=stats["adapter"]["top1_agreement"],
+                           **({"prompt": prompt} if prompt is not None else {}))
+        return LabPoint(title=f"the adapter at scale {float(scale):g}, {len(off)} LoRA layers off",
+                        rows=rows, summary=summary, scale=float(scale), off=off,
+                        stats=stats, texts=texts, segments=segments)

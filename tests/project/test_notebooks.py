@@ -51,6 +51,8 @@ EXPECT: Dict[str, List[str]] = {
     "07": ["delta RMS / quantization step", "delta survived: median", "mean KL vs unfused", "float-base"],
     "08": ["cross terms / exact sum", "within rounding noise: 28 of 28", "(bound: 2)",
            "fraction differing", "||mix||_F"],
+    "09": ["at scale 0.5: KL(base || 0.5)", "of the whole (KL", "parts removed one at a time",
+           "requant  effect kept", "auto     effect kept"],
 }
 
 
@@ -118,7 +120,8 @@ def _record(name: str, seconds: float, per_cell: List[float]) -> None:
 
 
 def test_the_notebooks_exist():
-    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "08"]
+    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "08",
+                                            "09"]
 
 
 @pytest.mark.slow  # nbformat's schema validator takes seconds to import
@@ -176,3 +179,16 @@ def test_readme_lists_every_notebook():
     readme = (NB_DIR / "README.md").read_text()
     for p in NOTEBOOKS:
         assert p.name in readme
+
+
+def test_readme_lists_every_widget_each_notebook_uses():
+    import lorakit.widgets
+
+    names = [n for n in lorakit.widgets.__all__ if n[0].isupper()]
+    rows = {line.split("|")[2]: line.split("|")[-2] for line in
+            (NB_DIR / "README.md").read_text().splitlines() if line.startswith("| ")}
+    for p in NOTEBOOKS:
+        row = next(w for nb, w in rows.items() if p.name in nb)
+        used = {n for n in names if n in p.read_text()}
+        listed = {n for n in names if f"`{n}`" in row}
+        assert used == listed, f"{p.name}: uses {sorted(used)}, README lists {sorted(listed)}"

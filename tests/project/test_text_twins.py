@@ -124,7 +124,11 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
     from lorakit.inspect.diff import diff, ulp_tensors, ulp_vs_reference
     from lorakit.inspect.dtypes import dtype_map
     from lorakit.inspect.generation import compare_generations
-    from lorakit.inspect.lab import layer_effects, scale_sweep
+    from lorakit.inspect.lab import LabSession, layer_effects, scale_sweep
+
+    def lab_point():
+        with LabSession(BASE, LORA, tokens=64, context=64) as lab:
+            return lab.point(0.5, lab.names[:1], prompt="And it came to pass", max_tokens=8)
 
     return {
         "FuseResult": _fuse_result,
@@ -153,13 +157,14 @@ def _builders() -> Dict[str, Callable[[Path], Any]]:
         "ScaleSweep": _in(lambda: scale_sweep(BASE, LORA, scales=(0, 0.5, 1), tokens=128, context=64,
                                               prompt="And it came to pass", max_tokens=8)),
         "LayerEffects": _in(lambda: layer_effects(BASE, LORA, tokens=128, context=64, by="layer")),
+        "LabPoint": _in(lab_point),
     }
 
 
 NAMES = ["FuseResult", "DecodeTiming", "DtypeMap", "DiffReport", "UlpReport",
          "UlpReport-tensors", "RefUlpReport", "CheckReport", "FilesReport", "DeltaNorms", "AdapterComparison",
          "GenerationReport", "ExtractReport", "ResizeReport", "Combination", "BehaviourReport",
-         "ScaleSweep", "LayerEffects"]
+         "ScaleSweep", "LayerEffects", "LabPoint"]
 
 
 @pytest.fixture(scope="module")
