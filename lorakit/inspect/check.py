@@ -423,14 +423,14 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
     if not isinstance(ad, Adapter):
         ad = load_adapter(adapter, initial_adapter, residual_ok=True)
     by_tensor = bindings_by_tensor(bind(ad, sb))
-    adapted = {t[: -len(".weight")] for t in by_tensor}
+    adapted = {t[: -len(".weight")] if t.endswith(".weight") else t for t in by_tensor}
     replaced = bind_replacements(ad, sb, dequantize=True)
     conversion = requested_conversion(sf, sb, adapted | {n.rsplit(".", 1)[0] for n in replaced})
     rows: List[Dict[str, Any]] = _adapted_rows(sf, sb, by_tensor, conversion)
     rows += [replacement_row(sf, sb, t, r) for t, r in replaced.items()]
     untouched_changed = None
     if check_untouched:
-        names = [n for n in sb.tensors if n.rsplit(".", 1)[0] not in adapted
+        names = [n for n in sb.tensors if n.rsplit(".", 1)[0] not in adapted and n not in adapted
                  and n not in replaced and not _skipped(sb, sf, n)]
         extra, untouched_changed = untouched_rows(sf, sb, names, progress)
         rows += extra

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ...errors import AdapterError
+from .base import LoraTarget
 
 __all__ = ["expert_modules"]
 
@@ -51,6 +53,28 @@ def expert_modules(switch_module: str, experts: int) -> List[str]:
     if head.endswith("block_sparse_moe"):
         proj = MIXTRAL.get(proj, proj)
     return [f"{head}.experts.{e}.{proj}" for e in range(experts)]
+
+
+def switch_parts(t: LoraTarget) -> List[LoraTarget]:
+    """A PEFT ``target_parameters`` target (``<block>.experts.<param>``, 3-D) as mlx-lm's
+    ``switch_mlp`` modules: ``gate_up_proj`` (rows ``[gate; up]``, as transformers
+    concatenates them) split into ``gate_proj`` and ``up_proj`` with the same A (exact);
+    any other target as it is.
+
+    >>> import numpy as np
+    >>> t = LoraTarget("m.experts.gate_up_proj", "switch", np.ones((2, 1, 3)), np.ones((2, 4, 1)), 1.0)
+    >>> [(p.module, p.shape) for p in switch_parts(t)]
+    [('m.switch_mlp.gate_proj', (2, 2, 3)), ('m.switch_mlp.up_proj', (2, 2, 3))]
+    """
+    m = re.match(r"(.*)\.experts\.([A-Za-z_]\w*)$", t.module)
+    if t.kind != "switch" or m is None:
+        return [t]
+    head, proj = m.groups()
+    if proj != "gate_up_proj":
+        return [replace(t, module=f"{head}.switch_mlp.{proj}")]
+    h = t.B.shape[1] // 2
+    return [replace(t, module=f"{head}.switch_mlp.{n}", B=t.B[:, rows])
+            for n, rows in (("gate_proj", slice(0, h)), ("up_proj", slice(h, None)))]
 
 
 def switch_name(expert_module: str) -> Optional[Tuple[str, int]]:
