@@ -33,6 +33,7 @@ from .base import (
     problems,
     whole,
 )
+from .layout import declared
 
 __all__ = ["residual_init"]
 
@@ -384,10 +385,9 @@ def _param_paths(groups: Dict[str, Dict[str, str]], s: PeftSettings) -> Dict[str
         owners.setdefault(re.sub(r"(\.base_layer)+$", "", m), []).append(m)
     out: Dict[str, str] = {}
     for owner, mods in owners.items():
-        names = sorted({t.rpartition(".")[2] for t in s.target_parameters
-                        if owner == t.rpartition(".")[0]
-                        or owner.endswith("." + t.rpartition(".")[0])},
-                       key=lambda n: ("down" in n or n == "w2", n))
+        names = declared({t.rpartition(".")[2] for t in s.target_parameters
+                          if owner == t.rpartition(".")[0]
+                          or owner.endswith("." + t.rpartition(".")[0])})
         if names and len(names) == len(mods):
             for m in mods:  # the innermost wrapper holds the first parameter
                 out[m] = f"{owner}.{names[len(mods) - 1 - m.count('.base_layer')]}"

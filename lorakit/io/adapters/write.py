@@ -24,7 +24,15 @@ from ..formats.safetensors import TensorSpec, read_header
 from ..outputs.directory import TMP_MARK, OutputDirectory, check_output_path
 from ..outputs.safetensors_write import SafetensorsWriter
 from .base import CONFIG, MLX_WEIGHTS, PEFT_PREFIX, PEFT_WEIGHTS, Adapter, LoraTarget
-from .layout import alpha_for, expert_modules, layer_gaps, mlx_scope, restack
+from .layout import (
+    alpha_for,
+    expert_modules,
+    layer_gaps,
+    mlx_scope,
+    param_wrappers,
+    restack,
+    switch_parts,
+)
 from .peft import FIELDS
 
 __all__ = ["save_adapter"]
@@ -118,12 +126,13 @@ def _write(file: Path, tensors: List[Tuple[str, np.ndarray, str]],
 
 def _mlx_targets(adapter: Adapter) -> List[LoraTarget]:
     """Targets with per-expert modules stacked back into mlx-lm's switch modules."""
-    linear = [t for t in adapter.targets if t.kind == "linear"]
+    targets = [p for t in adapter.targets for p in switch_parts(t)]  # PEFT's 3-D parameters
+    linear = [t for t in targets if t.kind == "linear"]
     groups = restack([t.module for t in linear])
-    by_module = {t.module: t for t in adapter.targets}
+    by_module = {t.module: t for t in targets}
     done: set = set()
     out: List[LoraTarget] = []
-    for t in adapter.targets:
+    for t in targets:
         if t.module in done:
             continue
         stack = next(((s, ms) for s, ms in groups.items() if t.module in dict(ms).values()), None)
@@ -240,8 +249,8 @@ def _peft_targets(adapter: Adapter) -> List[LoraTarget]:
     """Targets with mlx-lm's stacked experts split into PEFT's per-expert modules."""
     out: List[LoraTarget] = []
     for t in adapter.targets:
-        if t.kind != "switch":
-            out.append(t)
+        if t.kind != "switch" or ".switch_mlp." not in t.module:
+            out.append(t)  # a PEFT target_parameters target stays one
             continue
         names = expert_modules(t.module, t.A.shape[0])
         out += [LoraTarget(m, "linear", t.A[e], t.B[e], t.scale,
@@ -255,14 +264,20 @@ def _peft_layout(adapter: Adapter, code: str
     targets = _peft_targets(adapter)
     tensors: List[Tuple[str, np.ndarray, str]] = []
     alphas: Dict[str, Any] = {}
+    wrappers = param_wrappers([t.module for t in targets if t.kind == "switch"])
     for t in targets:
-        p = PEFT_PREFIX + t.module
+        p = PEFT_PREFIX + wrappers.get(t.module, t.module)
         if t.scale < 0:  # PEFT needs lora_alpha > 0: the sign moves into B (exactly)
             t = LoraTarget(t.module, t.kind, t.A, -t.B, -t.scale, t.magnitude, t.names,
                            t.base_weight)
         if t.kind == "embedding":
             tensors += [_enc(f"{p}.lora_embedding_A", t.B.T, code),
                         _enc(f"{p}.lora_embedding_B", t.A.T, code)]
+        elif t.kind == "switch":  # target_parameters: A (E*r, in), B (out, r*E)
+            n, r = t.A.shape[:2]
+            tensors += [_enc(f"{p}.lora_A.weight", t.A.reshape(n * r, -1), code),
+                        _enc(f"{p}.lora_B.weight",
+                             t.B.transpose(1, 2, 0).reshape(t.B.shape[1], r * n), code)]
         else:
             tensors += [_enc(f"{p}.lora_A.weight", t.A, code),
                         _enc(f"{p}.lora_B.weight", t.B, code)]
@@ -309,7 +324,9 @@ def peft_config(targets: Sequence[LoraTarget], alphas: Mapping[str, Any],
     cfg = {k: copy.deepcopy(v[0]) for k, v in sorted(FIELDS.items()) if k not in _UNWRITTEN}
     cfg.update(alpha_pattern=alpha_pattern, base_model_name_or_path=base, inference_mode=True,
                lora_alpha=alpha, modules_to_save=sorted(set(modules_to_save)) or None, r=r,
-               rank_pattern=rank_pattern, target_modules=sorted(t.module for t in targets),
+               rank_pattern=rank_pattern,
+               target_modules=sorted(t.module for t in targets if t.kind != "switch"),
+               target_parameters=sorted(t.module for t in targets if t.kind == "switch") or None,
                task_type="CAUSAL_LM", use_dora=any(t.is_dora for t in targets))
     return cfg
 
