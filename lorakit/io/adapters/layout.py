@@ -77,26 +77,20 @@ def switch_parts(t: LoraTarget) -> List[LoraTarget]:
             for n, rows in (("gate_proj", slice(0, h)), ("up_proj", slice(h, None)))]
 
 
-def declared(names: Sequence[str]) -> List[str]:
-    """Expert parameter names in the order transformers declares them (gate/up before
-    down), the order PEFT wraps them in.
-
-    >>> declared(["down_proj", "gate_up_proj"])
-    ['gate_up_proj', 'down_proj']
-    """
-    return sorted(names, key=lambda n: ("down" in n or n == "w2", n))
-
-
 def param_wrappers(paths: Sequence[str]) -> Dict[str, str]:
-    """Parameter path -> the module path PEFT saves its LoRA under: one ParamWrapper per
-    parameter of a module, the first declared innermost (``<module>.base_layer...``)."""
+    """PEFT ``target_parameters`` path -> the module path PEFT saves its LoRA under: one
+    ParamWrapper per parameter of a module, nested in the order transformers declares
+    them (gate/up before down), the first innermost.
+
+    >>> param_wrappers(["m.experts.down_proj", "m.experts.gate_up_proj"])
+    {'m.experts.gate_up_proj': 'm.experts.base_layer', 'm.experts.down_proj': 'm.experts'}
+    """
     owners: Dict[str, List[str]] = {}
     for p in paths:
-        owner, _, name = p.rpartition(".")
-        owners.setdefault(owner, []).append(name)
+        owners.setdefault(p.rpartition(".")[0], []).append(p.rpartition(".")[2])
     out = {}
     for owner, names in owners.items():
-        names = declared(names)
+        names.sort(key=lambda n: ("down" in n or n == "w2", n))
         for i, n in enumerate(names):
             out[f"{owner}.{n}"] = owner + ".base_layer" * (len(names) - 1 - i)
     return out

@@ -33,7 +33,7 @@ from .base import (
     problems,
     whole,
 )
-from .layout import declared
+from .layout import param_wrappers
 
 __all__ = ["residual_init"]
 
@@ -377,20 +377,16 @@ def _plan(module: str, g: Dict[str, str], ts: AdapterTensors, s: PeftSettings
 
 
 def _param_paths(groups: Dict[str, Dict[str, str]], s: PeftSettings) -> Dict[str, str]:
-    """Group module -> the parameter path its ``target_parameters`` LoRA adapts. PEFT
-    nests one ParamWrapper per parameter of a module (``experts.base_layer.lora_A`` for
-    the first wrapped), wrapping in the module's declaration order: gate/up before down."""
-    owners: Dict[str, List[str]] = {}
-    for m in groups:
-        owners.setdefault(re.sub(r"(\.base_layer)+$", "", m), []).append(m)
+    """Group module -> the ``target_parameters`` path its LoRA adapts (PEFT nests one
+    ParamWrapper per parameter of a module: :func:`~.layout.param_wrappers`)."""
     out: Dict[str, str] = {}
-    for owner, mods in owners.items():
-        names = declared({t.rpartition(".")[2] for t in s.target_parameters
-                          if owner == t.rpartition(".")[0]
-                          or owner.endswith("." + t.rpartition(".")[0])})
-        if names and len(names) == len(mods):
-            for m in mods:  # the innermost wrapper holds the first parameter
-                out[m] = f"{owner}.{names[len(mods) - 1 - m.count('.base_layer')]}"
+    for owner in {re.sub(r"(\.base_layer)+$", "", m) for m in groups}:
+        paths = {f"{owner}.{name}" for mod, _, name in (t.rpartition(".") for t in
+                 s.target_parameters) if owner == mod or owner.endswith("." + mod)}
+        wrap = {w: p for p, w in param_wrappers(sorted(paths)).items()}
+        if set(wrap) <= set(groups) and len(wrap) == sum(  # every parameter has its LoRA
+                re.sub(r"(\.base_layer)+$", "", m) == owner for m in groups):
+            out.update(wrap)
     return out
 
 
