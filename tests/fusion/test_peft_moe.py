@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_cli
+from helpers import missing_modules, run_cli, run_mlx_lm_fuse
 
 import lorakit
 from lorakit import numerics as nm
@@ -25,6 +25,7 @@ from lorakit.io.outputs.safetensors_write import SafetensorsWriter
 
 FX = Path(__file__).resolve().parents[1] / "fixtures" / "peft" / "moe" / "qwen3_moe_params_bf16"
 AD = FX / "adapter"
+DATA = Path(__file__).resolve().parents[2] / "data"
 GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"
 
 
@@ -191,3 +192,21 @@ def test_bad_target_parameters_refused_by_name(tmp_path: Path) -> None:
     (d / "adapter_config.json").write_text(json.dumps(dict(cfg, target_parameters="experts")))
     with pytest.raises(AdapterError, match="target_parameters must be a list"):
         lorakit.load_adapter(d)
+
+
+@pytest.mark.skipif(bool(missing_modules("mlx_lm")), reason="mlx-lm not installed")
+def test_mlx_lm_fuses_the_converted_adapter_as_lorakit_does(tmp_path: Path) -> None:
+    """mlx-lm itself loads the converted adapter into its LoRASwitchLinear layers; its fuse
+    equals lorakit's ``--rounding mlx-lm`` of the PEFT adapter bit for bit, and passes."""
+    base = shutil.copytree(FX / "base", tmp_path / "base")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DATA / "tiny-qwen3-moe" / f, base / f)
+    cfg = json.loads((base / "config.json").read_text())  # mlx-lm reads transformers 4 keys
+    cfg.update(num_experts=cfg["num_local_experts"],
+               rope_theta=cfg["rope_parameters"]["rope_theta"])
+    (base / "config.json").write_text(json.dumps(cfg))
+    run_mlx_lm_fuse(base, convert(AD, tmp_path / "mlx", to="mlx-lm"), tmp_path / "theirs")
+    st = stacked(base, tmp_path / "stacked")
+    ours = lorakit.fuse(st, AD, tmp_path / "ours", rounding="mlx-lm", progress=False).output
+    assert differing(ours, tmp_path / "theirs") == {}
+    assert lorakit.check(tmp_path / "theirs", st, AD, progress=False).status == "ok"
