@@ -210,3 +210,19 @@ def test_mlx_lm_fuses_the_converted_adapter_as_lorakit_does(tmp_path: Path) -> N
     ours = lorakit.fuse(st, AD, tmp_path / "ours", rounding="mlx-lm", progress=False).output
     assert differing(ours, tmp_path / "theirs") == {}
     assert lorakit.check(tmp_path / "theirs", st, AD, progress=False).status == "ok"
+
+
+def test_one_expert_wrong_is_named_with_its_cause(tmp_path: Path) -> None:
+    """Expert 1 of one fused weight given twice its delta: that expert alone is wrong,
+    ``wrong scale`` x2; the untouched and the right experts are not flagged."""
+    fmt = nm.float_format("BF16")
+    b, m = _raw(FX / "base_fused"), _raw(FX / "merged_fused")
+    W, F = (nm.to_float64(x[GATE_UP][0][1], fmt) for x in (b, m))
+    t = next(x for x in lorakit.load_adapter(AD).targets if x.module == GATE_UP)
+    delta = t.scale * (t.B[1].astype(np.float64) @ t.A[1].astype(np.float64))
+    m[GATE_UP][0][1] = nm.round_to_format(W + 2 * delta, fmt)
+    assert not np.array_equal(W, F)
+    rep = lorakit.check(_write(tmp_path / "bad", FX / "merged_fused", m), FX / "base_fused", AD,
+                        progress=False)
+    assert rep.causes() == {f"{GATE_UP}[1]": "wrong scale"}, str(rep)
+    assert "x2" in next(r["detail"] for r in rep.rows if r["tensor"] == f"{GATE_UP}[1]")
