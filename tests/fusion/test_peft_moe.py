@@ -226,3 +226,14 @@ def test_one_expert_wrong_is_named_with_its_cause(tmp_path: Path) -> None:
                         progress=False)
     assert rep.causes() == {f"{GATE_UP}[1]": "wrong scale"}, str(rep)
     assert "x2" in next(r["detail"] for r in rep.rows if r["tensor"] == f"{GATE_UP}[1]")
+
+
+def test_delta_norms_weigh_gate_up_against_both_halves() -> None:
+    """gate_up_proj's weight norm is the same whether the base holds it fused or as its
+    per-expert gate_proj and up_proj tensors."""
+    from lorakit.inspect import delta_norms
+
+    fused, split = (delta_norms(AD, FX / b) for b in ("base_fused", "base"))
+    w = {(r["module"], r["expert"]): r["w_fro"] for r in fused.rows}
+    assert len(w) == 18 and all(w[(r["module"], r["expert"])] == pytest.approx(r["w_fro"], 1e-12)
+                                for r in split.rows)
