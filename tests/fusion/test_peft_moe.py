@@ -194,6 +194,30 @@ def test_bad_target_parameters_refused_by_name(tmp_path: Path) -> None:
         lorakit.load_adapter(d)
 
 
+@pytest.mark.parametrize("names", [["gate_up_proj", "down_proj"],
+                                   ["model.layers.0.mlp.experts.gate_up_proj",
+                                    "model.layers.0.mlp.experts.down_proj",
+                                    "model.layers.1.mlp.experts.gate_up_proj",
+                                    "model.layers.1.mlp.experts.down_proj"]])
+def test_target_parameters_match_as_peft_matches_them(names, tmp_path: Path) -> None:
+    """A bare parameter name or a full path matches as PEFT's ``key.endswith`` does."""
+    d = shutil.copytree(AD, tmp_path / "ad")
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps(dict(cfg, target_parameters=names)))
+    ours, ref = lorakit.load_adapter(d), lorakit.load_adapter(AD)
+    assert [(t.module, t.shape) for t in ours.targets] == [(t.module, t.shape) for t in ref.targets]
+
+
+def test_tensors_of_a_parameter_not_targeted_are_refused(tmp_path: Path) -> None:
+    """Only down_proj in target_parameters: the gate_up_proj LoRA (under base_layer) has
+    no parameter PEFT would wrap, and is refused by name."""
+    d = shutil.copytree(AD, tmp_path / "ad")
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps(dict(cfg, target_parameters=["down_proj"])))
+    with pytest.raises(AdapterError, match=r"experts\.base_layer\.lora_A\.weight: PEFT puts no"):
+        lorakit.load_adapter(d)
+
+
 @pytest.mark.skipif(bool(missing_modules("mlx_lm")), reason="mlx-lm not installed")
 def test_mlx_lm_fuses_the_converted_adapter_as_lorakit_does(tmp_path: Path) -> None:
     """mlx-lm itself loads the converted adapter into its LoRASwitchLinear layers; its fuse

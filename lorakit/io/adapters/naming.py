@@ -22,9 +22,9 @@ from .load import check_runtime_scope
 __all__ = ["Binding", "strip_prefix", "logical_shape", "bind", "bindings_by_tensor",
            "bind_replacements"]
 
-#: wrappers a module path may carry in one layout and not in another (longest first)
 #: transformers families whose fused experts are (experts, in, out) (``is_transposed``)
 TRANSPOSED_EXPERTS = ("gpt_oss", "aria", "ergo", "openai_privacy_filter")
+#: wrappers a module path may carry in one layout and not in another (longest first)
 MODULE_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 
 

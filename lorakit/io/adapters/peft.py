@@ -264,9 +264,9 @@ def peft_settings(cfg: Dict[str, Any], cfg_path: Path) -> PeftSettings:
                          "names", '["lm_head", ...]', saved)
     s.modules_to_save = saved
     tp = cfg.get("target_parameters") or []
-    if not isinstance(tp, list) or not all(isinstance(x, str) and "." in x for x in tp):
+    if not isinstance(tp, list) or not all(isinstance(x, str) and x for x in tp):
         raise bad_config(cfg_path, "target_parameters", "target_parameters must be a list of "
-                         "parameter paths", '["mlp.experts.gate_up_proj", ...]', tp)
+                         "parameter names", '["mlp.experts.gate_up_proj", ...]', tp)
     s.target_parameters = tp
     for key, val in (("target_modules", s.target_modules), ("exclude_modules", s.exclude_modules),
                      ("layers_pattern", s.layers_pattern), ("modules_to_save", saved)):
@@ -382,7 +382,7 @@ def _param_paths(groups: Dict[str, Dict[str, str]], s: PeftSettings) -> Dict[str
     out: Dict[str, str] = {}
     for owner in {re.sub(r"(\.base_layer)+$", "", m) for m in groups}:
         paths = {f"{owner}.{name}" for mod, _, name in (t.rpartition(".") for t in
-                 s.target_parameters) if owner == mod or owner.endswith("." + mod)}
+                 s.target_parameters) if mod in ("", owner) or owner.endswith("." + mod)}
         wrap = {w: p for p, w in param_wrappers(sorted(paths)).items()}
         if set(wrap) <= set(groups) and len(wrap) == sum(  # every parameter has its LoRA
                 re.sub(r"(\.base_layer)+$", "", m) == owner for m in groups):
