@@ -261,3 +261,28 @@ def test_delta_norms_weigh_gate_up_against_both_halves() -> None:
     w = {(r["module"], r["expert"]): r["w_fro"] for r in fused.rows}
     assert len(w) == 18 and all(w[(r["module"], r["expert"])] == pytest.approx(r["w_fro"], 1e-12)
                                 for r in split.rows)
+
+
+def test_mlx_lm_experts_to_target_parameters_and_onto_fused_experts(tmp_path: Path) -> None:
+    """mlx-lm's LoRASwitchLinear experts written as PEFT ``target_parameters``
+    (``experts="parameters"``: gate_proj and up_proj as one gate_up_proj of rank 2r, B
+    block-diagonal) fuse as the original does, on mlx-lm's stacked base and on
+    transformers' fused one; the embedded MoE adapter too."""
+    mlx = convert(AD, tmp_path / "mlx", to="mlx-lm")
+    peft = convert(mlx, tmp_path / "peft", to="peft", experts="parameters")
+    t = {x.module: x for x in lorakit.load_adapter(peft).targets}
+    assert (t[GATE_UP].rank, t["model.layers.0.mlp.experts.down_proj"].rank) == (8, 4)
+    for base in (FX / "base_fused", FX / "base"):
+        ref = lorakit.fuse(base, AD, tmp_path / f"ref-{base.name}", progress=False).output
+        for ad in (mlx, peft):
+            out = lorakit.fuse(base, ad, tmp_path / "o", force=True, progress=False).output
+            assert differing(out, ref) == {}, (base, ad)
+            assert lorakit.check(out, base, ad, progress=False).status == "ok"
+    moe, base = DATA / "adapters" / "moe-lora", DATA / "tiny-qwen3-moe"
+    params = convert(moe, tmp_path / "moe-p", to="peft", experts="parameters")
+    assert json.loads((params / "adapter_config.json").read_text())["target_parameters"]
+    a = lorakit.fuse(base, moe, tmp_path / "a", progress=False).output
+    b = lorakit.fuse(base, params, tmp_path / "b", progress=False).output
+    assert differing(a, b) == {}
+    with pytest.raises(lorakit.errors.ArgumentError, match="experts"):
+        convert(moe, tmp_path / "bad", to="peft", experts="fused")

@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import replace
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 from ...errors import AdapterError
 from .base import LoraTarget
@@ -75,6 +77,39 @@ def switch_parts(t: LoraTarget) -> List[LoraTarget]:
     h = t.B.shape[1] // 2
     return [replace(t, module=f"{head}.switch_mlp.{n}", B=t.B[:, rows])
             for n, rows in (("gate_proj", slice(0, h)), ("up_proj", slice(h, None)))]
+
+
+def fused_experts(targets: Sequence[LoraTarget], fused: Callable[[str], bool]
+                  ) -> List[LoraTarget]:
+    """The inverse of :func:`switch_parts` where ``fused(name)`` says transformers' fused
+    parameter is wanted: mlx-lm's ``<block>.mlp.switch_mlp.down_proj`` as
+    ``experts.down_proj``, ``gate_proj`` and ``up_proj`` as one ``experts.gate_up_proj``
+    of rank ``r_gate + r_up`` (A stacked, B block-diagonal: the same delta, exactly; a
+    projection left out has zero factors). Targets of two scales stay as they are."""
+    out: List[LoraTarget] = []
+    pairs: Dict[str, Dict[str, LoraTarget]] = {}
+    for t in targets:
+        m = re.match(r"(.*\.mlp)\.switch_mlp\.(gate|up|down)_proj$", t.module)
+        name = f"{m[1]}.experts.{'down' if m[2] == 'down' else 'gate_up'}_proj" if m else ""
+        if t.kind != "switch" or not m or not fused(name):
+            out.append(t)
+        elif m[2] == "down":
+            out.append(replace(t, module=name))
+        else:
+            pairs.setdefault(name, {})[m[2]] = t
+    for name, g in pairs.items():
+        one = next(iter(g.values()))
+        zero = replace(one, A=np.zeros_like(one.A[:, :1]), B=np.zeros_like(one.B[:, :, :1]))
+        gate, up = g.get("gate", zero), g.get("up", zero)
+        if np.ndim(gate.scale) or np.ndim(up.scale) or gate.scale != up.scale:
+            out += g.values()
+            continue
+        o, r = gate.B.shape[1], gate.rank
+        B = np.zeros((gate.B.shape[0], o + up.B.shape[1], r + up.rank), gate.B.dtype)
+        B[:, :o, :r], B[:, o:, r:] = gate.B, up.B
+        out.append(LoraTarget(name, "switch", np.concatenate([gate.A, up.A], axis=1), B,
+                              gate.scale, None, gate.names + up.names))
+    return out
 
 
 def param_wrappers(paths: Sequence[str]) -> Dict[str, str]:

@@ -16,7 +16,7 @@ from ...errors import AdapterError
 from ..formats.checkpoint import QuantParams
 from ..formats.source import TensorSource
 from .base import Adapter, LoraTarget, Replacement
-from .layout import MIXTRAL, switch_parts
+from .layout import MIXTRAL, fused_experts, switch_parts
 from .load import check_runtime_scope
 
 __all__ = ["Binding", "strip_prefix", "logical_shape", "bind", "bindings_by_tensor",
@@ -131,8 +131,9 @@ def bind(adapter: Adapter, ck: TensorSource) -> List[Binding]:
         errors.append(f"  {'/'.join(t.names) or t.module} -> {tensor}: adapter changes a "
                       f"weight of shape {list(want)} but the checkpoint's is {list(found)}")
 
-    # a target_parameters target lands on the fused 3-D parameter, else on switch_mlp's
-    targets = [p for t in adapter.targets
+    # experts land on transformers' fused 3-D parameters where the checkpoint has them,
+    # else on switch_mlp's (or the per-expert tensors)
+    targets = [p for t in fused_experts(adapter.targets, ck.tensors.__contains__)
                for p in ([t] if t.module in ck.tensors else switch_parts(t))]
     for t in targets:
         if t.module in ck.tensors:  # transformers' fused 3-D expert parameter

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ...errors import AdapterError, PathLike
+from ...errors import AdapterError, ArgumentError, PathLike
 from ...numerics import round_to_format, to_float32
 from ..formats.safetensors import TensorSpec, read_header
 from ..outputs.directory import TMP_MARK, OutputDirectory, check_output_path
@@ -30,7 +30,9 @@ from .layout import (
     layer_gaps,
     mlx_scope,
     param_wrappers,
+    fused_experts,
     restack,
+    switch_name,
     switch_parts,
 )
 from .peft import FIELDS
@@ -38,6 +40,8 @@ from .peft import FIELDS
 __all__ = ["save_adapter"]
 
 FORMATS = ("mlx-lm", "peft")
+#: how a PEFT adapter holds MoE experts (``experts=``)
+EXPERTS = ("modules", "parameters")
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
@@ -45,10 +49,13 @@ def save_adapter(adapter: Adapter, path: PathLike, *, format: str = "mlx-lm",
                  force: bool = False, provenance: Optional[Mapping[str, Any]] = None,
                  dtype: Optional[str] = None, num_layers: Optional[int] = None,
                  protected: Sequence[PathLike] = (), verb: str = "save-adapter",
-                 config: Optional[Mapping[str, Any]] = None, mark: str = TMP_MARK) -> Path:
+                 config: Optional[Mapping[str, Any]] = None, mark: str = TMP_MARK,
+                 experts: str = "modules") -> Path:
     """Write ``adapter`` to directory ``path`` (created whole or not at all) as mlx-lm or
     PEFT. ``dtype`` defaults to the source file's, else F32; a factor it cannot hold exactly
-    is refused. ``config`` is laid over the written adapter_config.json.
+    is refused. ``config`` is laid over the written adapter_config.json. ``experts``
+    (PEFT): MoE experts as per-expert ``modules`` (transformers 4) or as
+    ``target_parameters`` on the fused 3-D ``parameters`` (transformers 5).
 
     >>> from lorakit import load_adapter
     >>> ad = load_adapter("data/adapters/lora")
@@ -58,6 +65,8 @@ def save_adapter(adapter: Adapter, path: PathLike, *, format: str = "mlx-lm",
     """
     if format not in FORMATS:
         raise AdapterError("unknown adapter format", expected="mlx-lm or peft", found=repr(format))
+    if experts not in EXPERTS:
+        raise ArgumentError.bad("experts", experts, " | ".join(EXPERTS))
     if not adapter.targets and not adapter.replacements:
         raise AdapterError("adapter has nothing to save", file=adapter.path,
                            expected="at least one LoRA target", found="none")
@@ -70,7 +79,7 @@ def save_adapter(adapter: Adapter, path: PathLike, *, format: str = "mlx-lm",
     if format == "mlx-lm":
         tensors, cfg, weights = _mlx_layout(adapter, code, num_layers)
     else:
-        tensors, cfg, weights = _peft_layout(adapter, code)
+        tensors, cfg, weights = _peft_layout(adapter, code, experts)
     cfg.update(dict(config or {}))
     with OutputDirectory(out, force=force, allow_empty=True, mark=mark) as od:
         _write(od.tmp / weights, tensors, None if format == "mlx-lm" else {"format": "pt"})
@@ -126,7 +135,11 @@ def _write(file: Path, tensors: List[Tuple[str, np.ndarray, str]],
 
 def _mlx_targets(adapter: Adapter) -> List[LoraTarget]:
     """Targets with per-expert modules stacked back into mlx-lm's switch modules."""
-    targets = [p for t in adapter.targets for p in switch_parts(t)]  # PEFT's 3-D parameters
+    return _stacked([p for t in adapter.targets for p in switch_parts(t)])
+
+
+def _stacked(targets: List[LoraTarget]) -> List[LoraTarget]:
+    """``targets`` with per-expert modules stacked into mlx-lm's switch modules."""
     linear = [t for t in targets if t.kind == "linear"]
     groups = restack([t.module for t in linear])
     by_module = {t.module: t for t in targets}
@@ -245,10 +258,21 @@ def _mlx_layout(adapter: Adapter, code: str, num_layers: Optional[int]
     return tensors, cfg, MLX_WEIGHTS
 
 
-def _peft_targets(adapter: Adapter) -> List[LoraTarget]:
-    """Targets with mlx-lm's stacked experts split into PEFT's per-expert modules."""
+def _peft_targets(adapter: Adapter, experts: str) -> List[LoraTarget]:
+    """Targets with mlx-lm's stacked experts split into PEFT's per-expert modules, or
+    (``experts="parameters"``) every expert stack as transformers' fused parameters."""
     out: List[LoraTarget] = []
-    for t in adapter.targets:
+    targets = adapter.targets
+    if experts == "parameters":
+        targets = fused_experts(_stacked(targets), lambda name: True)
+        left = next((t for t in targets if ".switch_mlp." in t.module
+                     or switch_name(t.module)), None)  # a stack or expert not fused
+        if left is not None:
+            raise AdapterError("experts that transformers does not hold as fused "
+                               "parameters, or of two scales", file=adapter.path,
+                               tensor=left.module, expected="<block>.mlp experts of one "
+                               "scale", found=left.module, hint="write experts='modules'")
+    for t in targets:
         if t.kind != "switch" or ".switch_mlp." not in t.module:
             out.append(t)  # a PEFT target_parameters target stays one
             continue
@@ -259,9 +283,9 @@ def _peft_targets(adapter: Adapter) -> List[LoraTarget]:
     return out
 
 
-def _peft_layout(adapter: Adapter, code: str
+def _peft_layout(adapter: Adapter, code: str, experts: str
                  ) -> Tuple[List[Tuple[str, np.ndarray, str]], Dict[str, Any], str]:
-    targets = _peft_targets(adapter)
+    targets = _peft_targets(adapter, experts)
     tensors: List[Tuple[str, np.ndarray, str]] = []
     alphas: Dict[str, Any] = {}
     wrappers = param_wrappers([t.module for t in targets if t.kind == "switch"])
