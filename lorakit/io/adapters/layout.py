@@ -107,8 +107,8 @@ def fused_experts(targets: Sequence[LoraTarget], fused: Callable[[str], bool]
         o, r = gate.B.shape[1], gate.rank
         B = np.zeros((gate.B.shape[0], o + up.B.shape[1], r + up.rank), gate.B.dtype)
         B[:, :o, :r], B[:, o:, r:] = gate.B, up.B
-        out.append(LoraTarget(name, "switch", np.concatenate([gate.A, up.A], axis=1), B,
-                              gate.scale, None, gate.names + up.names))
+        A = np.concatenate([gate.A, up.A], axis=1)
+        out.append(replace(gate, module=name, A=A, B=B, names=gate.names + up.names))
     return out
 
 

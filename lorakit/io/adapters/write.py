@@ -27,10 +27,10 @@ from .base import CONFIG, MLX_WEIGHTS, PEFT_PREFIX, PEFT_WEIGHTS, Adapter, LoraT
 from .layout import (
     alpha_for,
     expert_modules,
+    fused_experts,
     layer_gaps,
     mlx_scope,
     param_wrappers,
-    fused_experts,
     restack,
     switch_name,
     switch_parts,
