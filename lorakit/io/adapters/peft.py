@@ -91,8 +91,7 @@ FIELDS: Dict[str, Tuple[Any, str, str]] = {
     "alora_invocation_tokens": (None, _REFUSED, "activated LoRA (alora_invocation_tokens): "
                                 "it applies after its invocation tokens only, no merge "
                                 "keeps that"),
-    "target_parameters": (None, _READ, "LoRA on 3-D expert parameters: A (experts*r, in), "
-                          "B (out, r*experts), one switch target per parameter"),
+    "target_parameters": (None, _READ, "LoRA on 3-D parameters (MoE experts)"),
     "trainable_token_indices": (None, _REFUSED, "trainable tokens "
                                 "(trainable_token_indices): merge it with PEFT"),
     "megatron_config": (None, _REFUSED, "Megatron tensor-parallel layers (megatron_config): "
@@ -413,11 +412,10 @@ def _target(p: _Plan, ts: AdapterTensors, fan_in_fan_out: bool) -> LoraTarget:
     """Read one planned module and orient it as ``delta = scale * B @ A``."""
     a, b = ts.read_f32(p.a), ts.read_f32(p.b)
     if p.kind == "param":  # PEFT: A rows expert-major, B columns rank-major (r, experts)
-        n = p.experts
-        A, B = a.reshape(n, -1, a.shape[1]), b.reshape(b.shape[0], -1, n).transpose(2, 0, 1)
+        A = np.ascontiguousarray(a.reshape(p.experts, -1, a.shape[1]))
+        B = np.ascontiguousarray(b.reshape(b.shape[0], -1, p.experts).transpose(2, 0, 1))
         # ParamWrapper.merge rounds the f32 delta to the weight's dtype, then adds
-        return LoraTarget(p.module, "switch", np.ascontiguousarray(A), np.ascontiguousarray(B),
-                          p.scale, None, p.names, round_delta=True)
+        return LoraTarget(p.module, "switch", A, B, p.scale, names=p.names, round_delta=True)
     mag = ts.read_f32(p.m).reshape(-1) if p.m else None
     if p.kind == "embedding" or fan_in_fan_out:
         # PEFT embedding: delta = (lora_embedding_B @ lora_embedding_A).T * scaling
