@@ -286,3 +286,24 @@ def test_mlx_lm_experts_to_target_parameters_and_onto_fused_experts(tmp_path: Pa
     assert differing(a, b) == {}
     with pytest.raises(lorakit.errors.ArgumentError, match="experts"):
         convert(moe, tmp_path / "bad", to="peft", experts="fused")
+
+
+def test_experts_parameters_cli_and_refusal_of_what_it_cannot_hold(tmp_path: Path) -> None:
+    """``lorakit convert --experts parameters``; experts it cannot join (a stack with an
+    expert missing stays per-expert) are refused by name, nothing written."""
+    from dataclasses import replace
+
+    from lorakit.io.adapters.write import save_adapter
+
+    moe = DATA / "adapters" / "moe-lora"
+    r = run_cli("convert", moe, "--to", "peft", "--experts", "parameters", "--save-path",
+                tmp_path / "p")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "p" / "adapter_config.json").read_text())["target_parameters"]
+    per = lorakit.load_adapter(convert(moe, tmp_path / "m", to="peft"))  # per-expert modules
+    gone = "model.layers.1.mlp.experts.2.gate_proj"
+    assert gone in {t.module for t in per.targets}
+    holed = replace(per, targets=[t for t in per.targets if t.module != gone])
+    with pytest.raises(AdapterError, match="does not hold as fused") as e:
+        save_adapter(holed, tmp_path / "x", format="peft", experts="parameters")
+    assert "model.layers.1.mlp.experts." in str(e.value) and not (tmp_path / "x").exists()
