@@ -387,16 +387,19 @@ def _svd_dora(targets: List[LoraTarget], rows: List[Dict[str, Any]], ads: List[A
 
 def convert(adapter: Union[PathLike, Adapter], save_path: PathLike, *, to: str = "peft",
             force: bool = False, num_layers: Optional[int] = None,
-            base: Optional[PathLike] = None, outtype: str = "f32") -> Path:
+            base: Optional[PathLike] = None, outtype: str = "f32",
+            experts: str = "modules") -> Path:
     """Write ``adapter`` in format ``to`` (``"peft"`` or ``"mlx-lm"``), its factors in
     their own dtype, bit for bit; or, with ``to="gguf-lora"``, as llama.cpp's LoRA GGUF
     file ``save_path`` (``base``: the model directory whose config.json names the
-    architecture, default the adapter's recorded model; ``outtype``: f32 or f16)."""
+    architecture, default the adapter's recorded model; ``outtype``: f32 or f16).
+    ``experts`` (PEFT): MoE experts as per-expert ``"modules"`` (transformers 4) or
+    ``"parameters"``, ``target_parameters`` on transformers 5's fused experts."""
     ad = _load(adapter)
     if to == "gguf-lora":
         return _to_gguf_lora(ad, Path(save_path), base, outtype, force)
     return save_adapter(ad, save_path, format=to, force=force, num_layers=num_layers,
-                        verb="convert", provenance={"to": to})
+                        verb="convert", provenance={"to": to}, experts=experts)
 
 
 def _to_gguf_lora(ad: Adapter, out: Path, base: Optional[PathLike], outtype: str,

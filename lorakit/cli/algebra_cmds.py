@@ -108,7 +108,7 @@ def _combine(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from ..algebra.combine import convert
 
-    picked = flags(args, "to", "force", "num_layers", "base", "outtype")
+    picked = flags(args, "to", "force", "num_layers", "base", "outtype", "experts")
     out = convert(args.adapter, args.save_path, **picked)
     wrote(args, out)
     done = {"output": str(out), "format": args.to}
@@ -150,6 +150,10 @@ def add(sub) -> None:
                    "directory (its config.json; default: the adapter's recorded model)")
     c.add_argument("--outtype", choices=("f32", "f16"), default="f32",
                    help="with --to gguf-lora: the factors' GGUF type (default: f32, exact)")
+    c.add_argument("--experts", choices=("modules", "parameters"), default="modules",
+                   help="with --to peft: MoE experts as per-expert modules (transformers 4; "
+                   "default) or as target_parameters on the fused 3-D expert parameters "
+                   "(transformers 5)")
     c.add_argument("--num-layers", type=int,
                    help="mlx-lm's num_layers (default: the source's, or lowest to highest "
                    "adapted block)")

@@ -182,9 +182,14 @@ def fuse_bindings(raw: np.ndarray, code: str, binds: List[Binding], rounding: st
     if raw.ndim == 3:
         out_code = output_code(code, dtype_policy)
         by_slot = {p.slot: p for p in pieces}
-        return np.stack([one(raw[e], by_slot[e], f"{name}[{e}]")[0] if e in by_slot
+        return np.stack([one(raw[e], by_slot[e], f"{name}[{e}]", _kind(by_slot[e]))[0]
+                         if e in by_slot
                          else cast_raw(raw[e], code, out_code)
                          for e in range(raw.shape[0])]), out_code
     (p,) = pieces
-    # round-once rounds an embedding's delta first; so does PEFT for round_delta targets
-    return one(raw, p, name, "embedding" if p.target.round_delta else p.kind)
+    return one(raw, p, name, _kind(p))
+
+
+def _kind(p) -> str:
+    """round-once rounds an embedding's delta first; so does PEFT for round_delta targets."""
+    return "embedding" if p.target.round_delta else p.kind

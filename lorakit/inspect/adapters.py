@@ -21,7 +21,7 @@ from ..io.formats import source
 from ..layers import split_name
 from ..report import Report
 from . import plots
-from .deltas import _weight_norm, layer_kind_grid, numerical_rank, weight_slots
+from .deltas import layer_kind_grid, numerical_rank, slots_norm, weight_slots
 
 __all__ = ["AdapterComparison", "compare_adapters"]
 
@@ -167,10 +167,10 @@ def compare_adapters(a: Any, b: Any, checkpoint: Any = None, *,
             t = (svds.get("a") or svds.get("b"))[0]
             owner = ada if "a" in svds else adb
             slots = slots_a if owner is ada else weight_slots(adb, src)
-            tensor, sl = slots[(t.module, expert)]
-            if (tensor, sl) not in wnorm:
-                wnorm[(tensor, sl)] = _weight_norm(src, tensor, sl)
-            w = wnorm[(tensor, sl)]
+            key = tuple(slots[(t.module, expert)])
+            if key not in wnorm:
+                wnorm[key] = slots_norm(src, list(key))
+            w = wnorm[key]
             for side in ("a", "b"):
                 f = row[f"fro_{side}"]
                 row[f"rel_{side}"] = f / w if f is not None and w > 0 else None

@@ -22,7 +22,7 @@ import os
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -402,19 +402,34 @@ def _adapted_row(sf, sb, tensor, binds, conversion: Optional[str]) -> Dict[str, 
 WORKERS = max(1, min(2, os.cpu_count() or 1))
 
 
-def _adapted_rows(sf, sb, by_tensor, conversion: Optional[str]) -> List[Dict[str, Any]]:
-    """The adapted tensors' rows, in order, up to :data:`WORKERS` tensors in flight
-    (quantized weights, MLX's quantize in the reference, one at a time)."""
-    items = list(by_tensor.items())
+def per_expert(by_tensor: Dict[str, list]) -> List[Tuple[str, list, str]]:
+    """(tensor, bindings, row name): a stacked (3-D) weight one expert at a time, named
+    ``tensor[e]``, so that a wrong merge names the experts it is wrong in."""
+    out = []
+    for t, binds in by_tensor.items():
+        if len(binds[0].shape) != 3:
+            out.append((t, binds, t))
+            continue
+        for b in binds:
+            out += [(t, [b], f"{t}[{b.weight_expert}]")] if b.weight_expert is not None else [
+                (t, [replace(b, target_expert=e, weight_expert=e)], f"{t}[{e}]")
+                for e in range(b.target.A.shape[0])]
+    return out
+
+
+def _adapted_rows(sf, sb, items, conversion: Optional[str]) -> List[Dict[str, Any]]:
+    """The adapted tensors' rows (:func:`per_expert` items), in order, up to
+    :data:`WORKERS` tensors in flight (quantized weights, MLX's quantize in the
+    reference, one at a time)."""
 
     def one(tb):
-        return _adapted_row(sf, sb, tb[0], tb[1], conversion)
+        return dict(_adapted_row(sf, sb, tb[0], tb[1], conversion), tensor=tb[2])
 
     def quantized(t: str) -> bool:
         module = t[: -len(".weight")]
         return sb.quant_params(module) is not None or sf.quant_params(module) is not None
 
-    if WORKERS < 2 or len(items) < 2 or any(quantized(t) for t, _ in items):
+    if WORKERS < 2 or len(items) < 2 or any(quantized(t) for t, *_ in items):
         return [one(tb) for tb in items]
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="lorakit-check") as pool:
         return list(pool.map(one, items))
@@ -439,14 +454,15 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
     if not isinstance(ad, Adapter):
         ad = load_adapter(adapter, initial_adapter, residual_ok=True)
     by_tensor = bindings_by_tensor(bind(ad, sb))
-    adapted = {t[: -len(".weight")] for t in by_tensor}
+    adapted = {t[: -len(".weight")] if t.endswith(".weight") else t for t in by_tensor}
     replaced = bind_replacements(ad, sb, dequantize=True)
     conversion = requested_conversion(sf, sb, adapted | {n.rsplit(".", 1)[0] for n in replaced})
-    rows: List[Dict[str, Any]] = _adapted_rows(sf, sb, by_tensor, conversion)
+    items = per_expert(by_tensor)
+    rows: List[Dict[str, Any]] = _adapted_rows(sf, sb, items, conversion)
     rows += [replacement_row(sf, sb, t, r) for t, r in replaced.items()]
     untouched_changed = None
     if check_untouched:
-        names = [n for n in sb.tensors if n.rsplit(".", 1)[0] not in adapted
+        names = [n for n in sb.tensors if n.rsplit(".", 1)[0] not in adapted and n not in adapted
                  and n not in replaced and not _skipped(sb, sf, n)]
         extra, untouched_changed = untouched_rows(sf, sb, names, progress)
         rows += extra
@@ -455,7 +471,7 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
                 if r["verdict"] == "changed otherwise":
                     r.update(verdict="different base",
                              detail=r["detail"] + "; most untouched tensors differ too")
-    if sum(bool(r.get("base_like")) for r in rows) * 2 > len(by_tensor):
+    if sum(bool(r.get("base_like")) for r in rows) * 2 > len(items):
         for r in rows:  # the delta sits on another weight in most adapted tensors
             if r.get("base_like"):
                 r.update(verdict="different base", detail=r["detail"] + ": another base")

@@ -16,6 +16,7 @@ from .. import numerics as nm
 from ..algebra.lowrank import factor_svd
 from ..fusion.delta import target_pieces
 from ..io.adapters.base import Adapter
+from ..io.adapters.layout import switch_parts
 from ..io.adapters.load import load_adapter
 from ..io.adapters.naming import bind
 from ..io.formats import source
@@ -66,22 +67,30 @@ def _weight_norm(src: TensorSource, tensor: str, expert: Optional[int]) -> float
     return math.sqrt(total)
 
 
-def weight_slots(adapter: Adapter, src: TensorSource) -> Dict[Tuple[str, Optional[int]],
-                                                               Tuple[str, Optional[int]]]:
-    """(target module, target expert) -> (checkpoint tensor, slice of it or None)."""
-    out: Dict[Tuple[str, Optional[int]], Tuple[str, Optional[int]]] = {}
+def weight_slots(adapter: Adapter, src: TensorSource
+                 ) -> Dict[Tuple[str, Optional[int]], List[Tuple[str, Optional[int]]]]:
+    """(target module, target expert) -> the (checkpoint tensor, slice of it or None) it
+    changes (two for a fused gate_up_proj landing on gate_proj and up_proj)."""
+    origin = {p.module: t.module for t in adapter.targets for p in switch_parts(t)}
+    out: Dict[Tuple[str, Optional[int]], List[Tuple[str, Optional[int]]]] = {}
     for b in bind(adapter, src):
         t = b.target
+        m = origin.get(t.module, t.module)
         if b.target_expert is not None:
-            out[(t.module, b.target_expert)] = (b.tensor, None)
+            out.setdefault((m, b.target_expert), []).append((b.tensor, None))
         elif b.weight_expert is not None:
-            out[(t.module, None)] = (b.tensor, b.weight_expert)
+            out.setdefault((m, None), []).append((b.tensor, b.weight_expert))
         elif t.kind == "switch":
             for e in range(t.A.shape[0]):
-                out[(t.module, e)] = (b.tensor, e)
+                out.setdefault((m, e), []).append((b.tensor, e))
         else:
-            out[(t.module, None)] = (b.tensor, None)
+            out.setdefault((m, None), []).append((b.tensor, None))
     return out
+
+
+def slots_norm(src: TensorSource, slots: List[Tuple[str, Optional[int]]]) -> float:
+    """The Frobenius norm of the weight (slices) a target changes."""
+    return math.sqrt(sum(_weight_norm(src, t, e) ** 2 for t, e in slots))
 
 
 def layer_kind_grid(rows: List[Dict[str, Any]], num: str, den: Optional[str] = None
@@ -181,8 +190,7 @@ def delta_norms(adapter: Any, checkpoint: Any = None, *, rtol: Optional[float] =
                 "dora": mag is not None,
             }
             if src is not None:
-                tensor, sl = slots[(t.module, expert)]
-                w = _weight_norm(src, tensor, sl)
+                w = slots_norm(src, slots[(t.module, expert)])
                 row["w_fro"] = w
                 row["rel"] = fro / w if w > 0 else float("inf")
             rows.append(row)

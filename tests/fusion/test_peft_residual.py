@@ -163,7 +163,6 @@ def test_refused_peft_field_names_itself() -> None:
     ("init_lora_weights", "lora_ga", "init_lora_weights='lora_ga'"),
     ("loftq_config", {"loftq_bits": 4, "loftq_iter": 1}, "residual-base adapter: loftq_config"),
     ("init_lora_weights", "kaiming", "unknown init_lora_weights"),
-    ("target_parameters", ["experts.gate_up_proj"], "target_parameters"),
     ("trainable_token_indices", [1, 2], "trainable_token_indices"),
     ("kasa_config", {"beta": 1.0}, "KaSA"),
     ("use_qalora", True, "QA-LoRA"),

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 from ...errors import AdapterError
+from .base import LoraTarget
 
 __all__ = ["expert_modules"]
 
@@ -51,6 +55,80 @@ def expert_modules(switch_module: str, experts: int) -> List[str]:
     if head.endswith("block_sparse_moe"):
         proj = MIXTRAL.get(proj, proj)
     return [f"{head}.experts.{e}.{proj}" for e in range(experts)]
+
+
+def switch_parts(t: LoraTarget) -> List[LoraTarget]:
+    """A PEFT ``target_parameters`` target (``<block>.experts.<param>``, 3-D) as mlx-lm's
+    ``switch_mlp`` modules: ``gate_up_proj`` (rows ``[gate; up]``, as transformers
+    concatenates them) split into ``gate_proj`` and ``up_proj`` with the same A (exact);
+    any other target as it is.
+
+    >>> import numpy as np
+    >>> t = LoraTarget("m.experts.gate_up_proj", "switch", np.ones((2, 1, 3)), np.ones((2, 4, 1)), 1.0)
+    >>> [(p.module, p.shape) for p in switch_parts(t)]
+    [('m.switch_mlp.gate_proj', (2, 2, 3)), ('m.switch_mlp.up_proj', (2, 2, 3))]
+    """
+    m = re.match(r"(.*)\.experts\.([A-Za-z_]\w*)$", t.module)
+    if t.kind != "switch" or m is None:
+        return [t]
+    head, proj = m.groups()
+    if proj != "gate_up_proj":
+        return [replace(t, module=f"{head}.switch_mlp.{proj}")]
+    h = t.B.shape[1] // 2
+    return [replace(t, module=f"{head}.switch_mlp.{n}", B=t.B[:, rows])
+            for n, rows in (("gate_proj", slice(0, h)), ("up_proj", slice(h, None)))]
+
+
+def fused_experts(targets: Sequence[LoraTarget], fused: Callable[[str], bool]
+                  ) -> List[LoraTarget]:
+    """The inverse of :func:`switch_parts` where ``fused(name)`` says transformers' fused
+    parameter is wanted: mlx-lm's ``<block>.mlp.switch_mlp.down_proj`` as
+    ``experts.down_proj``, ``gate_proj`` and ``up_proj`` as one ``experts.gate_up_proj``
+    of rank ``r_gate + r_up`` (A stacked, B block-diagonal: the same delta, exactly; a
+    projection left out has zero factors). Targets of two scales stay as they are."""
+    out: List[LoraTarget] = []
+    pairs: Dict[str, Dict[str, LoraTarget]] = {}
+    for t in targets:
+        m = re.match(r"(.*\.mlp)\.switch_mlp\.(gate|up|down)_proj$", t.module)
+        name = f"{m[1]}.experts.{'down' if m[2] == 'down' else 'gate_up'}_proj" if m else ""
+        if t.kind != "switch" or not m or not fused(name):
+            out.append(t)
+        elif m[2] == "down":
+            out.append(replace(t, module=name))
+        else:
+            pairs.setdefault(name, {})[m[2]] = t
+    for name, g in pairs.items():
+        one = next(iter(g.values()))
+        zero = replace(one, A=np.zeros_like(one.A[:, :1]), B=np.zeros_like(one.B[:, :, :1]))
+        gate, up = g.get("gate", zero), g.get("up", zero)
+        if np.ndim(gate.scale) or np.ndim(up.scale) or gate.scale != up.scale:
+            out += g.values()
+            continue
+        o, r = gate.B.shape[1], gate.rank
+        B = np.zeros((gate.B.shape[0], o + up.B.shape[1], r + up.rank), gate.B.dtype)
+        B[:, :o, :r], B[:, o:, r:] = gate.B, up.B
+        A = np.concatenate([gate.A, up.A], axis=1)
+        out.append(replace(gate, module=name, A=A, B=B, names=gate.names + up.names))
+    return out
+
+
+def param_wrappers(paths: Sequence[str]) -> Dict[str, str]:
+    """PEFT ``target_parameters`` path -> the module path PEFT saves its LoRA under: one
+    ParamWrapper per parameter of a module, nested in the order transformers declares
+    them (gate/up before down), the first innermost.
+
+    >>> param_wrappers(["m.experts.down_proj", "m.experts.gate_up_proj"])
+    {'m.experts.gate_up_proj': 'm.experts.base_layer', 'm.experts.down_proj': 'm.experts'}
+    """
+    owners: Dict[str, List[str]] = {}
+    for p in paths:
+        owners.setdefault(p.rpartition(".")[0], []).append(p.rpartition(".")[2])
+    out = {}
+    for owner, names in owners.items():
+        names.sort(key=lambda n: ("down" in n or n == "w2", n))
+        for i, n in enumerate(names):
+            out[f"{owner}.{n}"] = owner + ".base_layer" * (len(names) - 1 - i)
+    return out
 
 
 def switch_name(expert_module: str) -> Optional[Tuple[str, int]]:

@@ -16,12 +16,14 @@ from ...errors import AdapterError
 from ..formats.checkpoint import QuantParams
 from ..formats.source import TensorSource
 from .base import Adapter, LoraTarget, Replacement
-from .layout import MIXTRAL
+from .layout import MIXTRAL, fused_experts, switch_parts
 from .load import check_runtime_scope
 
 __all__ = ["Binding", "strip_prefix", "logical_shape", "bind", "bindings_by_tensor",
            "bind_replacements"]
 
+#: transformers families whose fused experts are (experts, in, out) (``is_transposed``)
+TRANSPOSED_EXPERTS = ("gpt_oss", "aria", "ergo", "openai_privacy_filter")
 #: wrappers a module path may carry in one layout and not in another (longest first)
 MODULE_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 
@@ -129,7 +131,21 @@ def bind(adapter: Adapter, ck: TensorSource) -> List[Binding]:
         errors.append(f"  {'/'.join(t.names) or t.module} -> {tensor}: adapter changes a "
                       f"weight of shape {list(want)} but the checkpoint's is {list(found)}")
 
-    for t in adapter.targets:
+    # experts land on transformers' fused 3-D parameters where the checkpoint has them,
+    # else on switch_mlp's (or the per-expert tensors)
+    targets = [p for t in fused_experts(adapter.targets, ck.tensors.__contains__)
+               for p in ([t] if t.module in ck.tensors else switch_parts(t))]
+    for t in targets:
+        if t.module in ck.tensors:  # transformers' fused 3-D expert parameter
+            shape = ck.tensors[t.module].shape
+            if ck.model_type in TRANSPOSED_EXPERTS:
+                errors.append(f"  {t.module}: {ck.model_type} stores its experts (experts, in, "
+                              "out), where PEFT adds the delta transposed; merge it with PEFT")
+            elif tuple(shape) != tuple(t.shape):
+                shape_error(t, t.module, t.shape, shape)
+            else:
+                out.append(Binding(t, t.module, t.module, tuple(shape)))
+            continue
         mod = _find(ck, t.module)
         if mod is not None:
             shape = logical_shape(ck, mod)

@@ -33,6 +33,7 @@ from .base import (
     problems,
     whole,
 )
+from .layout import param_wrappers
 
 __all__ = ["residual_init"]
 
@@ -90,7 +91,7 @@ FIELDS: Dict[str, Tuple[Any, str, str]] = {
     "alora_invocation_tokens": (None, _REFUSED, "activated LoRA (alora_invocation_tokens): "
                                 "it applies after its invocation tokens only, no merge "
                                 "keeps that"),
-    "target_parameters": (None, _REFUSED, "LoRA on parameters (target_parameters)"),
+    "target_parameters": (None, _READ, "LoRA on 3-D parameters (MoE experts)"),
     "trainable_token_indices": (None, _REFUSED, "trainable tokens "
                                 "(trainable_token_indices): merge it with PEFT"),
     "megatron_config": (None, _REFUSED, "Megatron tensor-parallel layers (megatron_config): "
@@ -125,6 +126,7 @@ class PeftSettings:
     layers_to_transform: Optional[List[int]] = None
     layers_pattern: Optional[List[str]] = None
     modules_to_save: List[str] = field(default_factory=list)
+    target_parameters: List[str] = field(default_factory=list)
 
     def refusal(self, key: str) -> Optional[str]:
         """Why PEFT puts no LoRA layer on module ``key`` (None: it does).
@@ -260,6 +262,11 @@ def peft_settings(cfg: Dict[str, Any], cfg_path: Path) -> PeftSettings:
         raise bad_config(cfg_path, "modules_to_save", "modules_to_save must be a list of module "
                          "names", '["lm_head", ...]', saved)
     s.modules_to_save = saved
+    tp = cfg.get("target_parameters") or []
+    if not isinstance(tp, list) or not all(isinstance(x, str) and x for x in tp):
+        raise bad_config(cfg_path, "target_parameters", "target_parameters must be a list of "
+                         "parameter names", '["mlp.experts.gate_up_proj", ...]', tp)
+    s.target_parameters = tp
     for key, val in (("target_modules", s.target_modules), ("exclude_modules", s.exclude_modules),
                      ("layers_pattern", s.layers_pattern), ("modules_to_save", saved)):
         if val and not (key == "target_modules" and val == _ALL_LINEAR):
@@ -331,6 +338,7 @@ class _Plan:
     w: Optional[str]
     scale: float
     names: Tuple[str, ...]
+    experts: int = 0  # a target_parameters LoRA's
 
 
 def _plan(module: str, g: Dict[str, str], ts: AdapterTensors, s: PeftSettings
@@ -367,9 +375,47 @@ def _plan(module: str, g: Dict[str, str], ts: AdapterTensors, s: PeftSettings
                  tuple(g.values())), None
 
 
+def _param_paths(groups: Dict[str, Dict[str, str]], s: PeftSettings) -> Dict[str, str]:
+    """Group module -> the ``target_parameters`` path its LoRA adapts (PEFT nests one
+    ParamWrapper per parameter of a module: :func:`~.layout.param_wrappers`)."""
+    out: Dict[str, str] = {}
+    for owner in {re.sub(r"(\.base_layer)+$", "", m) for m in groups}:
+        paths = {f"{owner}.{name}" for mod, _, name in (t.rpartition(".") for t in
+                 s.target_parameters) if mod in ("", owner) or owner.endswith("." + mod)}
+        wrap = {w: p for p, w in param_wrappers(sorted(paths)).items()}
+        if set(wrap) <= set(groups) and len(wrap) == sum(  # every parameter has its LoRA
+                re.sub(r"(\.base_layer)+$", "", m) == owner for m in groups):
+            out.update(wrap)
+    return out
+
+
+def _param_plan(path: str, g: Dict[str, str], ts: AdapterTensors, s: PeftSettings
+                ) -> Tuple[Optional[_Plan], Optional[str]]:
+    """Check one ``target_parameters`` LoRA from the header: A (experts*r, in), B
+    (out, r*experts), at least two experts."""
+    if set(g) != {"A", "B"}:
+        return None, f"  {path}: needs lora_A and lora_B only (found {', '.join(g.values())})"
+    r, alpha = s.rank_alpha(path)
+    a, b = ts.infos[g["A"]].shape, ts.infos[g["B"]].shape
+    n = a[0] // r if len(a) == 2 else 0
+    if len(b) != 2 or n < 2 or a[0] != n * r or b[1] != n * r:
+        return None, (f"  {path}: expected {g['A']} (experts*r, in) and {g['B']} "
+                      f"(out, r*experts) with r {r} and two or more experts, found "
+                      f"{list(a)} and {list(b)}")
+    for name in g.values():
+        ts.check_float(name)
+    scale = float(alpha) / (math.sqrt(r) if s.rslora else r)
+    return _Plan(path, "param", g["A"], g["B"], None, None, scale, tuple(g.values()), n), None
+
+
 def _target(p: _Plan, ts: AdapterTensors, fan_in_fan_out: bool) -> LoraTarget:
     """Read one planned module and orient it as ``delta = scale * B @ A``."""
     a, b = ts.read_f32(p.a), ts.read_f32(p.b)
+    if p.kind == "param":  # PEFT: A rows expert-major, B columns rank-major (r, experts)
+        A = np.ascontiguousarray(a.reshape(p.experts, -1, a.shape[1]))
+        B = np.ascontiguousarray(b.reshape(b.shape[0], -1, p.experts).transpose(2, 0, 1))
+        # ParamWrapper.merge rounds the f32 delta to the weight's dtype, then adds
+        return LoraTarget(p.module, "switch", A, B, p.scale, names=p.names, round_delta=True)
     mag = ts.read_f32(p.m).reshape(-1) if p.m else None
     if p.kind == "embedding" or fan_in_fan_out:
         # PEFT embedding: delta = (lora_embedding_B @ lora_embedding_A).T * scaling
@@ -407,7 +453,13 @@ def load_peft(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None,
     found = _sort_names(ts.names, s)
     errors = found.errors
     plans: List[_Plan] = []
+    params = _param_paths(found.groups, s) if s.target_parameters else {}
     for module, g in found.groups.items():
+        if module in params:
+            plan, err = _param_plan(params[module], g, ts, s)
+            errors += [err] if err else []
+            plans += [plan] if plan else []
+            continue
         why = s.refusal(module)
         if why:
             errors += [f"  {n}: PEFT puts no LoRA layer on {module}: {why}" for n in g.values()]

@@ -18,18 +18,30 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ...errors import AdapterError, PathLike
+from ...errors import AdapterError, ArgumentError, PathLike
 from ...numerics import round_to_format, to_float32
 from ..formats.safetensors import TensorSpec, read_header
 from ..outputs.directory import TMP_MARK, OutputDirectory, check_output_path
 from ..outputs.safetensors_write import SafetensorsWriter
 from .base import CONFIG, MLX_WEIGHTS, PEFT_PREFIX, PEFT_WEIGHTS, Adapter, LoraTarget
-from .layout import alpha_for, expert_modules, layer_gaps, mlx_scope, restack
+from .layout import (
+    alpha_for,
+    expert_modules,
+    fused_experts,
+    layer_gaps,
+    mlx_scope,
+    param_wrappers,
+    restack,
+    switch_name,
+    switch_parts,
+)
 from .peft import FIELDS
 
 __all__ = ["save_adapter"]
 
 FORMATS = ("mlx-lm", "peft")
+#: how a PEFT adapter holds MoE experts (``experts=``)
+EXPERTS = ("modules", "parameters")
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
@@ -37,10 +49,13 @@ def save_adapter(adapter: Adapter, path: PathLike, *, format: str = "mlx-lm",
                  force: bool = False, provenance: Optional[Mapping[str, Any]] = None,
                  dtype: Optional[str] = None, num_layers: Optional[int] = None,
                  protected: Sequence[PathLike] = (), verb: str = "save-adapter",
-                 config: Optional[Mapping[str, Any]] = None, mark: str = TMP_MARK) -> Path:
+                 config: Optional[Mapping[str, Any]] = None, mark: str = TMP_MARK,
+                 experts: str = "modules") -> Path:
     """Write ``adapter`` to directory ``path`` (created whole or not at all) as mlx-lm or
     PEFT. ``dtype`` defaults to the source file's, else F32; a factor it cannot hold exactly
-    is refused. ``config`` is laid over the written adapter_config.json.
+    is refused. ``config`` is laid over the written adapter_config.json. ``experts``
+    (PEFT): MoE experts as per-expert ``modules`` (transformers 4) or as
+    ``target_parameters`` on the fused 3-D ``parameters`` (transformers 5).
 
     >>> from lorakit import load_adapter
     >>> ad = load_adapter("data/adapters/lora")
@@ -50,6 +65,8 @@ def save_adapter(adapter: Adapter, path: PathLike, *, format: str = "mlx-lm",
     """
     if format not in FORMATS:
         raise AdapterError("unknown adapter format", expected="mlx-lm or peft", found=repr(format))
+    if experts not in EXPERTS:
+        raise ArgumentError.bad("experts", experts, " | ".join(EXPERTS))
     if not adapter.targets and not adapter.replacements:
         raise AdapterError("adapter has nothing to save", file=adapter.path,
                            expected="at least one LoRA target", found="none")
@@ -62,7 +79,7 @@ def save_adapter(adapter: Adapter, path: PathLike, *, format: str = "mlx-lm",
     if format == "mlx-lm":
         tensors, cfg, weights = _mlx_layout(adapter, code, num_layers)
     else:
-        tensors, cfg, weights = _peft_layout(adapter, code)
+        tensors, cfg, weights = _peft_layout(adapter, code, experts)
     cfg.update(dict(config or {}))
     with OutputDirectory(out, force=force, allow_empty=True, mark=mark) as od:
         _write(od.tmp / weights, tensors, None if format == "mlx-lm" else {"format": "pt"})
@@ -118,12 +135,17 @@ def _write(file: Path, tensors: List[Tuple[str, np.ndarray, str]],
 
 def _mlx_targets(adapter: Adapter) -> List[LoraTarget]:
     """Targets with per-expert modules stacked back into mlx-lm's switch modules."""
-    linear = [t for t in adapter.targets if t.kind == "linear"]
+    return _stacked([p for t in adapter.targets for p in switch_parts(t)])
+
+
+def _stacked(targets: List[LoraTarget]) -> List[LoraTarget]:
+    """``targets`` with per-expert modules stacked into mlx-lm's switch modules."""
+    linear = [t for t in targets if t.kind == "linear"]
     groups = restack([t.module for t in linear])
-    by_module = {t.module: t for t in adapter.targets}
+    by_module = {t.module: t for t in targets}
     done: set = set()
     out: List[LoraTarget] = []
-    for t in adapter.targets:
+    for t in targets:
         if t.module in done:
             continue
         stack = next(((s, ms) for s, ms in groups.items() if t.module in dict(ms).values()), None)
@@ -236,12 +258,23 @@ def _mlx_layout(adapter: Adapter, code: str, num_layers: Optional[int]
     return tensors, cfg, MLX_WEIGHTS
 
 
-def _peft_targets(adapter: Adapter) -> List[LoraTarget]:
-    """Targets with mlx-lm's stacked experts split into PEFT's per-expert modules."""
+def _peft_targets(adapter: Adapter, experts: str) -> List[LoraTarget]:
+    """Targets with mlx-lm's stacked experts split into PEFT's per-expert modules, or
+    (``experts="parameters"``) every expert stack as transformers' fused parameters."""
     out: List[LoraTarget] = []
-    for t in adapter.targets:
-        if t.kind != "switch":
-            out.append(t)
+    targets = adapter.targets
+    if experts == "parameters":
+        targets = fused_experts(_stacked(targets), lambda name: True)
+        left = next((t for t in targets if ".switch_mlp." in t.module
+                     or switch_name(t.module)), None)  # a stack or expert not fused
+        if left is not None:
+            raise AdapterError("experts that transformers does not hold as fused "
+                               "parameters, or of two scales", file=adapter.path,
+                               tensor=left.module, expected="<block>.mlp experts of one "
+                               "scale", found=left.module, hint="write experts='modules'")
+    for t in targets:
+        if t.kind != "switch" or ".switch_mlp." not in t.module:
+            out.append(t)  # a PEFT target_parameters target stays one
             continue
         names = expert_modules(t.module, t.A.shape[0])
         out += [LoraTarget(m, "linear", t.A[e], t.B[e], t.scale,
@@ -250,19 +283,25 @@ def _peft_targets(adapter: Adapter) -> List[LoraTarget]:
     return out
 
 
-def _peft_layout(adapter: Adapter, code: str
+def _peft_layout(adapter: Adapter, code: str, experts: str
                  ) -> Tuple[List[Tuple[str, np.ndarray, str]], Dict[str, Any], str]:
-    targets = _peft_targets(adapter)
+    targets = _peft_targets(adapter, experts)
     tensors: List[Tuple[str, np.ndarray, str]] = []
     alphas: Dict[str, Any] = {}
+    wrappers = param_wrappers([t.module for t in targets if t.kind == "switch"])
     for t in targets:
-        p = PEFT_PREFIX + t.module
+        p = PEFT_PREFIX + wrappers.get(t.module, t.module)
         if t.scale < 0:  # PEFT needs lora_alpha > 0: the sign moves into B (exactly)
             t = LoraTarget(t.module, t.kind, t.A, -t.B, -t.scale, t.magnitude, t.names,
                            t.base_weight)
         if t.kind == "embedding":
             tensors += [_enc(f"{p}.lora_embedding_A", t.B.T, code),
                         _enc(f"{p}.lora_embedding_B", t.A.T, code)]
+        elif t.kind == "switch":  # target_parameters: A (E*r, in), B (out, r*E)
+            n, r = t.A.shape[:2]
+            tensors += [_enc(f"{p}.lora_A.weight", t.A.reshape(n * r, -1), code),
+                        _enc(f"{p}.lora_B.weight",
+                             t.B.transpose(1, 2, 0).reshape(t.B.shape[1], r * n), code)]
         else:
             tensors += [_enc(f"{p}.lora_A.weight", t.A, code),
                         _enc(f"{p}.lora_B.weight", t.B, code)]
@@ -309,7 +348,9 @@ def peft_config(targets: Sequence[LoraTarget], alphas: Mapping[str, Any],
     cfg = {k: copy.deepcopy(v[0]) for k, v in sorted(FIELDS.items()) if k not in _UNWRITTEN}
     cfg.update(alpha_pattern=alpha_pattern, base_model_name_or_path=base, inference_mode=True,
                lora_alpha=alpha, modules_to_save=sorted(set(modules_to_save)) or None, r=r,
-               rank_pattern=rank_pattern, target_modules=sorted(t.module for t in targets),
+               rank_pattern=rank_pattern,
+               target_modules=sorted(t.module for t in targets if t.kind != "switch"),
+               target_parameters=sorted(t.module for t in targets if t.kind == "switch") or None,
                task_type="CAUSAL_LM", use_dora=any(t.is_dora for t in targets))
     return cfg
 
