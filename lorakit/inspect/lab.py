@@ -25,7 +25,7 @@ from ..progress import Progress, progress_bar
 from ..report import Report, jsonable
 from . import plots
 from .behaviour import CHUNK_ELEMENTS, KEYS, _side, _window_math, kl_stats, windows
-from .generation import Generation, _decode_lockstep, _eos_ids
+from .generation import Generation, _decode_lockstep, eos_ids
 
 __all__ = ["scale_sweep", "layer_effects", "ScaleSweep", "LayerEffects", "LabSession",
            "LabPoint"]
@@ -432,7 +432,7 @@ class LabSession(_Lab):
         stats = {k: kl_stats(a, self.context - 1) for k, a in zip(TEXTS, scored)}
         texts = ({k: self.greedy(s, prompt, max_tokens) for k, s in zip(TEXTS, settings)}
                  if prompt is not None else {})
-        eos = _eos_ids(self.tokenizer)
+        eos = eos_ids(self.tokenizer)
 
         def read(ids: Sequence[int]) -> str:
             return (self.tokenizer.decode([t for t in ids if t not in eos])
