@@ -48,6 +48,7 @@ from ..report import Report, escape, facts_table, table
 from .core import fuse_bindings as _fuse_float
 from .core import output_code
 from .finite import cast_raw as _cast
+from .finite import put_rows
 from .model import fuse_model
 from .options import MLX_ROUNDINGS, REQUANT, ROUNDING_HELP, Choice, FuseOptions
 from .quant import (
@@ -235,6 +236,11 @@ class _Fuse:
         ck, rounding, policy, src = self.ck, self.opts.rounding, self.opts.dtype, it.source
         if it.action == "cast":
             return _cast(ck.read(it.name), src.dtype, it.plan.dtype, it.name)
+        if it.action == "replace" and it.payload.rows:  # trainable tokens: the base's rows
+            q = ck.quant_params(it.module) is not None  # replaced, rounded to its dtype
+            code = ck.tensors[f"{it.module}.scales"].dtype if q else src.dtype
+            raw = dequantize_raw(ck, it.module, None) if q else ck.read(it.name)
+            return _cast(put_rows(raw, code, it.payload), code, it.plan.dtype, it.name)
         if it.action == "replace":  # PEFT modules_to_save: the adapter's copy, one rounding
             return _cast(it.payload.raw, it.payload.code, it.plan.dtype, it.name)
         if it.action == "dequant":
@@ -434,7 +440,8 @@ class FuseResult(Report):
     dequantized: bool = False
     requant: List[RequantStat] = field(default_factory=list)
     fused_names: List[str] = field(default_factory=list)
-    #: tensors written from the adapter's own copies (PEFT modules_to_save)
+    #: tensors written from the adapter's own copies (PEFT modules_to_save; trainable
+    #: tokens: the base with those rows replaced)
     replaced_names: List[str] = field(default_factory=list)
     #: the experts' layout written (mlx-lm | transformers) and who reads it
     layout: str = "mlx-lm"
@@ -491,7 +498,8 @@ class FuseResult(Report):
             rows.append(("delta survived", f"{o['survived']:.1%} {kept}"))
             rows += policy_summary(self.quant_policy, self.requant)
         if self.replaced_names:
-            rows.append(("replaced (modules_to_save)", ", ".join(self.replaced_names)))
+            rows.append(("replaced (modules_to_save, trainable tokens)",
+                         ", ".join(self.replaced_names)))
         if self.not_copied:
             rows.append(("not copied", "; ".join(self.not_copied) + ": lorakit never copies "
                          "what a link out of the model folder points at; copy it by hand "

@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from ...errors import AdapterError
 from ..formats.checkpoint import QuantParams
 from ..formats.source import TensorSource
-from .base import Adapter, LoraTarget, Replacement
+from .base import EMBEDDING_HINTS, Adapter, LoraTarget, Replacement
 from .layout import MIXTRAL
 from .load import check_runtime_scope
 
@@ -228,11 +228,17 @@ def bind_replacements(adapter: Adapter, ck: TensorSource, dequantize: bool = Fal
                           f"--dequantize to write it in float)")
             continue
         shape = logical_shape(ck, mod) if r.leaf == "weight" else ck.tensors[tensor].shape
-        if tuple(shape) != tuple(r.raw.shape):
-            errors.append(f"  {r.name} -> {tensor}: expected shape {list(shape)}, found "
-                          f"{list(r.raw.shape)}")
+        want = (len(r.rows),) + tuple(shape[1:]) if r.rows else tuple(shape)
+        if want != tuple(r.raw.shape) or (r.rows and max(r.rows) >= shape[0]):
+            errors.append(f"  {r.name} -> {tensor}: expected shape {list(want)}"
+                          f"{f' (rows below {shape[0]})' if r.rows else ''}, found "
+                          f"{list(r.raw.shape)}{f' (rows {list(r.rows)})' if r.rows else ''}")
             continue
         out[tensor] = r
+        head = _find(ck, "lm_head") if tied and r.rows and r.module.endswith(EMBEDDING_HINTS) \
+            else None
+        if head is not None:  # a tied head stored beside the embedding follows it, as in PEFT
+            out.setdefault(f"{head}.weight", r)
     if errors:
         raise _unfit(adapter, f"modules_to_save copies do not fit the checkpoint: "
                      f"{len(errors)} of {len(adapter.replacements)}", errors,
