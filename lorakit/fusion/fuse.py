@@ -171,6 +171,7 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
                              ROUNDING_HELP[opts.rounding])
             if export_gguf is not None:
                 write_gguf(od.tmp, export_gguf)
+                result.gguf = out / export_gguf
             od.commit("fuse", settings)
     except OSError as e:  # disk full, a file vanishing under us: one clear error
         raise FuseError(f"I/O error while fusing: {e.strerror or e}",
@@ -443,6 +444,8 @@ class FuseResult(Report):
     #: tensors written from the adapter's own copies (PEFT modules_to_save; trainable
     #: tokens: the base with those rows replaced)
     replaced_names: List[str] = field(default_factory=list)
+    #: the GGUF file written into the output for llama.cpp (``export_gguf``), or None
+    gguf: Optional[Path] = None
     #: the experts' layout written (mlx-lm | transformers) and who reads it
     layout: str = "mlx-lm"
     layout_note: str = ""
@@ -474,6 +477,7 @@ class FuseResult(Report):
         keys += ["bytes_written", "bytes_shared", "shards", "seconds", "dequantized", "requant"]
         keys += ["fused_names", "replaced_names", "quant_policy", "layout", "layout_note"]
         d.update((k, getattr(self, k)) for k in keys + ["not_copied"])
+        d["gguf"] = str(self.gguf) if self.gguf else None
         d["requant"] = [r.__dict__ for r in self.requant]
         d["survival"] = survival_overall(self.requant) if self.requant else None
         return d
@@ -497,6 +501,8 @@ class FuseResult(Report):
             kept = "of the intended delta (projection on it, all tensors)"
             rows.append(("delta survived", f"{o['survived']:.1%} {kept}"))
             rows += policy_summary(self.quant_policy, self.requant)
+        if self.gguf:
+            rows.append(("gguf", f"{self.gguf} (llama.cpp)"))
         if self.replaced_names:
             rows.append(("replaced (modules_to_save, trainable tokens)",
                          ", ".join(self.replaced_names)))
