@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
+import numpy as np
+
 from ...errors import AdapterError
 from ..formats.checkpoint import QuantParams
 from ..formats.source import TensorSource
@@ -215,8 +217,13 @@ def bind_replacements(adapter: Adapter, ck: TensorSource, dequantize: bool = Fal
     tied = bool(ck.config.get("tie_word_embeddings", False))
     for r in adapter.replacements:
         mod = _find(ck, r.module, r.leaf)
+        if mod is None and tied and r.module.endswith("lm_head") and any(
+                o.module.endswith(EMBEDDING_HINTS) and o.rows is None and o.code == r.code
+                and np.array_equal(o.raw, r.raw) for o in adapter.replacements):
+            continue  # the tied head's copy is the embedding's (mergekit's extract writes both)
         if mod is None:
-            hint = (" (the head is tied to the embedding in this model)"
+            hint = (" (the head is tied to the embedding in this model, and the copy is not "
+                    "the embedding's copy)"
                     if r.module.endswith("lm_head") and tied else "")
             errors.append(f"  {r.name}: no tensor {r.module}.{r.leaf} in the checkpoint{hint}")
             continue
