@@ -30,8 +30,8 @@ from .. import kernels
 from .. import numerics as nm
 from ..errors import ArgumentError, FormatError
 from ..fusion.core import cast_raw
-from ..fusion.finite import put_rows
 from ..fusion.delta import Piece, WeightReader, intended, intended_blocks, tensor_pieces
+from ..fusion.finite import put_rows
 from ..io.adapters.base import Adapter
 from ..io.adapters.load import load_adapter
 from ..io.adapters.naming import bind, bind_replacements, bindings_by_tensor

@@ -138,7 +138,7 @@ def test_fuse_export_gguf_is_the_new_writer_and_listed(tmp_path: Path) -> None:
     assert np.array_equal(_bits(t["blk.2.ffn_down.weight"].data, "BF16").reshape(w.shape), w)
     assert foreign_entries(r.output) == []
     assert not [p for p in r.output.iterdir() if p.name.endswith(".tmp") or TMP_MARK in p.name]
-    assert r.gguf == r.output / "m.gguf" and f"  gguf  " in str(r)
+    assert r.gguf == r.output / "m.gguf" and "  gguf  " in str(r)
     assert f"{r.gguf} (llama.cpp)" in str(r)
 
 
