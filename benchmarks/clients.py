@@ -179,7 +179,9 @@ def run(scratch: str, quick: bool = False) -> dict:
         ids = np.random.default_rng(SEED).integers(3, 320, (BATCH, LENGTH))
         np.save(work / "ids.npy", ids)
         (work / "jobs.json").write_text(json.dumps(jobs))
-        proc = subprocess.run([scratch, __file__, "--torch-side", str(work)],
+        # -P: benchmarks/ off sys.path (its kernels.py would shadow the `kernels` package
+        # transformers imports)
+        proc = subprocess.run([scratch, "-P", __file__, "--torch-side", str(work)],
                               capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"the torch side failed:\n{proc.stderr[-4000:]}")

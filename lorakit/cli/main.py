@@ -101,7 +101,8 @@ def _add_fuse(sub) -> None:
     p.add_argument("--export-gguf", action="store_true",
                    help="also write a GGUF file llama.cpp loads into the output (llama, mistral, "
                    "mixtral, qwen2, qwen3, qwen3_moe; float weights in the checkpoint's dtype, "
-                   "norms F32)")
+                   "norms F32). The base alone as GGUF, for convert --to gguf-lora: add "
+                   "--weights 0 (the adapter scaled to nothing)")
     p.add_argument("--gguf-path", default="ggml-model-f16.gguf",
                    help="the GGUF file's name inside the output (default: ggml-model-f16.gguf)")
     p.add_argument("--upload-repo", metavar="OWNER/NAME", help="upload the finished output to "

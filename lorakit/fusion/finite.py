@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import numerics as nm
 from ..errors import FuseError
+from ..io.adapters.base import Replacement
 from ..io.formats.safetensors import NUMPY_STORAGE, mx_to_raw
 
 __all__ = []
@@ -89,4 +90,12 @@ def cast_raw(raw: np.ndarray, code_in: str, code_out: str, name: str = "") -> np
                               f"first at {list(bad[1])} ({float(x[bad[1]])!r})",
                         hint="keep the checkpoint's dtype (--dtype preserve) or write "
                              "float32")
+    return out
+
+
+def put_rows(base: np.ndarray, code: str, r: Replacement) -> np.ndarray:
+    """``base`` (raw, dtype ``code``) with the rows of Replacement ``r`` (PEFT's trainable
+    tokens) replaced by its values rounded once to ``code``, as PEFT's ``index_copy``."""
+    out = np.array(base)
+    out[list(r.rows)] = cast_raw(r.raw, r.code, code).reshape(len(r.rows), -1)
     return out

@@ -49,6 +49,7 @@ from ..report import Report, escape, facts_table, table
 from .core import fuse_bindings as _fuse_float
 from .core import output_code
 from .finite import cast_raw as _cast
+from .finite import put_rows
 from .model import fuse_model
 from .options import MLX_ROUNDINGS, REQUANT, ROUNDING_HELP, Choice, FuseOptions
 from .quant import (
@@ -175,6 +176,7 @@ def fuse_checkpoint(model: PathLike, adapter_path: Union[PathLike, Adapter],
                              ROUNDING_HELP[opts.rounding])
             if export_gguf is not None:
                 write_gguf(od.tmp, export_gguf)
+                result.gguf = out / export_gguf
             od.commit("fuse", settings)
     except OSError as e:  # disk full, a file vanishing under us: one clear error
         raise FuseError(f"I/O error while fusing: {e.strerror or e}",
@@ -241,6 +243,11 @@ class _Fuse:
         ck, rounding, policy, src = self.ck, self.opts.rounding, self.opts.dtype, it.source
         if it.action == "cast":
             return _cast(ck.read(it.name), src.dtype, it.plan.dtype, it.name)
+        if it.action == "replace" and it.payload.rows:  # trainable tokens: the base's rows
+            q = ck.quant_params(it.module) is not None  # replaced, rounded to its dtype
+            code = ck.tensors[f"{it.module}.scales"].dtype if q else src.dtype
+            raw = dequantize_raw(ck, it.module, None) if q else ck.read(it.name)
+            return _cast(put_rows(raw, code, it.payload), code, it.plan.dtype, it.name)
         if it.action == "replace":  # PEFT modules_to_save: the adapter's copy, one rounding
             return _cast(it.payload.raw, it.payload.code, it.plan.dtype, it.name)
         if it.action == "dequant":
@@ -440,8 +447,11 @@ class FuseResult(Report):
     dequantized: bool = False
     requant: List[RequantStat] = field(default_factory=list)
     fused_names: List[str] = field(default_factory=list)
-    #: tensors written from the adapter's own copies (PEFT modules_to_save)
+    #: tensors written from the adapter's own copies (PEFT modules_to_save; trainable
+    #: tokens: the base with those rows replaced)
     replaced_names: List[str] = field(default_factory=list)
+    #: the GGUF file written into the output for llama.cpp (``export_gguf``), or None
+    gguf: Optional[Path] = None
     #: the experts' layout written (mlx-lm | transformers) and who reads it
     layout: str = "mlx-lm"
     layout_note: str = ""
@@ -475,6 +485,7 @@ class FuseResult(Report):
         keys += ["bytes_written", "bytes_shared", "shards", "seconds", "dequantized", "requant"]
         keys += ["fused_names", "replaced_names", "quant_policy", "layout", "layout_note"]
         d.update((k, getattr(self, k)) for k in keys + ["not_copied", "tokenizer_files"])
+        d["gguf"] = str(self.gguf) if self.gguf else None
         d["requant"] = [r.__dict__ for r in self.requant]
         d["survival"] = survival_overall(self.requant) if self.requant else None
         return d
@@ -502,8 +513,11 @@ class FuseResult(Report):
             kept = "of the intended delta (projection on it, all tensors)"
             rows.append(("delta survived", f"{o['survived']:.1%} {kept}"))
             rows += policy_summary(self.quant_policy, self.requant)
+        if self.gguf:
+            rows.append(("gguf", f"{self.gguf} (llama.cpp)"))
         if self.replaced_names:
-            rows.append(("replaced (modules_to_save)", ", ".join(self.replaced_names)))
+            rows.append(("replaced (modules_to_save, trainable tokens)",
+                         ", ".join(self.replaced_names)))
         if self.not_copied:
             rows.append(("not copied", "; ".join(self.not_copied) + ": lorakit never copies "
                          "what a link out of the model folder points at; copy it by hand "

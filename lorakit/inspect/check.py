@@ -33,6 +33,7 @@ from .. import numerics as nm
 from ..errors import ArgumentError, FormatError
 from ..fusion.core import cast_raw
 from ..fusion.delta import Piece, WeightReader, intended, intended_blocks, tensor_pieces
+from ..fusion.finite import put_rows
 from ..io.adapters.base import Adapter
 from ..io.adapters.load import load_adapter
 from ..io.adapters.naming import bind, bind_replacements, bindings_by_tensor
@@ -723,7 +724,8 @@ def residual_rows(ad: Adapter) -> List[Dict[str, Any]]:
 
 
 def replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) -> Dict[str, Any]:
-    """A PEFT modules_to_save copy: the fused tensor must be it, rounded once, bit for bit."""
+    """A PEFT modules_to_save copy: the fused tensor must be it, rounded once, bit for bit;
+    trainable tokens: the base with those rows replaced (each other row untouched)."""
     base_code = sb.tensors[tensor].dtype
     out = row(tensor, base_code, "ok", "replaced")
     meta = sf.tensors.get(tensor)
@@ -733,16 +735,23 @@ def replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) -> 
         return out
     if meta.dtype != base_code:
         out["dtype"] = f"{base_code}->{meta.dtype}"
-    if sf.quant_params(module) is not None or meta.dtype not in FUSE_CODES or \
-            tuple(meta.shape) != tuple(r.raw.shape):
+    if sf.quant_params(module) is not None or meta.dtype not in FUSE_CODES or tuple(
+            meta.shape) != tuple(sb.tensors[tensor].shape if r.rows else r.raw.shape):
         out.update(status="wrong", verdict="replacement not written")
         return out
-    want = cast_raw(r.raw, r.code, meta.dtype).reshape(-1)
-    got = np.asarray(sf.read(tensor)).reshape(-1).view(want.dtype)
-    base = np.asarray(sb.read(tensor)).reshape(-1)
+    base = np.asarray(sb.read(tensor))  # trainable tokens: the base, those rows replaced
+    want = cast_raw(put_rows(base, base_code, r), base_code, meta.dtype) if r.rows else \
+        cast_raw(r.raw, r.code, meta.dtype)
+    got = np.asarray(sf.read(tensor)).reshape(want.shape).view(want.dtype)
     out["changed"] = float(np.count_nonzero(got != base.view(got.dtype))) / max(1, got.size) \
         if base.dtype.itemsize == got.dtype.itemsize else None
-    if not np.array_equal(got, want):
+    if r.rows and not np.array_equal(got, want):
+        bad = np.flatnonzero((got != want).reshape(len(got), -1).any(axis=1)).tolist()
+        miss, other = [i for i in bad if i in r.rows], [i for i in bad if i not in r.rows]
+        out.update(status="wrong", verdict="token rows differ", detail="; ".join(
+            [f"rows {miss[:8]} are not the trained values"] * bool(miss) +
+            [f"rows {other[:8]} outside trainable_token_indices changed"] * bool(other)))
+    elif not np.array_equal(got, want):
         out.update(status="wrong", verdict="replacement differs")
     return out
 

@@ -15,6 +15,7 @@ from helpers import REPO as ROOT
 import lorakit
 from lorakit.algebra import convert
 from lorakit.errors import AdapterError, FormatError, OutputExistsError
+from lorakit.io.outputs.directory import TMP_MARK
 from lorakit.io.outputs.gguf import write_lora_gguf, write_model_gguf
 
 BASE = ROOT / "data" / "tiny-qwen3"
@@ -136,7 +137,46 @@ def test_fuse_export_gguf_is_the_new_writer_and_listed(tmp_path: Path) -> None:
     w = lorakit.open(r.output).read("model.layers.2.mlp.down_proj.weight")
     assert np.array_equal(_bits(t["blk.2.ffn_down.weight"].data, "BF16").reshape(w.shape), w)
     assert foreign_entries(r.output) == []
-    assert not [p for p in r.output.iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in r.output.iterdir() if p.name.endswith(".tmp") or TMP_MARK in p.name]
+    assert r.gguf == r.output / "m.gguf" and "  gguf  " in str(r)
+    assert f"{r.gguf} (llama.cpp)" in str(r)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_gguf_files_follow_the_umask_as_every_other_output(tmp_path: Path, umask: int) -> None:
+    """A llama.cpp server under another account reads the GGUF it may read the rest by."""
+    import os
+
+    old = os.umask(umask)
+    try:
+        r = lorakit.fuse(BASE, ADAPTER, tmp_path / "out", export_gguf="m.gguf", progress=False)
+        lora = convert(ADAPTER, tmp_path / "l.gguf", to="gguf-lora", base=BASE)
+    finally:
+        os.umask(old)
+    mode = lambda p: p.stat().st_mode & 0o777  # noqa: E731
+    assert mode(r.output / "config.json") == mode(r.output / "model.safetensors") == 0o666 & ~umask
+    assert mode(r.output / "m.gguf") == mode(lora) == 0o666 & ~umask
+
+
+def test_base_gguf_is_fuse_with_weights_zero(tmp_path: Path, capsys) -> None:
+    """The base's GGUF, for a GGUF-LoRA to apply to: ``fuse --weights 0 --export-gguf``;
+    the report names the file (text and --json), and llama.cpp's reader finds the base's
+    tensors exactly as the GGUF writer gives them for the base itself."""
+    from lorakit.cli.main import main
+
+    args = ["fuse", "--model", str(BASE), "--adapter-path", str(ADAPTER), "--weights", "0",
+            "--export-gguf", "--gguf-path", "base.gguf", "-q"]
+    assert main(args + ["--save-path", str(tmp_path / "a"), "--json"]) == 0
+    written = Path(json.loads(capsys.readouterr().out)["gguf"])
+    assert written == tmp_path / "a" / "base.gguf"
+    assert main(args + ["--save-path", str(tmp_path / "b")]) == 0
+    assert f"{tmp_path / 'b' / 'base.gguf'} (llama.cpp)" in capsys.readouterr().out
+    _, _, got = _fields(written)
+    _, _, want = _fields(write_model_gguf(BASE, tmp_path / "direct.gguf"))
+    assert sorted(got) == sorted(want) and len(got) > 20
+    for name, t in want.items():
+        assert got[name].tensor_type == t.tensor_type
+        assert np.array_equal(np.asarray(got[name].data), np.asarray(t.data)), name
 
 
 @pytest.mark.parametrize("case, says", [

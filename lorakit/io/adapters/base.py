@@ -77,16 +77,19 @@ class LoraTarget:
 class Replacement:
     """A whole tensor the adapter carries in place of the base's: PEFT's
     ``modules_to_save`` (``module`` + ``leaf``, raw storage ``raw`` of dtype ``code``, file
-    tensor ``name``), which ``merge_and_unload()`` puts into the merged model as it is."""
+    tensor ``name``), which ``merge_and_unload()`` puts into the merged model as it is; with
+    ``rows`` (PEFT's ``trainable_token_indices``), only those rows' new values."""
 
     module: str
     leaf: str
     raw: np.ndarray
     code: str
     name: str
+    rows: Optional[Tuple[int, ...]] = None
 
     def __repr__(self) -> str:
-        return f"Replacement({self.module}.{self.leaf}, {self.code}{list(self.raw.shape)})"
+        rows = f", rows {list(self.rows)}" if self.rows else ""
+        return f"Replacement({self.module}.{self.leaf}, {self.code}{list(self.raw.shape)}{rows})"
 
 
 @dataclass

@@ -12,10 +12,12 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
+import numpy as np
+
 from ...errors import AdapterError
 from ..formats.checkpoint import QuantParams
 from ..formats.source import TensorSource
-from .base import Adapter, LoraTarget, Replacement
+from .base import EMBEDDING_HINTS, Adapter, LoraTarget, Replacement
 from .layout import MIXTRAL, fused_experts, switch_parts
 from .load import check_runtime_scope
 
@@ -231,8 +233,13 @@ def bind_replacements(adapter: Adapter, ck: TensorSource, dequantize: bool = Fal
     tied = bool(ck.config.get("tie_word_embeddings", False))
     for r in adapter.replacements:
         mod = _find(ck, r.module, r.leaf)
+        if mod is None and tied and r.module.endswith("lm_head") and any(
+                o.module.endswith(EMBEDDING_HINTS) and o.rows is None and o.code == r.code
+                and np.array_equal(o.raw, r.raw) for o in adapter.replacements):
+            continue  # the tied head's copy is the embedding's (mergekit's extract writes both)
         if mod is None:
-            hint = (" (the head is tied to the embedding in this model)"
+            hint = (" (the head is tied to the embedding in this model, and the copy is not "
+                    "the embedding's copy)"
                     if r.module.endswith("lm_head") and tied else "")
             errors.append(f"  {r.name}: no tensor {r.module}.{r.leaf} in the checkpoint{hint}")
             continue
@@ -244,11 +251,17 @@ def bind_replacements(adapter: Adapter, ck: TensorSource, dequantize: bool = Fal
                           f"--dequantize to write it in float)")
             continue
         shape = logical_shape(ck, mod) if r.leaf == "weight" else ck.tensors[tensor].shape
-        if tuple(shape) != tuple(r.raw.shape):
-            errors.append(f"  {r.name} -> {tensor}: expected shape {list(shape)}, found "
-                          f"{list(r.raw.shape)}")
+        want = (len(r.rows),) + tuple(shape[1:]) if r.rows else tuple(shape)
+        if want != tuple(r.raw.shape) or (r.rows and max(r.rows) >= shape[0]):
+            errors.append(f"  {r.name} -> {tensor}: expected shape {list(want)}"
+                          f"{f' (rows below {shape[0]})' if r.rows else ''}, found "
+                          f"{list(r.raw.shape)}{f' (rows {list(r.rows)})' if r.rows else ''}")
             continue
         out[tensor] = r
+        head = _find(ck, "lm_head") if tied and r.rows and r.module.endswith(EMBEDDING_HINTS) \
+            else None
+        if head is not None:  # a tied head stored beside the embedding follows it, as in PEFT
+            out.setdefault(f"{head}.weight", r)
     if errors:
         raise _unfit(adapter, f"modules_to_save copies do not fit the checkpoint: "
                      f"{len(errors)} of {len(adapter.replacements)}", errors,

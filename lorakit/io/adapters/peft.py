@@ -80,6 +80,7 @@ FIELDS: Dict[str, Tuple[Any, str, str]] = {
     "megatron_core": ("megatron.core", _IGNORED, "the module megatron_config names"),
     "qalora_group_size": (16, _IGNORED, "used only with use_qalora"),
     "runtime_config": (None, _IGNORED, "runtime settings"),
+    "trainable_token_indices": (None, _READ, "embedding rows replaced by the stored values"),
     "ensure_weight_tying": (False, _IGNORED, "ties tied layers' adapters; tensors read as saved"),
     "bias": ("none", _REFUSED, "trained biases: lorakit fuses weights only; merge it "
              "with PEFT's merge_and_unload"),
@@ -92,8 +93,6 @@ FIELDS: Dict[str, Tuple[Any, str, str]] = {
                                 "it applies after its invocation tokens only, no merge "
                                 "keeps that"),
     "target_parameters": (None, _READ, "LoRA on 3-D parameters (MoE experts)"),
-    "trainable_token_indices": (None, _REFUSED, "trainable tokens "
-                                "(trainable_token_indices): merge it with PEFT"),
     "megatron_config": (None, _REFUSED, "Megatron tensor-parallel layers (megatron_config): "
                         "save the adapter of the gathered model with PEFT"),
     "monteclora_config": (None, _REFUSED, "MonteCLoRA: sampled factors; merge it with PEFT"),
@@ -106,6 +105,7 @@ _KEEPS_BASE = (True, False, "gaussian", "eva", "orthogonal", "mica")
 #: init_lora_weights prefixes that change the base weights when the adapter is made
 _CHANGES_BASE = ("pissa", "olora", "corda", "lora_ga", "loftq")
 _ALL_LINEAR = "all-linear"
+_TOKENS = ".token_adapter.trainable_tokens_delta"  # trainable tokens: the rows' new values
 
 Names = Union[str, List[str], None]  # a regex, a list of names, or absent
 
@@ -301,7 +301,8 @@ def _sort_names(names: List[str], s: PeftSettings) -> _Sorted:
     out = _Sorted()
     for name in names:
         key = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
-        rep = _saved_module(key, s.modules_to_save)
+        rep = (key[: -len(_TOKENS)], "weight") if key.endswith(_TOKENS) else \
+            _saved_module(key, s.modules_to_save)
         if rep is not None:
             out.saved.append((name,) + rep)
             continue
@@ -427,10 +428,28 @@ def _target(p: _Plan, ts: AdapterTensors, fan_in_fan_out: bool) -> LoraTarget:
                       p.scale, mag, p.names, base_w)
 
 
-def _replacement(name: str, module: str, leaf: str, ts: AdapterTensors
+def _token_rows(cfg: Dict[str, Any], module: str) -> Any:
+    """PEFT's trainable_token_indices for ``module``: a list is the input embedding's (the
+    one tensor saved), a dict maps layer names (matched as suffixes) to rows."""
+    rows = cfg.get("trainable_token_indices")
+    if isinstance(rows, dict):
+        return next((v for k, v in rows.items() if module == k or module.endswith("." + k)),
+                    None)
+    return rows
+
+
+def _replacement(name: str, module: str, leaf: str, ts: AdapterTensors, cfg: Dict[str, Any]
                  ) -> Tuple[Optional[Replacement], Optional[str]]:
-    """Read one modules_to_save copy: (replacement, None) or (None, problem line)."""
-    dt = ts.infos[name].dtype
+    """Read one modules_to_save copy or trainable-tokens tensor: (replacement, None) or
+    (None, problem line)."""
+    dt, shape = ts.infos[name].dtype, ts.infos[name].shape
+    rows = _token_rows(cfg, module) if name.endswith(_TOKENS) else None
+    if name.endswith(_TOKENS) and not (
+            isinstance(rows, list) and all(type(i) is int and i >= 0 for i in rows)
+            and len(shape) == 2 and len(set(rows)) == len(rows) == shape[0]):
+        return None, (f"  {name}: trainable tokens need one distinct row index per stored row "
+                      f"in trainable_token_indices (expected {shape[0]} indices for {module}, "
+                      f"found {str(rows)[:80]})")
     if dt not in ("F16", "BF16", "F32"):
         return None, (f"  {name}: a modules_to_save tensor must be float "
                       f"(expected F16/BF16/F32, found {dt})")
@@ -438,7 +457,7 @@ def _replacement(name: str, module: str, leaf: str, ts: AdapterTensors
     if not np.isfinite(to_float64(raw, dt)).all():
         return None, (f"  {name}: modules_to_save tensor holds NaN or Inf "
                       f"(expected finite values, found non-finite)")
-    return Replacement(module, leaf, raw, dt, name), None
+    return Replacement(module, leaf, raw, dt, name, tuple(rows) if rows else None), None
 
 
 def load_peft(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None,
@@ -474,10 +493,14 @@ def load_peft(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None,
         if both:
             errors.append(f"  {', '.join(both)}: both LoRA factors and a modules_to_save copy "
                           f"(expected one or the other, found both)")
+    if not _empty(cfg.get("trainable_token_indices")) and not any(
+            n.endswith(_TOKENS) for n, _, _ in found.saved):
+        errors.append(f"  trainable_token_indices is set in {CONFIG} but no {_TOKENS[1:]} "
+                      "tensor is in the file (expected the trained rows, found none)")
     replacements: List[Replacement] = []
     if not errors:
         for name, module, leaf in found.saved:
-            rep, err = _replacement(name, module, leaf, ts)
+            rep, err = _replacement(name, module, leaf, ts, cfg)
             errors += [err] if err else []
             replacements += [rep] if rep else []
     if errors:

@@ -35,7 +35,7 @@ from .layout import (
     switch_name,
     switch_parts,
 )
-from .peft import FIELDS
+from .peft import _TOKENS, FIELDS
 
 __all__ = ["save_adapter"]
 
@@ -318,15 +318,18 @@ def _peft_layout(adapter: Adapter, code: str, experts: str
                                "float64", found="none within 4 ulps of scale * r",
                                hint="save with format='mlx-lm' (it stores the scale itself)")
         alphas[t.module] = a
-    for r in adapter.replacements:
-        tensors.append((PEFT_PREFIX + f"{r.module}.{r.leaf}", r.raw, r.code))
+    for r in adapter.replacements:  # trainable tokens: the rows, their indices in the config
+        key = r.module + _TOKENS if r.rows else f"{r.module}.{r.leaf}"
+        tensors.append((PEFT_PREFIX + key, r.raw, r.code))
     if len({t.is_dora for t in targets}) > 1:
         t = next(t for t in targets if not t.is_dora)
         raise AdapterError("PEFT's use_dora is one for the whole adapter: DoRA and plain "
                            "LoRA targets are mixed", file=adapter.path, tensor=t.module,
                            expected="all DoRA or all LoRA", found="both")
-    cfg = peft_config(targets, alphas, [r.module for r in adapter.replacements],
+    cfg = peft_config(targets, alphas, [r.module for r in adapter.replacements if not r.rows],
                       _base_name(adapter))
+    tokens = {r.module: list(r.rows) for r in adapter.replacements if r.rows}
+    cfg["trainable_token_indices"] = tokens or None
     return tensors, cfg, PEFT_WEIGHTS
 
 

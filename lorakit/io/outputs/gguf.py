@@ -12,7 +12,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -22,6 +21,7 @@ import numpy as np
 from ...errors import AdapterError, FormatError, OutputExistsError
 from ...numerics import to_float32
 from ..formats import source
+from .directory import TMP_MARK, temp_path
 
 __all__ = ["write_lora_gguf"]
 
@@ -305,8 +305,7 @@ def _atomic_write(w_build, out: Path, force: bool) -> Path:
                                 expected="a new path", found="an existing file",
                                 hint="pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
+    tmp = temp_path(out, TMP_MARK)  # opened by the writer: the mode follows the umask
     try:
         w = w_build(tmp)
         w.write_header_to_file()
