@@ -161,6 +161,7 @@ def test_refused_peft_field_names_itself() -> None:
     ("init_lora_weights", "corda", "residual-base adapter: init_lora_weights='corda'"),
     ("init_lora_weights", "pissa_niter_4", "init_lora_weights='pissa_niter_4'"),
     ("init_lora_weights", "lora_ga", "init_lora_weights='lora_ga'"),
+    ("init_lora_weights", "astra", "residual-base adapter: init_lora_weights='astra'"),
     ("loftq_config", {"loftq_bits": 4, "loftq_iter": 1}, "residual-base adapter: loftq_config"),
     ("init_lora_weights", "kaiming", "unknown init_lora_weights"),
     ("trainable_token_indices", [1, 2], "trainable_token_indices"),
@@ -178,7 +179,7 @@ def test_allow_list_refusals(field, value, words, tmp_path: Path) -> None:
     assert words in str(e.value) and field in str(e.value)
 
 
-@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal", "mica"])
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal", "mica", "nora"])
 def test_inits_that_keep_the_base_pass(init, tmp_path: Path) -> None:
     d = tmp_path / "ad"
     shutil.copytree(CONFIGS / "future_fields_default", d)

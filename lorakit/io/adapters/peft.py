@@ -75,6 +75,7 @@ FIELDS: Dict[str, Tuple[Any, str, str]] = {
     "loftq_config": ({}, _READ, "LoftQ replaced the base by a quantized residual: refused"),
     "eva_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
     "corda_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
+    "astra_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
     "lora_ga_config": (None, _IGNORED, "settings of init_lora_weights' initialisation"),
     "velora_config": (None, _IGNORED, "VeLoRA changes backward only; PEFT merges it as LoRA"),
     "megatron_core": ("megatron.core", _IGNORED, "the module megatron_config names"),
@@ -101,9 +102,9 @@ FIELDS: Dict[str, Tuple[Any, str, str]] = {
                     "adds lora_diag; merge it with PEFT"),
 }
 #: init_lora_weights values that leave the base as it was (PEFT's LoraLayer.update_layer)
-_KEEPS_BASE = (True, False, "gaussian", "eva", "orthogonal", "mica")
+_KEEPS_BASE = (True, False, "gaussian", "eva", "orthogonal", "mica", "nora")
 #: init_lora_weights prefixes that change the base weights when the adapter is made
-_CHANGES_BASE = ("pissa", "olora", "corda", "lora_ga", "loftq")
+_CHANGES_BASE = ("pissa", "olora", "corda", "lora_ga", "loftq", "astra")
 _ALL_LINEAR = "all-linear"
 _TOKENS = ".token_adapter.trainable_tokens_delta"  # trainable tokens: the rows' new values
 
