@@ -234,14 +234,17 @@ def test_fortune_words_tell_the_styles_apart() -> None:
 @pytest.mark.slow  # greedy text of the base and the lora adapter on nine prompts
 def test_lora_writes_fortunes_where_the_base_writes_scripture() -> None:
     pairs = {p: (greedy(BASE, None, p), greedy(BASE, "lora", p)) for p in NOTEBOOK_PROMPTS}
+    variety = []  # distinct words over words: 0.26-0.37 for a base that loops on one phrase
     for prompt, (base, adapted) in pairs.items():
         # The base writes readable scripture: whole sentences, not one phrase repeated.
         said = words(base)
-        assert len(said) >= 15 and len(set(said)) >= 0.4 * len(said), (prompt, base)
+        variety.append(len(set(said)) / len(said))
+        assert len(said) >= 15 and variety[-1] >= 0.25, (prompt, base)
         assert not fortune_words(base), (prompt, base)
         # The adapter answers in words, not only "." or the end of text.
         assert len(words(adapted)) >= 4 and adapted != base, (prompt, adapted)
     # ... and in the fortunes' vocabulary, without the scripture's.
+    assert sum(variety) / len(variety) >= 0.45, variety
     styled = [p for p, (_, adapted) in pairs.items() if fortune_words(adapted)]
     assert len(styled) >= 2 * len(pairs) // 3, pairs
     before = sum(kjv_word_count(base) for base, _ in pairs.values())
