@@ -75,6 +75,14 @@ def log(msg: str) -> None:
     print(f"[build {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def device_name() -> str:
+    """The MLX device training runs on, e.g. "gpu: NVIDIA H100 80GB HBM3 (mlx 0.32.4)"."""
+    import mlx.core as mx
+
+    dev = mx.default_device()
+    return f"{dev.type.name}: {mx.device_info().get('device_name', '?')} (mlx {mx.__version__})"
+
+
 def maybe_reexec_with_openblas() -> None:
     """Re-run this script with OpenBLAS preloaded: ~20x faster matmuls on CPU."""
     if os.environ.get("LORAKIT_BUILD_NO_OPENBLAS") or os.environ.get("_LORAKIT_BUILD_CHILD"):
@@ -348,7 +356,7 @@ def pretrain(config_name: str) -> None:
     loss_log = LossLog(LOGS / f"{config_name}.json", {
         "asset": cfg["output"], "config": str(cfg_path.relative_to(ROOT)),
         "method": "mlx_lm.tuner.trainer.train, all parameters, f32, from random init",
-        "parameters": n_params,
+        "parameters": n_params, "device": device_name(),
     })
     # Every parameter trains (embedding and norms too); the model is f32 while training.
     model.train()
@@ -472,7 +480,7 @@ def train_adapter(name: str) -> None:
     (out / "adapter_config.json").write_text(json.dumps(adapter_cfg, indent=4) + "\n")
     record = {"asset": cfg["adapter_path"], "config": str(cfg_path.relative_to(ROOT)),
               "command": "python -m mlx_lm lora -c " + str(cfg_path.relative_to(ROOT)),
-              **curves}
+              "device": device_name(), **curves}
     (LOGS / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
     last_t, last_v = curves["train"][-1], curves["valid"][-1] if curves["valid"] else {}
     log(f"adapter {name}: final train loss {last_t['train_loss']:.3f}, "
@@ -626,8 +634,10 @@ def main() -> None:
     BUILD.mkdir(exist_ok=True)
 
     wanted = args.only or [s for s in STEPS if not (args.skip_corpora and s == "corpora")]
-    # The tokenizer is rebuilt (deterministically) whenever a model is trained.
-    if any(s in wanted for s in ("base", "moe")) and "tokenizer" not in wanted:
+    # The tokenizer is rebuilt (deterministically) when a model is trained without one
+    # in data/.build/tokenizer, or after new corpora.
+    if (any(s in wanted for s in ("base", "moe")) and "tokenizer" not in wanted
+            and ("corpora" in wanted or not TOKENIZER_DIR.exists())):
         wanted = ["tokenizer", *wanted]
     t0 = time.time()
     timings = {}
@@ -647,6 +657,9 @@ def main() -> None:
     timing_path = LOGS / "build_times.json"
     previous = json.loads(timing_path.read_text()) if timing_path.exists() else {}
     previous.update(timings)
+    trained = [s for s in timings if s in ("base", "moe", *ADAPTERS) or s == "adapters"]
+    if trained:
+        previous.setdefault("devices", {}).update(dict.fromkeys(trained, device_name()))
     timing_path.write_text(json.dumps(previous, indent=1) + "\n")
 
 

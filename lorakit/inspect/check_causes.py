@@ -70,13 +70,10 @@ def candidates(p: Piece, rnd: Callable[[np.ndarray], np.ndarray]) -> List[Candid
                     lambda W, rows, q=q: intended(W, q, rows), q, 1.0))
     out_dim, in_dim = p.shape
     if out_dim == in_dim and p.magnitude is None:
-        def transposed(W: np.ndarray, rows: Optional[slice]) -> np.ndarray:
-            # (r, out): the delta's columns; a scale per rank column scales rows of B^T
-            Bt = p.B.astype(np.float64).T * np.reshape(p.scale, (-1, 1))
-            At = p.A.astype(np.float64).T if rows is None else p.A.astype(np.float64).T[rows]
-            return W + At @ Bt
-
-        out.append(("transposed", "the delta added as (B @ A)^T", transposed, None, 2.0))
+        # (B @ A)^T = A^T @ B^T: a piece of its own, so the bound is the transposed sum's
+        t = dataclasses.replace(p, A=p.B.T, B=p.A.T)
+        out.append(("transposed", "the delta added as (B @ A)^T",
+                    lambda W, rows, t=t: intended(W, t, rows), t, 1.0))
     return out
 
 

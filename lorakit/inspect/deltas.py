@@ -168,7 +168,7 @@ def delta_norms(adapter: Any, checkpoint: Any = None, *, rtol: Optional[float] =
 
     >>> n = delta_norms("data/adapters/lora", "data/tiny-qwen3")
     >>> n.summary["targets"], n.summary["largest ||dW||_F"]
-    (28, 'model.layers.3.mlp.down_proj')
+    (28, 'model.layers.2.self_attn.q_proj')
     """
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
     src = source.open(checkpoint) if checkpoint is not None else None

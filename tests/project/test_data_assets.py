@@ -206,6 +206,52 @@ def test_adapter_changes_greedy_text(adapter: str) -> None:
     assert before >= 2 * len(STYLE_PROMPTS) and after <= before // 4, (before, after)
 
 
+# The prompts the notebooks decode: data/prompts.json and the lab's default.
+NOTEBOOK_PROMPTS = [*PROMPTS, "And it came to pass"]
+
+
+def words(text: str) -> list[str]:
+    return [w for w in (t.strip(",.;:!?'\"()-").lower() for t in text.split()) if w]
+
+
+@lru_cache(maxsize=None)
+def corpus_words(corpus: str) -> frozenset[str]:
+    lines = (DATA / "corpora" / corpus / "train.jsonl").read_text().splitlines()
+    return frozenset(w for line in lines for w in words(json.loads(line)["text"]))
+
+
+def fortune_words(text: str) -> set[str]:
+    """Words of the fortunes corpus that King James narrative never uses."""
+    return (set(words(text)) & corpus_words("fortunes")) - corpus_words("kjv")
+
+
+def test_fortune_words_tell_the_styles_apart() -> None:
+    assert not fortune_words("And the LORD spake unto Moses, saying, Speak unto Aaron")
+    assert fortune_words("The computer is a program that crashes.") == {
+        "computer", "program", "crashes"}
+
+
+@pytest.mark.slow  # greedy text of the base and the lora adapter on nine prompts
+def test_lora_writes_fortunes_where_the_base_writes_scripture() -> None:
+    pairs = {p: (greedy(BASE, None, p), greedy(BASE, "lora", p)) for p in NOTEBOOK_PROMPTS}
+    variety = []  # distinct words over words: 0.26-0.37 for a base that loops on one phrase
+    for prompt, (base, adapted) in pairs.items():
+        # The base writes readable scripture: whole sentences, not one phrase repeated.
+        said = words(base)
+        variety.append(len(set(said)) / len(said))
+        assert len(said) >= 15 and variety[-1] >= 0.25, (prompt, base)
+        assert not fortune_words(base), (prompt, base)
+        # The adapter answers in words, not only "." or the end of text.
+        assert len(words(adapted)) >= 4 and adapted != base, (prompt, adapted)
+    # ... and in the fortunes' vocabulary, without the scripture's.
+    assert sum(variety) / len(variety) >= 0.45, variety
+    styled = [p for p, (_, adapted) in pairs.items() if fortune_words(adapted)]
+    assert len(styled) >= 2 * len(pairs) // 3, pairs
+    before = sum(kjv_word_count(base) for base, _ in pairs.values())
+    after = sum(kjv_word_count(adapted) for _, adapted in pairs.values())
+    assert after <= before // 4, (before, after)
+
+
 def test_lora_shapes_follow_mlx_lm_conventions() -> None:
     config = json.loads((BASE / "config.json").read_text())
     hidden, vocab = config["hidden_size"], config["vocab_size"]
