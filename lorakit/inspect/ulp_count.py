@@ -385,22 +385,12 @@ def ulp_at(value: float, code: str) -> float:
     return 2.0 ** (max(e, f.emin) - f.mantissa_bits)
 
 
-def _values32(x: np.ndarray, code: str) -> np.ndarray:
-    """Storage bits -> float32 values (exact for every format here)."""
-    with np.errstate(invalid="ignore"):
-        if code == "BF16":
-            return (x.astype(np.uint32) << 16).view(np.float32)
-        if code == "F16":
-            return x.view(np.float16).astype(np.float32)
-        return x.view(np.float32)
-
-
 def sumsq(x: np.ndarray, code: str, kernel: Any = None) -> float:
     """Sum of squares of a piece's values (storage bits); inf or NaN give inf or NaN."""
     if kernel is not None and hasattr(kernel, "sumsq"):
         return kernel.sumsq(np.ascontiguousarray(x), _KERNEL_FMT[code])
     # float64 sums (a float32 dot's rounding depends on the BLAS build), 2**20 at a time
-    v, total = _values32(x, code).reshape(-1), 0.0
+    v, total = nm.to_float32(x, code).reshape(-1), 0.0
     with np.errstate(over="ignore", invalid="ignore"):
         for s in range(0, v.size, 1 << 20):
             c = v[s:s + (1 << 20)].astype(np.float64)
@@ -495,7 +485,7 @@ class ScaleStats:
         v = np.where(sg, am + bm, np.abs(am - bm))
         lo = np.minimum(am, bm)
         nz = (am != 0) & (bm != 0)
-        va, vb = _values32(xa, self.code), _values32(yb, self.code)
+        va, vb = nm.to_float32(xa, self.code), nm.to_float32(yb, self.code)
         with np.errstate(invalid="ignore", over="ignore"):
             d = (va - vb).astype(np.float64)
         if max(int(am.max(initial=0)), int(bm.max(initial=0))) >= f.inf_bits:

@@ -59,10 +59,6 @@ def auto_rounds(weight_bytes: int) -> int:
     return 5 if weight_bytes < 1e9 else 3 if weight_bytes < 20e9 else 2
 
 
-def _has_tokenizer(path: Path) -> bool:
-    return any((path / f).exists() for f in TOKENIZER_FILES)
-
-
 def _child_env() -> Dict[str, str]:
     # the worker must import this lorakit, also from a source tree that is not installed
     env = dict(os.environ)
@@ -74,7 +70,7 @@ def _child_env() -> Dict[str, str]:
 
 def _make_mlx_lm_fused(model: Path, adapter: Path, out: Path, python: str) -> str:
     """Run the ``mlx_lm fuse`` command; if it cannot run, say why and fall back."""
-    if _has_tokenizer(model):
+    if any((model / f).exists() for f in TOKENIZER_FILES):
         args = ["--model", str(model), "--adapter-path", str(adapter), "--save-path", str(out)]
         cmd = [python, "-m", "mlx_lm", "fuse", *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())

@@ -117,18 +117,9 @@ def _gb(n: float) -> float:
     return n / 1e9
 
 
-def _dtypes_text(by_dtype: Dict[str, int]) -> str:
-    return " + ".join(f"{k} {human_bytes(v)}" for k, v in
-                      sorted(by_dtype.items(), key=lambda kv: -kv[1]))
-
-
 def verdict_words(vd: Dict[str, Any]) -> str:
     """A variant's verdict cell from :meth:`DecodeTiming.verdicts` (none: the reference)."""
     return "; ".join(w for w in (vd.get("bytes"), vd.get("speed")) if w) if vd else "reference"
-
-
-def _prefix_match(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @dataclass(repr=False)
@@ -260,13 +251,15 @@ class DecodeTiming(Report):
         self.title = (f"Decode timing: {Path(s.get('model', '?')).name}"
                       + (f" + {Path(s['adapter_path']).name}" if s.get("adapter_path") else ""))
         dev = next((v.device for v in self.variants if v.device), {})
+        name = dev.get("device_info", {}).get("device_name", "")
         peak = "MLX peak (mx.get_peak_memory)" if dev.get("kind") == "gpu" else "process peak RSS"
         versions = f"mlx {dev.get('mlx')}, mlx-lm {dev.get('mlx_lm')}, python {dev.get('python')}"
         self.summary = {
             "model": s.get("model", ""), "adapter": s.get("adapter_path") or "-",
             "prompt / decode tokens": f"{s.get('prompt_tokens')} / {s.get('tokens')}",
             "repeats": f"{s.get('repeats')} after {s.get('warmup')} warm-up",
-            "device": _device_text(dev),
+            "device": (f"{dev.get('device')} [{dev.get('backend')}]"
+                       + (f" {name}" if name else "")) if dev else "",
             "peak memory": peak if dev else "",
             "versions": versions if dev else "",
         }
@@ -325,7 +318,8 @@ class DecodeTiming(Report):
                 "peak GB": _gb(v.peak_bytes),
                 "peak x base": pr,
                 "weights GB": _gb(v.weights_total),
-                "weight dtypes": _dtypes_text(v.weight_bytes),
+                "weight dtypes": " + ".join(f"{k} {human_bytes(n)}" for k, n in sorted(
+                    v.weight_bytes.items(), key=lambda kv: -kv[1])),
                 "weights x base": vd.get("bytes_ratio", 1.0),
                 "verdict": verdict_words(vd),
                 "why": vd.get("why", ""),
@@ -333,7 +327,9 @@ class DecodeTiming(Report):
             if v.kl_vs_unfused is not None:
                 row["KL vs unfused"] = v.kl_vs_unfused
             if ref is not None:
-                row["= unfused tokens"] = f"{_prefix_match(v.tokens, ref)}/{len(ref)}"
+                same = next((i for i, (x, y) in enumerate(zip(v.tokens, ref)) if x != y),
+                            min(len(v.tokens), len(ref)))
+                row["= unfused tokens"] = f"{same}/{len(ref)}"
             rows.append(row)
             if vd.get("speed_flag") or vd.get("bytes_flag"):
                 flagged.append(i)
@@ -421,10 +417,3 @@ def device_where(variants: Sequence[VariantTiming]) -> str:
     dev = next((v.device for v in variants if v.device), {})
     name = dev.get("device_info", {}).get("device_name", "")
     return " ".join(x for x in (dev.get("backend", ""), name) if x)
-
-
-def _device_text(dev: Dict[str, Any]) -> str:
-    if not dev:
-        return ""
-    name = dev.get("device_info", {}).get("device_name", "")
-    return f"{dev.get('device')} [{dev.get('backend')}]" + (f" {name}" if name else "")

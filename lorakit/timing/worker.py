@@ -98,10 +98,10 @@ class _NullDetokenizer:
     last_segment = ""
     text = ""
 
-    def _nothing(self, *_: Any) -> None:
+    def reset(self, *_: Any) -> None:
         pass
 
-    reset = add_token = finalize = _nothing
+    add_token = finalize = reset
 
 
 def load_tokenizer(model_path: Path, config: Dict[str, Any]):
