@@ -21,6 +21,7 @@ import numpy as np
 from .. import kernels
 from .. import numerics as nm
 from ..io.formats.safetensors import FLOAT_CODES, NUMPY_STORAGE
+from ..numerics.ulps import fold_bins
 
 __all__ = ["bits_dtype", "binades"]
 
@@ -282,7 +283,7 @@ class Accumulator:
         td.max_abs = self.max_abs
         if self.raw is not None:
             td.max_ulp, td.ulp_sum = self.max_ulp, float(self.ulp_sum)
-            td.counts = _binned(self.raw, self.nan, self.max_bin)
+            td.counts = fold_bins(self.raw, self.nan, self.max_bin)[1]
         for k, v in self.scale.finish(self.n, self.max_abs).items():
             setattr(td, k, v)
         return td
@@ -314,18 +315,6 @@ def _max_abs(x: np.ndarray, y: np.ndarray, code: str, w: Optional[Scratch] = Non
     # fmax/fmin skip NaN (inf - inf, NaN operands); two reductions beat an abs pass
     m = max(float(np.fmax.reduce(d)), -float(np.fmin.reduce(d)))
     return 0.0 if math.isnan(m) else m
-
-
-def _binned(raw: np.ndarray, nan: int, max_bin: int) -> np.ndarray:
-    """Fold a dense 0..max_bin+1 count vector (NaN mismatches not in it) into
-    ulp_histogram's bins, NaN mismatches last."""
-    counts = [int(c) for c in raw[:4]]
-    lo = 4
-    while lo <= max_bin:
-        counts.append(int(raw[lo:2 * lo].sum()))
-        lo *= 2
-    counts += [int(raw[max_bin + 1]), nan]
-    return np.array(counts, dtype=np.int64)
 
 
 def bin_labels(max_bin: int = DEFAULT_MAX_BIN) -> List[str]:
