@@ -179,14 +179,14 @@ class DecodeTiming(Report):
                 return v
         raise KeyError(name)
 
-    def _ok(self, name: str) -> Optional[VariantTiming]:
+    def ran(self, name: str) -> Optional[VariantTiming]:
         """The variant if it is there and ran, else None."""
         v = next((v for v in self.variants if v.variant == name), None)
         return v if v is not None and v.ok else None
 
     def ratio(self, name: str, what: str = "decode") -> float:
         """``name``'s median tok/s (or peak memory) over base's; nan when either is missing."""
-        base, v = self._ok("base"), self._ok(name)
+        base, v = self.ran("base"), self.ran(name)
         if base is None or v is None:
             return math.nan
         if what == "decode":
@@ -199,7 +199,7 @@ class DecodeTiming(Report):
 
     def interval(self, name: str) -> tuple:
         """The paired bootstrap interval of ``name``'s decode ratio to base (nan if missing)."""
-        base, v = self._ok("base"), self._ok(name)
+        base, v = self.ran("base"), self.ran(name)
         if base is None or v is None:
             return math.nan, math.nan
         if name == "base":
@@ -210,7 +210,7 @@ class DecodeTiming(Report):
 
     def noise_band(self) -> tuple:
         """The base against itself (:func:`lorakit.timing.stats.noise_band`)."""
-        base = self._ok("base")
+        base = self.ran("base")
         if base is None:
             return math.nan, math.nan
         return noise_band(base.decode_tps, base.run_rounds or None,
@@ -227,7 +227,7 @@ class DecodeTiming(Report):
     def verdicts(self) -> Dict[str, Dict[str, Any]]:
         """Per variant: the ratios, their words and flags (``speed_flag``, ``bytes_flag``)."""
         out: Dict[str, Dict[str, Any]] = {}
-        base, band = self._ok("base"), self.noise_band()
+        base, band = self.ran("base"), self.noise_band()
         for v in self.variants:
             if not v.ok or base is None or v.variant == "base":
                 continue
