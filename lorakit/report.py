@@ -95,6 +95,10 @@ class Report:
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), **kw)
 
+    def figure(self, *args: Any, **kw: Any):
+        """The same as ``plot()`` (reports that draw one)."""
+        return self.plot(*args, **kw)  # type: ignore[attr-defined]
+
     def to_dataframe(self):  # pragma: no cover - pandas is optional
         import pandas as pd  # lazy: pandas is optional
 

@@ -394,5 +394,3 @@ class BehaviourReport(Report):
     def plot(self, ax=None):
         """KL distribution (histogram, log scale) and KL along the text."""
         return plots.kl_figure(self.arrays["kl"], self.context, title=self.title, ax=ax)
-
-    figure = plot

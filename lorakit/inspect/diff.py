@@ -109,8 +109,6 @@ class DiffReport(Report):
                                   title=self.title, ylabel="elements differing", ax=ax,
                                   log=True)
 
-    figure = plot
-
 
 def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
            names: Optional[Sequence[str]] = None, threads: Optional[int] = None,
@@ -510,8 +508,6 @@ class UlpReport(Report):
         return plots.histogram_bars(self.labels, {"all tensors": self.overall},
                                     title=self.title, ax=ax)
 
-    figure = plot
-
 
 def ulp_report(title: str, diffs: Sequence[TensorDiff], labels: Sequence[str],
                summary: Dict[str, Any]) -> UlpReport:
@@ -644,8 +640,6 @@ class RefUlpReport(Report):
             series = {"all adapted tensors": self.overall}
         return plots.histogram_bars(self.labels, series, title=self.title, ax=ax,
                                     xlabel="|fused - exact| in ulps")
-
-    figure = plot
 
 
 class _RefScale:

@@ -66,10 +66,7 @@ class DtypeMap(Report):
 
     def plot(self, ax=None, part: str = "weight"):
         """Heatmap of dtypes, layers x tensor kinds; flagged cells outlined. Returns a Figure."""
-
         return dtype_heatmap(self, ax=ax, part=part)
-
-    figure = plot
 
 
 def dtype_map(source: Any) -> DtypeMap:

@@ -83,14 +83,11 @@ class GenerationReport(Report):
 
     def plot(self, prompt: int = 0, ax=None):
         """Per-step logit margins of every model for one prompt, first divergence marked."""
-
         gens = self.generations[prompt]
         steps = [d.step for d in self.divergences[prompt]]
         return plots.margin_lines({m: g.margin for m, g in gens.items()},
                                   title=f"prompt {prompt}: top1 - top2 logit per step",
                                   diverge=min(steps) if steps else None, ax=ax)
-
-    figure = plot
 
 
 def load_pair(label: str, spec: Any) -> Tuple[Any, Any]:

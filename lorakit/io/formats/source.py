@@ -75,7 +75,6 @@ class ModelSource(TensorSource):
         return self._modules
 
     def read(self, name: str, rows: Optional[slice] = None) -> np.ndarray:
-
         a = self.arrays[name]
         if rows is not None:
             a = a[rows]
