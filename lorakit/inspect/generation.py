@@ -74,12 +74,8 @@ class GenerationReport(Report):
     def first_divergence(self, prompt: int = 0, a: Optional[str] = None,
                          b: Optional[str] = None) -> Optional[Divergence]:
         labels = list(self.generations[prompt])
-        a = a or labels[0]
-        b = b or labels[1]
-        for d in self.divergences[prompt]:
-            if {d.a, d.b} == {a, b}:
-                return d
-        return None
+        pair = {a or labels[0], b or labels[1]}
+        return next((d for d in self.divergences[prompt] if {d.a, d.b} == pair), None)
 
     def plot(self, prompt: int = 0, ax=None):
         """Per-step logit margins of every model for one prompt, first divergence marked."""
@@ -108,11 +104,8 @@ def load_pair(label: str, spec: Any) -> Tuple[Any, Any]:
 
 def _top2(logits: np.ndarray) -> Tuple[int, float, float]:
     i = int(np.argmax(logits))  # ties: the lowest id, as mx.argmax and mlx-lm's greedy
-    top1 = float(logits[i])
-    if logits.size < 2:
-        return i, top1, top1
     rest = np.delete(logits, i)
-    return i, top1, float(rest.max())
+    return i, float(logits[i]), float(rest.max() if rest.size else logits[i])
 
 
 def eos_ids(tok: Any) -> set:
@@ -182,9 +175,7 @@ def _decode_lockstep(models: Dict[str, Tuple[Any, Any]], prompt: str, max_tokens
             break
     for m in labels:
         tok = models[m][1]
-        eos = eos_ids(tok)
-        body = [t for t in gens[m].tokens if t not in eos]
-        gens[m].text = tok.decode(body)
+        gens[m].text = tok.decode([t for t in gens[m].tokens if t not in eos_ids(tok)])
     return gens, divs
 
 
