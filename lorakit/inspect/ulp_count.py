@@ -193,14 +193,8 @@ class Accumulator:
         fmt = _KERNEL_FMT.get(self.code)
         kernel = scale_kernel() if fmt is not None else None
         if kernel is not None and x.dtype.isnative and y.dtype.isnative:
-            diff, nan, top, total, mabs = kernel.accumulate(
-                np.ascontiguousarray(x), np.ascontiguousarray(y), fmt, self.raw)
-            self.n += n
-            self.differing += diff
-            self.nan += nan
-            self.max_ulp = max(self.max_ulp, top)
-            self.ulp_sum += total
-            self.max_abs = max(self.max_abs, mabs)
+            self._take(n, *kernel.accumulate(np.ascontiguousarray(x), np.ascontiguousarray(y),
+                                              fmt, self.raw))
             return
         w = self.work = (self.work or Scratch(n)).fit(n)
         per = 8 // x.itemsize
@@ -266,16 +260,20 @@ class Accumulator:
         if isinstance(part, int):
             self.equal(part)
             return
-        self.n += part.n
-        self.differing += part.differing
-        self.nan += part.nan
-        self.max_ulp = max(self.max_ulp, part.max_ulp)
-        self.ulp_sum += part.ulp_sum
+        self._take(part.n, part.differing, part.nan, part.max_ulp, part.ulp_sum, part.max_abs)
         self.scale.merge(part.scale)
         if self.raw is not None:
             self.raw += part.raw
+
+    def _take(self, n: int, differing: int, nan: int, top: int, total: int, max_abs) -> None:
+        """Add a piece's totals (the kernel's, or a piece's accumulator's)."""
+        self.n += n
+        self.differing += differing
+        self.nan += nan
+        self.max_ulp = max(self.max_ulp, top)
+        self.ulp_sum += total
         if self.max_abs is not None:
-            self.max_abs = max(self.max_abs, part.max_abs)
+            self.max_abs = max(self.max_abs, max_abs)
 
     def result(self, td: TensorDiff) -> TensorDiff:
         td.elements, td.differing, td.nan_mismatch = self.n, self.differing, self.nan
