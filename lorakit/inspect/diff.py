@@ -663,25 +663,18 @@ class _RefScale:
         np.maximum.at(self.emax, e, err)
         self.bad += np.bincount(e[err > 0.5], minlength=self.emax.size)
 
-    def finish(self) -> Dict[str, Any]:
-        """Raw sums for the row (:func:`_finish_scale` turns them into figures)."""
+    def figures(self, n: int) -> Dict[str, Any]:
+        """The row's figures for ``n`` elements (none without a non-zero rms(T)); ``_t2``
+        and ``_d2`` stay for the summary."""
         if not self.t2 > 0:
             return {}
-        return {"_t2": self.t2, "_d2": self.d2, "_emax": self.emax, "_bad": self.bad}
-
-
-def _finish_scale(row: Dict[str, Any]) -> None:
-    """Turn a row's raw scale sums into its figures (rms(T) needs the element count)."""
-    if "_t2" not in row:
-        for k in ("rel_err", "max_err_typ", "not_nearest_near_zero"):
-            row.setdefault(k, None)
-        return
-    t2, d2, emax, bad = (row.pop(k) for k in ("_t2", "_d2", "_emax", "_bad"))
-    rms = math.sqrt(t2 / max(1, row["elements"]))
-    ta = math.frexp(rms)[1] - 1 - _RefScale._LO
-    tn = max(ta + NEAR_ZERO_LOG2, 0)
-    row.update(rel_err=math.sqrt(d2 / t2), max_err_typ=float(emax[max(ta, 0):].max()),
-               not_nearest_near_zero=int(bad[:tn].sum()), rms_t=rms, _t2=t2, _d2=d2)
+        rms = math.sqrt(self.t2 / max(1, n))
+        ta = math.frexp(rms)[1] - 1 - self._LO
+        tn = max(ta + NEAR_ZERO_LOG2, 0)
+        return dict(rel_err=math.sqrt(self.d2 / self.t2),
+                    max_err_typ=float(self.emax[max(ta, 0):].max()),
+                    not_nearest_near_zero=int(self.bad[:tn].sum()), rms_t=rms, _t2=self.t2,
+                    _d2=self.d2)
 
 
 def _scale_summary(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -718,7 +711,8 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
     for tensor, binds in by_tensor.items():
         meta = sf.tensors.get(tensor)
         row: Dict[str, Any] = dict(tensor=tensor, dtype=meta.dtype if meta else None, elements=0)
-        row.update(max_err=None, mean_err=None, not_nearest=None, hist="", status="measured")
+        row.update(max_err=None, mean_err=None, not_nearest=None, hist="", status="measured",
+                   rel_err=None, max_err_typ=None, not_nearest_near_zero=None)
         counts = np.zeros(len(labels), np.int64)
         module = tensor[: -len(".weight")]
         if meta is None:
@@ -741,8 +735,8 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
                 sc.add(nm.to_float64(raw_f, fmt).reshape(-1), target.reshape(-1),
                        err.reshape(-1))
             row.update(max_err=mx_err, mean_err=total / max(1, row["elements"]),
-                       not_nearest=bad, hist=hist_text(labels, counts), **sc.finish())
-        _finish_scale(row)
+                       not_nearest=bad, hist=hist_text(labels, counts))
+            row.update(sc.figures(row["elements"]))
         if row["status"] != "measured" or (row["not_nearest"] or 0) > 0:
             flagged.append(len(rows))
         rows.append(row)
