@@ -122,9 +122,6 @@ class Report:
                 shown.append((pos, i))
         return shown
 
-    def _help(self, col: str) -> str:
-        return type(self).column_help.get(col, "")
-
     def _walk(self) -> Iterable[Tuple[str, int]]:
         """The shown rows in display order: ("row", index), ("gap", rows elided) between
         them and ("more", rows elided) at the end."""
@@ -157,7 +154,7 @@ class Report:
             if len(cells) < n:
                 lines.append(f"  ({n - len(cells)} of {n} rows not shown: raise max_rows, "
                              "or --max-rows in the CLI)")
-            legend = [(c, self._help(c)) for c in cols if self._help(c)]
+            legend = [(c, self.column_help[c]) for c in cols if self.column_help.get(c)]
             if legend:
                 w = max(len(c) for c, _ in legend)
                 lines += ["", "  columns:"] + [f"    {c.ljust(w)}  {h}" for c, h in legend]

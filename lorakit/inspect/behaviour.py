@@ -269,8 +269,7 @@ def with_float32_note(rep: Any, notes: Dict[str, str]) -> Any:
     return rep
 
 
-# ---------------------------------------------------------------------------
-# The report: KL statistics, top-1 agreement, perplexities, the worst tokens, the arrays
+# -- The report: KL statistics, top-1 agreement, perplexities, the worst tokens, the arrays
 
 
 def _shown(piece: str) -> str:

@@ -180,8 +180,7 @@ def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                         overall=overall, diffs=diffs, sources=(sa.label, sb.label))
 
 
-# ---------------------------------------------------------------------------
-# Two tensor sources compared tensor by tensor, streaming, one TensorDiff each.
+# -- Two tensor sources compared tensor by tensor, streaming, one TensorDiff each.
 
 
 class _Mapped:
@@ -419,8 +418,7 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     return out
 
 
-# ---------------------------------------------------------------------------
-# Ulp histograms as a report: per tensor, per layer and overall.
+# -- Ulp histograms as a report: per tensor, per layer and overall.
 
 
 def scale_row(d: TensorDiff) -> Dict[str, Any]:
@@ -582,8 +580,7 @@ def ulp_tensors(a, b, fmt: Optional[str] = None, *, name="tensor", max_bin=DEFAU
     return ulp_report(f"ulp distances ({ca})", [td], bin_labels(max_bin), {})
 
 
-# ---------------------------------------------------------------------------
-# A fused checkpoint against the exact fuse, in (fractional) ulps of its format
+# -- A fused checkpoint against the exact fuse, in (fractional) ulps of its format
 
 
 _ERR_EDGES = np.array([0.5] + [2.0 ** k for k in range(0, 11)])

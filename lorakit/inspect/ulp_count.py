@@ -347,8 +347,7 @@ def hist_text(labels: Sequence[str], counts: Optional[np.ndarray], top: int = 3)
     return " ".join(f"{labels[i]}:{100 * c[i] / total:.3g}%" for i in sorted(keep))
 
 
-# ---------------------------------------------------------------------------
-# What an ulp distance means at the tensor's scale: relative error, zero crossings.
+# -- What an ulp distance means at the tensor's scale: relative error, zero crossings.
 
 
 #: "near zero": min(|a|, |b|) below 2**NEAR_ZERO_LOG2 * rms(A) (a power of two)
