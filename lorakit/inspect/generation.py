@@ -15,8 +15,7 @@ from ..errors import ArgumentError
 from ..fusion.model import load_unfused
 from ..report import Report
 from . import plots
-from .moe_cpu import NOTE as MOE_NOTE
-from .moe_cpu import float32_if_refused, moe_float32_on_cpu
+from .moe_cpu import cpu_notes, float32_if_refused, moe_float32_on_cpu
 
 __all__ = ["GenerationReport", "compare_generations"]
 
@@ -226,12 +225,7 @@ def compare_generations(models: Mapping[str, Any], prompts: Sequence[str] | str,
     summary = {"models": ", ".join(labels), "reference": ref, "prompts": len(prompts),
                "max tokens": max_tokens, "decoding": "greedy (argmax)",
                "prompts with identical outputs": f"{n_identical} of {len(prompts)}"}
-    if any(moe.values()):
-        summary["note"] = MOE_NOTE.format(n=", ".join(f"{k}: {n} blocks"
-                                                      for k, n in moe.items() if n))
-    if any(f32.values()):
-        summary["float32"] = ", ".join(k for k, n in f32.items() if n) + ": " + \
-            next(n for n in f32.values() if n)
+    cpu_notes(summary, moe, f32)
     return GenerationReport(title=f"greedy outputs of {len(labels)} models",
                             rows=rows, summary=summary, flagged=flagged,
                             columns="prompt model tokens diverges_at margin ref_margin gap text".split(),

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import ArgumentError
-from ..inspect.moe_cpu import NOTE as MOE_NOTE
+from ..inspect.moe_cpu import cpu_notes
 from ..report import Report
 from .stats import (
     BYTES_THRESHOLD,
@@ -284,14 +284,8 @@ class DecodeTiming(Report):
                                              "of the embedded corpus, after timing"
                                              + (f"; failed: {s['kl_error']}"
                                                 if s.get("kl_error") else ""))
-        moe = {v.variant: v.moe_f32_blocks for v in self.variants if v.moe_f32_blocks}
-        if moe:
-            self.summary["note"] = MOE_NOTE.format(n=", ".join(f"{k}: {n} blocks"
-                                                              for k, n in moe.items()))
-        f32 = [v.variant for v in self.variants if v.float32_note]
-        if f32:
-            note = next(v.float32_note for v in self.variants if v.float32_note)
-            self.summary["float32"] = f"{', '.join(f32)}: {note}"
+        cpu_notes(self.summary, {v.variant: v.moe_f32_blocks for v in self.variants},
+                  {v.variant: v.float32_note for v in self.variants})
         verdicts = self.verdicts()
         ref = next((v.tokens for v in self.variants if v.variant == "unfused" and v.ok), None)
         rows: List[Dict[str, Any]] = []
