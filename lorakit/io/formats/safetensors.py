@@ -12,6 +12,7 @@ API cannot), only the bytes asked for.
 from __future__ import annotations
 
 import json
+import math
 import re
 import stat
 import struct
@@ -187,10 +188,7 @@ def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
     >>> nbytes_of("BF16", (2, 3)), nbytes_of("F4", (4,)), nbytes_of("F6_E2M3", (4,))
     (12, 2, 3)
     """
-    n = DTYPE_BITS[dtype]
-    for d in shape:
-        n *= int(d)
-    return n // 8
+    return DTYPE_BITS[dtype] * math.prod(int(d) for d in shape) // 8
 
 
 @dataclass(frozen=True)
@@ -204,10 +202,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= int(d)
-        return n
+        return math.prod(int(d) for d in self.shape)
 
     @property
     def nbytes(self) -> int:
