@@ -553,15 +553,11 @@ def _as_bits(x: Any, fmt: Optional[str]) -> Tuple[np.ndarray, str]:
         raw, code = mx_to_raw(x)
         return np.asarray(raw), code
     arr = np.asarray(x)
-    if fmt is not None:
-        f = nm.float_format(fmt)
-        bits = nm.to_storage(arr, f) if arr.dtype.kind == "f" else arr.view(f.storage)
-        return bits, f.safetensors
-    if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16":
-        f = nm.float_format(arr.dtype)
-        return arr.view(f.storage), f.safetensors
-    raise FormatError("cannot tell the float format of an integer array", found=str(arr.dtype),
-                      hint="pass fmt='bf16' (or f16, f32) for storage bits")
+    if fmt is None and not (arr.dtype.kind == "f" or arr.dtype.name == "bfloat16"):
+        raise FormatError("cannot tell the float format of an integer array",
+                          found=str(arr.dtype), hint="pass fmt='bf16' (or f16, f32) for storage bits")
+    f = nm.float_format(fmt if fmt is not None else arr.dtype)
+    return nm.to_storage(arr, f), f.safetensors
 
 
 def ulp_tensors(a, b, fmt: Optional[str] = None, *, name="tensor", max_bin=DEFAULT_MAX_BIN):
