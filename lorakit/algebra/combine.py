@@ -164,11 +164,8 @@ def _svd(D: np.ndarray, rank: int, factors: Optional[Tuple[np.ndarray, np.ndarra
          ) -> Tuple[np.ndarray, np.ndarray, float]:
     """(A, B) float32 of D's rank-R truncation and its relative Frobenius error with
     those factors; given ``factors`` (Bs, A) with ``D = Bs @ A``, by :func:`factor_svd`."""
-    if factors is None:
-        U, S, Vh = np.linalg.svd(D, full_matrices=False)
-    else:
-        Bs, A64 = factors
-        U, S, Vh = factor_svd(A64, Bs)
+    U, S, Vh = np.linalg.svd(D, full_matrices=False) if factors is None else \
+        factor_svd(factors[1], factors[0])
     R = min(rank, S.shape[-1])
     B = (U[..., :, :R] * S[..., None, :R]).astype(np.float32)
     A = Vh[..., :R, :].astype(np.float32)
