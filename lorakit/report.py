@@ -95,6 +95,10 @@ class Report:
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), **kw)
 
+    def figure(self, *args: Any, **kw: Any):
+        """The same as ``plot()`` (reports that draw one)."""
+        return self.plot(*args, **kw)  # type: ignore[attr-defined]
+
     def to_dataframe(self):  # pragma: no cover - pandas is optional
         import pandas as pd  # lazy: pandas is optional
 
@@ -117,9 +121,6 @@ class Report:
             if pos < self.max_rows or (i in flag and len(shown) < 2 * self.max_rows):
                 shown.append((pos, i))
         return shown
-
-    def _help(self, col: str) -> str:
-        return type(self).column_help.get(col, "")
 
     def _walk(self) -> Iterable[Tuple[str, int]]:
         """The shown rows in display order: ("row", index), ("gap", rows elided) between
@@ -153,7 +154,7 @@ class Report:
             if len(cells) < n:
                 lines.append(f"  ({n - len(cells)} of {n} rows not shown: raise max_rows, "
                              "or --max-rows in the CLI)")
-            legend = [(c, self._help(c)) for c in cols if self._help(c)]
+            legend = [(c, self.column_help[c]) for c in cols if self.column_help.get(c)]
             if legend:
                 w = max(len(c) for c, _ in legend)
                 lines += ["", "  columns:"] + [f"    {c.ljust(w)}  {h}" for c, h in legend]

@@ -71,7 +71,9 @@ class Combination(Report):
                                "holds the sum", found="DoRA parts in "
                                f"{self.summary.get('dora_modules')} module(s)",
                                expected=f"LoRA adapters only, or fuse the combination ({_FUSE_SUM})")
-        ad = _folded(self.adapter)[0] if self.method == "exact" else self.adapter
+        ad = self.adapter
+        if self.method == "exact":
+            ad = replace(ad, targets=[_folded(t)[0] for t in ad.targets])
         prov = {"method": self.method, "weights": self.summary.get("weights"),
                 "sources": self.summary.get("adapters"), "like": self.summary.get("like")}
         # PEFT's cat factors are bf16/fp16 values: F32 holds them exactly
@@ -139,26 +141,18 @@ def _cat_target(module: str, parts: List[Tuple[int, LoraTarget]], w: Sequence[fl
                       tuple(n for _, t in parts for n in t.names))
 
 
-def _folded(ad: Adapter) -> Tuple[Adapter, List[float]]:
-    """The adapter with column scales folded into B (scale: the first column's), and
-    each target's largest relative fold error (0.0: exact)."""
-    targets, errs = [], []
-    for t in ad.targets:
-        c = np.atleast_1d(np.asarray(t.scale, np.float64))
-        if c.size == 1 and c[0] > 0:
-            targets.append(t)
-            errs.append(0.0)
-            continue
-        s0 = abs(float(c[0])) or 1.0  # positive: a sign moves into B exactly
-        ratio = np.broadcast_to(c / s0, (t.rank,))
-        B = (t.B.astype(np.float64) * ratio).astype(np.float32)
-        want = t.B.astype(np.float64) * ratio
-        den = np.abs(want)
-        err = float(np.max(np.abs(B - want) / np.where(den > 0, den, 1))) if B.size else 0.0
-        targets.append(LoraTarget(t.module, t.kind, t.A, B, s0, None, t.names))
-        errs.append(err)
-    return Adapter(ad.path, ad.format, targets, ad.config, ad.weights_file, ad.fine_tune_type,
-                   _sha256=ad._sha256), errs
+def _folded(t: LoraTarget) -> Tuple[LoraTarget, float]:
+    """The target with its column scales folded into B (scale: the first column's), and
+    its largest relative fold error (0.0: exact)."""
+    c = np.atleast_1d(np.asarray(t.scale, np.float64))
+    if c.size == 1 and c[0] > 0:
+        return t, 0.0
+    s0 = abs(float(c[0])) or 1.0  # positive: a sign moves into B exactly
+    want = t.B.astype(np.float64) * np.broadcast_to(c / s0, (t.rank,))
+    B = want.astype(np.float32)
+    den = np.abs(want)
+    err = float(np.max(np.abs(B - want) / np.where(den > 0, den, 1))) if B.size else 0.0
+    return LoraTarget(t.module, t.kind, t.A, B, s0, None, t.names), err
 
 
 def _delta(t: LoraTarget, w: float) -> np.ndarray:
@@ -170,11 +164,8 @@ def _svd(D: np.ndarray, rank: int, factors: Optional[Tuple[np.ndarray, np.ndarra
          ) -> Tuple[np.ndarray, np.ndarray, float]:
     """(A, B) float32 of D's rank-R truncation and its relative Frobenius error with
     those factors; given ``factors`` (Bs, A) with ``D = Bs @ A``, by :func:`factor_svd`."""
-    if factors is None:
-        U, S, Vh = np.linalg.svd(D, full_matrices=False)
-    else:
-        Bs, A64 = factors
-        U, S, Vh = factor_svd(A64, Bs)
+    U, S, Vh = np.linalg.svd(D, full_matrices=False) if factors is None else \
+        factor_svd(factors[1], factors[0])
     R = min(rank, S.shape[-1])
     B = (U[..., :, :R] * S[..., None, :R]).astype(np.float32)
     A = Vh[..., :R, :].astype(np.float32)
@@ -290,10 +281,7 @@ def combine(adapters: Sequence[Union[PathLike, Adapter]], weights: Optional[Sequ
         elif method in ("exact", "cat"):
             t = _cat_target(module, parts, w)
             if method == "cat":
-                one, (err,) = _folded(Adapter(ads[0].path, ads[0].format, [t], {},
-                                              ads[0].weights_file))
-                t = one.targets[0]
-                row["fold_rel_err"] = err
+                t, row["fold_rel_err"] = _folded(t)
         elif method in ("svd", "ties_svd"):
             R = rank or max(t.rank for _, t in parts)
             deltas = [_delta(t, w[i]) for i, t in parts]

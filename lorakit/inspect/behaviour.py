@@ -86,11 +86,7 @@ def _load(spec: PathLike, label: str) -> Tuple[Any, Any]:
 def _side(spec: Any, adapter: Optional[PathLike], label: str) -> Side:
     """A checkpoint path / hub id (with ``adapter`` attached unfused), a
     ``(path, adapter or None)`` pair, or a loaded ``(model, tokenizer)``."""
-    if isinstance(spec, tuple) and len(spec) == 2 and hasattr(spec[0], "parameters"):
-        model, tok = spec
-        if adapter is not None:
-            model = attach_adapter(model, adapter)
-        return Side(model, tok, label)
+    name = label
     if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], (str, Path)):
         spec, pair_adapter = spec
         if adapter is not None and pair_adapter is not None:
@@ -99,12 +95,13 @@ def _side(spec: Any, adapter: Optional[PathLike], label: str) -> Side:
         adapter = adapter if adapter is not None else pair_adapter
     if isinstance(spec, (str, Path)):
         model, tok = _load(resolve_model_path(spec), label)
-        if adapter is not None:
-            model = attach_adapter(model, adapter)
         name = str(spec) + (f" + {adapter}" if adapter is not None else "")
-        return Side(model, tok, name)
-    raise ArgumentError.bad(label, type(spec).__name__,
-                            "a path or hub id, (path, adapter or None), or (model, tokenizer)")
+    elif isinstance(spec, tuple) and len(spec) == 2 and hasattr(spec[0], "parameters"):
+        model, tok = spec
+    else:
+        raise ArgumentError.bad(label, type(spec).__name__,
+                                "a path or hub id, (path, adapter or None), or (model, tokenizer)")
+    return Side(attach_adapter(model, adapter) if adapter is not None else model, tok, name)
 
 
 _STEP = None
@@ -269,8 +266,7 @@ def with_float32_note(rep: Any, notes: Dict[str, str]) -> Any:
     return rep
 
 
-# ---------------------------------------------------------------------------
-# The report: KL statistics, top-1 agreement, perplexities, the worst tokens, the arrays
+# -- The report: KL statistics, top-1 agreement, perplexities, the worst tokens, the arrays
 
 
 def _shown(piece: str) -> str:
@@ -394,5 +390,3 @@ class BehaviourReport(Report):
     def plot(self, ax=None):
         """KL distribution (histogram, log scale) and KL along the text."""
         return plots.kl_figure(self.arrays["kl"], self.context, title=self.title, ax=ax)
-
-    figure = plot

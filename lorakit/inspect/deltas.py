@@ -152,12 +152,9 @@ class DeltaNorms(Report):
                                    log=log and value != "erank")
 
     def plot_spectra(self, ax=None, limit: int = 24):
-
         curves = [(r["module"] + (f"[{r['expert']}]" if r["expert"] is not None else ""), s)
                   for r, s in zip(self.rows, self.singular_values)]
         return plots.spectra(curves, title=f"singular values: {self.title}", ax=ax, limit=limit)
-
-    figure = plot
 
 
 def delta_norms(adapter: Any, checkpoint: Any = None, *, rtol: Optional[float] = None

@@ -109,8 +109,6 @@ class DiffReport(Report):
                                   title=self.title, ylabel="elements differing", ax=ax,
                                   log=True)
 
-    figure = plot
-
 
 def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
            names: Optional[Sequence[str]] = None, threads: Optional[int] = None,
@@ -182,8 +180,7 @@ def diff(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
                         overall=overall, diffs=diffs, sources=(sa.label, sb.label))
 
 
-# ---------------------------------------------------------------------------
-# Two tensor sources compared tensor by tensor, streaming, one TensorDiff each.
+# -- Two tensor sources compared tensor by tensor, streaming, one TensorDiff each.
 
 
 class _Mapped:
@@ -421,8 +418,7 @@ def compare_sources(a: Any, b: Any, *, max_bin: int = DEFAULT_MAX_BIN,
     return out
 
 
-# ---------------------------------------------------------------------------
-# Ulp histograms as a report: per tensor, per layer and overall.
+# -- Ulp histograms as a report: per tensor, per layer and overall.
 
 
 def scale_row(d: TensorDiff) -> Dict[str, Any]:
@@ -510,8 +506,6 @@ class UlpReport(Report):
         return plots.histogram_bars(self.labels, {"all tensors": self.overall},
                                     title=self.title, ax=ax)
 
-    figure = plot
-
 
 def ulp_report(title: str, diffs: Sequence[TensorDiff], labels: Sequence[str],
                summary: Dict[str, Any]) -> UlpReport:
@@ -559,15 +553,11 @@ def _as_bits(x: Any, fmt: Optional[str]) -> Tuple[np.ndarray, str]:
         raw, code = mx_to_raw(x)
         return np.asarray(raw), code
     arr = np.asarray(x)
-    if fmt is not None:
-        f = nm.float_format(fmt)
-        bits = nm.to_storage(arr, f) if arr.dtype.kind == "f" else arr.view(f.storage)
-        return bits, f.safetensors
-    if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16":
-        f = nm.float_format(arr.dtype)
-        return arr.view(f.storage), f.safetensors
-    raise FormatError("cannot tell the float format of an integer array", found=str(arr.dtype),
-                      hint="pass fmt='bf16' (or f16, f32) for storage bits")
+    if fmt is None and not (arr.dtype.kind == "f" or arr.dtype.name == "bfloat16"):
+        raise FormatError("cannot tell the float format of an integer array",
+                          found=str(arr.dtype), hint="pass fmt='bf16' (or f16, f32) for storage bits")
+    f = nm.float_format(fmt if fmt is not None else arr.dtype)
+    return nm.to_storage(arr, f), f.safetensors
 
 
 def ulp_tensors(a, b, fmt: Optional[str] = None, *, name="tensor", max_bin=DEFAULT_MAX_BIN):
@@ -586,8 +576,7 @@ def ulp_tensors(a, b, fmt: Optional[str] = None, *, name="tensor", max_bin=DEFAU
     return ulp_report(f"ulp distances ({ca})", [td], bin_labels(max_bin), {})
 
 
-# ---------------------------------------------------------------------------
-# A fused checkpoint against the exact fuse, in (fractional) ulps of its format
+# -- A fused checkpoint against the exact fuse, in (fractional) ulps of its format
 
 
 _ERR_EDGES = np.array([0.5] + [2.0 ** k for k in range(0, 11)])
@@ -645,8 +634,6 @@ class RefUlpReport(Report):
         return plots.histogram_bars(self.labels, series, title=self.title, ax=ax,
                                     xlabel="|fused - exact| in ulps")
 
-    figure = plot
-
 
 class _RefScale:
     """rms(F - T) / rms(T), and per binade of |T| the largest ulp error and the elements
@@ -669,25 +656,18 @@ class _RefScale:
         np.maximum.at(self.emax, e, err)
         self.bad += np.bincount(e[err > 0.5], minlength=self.emax.size)
 
-    def finish(self) -> Dict[str, Any]:
-        """Raw sums for the row (:func:`_finish_scale` turns them into figures)."""
+    def figures(self, n: int) -> Dict[str, Any]:
+        """The row's figures for ``n`` elements (none without a non-zero rms(T)); ``_t2``
+        and ``_d2`` stay for the summary."""
         if not self.t2 > 0:
             return {}
-        return {"_t2": self.t2, "_d2": self.d2, "_emax": self.emax, "_bad": self.bad}
-
-
-def _finish_scale(row: Dict[str, Any]) -> None:
-    """Turn a row's raw scale sums into its figures (rms(T) needs the element count)."""
-    if "_t2" not in row:
-        for k in ("rel_err", "max_err_typ", "not_nearest_near_zero"):
-            row.setdefault(k, None)
-        return
-    t2, d2, emax, bad = (row.pop(k) for k in ("_t2", "_d2", "_emax", "_bad"))
-    rms = math.sqrt(t2 / max(1, row["elements"]))
-    ta = math.frexp(rms)[1] - 1 - _RefScale._LO
-    tn = max(ta + NEAR_ZERO_LOG2, 0)
-    row.update(rel_err=math.sqrt(d2 / t2), max_err_typ=float(emax[max(ta, 0):].max()),
-               not_nearest_near_zero=int(bad[:tn].sum()), rms_t=rms, _t2=t2, _d2=d2)
+        rms = math.sqrt(self.t2 / max(1, n))
+        ta = math.frexp(rms)[1] - 1 - self._LO
+        tn = max(ta + NEAR_ZERO_LOG2, 0)
+        return dict(rel_err=math.sqrt(self.d2 / self.t2),
+                    max_err_typ=float(self.emax[max(ta, 0):].max()),
+                    not_nearest_near_zero=int(self.bad[:tn].sum()), rms_t=rms, _t2=self.t2,
+                    _d2=self.d2)
 
 
 def _scale_summary(measured: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -724,7 +704,8 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
     for tensor, binds in by_tensor.items():
         meta = sf.tensors.get(tensor)
         row: Dict[str, Any] = dict(tensor=tensor, dtype=meta.dtype if meta else None, elements=0)
-        row.update(max_err=None, mean_err=None, not_nearest=None, hist="", status="measured")
+        row.update(max_err=None, mean_err=None, not_nearest=None, hist="", status="measured",
+                   rel_err=None, max_err_typ=None, not_nearest_near_zero=None)
         counts = np.zeros(len(labels), np.int64)
         module = tensor[: -len(".weight")]
         if meta is None:
@@ -747,8 +728,8 @@ def ulp_vs_reference(fused: Any, base: Any, adapter: Any) -> RefUlpReport:
                 sc.add(nm.to_float64(raw_f, fmt).reshape(-1), target.reshape(-1),
                        err.reshape(-1))
             row.update(max_err=mx_err, mean_err=total / max(1, row["elements"]),
-                       not_nearest=bad, hist=hist_text(labels, counts), **sc.finish())
-        _finish_scale(row)
+                       not_nearest=bad, hist=hist_text(labels, counts))
+            row.update(sc.figures(row["elements"]))
         if row["status"] != "measured" or (row["not_nearest"] or 0) > 0:
             flagged.append(len(rows))
         rows.append(row)

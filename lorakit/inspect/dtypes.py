@@ -50,9 +50,7 @@ class DtypeMap(Report):
         cells = {key: {r.get("stored_as") or r["dtype"] for r in rs} for key, rs in groups.items()}
 
         def cell(lab: str, k: str) -> str:
-            v = cells.get((lab, k))
-            if not v:
-                return ""
+            v = cells.get((lab, k)) or {""}
             return "mixed" if len(v) > 1 else next(iter(v))
 
         return labels, ks, [[cell(lab, k) for k in ks] for lab in labels]
@@ -66,10 +64,7 @@ class DtypeMap(Report):
 
     def plot(self, ax=None, part: str = "weight"):
         """Heatmap of dtypes, layers x tensor kinds; flagged cells outlined. Returns a Figure."""
-
         return dtype_heatmap(self, ax=ax, part=part)
-
-    figure = plot
 
 
 def dtype_map(source: Any) -> DtypeMap:
@@ -108,11 +103,10 @@ def dtype_map(source: Any) -> DtypeMap:
         stored = ""
         if module in qmods:
             if part == "weight":
-                q = None
                 try:
                     q = src.quant_params(module)
                 except FormatError:
-                    pass
+                    q = None
                 bits = q.bits if q is not None else qbits
                 stored = f"Q{bits}" if bits else "Q"
             elif scale_dtype is not None and t.dtype != scale_dtype:
@@ -121,12 +115,11 @@ def dtype_map(source: Any) -> DtypeMap:
                 src.kind == "adapter" or part not in LORA_PARTS):
             # LoRA factors attached to a loaded model are float32 by design: no flag
             flag = f"{t.dtype}, majority {majority}"
-        row = {"tensor": t.name, "layer": layer, "kind": kind, "expert": expert, "part": part,
-               "dtype": t.dtype, "stored_as": stored or t.dtype, "shape": list(t.shape),
-               "bytes": nbytes, "flag": flag}
         if flag:
             flagged.append(i)
-        rows.append(row)
+        rows.append({"tensor": t.name, "layer": layer, "kind": kind, "expert": expert,
+                     "part": part, "dtype": t.dtype, "stored_as": stored or t.dtype,
+                     "shape": list(t.shape), "bytes": nbytes, "flag": flag})
     total = sum(by_dtype.values())
     summary: Dict[str, Any] = {
         "source": str(src.path) if src.path is not None else src.label,
@@ -141,9 +134,7 @@ def dtype_map(source: Any) -> DtypeMap:
     if qmods:
         summary["quantized modules"] = len(qmods)
     if flagged:
-        fb = sum(rows[i]["bytes"] for i in flagged)
-        summary["flagged bytes"] = fb
-    rep = DtypeMap(title=f"dtype map of {src.label}", rows=rows,
-                   columns=["tensor", "layer", "kind", "dtype", "shape", "bytes", "flag"],
-                   summary=summary, flagged=flagged, bytes_by_dtype=dict(by_dtype))
-    return rep
+        summary["flagged bytes"] = sum(rows[i]["bytes"] for i in flagged)
+    return DtypeMap(title=f"dtype map of {src.label}", rows=rows,
+                    columns=["tensor", "layer", "kind", "dtype", "shape", "bytes", "flag"],
+                    summary=summary, flagged=flagged, bytes_by_dtype=dict(by_dtype))

@@ -33,15 +33,11 @@ def extract(base: Any, tuned: Any, options: Optional[ExtractOptions] = None, *,
     return rep
 
 
-def _model_folder(path: str) -> bool:
-    return (Path(path) / "config.json").is_file()
-
-
 def add_behaviour(rep: ExtractReport, tokens: int, *, progress: Any = None) -> ExtractReport:
     """Fill ``rep.behaviour`` and the summary's ``behaviour`` line (in place): the tuned
     model (reference) against base + ``rep.adapter`` (test) on ``tokens`` corpus tokens."""
     base, tuned = rep.summary["base"], rep.summary["tuned"]
-    if not (_model_folder(base) and _model_folder(tuned)):
+    if not all((Path(p) / "config.json").is_file() for p in (base, tuned)):
         rep.summary["behaviour"] = "not measured: base and tuned are not both model folders"
         return rep
     out = compare_outputs(tuned, (base, rep.adapter), tokens=tokens,

@@ -15,8 +15,7 @@ from ..errors import ArgumentError
 from ..fusion.model import load_unfused
 from ..report import Report
 from . import plots
-from .moe_cpu import NOTE as MOE_NOTE
-from .moe_cpu import float32_if_refused, moe_float32_on_cpu
+from .moe_cpu import cpu_notes, float32_if_refused, moe_float32_on_cpu
 
 __all__ = ["GenerationReport", "compare_generations"]
 
@@ -74,23 +73,16 @@ class GenerationReport(Report):
     def first_divergence(self, prompt: int = 0, a: Optional[str] = None,
                          b: Optional[str] = None) -> Optional[Divergence]:
         labels = list(self.generations[prompt])
-        a = a or labels[0]
-        b = b or labels[1]
-        for d in self.divergences[prompt]:
-            if {d.a, d.b} == {a, b}:
-                return d
-        return None
+        pair = {a or labels[0], b or labels[1]}
+        return next((d for d in self.divergences[prompt] if {d.a, d.b} == pair), None)
 
     def plot(self, prompt: int = 0, ax=None):
         """Per-step logit margins of every model for one prompt, first divergence marked."""
-
         gens = self.generations[prompt]
         steps = [d.step for d in self.divergences[prompt]]
         return plots.margin_lines({m: g.margin for m, g in gens.items()},
                                   title=f"prompt {prompt}: top1 - top2 logit per step",
                                   diverge=min(steps) if steps else None, ax=ax)
-
-    figure = plot
 
 
 def load_pair(label: str, spec: Any) -> Tuple[Any, Any]:
@@ -111,11 +103,8 @@ def load_pair(label: str, spec: Any) -> Tuple[Any, Any]:
 
 def _top2(logits: np.ndarray) -> Tuple[int, float, float]:
     i = int(np.argmax(logits))  # ties: the lowest id, as mx.argmax and mlx-lm's greedy
-    top1 = float(logits[i])
-    if logits.size < 2:
-        return i, top1, top1
     rest = np.delete(logits, i)
-    return i, top1, float(rest.max())
+    return i, float(logits[i]), float(rest.max() if rest.size else logits[i])
 
 
 def eos_ids(tok: Any) -> set:
@@ -185,9 +174,7 @@ def _decode_lockstep(models: Dict[str, Tuple[Any, Any]], prompt: str, max_tokens
             break
     for m in labels:
         tok = models[m][1]
-        eos = eos_ids(tok)
-        body = [t for t in gens[m].tokens if t not in eos]
-        gens[m].text = tok.decode(body)
+        gens[m].text = tok.decode([t for t in gens[m].tokens if t not in eos_ids(tok)])
     return gens, divs
 
 
@@ -238,12 +225,7 @@ def compare_generations(models: Mapping[str, Any], prompts: Sequence[str] | str,
     summary = {"models": ", ".join(labels), "reference": ref, "prompts": len(prompts),
                "max tokens": max_tokens, "decoding": "greedy (argmax)",
                "prompts with identical outputs": f"{n_identical} of {len(prompts)}"}
-    if any(moe.values()):
-        summary["note"] = MOE_NOTE.format(n=", ".join(f"{k}: {n} blocks"
-                                                      for k, n in moe.items() if n))
-    if any(f32.values()):
-        summary["float32"] = ", ".join(k for k, n in f32.items() if n) + ": " + \
-            next(n for n in f32.values() if n)
+    cpu_notes(summary, moe, f32)
     return GenerationReport(title=f"greedy outputs of {len(labels)} models",
                             rows=rows, summary=summary, flagged=flagged,
                             columns="prompt model tokens diverges_at margin ref_margin gap text".split(),

@@ -8,7 +8,7 @@ place; the caller's report says so (:data:`F32_NOTE`).
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, Dict, List
 
 __all__ = ["NOTE", "moe_float32_on_cpu", "float32_if_refused"]
 
@@ -21,6 +21,16 @@ NOTE = ("MoE expert layers ({n}) ran in float32 on CPU: MLX's CPU GatherMM suppo
 REFUSED_WORDS = "only supports float32"
 F32_NOTE = ("computed in float32 on CPU: MLX's CPU backend refused this model's {dtype} "
             "forward pass ({error}); its weights were cast to float32 for this measurement")
+
+
+def cpu_notes(summary: Dict[str, Any], moe: Dict[str, int], f32: Dict[str, str]) -> None:
+    """A report summary's ``note`` (who ran MoE blocks in float32, label -> blocks) and
+    ``float32`` (who was cast whole, label -> :data:`F32_NOTE`) lines, where any did."""
+    moe, f32 = {k: n for k, n in moe.items() if n}, {k: n for k, n in f32.items() if n}
+    if moe:
+        summary["note"] = NOTE.format(n=", ".join(f"{k}: {n} blocks" for k, n in moe.items()))
+    if f32:
+        summary["float32"] = f"{', '.join(f32)}: {next(iter(f32.values()))}"
 
 
 def refuses_dtype(err: BaseException) -> bool:

@@ -24,6 +24,11 @@ QUANT_COLOR = "#937860"
 OTHER_COLOR = "#8c8c8c"
 
 
+def dtype_color(code: str) -> str:
+    """The colour of a dtype code in every dtype map (figure and widget alike)."""
+    return DTYPE_COLORS.get(code, QUANT_COLOR if code.startswith("Q") else OTHER_COLOR)
+
+
 def _new(ax, size: Tuple[float, float]):
     if ax is not None:
         return ax.figure, ax
@@ -43,7 +48,7 @@ def _show_figures_in_notebooks(figure_cls) -> None:
         return
     ip = get_ipython()
     fmt = ip.display_formatter.formatters.get("image/png") if ip is not None else None
-    if fmt is None or _known(fmt, figure_cls):
+    if fmt is None or figure_cls in fmt:  # IPython formatters: ``in`` looks the type up
         return
 
     def png(fig) -> bytes:
@@ -52,14 +57,6 @@ def _show_figures_in_notebooks(figure_cls) -> None:
         return buf.getvalue()
 
     fmt.for_type(figure_cls, png)
-
-
-def _known(fmt, cls) -> bool:
-    try:
-        fmt.lookup_by_type(cls)
-        return True
-    except KeyError:
-        return False
 
 
 def _fit(n_rows: int, n_cols: int, base: Tuple[float, float] = (4.0, 2.5)) -> Tuple[float, float]:
@@ -76,8 +73,7 @@ def dtype_heatmap(dm, ax=None, part: str = "weight"):
     flags = dm.flag_grid(part)
     names = sorted({c for row in cells for c in row if c},
                    key=lambda c: (c not in DTYPE_COLORS, c))
-    colors = ["#ffffff"] + [DTYPE_COLORS.get(c, QUANT_COLOR if c.startswith("Q")
-                                              else OTHER_COLOR) for c in names]
+    colors = ["#ffffff"] + [dtype_color(c) for c in names]
     index = {c: i + 1 for i, c in enumerate(names)}
     grid = np.array([[index.get(c, 0) for c in row] for row in cells], dtype=float)
     fig, ax = _new(ax, _fit(len(labels), len(kinds)))

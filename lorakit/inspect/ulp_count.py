@@ -21,6 +21,7 @@ import numpy as np
 from .. import kernels
 from .. import numerics as nm
 from ..io.formats.safetensors import FLOAT_CODES, NUMPY_STORAGE
+from ..numerics.ulps import fold_bins
 
 __all__ = ["bits_dtype", "binades"]
 
@@ -192,14 +193,8 @@ class Accumulator:
         fmt = _KERNEL_FMT.get(self.code)
         kernel = scale_kernel() if fmt is not None else None
         if kernel is not None and x.dtype.isnative and y.dtype.isnative:
-            diff, nan, top, total, mabs = kernel.accumulate(
-                np.ascontiguousarray(x), np.ascontiguousarray(y), fmt, self.raw)
-            self.n += n
-            self.differing += diff
-            self.nan += nan
-            self.max_ulp = max(self.max_ulp, top)
-            self.ulp_sum += total
-            self.max_abs = max(self.max_abs, mabs)
+            self._take(n, *kernel.accumulate(np.ascontiguousarray(x), np.ascontiguousarray(y),
+                                              fmt, self.raw))
             return
         w = self.work = (self.work or Scratch(n)).fit(n)
         per = 8 // x.itemsize
@@ -265,16 +260,20 @@ class Accumulator:
         if isinstance(part, int):
             self.equal(part)
             return
-        self.n += part.n
-        self.differing += part.differing
-        self.nan += part.nan
-        self.max_ulp = max(self.max_ulp, part.max_ulp)
-        self.ulp_sum += part.ulp_sum
+        self._take(part.n, part.differing, part.nan, part.max_ulp, part.ulp_sum, part.max_abs)
         self.scale.merge(part.scale)
         if self.raw is not None:
             self.raw += part.raw
+
+    def _take(self, n: int, differing: int, nan: int, top: int, total: int, max_abs) -> None:
+        """Add a piece's totals (the kernel's, or a piece's accumulator's)."""
+        self.n += n
+        self.differing += differing
+        self.nan += nan
+        self.max_ulp = max(self.max_ulp, top)
+        self.ulp_sum += total
         if self.max_abs is not None:
-            self.max_abs = max(self.max_abs, part.max_abs)
+            self.max_abs = max(self.max_abs, max_abs)
 
     def result(self, td: TensorDiff) -> TensorDiff:
         td.elements, td.differing, td.nan_mismatch = self.n, self.differing, self.nan
@@ -282,7 +281,7 @@ class Accumulator:
         td.max_abs = self.max_abs
         if self.raw is not None:
             td.max_ulp, td.ulp_sum = self.max_ulp, float(self.ulp_sum)
-            td.counts = _binned(self.raw, self.nan, self.max_bin)
+            td.counts = fold_bins(self.raw, self.nan, self.max_bin)[1]
         for k, v in self.scale.finish(self.n, self.max_abs).items():
             setattr(td, k, v)
         return td
@@ -314,18 +313,6 @@ def _max_abs(x: np.ndarray, y: np.ndarray, code: str, w: Optional[Scratch] = Non
     # fmax/fmin skip NaN (inf - inf, NaN operands); two reductions beat an abs pass
     m = max(float(np.fmax.reduce(d)), -float(np.fmin.reduce(d)))
     return 0.0 if math.isnan(m) else m
-
-
-def _binned(raw: np.ndarray, nan: int, max_bin: int) -> np.ndarray:
-    """Fold a dense 0..max_bin+1 count vector (NaN mismatches not in it) into
-    ulp_histogram's bins, NaN mismatches last."""
-    counts = [int(c) for c in raw[:4]]
-    lo = 4
-    while lo <= max_bin:
-        counts.append(int(raw[lo:2 * lo].sum()))
-        lo *= 2
-    counts += [int(raw[max_bin + 1]), nan]
-    return np.array(counts, dtype=np.int64)
 
 
 def bin_labels(max_bin: int = DEFAULT_MAX_BIN) -> List[str]:
@@ -360,8 +347,7 @@ def hist_text(labels: Sequence[str], counts: Optional[np.ndarray], top: int = 3)
     return " ".join(f"{labels[i]}:{100 * c[i] / total:.3g}%" for i in sorted(keep))
 
 
-# ---------------------------------------------------------------------------
-# What an ulp distance means at the tensor's scale: relative error, zero crossings.
+# -- What an ulp distance means at the tensor's scale: relative error, zero crossings.
 
 
 #: "near zero": min(|a|, |b|) below 2**NEAR_ZERO_LOG2 * rms(A) (a power of two)
@@ -385,22 +371,12 @@ def ulp_at(value: float, code: str) -> float:
     return 2.0 ** (max(e, f.emin) - f.mantissa_bits)
 
 
-def _values32(x: np.ndarray, code: str) -> np.ndarray:
-    """Storage bits -> float32 values (exact for every format here)."""
-    with np.errstate(invalid="ignore"):
-        if code == "BF16":
-            return (x.astype(np.uint32) << 16).view(np.float32)
-        if code == "F16":
-            return x.view(np.float16).astype(np.float32)
-        return x.view(np.float32)
-
-
 def sumsq(x: np.ndarray, code: str, kernel: Any = None) -> float:
     """Sum of squares of a piece's values (storage bits); inf or NaN give inf or NaN."""
     if kernel is not None and hasattr(kernel, "sumsq"):
         return kernel.sumsq(np.ascontiguousarray(x), _KERNEL_FMT[code])
     # float64 sums (a float32 dot's rounding depends on the BLAS build), 2**20 at a time
-    v, total = _values32(x, code).reshape(-1), 0.0
+    v, total = nm.to_float32(x, code).reshape(-1), 0.0
     with np.errstate(over="ignore", invalid="ignore"):
         for s in range(0, v.size, 1 << 20):
             c = v[s:s + (1 << 20)].astype(np.float64)
@@ -495,7 +471,7 @@ class ScaleStats:
         v = np.where(sg, am + bm, np.abs(am - bm))
         lo = np.minimum(am, bm)
         nz = (am != 0) & (bm != 0)
-        va, vb = _values32(xa, self.code), _values32(yb, self.code)
+        va, vb = nm.to_float32(xa, self.code), nm.to_float32(yb, self.code)
         with np.errstate(invalid="ignore", over="ignore"):
             d = (va - vb).astype(np.float64)
         if max(int(am.max(initial=0)), int(bm.max(initial=0))) >= f.inf_bits:

@@ -144,13 +144,17 @@ def ulp_histogram(distances: Any, max_bin: int = 1023) -> tuple[list[str], np.nd
     n_nan = 0
     if raw[max_bin + 1] and d.dtype == np.int64:  # sentinels sit in the top bin
         n_nan = int(np.count_nonzero(d == NAN_MISMATCH))
-    labels = ["0", "1", "2", "3"]
-    counts = [int(c) for c in raw[:4]]
-    lo = 4
+        raw[max_bin + 1] -= n_nan
+    return fold_bins(raw, n_nan, max_bin)
+
+
+def fold_bins(raw: np.ndarray, nan: int, max_bin: int) -> tuple[list[str], np.ndarray]:
+    """Dense counts of distances 0..max_bin and one overflow counter (``raw``) folded into
+    :func:`ulp_histogram`'s bins, ``nan`` last: (labels, int64 counts)."""
+    labels, counts, lo = ["0", "1", "2", "3"], [int(c) for c in raw[:4]], 4
     while lo <= max_bin:
         labels.append(f"{lo}-{2 * lo - 1}")
         counts.append(int(raw[lo:2 * lo].sum()))
         lo *= 2
-    labels += [f">{max_bin}", "nan"]
-    counts += [int(raw[max_bin + 1]) - n_nan, n_nan]
-    return labels, np.array(counts, dtype=np.int64)
+    return labels + [f">{max_bin}", "nan"], np.array(counts + [int(raw[max_bin + 1]), nan],
+                                                        dtype=np.int64)

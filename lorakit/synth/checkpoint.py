@@ -70,8 +70,7 @@ def _write_checkpoint(tmp: Path, plan: List[Tuple[str, Tuple[int, ...]]], code: 
     meta = {"format": "mlx" if layout == "mlx" else "pt", "lorakit_synth": f"{name} seed={seed}"}
     total = sum(p.nbytes for p in planned)
     weight_map: Dict[str, str] = {}
-    bar = progress_bar(progress, total, "synth")
-    try:
+    with progress_bar(progress, total, "synth") as bar:
         for file, shard in zip(files, shards):
             with SafetensorsWriter(tmp / file, shard, meta) as w:
                 for p in shard:
@@ -79,8 +78,6 @@ def _write_checkpoint(tmp: Path, plan: List[Tuple[str, Tuple[int, ...]]], code: 
                     chunks = sampler.chunks(p.name, numel, _fill_kind(p.name, p.shape))
                     w.write_chunks(p.name, _counted(chunks, bar))
                     weight_map[p.name] = file
-    finally:
-        bar.close()
     if len(files) > 1 or layout == "mlx":  # mlx-lm writes an index even for one shard
         meta_index: Dict[str, Any] = {"total_size": total}
         if layout == "mlx":

@@ -7,10 +7,9 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from .. import numerics as nm
 from ..errors import AdapterError, FormatError
-from ..fusion.quant import dequantize_raw
 from ..io.adapters.naming import logical_shape
+from ..io.formats.weights import weight_f64
 from .presets import _KEY_ALIASES, _MIXTRAL
 
 __all__ = []
@@ -93,13 +92,7 @@ def _row_norms(ck, site: _Site) -> np.ndarray:
     """Row norms of the base weight in f32 ((experts,) out), as DoRA's magnitude starts."""
     norms = []
     for t in site.weights:
-        module = t[: -len(".weight")]
-        info = ck.tensors[t]
-        if ck.quant_params(module) is not None:
-            raw, code = dequantize_raw(ck, module, "F32"), "F32"
-        else:
-            raw, code = ck.read(t), info.dtype
-        w = nm.to_float32(raw, nm.float_format(code)) if code != "F64" else raw.astype(np.float32)
+        w = weight_f64(ck, t).astype(np.float32)  # dequantized when packed
         norms.append(np.sqrt(np.einsum("...ij,...ij->...i", w, w, dtype=np.float64))
                      .astype(np.float32))
     res = np.stack(norms) if len(norms) > 1 else norms[0]

@@ -29,15 +29,10 @@ _CHAT_TEMPLATES = {
 
 def _byte_chars() -> List[str]:
     """GPT-2's byte-to-character map: byte b is token b's text in a byte-level BPE."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    chars = {b: chr(b) for b in keep}
-    n = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + n)
-            n += 1
-    return [chars[b] for b in range(256)]
+    kept = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)}
+    moved = iter(range(256, 512))  # the other bytes, in order, past 255
+    return [chr(b if b in kept else next(moved)) for b in range(256)]
 
 
 def _family(model_type: str) -> Optional[str]:

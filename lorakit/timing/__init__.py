@@ -2,14 +2,9 @@
 :class:`DecodeTiming` table. Importing this package loads nothing heavy."""
 from __future__ import annotations
 
-from typing import Any
+from ..lazy import lazy_exports
 
 __all__ = ["time_decode", "DecodeTiming", "VariantTiming", "VARIANTS"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from . import decode, table
-
-        return getattr(decode if name == "time_decode" else table, name)
-    raise AttributeError(f"module 'lorakit.timing' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, {
+    n: ("lorakit.timing." + ("decode" if n == "time_decode" else "table"), n) for n in __all__})

@@ -47,7 +47,7 @@ def load_seed(path: Union[str, Path] = "seed-report.json") -> Report:
 def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
     """One row per variant, per run its ratios, the ratio its weight bytes predict, its
     verdict and why ("bytes explain it" or "not the bytes"); flagged if flagged in any run."""
-    names = [n for n in VARIANTS if any(_has(t, n) for t in runs.values())]
+    names = [n for n in VARIANTS if any(t.ran(n) for t in runs.values())]
     rows: List[Dict[str, object]] = []
     flagged: List[int] = []
     columns = ["variant"]
@@ -58,14 +58,14 @@ def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
         row: Dict[str, object] = {"variant": n}
         hit = False
         for label, t in runs.items():
-            if not _has(t, n):
+            if not t.ran(n):
                 continue
             d = t.verdicts().get(n, {})
             lo, hi = t.interval(n)
-            row[f"{label} decode x base"] = _round(t.ratio(n, "decode"))
+            row[f"{label} decode x base"] = round(t.ratio(n, "decode"), 2)
             row[f"{label} interval"] = "" if math.isnan(lo) else f"{lo:.2f}-{hi:.2f}"
-            row[f"{label} weights x base"] = _round(d.get("bytes_ratio", 1.0))
-            row[f"{label} bytes predict"] = _round(d.get("bytes_predicted", 1.0))
+            row[f"{label} weights x base"] = round(d.get("bytes_ratio", 1.0), 2)
+            row[f"{label} bytes predict"] = round(d.get("bytes_predicted", 1.0), 2)
             row[f"{label} verdict"] = verdict_words(d)
             row[f"{label} why"] = d.get("why", "")
             hit = hit or bool(d.get("speed_flag") or d.get("bytes_flag"))
@@ -78,11 +78,3 @@ def side_by_side(runs: Dict[str, DecodeTiming]) -> Report:
                for label, t in runs.items()}
     return Report(title="decode timing side by side: " + " | ".join(runs), rows=rows,
                   summary=summary, flagged=flagged, columns=columns)
-
-
-def _has(t: DecodeTiming, name: str) -> bool:
-    return any(v.variant == name and v.ok for v in t.variants)
-
-
-def _round(x: float) -> float:
-    return x if math.isnan(x) else round(x, 2)

@@ -24,7 +24,7 @@ from ..errors import ArgumentError, LorakitError, PathLike
 from ..fusion.fuse import fuse
 from ..io.formats import source
 from ..io.formats.safetensors import read_header
-from ..progress import progress_bar
+from ..progress import ProgressBar, progress_bar
 from .kl_column import kl_tokens, kl_vs_unfused
 from .table import ADAPTER_FILES, FUSED_VARIANTS, VARIANTS, DecodeTiming, VariantTiming
 from .worker import MARK, TOKENIZER_FILES
@@ -59,10 +59,6 @@ def auto_rounds(weight_bytes: int) -> int:
     return 5 if weight_bytes < 1e9 else 3 if weight_bytes < 20e9 else 2
 
 
-def _has_tokenizer(path: Path) -> bool:
-    return any((path / f).exists() for f in TOKENIZER_FILES)
-
-
 def _child_env() -> Dict[str, str]:
     # the worker must import this lorakit, also from a source tree that is not installed
     env = dict(os.environ)
@@ -74,7 +70,7 @@ def _child_env() -> Dict[str, str]:
 
 def _make_mlx_lm_fused(model: Path, adapter: Path, out: Path, python: str) -> str:
     """Run the ``mlx_lm fuse`` command; if it cannot run, say why and fall back."""
-    if _has_tokenizer(model):
+    if any((model / f).exists() for f in TOKENIZER_FILES):
         args = ["--model", str(model), "--adapter-path", str(adapter), "--save-path", str(out)]
         cmd = [python, "-m", "mlx_lm", "fuse", *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
@@ -144,7 +140,7 @@ def _run_worker(spec: Dict[str, Any], python: str, on_run: Callable[[Dict[str, A
 
 
 def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
-                  spec: Dict[str, Any], python: str, bar: Any, cancel: Any,
+                  spec: Dict[str, Any], python: str, bar: ProgressBar, cancel: Any,
                   timeout: Optional[float], keep: Optional[Dict[str, str]] = None
                   ) -> VariantTiming:
     """Make a fused variant's checkpoint, time it in a worker and remove it again (with
@@ -155,8 +151,7 @@ def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
     if keep is not None and n in keep:
         v.note, path = keep[n], work / n
     elif n in FUSED_VARIANTS:
-        if bar is not None:
-            bar.set_postfix_str(f"making {n}")
+        bar.set_postfix_str(f"making {n}")
         t0 = time.perf_counter()
         try:
             assert adapter is not None, "a fused variant needs an adapter"
@@ -167,23 +162,20 @@ def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
         except LorakitError as e:
             v.error = e.message
         v.prepare_s = time.perf_counter() - t0
-        if bar is not None:
-            bar.update(1)
+        bar.update(1)
     try:
         if v.error is None:
-            if bar is not None:
-                bar.set_postfix_str(n)
+            bar.set_postfix_str(n)
             done = [0]
 
             def on_run(ev: Dict[str, Any]) -> None:
-                if ev["event"] == "run" and bar is not None:
+                if ev["event"] == "run":
                     done[0] += 1
                     bar.update(1)
 
             job = dict(spec, model=str(path), adapter_path=str(adapter) if n == "unfused" else None)
             ev = _run_worker(job, python, on_run, cancel, timeout)
-            if bar is not None:
-                bar.update(runs - done[0])
+            bar.update(runs - done[0])
             if ev["event"] == "error":
                 v.error = ev.get("message") or ev.get("type") or "worker failed"
             else:
@@ -191,7 +183,7 @@ def _time_variant(n: str, model: Path, adapter: Optional[Path], work: Path,
                     if k != "event" and k in VariantTiming.__dataclass_fields__:
                         setattr(v, k, x)
                 v.weight_bytes = weight_bytes(path, adapter if n == "unfused" else None)
-        elif bar is not None:
+        else:
             bar.update(runs)
     finally:
         if path != model and keep is None:
@@ -282,9 +274,7 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
     settings = {"model": str(model), "adapter_path": adapter_s, **opts.settings()}
     result = DecodeTiming(title="", settings=settings)
     steps = sum(n in FUSED_VARIANTS for n in names) + len(names) * runs * rounds
-    bar = None
-    if progress:
-        bar = progress_bar(progress, steps, "decode timing", unit="step", leave=True)
+    bar = progress_bar(progress, steps, "decode timing", unit="step", leave=True)
     spec = {k: getattr(opts, k) for k in _SPEC}
     workdir = str(opts.workdir) if opts.workdir is not None else None
     work = Path(tempfile.mkdtemp(prefix="lorakit-timing-", dir=workdir))
@@ -309,8 +299,7 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
             assert adapter is not None and keep is not None
             paths = {n: model if n == "base" else work / n for n, v in pooled.items()
                      if v.ok and (n in ("base", "unfused") or n in keep)}
-            if bar is not None:
-                bar.set_postfix_str("KL vs unfused")
+            bar.set_postfix_str("KL vs unfused")
             result.settings["kl_tokens"] = n_kl
             try:  # the timing is kept whatever happens to the KL column
                 kls = kl_vs_unfused(model, adapter, paths, n_kl)
@@ -322,6 +311,5 @@ def time_decode(model: PathLike, adapter_path: Optional[PathLike] = None, *,
             result.refresh()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        if bar is not None:
-            bar.close()
+        bar.close()
     return result

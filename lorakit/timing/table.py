@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import ArgumentError
-from ..inspect.moe_cpu import NOTE as MOE_NOTE
+from ..inspect.moe_cpu import cpu_notes
 from ..report import Report
 from .stats import (
     BYTES_THRESHOLD,
@@ -117,18 +117,9 @@ def _gb(n: float) -> float:
     return n / 1e9
 
 
-def _dtypes_text(by_dtype: Dict[str, int]) -> str:
-    return " + ".join(f"{k} {human_bytes(v)}" for k, v in
-                      sorted(by_dtype.items(), key=lambda kv: -kv[1]))
-
-
 def verdict_words(vd: Dict[str, Any]) -> str:
     """A variant's verdict cell from :meth:`DecodeTiming.verdicts` (none: the reference)."""
     return "; ".join(w for w in (vd.get("bytes"), vd.get("speed")) if w) if vd else "reference"
-
-
-def _prefix_match(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @dataclass(repr=False)
@@ -188,14 +179,14 @@ class DecodeTiming(Report):
                 return v
         raise KeyError(name)
 
-    def _ok(self, name: str) -> Optional[VariantTiming]:
+    def ran(self, name: str) -> Optional[VariantTiming]:
         """The variant if it is there and ran, else None."""
         v = next((v for v in self.variants if v.variant == name), None)
         return v if v is not None and v.ok else None
 
     def ratio(self, name: str, what: str = "decode") -> float:
         """``name``'s median tok/s (or peak memory) over base's; nan when either is missing."""
-        base, v = self._ok("base"), self._ok(name)
+        base, v = self.ran("base"), self.ran(name)
         if base is None or v is None:
             return math.nan
         if what == "decode":
@@ -208,7 +199,7 @@ class DecodeTiming(Report):
 
     def interval(self, name: str) -> tuple:
         """The paired bootstrap interval of ``name``'s decode ratio to base (nan if missing)."""
-        base, v = self._ok("base"), self._ok(name)
+        base, v = self.ran("base"), self.ran(name)
         if base is None or v is None:
             return math.nan, math.nan
         if name == "base":
@@ -219,7 +210,7 @@ class DecodeTiming(Report):
 
     def noise_band(self) -> tuple:
         """The base against itself (:func:`lorakit.timing.stats.noise_band`)."""
-        base = self._ok("base")
+        base = self.ran("base")
         if base is None:
             return math.nan, math.nan
         return noise_band(base.decode_tps, base.run_rounds or None,
@@ -236,7 +227,7 @@ class DecodeTiming(Report):
     def verdicts(self) -> Dict[str, Dict[str, Any]]:
         """Per variant: the ratios, their words and flags (``speed_flag``, ``bytes_flag``)."""
         out: Dict[str, Dict[str, Any]] = {}
-        base, band = self._ok("base"), self.noise_band()
+        base, band = self.ran("base"), self.noise_band()
         for v in self.variants:
             if not v.ok or base is None or v.variant == "base":
                 continue
@@ -260,13 +251,15 @@ class DecodeTiming(Report):
         self.title = (f"Decode timing: {Path(s.get('model', '?')).name}"
                       + (f" + {Path(s['adapter_path']).name}" if s.get("adapter_path") else ""))
         dev = next((v.device for v in self.variants if v.device), {})
+        name = dev.get("device_info", {}).get("device_name", "")
         peak = "MLX peak (mx.get_peak_memory)" if dev.get("kind") == "gpu" else "process peak RSS"
         versions = f"mlx {dev.get('mlx')}, mlx-lm {dev.get('mlx_lm')}, python {dev.get('python')}"
         self.summary = {
             "model": s.get("model", ""), "adapter": s.get("adapter_path") or "-",
             "prompt / decode tokens": f"{s.get('prompt_tokens')} / {s.get('tokens')}",
             "repeats": f"{s.get('repeats')} after {s.get('warmup')} warm-up",
-            "device": _device_text(dev),
+            "device": (f"{dev.get('device')} [{dev.get('backend')}]"
+                       + (f" {name}" if name else "")) if dev else "",
             "peak memory": peak if dev else "",
             "versions": versions if dev else "",
         }
@@ -291,14 +284,8 @@ class DecodeTiming(Report):
                                              "of the embedded corpus, after timing"
                                              + (f"; failed: {s['kl_error']}"
                                                 if s.get("kl_error") else ""))
-        moe = {v.variant: v.moe_f32_blocks for v in self.variants if v.moe_f32_blocks}
-        if moe:
-            self.summary["note"] = MOE_NOTE.format(n=", ".join(f"{k}: {n} blocks"
-                                                              for k, n in moe.items()))
-        f32 = [v.variant for v in self.variants if v.float32_note]
-        if f32:
-            note = next(v.float32_note for v in self.variants if v.float32_note)
-            self.summary["float32"] = f"{', '.join(f32)}: {note}"
+        cpu_notes(self.summary, {v.variant: v.moe_f32_blocks for v in self.variants},
+                  {v.variant: v.float32_note for v in self.variants})
         verdicts = self.verdicts()
         ref = next((v.tokens for v in self.variants if v.variant == "unfused" and v.ok), None)
         rows: List[Dict[str, Any]] = []
@@ -325,7 +312,8 @@ class DecodeTiming(Report):
                 "peak GB": _gb(v.peak_bytes),
                 "peak x base": pr,
                 "weights GB": _gb(v.weights_total),
-                "weight dtypes": _dtypes_text(v.weight_bytes),
+                "weight dtypes": " + ".join(f"{k} {human_bytes(n)}" for k, n in sorted(
+                    v.weight_bytes.items(), key=lambda kv: -kv[1])),
                 "weights x base": vd.get("bytes_ratio", 1.0),
                 "verdict": verdict_words(vd),
                 "why": vd.get("why", ""),
@@ -333,7 +321,9 @@ class DecodeTiming(Report):
             if v.kl_vs_unfused is not None:
                 row["KL vs unfused"] = v.kl_vs_unfused
             if ref is not None:
-                row["= unfused tokens"] = f"{_prefix_match(v.tokens, ref)}/{len(ref)}"
+                same = next((i for i, (x, y) in enumerate(zip(v.tokens, ref)) if x != y),
+                            min(len(v.tokens), len(ref)))
+                row["= unfused tokens"] = f"{same}/{len(ref)}"
             rows.append(row)
             if vd.get("speed_flag") or vd.get("bytes_flag"):
                 flagged.append(i)
@@ -421,10 +411,3 @@ def device_where(variants: Sequence[VariantTiming]) -> str:
     dev = next((v.device for v in variants if v.device), {})
     name = dev.get("device_info", {}).get("device_name", "")
     return " ".join(x for x in (dev.get("backend", ""), name) if x)
-
-
-def _device_text(dev: Dict[str, Any]) -> str:
-    if not dev:
-        return ""
-    name = dev.get("device_info", {}).get("device_name", "")
-    return f"{dev.get('device')} [{dev.get('backend')}]" + (f" {name}" if name else "")

@@ -81,10 +81,8 @@ def device_facts() -> Dict[str, Any]:
     except Exception:
         info = {}
     kind = "gpu" if dev.type == mx.gpu else "cpu"
-    backend = "cpu"
-    if kind == "gpu":
-        backend = "metal" if mx.metal.is_available() else ("cuda" if _cuda_available()
-                                                           else "gpu")
+    backend = "cpu" if kind == "cpu" else "metal" if mx.metal.is_available() else (
+        "cuda" if _cuda_available() else "gpu")
     return {"device": str(dev), "kind": kind, "backend": backend,
             "metal": bool(mx.metal.is_available()), "cuda": _cuda_available(),
             "device_info": info, "mlx": mx.__version__, "mlx_lm": mlx_lm_version,
@@ -98,10 +96,10 @@ class _NullDetokenizer:
     last_segment = ""
     text = ""
 
-    def _nothing(self, *_: Any) -> None:
+    def reset(self, *_: Any) -> None:
         pass
 
-    reset = add_token = finalize = _nothing
+    add_token = finalize = reset
 
 
 def load_tokenizer(model_path: Path, config: Dict[str, Any]):
@@ -145,9 +143,7 @@ def one_run(model: Any, tok: Any, prompt: Any, tokens: int) -> Dict[str, Any]:
     from mlx_lm.generate import stream_generate  # lazy: after select_device
 
     out: List[int] = []
-    t0 = time.perf_counter()
-    ttft = None
-    last = None
+    t0, ttft, last = time.perf_counter(), None, None
     for resp in stream_generate(model, tok, prompt, max_tokens=tokens):
         if ttft is None:
             ttft = time.perf_counter() - t0

@@ -28,19 +28,15 @@ def find_data(start: Optional[PathLike] = None) -> Optional[Path]:
     return beside if (beside / _MARKER).is_dir() else None
 
 
-def is_checkpoint(p: Path) -> bool:
-    return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
-
-
-def is_adapter(p: Path) -> bool:
-    return (p / "adapter_config.json").is_file() and any(p.glob("*.safetensors"))
+def _holds(p: Path, config: str) -> bool:
+    return p.is_dir() and (p / config).is_file() and any(p.glob("*.safetensors"))
 
 
 def checkpoints(data: Optional[PathLike]) -> Dict[str, Path]:
     """Checkpoint directories directly under ``data`` (label -> path), sorted."""
     if data is None or not Path(data).is_dir():
         return {}
-    return {p.name: p for p in sorted(Path(data).iterdir()) if p.is_dir() and is_checkpoint(p)}
+    return {p.name: p for p in sorted(Path(data).iterdir()) if _holds(p, "config.json")}
 
 
 def adapters(data: Optional[PathLike]) -> Dict[str, Path]:
@@ -51,6 +47,6 @@ def adapters(data: Optional[PathLike]) -> Dict[str, Path]:
     for root in (Path(data) / "adapters", Path(data)):
         if root.is_dir():
             for p in sorted(root.iterdir()):
-                if p.is_dir() and is_adapter(p):
+                if _holds(p, "adapter_config.json"):
                     found.setdefault(p.name, p)
     return found

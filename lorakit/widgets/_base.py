@@ -37,13 +37,6 @@ def htmls(prefix: str, *names: str) -> List[W.HTML]:
     return [hook(W.HTML(""), f"{prefix}-{n}") for n in names]
 
 
-def figure_png(fig: Any, dpi: int = 96) -> bytes:
-    """A matplotlib Figure as PNG bytes (works with pyplot-free ``Figure`` objects)."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
-
-
 class FigureView(W.Image):
     """An image widget showing one matplotlib Figure; ``.figure`` keeps the Figure."""
 
@@ -56,8 +49,10 @@ class FigureView(W.Image):
         hook(self, name)
 
     def show(self, fig: Any) -> None:
-        self.figure = fig
-        self.value = figure_png(fig) if fig is not None else b""
+        self.figure, buf = fig, io.BytesIO()
+        if fig is not None:
+            fig.savefig(buf, format="png", dpi=96)
+        self.value = buf.getvalue()
         self.layout.display = None if fig is not None else "none"
 
     def clear(self) -> None:
@@ -82,12 +77,6 @@ def rows_html(rows: list, columns: list, flagged: Optional[set] = None,
                  row_styles={i: FLAGGED for i in flagged or ()})
 
 
-def error_html(exc: BaseException) -> str:
-    """A user-facing error: lorakit's own errors carry file, tensor and a hint."""
-    return (f"<div style='color:#a00;white-space:pre-wrap'><b>{escape(type(exc).__name__)}"
-            f"</b>: {escape(exc)}</div>")
-
-
 def facts_html(facts: Dict[str, Any]) -> str:
     """Key/value facts (values formatted like report cells) as a two-column table."""
     return facts_table(((k, format_value(v)) for k, v in facts.items()), key_style=KEY_STYLE)
@@ -102,7 +91,10 @@ class ErrorBox(W.HTML):
         self.layout.display = "none"
 
     def show(self, exc: Optional[BaseException]) -> None:
-        self.value = error_html(exc) if exc is not None else ""
+        # lorakit's own errors carry file, tensor and a hint in their text
+        name = escape(type(exc).__name__)
+        self.value = "" if exc is None else (
+            f"<div style='color:#a00;white-space:pre-wrap'><b>{name}</b>: {escape(exc)}</div>")
         self.layout.display = None if exc is not None else "none"
 
     def attempt(self, action: Callable[[], Any], status: Optional[W.HTML] = None) -> Any:

@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Tuple
 import ipywidgets as W
 
 from ..inspect.dtypes import DtypeMap, dtype_map
-from ..inspect.plots import DTYPE_COLORS, OTHER_COLOR, QUANT_COLOR
+from ..inspect.plots import dtype_color
 from ..layers import kind_label
 from ..report import escape
 from ._base import ErrorBox, FigureView, hook, rows_html, summary_html
@@ -15,13 +15,6 @@ from ._base import ErrorBox, FigureView, hook, rows_html, summary_html
 __all__ = ["DtypeMapView"]
 
 DETAIL_COLUMNS = ["tensor", "dtype", "shape", "bytes", "flag"]
-
-
-def _color(code: str) -> str:
-    # the same colours as the report's heatmap, so the grid and the figure agree
-    if code in DTYPE_COLORS:
-        return DTYPE_COLORS[code]
-    return QUANT_COLOR if code.startswith("Q") else OTHER_COLOR
 
 
 class DtypeMapView(W.VBox):
@@ -76,7 +69,7 @@ class DtypeMapView(W.VBox):
             for kind, code, flag in zip(kinds, row, frow):
                 b = W.Button(description=code, layout=W.Layout(width="auto", height="24px",
                                                              padding="0px"))
-                b.style.button_color = _color(code) if code else "#ffffff"
+                b.style.button_color = dtype_color(code) if code else "#ffffff"
                 b.style.text_color = "white" if code else "#999999"
                 b.style.font_weight = "bold" if flag else ""
                 b.tooltip = self._tooltip(lab, kind)

@@ -20,7 +20,7 @@ from .dtypes import majority_dtype
 from .paths import check_model_dir, is_hub_blob, load_json, safe_member, user_path
 from .safetensors import FLOAT_CODES, TensorInfo, _file_kind, raw_to_mx, read_header, read_raw
 
-__all__ = ["INDEX_NAME", "QuantParams", "Checkpoint"]
+__all__ = ["INDEX_NAME", "QuantParams", "Checkpoint", "TensorSource"]
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -66,9 +66,49 @@ def _check_packing(w: TensorInfo, s: TensorInfo, gs: int, bits: int, mode: str,
             "with (mxfp4 / nvfp4 / mxfp8 keep uint8 scales and no biases)" if affine else None)
 
 
-class Checkpoint:
-    """A base checkpoint directory, opened lazily (a
-    :class:`~lorakit.io.formats.source.TensorSource` of ``kind == "checkpoint"``).
+class TensorSource:
+    """What every tensor source offers (:func:`lorakit.io.formats.source.open` gives one):
+    ``kind`` (checkpoint, adapter, file, model), a ``label`` for tables, ``path``,
+    ``config`` (``{}`` when none), ``tensors`` (name -> dtype code and shape, in file
+    order, read without touching data), ``read(name, rows=None)`` (raw numpy storage, bf16
+    as uint16 bits), ``file_info`` (where a tensor's bytes lie on disk, None in memory),
+    ``quant_params`` (a quantized module's packing, else None) and ``dtype`` (the
+    majority float dtype, :func:`~lorakit.io.formats.dtypes.majority_dtype`)."""
+
+    kind: str = "file"
+    label: str = ""
+    path: Path
+    config: Dict[str, Any]
+    tensors: Dict[str, Any]
+
+    def read(self, name: str, rows: Optional[slice] = None) -> np.ndarray:
+        raise NotImplementedError
+
+    def file_info(self, name: str) -> Optional[TensorInfo]:
+        t = self.tensors.get(name)
+        return t if isinstance(t, TensorInfo) else None
+
+    def quant_params(self, module: str) -> Optional[QuantParams]:
+        return None
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type", "unknown"))
+
+    @property
+    def dtype(self) -> str:
+        return majority_dtype(self.tensors.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} {self.label}: {len(self.tensors)} tensors>"
+
+
+class Checkpoint(TensorSource):
+    """A base checkpoint directory, opened lazily (a :class:`TensorSource` of ``kind ==
+    "checkpoint"``).
 
     >>> ck = Checkpoint("data/tiny-qwen3"); ck.dtype, len(ck.tensors)
     ('BF16', 46)
@@ -140,10 +180,6 @@ class Checkpoint:
                                       found=("in " + info.file.name) if info else "absent")
 
     @property
-    def model_type(self) -> str:
-        return str(self.config.get("model_type", "unknown"))
-
-    @property
     def quantization(self) -> Optional[Dict[str, Any]]:
         q = self._quant_config()
         if isinstance(q, dict) and "bits" in q and "group_size" in q:
@@ -192,9 +228,6 @@ class Checkpoint:
                        "override" if override is not None else "top level")
         return QuantParams(int(gs), int(bits), mode)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
     def info(self, name: str) -> TensorInfo:
         try:
             return self.tensors[name]
@@ -210,15 +243,6 @@ class Checkpoint:
         """One tensor as an ``mx.array`` in its stored dtype."""
         info = self.info(name)
         return raw_to_mx(read_raw(info), info.dtype)
-
-    def file_info(self, name: str) -> Optional[TensorInfo]:
-        """Where the tensor's bytes lie on disk (None if there is no such tensor)."""
-        return self.tensors.get(name)
-
-    @property
-    def dtype(self) -> str:
-        """The majority float dtype of the checkpoint, by element count (e.g. ``"BF16"``)."""
-        return majority_dtype(self.tensors.values())
 
     @property
     def nbytes(self) -> int:

@@ -56,10 +56,8 @@ def load_json(path: Path, what: str) -> Any:
 def is_hub_blob(link: Path, target: Path) -> bool:
     """A hub snapshot file: <repo>/snapshots/<rev>/name -> <repo>/blobs/<hash>."""
     parts = link.parent.resolve().parts
-    if len(parts) < 3 or parts[-2] != "snapshots":
-        return False
-    repo = Path(*parts[:-2])
-    return target.parent == repo / "blobs"
+    return len(parts) >= 3 and parts[-2] == "snapshots" and \
+        target.parent == Path(*parts[:-2]) / "blobs"
 
 
 def safe_member(directory: Path, name: Any, *, source: Path, what: str,
@@ -164,9 +162,8 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
 
 def _looks_local(text: str, p: Path) -> bool:
     """Whether a missing model path was meant as a local path, not a hub repo id."""
-    if not _REPO_ID.fullmatch(text) or text.startswith(("~", ".")) or "\\" in text:
-        return True
-    if os.sep != "/" and os.sep in text:
+    if not _REPO_ID.fullmatch(text) or text.startswith(("~", ".")) or "\\" in text or (
+            os.sep != "/" and os.sep in text):
         return True
     try:
         return p.parent.is_dir()  # data/tiny-qwen where data/ exists: a typo, not a repo

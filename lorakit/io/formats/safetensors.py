@@ -12,6 +12,7 @@ API cannot), only the bytes asked for.
 from __future__ import annotations
 
 import json
+import math
 import re
 import stat
 import struct
@@ -187,10 +188,7 @@ def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
     >>> nbytes_of("BF16", (2, 3)), nbytes_of("F4", (4,)), nbytes_of("F6_E2M3", (4,))
     (12, 2, 3)
     """
-    n = DTYPE_BITS[dtype]
-    for d in shape:
-        n *= int(d)
-    return n // 8
+    return DTYPE_BITS[dtype] * math.prod(int(d) for d in shape) // 8
 
 
 @dataclass(frozen=True)
@@ -204,10 +202,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= int(d)
-        return n
+        return math.prod(int(d) for d in self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -249,12 +244,6 @@ class SafetensorsHeader:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def _bad(path: Path, message: str, tensor: Optional[str] = None, expected: Optional[str] = None,
-         found: Optional[str] = None) -> FormatError:
-    return FormatError(f"not a valid safetensors file: {message}", file=path, tensor=tensor,
-                       expected=expected, found=found)
-
-
 def _file_kind(mode: int) -> str:
     kinds = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket",
              stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
@@ -290,41 +279,42 @@ def read_header(path: PathLike) -> SafetensorsHeader:
         st = path.stat()
         if not stat.S_ISREG(st.st_mode):
             # a FIFO or device would block or stream forever; a directory cannot be read
-            raise _bad(path, "not a regular file", None, "a regular file", _file_kind(st.st_mode))
+            raise Bad("not a regular file", None, "a regular file", _file_kind(st.st_mode))
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise _bad(path, "file shorter than the 8-byte header length", None,
-                           ">= 8 bytes", f"{len(head)} bytes")
+                raise Bad("file shorter than the 8-byte header length", None, ">= 8 bytes",
+                          f"{len(head)} bytes")
             (n,) = struct.unpack("<Q", head)
             if n > st.st_size - 8:
-                raise _bad(path, "header length is larger than the file", None,
-                           f"<= {st.st_size - 8} bytes", f"{n} bytes")
+                raise Bad("header length is larger than the file", None,
+                          f"<= {st.st_size - 8} bytes", f"{n} bytes")
             if n > MAX_HEADER_BYTES:
-                raise _bad(path, "header is implausibly large", None,
-                           f"<= {MAX_HEADER_BYTES} bytes", f"{n} bytes")
+                raise Bad("header is implausibly large", None, f"<= {MAX_HEADER_BYTES} bytes",
+                          f"{n} bytes")
             raw = f.read(n)
-    except OSError as e:
-        raise FormatError(f"cannot read safetensors file: {e.strerror or e}", file=path,
-                          expected="a readable file", found=type(e).__name__) from None
-    try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
-    except (ValueError, RecursionError) as e:  # JSON, UTF-8 and int-size errors
-        raise _bad(path, "header is not JSON", None, "a UTF-8 JSON object",
-                   f"{type(e).__name__}: {str(e)[:80]}") from None
-    try:
+        try:
+            obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
+        except (ValueError, RecursionError) as e:  # JSON, UTF-8 and int-size errors
+            raise Bad("header is not JSON", None, "a UTF-8 JSON object",
+                      f"{type(e).__name__}: {str(e)[:80]}") from None
         if not isinstance(obj, dict):
             raise Bad("header is not a JSON object", None, "a JSON object", type(obj).__name__)
         meta, infos = _check_header(path, obj, 8 + n, st.st_size - 8 - n)
+        if not _plain(raw):
+            try:  # the reference's verdict (it imports numpy: a plain header does not need it)
+                with safe_open(str(path), framework="numpy"):
+                    pass
+            except SafetensorError as e:
+                raise Bad("the reference parser refuses the header", None,
+                          "a header safetensors reads", str(e).split("header: ", 1)[-1][:200])
+    except OSError as e:
+        raise FormatError(f"cannot read safetensors file: {e.strerror or e}", file=path,
+                          expected="a readable file", found=type(e).__name__) from None
     except Bad as e:
-        raise _bad(path, *e.args) from None
-    if not _plain(raw):
-        try:  # the reference's verdict (it imports numpy: a plain header does not need it)
-            with safe_open(str(path), framework="numpy"):
-                pass
-        except SafetensorError as e:
-            raise _bad(path, "the reference parser refuses the header", None,
-                       "a header safetensors reads", str(e).split("header: ", 1)[-1][:200])
+        message, tensor, expected, found = e.args
+        raise FormatError(f"not a valid safetensors file: {message}", file=path, tensor=tensor,
+                          expected=expected, found=found) from None
     return SafetensorsHeader(path, 8 + n, meta, {t.name: t for t in infos})
 
 

@@ -9,14 +9,13 @@ one door every verb reads its inputs through.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 if TYPE_CHECKING:
     import numpy as np
 
 from ...errors import FormatError, PathLike
-from .checkpoint import Checkpoint, QuantParams
-from .dtypes import majority_dtype
+from .checkpoint import Checkpoint, QuantParams, TensorSource
 from .paths import load_json, resolve_model_path, safe_member, stat_path, user_path
 from .safetensors import MX_CODES, TensorInfo, TensorSpec, mx_to_raw, read_header, read_raw
 
@@ -27,73 +26,7 @@ _ADAPTER_CONFIG = "adapter_config.json"
 _ADAPTER_WEIGHTS = ("adapters.safetensors", "adapter_model.safetensors")
 
 
-@runtime_checkable
-class TensorSource(Protocol):
-    """What every tensor source offers: ``kind`` (checkpoint, adapter, file, model), a
-    ``label`` for tables, ``path``, ``config`` (``{}`` when none) and ``tensors`` (name ->
-    dtype code and shape, in file order, read without touching data)."""
-
-    kind: str
-    label: str
-    path: Path
-    config: Dict[str, Any]
-    tensors: Mapping[str, Any]
-
-    def read(self, name: str, rows: Optional[slice] = None) -> np.ndarray:
-        """Raw numpy storage of a tensor (bf16 as uint16 bits), optionally a row slice."""
-        ...
-
-    def file_info(self, name: str) -> Optional[TensorInfo]:
-        """Where the tensor's bytes lie on disk (None for in-memory sources)."""
-        ...
-
-    def quant_params(self, module: str) -> Optional[QuantParams]:
-        """Packing of quantized ``module`` (None when it is not quantized)."""
-        ...
-
-    @property
-    def model_type(self) -> str: ...
-
-    @property
-    def dtype(self) -> str:
-        """The majority float dtype by element count
-        (:func:`~lorakit.io.formats.dtypes.majority_dtype`)."""
-        ...
-
-    def __contains__(self, name: object) -> bool: ...
-
-
-class _SourceBase:
-    """Defaults shared by the file and model sources."""
-
-    kind: str = "file"
-    label: str = ""
-    path: Path
-    config: Dict[str, Any]
-    tensors: Mapping[str, Any]
-
-    def file_info(self, name: str) -> Optional[TensorInfo]:
-        return None
-
-    def quant_params(self, module: str) -> Optional[QuantParams]:
-        return None
-
-    @property
-    def model_type(self) -> str:
-        return str(self.config.get("model_type", "unknown"))
-
-    @property
-    def dtype(self) -> str:
-        return majority_dtype(self.tensors.values())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.tensors
-
-    def __repr__(self) -> str:
-        return f"<{self.kind} {self.label}: {len(self.tensors)} tensors>"
-
-
-class FileSource(_SourceBase):
+class FileSource(TensorSource):
     """The tensors of one ``.safetensors`` file (``kind="file"``), or of an adapter
     directory's weights file (``kind="adapter"``, with its adapter config)."""
 
@@ -110,11 +43,8 @@ class FileSource(_SourceBase):
     def read(self, name: str, rows: Optional[slice] = None) -> np.ndarray:
         return read_raw(self.tensors[name], rows)
 
-    def file_info(self, name: str) -> Optional[TensorInfo]:
-        return self.tensors.get(name)
 
-
-class ModelSource(_SourceBase):
+class ModelSource(TensorSource):
     """The parameters of an mlx-lm model in memory (``kind="model"``), under the
     names ``model.parameters()`` flattens to; quantized layers report their packing."""
 
@@ -145,7 +75,6 @@ class ModelSource(_SourceBase):
         return self._modules
 
     def read(self, name: str, rows: Optional[slice] = None) -> np.ndarray:
-
         a = self.arrays[name]
         if rows is not None:
             a = a[rows]
@@ -186,7 +115,7 @@ def open(x: Any, label: Optional[str] = None, *,  # noqa: A001  (lorakit.open)
     ('qwen3', 'BF16')
     """
     src: TensorSource
-    if isinstance(x, (Checkpoint, _SourceBase)):
+    if isinstance(x, TensorSource):
         src = x
     elif isinstance(x, (str, Path)):
         p = user_path(x, "model path")
