@@ -138,12 +138,15 @@ def _round_via_f32(x: np.ndarray, bufs: Tuple[np.ndarray, ...], fmt_out, out: np
     np.bitwise_and(u, u32((1 << drop) - 1), out=t)
     np.subtract(t, u32((1 << (drop - 1)) - 1), out=t)  # a tie and its neighbours: 0, 1, 2
     np.less_equal(t, u32(2), out=flag)
-    lo = np.float32(max(top, 2.0 ** fmt_out.emin))
-    if lo < max(top, 2.0 ** fmt_out.emin):
+    floor = max(top, 2.0 ** fmt_out.emin)
+    if not floor < fmt_out.max_value:  # cancellation possible anywhere (or NaN):
+        return np.arange(n)  # float64 settles it all
+    lo = np.float32(floor)  # below float32's largest: no overflow
+    if lo < floor:
         lo = np.nextafter(lo, np.float32(np.inf))
     lo_bits = int(lo.view(u32))
     hi_bits = int(np.float32(fmt_out.max_value).view(u32))
-    if lo_bits >= hi_bits:  # cancellation possible anywhere: float64 settles it all
+    if lo_bits >= hi_bits:
         return np.arange(n)
     np.bitwise_and(u, u32(0x7FFF_FFFF), out=d)
     np.subtract(d, u32(lo_bits + 1), out=d)  # |y| <= lo wraps past hi: one compare
