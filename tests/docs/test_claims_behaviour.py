@@ -31,8 +31,10 @@ def test_fused_vs_unfused_table_is_the_json() -> None:
     assert fused["top1_agreement"] >= 0.995
     ratio = re.search(r"mean KL is (\d+)x smaller", text).group(1)
     assert int(ratio) == int(base["mean_kl"] / fused["mean_kl"])
-    flips = re.search(r"all (\d+) of its flips", text).group(1)
+    ties, flips = re.search(r"(\d+) of its (\d+) flips are such ties", text).groups()
     assert int(flips) == round(fused["tokens"] * (1 - fused["top1_agreement_strict"]))
+    assert int(ties) == round(fused["tokens"] * (fused["top1_agreement"]
+                                                 - fused["top1_agreement_strict"]))
 
 
 def test_check_kl_line_is_the_json() -> None:
