@@ -564,7 +564,8 @@ def float_bound(T, W, p: Piece, rows: Optional[slice], fmt_work, fmt_out) -> np.
         e32   = (r + 2) 2**-24 |scale| (|B| @ |A|)    (an f32 dot product of length r)
 
     magnitudes taken one spacing up (a value may round into the next binade). DoRA
-    scales the element term by ``m / ||X||`` and adds the row norm's own error."""
+    scales the element term by ``m / ||X||``, adds the row norm's own error ``rel |T|``,
+    and divides both by ``1 - rel`` (the stored norm may be that much smaller)."""
     S1, BA = _products(p, rows)
     scale = p.scale if np.ndim(p.scale) == 0 else 1.0  # else folded into the products
     S = abs(scale) * S1
@@ -583,11 +584,15 @@ def float_bound(T, W, p: Piece, rows: Optional[slice], fmt_work, fmt_out) -> np.
     m = np.abs((p.magnitude if rows is None else p.magnitude[rows]).astype(np.float64))
     s = np.divide(m, norm, out=np.zeros_like(m), where=norm > 0)
     e_row = np.sqrt(np.einsum("ij,ij->i", e, e))
-    # mlx-lm takes the norm of the rounded X in X's own dtype: one more rounding of it
+    # mlx-lm takes the norm of the rounded X in X's own dtype: one more rounding of it, and
+    # MLX may round the sum of squares to that dtype before the root (2**-(p+1) relative)
     e_row = e_row * 1.01 + _half_ulp(_up(norm + e_row * 1.01, fmt_work), fmt_work)
     rel = np.divide(e_row, norm, out=np.zeros_like(e_row), where=norm > 0) \
-        + (X.shape[1] + 16) * _U32
-    y = s[:, None] * e + aT * rel[:, None]
+        + (X.shape[1] + 16) * _U32 + 2.0 ** -(fmt_work.precision + 1)
+    # the stored norm n' is within rel of ||X||: the factor m / n' is s / (1 - rel) at most,
+    # on the element's own error as on T (a cancelling element's error is not within rel |T|)
+    rel = rel[:, None]
+    y = (s[:, None] * e + aT * rel) / np.maximum(1.0 - rel, 0.0)
     return y + _half_ulp(_up(aT + y, fmt_out), fmt_out)
 
 

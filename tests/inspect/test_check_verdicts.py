@@ -440,3 +440,6 @@ def test_readme_claims_match_benchmark_json() -> None:
     assert flips["1e-05 of elements +1 ulp"]["tensors flagged"] == 12
     assert "to 0.001% of\nthem on 12 of 28" in readme
     assert all(v["status"] == "ok" for v in dora["ulp flips"].values())
+    edge = sorted(caught(dora, f"{k} nearest")[0] for k in ("x0.998", "x1.002"))
+    assert f"is caught on {edge[0]} or {edge[1]} of 28 tensors (0.5% off: all 28)" in text
+    assert all(caught(dora, f"{k} nearest")[0] == 28 for k in ("x0.995", "x1.005"))
