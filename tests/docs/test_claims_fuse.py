@@ -27,11 +27,18 @@ def test_fuse_table_is_the_json(heading: str, name: str) -> None:
         assert c[7] == f"{r['median_cpu_s']:.1f}" and c[8] == f"{r['cpu_vs_mlx_lm']:.2f}x"
 
 
-def test_quiet_run_meets_the_targets_it_claims() -> None:
+def test_quiet_run_states_its_targets() -> None:
+    """The memory target holds; the wall-time target is claimed met only when it is."""
     d = json.loads((RESULTS / "fuse_quiet.json").read_text())
     by = {r["command"]: r for r in d["rows"]}
     nearest = by["lorakit fuse (nearest)"]
-    assert nearest["wall_vs_mlx_lm"] <= 0.25 and nearest["rss_vs_mlx_lm"] <= 0.25
+    assert nearest["rss_vs_mlx_lm"] <= 0.25
     assert by["lorakit fuse --rounding mlx-lm"]["rss_vs_mlx_lm"] <= 0.25
-    # the moonshot is said not to be met: the best fuse round over the best copy
-    assert min(nearest["wall_s"]) / min(by["cp -r"]["wall_s"]) > 2
+    assert by["lorakit fuse --rounding mlx-lm"]["wall_vs_mlx_lm"] < 1
+    assert d["checks"]["lorakit mlx-lm vs mlx_lm fuse"]["identical"]
+    text = " ".join((ROOT / "BENCHMARKS.md").read_text().split())
+    ratio = f"{nearest['wall_vs_mlx_lm']:.2f}x"
+    if nearest["wall_vs_mlx_lm"] > 0.25:
+        assert f"is not met now: {ratio}." in text
+    else:
+        assert "is not met now" not in text
