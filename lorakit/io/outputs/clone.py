@@ -76,7 +76,9 @@ def _clone(src: Path, dst: Path, start: int, base_start: int) -> BinaryIO:
         if libc.clonefile(os.fsencode(str(src)), os.fsencode(str(dst)), 0) != 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
-        os.chmod(dst, 0o644)  # the clone has the base's mode, which may be read-only
+        mask = os.umask(0)  # the clone has the base's mode, which may be read-only:
+        os.umask(mask)  # give it the mode every other output gets under this umask
+        os.chmod(dst, 0o666 & ~mask)
         return open(dst, "r+b", buffering=0)
     f = open(dst, "w+b", buffering=0)
     try:
