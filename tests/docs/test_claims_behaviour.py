@@ -41,3 +41,22 @@ def test_check_kl_line_is_the_json() -> None:
     d = json.loads((RESULTS / "check_kl.json").read_text())
     line = d["check"]["summary"]["fused vs unfused"]
     assert f"`fused vs unfused: {line}`" in (ROOT / "docs" / "check.md").read_text()
+
+
+KL_SPEED = ("kl_h200_qwen3-1.7b", "kl_h200_qwen3-1.7b_topk0", "kl_h200_tiny", "kl_cpu16_tiny",
+            "kl_cpu_tiny")
+
+
+def test_kl_speed_table_is_the_json() -> None:
+    """Each row of the KL-speed table is its run (in the order above): tokens x vocab, the
+    two medians, their ratio, and the command's flags."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    rows = list(md_table(text, "## Behaviour (KL)", "| where |").values())
+    assert len(rows) == len(KL_SPEED)
+    for cells, name in zip(rows, KL_SPEED):
+        d = json.loads((RESULTS / f"{name}.json").read_text())
+        assert cells[2:6] == [f"{d['tokens_scored']} x {d['vocab']}",
+                              f"{d['median_plain_s']:#.4g} s", f"{d['median_kl_s']:#.4g} s",
+                              f"{d['overhead']:.3g}x"], name
+        flags = cells[6].strip("`").replace("...", "").split()
+        assert all(f in d["command"].split() for f in flags if f not in ("python",)), name
