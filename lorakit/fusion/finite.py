@@ -11,6 +11,8 @@ lorakit.errors.FuseError: tensor does not fit F16: converting it would write Inf
 """
 from __future__ import annotations
 
+from typing import Callable, Tuple
+
 import numpy as np
 
 from .. import numerics as nm
@@ -93,9 +95,15 @@ def cast_raw(raw: np.ndarray, code_in: str, code_out: str, name: str = "") -> np
     return out
 
 
-def put_rows(base: np.ndarray, code: str, r: Replacement) -> np.ndarray:
-    """``base`` (raw, dtype ``code``) with the rows of Replacement ``r`` (PEFT's trainable
-    tokens) replaced by its values rounded once to ``code``, as PEFT's ``index_copy``."""
-    out = np.array(base)
+def replaced_raw(r: Replacement, base: Callable[[], Tuple[np.ndarray, str]]
+                 ) -> Tuple[np.ndarray, str]:
+    """What Replacement ``r`` puts in its tensor's place, (raw, dtype code): the adapter's
+    own copy (PEFT's modules_to_save), or for trainable tokens the base (``base()``: raw,
+    code) with those rows replaced by their values rounded once to its dtype, as PEFT's
+    ``index_copy``."""
+    if not r.rows:
+        return r.raw, r.code
+    raw, code = base()
+    out = np.array(raw)
     out[list(r.rows)] = cast_raw(r.raw, r.code, code).reshape(len(r.rows), -1)
-    return out
+    return out, code

@@ -49,7 +49,7 @@ from ..report import Report, escape, facts_table, table
 from .core import fuse_bindings as _fuse_float
 from .core import output_code
 from .finite import cast_raw as _cast
-from .finite import put_rows
+from .finite import replaced_raw
 from .model import fuse_model
 from .options import MLX_ROUNDINGS, REQUANT, ROUNDING_HELP, Choice, FuseOptions
 from .quant import (
@@ -243,13 +243,15 @@ class _Fuse:
         ck, rounding, policy, src = self.ck, self.opts.rounding, self.opts.dtype, it.source
         if it.action == "cast":
             return _cast(ck.read(it.name), src.dtype, it.plan.dtype, it.name)
-        if it.action == "replace" and it.payload.rows:  # trainable tokens: the base's rows
-            q = ck.quant_params(it.module) is not None  # replaced, rounded to its dtype
-            code = ck.tensors[f"{it.module}.scales"].dtype if q else src.dtype
-            raw = dequantize_raw(ck, it.module, None) if q else ck.read(it.name)
-            return _cast(put_rows(raw, code, it.payload), code, it.plan.dtype, it.name)
-        if it.action == "replace":  # PEFT modules_to_save: the adapter's copy, one rounding
-            return _cast(it.payload.raw, it.payload.code, it.plan.dtype, it.name)
+        if it.action == "replace":  # modules_to_save's copy, or trainable tokens' rows
+
+            def base() -> Tuple[np.ndarray, str]:  # read only for trainable tokens
+                if ck.quant_params(it.module) is None:
+                    return ck.read(it.name), src.dtype
+                return dequantize_raw(ck, it.module, None), ck.tensors[f"{it.module}.scales"].dtype
+
+            raw, code = replaced_raw(it.payload, base)
+            return _cast(raw, code, it.plan.dtype, it.name)
         if it.action == "dequant":
             return dequantize_raw(ck, it.module, it.plan.dtype)
         if it.action == "fuse-q":  # requant unless a quant policy chose otherwise

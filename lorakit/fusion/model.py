@@ -22,7 +22,7 @@ from ..io.adapters.naming import bind, bind_replacements, bindings_by_tensor
 from ..io.formats.safetensors import mx_to_raw, raw_to_mx
 from ..io.formats.source import ModelSource
 from .core import fuse_bindings, output_code
-from .finite import cast_raw, put_rows
+from .finite import cast_raw, replaced_raw
 from .options import FuseOptions
 
 __all__ = ["attach_adapter", "load_unfused"]
@@ -114,9 +114,8 @@ def fuse_model(model: Any, adapter: Union[None, PathLike, Adapter] = None,
     for tensor, r in bind_replacements(ad, src).items():  # modules_to_save, trainable tokens
         raw, code = mx_to_raw(src.arrays[tensor])
         out = output_code(code, dtype) if code in ("BF16", "F16", "F32") else r.code
-        new = cast_raw(put_rows(raw, code, r), code, out) if r.rows else cast_raw(r.raw, r.code,
-                                                                                  out, tensor)
-        updates.append((tensor, raw_to_mx(new, out)))
+        new, new_code = replaced_raw(r, lambda: (raw, code))
+        updates.append((tensor, raw_to_mx(cast_raw(new, new_code, out, tensor), out)))
     if updates:
         model.load_weights(updates, strict=False)
     if new_modules:
@@ -191,9 +190,8 @@ def attach_adapter(model: Any, adapter: Union[PathLike, Adapter]) -> Any:
         layers.append((b.module, layer))
     for tensor, r in bind_replacements(ad, src).items():
         dt = src.arrays[tensor].dtype
-        raw, code = mx_to_raw(src.arrays[tensor]) if r.rows else (r.raw, r.code)
-        weights.append((tensor, raw_to_mx(put_rows(raw, code, r) if r.rows else raw,
-                                          code).astype(dt)))
+        raw, code = replaced_raw(r, lambda: mx_to_raw(src.arrays[tensor]))
+        weights.append((tensor, raw_to_mx(raw, code).astype(dt)))
     if weights:  # into the modules the LoRA layers wrap, under the model's own names
         model.load_weights(weights, strict=False)
     if layers:

@@ -33,7 +33,7 @@ from .. import numerics as nm
 from ..errors import ArgumentError, FormatError
 from ..fusion.core import cast_raw
 from ..fusion.delta import Piece, WeightReader, intended, intended_blocks, tensor_pieces
-from ..fusion.finite import put_rows
+from ..fusion.finite import replaced_raw
 from ..io.adapters.base import Adapter
 from ..io.adapters.load import load_adapter
 from ..io.adapters.naming import bind, bind_replacements, bindings_by_tensor
@@ -745,8 +745,7 @@ def replacement_row(sf: TensorSource, sb: TensorSource, tensor: str, r: Any) -> 
         out.update(status="wrong", verdict="replacement not written")
         return out
     base = np.asarray(sb.read(tensor))  # trainable tokens: the base, those rows replaced
-    want = cast_raw(put_rows(base, base_code, r), base_code, meta.dtype) if r.rows else \
-        cast_raw(r.raw, r.code, meta.dtype)
+    want = cast_raw(*replaced_raw(r, lambda: (base, base_code)), meta.dtype)
     got = np.asarray(sf.read(tensor)).reshape(want.shape).view(want.dtype)
     out["changed"] = float(np.count_nonzero(got != base.view(got.dtype))) / max(1, got.size) \
         if base.dtype.itemsize == got.dtype.itemsize else None

@@ -141,3 +141,20 @@ def test_peft_save_keeps_the_token_rows(tmp_path: Path) -> None:
                                               "model.embed_tokens": [0, 5, 99]}
     res = lorakit.fuse(fx / "base", out, tmp_path / "f", rounding="round-once", progress=False)
     assert _differing(res.output, fx / "merged") == []
+
+
+def test_tokens_attached_unfused() -> None:
+    """attach_adapter (the unfused reference the behaviour verbs use) puts the same rows
+    in place as PEFT's merge."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    from lorakit.fusion.model import attach_adapter
+
+    fx = ROOT / "llama_untied_dict_bf16"
+    model, _ = load_model(fx / "base")
+    attach_adapter(model, fx / "adapter")
+    params, peft = dict(tree_flatten(model.parameters())), Checkpoint(fx / "merged")
+    for n in (EMB, "lm_head.weight"):
+        assert np.array_equal(np.array(params[n].view(mx.uint16)), peft.read(n).view(np.uint16))
