@@ -510,8 +510,8 @@ def check(fused: Any, base: Any, adapter: Any, *, check_untouched: bool = True,
                             if f is None else f"{len(f.rows)} findings (below)" if f.rows else
                             f"as they should be ({f.summary['compared']} compared, "
                             f"tokenizer from {f.summary['tokenizer from']}"
-                            + "".join(f"; {v}" for k, v in f.summary.items()
-                                      if k == "re-saved") + ")")
+                            + (f"; {f.summary['re-saved']}" if "re-saved" in f.summary else "")
+                            + ")")
     if n_kl is not None:
         add_behaviour(rep, sf, sb, ad, n_kl, progress=True if progress is True else None)
     return rep

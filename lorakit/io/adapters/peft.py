@@ -106,7 +106,7 @@ _KEEPS_BASE = (True, False, "gaussian", "eva", "orthogonal", "mica", "nora")
 #: init_lora_weights prefixes that change the base weights when the adapter is made
 _CHANGES_BASE = ("pissa", "olora", "corda", "lora_ga", "loftq", "astra")
 _ALL_LINEAR = "all-linear"
-_TOKENS = ".token_adapter.trainable_tokens_delta"  # trainable tokens: the rows' new values
+TOKENS_SUFFIX = ".token_adapter.trainable_tokens_delta"  # trainable tokens: the rows' new values
 
 Names = Union[str, List[str], None]  # a regex, a list of names, or absent
 
@@ -302,7 +302,7 @@ def _sort_names(names: List[str], s: PeftSettings) -> _Sorted:
     out = _Sorted()
     for name in names:
         key = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
-        rep = (key[: -len(_TOKENS)], "weight") if key.endswith(_TOKENS) else \
+        rep = (key[: -len(TOKENS_SUFFIX)], "weight") if key.endswith(TOKENS_SUFFIX) else \
             _saved_module(key, s.modules_to_save)
         if rep is not None:
             out.saved.append((name,) + rep)
@@ -444,8 +444,8 @@ def _replacement(name: str, module: str, leaf: str, ts: AdapterTensors, cfg: Dic
     """Read one modules_to_save copy or trainable-tokens tensor: (replacement, None) or
     (None, problem line)."""
     dt, shape = ts.infos[name].dtype, ts.infos[name].shape
-    rows = _token_rows(cfg, module) if name.endswith(_TOKENS) else None
-    if name.endswith(_TOKENS) and not (
+    rows = _token_rows(cfg, module) if name.endswith(TOKENS_SUFFIX) else None
+    if name.endswith(TOKENS_SUFFIX) and not (
             isinstance(rows, list) and all(type(i) is int and i >= 0 for i in rows)
             and len(shape) == 2 and len(set(rows)) == len(rows) == shape[0]):
         return None, (f"  {name}: trainable tokens need one distinct row index per stored row "
@@ -495,8 +495,8 @@ def load_peft(path: Path, cfg: Dict[str, Any], file: Optional[Path] = None,
             errors.append(f"  {', '.join(both)}: both LoRA factors and a modules_to_save copy "
                           f"(expected one or the other, found both)")
     if not _empty(cfg.get("trainable_token_indices")) and not any(
-            n.endswith(_TOKENS) for n, _, _ in found.saved):
-        errors.append(f"  trainable_token_indices is set in {CONFIG} but no {_TOKENS[1:]} "
+            n.endswith(TOKENS_SUFFIX) for n, _, _ in found.saved):
+        errors.append(f"  trainable_token_indices is set in {CONFIG} but no {TOKENS_SUFFIX[1:]} "
                       "tensor is in the file (expected the trained rows, found none)")
     replacements: List[Replacement] = []
     if not errors:

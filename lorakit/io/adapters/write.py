@@ -35,7 +35,7 @@ from .layout import (
     switch_name,
     switch_parts,
 )
-from .peft import _TOKENS, FIELDS
+from .peft import FIELDS, TOKENS_SUFFIX
 
 __all__ = ["save_adapter"]
 
@@ -319,7 +319,7 @@ def _peft_layout(adapter: Adapter, code: str, experts: str
                                hint="save with format='mlx-lm' (it stores the scale itself)")
         alphas[t.module] = a
     for r in adapter.replacements:  # trainable tokens: the rows, their indices in the config
-        key = r.module + _TOKENS if r.rows else f"{r.module}.{r.leaf}"
+        key = r.module + TOKENS_SUFFIX if r.rows else f"{r.module}.{r.leaf}"
         tensors.append((PEFT_PREFIX + key, r.raw, r.code))
     if len({t.is_dora for t in targets}) > 1:
         t = next(t for t in targets if not t.is_dora)
