@@ -443,3 +443,9 @@ def test_readme_claims_match_benchmark_json() -> None:
     edge = sorted(caught(dora, f"{k} nearest")[0] for k in ("x0.998", "x1.002"))
     assert f"is caught on {edge[0]} or {edge[1]} of 28 tensors (0.5% off: all 28)" in text
     assert all(caught(dora, f"{k} nearest")[0] == 28 for k in ("x0.995", "x1.005"))
+    norm = json.loads((REPO / "benchmarks" / "results" / "dora_norm.json").read_text())["rows"]
+    over = [r["share_over_one"] for r in norm]
+    assert (f"up to {max(r['max_half_ulps'] for r in norm):.3g} half-ulps off, "
+            f"{100 * min(over):.0f}-{100 * max(over):.0f}% of rows past one") in text
+    top = max(r["max_over_allowance"] for r in norm)
+    assert top < 1 and f"{top:.2f} of its allowance at most" in text
